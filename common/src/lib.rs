@@ -1,0 +1,1 @@
+//! cleave common library.

@@ -1,0 +1,22 @@
+"""cleave_export: turn a PyTorch model into a cleave bundle.
+
+A bundle is a chain of TorchScript stages cut at module boundaries so that every cut
+between two stages is a valid split point, plus `manifest.json` (what crosses each cut,
+what each stage costs, hashes of every file) and reference input/output pairs that let
+the Rust runtime check itself without Python.
+
+Modules:
+    sources    resolve a SOURCE argument into a model and example inputs
+    tracing    trace the model with torch.fx, recording the module path of every node
+    specs      value specs (dtype, symbolic shape with B) and TorchScript types of live values
+    partition  group nodes into stages and compute the live set at every cut
+    bundle     compile, validate and write the bundle
+    zoo        small built-in models (the digits CNN)
+"""
+
+__version__ = "0.1.0"
+FORMAT_VERSION = 1
+
+
+class ExportError(Exception):
+    """A model (or an argument) that cannot be exported; the message says which part and why."""

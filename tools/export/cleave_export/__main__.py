@@ -1,0 +1,3 @@
+from cleave_export.cli import main
+
+raise SystemExit(main())

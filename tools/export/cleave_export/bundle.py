@@ -1,0 +1,314 @@
+"""Compile, validate and write a bundle.
+
+Layout of a bundle directory:
+
+    manifest.json              format version, model, inputs/output, cuts, stages, file hashes
+    stage_000.pt ...           one TorchScript module per stage
+    reference_b1.safetensors   reference inputs (`input.NAME`) and outputs (`output.NAME`)
+
+The bundle is written to a temporary directory next to the target and renamed into place
+only once every stage has been validated, so a failed export never leaves half a bundle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from safetensors.torch import save_file
+from torch.utils.flop_counter import FlopCounterMode
+
+import cleave_export
+from cleave_export import ExportError
+from cleave_export.partition import Partition, parse_granularity, partition, stage_module
+from cleave_export.sources import load_source
+from cleave_export.specs import bytes_per_sample, check_value, flatten_tensors, tensor_leaves
+from cleave_export.tracing import record_values, trace
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = 1e-5
+"""Largest allowed |chain - model| relative to the largest |model output|."""
+
+
+@dataclass
+class ExportOptions:
+    """Everything `python -m cleave_export` was asked to do."""
+
+    source: str
+    out: Path
+    input_shape: tuple[int, ...] | None = None
+    batch_min: int = 1
+    batch_max: int = 64
+    granularity: str = "block"
+    seed: int = 0
+    reference_batches: tuple[int, ...] = (1, 3)
+    force: bool = False
+
+
+@dataclass
+class ExportReport:
+    """What was exported and how long each phase took."""
+
+    manifest: dict
+    timings: dict[str, float] = field(default_factory=dict)
+    validated_batches: list[int] = field(default_factory=list)
+
+
+def export_bundle(opts: ExportOptions) -> ExportReport:
+    """Export `opts.source` into the bundle directory `opts.out`."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    depth = parse_granularity(opts.granularity)
+    if not 1 <= opts.batch_min <= opts.batch_max:
+        raise ExportError(f"--dynamic-batch {opts.batch_min} {opts.batch_max}: need 1 <= MIN <= MAX")
+    for b in opts.reference_batches:
+        if not opts.batch_min <= b <= opts.batch_max:
+            raise ExportError(f"reference batch size {b} is outside --dynamic-batch {opts.batch_min} {opts.batch_max}")
+    if opts.out.exists() and not opts.force:
+        raise ExportError(f"{opts.out} already exists; pass --force to replace it")
+
+    src = load_source(opts.source, opts.input_shape, opts.seed)
+    model = src.model
+
+    def inputs_at(batch: int) -> tuple:
+        torch.manual_seed(opts.seed * 7919 + batch)
+        return src.make_inputs(batch)
+
+    # Two batch sizes tell which dimensions are the batch (symbolic shapes).
+    b_small = min(max(opts.batch_min, 2), opts.batch_max)
+    b_large = b_small + 1 if b_small < opts.batch_max else b_small
+    probe_small, probe_large = inputs_at(b_small), inputs_at(b_large)
+    with torch.no_grad():
+        model(*probe_small)  # fail early, with the model's own error, on inputs it does not take
+    gm, kept_whole = trace(model, len(probe_small))
+    small = record_values(gm, probe_small)
+    large = record_values(gm, probe_large) if b_large != b_small else small
+    part = partition(gm, depth, small, large, b_small, b_large)
+    timings["trace"] = time.perf_counter() - started
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{opts.out.name}.", dir=opts.out.parent if opts.out.parent.exists() else None))
+    try:
+        t = time.perf_counter()
+        stage_gms = [stage_module(gm, s, part.cuts[i], part.cuts[i + 1], i) for i, s in enumerate(part.stages)]
+        compilers = [_compile(sgm, part, i, tmp / _stage_file(i), small) for i, sgm in enumerate(stage_gms)]
+        loaded = [torch.jit.load(str(tmp / _stage_file(i))).eval() for i in range(len(stage_gms))]
+        timings["compile"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        batches = sorted({opts.batch_min, min(3, opts.batch_max), min(8, opts.batch_max), *opts.reference_batches})
+        batches = [b for b in batches if opts.batch_min <= b <= opts.batch_max]
+        references = {}
+        for b in batches:
+            inputs = inputs_at(b)
+            expected = _validate(model, gm, loaded, part, inputs, b)
+            if b in opts.reference_batches:
+                references[b] = (inputs, expected)
+        timings["validate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        flops = _stage_flops(stage_gms, inputs_at(opts.batch_min), opts.batch_min)
+        ref_entries = []
+        for b, (inputs, expected) in sorted(references.items()):
+            name = f"reference_b{b}.safetensors"
+            tensors = {}
+            for value, x in zip(part.cuts[0].values, inputs):
+                tensors.update({f"input.{k}": v for k, v in flatten_tensors(value.name, x)})
+            for value, x in zip(part.cuts[-1].values, expected):
+                tensors.update({f"output.{k}": v for k, v in flatten_tensors(value.name, x)})
+            save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / name))
+            ref_entries.append({"batch_size": b, "file": name})
+        manifest = _manifest(opts, src, model, part, stage_gms, compilers, flops, kept_whole, ref_entries, tmp)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if opts.out.exists():
+            shutil.rmtree(opts.out)
+        tmp.rename(opts.out)
+        timings["write"] = time.perf_counter() - t
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    timings["total"] = time.perf_counter() - started
+    return ExportReport(manifest, timings, batches)
+
+
+def _stage_file(i: int) -> str:
+    return f"stage_{i:03d}.pt"
+
+
+def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: dict) -> str:
+    """Save stage `i` as TorchScript: scripted (keeps train/eval behaviour) or, failing that, traced."""
+    try:
+        torch.jit.script(sgm).save(str(path))
+        return "script"
+    except Exception as script_error:
+        if not all(s["type"] == "tensor" for s in part.cuts[i].specs):
+            raise ExportError(
+                f"stage {i} ({part.stages[i].name!r}) cannot be compiled to TorchScript: "
+                f"{str(script_error).strip().splitlines()[0]}"
+            ) from script_error
+        log.warning("stage %d (%s) is traced, not scripted: %s", i, part.stages[i].name, script_error)
+        example = tuple(probe[n.name] for n in part.cuts[i].values)
+        torch.jit.trace(sgm, example, check_trace=False).save(str(path))
+        return "trace"
+
+
+def _run_chain(stages: list, inputs: tuple) -> list[list]:
+    """Every cut's values when the stages run one after another on `inputs`."""
+    cuts = [list(inputs)]
+    with torch.no_grad():
+        for stage in stages:
+            cuts.append(list(stage(*cuts[-1])))
+    return cuts
+
+
+def _validate(model, gm: fx.GraphModule, loaded: list, part: Partition, inputs: tuple, batch: int) -> list:
+    """Check the traced graph and the compiled chain against the model at one batch size."""
+    with torch.no_grad():
+        want = model(*inputs)
+        traced = gm(*inputs)
+    err = _relative_error(traced, want)
+    if err > TOLERANCE:
+        raise ExportError(
+            f"torch.fx's trace of the model differs from the model at batch {batch} (relative error {err:.2e}); "
+            "its forward probably turns a batch-dependent value into a constant"
+        )
+    cut_values = _run_chain(loaded, inputs)
+    for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
+        for node, spec, v in zip(cut.values, cut.specs, values):
+            try:
+                check_value(spec, v, batch, f"cut {k} value {node.name!r}")
+            except ValueError as e:
+                raise ExportError(f"at batch {batch}: {e}") from e
+    by_name = {n.name: v for n, v in zip(part.cuts[-1].values, cut_values[-1])}
+    err = _relative_error(_assemble(part.output_tree, by_name), want)
+    if err > TOLERANCE:
+        reference = record_values(gm, inputs)
+        for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
+            for node, v in zip(cut.values, values):
+                if _relative_error(v, reference[node.name]) > TOLERANCE:
+                    raise ExportError(
+                        f"at batch {batch}, stage {k - 1} ({part.stages[k - 1].name!r}) computes {node.name!r} "
+                        f"differently from the model; output relative error {err:.2e}"
+                    )
+        raise ExportError(f"at batch {batch} the stage chain's output differs from the model's (relative error {err:.2e})")
+    return cut_values[-1]
+
+
+def _assemble(tree: dict, by_name: dict):
+    kind = tree["type"]
+    if kind == "ref":
+        return by_name[tree["name"]]
+    if kind in ("tuple", "list"):
+        items = [_assemble(t, by_name) for t in tree["items"]]
+        return tuple(items) if kind == "tuple" else items
+    return {item["key"]: _assemble(item["value"], by_name) for item in tree["items"]}
+
+
+def _relative_error(got, want) -> float:
+    got_t, want_t = flatten_tensors("", got), flatten_tensors("", want)
+    if [k for k, _ in got_t] != [k for k, _ in want_t]:
+        return float("inf")
+    worst = 0.0
+    for (_, g), (_, w) in zip(got_t, want_t):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return float("inf")
+        if not w.is_floating_point():
+            if not torch.equal(g, w):
+                return float("inf")
+            continue
+        scale = max(w.abs().max().item(), 1e-12) if w.numel() else 1.0
+        if w.numel():
+            worst = max(worst, (g.double() - w.double()).abs().max().item() / scale)
+    return worst
+
+
+def _stage_flops(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> list[int]:
+    """FLOPs per sample of each stage (matrix and convolution work, as PyTorch counts it)."""
+    flops = []
+    values = list(inputs)
+    # Grad stays enabled: the counter's module tracker hooks autograd and fails under no_grad
+    # on stages that pass a parameter-free tensor through.
+    for sgm in stage_gms:
+        with FlopCounterMode(display=False) as counter:
+            values = list(sgm(*values))
+        flops.append(int(counter.get_total_flops()) // batch)
+    return flops
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(opts, src, model, part: Partition, stage_gms, compilers, flops, kept_whole, references, tmp: Path) -> dict:
+    stage_params = [sum(p.numel() for p in sgm.parameters()) for sgm in stage_gms]
+    cuts = []
+    for k, cut in enumerate(part.cuts):
+        per_sample, fixed, known = bytes_per_sample(cut.specs)
+        entry = {
+            "index": k,
+            "name": cut.name,
+            "values": [{"name": n.name, "spec": s} for n, s in zip(cut.values, cut.specs)],
+            "tensors": [
+                {"name": name, "dtype": leaf["dtype"], "shape": leaf["shape"]}
+                for n, s in zip(cut.values, cut.specs)
+                for name, leaf in tensor_leaves(n.name, s)
+            ],
+            "bytes_per_sample": per_sample,
+            "bytes_fixed": fixed,
+            "usable": known,
+        }
+        if not known:
+            entry["reason"] = "a tensor here has a data-dependent shape, so a receiver cannot bound its size"
+        cuts.append(entry)
+    stages = [
+        {
+            "index": i,
+            "name": s.name,
+            "file": _stage_file(i),
+            "modules": s.modules,
+            "operations": len(s.nodes),
+            "parameters": stage_params[i],
+            "flops_per_sample": flops[i],
+            "compiler": compilers[i],
+        }
+        for i, s in enumerate(part.stages)
+    ]
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != "manifest.json")
+    return {
+        "format": "cleave-bundle",
+        "format_version": cleave_export.FORMAT_VERSION,
+        "model": {
+            "source": opts.source,
+            "class": type(model).__name__,
+            "seed": opts.seed,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "preprocess": src.preprocess,
+        },
+        "exporter": {
+            "version": cleave_export.__version__,
+            "torch": torch.__version__,
+            "tracer": "torch.fx",
+            "granularity": opts.granularity,
+            "kept_whole": kept_whole,
+            "merged_cuts": part.merged,
+        },
+        "batch": {"min": opts.batch_min, "max": opts.batch_max},
+        "inputs": [{"name": n.name, "spec": s} for n, s in zip(part.cuts[0].values, part.cuts[0].specs)],
+        "output": part.output_tree,
+        "cuts": cuts,
+        "stages": stages,
+        "references": references,
+        "files": {name: _sha256(tmp / name) for name in files},
+    }

@@ -1,0 +1,123 @@
+"""Resolve a SOURCE argument into a model and a way to make example inputs."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from cleave_export import ExportError
+
+InputFactory = Callable[[int], tuple]
+
+
+@dataclass
+class ModelSource:
+    """A model ready to export, with everything the exporter needs to feed it."""
+
+    model: nn.Module
+    """The model, in eval mode."""
+    source: str
+    """The SOURCE string it came from, recorded in the manifest."""
+    make_inputs: InputFactory
+    """Returns example inputs (a tuple of tensors) at a batch size, from torch's global RNG."""
+    preprocess: dict | None
+    """Image preprocessing the model expects (resize, crop, mean, std), when known."""
+
+
+def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int) -> ModelSource:
+    """Build the model named by `source` with a fixed seed (`torchvision:NAME` or `module:callable`)."""
+    torch.manual_seed(seed)
+    if source.startswith("torchvision:"):
+        model, preprocess, default_shape = _torchvision_model(source.split(":", 1)[1])
+    elif ":" in source:
+        model, preprocess, default_shape = _callable_model(source), None, None
+    else:
+        raise ExportError(
+            f"SOURCE {source!r} is neither `torchvision:NAME` nor `package.module:callable`"
+        )
+    model.eval()
+    return ModelSource(
+        model=model,
+        source=source,
+        make_inputs=_input_factory(model, input_shape or default_shape, source),
+        preprocess=preprocess,
+    )
+
+
+def _torchvision_model(name: str):
+    import torchvision
+
+    available = torchvision.models.list_models()
+    if name not in available:
+        raise ExportError(
+            f"torchvision has no model {name!r}; some it has: {', '.join(sorted(available)[:12])} ..."
+        )
+    # weights=None: random initialisation (nothing can be downloaded here); the seed is fixed by the caller.
+    model = torchvision.models.get_model(name, weights=None)
+    preprocess, shape = None, None
+    try:
+        weights = torchvision.models.get_model_weights(name).DEFAULT
+        kw = getattr(weights.transforms, "keywords", {})
+        crop = int(kw.get("crop_size", 224))
+        preprocess = {
+            "resize": int(kw.get("resize_size", 256)),
+            "crop": crop,
+            "mean": [0.485, 0.456, 0.406],
+            "std": [0.229, 0.224, 0.225],
+        }
+        shape = (3, crop, crop)
+    except Exception:  # models without published weights have no preset; the user passes --input-shape
+        pass
+    return model, preprocess, shape
+
+
+def _callable_model(source: str) -> nn.Module:
+    module_name, attr = source.rsplit(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ExportError(f"cannot import {module_name!r} (from SOURCE {source!r}): {e}") from e
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ExportError(f"module {module_name!r} has no attribute {attr!r}")
+    model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+    if not isinstance(model, nn.Module):
+        raise ExportError(
+            f"{source} returned a {type(model).__name__}, expected a torch.nn.Module"
+        )
+    return model
+
+
+def _input_factory(model: nn.Module, shape: tuple[int, ...] | None, source: str) -> InputFactory:
+    # A model may describe its own inputs: `example_inputs(batch_size)` returning a tuple of
+    # tensors (needed for several inputs or integer inputs), or `input_shape` (one float input).
+    if shape is None and callable(getattr(model, "example_inputs", None)):
+        def from_model(batch: int) -> tuple:
+            inputs = model.example_inputs(batch)
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            for i, t in enumerate(inputs):
+                if not isinstance(t, torch.Tensor):
+                    raise ExportError(
+                        f"example_inputs() item {i} is a {type(t).__name__}; model inputs must be tensors"
+                    )
+            return inputs
+
+        return from_model
+    shape = shape or getattr(model, "input_shape", None)
+    if shape is None:
+        raise ExportError(
+            f"cannot tell the input shape of {source}: pass --input-shape C,H,W (without the batch) "
+            "or give the model an `input_shape` attribute or an `example_inputs(batch_size)` method"
+        )
+    shape = tuple(int(d) for d in shape)
+    return lambda batch: (torch.randn(batch, *shape),)
+
+
+def forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
+    """The parameters of `model.forward`, in order."""
+    return list(inspect.signature(model.forward).parameters.values())

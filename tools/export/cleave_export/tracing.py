@@ -1,0 +1,139 @@
+"""Trace a model into an operation graph whose nodes know the module they came from.
+
+We trace with torch.fx rather than torch.export: fx keeps `nn.Module` calls as graph nodes
+(leaves), so each stage can be compiled with `torch.jit.script` and keeps its modules'
+train/eval behaviour (batch norm statistics, dropout), which split training needs; an
+ATen-level export graph has the mode baked in and its parameters lifted out of the modules.
+
+Modules whose Python code fx cannot trace (data-dependent control flow, for instance) are
+made leaves automatically: the trace is retried with the failing module kept whole, so the
+model still splits everywhere around it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from cleave_export import ExportError
+from cleave_export.sources import forward_parameters
+
+log = logging.getLogger(__name__)
+
+MODULE_PATH = "module_path"
+"""Key in `node.meta`: dotted path of the innermost module the node was created in ('' = root)."""
+
+
+@functools.cache
+def _reads_training_flag(cls: type) -> bool:
+    # A module that branches on `self.training` would have that branch frozen by tracing
+    # through it, so it is kept whole (a leaf) to keep its train/eval behaviour.
+    try:
+        return "self.training" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+class ModulePathTracer(fx.Tracer):
+    """An fx tracer that records module paths and can be told to keep given modules whole."""
+
+    def __init__(self, forced_leaves: set[str]):
+        super().__init__()
+        self.forced_leaves = forced_leaves
+        self.path_stack: list[str] = []
+        self.failed_module: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.forced_leaves:
+            return True
+        if qualname and _reads_training_flag(type(m)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        path = self.path_of_module(m)
+        self.path_stack.append(path)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            # The innermost module that failed is the one to keep whole on the next try.
+            if self.failed_module is None:
+                self.failed_module = path
+            raise
+        finally:
+            self.path_stack.pop()
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        node.meta[MODULE_PATH] = self.path_stack[-1] if self.path_stack else ""
+        return node
+
+
+def trace(model: nn.Module, num_inputs: int) -> tuple[fx.GraphModule, list[str]]:
+    """Trace `model` taking its first `num_inputs` forward arguments as inputs.
+
+    Returns the graph module and the modules that had to be kept whole, in the order found.
+    """
+    params = forward_parameters(model)
+    concrete = {}
+    for p in params[num_inputs:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty:
+            raise ExportError(
+                f"forward argument {p.name!r} has no default and no example input was given for it"
+            )
+        concrete[p.name] = p.default
+    forced: list[str] = []
+    while True:
+        tracer = ModulePathTracer(set(forced))
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        except Exception as e:
+            failed = tracer.failed_module
+            if not failed or failed in forced:
+                where = f"module {failed!r}" if failed else f"{type(model).__name__}.forward itself"
+                raise ExportError(
+                    f"torch.fx cannot trace {where}: {type(e).__name__}: {_first_line(e)}"
+                ) from e
+            log.info("keeping %s (%s) whole: %s", failed, type(model.get_submodule(failed)).__name__, _first_line(e))
+            forced.append(failed)
+            continue
+        return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), forced
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class ValueRecorder(fx.Interpreter):
+    """Runs a traced graph and keeps the value every node produced."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.values: dict[str, object] = {}
+
+    def run_node(self, n: fx.Node):
+        try:
+            result = super().run_node(n)
+        except Exception as e:
+            raise ExportError(
+                f"running the traced graph failed at node {n.name!r} ({n.op} {n.target}) "
+                f"in module {n.meta.get(MODULE_PATH) or '<root>'!r}: {_first_line(e)}"
+            ) from e
+        self.values[n.name] = result
+        return result
+
+
+@torch.no_grad()
+def record_values(gm: fx.GraphModule, inputs: tuple) -> dict[str, object]:
+    """Every node's value when `gm` runs on `inputs`."""
+    recorder = ValueRecorder(gm)
+    recorder.run(*inputs)
+    return recorder.values
