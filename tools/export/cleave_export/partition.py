@@ -69,9 +69,9 @@ def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], value
         if isinstance(src, fx.Node) and src in keys and isinstance(values.get(src.name), (tuple, list, dict)):
             return keys[src]
     if node.op == "call_module":
-        path = str(node.target)
-        if depth is None:
-            return path
+        # A module call is named by the module itself, truncated to the granularity's depth.
+        parts = str(node.target).split(".")
+        return ".".join(parts if depth is None else parts[:depth])
     if depth is None:
         return f"{path}:{node.name}" if path else node.name
     parts = path.split(".") if path else []

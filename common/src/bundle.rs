@@ -1,0 +1,406 @@
+//! An exported bundle on disk: its manifest, verified files, split points and references.
+//!
+//! Opening a bundle checks the format version and the sha256 of every file the manifest
+//! lists before anything is loaded, so a corrupted or mismatched file is a clear error, not
+//! a strange result. The bundle id is the sha256 of `manifest.json`, which itself holds the
+//! hashes of every other file: two bundles with the same id are the same model.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::error::{BundleError, Result};
+use crate::spec::{NamedSpec, TensorSpec, ValueSpec};
+use crate::value::{Boundary, Value};
+
+/// The bundle format this build reads.
+pub const FORMAT_VERSION: u32 = 1;
+const FORMAT_NAME: &str = "cleave-bundle";
+
+/// `manifest.json`, as the exporter writes it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Manifest {
+    /// Always `cleave-bundle`.
+    pub format: String,
+    /// Format version ([`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// Where the model came from.
+    pub model: ModelInfo,
+    /// How it was exported.
+    pub exporter: ExporterInfo,
+    /// Batch sizes the bundle accepts.
+    pub batch: BatchRange,
+    /// The model's inputs (the values of cut 0).
+    pub inputs: Vec<NamedSpec>,
+    /// The model's output tree, with `ref` leaves naming values of the last cut.
+    pub output: ValueSpec,
+    /// Every cut, from 0 (the inputs) to N (after the last stage).
+    pub cuts: Vec<CutInfo>,
+    /// Every stage; stage i runs from cut i to cut i + 1.
+    pub stages: Vec<StageInfo>,
+    /// Reference input/output pairs.
+    pub references: Vec<ReferenceInfo>,
+    /// sha256 of every file of the bundle but the manifest.
+    pub files: BTreeMap<String, String>,
+}
+
+/// Where the model came from.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ModelInfo {
+    /// The exporter's SOURCE argument.
+    pub source: String,
+    /// The model's Python class.
+    pub class: String,
+    /// Seed of the random initialisation.
+    pub seed: i64,
+    /// Parameter count of the whole model.
+    pub parameters: u64,
+    /// Image preprocessing the model expects, when known.
+    #[serde(default)]
+    pub preprocess: Option<Preprocess>,
+}
+
+/// Image preprocessing: resize, centre crop, normalise.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Preprocess {
+    /// Shorter side after resizing.
+    pub resize: u32,
+    /// Side of the centre crop.
+    pub crop: u32,
+    /// Per-channel mean.
+    pub mean: Vec<f64>,
+    /// Per-channel standard deviation.
+    pub std: Vec<f64>,
+}
+
+/// How the bundle was exported.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExporterInfo {
+    /// Exporter version.
+    pub version: String,
+    /// PyTorch version used.
+    pub torch: String,
+    /// The granularity asked for.
+    pub granularity: String,
+    /// Modules kept whole because torch.fx could not trace inside them.
+    #[serde(default)]
+    pub kept_whole: Vec<String>,
+    /// Candidate cuts merged away, with the reason.
+    #[serde(default)]
+    pub merged_cuts: Vec<String>,
+}
+
+/// Inclusive range of accepted batch sizes.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct BatchRange {
+    /// Smallest.
+    pub min: i64,
+    /// Largest.
+    pub max: i64,
+}
+
+/// A cut between two stages.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CutInfo {
+    /// Position in the chain (0 = the inputs).
+    pub index: usize,
+    /// `input`, `after <stage>`, or `output`.
+    pub name: String,
+    /// The values live here, in the order stages take and return them.
+    pub values: Vec<NamedSpec>,
+    /// Bytes per sample of the tensors with a batch dimension.
+    pub bytes_per_sample: u64,
+    /// Bytes of the tensors without one.
+    #[serde(default)]
+    pub bytes_fixed: u64,
+    /// Whether the cut can be a split point across the network.
+    pub usable: bool,
+    /// Why not, when it cannot.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+impl CutInfo {
+    /// The tensors live here, with their wire names and specs.
+    pub fn tensors(&self) -> Vec<(String, &TensorSpec)> {
+        self.values.iter().flat_map(|v| v.spec.tensor_leaves(&v.name)).collect()
+    }
+}
+
+/// One stage of the chain.
+#[derive(Debug, Clone, Deserialize)]
+pub struct StageInfo {
+    /// Position in the chain.
+    pub index: usize,
+    /// Its module path (or range of paths).
+    pub name: String,
+    /// The TorchScript file.
+    pub file: String,
+    /// Module paths it covers, in order.
+    #[serde(default)]
+    pub modules: Vec<String>,
+    /// Parameters it holds.
+    pub parameters: u64,
+    /// Matrix and convolution FLOPs per sample (the cost estimate).
+    pub flops_per_sample: u64,
+    /// `script` (keeps train/eval behaviour) or `trace`.
+    pub compiler: String,
+}
+
+/// A reference input/output pair.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ReferenceInfo {
+    /// Its batch size.
+    pub batch_size: i64,
+    /// The safetensors file (`input.NAME`, `output.NAME`).
+    pub file: String,
+}
+
+/// A split point as a user sees it: where the edge stops and the server starts.
+#[derive(Debug, Clone)]
+pub struct SplitPoint {
+    /// Cut index: the edge runs stages [0, index), the server [index, N).
+    pub index: usize,
+    /// Cut name.
+    pub name: String,
+    /// Tensors crossing, as `name: dtype[shape]`.
+    pub tensors: Vec<String>,
+    /// Plain (non-tensor) values crossing.
+    pub plain_values: usize,
+    /// Bytes per sample crossing.
+    pub bytes_per_sample: u64,
+    /// Parameters on the edge side.
+    pub params_before: u64,
+    /// Parameters on the server side.
+    pub params_after: u64,
+    /// Share of the model's FLOPs on the edge side, in [0, 1].
+    pub edge_cost_share: f64,
+    /// Whether it can be used across the network (and why not).
+    pub usable: Result<(), String>,
+}
+
+/// An opened, verified bundle. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Bundle {
+    dir: PathBuf,
+    manifest: Arc<Manifest>,
+    id: String,
+}
+
+impl Bundle {
+    /// Opens the bundle in `dir`, checking its format and the hash of every file.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let path = dir.join("manifest.json");
+        let bytes = std::fs::read(&path).map_err(|source| BundleError::Io { path: path.clone(), source })?;
+        let manifest = parse_manifest(&path, &bytes)?;
+        for (file, expected) in &manifest.files {
+            let actual = sha256_file(&dir, file)?;
+            if !actual.eq_ignore_ascii_case(expected) {
+                return Err(BundleError::HashMismatch { file: file.clone(), expected: expected.clone(), actual });
+            }
+        }
+        let id = hex::encode(Sha256::digest(&bytes));
+        Ok(Self { dir, manifest: Arc::new(manifest), id })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The bundle directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// sha256 of `manifest.json`: identifies the model, its weights and its cuts.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Number of stages (N); cuts run from 0 to N.
+    pub fn stage_count(&self) -> usize {
+        self.manifest.stages.len()
+    }
+
+    /// Cut `index`.
+    pub fn cut(&self, index: usize) -> &CutInfo {
+        &self.manifest.cuts[index]
+    }
+
+    /// Every split point, from 0 (all on the server) to N (all on the edge).
+    pub fn split_points(&self) -> Vec<SplitPoint> {
+        let stages = &self.manifest.stages;
+        let total_params: u64 = stages.iter().map(|s| s.parameters).sum();
+        let total_flops: u64 = stages.iter().map(|s| s.flops_per_sample).sum();
+        self.manifest
+            .cuts
+            .iter()
+            .map(|cut| {
+                let params_before: u64 = stages[..cut.index].iter().map(|s| s.parameters).sum();
+                let flops_before: u64 = stages[..cut.index].iter().map(|s| s.flops_per_sample).sum();
+                SplitPoint {
+                    index: cut.index,
+                    name: cut.name.clone(),
+                    tensors: cut.tensors().iter().map(|(n, t)| format!("{n}: {t}")).collect(),
+                    plain_values: cut.values.iter().filter(|v| !matches!(v.spec, ValueSpec::Tensor(_))).count(),
+                    bytes_per_sample: cut.bytes_per_sample,
+                    params_before,
+                    params_after: total_params - params_before,
+                    edge_cost_share: if total_flops == 0 { 0.0 } else { flops_before as f64 / total_flops as f64 },
+                    usable: if cut.usable { Ok(()) } else { Err(cut.reason.clone().unwrap_or_default()) },
+                }
+            })
+            .collect()
+    }
+
+    /// Checks `boundary` against what the manifest says crosses cut `cut`; returns its batch size.
+    pub fn check_boundary(&self, cut: usize, boundary: &Boundary) -> Result<i64> {
+        let info = &self.manifest.cuts[cut];
+        let mismatch = |problem: String| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem };
+        let names: Vec<&str> = boundary.values.iter().map(|(n, _)| n.as_str()).collect();
+        let want: Vec<&str> = info.values.iter().map(|v| v.name.as_str()).collect();
+        if names != want {
+            return Err(mismatch(format!("expected values {want:?}, got {names:?}")));
+        }
+        let mut batch = None;
+        for ((name, value), spec) in boundary.values.iter().zip(&info.values) {
+            value.check(&spec.spec, name, &mut batch).map_err(mismatch)?;
+        }
+        let BatchRange { min, max } = self.manifest.batch;
+        match batch {
+            Some(b) if !(min..=max).contains(&b) => Err(BundleError::BatchOutOfRange { got: b, min, max }),
+            Some(b) => Ok(b),
+            None => Ok(min),
+        }
+    }
+
+    /// The model's output (its own tree: a tensor, tuple, dict ...) from the last cut's boundary.
+    pub fn assemble_output(&self, last: Boundary) -> Result<Value> {
+        let mut by_name: HashMap<String, Value> = last.values.into_iter().collect();
+        assemble(&self.manifest.output, &mut by_name)
+    }
+
+    /// Batch sizes that have a reference pair.
+    pub fn reference_batches(&self) -> Vec<i64> {
+        self.manifest.references.iter().map(|r| r.batch_size).collect()
+    }
+
+    /// The reference input (cut 0) and output (cut N) at `batch`, on the CPU.
+    pub fn reference(&self, batch: i64) -> Result<(Boundary, Boundary)> {
+        let info = self
+            .manifest
+            .references
+            .iter()
+            .find(|r| r.batch_size == batch)
+            .ok_or_else(|| BundleError::NoReference { batch, available: self.reference_batches() })?;
+        let bad = |message: String| BundleError::Reference { file: info.file.clone(), message };
+        let tensors = tch::Tensor::read_safetensors(self.dir.join(&info.file)).map_err(|e| bad(e.to_string()))?;
+        let (mut inputs, mut outputs) = (HashMap::new(), HashMap::new());
+        for (key, tensor) in tensors {
+            if let Some(name) = key.strip_prefix("input.") {
+                inputs.insert(name.to_string(), tensor);
+            } else if let Some(name) = key.strip_prefix("output.") {
+                outputs.insert(name.to_string(), tensor);
+            } else {
+                return Err(bad(format!("unexpected entry {key:?}")));
+            }
+        }
+        let rebuild = |cut: &CutInfo, leaves: &mut HashMap<String, tch::Tensor>| -> Result<Boundary> {
+            let values = cut
+                .values
+                .iter()
+                .map(|v| Ok((v.name.clone(), Value::from_tensor_leaves(&v.spec, &v.name, leaves).map_err(|e| bad(e.to_string()))?)))
+                .collect::<Result<_>>()?;
+            Ok(Boundary { values })
+        };
+        let input = rebuild(&self.manifest.cuts[0], &mut inputs)?;
+        let output = rebuild(self.manifest.cuts.last().expect("checked at open"), &mut outputs)?;
+        Ok((input, output))
+    }
+}
+
+fn assemble(tree: &ValueSpec, by_name: &mut HashMap<String, Value>) -> Result<Value> {
+    let missing = |name: &str| BundleError::UnsupportedValue { path: name.to_string(), kind: "missing from the last cut".into() };
+    Ok(match tree {
+        ValueSpec::Ref { name } => {
+            // A value the output names twice is shared, not moved.
+            match by_name.get(name) {
+                Some(v) => v.shallow_clone(),
+                None => return Err(missing(name)),
+            }
+        }
+        ValueSpec::Tuple { items } => Value::Tuple(items.iter().map(|t| assemble(t, by_name)).collect::<Result<_>>()?),
+        ValueSpec::List { items } => Value::List(items.iter().map(|t| assemble(t, by_name)).collect::<Result<_>>()?),
+        ValueSpec::Dict { items } => Value::Dict(
+            items.iter().map(|it| Ok((it.key.clone(), assemble(&it.value, by_name)?))).collect::<Result<_>>()?,
+        ),
+        other => return Err(BundleError::UnsupportedValue { path: "output".into(), kind: other.describe() }),
+    })
+}
+
+fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
+    let invalid = |message: String| BundleError::Manifest { path: path.to_path_buf(), message };
+    // Check the format before the full schema, so an old or foreign file says what it is.
+    let raw: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| invalid(e.to_string()))?;
+    let format = raw.get("format").and_then(|f| f.as_str());
+    let version = raw.get("format_version").and_then(|v| v.as_u64());
+    if format != Some(FORMAT_NAME) || version != Some(u64::from(FORMAT_VERSION)) {
+        return Err(BundleError::UnsupportedFormat {
+            path: path.to_path_buf(),
+            found: format!("format {} version {}", format.unwrap_or("(none)"), version.map_or("(none)".into(), |v| v.to_string())),
+            supported: FORMAT_VERSION,
+        });
+    }
+    let manifest: Manifest = serde_json::from_value(raw).map_err(|e| invalid(e.to_string()))?;
+    let n = manifest.stages.len();
+    if n == 0 || manifest.cuts.len() != n + 1 {
+        return Err(invalid(format!("{} stages need {} cuts, found {}", n, n + 1, manifest.cuts.len())));
+    }
+    if let Some(c) = manifest.cuts.iter().enumerate().find(|(i, c)| c.index != *i) {
+        return Err(invalid(format!("cut at position {} has index {}", c.0, c.1.index)));
+    }
+    if let Some(s) = manifest.stages.iter().enumerate().find(|(i, s)| s.index != *i) {
+        return Err(invalid(format!("stage at position {} has index {}", s.0, s.1.index)));
+    }
+    for file in manifest.stages.iter().map(|s| &s.file).chain(manifest.references.iter().map(|r| &r.file)) {
+        if !manifest.files.contains_key(file) {
+            return Err(invalid(format!("{file} has no hash in `files`")));
+        }
+    }
+    if manifest.inputs != manifest.cuts[0].values {
+        return Err(invalid("`inputs` differ from the values of cut 0".into()));
+    }
+    if manifest.batch.min < 1 || manifest.batch.min > manifest.batch.max {
+        return Err(invalid(format!("batch range {}..={} is empty", manifest.batch.min, manifest.batch.max)));
+    }
+    Ok(manifest)
+}
+
+fn sha256_file(dir: &Path, file: &str) -> Result<String> {
+    // Names come from the manifest: refuse anything that would leave the bundle directory.
+    if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+        return Err(BundleError::Manifest { path: dir.join("manifest.json"), message: format!("file name {file:?} is not a plain name") });
+    }
+    let path = dir.join(file);
+    let mut f = File::open(&path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => BundleError::MissingFile { dir: dir.to_path_buf(), file: file.to_string() },
+        _ => BundleError::Io { path: path.clone(), source },
+    })?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|source| BundleError::Io { path: path.clone(), source })?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}

@@ -1,0 +1,141 @@
+//! Errors of the bundle runtime. Each variant names the step that failed and carries what a
+//! user needs to fix it (the file, the expected and the actual value).
+
+use std::path::PathBuf;
+
+/// Result alias for the bundle runtime.
+pub type Result<T, E = BundleError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong opening, loading or running a bundle.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    /// A file of the bundle could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// `manifest.json` is not valid JSON or does not describe a bundle.
+    #[error("{path} is not a valid cleave manifest: {message}")]
+    Manifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The manifest is of another format or version than this build reads.
+    #[error("{path} is {found}; this build reads cleave-bundle format version {supported} (re-export the model)")]
+    UnsupportedFormat {
+        /// The manifest file.
+        path: PathBuf,
+        /// Format and version found.
+        found: String,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// A file listed in the manifest is not in the bundle directory.
+    #[error("bundle file {file} is missing from {dir}")]
+    MissingFile {
+        /// The bundle directory.
+        dir: PathBuf,
+        /// The missing file.
+        file: String,
+    },
+    /// A file's content does not match the hash recorded at export.
+    #[error("bundle file {file} is corrupted or was replaced: its sha256 is {actual}, the manifest says {expected}")]
+    HashMismatch {
+        /// The file.
+        file: String,
+        /// Hash in the manifest.
+        expected: String,
+        /// Hash of the file on disk.
+        actual: String,
+    },
+    /// A device string that is not `auto`, `cpu`, `cuda` or `cuda:N`.
+    #[error("invalid device {0:?}: expected auto, cpu, cuda or cuda:N")]
+    InvalidDevice(String),
+    /// A device was asked for that this machine does not have.
+    #[error("device {requested} is not available: {reason}")]
+    DeviceUnavailable {
+        /// The device asked for.
+        requested: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// A stage range that does not fit the bundle (or the loaded stages).
+    #[error("stage range {start}..{end} is invalid: {reason}")]
+    InvalidRange {
+        /// First stage.
+        start: usize,
+        /// One past the last stage.
+        end: usize,
+        /// What it must fit.
+        reason: String,
+    },
+    /// libtorch could not load a stage file.
+    #[error("cannot load stage {index} from {file}: {message}")]
+    LoadStage {
+        /// Stage index.
+        index: usize,
+        /// Stage file.
+        file: String,
+        /// libtorch's message.
+        message: String,
+    },
+    /// A boundary does not match what the manifest says crosses a cut.
+    #[error("boundary at cut {cut} ({cut_name}) does not match the manifest: {problem}")]
+    BoundaryMismatch {
+        /// Cut index.
+        cut: usize,
+        /// Cut name.
+        cut_name: String,
+        /// What differs: expected against got.
+        problem: String,
+    },
+    /// A batch size outside what the bundle was exported for.
+    #[error("batch size {got} is outside the bundle's range {min}..={max}")]
+    BatchOutOfRange {
+        /// Batch size of the boundary.
+        got: i64,
+        /// Smallest accepted.
+        min: i64,
+        /// Largest accepted.
+        max: i64,
+    },
+    /// A stage raised an error while running.
+    #[error("stage {index} ({name}) failed: {message}")]
+    StageFailed {
+        /// Stage index.
+        index: usize,
+        /// Stage name.
+        name: String,
+        /// libtorch's message.
+        message: String,
+    },
+    /// A value of a kind that cannot be carried across a cut.
+    #[error("unsupported value at {path}: {kind}")]
+    UnsupportedValue {
+        /// Where in the value tree.
+        path: String,
+        /// What it is.
+        kind: String,
+    },
+    /// No reference pair for the batch size asked for.
+    #[error("the bundle has no reference at batch size {batch} (it has {available:?})")]
+    NoReference {
+        /// Batch size asked for.
+        batch: i64,
+        /// Batch sizes it has.
+        available: Vec<i64>,
+    },
+    /// A reference file that cannot be read or does not match the manifest.
+    #[error("reference file {file}: {message}")]
+    Reference {
+        /// The file.
+        file: String,
+        /// What is wrong.
+        message: String,
+    },
+}

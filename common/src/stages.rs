@@ -1,0 +1,173 @@
+//! Loading a range of stages onto a device and running it on a boundary.
+//!
+//! Stages run with gradients off and in eval mode. Every boundary is checked against the
+//! manifest before the first stage runs (a wrong batch size or shape names the expected one)
+//! and the result is checked again after the last, so a stage file that disagrees with its
+//! manifest cannot pass silently.
+
+use std::fmt;
+use std::time::Instant;
+
+use tch::{CModule, IValue};
+
+use crate::bundle::Bundle;
+use crate::device::DeviceSpec;
+use crate::error::{BundleError, Result};
+use crate::value::{Boundary, Value};
+
+/// Stages `[start, end)`: runs from cut `start` to cut `end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageRange {
+    /// First stage (and the cut it starts from).
+    pub start: usize,
+    /// One past the last stage (and the cut it ends at).
+    pub end: usize,
+}
+
+impl StageRange {
+    /// Stages `[start, end)`.
+    pub fn new(start: usize, end: usize) -> Self {
+        Self { start, end }
+    }
+
+    /// Every stage of `bundle`.
+    pub fn all(bundle: &Bundle) -> Self {
+        Self::new(0, bundle.stage_count())
+    }
+
+    /// The edge's part when splitting at cut `split`.
+    pub fn prefix(split: usize) -> Self {
+        Self::new(0, split)
+    }
+
+    /// The server's part when splitting at cut `split`.
+    pub fn suffix(bundle: &Bundle, split: usize) -> Self {
+        Self::new(split, bundle.stage_count())
+    }
+
+    /// Number of stages.
+    pub fn len(&self) -> usize {
+        self.end.saturating_sub(self.start)
+    }
+
+    /// True when it runs no stage (a split at 0 or N leaves one side empty).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn contains(&self, inner: StageRange) -> bool {
+        self.start <= inner.start && inner.start <= inner.end && inner.end <= self.end
+    }
+}
+
+impl fmt::Display for StageRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}, {})", self.start, self.end)
+    }
+}
+
+/// Stages loaded on a device, ready to run any sub-range.
+pub struct LoadedStages {
+    bundle: Bundle,
+    range: StageRange,
+    device: tch::Device,
+    modules: Vec<CModule>,
+}
+
+impl fmt::Debug for LoadedStages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadedStages").field("bundle", &self.bundle.id()).field("range", &self.range).field("device", &self.device).finish()
+    }
+}
+
+impl LoadedStages {
+    /// Loads stages `range` of `bundle` onto `device`, in eval mode.
+    pub fn load(bundle: &Bundle, range: StageRange, device: DeviceSpec) -> Result<Self> {
+        if !StageRange::all(bundle).contains(range) {
+            return Err(BundleError::InvalidRange {
+                start: range.start,
+                end: range.end,
+                reason: format!("the bundle has {} stages (cuts 0..={})", bundle.stage_count(), bundle.stage_count()),
+            });
+        }
+        let device = device.resolve()?;
+        let started = Instant::now();
+        let modules = bundle.manifest().stages[range.start..range.end]
+            .iter()
+            .map(|stage| {
+                let mut module = CModule::load_on_device(bundle.dir().join(&stage.file), device).map_err(|e| {
+                    BundleError::LoadStage { index: stage.index, file: stage.file.clone(), message: first_line(&e.to_string()) }
+                })?;
+                module.set_eval();
+                Ok(module)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        tracing::debug!(range = %range, ?device, elapsed_ms = started.elapsed().as_millis() as u64, "stages loaded");
+        Ok(Self { bundle: bundle.clone(), range, device, modules })
+    }
+
+    /// The device the stages run on.
+    pub fn device(&self) -> tch::Device {
+        self.device
+    }
+
+    /// The stages loaded.
+    pub fn range(&self) -> StageRange {
+        self.range
+    }
+
+    /// The bundle they come from.
+    pub fn bundle(&self) -> &Bundle {
+        &self.bundle
+    }
+
+    /// Runs stages `range` (within the loaded ones) on `input`, the boundary at cut
+    /// `range.start`; returns the boundary at cut `range.end`, on this device.
+    pub fn run(&self, range: StageRange, input: &Boundary) -> Result<Boundary> {
+        if !self.range.contains(range) {
+            return Err(BundleError::InvalidRange {
+                start: range.start,
+                end: range.end,
+                reason: format!("the loaded stages are {}", self.range),
+            });
+        }
+        self.bundle.check_boundary(range.start, input)?;
+        let mut values: Vec<IValue> =
+            input.values.iter().map(|(_, v)| v.to_device(self.device).to_ivalue()).collect();
+        let stages = &self.bundle.manifest().stages;
+        tch::no_grad(|| -> Result<()> {
+            for index in range.start..range.end {
+                let failed = |message: String| BundleError::StageFailed { index, name: stages[index].name.clone(), message };
+                let module = &self.modules[index - self.range.start];
+                values = match module.forward_is(&values).map_err(|e| failed(first_line(&e.to_string())))? {
+                    IValue::Tuple(items) => items,
+                    other => return Err(failed(format!("returned {other:?} instead of a tuple"))),
+                };
+            }
+            Ok(())
+        })?;
+        let cut = self.bundle.cut(range.end);
+        if values.len() != cut.values.len() {
+            return Err(BundleError::BoundaryMismatch {
+                cut: range.end,
+                cut_name: cut.name.clone(),
+                problem: format!("the stages returned {} values, the manifest lists {}", values.len(), cut.values.len()),
+            });
+        }
+        let values = cut
+            .values
+            .iter()
+            .zip(values)
+            .map(|(spec, v)| Ok((spec.name.clone(), Value::from_ivalue(v, &spec.name)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let output = Boundary { values };
+        if !range.is_empty() {
+            self.bundle.check_boundary(range.end, &output)?;
+        }
+        Ok(output)
+    }
+}
+
+fn first_line(text: &str) -> String {
+    text.lines().find(|l| !l.trim().is_empty()).unwrap_or(text).trim().to_string()
+}

@@ -1,0 +1,105 @@
+//! Tables printed for people: a bundle's split points and a verification run.
+
+use comfy_table::presets::UTF8_FULL_CONDENSED;
+use comfy_table::{CellAlignment, Table};
+
+use crate::bundle::Bundle;
+use crate::verify::{VerifyReport, TOLERANCE};
+
+/// Bytes in binary units (`1.5 MiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", UNITS[unit]) }
+}
+
+/// A count with thousands separators.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn new_table(header: &[&str]) -> Table {
+    let mut table = Table::new();
+    table.load_preset(UTF8_FULL_CONDENSED).set_header(header.to_vec());
+    table
+}
+
+fn align_right(table: &mut Table, columns: &[usize]) {
+    for &c in columns {
+        if let Some(col) = table.column_mut(c) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+}
+
+/// Every split point: what crosses it, how big it is, how the parameters and cost divide.
+pub fn split_table(bundle: &Bundle) -> Table {
+    let mut table = new_table(&["cut", "name", "live tensors", "bytes/sample", "params edge", "params server", "edge cost", "usable"]);
+    for p in bundle.split_points() {
+        let mut live = p.tensors.join("\n");
+        if p.plain_values > 0 {
+            live.push_str(&format!("\n+ {} plain value(s)", p.plain_values));
+        }
+        table.add_row(vec![
+            p.index.to_string(),
+            p.name,
+            live,
+            human_bytes(p.bytes_per_sample),
+            thousands(p.params_before),
+            thousands(p.params_after),
+            format!("{:.1}%", 100.0 * p.edge_cost_share),
+            match p.usable {
+                Ok(()) => "yes".into(),
+                Err(reason) => format!("no: {reason}"),
+            },
+        ]);
+    }
+    align_right(&mut table, &[0, 3, 4, 5, 6]);
+    table
+}
+
+/// One row per split point of a verification run.
+pub fn verify_table(report: &VerifyReport) -> Table {
+    let mut table = new_table(&["cut", "name", "boundary", "edge ms", "server ms", "rel. error", "same as cut 0"]);
+    for s in &report.splits {
+        table.add_row(vec![
+            s.split.to_string(),
+            s.name.clone(),
+            human_bytes(s.boundary_bytes as u64),
+            format!("{:.2}", s.prefix_ms),
+            format!("{:.2}", s.suffix_ms),
+            format!("{:.1e}{}", s.relative_error, if s.relative_error <= TOLERANCE { "" } else { " FAIL" }),
+            if s.identical_to_first { "bit-identical".into() } else { "DIFFERS".into() },
+        ]);
+    }
+    align_right(&mut table, &[0, 2, 3, 4, 5]);
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_sizes_and_counts() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(802_816), "784.0 KiB");
+        assert_eq!(thousands(11_689_512), "11,689,512");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1000), "1,000");
+    }
+}

@@ -1,0 +1,318 @@
+//! Runtime values at a cut. A [`Boundary`] is the ordered list of named values live at one
+//! cut; each [`Value`] is a tensor or a tree of plain values with tensors at its leaves.
+
+use std::collections::HashMap;
+
+use tch::{IValue, Tensor};
+
+use crate::error::{BundleError, Result};
+use crate::spec::{DType, Dim, TensorSpec, ValueSpec};
+
+/// A value that crosses a cut.
+#[derive(Debug)]
+pub enum Value {
+    /// A tensor.
+    Tensor(Tensor),
+    /// An integer (sizes, indices).
+    Int(i64),
+    /// A float.
+    Float(f64),
+    /// A bool.
+    Bool(bool),
+    /// A string.
+    Str(String),
+    /// None.
+    None,
+    /// A tuple.
+    Tuple(Vec<Value>),
+    /// A list.
+    List(Vec<Value>),
+    /// A dict with string keys, in order.
+    Dict(Vec<(String, Value)>),
+}
+
+impl Value {
+    /// Converts libtorch's value, naming `path` in the error if it holds something a cut cannot carry.
+    pub fn from_ivalue(value: IValue, path: &str) -> Result<Self> {
+        let unsupported = |kind: &str| BundleError::UnsupportedValue { path: path.to_string(), kind: kind.to_string() };
+        let list = |items: Vec<Value>| Ok(Value::List(items));
+        match value {
+            IValue::Tensor(t) => Ok(Value::Tensor(t)),
+            IValue::Int(i) => Ok(Value::Int(i)),
+            IValue::Double(f) => Ok(Value::Float(f)),
+            IValue::Bool(b) => Ok(Value::Bool(b)),
+            IValue::String(s) => Ok(Value::Str(s)),
+            IValue::None => Ok(Value::None),
+            IValue::Tuple(items) => Ok(Value::Tuple(Self::from_items(items, path)?)),
+            IValue::GenericList(items) => list(Self::from_items(items, path)?),
+            IValue::IntList(v) => list(v.into_iter().map(Value::Int).collect()),
+            IValue::DoubleList(v) => list(v.into_iter().map(Value::Float).collect()),
+            IValue::BoolList(v) => list(v.into_iter().map(Value::Bool).collect()),
+            IValue::StringList(v) => list(v.into_iter().map(Value::Str).collect()),
+            IValue::TensorList(v) => list(v.into_iter().map(Value::Tensor).collect()),
+            IValue::GenericDict(items) => items
+                .into_iter()
+                .map(|(k, v)| match k {
+                    IValue::String(key) => {
+                        let child = format!("{path}.{key}");
+                        Ok((key, Value::from_ivalue(v, &child)?))
+                    }
+                    _ => Err(unsupported("a dict with non-string keys")),
+                })
+                .collect::<Result<_>>()
+                .map(Value::Dict),
+            IValue::Object(_) => Err(unsupported("a TorchScript object")),
+            IValue::Device(_) => Err(unsupported("a device")),
+            other => Err(unsupported(&format!("{other:?}"))),
+        }
+    }
+
+    fn from_items(items: Vec<IValue>, path: &str) -> Result<Vec<Value>> {
+        items.into_iter().enumerate().map(|(i, v)| Value::from_ivalue(v, &format!("{path}.{i}"))).collect()
+    }
+
+    /// Converts to libtorch's value for a TorchScript call.
+    pub fn to_ivalue(&self) -> IValue {
+        match self {
+            Value::Tensor(t) => IValue::Tensor(t.shallow_clone()),
+            Value::Int(i) => IValue::Int(*i),
+            Value::Float(f) => IValue::Double(*f),
+            Value::Bool(b) => IValue::Bool(*b),
+            Value::Str(s) => IValue::String(s.clone()),
+            Value::None => IValue::None,
+            Value::Tuple(items) => IValue::Tuple(items.iter().map(Value::to_ivalue).collect()),
+            // TorchScript checks list element types, so homogeneous lists take their typed form.
+            Value::List(items) if !items.is_empty() && items.iter().all(|v| matches!(v, Value::Int(_))) => {
+                IValue::IntList(items.iter().map(|v| if let Value::Int(i) = v { *i } else { 0 }).collect())
+            }
+            Value::List(items) if !items.is_empty() && items.iter().all(|v| matches!(v, Value::Tensor(_))) => {
+                IValue::TensorList(items.iter().filter_map(|v| v.as_tensor().map(Tensor::shallow_clone)).collect())
+            }
+            Value::List(items) => IValue::GenericList(items.iter().map(Value::to_ivalue).collect()),
+            Value::Dict(items) => {
+                IValue::GenericDict(items.iter().map(|(k, v)| (IValue::String(k.clone()), v.to_ivalue())).collect())
+            }
+        }
+    }
+
+    /// The tensor, if this value is one.
+    pub fn as_tensor(&self) -> Option<&Tensor> {
+        match self {
+            Value::Tensor(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The same tree with every tensor on `device` (no copy for tensors already there).
+    pub fn to_device(&self, device: tch::Device) -> Value {
+        self.map_tensors(&|t| t.to_device(device))
+    }
+
+    /// The same tree sharing tensor storage (cheap).
+    pub fn shallow_clone(&self) -> Value {
+        self.map_tensors(&Tensor::shallow_clone)
+    }
+
+    fn map_tensors(&self, f: &dyn Fn(&Tensor) -> Tensor) -> Value {
+        match self {
+            Value::Tensor(t) => Value::Tensor(f(t)),
+            Value::Int(i) => Value::Int(*i),
+            Value::Float(x) => Value::Float(*x),
+            Value::Bool(b) => Value::Bool(*b),
+            Value::Str(s) => Value::Str(s.clone()),
+            Value::None => Value::None,
+            Value::Tuple(items) => Value::Tuple(items.iter().map(|v| v.map_tensors(f)).collect()),
+            Value::List(items) => Value::List(items.iter().map(|v| v.map_tensors(f)).collect()),
+            Value::Dict(items) => Value::Dict(items.iter().map(|(k, v)| (k.clone(), v.map_tensors(f))).collect()),
+        }
+    }
+
+    /// The tensors inside, named `name`, `name.0`, `name.key` (the wire names).
+    pub fn tensor_leaves<'a>(&'a self, name: &str, out: &mut Vec<(String, &'a Tensor)>) {
+        match self {
+            Value::Tensor(t) => out.push((name.to_string(), t)),
+            Value::Tuple(items) | Value::List(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    item.tensor_leaves(&format!("{name}.{i}"), out);
+                }
+            }
+            Value::Dict(items) => {
+                for (key, item) in items {
+                    item.tensor_leaves(&format!("{name}.{key}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Rebuilds a value of `spec` from named tensor leaves (taking them out of `leaves`).
+    /// Plain values cannot be rebuilt from tensors alone, so a spec holding one is an error.
+    pub fn from_tensor_leaves(spec: &ValueSpec, name: &str, leaves: &mut HashMap<String, Tensor>) -> Result<Value> {
+        let missing = |what: &str| BundleError::UnsupportedValue { path: name.to_string(), kind: what.to_string() };
+        Ok(match spec {
+            ValueSpec::Tensor(_) => Value::Tensor(leaves.remove(name).ok_or_else(|| missing("missing tensor"))?),
+            ValueSpec::Tuple { items } => Value::Tuple(Self::items_from_leaves(items, name, leaves)?),
+            ValueSpec::List { items } => Value::List(Self::items_from_leaves(items, name, leaves)?),
+            ValueSpec::Dict { items } => Value::Dict(
+                items
+                    .iter()
+                    .map(|it| Ok((it.key.clone(), Self::from_tensor_leaves(&it.value, &format!("{name}.{}", it.key), leaves)?)))
+                    .collect::<Result<_>>()?,
+            ),
+            ValueSpec::None => Value::None,
+            other => return Err(missing(&format!("{} (not stored with tensors)", other.describe()))),
+        })
+    }
+
+    fn items_from_leaves(items: &[ValueSpec], name: &str, leaves: &mut HashMap<String, Tensor>) -> Result<Vec<Value>> {
+        items.iter().enumerate().map(|(i, s)| Self::from_tensor_leaves(s, &format!("{name}.{i}"), leaves)).collect()
+    }
+
+    /// Checks this value against `spec`; `batch` is inferred from the first batch dimension
+    /// seen and must agree everywhere after. Returns what differs, in words.
+    pub fn check(&self, spec: &ValueSpec, path: &str, batch: &mut Option<i64>) -> Result<(), String> {
+        match (spec, self) {
+            (ValueSpec::Tensor(ts), Value::Tensor(t)) => check_tensor(ts, t, path, batch),
+            (ValueSpec::Int, Value::Int(_))
+            | (ValueSpec::Float, Value::Float(_))
+            | (ValueSpec::Bool, Value::Bool(_))
+            | (ValueSpec::Str, Value::Str(_))
+            | (ValueSpec::None, Value::None) => Ok(()),
+            (ValueSpec::Tuple { items: specs }, Value::Tuple(items)) | (ValueSpec::List { items: specs }, Value::List(items)) => {
+                if specs.len() != items.len() {
+                    return Err(format!("{path}: expected {} items, got {}", specs.len(), items.len()));
+                }
+                specs.iter().zip(items).enumerate().try_for_each(|(i, (s, v))| v.check(s, &format!("{path}.{i}"), batch))
+            }
+            (ValueSpec::Dict { items: specs }, Value::Dict(items)) => {
+                let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+                let want: Vec<&str> = specs.iter().map(|s| s.key.as_str()).collect();
+                if keys != want {
+                    return Err(format!("{path}: expected keys {want:?}, got {keys:?}"));
+                }
+                specs.iter().zip(items).try_for_each(|(s, (k, v))| v.check(&s.value, &format!("{path}.{k}"), batch))
+            }
+            (spec, value) => Err(format!("{path}: expected {}, got {}", spec.describe(), value.describe())),
+        }
+    }
+
+    /// A short description (`float32[3, 64]`, `int`, `tuple of 2` ...).
+    pub fn describe(&self) -> String {
+        match self {
+            Value::Tensor(t) => describe_tensor(t),
+            Value::Int(_) => "int".into(),
+            Value::Float(_) => "float".into(),
+            Value::Bool(_) => "bool".into(),
+            Value::Str(_) => "str".into(),
+            Value::None => "None".into(),
+            Value::Tuple(items) => format!("tuple of {}", items.len()),
+            Value::List(items) => format!("list of {}", items.len()),
+            Value::Dict(items) => format!("dict of {}", items.len()),
+        }
+    }
+}
+
+fn describe_tensor(t: &Tensor) -> String {
+    let dtype = DType::from_kind(t.kind()).map_or_else(|| format!("{:?}", t.kind()), |d| d.to_string());
+    format!("{dtype}{:?}", t.size())
+}
+
+fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, batch: &mut Option<i64>) -> Result<(), String> {
+    let got = t.size();
+    let mismatch = |why: String| Err(format!("{path}: expected {spec}, got {} ({why})", describe_tensor(t)));
+    if DType::from_kind(t.kind()) != Some(spec.dtype) {
+        return mismatch("dtype".into());
+    }
+    if got.len() != spec.shape.len() {
+        return mismatch(format!("rank {} instead of {}", got.len(), spec.shape.len()));
+    }
+    for (axis, (&dim, &size)) in spec.shape.iter().zip(&got).enumerate() {
+        match dim {
+            Dim::Fixed(n) if n != size => return mismatch(format!("dimension {axis} must be {n}")),
+            Dim::Batch(k) => match *batch {
+                Some(b) if k * b != size => {
+                    return mismatch(format!("dimension {axis} must be {} for batch size {b}", Dim::Batch(k)))
+                }
+                None if size % k != 0 || size == 0 => {
+                    return mismatch(format!("dimension {axis} must be a positive multiple of {k}"))
+                }
+                None => *batch = Some(size / k),
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The named values live at one cut, in the manifest's order.
+#[derive(Debug)]
+pub struct Boundary {
+    /// Name and value of each live value.
+    pub values: Vec<(String, Value)>,
+}
+
+impl Boundary {
+    /// The tensors inside, with their wire names.
+    pub fn tensors(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::new();
+        for (name, value) in &self.values {
+            value.tensor_leaves(name, &mut out);
+        }
+        out
+    }
+
+    /// The same boundary with every tensor on `device`.
+    pub fn to_device(&self, device: tch::Device) -> Boundary {
+        Boundary { values: self.values.iter().map(|(n, v)| (n.clone(), v.to_device(device))).collect() }
+    }
+
+    /// The same boundary sharing tensor storage.
+    pub fn shallow_clone(&self) -> Boundary {
+        Boundary { values: self.values.iter().map(|(n, v)| (n.clone(), v.shallow_clone())).collect() }
+    }
+
+    /// Total bytes of the tensors inside.
+    pub fn tensor_bytes(&self) -> usize {
+        self.tensors().iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+
+    /// True when both hold the same names and bit-identical tensors and plain values.
+    pub fn bit_identical(&self, other: &Boundary) -> bool {
+        let (a, b) = (self.tensors(), other.tensors());
+        a.len() == b.len()
+            && a.iter().zip(&b).all(|((na, ta), (nb, tb))| {
+                na == nb && ta.size() == tb.size() && ta.kind() == tb.kind() && ta.to_device(tch::Device::Cpu).equal(&tb.to_device(tch::Device::Cpu))
+            })
+    }
+
+    /// The largest |self - reference| over all tensors, relative to the reference's largest
+    /// magnitude (per tensor); non-float tensors must match exactly (else infinity).
+    pub fn max_relative_error(&self, reference: &Boundary) -> f64 {
+        let (got, want) = (self.tensors(), reference.tensors());
+        if got.len() != want.len() {
+            return f64::INFINITY;
+        }
+        let mut worst = 0.0f64;
+        for ((ng, g), (nw, w)) in got.iter().zip(&want) {
+            if ng != nw || g.size() != w.size() {
+                return f64::INFINITY;
+            }
+            let (g, w) = (g.to_device(tch::Device::Cpu), w.to_device(tch::Device::Cpu));
+            if !w.is_floating_point() {
+                if g.kind() != w.kind() || !g.equal(&w) {
+                    return f64::INFINITY;
+                }
+                continue;
+            }
+            if w.numel() == 0 {
+                continue;
+            }
+            let (g, w) = (g.to_kind(tch::Kind::Double), w.to_kind(tch::Kind::Double));
+            let scale = w.abs().max().double_value(&[]).max(1e-12);
+            let err = (&g - &w).abs().max().double_value(&[]);
+            worst = worst.max(if err.is_nan() { f64::INFINITY } else { err / scale });
+        }
+        worst
+    }
+}

@@ -1,0 +1,87 @@
+//! Runs a bundle split at every cut against its reference, as the host and server check it.
+
+use std::time::Instant;
+
+use crate::bundle::Bundle;
+use crate::device::{device_name, DeviceSpec};
+use crate::error::Result;
+use crate::stages::{LoadedStages, StageRange};
+
+/// Largest relative error against the reference that counts as a match.
+pub const TOLERANCE: f64 = 1e-5;
+
+/// The result of running one split point.
+#[derive(Debug, Clone)]
+pub struct SplitCheck {
+    /// Cut index.
+    pub split: usize,
+    /// Cut name.
+    pub name: String,
+    /// Bytes of tensors crossing the cut (this batch).
+    pub boundary_bytes: usize,
+    /// Milliseconds for stages [0, split).
+    pub prefix_ms: f64,
+    /// Milliseconds for stages [split, N).
+    pub suffix_ms: f64,
+    /// Largest error against the reference, relative to its largest magnitude.
+    pub relative_error: f64,
+    /// Whether the output is bit-identical to the one of split 0.
+    pub identical_to_first: bool,
+}
+
+/// Every split point of a bundle, run at one batch size on one device.
+#[derive(Debug, Clone)]
+pub struct VerifyReport {
+    /// The device the stages ran on.
+    pub device: String,
+    /// The batch size.
+    pub batch: i64,
+    /// Milliseconds to load every stage.
+    pub load_ms: f64,
+    /// One row per split point.
+    pub splits: Vec<SplitCheck>,
+}
+
+impl VerifyReport {
+    /// True when every split matches the reference and all agree bit for bit.
+    pub fn passed(&self) -> bool {
+        self.splits.iter().all(|s| s.relative_error <= TOLERANCE && s.identical_to_first)
+    }
+}
+
+/// Loads every stage on `device` and runs the reference input at `batch` split at each cut
+/// (stages [0, s) then [s, N)), comparing the output with the reference output.
+pub fn verify_splits(bundle: &Bundle, device: DeviceSpec, batch: i64) -> Result<VerifyReport> {
+    let (input, reference) = bundle.reference(batch)?;
+    let started = Instant::now();
+    let stages = LoadedStages::load(bundle, StageRange::all(bundle), device)?;
+    let load_ms = ms(started);
+    let mut splits = Vec::new();
+    let mut first = None;
+    for split in 0..=bundle.stage_count() {
+        let t = Instant::now();
+        let middle = stages.run(StageRange::prefix(split), &input)?;
+        let prefix_ms = ms(t);
+        let t = Instant::now();
+        let output = stages.run(StageRange::suffix(bundle, split), &middle)?;
+        let suffix_ms = ms(t);
+        let identical_to_first = first.as_ref().is_none_or(|f: &crate::Boundary| output.bit_identical(f));
+        splits.push(SplitCheck {
+            split,
+            name: bundle.cut(split).name.clone(),
+            boundary_bytes: middle.tensor_bytes(),
+            prefix_ms,
+            suffix_ms,
+            relative_error: output.max_relative_error(&reference),
+            identical_to_first,
+        });
+        if first.is_none() {
+            first = Some(output);
+        }
+    }
+    Ok(VerifyReport { device: device_name(stages.device()), batch, load_ms, splits })
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
