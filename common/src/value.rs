@@ -231,7 +231,7 @@ fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, batch: &mut Option<i6
             Dim::Fixed(n) if n != size => return mismatch(format!("dimension {axis} must be {n}")),
             Dim::Batch(k) => match *batch {
                 Some(b) if k * b != size => {
-                    return mismatch(format!("dimension {axis} must be {} for batch size {b}", Dim::Batch(k)))
+                    return mismatch(format!("dimension {axis} must be {} = {} for batch size {b}", Dim::Batch(k), k * b))
                 }
                 None if size % k != 0 || size == 0 => {
                     return mismatch(format!("dimension {axis} must be a positive multiple of {k}"))

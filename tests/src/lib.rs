@@ -1,1 +1,32 @@
-//! Shared helpers for the end-to-end tests live in `tests/tests/*.rs`.
+//! Helpers for cleave's end-to-end tests: where the test bundles are, and copies to tamper with.
+//!
+//! The bundles are exported by `make test-bundles` (which `make test` runs first) into
+//! `target/test-bundles/NAME`, or into `$CLEAVE_TEST_BUNDLES/NAME`.
+
+use std::path::{Path, PathBuf};
+
+/// The directory of test bundle `name`; panics with the command to run when it is missing.
+pub fn bundle_dir(name: &str) -> PathBuf {
+    let root = std::env::var_os("CLEAVE_TEST_BUNDLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-bundles"));
+    let dir = root.join(name);
+    assert!(
+        dir.join("manifest.json").is_file(),
+        "test bundle {} is missing: run `make test-bundles` (or `make test`)",
+        dir.display()
+    );
+    dir
+}
+
+/// A copy of test bundle `name` in a fresh temporary directory, to corrupt at will.
+pub fn bundle_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().expect("temporary directory");
+    let dest = tmp.path().join(name);
+    std::fs::create_dir(&dest).expect("create bundle copy");
+    for entry in std::fs::read_dir(bundle_dir(name)).expect("read bundle") {
+        let entry = entry.expect("bundle entry");
+        std::fs::copy(entry.path(), dest.join(entry.file_name())).expect("copy bundle file");
+    }
+    (tmp, dest)
+}

@@ -1,0 +1,55 @@
+# cleave: `make demo` runs the main job on a bundled default, `make test` runs every test.
+# Every target sets itself up: a project venv with PyTorch 2.11.0 (libtorch for tch 0.24),
+# the exporter installed in it, and a release build linked against that libtorch.
+
+SHELL := /bin/bash
+VENV := .venv
+PYTHON := $(CURDIR)/$(VENV)/bin/python
+# torch-sys takes libtorch from the venv's PyTorch; its python must come first on PATH.
+export LIBTORCH_USE_PYTORCH := 1
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+TEST_BUNDLES := $(CURDIR)/target/test-bundles
+DEMO_BUNDLE := bundles/resnet18
+EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
+EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
+
+.PHONY: setup build test test-bundles demo clean
+
+setup: build
+
+$(VENV)/.installed: tools/export/requirements.txt tools/export/pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r tools/export/requirements.txt
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -e tools/export
+	touch $@
+
+build: $(VENV)/.installed
+	cargo build --release --workspace
+
+# Bundles the Rust tests run: every model the foundation issue names, each cut finely, with
+# references at batch 1, 3 and 8. Re-exported only when the exporter changes.
+$(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
+	rm -rf $(TEST_BUNDLES) && mkdir -p $(TEST_BUNDLES)
+	$(EXPORT) cleave_export.zoo:digits_cnn --granularity op --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/digits
+	$(EXPORT) tests.models:tiny_transformer --granularity op --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/transformer
+	$(EXPORT) torchvision:resnet18 --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/resnet18
+	$(EXPORT) torchvision:mobilenet_v3_small --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/mobilenet_v3_small
+	$(EXPORT) torchvision:efficientnet_b0 --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/efficientnet_b0
+	touch $@
+
+test-bundles: $(TEST_BUNDLES)/.stamp
+
+test: $(VENV)/.installed $(TEST_BUNDLES)/.stamp
+	CLEAVE_TEST_BUNDLES=$(TEST_BUNDLES) cargo test --release --workspace
+	cd tools/export && $(PYTHON) -m pytest -q tests
+
+$(DEMO_BUNDLE)/manifest.json: $(VENV)/.installed
+	$(PYTHON) -m cleave_export torchvision:resnet18 --force --out $(DEMO_BUNDLE)
+
+demo: build $(DEMO_BUNDLE)/manifest.json
+	target/release/host splits --bundle $(DEMO_BUNDLE)
+	target/release/host verify --bundle $(DEMO_BUNDLE) --batch 3
+
+clean:
+	rm -rf target bundles results

@@ -1,0 +1,172 @@
+//! Bad bundles and bad boundaries get errors that name the problem.
+
+use std::fs;
+
+use cleave_common::{Boundary, Bundle, BundleError, DeviceSpec, LoadedStages, StageRange, Value};
+use cleave_tests::{bundle_copy, bundle_dir};
+use tch::{Device, Kind, Tensor};
+
+fn digits() -> Bundle {
+    Bundle::open(bundle_dir("digits")).unwrap()
+}
+
+fn input(batch: i64, shape: &[i64], kind: Kind) -> Boundary {
+    let mut dims = vec![batch];
+    dims.extend_from_slice(shape);
+    Boundary { values: vec![("x".into(), Value::Tensor(Tensor::zeros(dims.as_slice(), (kind, Device::Cpu))))] }
+}
+
+fn edit_manifest(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    edit(&mut m);
+    fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn corrupted_stage_file_is_named() {
+    let (_tmp, dir) = bundle_copy("digits");
+    let path = dir.join("stage_002.pt");
+    let mut bytes = fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    fs::write(&path, bytes).unwrap();
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(matches!(err, BundleError::HashMismatch { ref file, .. } if file == "stage_002.pt"), "{err}");
+    assert!(err.to_string().contains("stage_002.pt is corrupted"), "{err}");
+}
+
+#[test]
+fn missing_file_is_named() {
+    let (_tmp, dir) = bundle_copy("digits");
+    fs::remove_file(dir.join("reference_b3.safetensors")).unwrap();
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(matches!(err, BundleError::MissingFile { ref file, .. } if file == "reference_b3.safetensors"), "{err}");
+}
+
+#[test]
+fn other_format_version_is_refused() {
+    let (_tmp, dir) = bundle_copy("digits");
+    edit_manifest(&dir, |m| m["format_version"] = 99.into());
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(matches!(err, BundleError::UnsupportedFormat { .. }), "{err}");
+    assert!(err.to_string().contains("version 99"), "{err}");
+}
+
+#[test]
+fn manifest_that_is_not_json_is_refused() {
+    let (_tmp, dir) = bundle_copy("digits");
+    fs::write(dir.join("manifest.json"), b"{ not json").unwrap();
+    assert!(matches!(Bundle::open(&dir).unwrap_err(), BundleError::Manifest { .. }));
+}
+
+#[test]
+fn manifest_with_inconsistent_cuts_is_refused() {
+    let (_tmp, dir) = bundle_copy("digits");
+    edit_manifest(&dir, |m| {
+        m["cuts"].as_array_mut().unwrap().pop();
+    });
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(err.to_string().contains("stages need"), "{err}");
+}
+
+#[test]
+fn file_names_cannot_escape_the_bundle() {
+    let (_tmp, dir) = bundle_copy("digits");
+    edit_manifest(&dir, |m| {
+        m["files"]["../../etc/passwd"] = "00".into();
+    });
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(err.to_string().contains("not a plain name"), "{err}");
+}
+
+#[test]
+fn wrong_shape_names_the_expected_one() {
+    let bundle = digits();
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let err = stages.run(StageRange::all(&bundle), &input(2, &[1, 9, 8], Kind::Float)).unwrap_err();
+    assert!(matches!(err, BundleError::BoundaryMismatch { cut: 0, .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("expected float32[B, 1, 8, 8], got float32[2, 1, 9, 8]"), "{text}");
+}
+
+#[test]
+fn wrong_dtype_is_refused() {
+    let bundle = digits();
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let err = stages.run(StageRange::all(&bundle), &input(2, &[1, 8, 8], Kind::Double)).unwrap_err();
+    assert!(err.to_string().contains("got float64[2, 1, 8, 8] (dtype)"), "{err}");
+}
+
+#[test]
+fn batch_outside_the_exported_range_is_refused() {
+    let bundle = digits();
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let err = stages.run(StageRange::all(&bundle), &input(17, &[1, 8, 8], Kind::Float)).unwrap_err();
+    assert!(matches!(err, BundleError::BatchOutOfRange { got: 17, min: 1, max: 16 }), "{err}");
+}
+
+#[test]
+fn boundary_for_another_cut_is_refused() {
+    let bundle = digits();
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let (input, _) = bundle.reference(1).unwrap();
+    let err = stages.run(StageRange::suffix(&bundle, 3), &input).unwrap_err();
+    assert!(matches!(err, BundleError::BoundaryMismatch { cut: 3, .. }), "{err}");
+    assert!(err.to_string().contains("expected values"), "{err}");
+}
+
+#[test]
+fn batch_dimension_must_agree_across_tensors() {
+    // The transformer's input cut has two tensors; their batch sizes must agree.
+    let bundle = Bundle::open(bundle_dir("transformer")).unwrap();
+    let tokens = Tensor::zeros([2, 12], (Kind::Int64, Device::Cpu));
+    let mask = Tensor::zeros([3, 12], (Kind::Bool, Device::Cpu));
+    let boundary = Boundary { values: vec![("tokens".into(), Value::Tensor(tokens)), ("mask".into(), Value::Tensor(mask))] };
+    let err = bundle.check_boundary(0, &boundary).unwrap_err();
+    assert!(err.to_string().contains("dimension 0 must be B = 2 for batch size 2"), "{err}");
+}
+
+#[test]
+fn stage_ranges_outside_the_bundle_or_the_loaded_part_are_refused() {
+    let bundle = digits();
+    let n = bundle.stage_count();
+    let err = LoadedStages::load(&bundle, StageRange::new(0, n + 1), DeviceSpec::Cpu).unwrap_err();
+    assert!(matches!(err, BundleError::InvalidRange { .. }), "{err}");
+    let edge = LoadedStages::load(&bundle, StageRange::prefix(2), DeviceSpec::Cpu).unwrap();
+    let (input, _) = bundle.reference(1).unwrap();
+    let err = edge.run(StageRange::prefix(3), &input).unwrap_err();
+    assert!(err.to_string().contains("the loaded stages are [0, 2)"), "{err}");
+}
+
+#[test]
+fn missing_reference_batch_lists_the_available_ones() {
+    let err = digits().reference(5).unwrap_err();
+    assert!(matches!(err, BundleError::NoReference { batch: 5, ref available } if available == &[1, 3, 8]), "{err}");
+}
+
+#[test]
+fn cuda_where_there_is_none_is_an_error_not_a_cpu_run() {
+    if tch::Cuda::is_available() {
+        return; // Checked on a GPU machine by `server check --device cuda`.
+    }
+    let bundle = digits();
+    let err = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cuda(0)).unwrap_err();
+    assert!(matches!(err, BundleError::DeviceUnavailable { .. }), "{err}");
+}
+
+#[test]
+fn split_points_list_every_cut_with_parameters_on_each_side() {
+    let bundle = digits();
+    let points = bundle.split_points();
+    assert_eq!(points.len(), bundle.stage_count() + 1);
+    let total = bundle.manifest().model.parameters;
+    assert_eq!(points[0].params_before, 0);
+    assert_eq!(points[0].params_after, total);
+    assert_eq!(points.last().unwrap().params_before, total);
+    assert_eq!(points[0].tensors, ["x: float32[B, 1, 8, 8]"]);
+    assert_eq!(points[0].bytes_per_sample, 8 * 8 * 4);
+    for p in &points {
+        assert_eq!(p.params_before + p.params_after, total);
+    }
+}

@@ -1,0 +1,110 @@
+//! Every bundle the exporter makes, run split at every cut in Rust: stages [0, s) then
+//! [s, N) on the reference input must give the reference output (relative error at most
+//! 1e-5) and exactly the same bits whatever s is, at batch sizes 1, 3 and 8.
+
+use cleave_common::spec::ValueSpec;
+use cleave_common::verify::{verify_splits, TOLERANCE};
+use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange, Value};
+use cleave_tests::bundle_dir;
+
+/// Runs every split of `name` at batch 1, 3 and 8; returns the bundle for further checks.
+fn every_split_matches_reference(name: &str, min_cuts: usize) -> Bundle {
+    let bundle = Bundle::open(bundle_dir(name)).expect("open bundle");
+    assert!(bundle.stage_count() + 1 >= min_cuts, "{name}: only {} cuts", bundle.stage_count() + 1);
+    for batch in [1, 3, 8] {
+        let report = verify_splits(&bundle, DeviceSpec::Cpu, batch).expect("verify");
+        assert_eq!(report.splits.len(), bundle.stage_count() + 1, "{name}: one row per cut");
+        for s in &report.splits {
+            assert!(
+                s.relative_error <= TOLERANCE,
+                "{name} batch {batch} split {} ({}): relative error {:e}",
+                s.split,
+                s.name,
+                s.relative_error
+            );
+            assert!(s.identical_to_first, "{name} batch {batch}: split {} differs from split 0", s.split);
+        }
+    }
+    bundle
+}
+
+#[test]
+fn digits_cnn_every_split() {
+    every_split_matches_reference("digits", 12);
+}
+
+#[test]
+fn resnet18_every_split_including_inside_residual_blocks() {
+    let bundle = every_split_matches_reference("resnet18", 40);
+    // Cuts inside a residual block carry the main path and the skip connection.
+    let widest = bundle.manifest().cuts.iter().map(|c| c.tensors().len()).max().unwrap();
+    assert_eq!(widest, 2, "resnet18 at layer granularity has two-tensor frontiers");
+}
+
+#[test]
+fn mobilenet_v3_small_every_split() {
+    every_split_matches_reference("mobilenet_v3_small", 20);
+}
+
+#[test]
+fn efficientnet_b0_every_split() {
+    every_split_matches_reference("efficientnet_b0", 20);
+}
+
+#[test]
+fn transformer_with_two_inputs_and_dict_output_every_split() {
+    let bundle = every_split_matches_reference("transformer", 10);
+    let m = bundle.manifest();
+    let inputs: Vec<String> = m.inputs.iter().map(|i| format!("{}: {}", i.name, i.spec.describe())).collect();
+    assert_eq!(inputs, ["tokens: int64[B, 12]", "mask: bool[B, 12]"]);
+    // An int (a sequence length) crosses some cut as a plain value in the value tree.
+    assert!(m.cuts.iter().any(|c| c.values.iter().any(|v| v.spec == ValueSpec::Int)));
+    assert_eq!(m.exporter.kept_whole, ["guard"]);
+
+    // The output is rebuilt as the model's own dict.
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let (input, reference) = bundle.reference(3).unwrap();
+    let last = stages.run(StageRange::all(&bundle), &input).unwrap();
+    assert!(last.max_relative_error(&reference) <= TOLERANCE);
+    match bundle.assemble_output(last).unwrap() {
+        Value::Dict(items) => {
+            let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+            assert_eq!(keys, ["logits", "hidden"]);
+            assert_eq!(items[0].1.as_tensor().unwrap().size(), [3, 5]);
+            assert_eq!(items[1].1.as_tensor().unwrap().size(), [3, 12, 32]);
+        }
+        other => panic!("expected a dict output, got {}", other.describe()),
+    }
+}
+
+#[test]
+fn prefix_and_suffix_loaded_separately_match_the_whole_chain() {
+    // As the host and the server will: each side loads only its own stages.
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let n = bundle.stage_count();
+    let (input, reference) = bundle.reference(3).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let expected = whole.run(StageRange::all(&bundle), &input).unwrap();
+    for split in [0, 1, n / 3, n / 2, n - 1, n] {
+        let edge = LoadedStages::load(&bundle, StageRange::prefix(split), DeviceSpec::Cpu).unwrap();
+        let server = LoadedStages::load(&bundle, StageRange::suffix(&bundle, split), DeviceSpec::Cpu).unwrap();
+        let middle = edge.run(StageRange::prefix(split), &input).unwrap();
+        // A deep copy stands in for the trip over the wire.
+        let middle = cleave_common::Boundary {
+            values: middle.values.iter().map(|(n, v)| (n.clone(), deep_copy(v))).collect(),
+        };
+        let output = server.run(StageRange::suffix(&bundle, split), &middle).unwrap();
+        assert!(output.bit_identical(&expected), "split {split}");
+        assert!(output.max_relative_error(&reference) <= TOLERANCE, "split {split}");
+    }
+}
+
+fn deep_copy(v: &Value) -> Value {
+    match v {
+        Value::Tensor(t) => Value::Tensor(t.copy()),
+        Value::Int(i) => Value::Int(*i),
+        Value::Tuple(items) => Value::Tuple(items.iter().map(deep_copy).collect()),
+        Value::List(items) => Value::List(items.iter().map(deep_copy).collect()),
+        other => other.shallow_clone(),
+    }
+}
