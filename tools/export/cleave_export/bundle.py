@@ -87,8 +87,9 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     b_small = min(max(opts.batch_min, 2), opts.batch_max)
     b_large = b_small + 1 if b_small < opts.batch_max else b_small
     probe_small, probe_large = inputs_at(b_small), inputs_at(b_large)
-    with torch.no_grad():
-        model(*probe_small)  # fail early, with the model's own error, on inputs it does not take
+    # Fail early, with the model's own error, on inputs or batch sizes it does not take.
+    _call_model(model, probe_small, b_small)
+    _call_model(model, probe_large, b_large)
     gm, kept_whole = trace(model, len(probe_small))
     small = record_values(gm, probe_small)
     large = record_values(gm, probe_large) if b_large != b_small else small
@@ -160,6 +161,18 @@ def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: di
         return "trace"
 
 
+def _call_model(model, inputs: tuple, batch: int):
+    try:
+        with torch.no_grad():
+            return model(*inputs)
+    except Exception as e:
+        raise ExportError(
+            f"the model fails on its example inputs at batch size {batch}: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+            "(a model that takes one batch size only is exported with --dynamic-batch N N)"
+        ) from e
+
+
 def _run_chain(stages: list, inputs: tuple) -> list[list]:
     """Every cut's values when the stages run one after another on `inputs`."""
     cuts = [list(inputs)]
@@ -171,8 +184,8 @@ def _run_chain(stages: list, inputs: tuple) -> list[list]:
 
 def _validate(model, gm: fx.GraphModule, loaded: list, part: Partition, inputs: tuple, batch: int) -> list:
     """Check the traced graph and the compiled chain against the model at one batch size."""
+    want = _call_model(model, inputs, batch)
     with torch.no_grad():
-        want = model(*inputs)
         traced = gm(*inputs)
     err = _relative_error(traced, want)
     if err > TOLERANCE:
