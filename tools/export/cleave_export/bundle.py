@@ -96,7 +96,9 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     part = partition(gm, depth, small, large, b_small, b_large)
     timings["trace"] = time.perf_counter() - started
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{opts.out.name}.", dir=opts.out.parent if opts.out.parent.exists() else None))
+    # The temporary directory sits beside the target so that the final rename stays on one filesystem.
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{opts.out.name}.", dir=opts.out.parent))
     try:
         t = time.perf_counter()
         stage_gms = [stage_module(gm, s, part.cuts[i], part.cuts[i + 1], i) for i, s in enumerate(part.stages)]

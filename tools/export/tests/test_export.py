@@ -186,3 +186,10 @@ def test_fixed_batch_model_exports_with_one_batch_size(tmp_path):
     m = export_bundle(ExportOptions(source="tests.models:batch_baked", out=out, batch_min=3, batch_max=3, reference_batches=(3,))).manifest
     assert m["batch"] == {"min": 3, "max": 3}
     assert m["inputs"][0]["spec"]["shape"] == [3, 4]
+
+
+def test_missing_parent_directories_are_created(tmp_path):
+    out = tmp_path / "new" / "dir" / "residual"
+    export_bundle(ExportOptions(source="tests.models:tiny_residual", out=out))
+    assert (out / "manifest.json").is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["residual"]
