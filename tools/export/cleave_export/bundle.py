@@ -85,6 +85,8 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
 
     # Two batch sizes tell which dimensions are the batch (symbolic shapes).
     b_small = min(max(opts.batch_min, 2), opts.batch_max)
+    if b_small == opts.batch_max > opts.batch_min:
+        b_small -= 1  # --dynamic-batch 1 2: probe at 1 and 2, or every dimension would look fixed
     b_large = b_small + 1 if b_small < opts.batch_max else b_small
     probe_small, probe_large = inputs_at(b_small), inputs_at(b_large)
     # Fail early, with the model's own error, on inputs or batch sizes it does not take.

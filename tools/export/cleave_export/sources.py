@@ -34,6 +34,8 @@ def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int) -> 
     torch.manual_seed(seed)
     if source.startswith("torchvision:"):
         model, preprocess, default_shape = _torchvision_model(source.split(":", 1)[1])
+        if input_shape is not None and tuple(input_shape) != default_shape:
+            preprocess = None  # the preset's resize and crop describe other inputs than these
     elif ":" in source:
         model, preprocess, default_shape = _callable_model(source), None, None
     else:
@@ -80,7 +82,7 @@ def _callable_model(source: str) -> nn.Module:
     module_name, attr = source.rsplit(":", 1)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except (ImportError, ValueError, TypeError) as e:  # ValueError, TypeError: empty or relative module name
         raise ExportError(f"cannot import {module_name!r} (from SOURCE {source!r}): {e}") from e
     factory = getattr(module, attr, None)
     if factory is None:

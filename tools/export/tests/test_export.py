@@ -1,195 +1,802 @@
-"""Exporter tests: manifest contents, symbolic shapes, value trees, the chain against its
-references, and a clear error for every input it cannot take. Run from tools/export."""
+"""Exporter tests: manifest contents, symbolic shapes, value trees, the stage chain against its
+references at every split point, and a clear error for every input it cannot take.
+
+Run from tools/export (the exporter imports `tests.models:NAME` as a module path):
+
+    ../../.venv/bin/python -m pytest -q tests
+
+Each bundle is exported once per module (module-scoped fixtures) into pytest's temporary
+directory; only tiny models and one small torchvision model are exported, so the suite runs
+in well under a minute on two cores.
+"""
+
+from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
+import tempfile
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file, save
+from torch import nn
 
-from cleave_export import ExportError
+import cleave_export
+from cleave_export import ExportError, cli
 from cleave_export.bundle import ExportOptions, export_bundle
-from cleave_export.specs import symbolic_dim, torchscript_type, value_spec
+from cleave_export.partition import parse_granularity
+from cleave_export.sources import load_source
+from cleave_export.specs import (
+    Unrepresentable,
+    bytes_per_sample,
+    check_value,
+    flatten_tensors,
+    shape_at,
+    symbolic_dim,
+    tensor_leaves,
+    torchscript_type,
+    value_spec,
+)
+from cleave_export.zoo import DigitsCNN
 
-HERE = Path(__file__).resolve().parent.parent
+EXPORT_ROOT = Path(__file__).resolve().parent.parent
+"""tools/export: where `python -m cleave_export` runs so that `tests.models` imports."""
+
+REL_TOL = 1e-5
 
 
-def export(tmp_path_factory, source, name, **kw):
-    out = tmp_path_factory.mktemp("bundles") / name
+# ---------------------------------------------------------------------------------------------
+# Models defined here for failure paths (exported as `tests.test_export:NAME`). They live in
+# this file rather than models.py, which the Makefile's test bundles depend on.
+
+
+class _SmallBatchGate(nn.Module):
+    """Refuses batches above 4. torch.fx cannot trace its `if`, so the exporter keeps it whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 4:
+            raise RuntimeError("batch larger than 4")
+        return x
+
+
+class SmallBatchesOnly(nn.Module):
+    """Works at the probe batch sizes (2 and 3) and at 1, fails at the validation batch 8."""
+
+    input_shape = (4,)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.gate = _SmallBatchGate()
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+class TraceDiffers(nn.Module):
+    """Takes another branch while torch.fx traces it, so the traced graph is not the model."""
+
+    input_shape = (4,)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if torch.fx._symbolic_trace.is_fx_tracing():
+            return y
+        return y * 2
+
+
+def small_batches_only():
+    return SmallBatchesOnly()
+
+
+def trace_differs():
+    return TraceDiffers()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bundles, exported once per module.
+
+
+@dataclass
+class Bundle:
+    source: str
+    input_shape: tuple[int, ...] | None
+    out: Path
+    manifest: dict
+    """manifest.json as read back from disk."""
+    report_manifest: dict
+    """The manifest export_bundle returned."""
+
+    def stages(self) -> list:
+        return [torch.jit.load(str(self.out / s["file"])).eval() for s in self.manifest["stages"]]
+
+
+def _export(tmp_path_factory, name: str, source: str, **kw) -> Bundle:
+    out = tmp_path_factory.mktemp(name) / name
     report = export_bundle(ExportOptions(source=source, out=out, **kw))
-    return out, report.manifest
+    manifest = json.loads((out / "manifest.json").read_text())
+    return Bundle(source, kw.get("input_shape"), out, manifest, report.manifest)
 
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    return export(tmp_path_factory, "cleave_export.zoo:digits_cnn", "digits", granularity="op", batch_max=16, reference_batches=(1, 3))
+    return _export(tmp_path_factory, "digits", "cleave_export.zoo:digits_cnn", granularity="op", batch_max=16)
 
 
 @pytest.fixture(scope="module")
 def residual(tmp_path_factory):
-    return export(tmp_path_factory, "tests.models:tiny_residual", "residual", granularity="op")
+    return _export(tmp_path_factory, "residual", "tests.models:tiny_residual", granularity="op")
 
 
 @pytest.fixture(scope="module")
 def transformer(tmp_path_factory):
-    return export(tmp_path_factory, "tests.models:tiny_transformer", "transformer", granularity="op", batch_max=16)
+    return _export(tmp_path_factory, "transformer", "tests.models:tiny_transformer", granularity="op", batch_max=16)
 
 
-def test_manifest_lists_every_file_with_its_hash(digits):
-    out, m = digits
-    assert (m["format"], m["format_version"]) == ("cleave-bundle", 1)
-    on_disk = sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
-    assert sorted(m["files"]) == on_disk
-    for name, digest in m["files"].items():
-        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
-    assert [s["file"] for s in m["stages"]] == [f"stage_{i:03d}.pt" for i in range(len(m["stages"]))]
+@pytest.fixture(scope="module")
+def mobilenet(tmp_path_factory):
+    # The suite's one torchvision export: small input, default granularity (block).
+    return _export(tmp_path_factory, "mobilenet", "torchvision:mobilenet_v3_small", input_shape=(3, 32, 32))
 
 
-def test_cuts_frame_the_stages(digits):
-    _, m = digits
-    assert len(m["cuts"]) == len(m["stages"]) + 1
-    assert [c["index"] for c in m["cuts"]] == list(range(len(m["cuts"])))
-    assert m["cuts"][0]["name"] == "input" and m["cuts"][-1]["name"] == "output"
-    assert m["inputs"] == m["cuts"][0]["values"]
-    assert sum(s["parameters"] for s in m["stages"]) == m["model"]["parameters"] == 38378
+ALL_BUNDLES = ["digits", "residual", "transformer", "mobilenet"]
 
 
-def test_symbolic_shapes_and_bytes(digits):
-    _, m = digits
-    assert m["inputs"] == [{"name": "x", "spec": {"type": "tensor", "dtype": "float32", "shape": ["B", 1, 8, 8]}}]
-    assert m["cuts"][0]["bytes_per_sample"] == 8 * 8 * 4
-    assert m["cuts"][-1]["tensors"] == [{"name": m["cuts"][-1]["values"][0]["name"], "dtype": "float32", "shape": ["B", 10]}]
-    assert all(c["usable"] for c in m["cuts"])
+# ---------------------------------------------------------------------------------------------
+# Helpers.
 
 
-def test_residual_cut_carries_both_paths(residual):
-    _, m = residual
-    frontiers = [c for c in m["cuts"] if len(c["tensors"]) == 2]
-    assert frontiers, "a cut inside the residual block must carry x and the branch"
-    for c in frontiers:
-        assert "x" in [t["name"] for t in c["tensors"]]
-        assert all(t["shape"] == ["B", 4, 6, 6] for t in c["tensors"])
-
-
-def test_transformer_value_tree(transformer):
-    _, m = transformer
-    assert [(i["name"], i["spec"]) for i in m["inputs"]] == [
-        ("tokens", {"type": "tensor", "dtype": "int64", "shape": ["B", 12]}),
-        ("mask", {"type": "tensor", "dtype": "bool", "shape": ["B", 12]}),
-    ]
-    assert any(v["spec"] == {"type": "int"} for c in m["cuts"] for v in c["values"])
-    assert m["exporter"]["kept_whole"] == ["guard"]
-    assert any("is a dtype" in reason for reason in m["exporter"]["merged_cuts"])
-    assert m["output"]["type"] == "dict"
-    assert [item["key"] for item in m["output"]["items"]] == ["logits", "hidden"]
-
-
-def run_chain(out, m, values, start, end):
-    for i in range(start, end):
-        values = list(torch.jit.load(str(out / m["stages"][i]["file"]))(*values))
+def run_stages(stages: list, values: list) -> list:
+    with torch.no_grad():
+        for stage in stages:
+            values = list(stage(*values))
     return values
 
 
-@pytest.mark.parametrize("bundle", ["digits", "transformer"])
-def test_every_split_reproduces_the_reference(bundle, request):
-    out, m = request.getfixturevalue(bundle)
-    ref = load_file(str(out / "reference_b3.safetensors"))
+def assemble(tree: dict, by_name: dict):
+    """The model's output structure rebuilt from the last cut's values (the manifest's `output`)."""
+    if tree["type"] == "ref":
+        return by_name[tree["name"]]
+    if tree["type"] == "tuple":
+        return tuple(assemble(t, by_name) for t in tree["items"])
+    if tree["type"] == "list":
+        return [assemble(t, by_name) for t in tree["items"]]
+    assert tree["type"] == "dict", tree
+    return {item["key"]: assemble(item["value"], by_name) for item in tree["items"]}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = want.abs().max().item()
+    assert scale > 0, "a reference output of zeros would make the comparison vacuous"
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= REL_TOL * scale, f"max abs error {err:.3e} > {REL_TOL} * {scale:.3e}"
+
+
+def reference(bundle: Bundle, batch: int) -> tuple[list, list]:
+    """(inputs, expected last-cut values) of a reference file, checked against the manifest."""
+    m = bundle.manifest
+    ref = load_file(str(bundle.out / f"reference_b{batch}.safetensors"))
+    first, last = m["cuts"][0], m["cuts"][-1]
+    assert sorted(ref) == sorted(
+        [f"input.{t['name']}" for t in first["tensors"]] + [f"output.{t['name']}" for t in last["tensors"]]
+    )
+    for prefix, cut in (("input", first), ("output", last)):
+        for t in cut["tensors"]:
+            x = ref[f"{prefix}.{t['name']}"]
+            assert cleave_export.specs.DTYPE_NAMES[x.dtype] == t["dtype"]
+            assert list(x.shape) == shape_at(t["shape"], batch)
     inputs = [ref[f"input.{v['name']}"] for v in m["inputs"]]
-    want = [ref[f"output.{v['name']}"] for v in m["cuts"][-1]["values"]]
+    expected = [ref[f"output.{v['name']}"] for v in last["values"]]
+    return inputs, expected
+
+
+def parent_listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Manifest structure.
+
+
+@pytest.mark.parametrize("name", ALL_BUNDLES)
+def test_manifest_structure_and_file_hashes(name, request):
+    b: Bundle = request.getfixturevalue(name)
+    m = b.manifest
+    assert m == b.report_manifest
+    assert m["format"] == "cleave-bundle"
+    assert m["format_version"] == 1 == cleave_export.FORMAT_VERSION
+    assert m["model"]["source"] == b.source and m["model"]["seed"] == 0
+    assert m["exporter"]["version"] == cleave_export.__version__
+    assert m["exporter"]["torch"] == torch.__version__
+    assert m["exporter"]["tracer"] == "torch.fx"
+
     n = len(m["stages"])
-    first = None
-    with torch.no_grad():
+    assert n >= 2
+    stage_files = [f"stage_{i:03d}.pt" for i in range(n)]
+    assert [s["index"] for s in m["stages"]] == list(range(n))
+    assert [s["file"] for s in m["stages"]] == stage_files
+    assert m["references"] == [
+        {"batch_size": 1, "file": "reference_b1.safetensors"},
+        {"batch_size": 3, "file": "reference_b3.safetensors"},
+    ]
+    ref_files = [r["file"] for r in m["references"]]
+
+    # Every stage and reference file is listed with the sha256 of the file on disk, and
+    # nothing else is in the bundle directory but the manifest.
+    assert sorted(m["files"]) == sorted(stage_files + ref_files)
+    assert sorted(p.name for p in b.out.iterdir()) == sorted(stage_files + ref_files + ["manifest.json"])
+    for file, digest in m["files"].items():
+        assert re.fullmatch(r"[0-9a-f]{64}", digest)
+        assert hashlib.sha256((b.out / file).read_bytes()).hexdigest() == digest, file
+
+    # Cuts 0..N frame the N stages.
+    cuts = m["cuts"]
+    assert len(cuts) == n + 1
+    assert [c["index"] for c in cuts] == list(range(n + 1))
+    assert cuts[0]["name"] == "input"
+    assert cuts[-1]["name"] == "output"
+    assert [c["name"] for c in cuts[1:-1]] == [f"after {s['name']}" for s in m["stages"][:-1]]
+    assert m["inputs"] == cuts[0]["values"]
+    assert cuts[0]["values"] and cuts[-1]["values"]
+    for c in cuts:
+        names = [v["name"] for v in c["values"]]
+        assert len(names) == len(set(names)), c["name"]
+        assert c["tensors"] == [
+            {"name": leaf, "dtype": spec["dtype"], "shape": spec["shape"]}
+            for v in c["values"]
+            for leaf, spec in tensor_leaves(v["name"], v["spec"])
+        ]
+        assert (c["bytes_per_sample"], c["bytes_fixed"], c["usable"]) == bytes_per_sample([v["spec"] for v in c["values"]])
+
+    # The parameters are split between the stages, none lost or counted twice.
+    assert sum(s["parameters"] for s in m["stages"]) == m["model"]["parameters"] > 0
+    assert all(s["compiler"] == "script" for s in m["stages"])
+
+
+def test_digits_manifest_details(digits):
+    m = digits.manifest
+    model = DigitsCNN()
+    assert m["model"]["class"] == "DigitsCNN"
+    assert m["model"]["parameters"] == sum(p.numel() for p in model.parameters()) == 38378
+    assert m["model"]["preprocess"] is None
+    assert m["batch"] == {"min": 1, "max": 16}
+    assert m["exporter"]["granularity"] == "op"
+    assert m["exporter"]["kept_whole"] == [] and m["exporter"]["merged_cuts"] == []
+    # At op granularity every module of the two Sequentials is its own stage.
+    names = [f"features.{i}" for i in range(7)] + [f"classifier.{i}" for i in range(5)]
+    assert [s["name"] for s in m["stages"]] == names
+    assert [s["modules"] for s in m["stages"]] == [[n] for n in names]
+    params = {n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in names}
+    assert [s["parameters"] for s in m["stages"]] == [params[n] for n in names]
+    # FLOPs per sample (2 per multiply-add): convolutions at 8x8 and the two linear layers;
+    # batch norm, activations, pooling and flatten count nothing.
+    flops = {"features.0": 2 * 16 * 1 * 9 * 64, "features.3": 2 * 32 * 16 * 9 * 64,
+             "classifier.1": 2 * 512 * 64, "classifier.4": 2 * 64 * 10}
+    assert [s["flops_per_sample"] for s in m["stages"]] == [flops.get(n, 0) for n in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Symbolic shapes.
+
+
+def test_digits_symbolic_shapes(digits):
+    m = digits.manifest
+    assert m["inputs"] == [{"name": "x", "spec": {"type": "tensor", "dtype": "float32", "shape": ["B", 1, 8, 8]}}]
+    assert m["cuts"][0]["bytes_per_sample"] == 1 * 8 * 8 * 4
+    assert m["cuts"][0]["bytes_fixed"] == 0
+    shapes = [[t["shape"] for t in c["tensors"]] for c in m["cuts"]]
+    assert shapes == [
+        [["B", 1, 8, 8]],
+        [["B", 16, 8, 8]], [["B", 16, 8, 8]], [["B", 16, 8, 8]],
+        [["B", 32, 8, 8]], [["B", 32, 8, 8]], [["B", 32, 8, 8]],
+        [["B", 32, 4, 4]],
+        [["B", 512]], [["B", 64]], [["B", 64]], [["B", 64]],
+        [["B", 10]],
+    ]
+    for c, [shape] in zip(m["cuts"], shapes):
+        assert c["tensors"][0]["dtype"] == "float32"
+        assert c["bytes_per_sample"] == 4 * torch.Size(shape[1:]).numel()
+        assert c["usable"] is True and "reason" not in c
+
+
+def test_residual_cut_carries_the_residual_frontier(residual):
+    m = residual.manifest
+    assert m["inputs"] == [{"name": "x", "spec": {"type": "tensor", "dtype": "float32", "shape": ["B", 4, 6, 6]}}]
+    frontier = [c for c in m["cuts"] if len(c["tensors"]) == 2]
+    # Every cut inside the block, from after conv1 up to the add, carries x (the skip) and the branch.
+    assert [c["name"] for c in frontier] == ["after conv1", "after bn", "after relu", "after conv2"]
+    for c in frontier:
+        assert c["tensors"][0] == {"name": "x", "dtype": "float32", "shape": ["B", 4, 6, 6]}
+        assert c["tensors"][1]["name"] != "x"
+        assert c["tensors"][1]["dtype"] == "float32" and c["tensors"][1]["shape"] == ["B", 4, 6, 6]
+        assert c["bytes_per_sample"] == 2 * 4 * 6 * 6 * 4
+    # Once the branch is added back, one tensor crosses again.
+    after_add = m["cuts"][frontier[-1]["index"] + 1]
+    assert [t["shape"] for t in after_add["tensors"]] == [["B", 4, 6, 6]]
+    assert "x" not in [t["name"] for t in after_add["tensors"]]
+
+
+def test_dynamic_batch_one_to_two_keeps_the_batch_symbolic(tmp_path):
+    # The two probe batch sizes must differ whenever the range allows it (regression test:
+    # with --dynamic-batch 1 2 both probes were 2, every dimension looked fixed, and the
+    # validation at batch 1 failed).
+    out = tmp_path / "digits12"
+    m = export_bundle(ExportOptions("cleave_export.zoo:digits_cnn", out, batch_min=1, batch_max=2,
+                                    reference_batches=(1, 2), granularity="top")).manifest
+    assert m["inputs"][0]["spec"]["shape"] == ["B", 1, 8, 8]
+    assert m["cuts"][-1]["tensors"][0]["shape"] == ["B", 10]
+    assert [s["name"] for s in m["stages"]] == ["features", "classifier"]
+    assert [r["batch_size"] for r in m["references"]] == [1, 2]
+
+
+def test_fixed_batch_model_exports_with_one_batch_size(tmp_path):
+    out = tmp_path / "fixed"
+    m = export_bundle(ExportOptions("tests.models:batch_baked", out, batch_min=3, batch_max=3,
+                                    reference_batches=(3,))).manifest
+    assert m["batch"] == {"min": 3, "max": 3}
+    assert m["inputs"][0]["spec"] == {"type": "tensor", "dtype": "float32", "shape": [3, 4]}
+    # Nothing scales with the batch: every byte is fixed.
+    assert (m["cuts"][0]["bytes_per_sample"], m["cuts"][0]["bytes_fixed"]) == (0, 3 * 4 * 4)
+    assert m["references"] == [{"batch_size": 3, "file": "reference_b3.safetensors"}]
+    # FLOPs are per sample, measured here at batch 3: the 4 -> 2 linear layer costs 2 * 4 * 2.
+    assert [(s["name"], s["flops_per_sample"]) for s in m["stages"]] == [("fc", 2 * 4 * 2), ("reshape", 0)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Value trees: several inputs, plain values at cuts, modules kept whole, dict outputs.
+
+
+def test_transformer_inputs_values_and_output_tree(transformer):
+    m = transformer.manifest
+    assert m["inputs"] == [
+        {"name": "tokens", "spec": {"type": "tensor", "dtype": "int64", "shape": ["B", 12]}},
+        {"name": "mask", "spec": {"type": "tensor", "dtype": "bool", "shape": ["B", 12]}},
+    ]
+    assert m["cuts"][0]["bytes_per_sample"] == 12 * 8 + 12 * 1
+
+    # tokens.size(1) is a plain int crossing a cut; it is no tensor and costs no bytes.
+    int_cuts = [c for c in m["cuts"] if any(v["spec"] == {"type": "int"} for v in c["values"])]
+    assert len(int_cuts) >= 1
+    for c in int_cuts:
+        ints = [v["name"] for v in c["values"] if v["spec"] == {"type": "int"}]
+        assert not set(ints) & {t["name"] for t in c["tensors"]}
+        assert len(c["tensors"]) == len(c["values"]) - len(ints)
+        assert c["usable"] is True
+
+    # The guard's data-dependent `if` cannot be traced: it is kept whole, as one stage.
+    assert m["exporter"]["kept_whole"] == ["guard"]
+    assert [s["modules"] for s in m["stages"] if "guard" in s["modules"]] == [["guard"]]
+
+    # `x.dtype` cannot be a TorchScript stage input: its cut is merged away, and named.
+    [reason] = m["exporter"]["merged_cuts"]
+    match = re.fullmatch(r"after (\w+): value '(\w+)' is a dtype, which cannot cross a cut", reason)
+    assert match and match[1] == match[2], reason
+    dtype_value = match[1]
+    assert dtype_value not in {v["name"] for c in m["cuts"] for v in c["values"]}
+    assert [s["name"] for s in m["stages"] if s["name"].startswith(f"{dtype_value} .. ")] != []
+
+    # The output is a dict, keys in the model's order, each naming a value of the last cut.
+    assert m["output"] == {
+        "type": "dict",
+        "items": [
+            {"key": "logits", "value": {"type": "ref", "name": "head"}},
+            {"key": "hidden", "value": {"type": "ref", "name": "norm"}},
+        ],
+    }
+    last = {v["name"]: v["spec"] for v in m["cuts"][-1]["values"]}
+    assert last == {
+        "norm": {"type": "tensor", "dtype": "float32", "shape": ["B", 12, 32]},
+        "head": {"type": "tensor", "dtype": "float32", "shape": ["B", 5]},
+    }
+    assert m["model"]["class"] == "TinyTransformer"
+
+
+def test_transformer_position_slice_is_fixed_bytes(transformer):
+    # self.pos[:, :12] does not scale with the batch: it counts as fixed bytes, not per sample.
+    cuts = [c for c in transformer.manifest["cuts"] if any(t["shape"] == [1, 12, 32] for t in c["tensors"])]
+    assert len(cuts) == 1
+    assert cuts[0]["bytes_fixed"] == 12 * 32 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The chain reproduces the references, at every split point.
+
+
+@pytest.mark.parametrize("name", ALL_BUNDLES)
+def test_chain_reproduces_reference_at_every_split(name, request):
+    b: Bundle = request.getfixturevalue(name)
+    m = b.manifest
+    stages = b.stages()
+    n = len(stages)
+    for batch in (1, 3):
+        inputs, expected = reference(b, batch)
+        whole = run_stages(stages, inputs)
+        assert len(whole) == len(expected)
+        for got, want in zip(whole, expected):
+            assert_close(got, want)
         for s in range(n + 1):
-            got = run_chain(out, m, run_chain(out, m, list(inputs), 0, s), s, n)
-            for g, w in zip(got, want, strict=True):
-                assert (g - w).abs().max() <= 1e-5 * w.abs().max()
-            if first is None:
-                first = got
-            assert all(torch.equal(a, b) for a, b in zip(got, first)), f"split {s} differs from split 0"
+            boundary = run_stages(stages[:s], inputs)
+            cut = m["cuts"][s]
+            assert len(boundary) == len(cut["values"])
+            for v, x in zip(cut["values"], boundary):
+                check_value(v["spec"], x, batch, f"cut {s} value {v['name']}")
+            got = run_stages(stages[s:], boundary)
+            assert all(torch.equal(g, w) for g, w in zip(got, whole, strict=True)), f"split at cut {s} differs"
 
 
-def test_force_replaces_and_refusal_keeps_the_old_bundle(tmp_path):
-    out = tmp_path / "b"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="already exists; pass --force"):
-        export_bundle(ExportOptions(source="tests.models:tiny_residual", out=out))
-    assert (out / "keep.txt").read_text() == "mine"
-    export_bundle(ExportOptions(source="tests.models:tiny_residual", out=out, force=True))
-    assert (out / "manifest.json").is_file() and not (out / "keep.txt").exists()
+@pytest.mark.parametrize("name", ["digits", "transformer"])
+def test_references_are_the_models_own_outputs(name, request):
+    # Rebuild the model from SOURCE and seed: the reference output is what it computes.
+    b: Bundle = request.getfixturevalue(name)
+    model = load_source(b.source, b.input_shape, b.manifest["model"]["seed"]).model
+    inputs, expected = reference(b, 3)
+    with torch.no_grad():
+        want = model(*inputs)
+    by_name = {v["name"]: x for v, x in zip(b.manifest["cuts"][-1]["values"], expected)}
+    got = assemble(b.manifest["output"], by_name)
+    assert [k for k, _ in flatten_tensors("", got)] == [k for k, _ in flatten_tensors("", want)]
+    for (_, g), (_, w) in zip(flatten_tensors("", got), flatten_tensors("", want)):
+        assert_close(g, w)
 
 
-def test_batch_baked_model_is_refused_and_leaves_nothing(tmp_path):
-    out = tmp_path / "baked"
-    with pytest.raises(ExportError, match="the model fails on its example inputs at batch size 2: RuntimeError"):
-        export_bundle(ExportOptions(source="tests.models:batch_baked", out=out, batch_max=4))
-    assert list(tmp_path.iterdir()) == []
+def test_digits_every_split_as_two_halves_over_the_wire(digits):
+    # As the host and the server would: load the two halves separately, send the boundary
+    # as safetensors under its wire names, and compare the outputs bit for bit.
+    m = digits.manifest
+    n = len(m["stages"])
+    inputs, expected = reference(digits, 3)
+    outputs = []
+    for s in range(n + 1):
+        edge = [torch.jit.load(str(digits.out / st["file"])).eval() for st in m["stages"][:s]]
+        server = [torch.jit.load(str(digits.out / st["file"])).eval() for st in m["stages"][s:]]
+        boundary = run_stages(edge, list(inputs))
+        cut = m["cuts"][s]
+        wire = dict(leaf for v, x in zip(cut["values"], boundary) for leaf in flatten_tensors(v["name"], x))
+        assert list(wire) == [t["name"] for t in cut["tensors"]]
+        received = load(save({k: x.contiguous() for k, x in wire.items()}))
+        got = run_stages(server, [received[v["name"]] for v in cut["values"]])
+        assert len(got) == 1
+        assert_close(got[0], expected[0])
+        outputs.append(got[0])
+    assert len(outputs) == n + 1 == 13
+    assert all(torch.equal(o, outputs[0]) for o in outputs)
+
+
+def test_scripted_stages_keep_train_and_eval_behaviour(digits):
+    m = digits.manifest
+    by_name = {s["name"]: torch.jit.load(str(digits.out / s["file"])) for s in m["stages"]}
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 8, 8) * 3 + 1
+    bn = by_name["features.1"]
+    with torch.no_grad():
+        eval_out = bn.eval()(x)[0]
+        train_out = bn.train()(x)[0]
+    # Train mode normalises with the batch's statistics: mean 0 per channel.
+    assert torch.allclose(train_out.mean(dim=(0, 2, 3)), torch.zeros(16), atol=1e-5)
+    assert not torch.allclose(eval_out, train_out)
+    dropout = by_name["classifier.3"]
+    h = torch.ones(8, 64)
+    with torch.no_grad():
+        assert torch.equal(dropout.eval()(h)[0], h)
+        dropped = dropout.train()(h)[0]
+    assert (dropped == 0).any() and set(dropped.unique().tolist()) <= {0.0, 1 / 0.8}
+
+
+# ---------------------------------------------------------------------------------------------
+# The one torchvision export.
+
+
+def test_torchvision_mobilenet_at_block_granularity(mobilenet):
+    m = mobilenet.manifest
+    assert m["model"]["class"] == "MobileNetV3"
+    assert m["model"]["parameters"] == 2542856
+    assert m["inputs"] == [{"name": "x", "spec": {"type": "tensor", "dtype": "float32", "shape": ["B", 3, 32, 32]}}]
+    assert m["cuts"][-1]["tensors"][0]["shape"] == ["B", 1000]
+    assert m["exporter"]["granularity"] == "block"
+    assert m["exporter"]["kept_whole"] == [] and m["exporter"]["merged_cuts"] == []
+    names = [s["name"] for s in m["stages"]]
+    assert names == [f"features.{i}" for i in range(13)] + ["avgpool", "flatten"] + [f"classifier.{i}" for i in range(4)]
+    assert all(c["usable"] for c in m["cuts"])
+    # --input-shape 3,32,32 is not the 224 crop of the weights' preset, so no preprocessing
+    # is claimed for these inputs.
+    assert m["model"]["preprocess"] is None
+
+
+def test_torchvision_preset_gives_shape_and_preprocessing():
+    src = load_source("torchvision:mobilenet_v3_small", None, 0)
+    assert src.preprocess == {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    assert src.make_inputs(2)[0].shape == (2, 3, 224, 224)
+    assert not src.model.training
+    # The same shape as the preset, given explicitly, keeps the preprocessing.
+    assert load_source("torchvision:mobilenet_v3_small", (3, 224, 224), 0).preprocess == src.preprocess
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Errors name the problem, and leave nothing behind.
 
 
 @pytest.mark.parametrize(
     ("opts", "message"),
     [
-        (dict(source="torchvision:no_such_net"), "torchvision has no model 'no_such_net'"),
-        (dict(source="resnet18"), "neither `torchvision:NAME` nor `package.module:callable`"),
-        (dict(source="tests.models:not_a_module"), "returned a int, expected a torch.nn.Module"),
-        (dict(source="tests.models:missing"), "has no attribute 'missing'"),
-        (dict(source="no_such_pkg.mod:f"), "cannot import 'no_such_pkg.mod'"),
-        (dict(source="tests.models:tiny_residual", granularity="fine"), "expected top, block, layer, op"),
-        (dict(source="tests.models:tiny_residual", reference_batches=(100,)), "reference batch size 100 is outside"),
-        (dict(source="tests.models:tiny_residual", batch_min=5, batch_max=2), "need 1 <= MIN <= MAX"),
+        (dict(source="torchvision:no_such_net"), "torchvision has no model 'no_such_net'; some it has: alexnet"),
+        (dict(source="resnet18"), "SOURCE 'resnet18' is neither `torchvision:NAME` nor `package.module:callable`"),
+        (dict(source="tests.models:not_a_module"), "tests.models:not_a_module returned a int, expected a torch.nn.Module"),
+        (dict(source="tests.models:missing"), "module 'tests.models' has no attribute 'missing'"),
+        (dict(source="no_such_pkg.mod:f"), "cannot import 'no_such_pkg.mod' (from SOURCE 'no_such_pkg.mod:f')"),
+        (dict(source=":f"), "cannot import '' (from SOURCE ':f')"),
+        (dict(source=".models:f"), "cannot import '.models' (from SOURCE '.models:f')"),
+        (dict(source="tests.models:tiny_residual", granularity="fine"),
+         "--granularity 'fine': expected top, block, layer, op or a positive depth"),
+        (dict(source="tests.models:tiny_residual", granularity="0"), "--granularity '0'"),
+        (dict(source="tests.models:tiny_residual", reference_batches=(1, 100)),
+         "reference batch size 100 is outside --dynamic-batch 1 64"),
+        (dict(source="tests.models:batch_baked", batch_min=3, batch_max=3),
+         "reference batch size 1 is outside --dynamic-batch 3 3"),
+        (dict(source="tests.models:tiny_residual", batch_min=5, batch_max=2), "--dynamic-batch 5 2: need 1 <= MIN <= MAX"),
+        (dict(source="tests.models:tiny_residual", batch_min=0, batch_max=2), "--dynamic-batch 0 2: need 1 <= MIN <= MAX"),
+        (dict(source="torch.nn:Identity"), "cannot tell the input shape of torch.nn:Identity: pass --input-shape"),
     ],
 )
 def test_bad_inputs_name_the_problem(tmp_path, opts, message):
+    out = tmp_path / "bundle"
     with pytest.raises(ExportError) as e:
-        export_bundle(ExportOptions(out=tmp_path / "b", **opts))
+        export_bundle(ExportOptions(out=out, **opts))
     assert message in str(e.value)
-    assert not (tmp_path / "b").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_reports_errors_with_exit_code_2(tmp_path):
+def test_existing_output_is_refused_and_left_untouched(tmp_path):
+    out = tmp_path / "bundle"
+    (out / "sub").mkdir(parents=True)
+    (out / "keep.txt").write_text("mine")
+    (out / "sub" / "stage_000.pt").write_bytes(b"not a stage")
+    with pytest.raises(ExportError) as e:
+        export_bundle(ExportOptions("tests.models:tiny_residual", out))
+    assert str(e.value) == f"{out} already exists; pass --force to replace it"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["keep.txt", "sub", "sub/stage_000.pt"]
+    assert (out / "keep.txt").read_text() == "mine"
+    assert (out / "sub" / "stage_000.pt").read_bytes() == b"not a stage"
+    assert parent_listing(out) == ["bundle"]
+
+
+def test_batch_baked_model_is_refused_and_leaves_nothing(tmp_path):
+    out = tmp_path / "baked"
+    with pytest.raises(ExportError) as e:
+        export_bundle(ExportOptions("tests.models:batch_baked", out))
+    message = str(e.value)
+    # It takes batch 3 only; the exporter tries another batch size and names it.
+    assert message.startswith("the model fails on its example inputs at batch size 2: RuntimeError: shape '[3, 2]' is invalid")
+    assert message.endswith("(a model that takes one batch size only is exported with --dynamic-batch N N)")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("tests.test_export:small_batches_only",
+         "the model fails on its example inputs at batch size 8: RuntimeError: batch larger than 4"),
+        ("tests.test_export:trace_differs", "torch.fx's trace of the model differs from the model at batch 1"),
+    ],
+)
+def test_failed_validation_removes_its_temporary_directory(tmp_path, monkeypatch, source, message):
+    # These models pass the probes and fail only in validation, after the temporary bundle
+    # directory was made: it must be gone, and no bundle directory may appear.
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        made.append(Path(real_mkdtemp(*args, **kwargs)))
+        return str(made[-1])
+
+    monkeypatch.setattr(cleave_export.bundle.tempfile, "mkdtemp", mkdtemp)
+    out = tmp_path / "nope"
+    with pytest.raises(ExportError) as e:
+        export_bundle(ExportOptions(source, out))
+    assert message in str(e.value)
+    assert len(made) == 1 and made[0].parent == tmp_path and made[0].name.startswith(".nope.")
+    assert not made[0].exists()
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kept_whole_module_is_reported(tmp_path):
+    # The gate of SmallBatchesOnly is kept whole when the batch range stays below its limit.
+    out = tmp_path / "gated"
+    m = export_bundle(ExportOptions("tests.test_export:small_batches_only", out, batch_max=4,
+                                    granularity="op")).manifest
+    assert m["exporter"]["kept_whole"] == ["gate"]
+    assert [s["name"] for s in m["stages"]] == ["fc", "gate"]
+    assert parent_listing(out) == ["gated"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. --force, and the command line.
+
+
+def test_force_replaces_an_existing_bundle(tmp_path, capsys):
+    out = tmp_path / "bundle"
+    assert cli.main(["tests.models:tiny_residual", "--out", str(out), "-q"]) == 0
+    first = json.loads((out / "manifest.json").read_text())
+    assert first["model"]["source"] == "tests.models:tiny_residual"
+    (out / "stray.txt").write_text("left from before")
+    capsys.readouterr()
+
+    assert cli.main(["cleave_export.zoo:digits_cnn", "--out", str(out), "--granularity", "top"]) == 2
+    assert "already exists; pass --force to replace it" in capsys.readouterr().err
+    assert (out / "stray.txt").exists()
+
+    assert cli.main(["cleave_export.zoo:digits_cnn", "--out", str(out), "--granularity", "top", "--force"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"exported cleave_export.zoo:digits_cnn to {out}: 2 stages, 3 cuts (3 usable), 38,378 parameters" in stdout
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["model"]["source"] == "cleave_export.zoo:digits_cnn"
+    assert [s["name"] for s in m["stages"]] == ["features", "classifier"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*m["files"], "manifest.json"])
+    for file, digest in m["files"].items():
+        assert hashlib.sha256((out / file).read_bytes()).hexdigest() == digest
+    assert parent_listing(out) == ["bundle"]
+
+
+def test_cli_bad_granularity_exits_2(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert cli.main(["tests.models:tiny_residual", "--out", str(out), "--granularity", "fine"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "cleave_export: error: --granularity 'fine': expected top, block, layer, op or a positive depth\n"
+    )
+    assert captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_parses_every_option():
+    opts = cli.parse_args([
+        "pkg.mod:make", "--out", "b", "--input-shape", "3x32x32", "--dynamic-batch", "2", "5",
+        "--granularity", "layer", "--seed", "7", "--reference-batches", "2,4", "--force", "-q",
+    ])
+    assert opts == ExportOptions(source="pkg.mod:make", out=Path("b"), input_shape=(3, 32, 32), batch_min=2,
+                                 batch_max=5, granularity="layer", seed=7, reference_batches=(2, 4), force=True)
+    assert cli.parse_args(["s:f", "--out", "b"]) == ExportOptions(source="s:f", out=Path("b"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--input-shape", "3,a"], "'3,a' is not a shape like 3,224,224"),
+        (["--input-shape", "3,0,4"], "'3,0,4': dimensions must be positive"),
+        (["--reference-batches", "1;3"], "'1;3' is not a list of batch sizes like 1,3"),
+    ],
+)
+def test_cli_rejects_malformed_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["s:f", "--out", "b", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_m_cleave_export_bad_source_exit_code_2(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "cleave_export", "torchvision:no_such_net", "--out", str(tmp_path / "b")],
-        cwd=HERE, capture_output=True, text=True,
+        [sys.executable, "-m", "cleave_export", "resnet18", "--out", str(tmp_path / "b")],
+        cwd=EXPORT_ROOT, capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 2
-    assert "cleave_export: error: torchvision has no model 'no_such_net'" in run.stderr
+    assert run.stderr == (
+        "cleave_export: error: SOURCE 'resnet18' is neither `torchvision:NAME` nor `package.module:callable`\n"
+    )
+    assert run.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_symbolic_dims():
-    assert symbolic_dim(64, 64, 2, 3) == 64
+# ---------------------------------------------------------------------------------------------
+# 8. Specs and granularity, unit by unit.
+
+
+def test_symbolic_dim():
+    assert symbolic_dim(64, 64, 2, 3) == 64  # fixed
+    assert symbolic_dim(1, 1, 2, 3) == 1
     assert symbolic_dim(2, 3, 2, 3) == "B"
-    assert symbolic_dim(8, 12, 2, 3) == "4*B"
-    assert symbolic_dim(5, 9, 2, 3) == "?"
+    assert symbolic_dim(1, 2, 1, 2) == "B"
+    assert symbolic_dim(4, 6, 2, 3) == "2*B"
+    assert symbolic_dim(24, 36, 2, 3) == "12*B"
+    assert symbolic_dim(5, 9, 2, 3) == "?"  # grows, but not in proportion to the batch
+    assert symbolic_dim(3, 4, 2, 3) == "?"  # B + 1
+    assert symbolic_dim(7, 5, 2, 3) == "?"
+    assert symbolic_dim(3, 3, 3, 3) == 3  # one batch size: everything is fixed
 
 
-def test_value_specs_of_nested_values():
-    small = (torch.zeros(2, 5), {"n": 7, "none": None}, [1.5])
-    large = (torch.zeros(3, 5), {"n": 9, "none": None}, [2.5])
+def test_value_spec_of_nested_values():
+    small = (torch.zeros(2, 5), {"n": 7, "none": None, "t": torch.ones(4, 3, dtype=torch.int64)}, [1.5, True], "s")
+    large = (torch.zeros(3, 5), {"n": 9, "none": None, "t": torch.ones(6, 3, dtype=torch.int64)}, [2.5, False], "s")
     assert value_spec(small, large, 2, 3, "v") == {
         "type": "tuple",
         "items": [
             {"type": "tensor", "dtype": "float32", "shape": ["B", 5]},
-            {"type": "dict", "items": [{"key": "n", "value": {"type": "int"}}, {"key": "none", "value": {"type": "none"}}]},
-            {"type": "list", "items": [{"type": "float"}]},
+            {"type": "dict", "items": [
+                {"key": "n", "value": {"type": "int"}},
+                {"key": "none", "value": {"type": "none"}},
+                {"key": "t", "value": {"type": "tensor", "dtype": "int64", "shape": ["2*B", 3]}},
+            ]},
+            {"type": "list", "items": [{"type": "float"}, {"type": "bool"}]},
+            {"type": "str"},
         ],
     }
-    assert str(torchscript_type({"type": "list", "items": [{"type": "int"}] * 2})) == "typing.List[int]"
-    assert str(torchscript_type({"type": "tuple", "items": [{"type": "tensor"}, {"type": "int"}]})) == "typing.Tuple[torch.Tensor, int]"
+    assert value_spec(None, None, 2, 3, "v") == {"type": "none"}
+    assert value_spec(5, 5, 2, 3, "v") == {"type": "int"}
+    assert value_spec(torch.Size([2, 4]), torch.Size([3, 4]), 2, 3, "v") == {"type": "list", "items": [{"type": "int"}] * 2}
+    assert value_spec(torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.bool), 2, 3, "v") == {
+        "type": "tensor", "dtype": "bool", "shape": ["B"]}
 
 
-def test_fixed_batch_model_exports_with_one_batch_size(tmp_path):
-    out, m = tmp_path / "fixed", None
-    m = export_bundle(ExportOptions(source="tests.models:batch_baked", out=out, batch_min=3, batch_max=3, reference_batches=(3,))).manifest
-    assert m["batch"] == {"min": 3, "max": 3}
-    assert m["inputs"][0]["spec"]["shape"] == [3, 4]
+@pytest.mark.parametrize(
+    ("small", "large", "message"),
+    [
+        (torch.float32, torch.float32, "v is a dtype, which cannot cross a cut"),
+        (torch.zeros(2, dtype=torch.complex64), torch.zeros(3, dtype=torch.complex64),
+         "v is a tensor of unsupported dtype torch.complex64"),
+        (torch.zeros(2), torch.zeros(3, 1), "v changes rank with the batch size"),
+        ((1, 2), (1, 2, 3), "v changes length with the batch size"),
+        ({1: torch.zeros(2)}, {1: torch.zeros(3)}, "v is a dict whose keys are not fixed strings"),
+        ((torch.zeros(2), object()), (torch.zeros(3), object()), "v[1] is a object, which cannot cross a cut"),
+    ],
+)
+def test_value_spec_refuses_what_cannot_cross_a_cut(small, large, message):
+    with pytest.raises(Unrepresentable) as e:
+        value_spec(small, large, 2, 3, "v")
+    assert str(e.value) == message
 
 
-def test_missing_parent_directories_are_created(tmp_path):
-    out = tmp_path / "new" / "dir" / "residual"
-    export_bundle(ExportOptions(source="tests.models:tiny_residual", out=out))
-    assert (out / "manifest.json").is_file()
-    assert [p.name for p in out.parent.iterdir()] == ["residual"]
+def test_torchscript_type():
+    T = torch.Tensor
+    assert torchscript_type({"type": "tensor", "dtype": "float32", "shape": ["B"]}) is T
+    assert torchscript_type({"type": "int"}) is int
+    assert torchscript_type({"type": "float"}) is float
+    assert torchscript_type({"type": "bool"}) is bool
+    assert torchscript_type({"type": "str"}) is str
+    assert torchscript_type({"type": "none"}) == typing.Optional[T]
+    assert torchscript_type({"type": "tuple", "items": [{"type": "tensor"}, {"type": "int"}]}) == typing.Tuple[T, int]
+    assert torchscript_type({"type": "tuple", "items": []}) == typing.Tuple[()]
+    assert torchscript_type({"type": "list", "items": [{"type": "int"}] * 3}) == typing.List[int]
+    assert torchscript_type({"type": "dict", "items": [{"key": "a", "value": {"type": "tensor"}},
+                                                       {"key": "b", "value": {"type": "tensor"}}]}) == typing.Dict[str, T]
+    nested = {"type": "tuple", "items": [{"type": "list", "items": [{"type": "tensor"}]}, {"type": "none"}]}
+    assert torchscript_type(nested) == typing.Tuple[typing.List[T], typing.Optional[T]]
+    for bad in ({"type": "list", "items": [{"type": "int"}, {"type": "tensor"}]}, {"type": "list", "items": []},
+                {"type": "dict", "items": []}):
+        with pytest.raises(Unrepresentable, match="mixed or unknown element types"):
+            torchscript_type(bad)
+
+
+def test_tensor_leaves_match_runtime_names_and_byte_counts():
+    spec = {"type": "tuple", "items": [
+        {"type": "tensor", "dtype": "float16", "shape": ["B", 3]},
+        {"type": "dict", "items": [{"key": "k", "value": {"type": "tensor", "dtype": "int8", "shape": ["2*B", 5]}},
+                                   {"key": "n", "value": {"type": "int"}}]},
+        {"type": "tensor", "dtype": "float32", "shape": [7]},
+    ]}
+    value = (torch.zeros(4, 3, dtype=torch.float16), {"k": torch.zeros(8, 5, dtype=torch.int8), "n": 1}, torch.zeros(7))
+    assert [n for n, _ in tensor_leaves("v", spec)] == [n for n, _ in flatten_tensors("v", value)] == ["v.0", "v.1.k", "v.2"]
+    check_value(spec, value, 4, "v")
+    # per sample: 3 float16 + 2 * 5 int8; fixed: 7 float32.
+    assert bytes_per_sample([spec]) == (3 * 2 + 2 * 5, 7 * 4, True)
+    assert bytes_per_sample([{"type": "tensor", "dtype": "float32", "shape": ["B", "?"]}])[2] is False
+    assert shape_at(["B", "2*B", "?", 5], 4) == [4, 8, -1, 5]
+    with pytest.raises(ValueError, match=r"v\[0\]: expected float16\[3, 3\], got float16\[4, 3\]"):
+        check_value(spec, value, 3, "v")
+
+
+def test_parse_granularity():
+    assert [parse_granularity(g) for g in ("top", "block", "layer", "op", "1", "4")] == [1, 2, 3, None, 1, 4]
+    for bad in ("fine", "0", "-1", "", "Op"):
+        with pytest.raises(ExportError, match=re.escape(f"--granularity {bad!r}: expected top, block")):
+            parse_granularity(bad)
