@@ -1,23 +1,15 @@
-//! Shared build script for every crate that links libtorch (`build = "../common/build.rs"`).
-//!
-//! torch-sys tells its direct dependents where libtorch lives through `DEP_TCH_LIBTORCH_LIB`.
-//! We bake that directory into the rpath so binaries and test executables run without
-//! `LD_LIBRARY_PATH`, and we force a `NEEDED` entry for `libtorch_cuda.so`: nothing in our
-//! code references its symbols, so `--as-needed` would drop it and libtorch would silently
-//! never register its CUDA backend.
+//! Links libtorch (see `link_torch.rs`) and compiles the gRPC service from `proto/`.
 
-use std::path::Path;
+#[path = "link_torch.rs"]
+mod link_torch;
 
-fn main() {
-    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
-    let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
-        return;
-    };
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
-    if Path::new(&lib_dir).join("libtorch_cuda.so").exists() {
-        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
-        println!("cargo:rustc-link-arg=-L{lib_dir}");
-        println!("cargo:rustc-link-arg=-ltorch_cuda");
-        println!("cargo:rustc-link-arg=-Wl,--as-needed");
-    }
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    link_torch::link_torch();
+    // A vendored protoc, so that a fresh machine needs no system package.
+    std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure()
+        // Tensor bytes stay `bytes::Bytes`: decoding a frame does not copy them.
+        .bytes(".cleave.v1")
+        .compile_protos(&["../proto/cleave/v1/cleave.proto"], &["../proto"])?;
+    Ok(())
 }

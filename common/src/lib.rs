@@ -7,6 +7,8 @@
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`tables`]: the tables printed for people (split points, verification runs).
+//! - [`wire`]: boundaries on the wire (header + raw bytes in frames), checked before allocation.
+//! - [`pb`]: the generated gRPC types.
 //! - [`error`]: the error type, one variant per step that can fail.
 
 pub mod bundle;
@@ -17,6 +19,14 @@ pub mod stages;
 pub mod value;
 pub mod tables;
 pub mod verify;
+pub mod wire;
+
+/// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
+/// glue uses them; the rest of the code works with domain types and converts at the edge.
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod pb {
+    tonic::include_proto!("cleave.v1");
+}
 
 pub use bundle::{Bundle, SplitPoint};
 pub use device::DeviceSpec;
