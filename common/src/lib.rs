@@ -4,6 +4,7 @@
 //! - [`spec`]: what the manifest says crosses a cut: dtypes, symbolic shapes, value trees.
 //! - [`value`]: runtime values at a cut ([`Boundary`]): named tensors plus a value tree.
 //! - [`stages`]: load a range of stages onto a device and run it on a boundary.
+//! - [`config`]: `server.yaml` and `edge.yaml`, raw then validated.
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`tables`]: the tables printed for people (split points, verification runs).
@@ -12,6 +13,7 @@
 //! - [`error`]: the error type, one variant per step that can fail.
 
 pub mod bundle;
+pub mod config;
 pub mod device;
 pub mod error;
 pub mod spec;

@@ -1,15 +1,106 @@
 //! The GPU side of cleave.
 //!
 //! The server loads a whole bundle once, on its device, so that it can run the suffix
-//! `[s, N)` of any split point a host asks for. For now it offers `server check`, which does
-//! exactly that load on the configured device and runs every split against the bundle's
-//! references: the check an operator runs before serving. The gRPC service builds on it.
+//! `[s, N)` of any split point a host asks for.
+//!
+//! - [`PreparedServer::prepare`] validates the config and loads the bundle before any port
+//!   is bound; [`PreparedServer::serve`] serves on a listener until `shutdown` resolves
+//!   (tests and `host --loopback` bind `127.0.0.1:0`).
+//! - `service`: the gRPC service (`Info`, the `Infer` stream) and the one error-to-status map.
+//! - `worker`: the compute thread that owns the stages.
+//! - [`check`]: `server check`, every split against the bundle's references on the device.
 
+mod service;
+mod worker;
+
+use std::future::Future;
 use std::path::PathBuf;
 
+use cleave_common::config::{Limits, ServerConfig};
+use cleave_common::device::device_name;
+use cleave_common::pb::split_inference_server::SplitInferenceServer;
 use cleave_common::tables::verify_table;
 use cleave_common::verify::verify_splits;
-use cleave_common::{Bundle, DeviceSpec};
+use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use service::{BUNDLE_ID_METADATA, PROTOCOL_VERSION};
+
+/// A server whose bundle is loaded on its device, ready to serve.
+pub struct PreparedServer {
+    service: service::Service,
+}
+
+impl PreparedServer {
+    /// Opens the bundle, loads every stage on the device and starts the compute worker.
+    pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits) -> anyhow::Result<Self> {
+        let bundle = Bundle::open(bundle_dir)?;
+        let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), device)?;
+        let device = device_name(stages.device());
+        tracing::info!(bundle = %bundle_dir.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
+        let worker = worker::spawn(stages, limits.queue_depth as usize);
+        Ok(Self { service: service::Service { bundle, device, limits, worker } })
+    }
+
+    /// From a validated `server.yaml`.
+    pub fn from_config(config: &ServerConfig) -> anyhow::Result<Self> {
+        Self::prepare(&config.bundle, config.device, config.limits)
+    }
+
+    /// The device the stages run on.
+    pub fn device(&self) -> &str {
+        &self.service.device
+    }
+
+    /// Serves on `listener` until `shutdown` resolves; requests in flight are answered first.
+    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let limits = self.service.limits;
+        let max_message = limits.max_message_bytes as usize;
+        let (health_reporter, health_service) = tonic_health::server::health_reporter();
+        health_reporter.set_serving::<SplitInferenceServer<service::Service>>().await;
+        let inference = SplitInferenceServer::new(self.service)
+            .max_decoding_message_size(max_message)
+            .max_encoding_message_size(max_message);
+        // Windows sized for large boundaries; payloads are already raw or compressed, so
+        // gRPC compression stays off.
+        tonic::transport::Server::builder()
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .add_service(health_service)
+            .add_service(inference)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+            .await?;
+        Ok(())
+    }
+}
+
+/// `server --config server.yaml`: validate, load, bind, serve until SIGINT or SIGTERM.
+pub async fn run(config: ServerConfig) -> anyhow::Result<()> {
+    let server = PreparedServer::from_config(&config)?;
+    let listener = TcpListener::bind(config.listen).await.map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
+    if !config.listen.ip().is_loopback() {
+        tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address");
+    }
+    println!("serving {} on {} ({})", config.bundle.display(), listener.local_addr()?, server.device());
+    server.serve(listener, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { () = ctrl_c => {}, () = term => {} }
+    tracing::info!("shutting down: answering requests in flight");
+}
 
 /// What `server check` checks.
 #[derive(Debug, Clone)]
@@ -31,7 +122,7 @@ pub fn check(opts: &CheckOptions) -> anyhow::Result<bool> {
         bundle.manifest().model.source,
         bundle.id(),
         opts.device,
-        cleave_common::device::device_name(device)
+        device_name(device)
     );
     let mut passed = true;
     for batch in bundle.reference_batches() {

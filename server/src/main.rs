@@ -4,14 +4,19 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use cleave_common::config::ServerConfig;
 use cleave_common::DeviceSpec;
 use cleave_server::CheckOptions;
 
 #[derive(Parser)]
 #[command(name = "server", version, about = "cleave server: runs the last stages of a split model on CUDA")]
+#[command(args_conflicts_with_subcommands = true, arg_required_else_help = true)]
 struct Cli {
+    /// server.yaml: listen address, bundle, device, limits.
+    #[arg(long)]
+    config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -28,9 +33,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
-    let result = match Cli::parse().command {
-        Command::Check { bundle, device } => cleave_server::check(&CheckOptions { bundle, device }),
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
+    let cli = Cli::parse();
+    let result = match (cli.command, cli.config) {
+        (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }),
+        (None, Some(path)) => serve(&path).map(|()| true),
+        (None, None) => unreachable!("clap requires --config or a subcommand"),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -40,4 +50,9 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn serve(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = ServerConfig::load(path)?;
+    tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))
 }

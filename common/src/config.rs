@@ -1,0 +1,322 @@
+//! Configuration files. Each is read in two steps: the raw YAML (unknown keys refused), then
+//! a validated config with typed values. An error names the file, the key and what was expected.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::device::DeviceSpec;
+
+/// A configuration file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The YAML does not fit the schema (serde_yaml names the key and the line).
+    #[error("config {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and where.
+        message: String,
+    },
+    /// A value that parses but is not valid.
+    #[error("config {path}: `{key}`: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// What was expected.
+        message: String,
+    },
+}
+
+/// Limits a server enforces on every stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest gRPC message, either way (frames are split below it).
+    pub max_message_bytes: u64,
+    /// Largest boundary per request (sum of tensor bytes).
+    pub max_payload_bytes: u64,
+    /// Requests queued for the compute worker before streams wait.
+    pub queue_depth: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_message_bytes: 8 << 20, max_payload_bytes: 1 << 30, queue_depth: 64 }
+    }
+}
+
+impl Limits {
+    /// Bytes of tensor data per frame: the message limit less room for the header.
+    pub fn chunk_bytes(&self) -> usize {
+        (self.max_message_bytes.saturating_sub(64 << 10)).max(4096) as usize
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServerConfig {
+    listen: String,
+    bundle: PathBuf,
+    #[serde(default = "auto")]
+    device: String,
+    #[serde(default)]
+    limits: Limits,
+}
+
+fn auto() -> String {
+    "auto".into()
+}
+
+/// `server.yaml`, validated.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Bundle directory (relative paths are relative to the config file).
+    pub bundle: PathBuf,
+    /// Where the stages run.
+    pub device: DeviceSpec,
+    /// Limits on every stream.
+    pub limits: Limits,
+}
+
+impl ServerConfig {
+    /// Reads and validates a server config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let raw: RawServerConfig = read_yaml(path)?;
+        let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.to_path_buf(), key: key.into(), message };
+        let listen = raw.listen.parse().map_err(|_| invalid("listen", format!("{:?} is not an address like 0.0.0.0:50051", raw.listen)))?;
+        let device = raw.device.parse().map_err(|e: crate::BundleError| invalid("device", e.to_string()))?;
+        validate_limits(&raw.limits).map_err(|(key, message)| invalid(key, message))?;
+        Ok(Self { listen, bundle: relative_to(path, &raw.bundle), device, limits: raw.limits })
+    }
+}
+
+fn validate_limits(l: &Limits) -> Result<(), (&'static str, String)> {
+    if l.max_message_bytes < 64 << 10 {
+        return Err(("limits.max_message_bytes", "must be at least 65536".into()));
+    }
+    if l.max_payload_bytes == 0 {
+        return Err(("limits.max_payload_bytes", "must be positive".into()));
+    }
+    if l.queue_depth == 0 {
+        return Err(("limits.queue_depth", "must be positive".into()));
+    }
+    Ok(())
+}
+
+/// Where the host splits the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SplitSpec {
+    /// A cut index.
+    Cut(usize),
+    /// The cut after the stage with this name or module path.
+    After(String),
+    /// The first cut where the edge holds at least this share (percent) of the model's FLOPs.
+    CostPercent(f64),
+}
+
+impl std::str::FromStr for SplitSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if let Some(path) = s.strip_prefix("after:") {
+            return Ok(Self::After(path.to_string()));
+        }
+        if let Some(p) = s.strip_suffix('%') {
+            return match p.trim().parse::<f64>() {
+                Ok(p) if (0.0..=100.0).contains(&p) => Ok(Self::CostPercent(p)),
+                _ => Err(format!("{s:?}: a percentage must be between 0% and 100%")),
+            };
+        }
+        s.parse().map(Self::Cut).map_err(|_| format!("{s:?} is not a cut index, after:<module path> or a percentage like 40%"))
+    }
+}
+
+/// Where the host's inputs come from.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "lowercase")]
+pub enum InputSource {
+    /// Random tensors shaped like the bundle's inputs, from a seed.
+    Synthetic {
+        /// The seed.
+        #[serde(default)]
+        seed: i64,
+    },
+    /// A safetensors file whose tensors are named like the bundle's inputs, batch-first;
+    /// requests take consecutive batches of it.
+    File {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdgeConfig {
+    server: String,
+    bundle: PathBuf,
+    split: serde_yaml::Value,
+    #[serde(default = "auto")]
+    device: String,
+    #[serde(default = "one")]
+    batch_size: i64,
+    #[serde(default = "ten")]
+    requests: u64,
+    #[serde(default = "two")]
+    in_flight: usize,
+    input: InputSource,
+    output: PathBuf,
+    #[serde(default = "five")]
+    top_k: usize,
+    #[serde(default)]
+    loopback: LoopbackConfig,
+}
+
+fn one() -> i64 {
+    1
+}
+fn two() -> usize {
+    2
+}
+fn five() -> usize {
+    5
+}
+fn ten() -> u64 {
+    10
+}
+
+/// The in-process server `--loopback` starts.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LoopbackConfig {
+    /// Its device (`auto` when absent).
+    #[serde(default)]
+    pub device: Option<String>,
+    /// Its limits.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// `edge.yaml`, validated.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// The server's URL (`http://host:port`).
+    pub server: String,
+    /// Bundle directory (relative to the config file).
+    pub bundle: PathBuf,
+    /// Where to split.
+    pub split: SplitSpec,
+    /// Where the prefix runs.
+    pub device: DeviceSpec,
+    /// Samples per request.
+    pub batch_size: i64,
+    /// Requests to send.
+    pub requests: u64,
+    /// Requests in flight at once (the prefix of the next runs while earlier ones travel).
+    pub in_flight: usize,
+    /// Input source.
+    pub input: InputSource,
+    /// Output directory (relative to the working directory).
+    pub output: PathBuf,
+    /// Classes per prediction.
+    pub top_k: usize,
+    /// The loopback server.
+    pub loopback_device: DeviceSpec,
+    /// The loopback server's limits.
+    pub loopback_limits: Limits,
+}
+
+impl EdgeConfig {
+    /// Reads and validates an edge config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let raw: RawEdgeConfig = read_yaml(path)?;
+        let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.to_path_buf(), key: key.into(), message };
+        let split = match &raw.split {
+            serde_yaml::Value::Number(n) => n.to_string(),
+            serde_yaml::Value::String(s) => s.clone(),
+            other => return Err(invalid("split", format!("{other:?}: expected a cut index, after:<module path> or a percentage"))),
+        };
+        let split = split.parse().map_err(|e| invalid("split", e))?;
+        let device = raw.device.parse().map_err(|e: crate::BundleError| invalid("device", e.to_string()))?;
+        if !raw.server.starts_with("http://") && !raw.server.starts_with("https://") {
+            return Err(invalid("server", format!("{:?}: expected a URL like http://gpu-host:50051", raw.server)));
+        }
+        if raw.batch_size < 1 {
+            return Err(invalid("batch_size", "must be at least 1".into()));
+        }
+        if raw.in_flight < 1 {
+            return Err(invalid("in_flight", "must be at least 1".into()));
+        }
+        let loopback_device = raw
+            .loopback
+            .device
+            .as_deref()
+            .unwrap_or("auto")
+            .parse()
+            .map_err(|e: crate::BundleError| invalid("loopback.device", e.to_string()))?;
+        validate_limits(&raw.loopback.limits).map_err(|(key, message)| invalid(&format!("loopback.{key}"), message))?;
+        let input = match raw.input {
+            InputSource::File { path: p } => InputSource::File { path: relative_to(path, &p) },
+            other => other,
+        };
+        Ok(Self {
+            server: raw.server,
+            bundle: relative_to(path, &raw.bundle),
+            split,
+            device,
+            batch_size: raw.batch_size,
+            requests: raw.requests,
+            in_flight: raw.in_flight,
+            input,
+            output: raw.output,
+            top_k: raw.top_k,
+            loopback_device,
+            loopback_limits: raw.loopback.limits,
+        })
+    }
+}
+
+fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    serde_yaml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Paths in a config are relative to the directory of the config file... except when the
+/// config sits in `config/`, where they are relative to the project root (its parent), so
+/// the example configs work from a checkout.
+fn relative_to(config: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        return p.to_path_buf();
+    }
+    let dir = config.parent().unwrap_or(Path::new("."));
+    let base = if dir.file_name().is_some_and(|n| n == "config") { dir.parent().unwrap_or(Path::new(".")) } else { dir };
+    base.join(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_specs_parse() {
+        assert_eq!("3".parse::<SplitSpec>().unwrap(), SplitSpec::Cut(3));
+        assert_eq!("after:layer2.1".parse::<SplitSpec>().unwrap(), SplitSpec::After("layer2.1".into()));
+        assert_eq!("40%".parse::<SplitSpec>().unwrap(), SplitSpec::CostPercent(40.0));
+        assert!("140%".parse::<SplitSpec>().unwrap_err().contains("between 0% and 100%"));
+        assert!("middle".parse::<SplitSpec>().unwrap_err().contains("not a cut index"));
+    }
+}

@@ -1,0 +1,267 @@
+//! The gRPC service: `Info` and the `Infer` stream.
+//!
+//! Each `Infer` stream has a reader task, which reassembles requests and queues them for the
+//! compute worker, and a responder task, which answers them in arrival order. Every request
+//! id gets exactly one result or one error frame; a bad request never ends the stream.
+
+use std::pin::Pin;
+use std::time::Instant;
+
+use bytes::Bytes;
+use cleave_common::pb::split_inference_server::SplitInference;
+use cleave_common::pb::{self, InferFrame, ResultFrame};
+use cleave_common::wire::{chunks, encode_boundary, Reassembly, WireError};
+use cleave_common::{Bundle, BundleError};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+use crate::worker::{Job, JobResult};
+
+/// Protocol version of `cleave.v1`.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Metadata key carrying the bundle id the host expects.
+pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
+
+/// Why a request failed, by the phase that failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RequestError {
+    /// The payload is malformed.
+    #[error("decode: {0}")]
+    Wire(#[from] WireError),
+    /// The split point does not exist.
+    #[error("split {split} is out of range: the bundle has cuts 0..={cuts}")]
+    SplitOutOfRange { split: u32, cuts: usize },
+    /// The boundary does not fit the manifest, or a stage failed.
+    #[error("compute: {0}")]
+    Bundle(#[from] BundleError),
+    /// The server is shutting down.
+    #[error("the server is shutting down")]
+    Unavailable,
+}
+
+/// The one place that maps errors to gRPC status codes.
+pub(crate) fn status_code(err: &RequestError) -> Code {
+    match err {
+        RequestError::Wire(WireError::PayloadTooLarge { .. }) => Code::ResourceExhausted,
+        RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } => Code::InvalidArgument,
+        RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
+        RequestError::Bundle(_) => Code::Internal,
+        RequestError::Unavailable => Code::Unavailable,
+    }
+}
+
+/// The service state shared by every stream.
+pub(crate) struct Service {
+    pub(crate) bundle: Bundle,
+    pub(crate) device: String,
+    pub(crate) limits: cleave_common::config::Limits,
+    pub(crate) worker: mpsc::Sender<Job>,
+}
+
+type ResultStream = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl SplitInference for Service {
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
+        Ok(Response::new(pb::InfoReply {
+            protocol_version: PROTOCOL_VERSION,
+            server_version: env!("CARGO_PKG_VERSION").into(),
+            bundle_id: self.bundle.id().into(),
+            model_source: self.bundle.manifest().model.source.clone(),
+            stage_count: self.bundle.stage_count() as u32,
+            device: self.device.clone(),
+            limits: Some(pb::Limits {
+                max_message_bytes: self.limits.max_message_bytes,
+                max_payload_bytes: self.limits.max_payload_bytes,
+                queue_depth: self.limits.queue_depth,
+                max_batch: self.bundle.manifest().batch.max as u32,
+            }),
+            codecs: vec!["raw".into()],
+        }))
+    }
+
+    type InferStream = ResultStream;
+
+    async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<ResultStream>, Status> {
+        let theirs = request.metadata().get(BUNDLE_ID_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if theirs != self.bundle.id() {
+            return Err(Status::failed_precondition(format!(
+                "bundle mismatch: the host has bundle {}, this server serves {}",
+                if theirs.is_empty() { "(none given)" } else { theirs },
+                self.bundle.id()
+            )));
+        }
+        let depth = self.limits.queue_depth as usize;
+        let (out_tx, out_rx) = mpsc::channel::<Result<ResultFrame, Status>>(depth * 4);
+        let (pending_tx, pending_rx) = mpsc::channel::<Pending>(depth);
+        tokio::spawn(read_requests(request.into_inner(), self.context(), pending_tx));
+        tokio::spawn(respond(pending_rx, out_tx, self.limits.chunk_bytes()));
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+    }
+}
+
+/// What a stream's reader task needs.
+struct StreamContext {
+    stage_count: usize,
+    max_payload: u64,
+    worker: mpsc::Sender<Job>,
+}
+
+impl Service {
+    fn context(&self) -> StreamContext {
+        StreamContext { stage_count: self.bundle.stage_count(), max_payload: self.limits.max_payload_bytes, worker: self.worker.clone() }
+    }
+}
+
+/// A request waiting for its answer, in arrival order.
+struct Pending {
+    request_id: u64,
+    decode_us: u64,
+    answer: oneshot::Receiver<Result<JobResult, RequestError>>,
+}
+
+async fn read_requests(
+    mut inbound: Streaming<InferFrame>,
+    ctx: StreamContext,
+    pending: mpsc::Sender<Pending>,
+) {
+    let mut current: Option<(Reassembly, u32)> = None;
+    // A request already answered with an error whose remaining frames are skipped.
+    let mut skipping: Option<u64> = None;
+    loop {
+        let frame = match inbound.next().await {
+            Some(Ok(frame)) => frame,
+            Some(Err(status)) => {
+                tracing::debug!(%status, "inbound stream failed");
+                return;
+            }
+            None => return,
+        };
+        let id = frame.request_id;
+        if skipping == Some(id) {
+            if frame.last {
+                skipping = None;
+            }
+            continue;
+        }
+        skipping = None;
+        let step = match current.take() {
+            None => Reassembly::start(id, frame.header, ctx.max_payload).map(|r| (r, frame.split)),
+            Some(state) => Ok(state),
+        };
+        let (mut assembly, split) = match step {
+            Ok(s) => s,
+            Err(e) => {
+                if !frame.last {
+                    skipping = Some(id);
+                }
+                if !answer_now(&pending, id, Err(e.into())).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        if let Err(e) = assembly.push(id, &frame.data) {
+            // An interleaved frame fails the incomplete request; a stray frame of another
+            // request cannot be trusted either, so that one is skipped to its end too.
+            let failed = assembly.request_id;
+            skipping = if frame.last { None } else { Some(id) };
+            if !answer_now(&pending, failed, Err(e.into())).await {
+                return;
+            }
+            continue;
+        }
+        if !frame.last {
+            current = Some((assembly, split));
+            continue;
+        }
+        let decode_start = Instant::now();
+        let decoded = assembly.finish();
+        let decode_us = decode_start.elapsed().as_micros() as u64;
+        let (tx, rx) = oneshot::channel();
+        match decoded {
+            Err(e) => {
+                let _ = tx.send(Err(e.into()));
+            }
+            Ok(_) if split as usize > ctx.stage_count => {
+                let _ = tx.send(Err(RequestError::SplitOutOfRange { split, cuts: ctx.stage_count }));
+            }
+            Ok(input) => {
+                let (job_tx, job_rx) = oneshot::channel();
+                let job = Job { split: split as usize, input, queued_at: Instant::now(), reply: job_tx };
+                if ctx.worker.send(job).await.is_err() {
+                    let _ = tx.send(Err(RequestError::Unavailable));
+                } else {
+                    tokio::spawn(async move {
+                        let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
+                        let _ = tx.send(answer);
+                    });
+                }
+            }
+        }
+        if pending.send(Pending { request_id: id, decode_us, answer: rx }).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn answer_now(pending: &mpsc::Sender<Pending>, id: u64, answer: Result<JobResult, RequestError>) -> bool {
+    let (tx, rx) = oneshot::channel();
+    let _ = tx.send(answer);
+    pending.send(Pending { request_id: id, decode_us: 0, answer: rx }).await.is_ok()
+}
+
+async fn respond(mut pending: mpsc::Receiver<Pending>, out: mpsc::Sender<Result<ResultFrame, Status>>, chunk_bytes: usize) {
+    while let Some(p) = pending.recv().await {
+        {
+            let answer = p.answer.await.unwrap_or(Err(RequestError::Unavailable));
+            let frames = match answer.and_then(|r| r.output.map(|o| (o, r.queue, r.compute)).map_err(RequestError::from)) {
+                Ok((output, queue, compute)) => {
+                    let encode_start = Instant::now();
+                    let encoded = encode_boundary(&output);
+                    let timings = pb::ServerTimings {
+                        queue_us: queue.as_micros() as u64,
+                        decode_us: p.decode_us,
+                        compute_us: compute.as_micros() as u64,
+                        encode_us: encode_start.elapsed().as_micros() as u64,
+                    };
+                    result_frames(p.request_id, encoded.header, &encoded.data, timings, chunk_bytes)
+                }
+                Err(e) => {
+                    tracing::info!(request_id = p.request_id, error = %e, "request refused");
+                    vec![ResultFrame {
+                        request_id: p.request_id,
+                        last: true,
+                        error: Some(pb::Error { code: status_code(&e) as i32, message: e.to_string() }),
+                        ..Default::default()
+                    }]
+                }
+            };
+            for frame in frames {
+                if out.send(Ok(frame)).await.is_err() {
+                    return; // The host is gone: stop working for it.
+                }
+            }
+        }
+    }
+}
+
+fn result_frames(request_id: u64, header: pb::BoundaryHeader, data: &Bytes, timings: pb::ServerTimings, chunk_bytes: usize) -> Vec<ResultFrame> {
+    let parts = chunks(data, chunk_bytes);
+    let last_index = parts.len() - 1;
+    let mut header = Some(header);
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, data)| ResultFrame {
+            request_id,
+            header: header.take(),
+            data,
+            last: i == last_index,
+            timings: (i == last_index).then_some(timings),
+            error: None,
+        })
+        .collect()
+}
