@@ -49,7 +49,7 @@ $(DEMO_BUNDLE)/manifest.json: $(VENV)/.installed
 
 demo: build $(DEMO_BUNDLE)/manifest.json
 	target/release/host splits --bundle $(DEMO_BUNDLE)
-	target/release/host verify --bundle $(DEMO_BUNDLE) --batch 3
+	target/release/host --config config/demo.yaml --loopback
 
 clean:
 	rm -rf target bundles results

@@ -260,6 +260,35 @@ impl Bundle {
             .collect()
     }
 
+    /// The cut a split spec names: an index, the cut after a module (`after:layer2.1`, the
+    /// whole module on the edge), or the first cut where the edge holds a share of the FLOPs.
+    pub fn resolve_split(&self, spec: &crate::config::SplitSpec) -> Result<usize> {
+        use crate::config::SplitSpec;
+        let n = self.stage_count();
+        let invalid = |reason: String| BundleError::InvalidSplit { spec: format!("{spec:?}"), reason };
+        let cut = match spec {
+            SplitSpec::Cut(i) if *i <= n => *i,
+            SplitSpec::Cut(i) => return Err(invalid(format!("cut {i} is out of range: the bundle has cuts 0..={n}"))),
+            SplitSpec::After(path) => {
+                let inside = |s: &StageInfo| {
+                    s.name == *path || s.modules.iter().any(|m| m == path || m.starts_with(&format!("{path}.")))
+                };
+                match self.manifest.stages.iter().rposition(inside) {
+                    Some(k) => k + 1,
+                    None => return Err(invalid(format!("no stage holds module {path:?} (see `host splits`)"))),
+                }
+            }
+            SplitSpec::CostPercent(p) => {
+                let points = self.split_points();
+                points.iter().find(|sp| sp.edge_cost_share * 100.0 >= *p - 1e-9).map_or(n, |sp| sp.index)
+            }
+        };
+        match &self.manifest.cuts[cut] {
+            c if c.usable => Ok(cut),
+            c => Err(invalid(format!("cut {cut} ({}) is not usable: {}", c.name, c.reason.clone().unwrap_or_default()))),
+        }
+    }
+
     /// Checks `boundary` against what the manifest says crosses cut `cut`; returns its batch size.
     pub fn check_boundary(&self, cut: usize, boundary: &Boundary) -> Result<i64> {
         let info = &self.manifest.cuts[cut];

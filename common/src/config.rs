@@ -148,7 +148,7 @@ impl std::str::FromStr for SplitSpec {
 
 /// Where the host's inputs come from.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "lowercase")]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum InputSource {
     /// Random tensors shaped like the bundle's inputs, from a seed.
     Synthetic {

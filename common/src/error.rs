@@ -104,6 +104,14 @@ pub enum BundleError {
         /// Largest accepted.
         max: i64,
     },
+    /// A split point that does not name a usable cut.
+    #[error("split {spec}: {reason}")]
+    InvalidSplit {
+        /// The split as given.
+        spec: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// A stage raised an error while running.
     #[error("stage {index} ({name}) failed: {message}")]
     StageFailed {

@@ -1,10 +1,26 @@
 //! The edge side of cleave.
 //!
-//! For now the host inspects and checks bundles: `host splits` prints every split point of a
-//! bundle, and `host verify` runs the model split at every cut against its references. The
-//! networked client (prefix execution, streaming to the server) builds on these.
+//! - [`run`]: `host --config edge.yaml [--loopback]`: run the prefix of each request, stream
+//!   the boundaries to the server, write predictions, metrics and a summary.
+//! - `client`: the streaming client (prefix thread, in-flight window, reassembly).
+//! - `inputs`: synthetic or file inputs.
+//! - `report`: `predictions.jsonl`, `metrics.csv`, `summary.json` and the printed table.
+//! - [`print_splits`], [`verify`]: `host splits` and `host verify`.
+
+pub mod client;
+pub mod inputs;
+pub mod report;
 
 use std::path::PathBuf;
+use std::time::Instant;
+
+use cleave_common::config::{EdgeConfig, SplitSpec};
+use cleave_common::device::device_name;
+use tokio::net::TcpListener;
+
+use crate::client::{connect, stream_requests, StreamPlan};
+use crate::inputs::Inputs;
+use crate::report::{summary_table, Percentiles, ReportWriter, Summary};
 
 use cleave_common::tables::{split_table, verify_table};
 use cleave_common::verify::verify_splits;
@@ -71,4 +87,131 @@ pub fn verify(opts: &VerifyOptions) -> anyhow::Result<bool> {
         all_passed &= passed;
     }
     Ok(all_passed)
+}
+
+/// Command-line overrides of `edge.yaml`.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Start the server in this process on 127.0.0.1 (an ephemeral port) and use it.
+    pub loopback: bool,
+    /// Overrides `split`.
+    pub split: Option<SplitSpec>,
+    /// Overrides `output`.
+    pub output: Option<PathBuf>,
+}
+
+/// A server started in this process for `--loopback`; stops when dropped.
+pub struct LoopbackServer {
+    /// Its URL.
+    pub url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl LoopbackServer {
+    /// Loads the bundle and serves it on 127.0.0.1 with the same code as `server`.
+    pub async fn start(bundle: &std::path::Path, device: cleave_common::DeviceSpec, limits: cleave_common::config::Limits) -> anyhow::Result<Self> {
+        let bundle = bundle.to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || cleave_server::PreparedServer::prepare(&bundle, device, limits)).await??;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(prepared.serve(listener, async {
+            let _ = stopped.await;
+        }));
+        Ok(Self { url, stop: Some(stop), task: Some(task) })
+    }
+
+    /// Stops it after the requests in flight are answered.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => task.await?,
+            None => Ok(()),
+        }
+    }
+}
+
+/// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
+pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary> {
+    let bundle = Bundle::open(&config.bundle)?;
+    let split = bundle.resolve_split(opts.split.as_ref().unwrap_or(&config.split))?;
+    let output = opts.output.unwrap_or_else(|| config.output.clone());
+    let inputs = Inputs::new(&config.input, &bundle, config.batch_size)?;
+    let loopback = if opts.loopback {
+        Some(LoopbackServer::start(&config.bundle, config.loopback_device, config.loopback_limits).await?)
+    } else {
+        None
+    };
+    let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
+    let max_message = config.loopback_limits.max_message_bytes as usize;
+    let (mut client, info) = connect(&url, &bundle, max_message).await?;
+    println!(
+        "{} split at cut {split} ({}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
+        bundle.manifest().model.source,
+        bundle.cut(split).name,
+        device_name(config.device.resolve()?),
+        url,
+        bundle.stage_count(),
+        info.device
+    );
+    let mut writer = ReportWriter::create(&output, config.top_k)?;
+    let progress = indicatif::ProgressBar::new(config.requests);
+    progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
+    let plan = StreamPlan {
+        bundle: bundle.clone(),
+        split,
+        device: config.device,
+        requests: config.requests,
+        in_flight: config.in_flight,
+        inputs,
+        max_payload_bytes: config.loopback_limits.max_payload_bytes,
+    };
+    let started = Instant::now();
+    let mut record_error = None;
+    stream_requests(&mut client, &info, plan, |outcome| {
+        progress.inc(1);
+        if let Err(e) = writer.record(&bundle, outcome) {
+            record_error.get_or_insert(e);
+        }
+    })
+    .await?;
+    let wall_s = started.elapsed().as_secs_f64();
+    progress.finish_and_clear();
+    if let Some(e) = record_error {
+        return Err(e);
+    }
+    if let Some(server) = loopback {
+        server.shutdown().await?;
+    }
+    let outcomes = writer.finish()?;
+    let ok: Vec<&client::RequestMetrics> = outcomes.iter().filter(|(_, _, ok)| *ok).map(|(_, m, _)| m).collect();
+    let pick = |f: fn(&client::RequestMetrics) -> f64| Percentiles::of(&ok.iter().map(|m| f(m)).collect::<Vec<_>>());
+    let summary = Summary {
+        bundle: config.bundle.display().to_string(),
+        bundle_id: bundle.id().to_string(),
+        server: url,
+        edge_device: device_name(config.device.resolve()?),
+        server_device: info.device.clone(),
+        split,
+        split_name: bundle.cut(split).name.clone(),
+        batch_size: config.batch_size,
+        requests: outcomes.len() as u64,
+        errors: outcomes.iter().filter(|(_, _, ok)| !ok).count() as u64,
+        e2e_ms: pick(|m| m.e2e_ms),
+        prefix_ms: pick(|m| m.prefix_ms),
+        round_trip_ms: pick(|m| m.round_trip_ms),
+        server_ms: pick(|m| m.server.total_ms()),
+        throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
+        bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
+        bytes_wire: outcomes.iter().map(|(_, m, _)| m.bytes_wire).sum(),
+        codec: "raw".into(),
+        wall_s,
+    };
+    std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)? + "\n")?;
+    println!("{}", summary_table(&summary));
+    println!("results in {}", output.display());
+    Ok(summary)
 }

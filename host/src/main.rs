@@ -4,14 +4,28 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use cleave_common::config::{EdgeConfig, SplitSpec};
 use cleave_common::DeviceSpec;
-use cleave_host::VerifyOptions;
+use cleave_host::{RunOptions, VerifyOptions};
 
 #[derive(Parser)]
 #[command(name = "host", version, about = "cleave edge host: runs the first stages of a split model")]
+#[command(args_conflicts_with_subcommands = true, arg_required_else_help = true)]
 struct Cli {
+    /// edge.yaml: server, bundle, split, device, batch size, inputs, output directory.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Start the server in this process on 127.0.0.1 and use it.
+    #[arg(long)]
+    loopback: bool,
+    /// Split point: a cut index, after:<module path>, or a share of the FLOPs like 40%.
+    #[arg(long)]
+    split: Option<SplitSpec>,
+    /// Output directory (overrides the config).
+    #[arg(long)]
+    output: Option<PathBuf>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -37,10 +51,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
-    let result = match Cli::parse().command {
-        Command::Splits { bundle } => cleave_host::print_splits(&bundle).map(|()| true),
-        Command::Verify { bundle, device, batch } => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }),
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true),
+        Some(Command::Verify { bundle, device, batch }) => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }),
+        None => run(cli.config.expect("clap requires --config or a subcommand"), RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output }),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -50,4 +68,10 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn run(path: PathBuf, opts: RunOptions) -> anyhow::Result<bool> {
+    let config = EdgeConfig::load(&path)?;
+    let summary = tokio::runtime::Runtime::new()?.block_on(cleave_host::run(config, opts))?;
+    Ok(summary.errors == 0)
 }

@@ -1,0 +1,96 @@
+//! Input sources: where the host's batches come from.
+
+use std::collections::HashMap;
+
+use cleave_common::config::InputSource;
+use cleave_common::spec::{DType, ValueSpec};
+use cleave_common::{Boundary, Bundle, Value};
+use tch::{Device, Kind, Tensor};
+
+/// Makes the input boundary (cut 0) of each request.
+pub enum Inputs {
+    /// Seeded random tensors shaped like the bundle's inputs.
+    Synthetic {
+        /// (name, spec) of each input.
+        specs: Vec<(String, cleave_common::spec::TensorSpec)>,
+        /// Batch size.
+        batch: i64,
+        /// Base seed.
+        seed: i64,
+    },
+    /// Consecutive batches of a safetensors file (wrapping around at its end).
+    File {
+        /// Input name and its full tensor.
+        tensors: Vec<(String, Tensor)>,
+        /// Rows in the file.
+        rows: i64,
+        /// Batch size.
+        batch: i64,
+    },
+}
+
+impl Inputs {
+    /// Prepares the source for `bundle` at `batch` samples per request.
+    pub fn new(source: &InputSource, bundle: &Bundle, batch: i64) -> anyhow::Result<Self> {
+        let mut specs = Vec::new();
+        for input in &bundle.manifest().inputs {
+            match &input.spec {
+                ValueSpec::Tensor(t) => specs.push((input.name.clone(), t.clone())),
+                other => anyhow::bail!("input {} is {}, only tensor inputs are supported", input.name, other.describe()),
+            }
+        }
+        match source {
+            InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, batch, seed: *seed }),
+            InputSource::File { path } => {
+                let loaded: HashMap<String, Tensor> = Tensor::read_safetensors(path)
+                    .map_err(|e| anyhow::anyhow!("input file {}: {e}", path.display()))?
+                    .into_iter()
+                    .collect();
+                let mut tensors = Vec::new();
+                let mut rows = None;
+                for (name, spec) in &specs {
+                    let t = loaded.get(name).ok_or_else(|| {
+                        anyhow::anyhow!("input file {} has no tensor {name:?} (it has {:?})", path.display(), loaded.keys().collect::<Vec<_>>())
+                    })?;
+                    if DType::from_kind(t.kind()) != Some(spec.dtype) || t.dim() != spec.shape.len() {
+                        anyhow::bail!("input file {}: {name} is {:?}{:?}, the bundle expects {spec}", path.display(), t.kind(), t.size());
+                    }
+                    let n = t.size()[0];
+                    if *rows.get_or_insert(n) != n || n == 0 {
+                        anyhow::bail!("input file {}: tensors must have the same, non-zero number of rows", path.display());
+                    }
+                    tensors.push((name.clone(), t.shallow_clone()));
+                }
+                Ok(Self::File { tensors, rows: rows.unwrap_or(0), batch })
+            }
+        }
+    }
+
+    /// The input boundary of request `index`.
+    pub fn batch(&self, index: u64) -> Boundary {
+        match self {
+            Self::Synthetic { specs, batch, seed } => {
+                tch::manual_seed(seed.wrapping_add(index as i64));
+                let values = specs
+                    .iter()
+                    .map(|(name, spec)| {
+                        let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(*batch).unwrap_or(1)).collect();
+                        let t = match spec.dtype.kind() {
+                            k @ (Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) => Tensor::randn(shape.as_slice(), (k, Device::Cpu)),
+                            // Integer inputs (token ids, labels) stay small so any vocabulary takes them.
+                            Kind::Bool => Tensor::zeros(shape.as_slice(), (Kind::Bool, Device::Cpu)),
+                            k => Tensor::randint(10, shape.as_slice(), (k, Device::Cpu)),
+                        };
+                        (name.clone(), Value::Tensor(t))
+                    })
+                    .collect();
+                Boundary { values }
+            }
+            Self::File { tensors, rows, batch } => {
+                let idx: Vec<i64> = (0..*batch).map(|i| (index as i64 * batch + i) % rows).collect();
+                let idx = Tensor::from_slice(&idx);
+                Boundary { values: tensors.iter().map(|(n, t)| (n.clone(), Value::Tensor(t.index_select(0, &idx)))).collect() }
+            }
+        }
+    }
+}
