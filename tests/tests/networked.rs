@@ -1,0 +1,253 @@
+//! End-to-end: a real server on an ephemeral port and real hosts streaming to it over gRPC.
+//! The host's outputs must be exactly equal to running the whole bundle locally.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use cleave_common::config::{InputSource, Limits};
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::{self, InferFrame};
+use cleave_common::wire::encode_boundary;
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
+use cleave_host::client::{connect, stream_requests, StreamPlan};
+use cleave_host::inputs::Inputs;
+use cleave_host::LoopbackServer;
+use cleave_tests::bundle_dir;
+use tokio_stream::StreamExt;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// Sends `requests` batches of `batch` split at `split`; returns each request's output.
+async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i64, requests: u64) -> Vec<(u64, Result<Boundary, String>)> {
+    let (mut client, info) = connect(url, bundle, 8 << 20).await.unwrap();
+    let plan = StreamPlan {
+        bundle: bundle.clone(),
+        split,
+        device: DeviceSpec::Cpu,
+        requests,
+        in_flight: 3,
+        inputs: Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap(),
+        max_payload_bytes: 1 << 30,
+    };
+    let mut outcomes = Vec::new();
+    stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
+    outcomes
+}
+
+/// The whole bundle run locally on the same inputs.
+fn local(bundle: &Bundle, stages: &LoadedStages, batch: i64, seed: i64, id: u64) -> Boundary {
+    let inputs = Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap();
+    stages.run(StageRange::all(bundle), &inputs.batch(id)).unwrap()
+}
+
+fn outputs_equal_local(name: &str) {
+    let bundle = Bundle::open(bundle_dir(name)).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let n = bundle.stage_count();
+    let rt = runtime();
+    rt.block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        for split in [0, n / 2, n] {
+            for batch in [1, 3, 8] {
+                let outcomes = run_host(&server.url, &bundle, split, batch, 7, 2).await;
+                assert_eq!(outcomes.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [0, 1], "{name}: one answer per request");
+                for (id, output) in outcomes {
+                    let output = output.unwrap_or_else(|e| panic!("{name} split {split} batch {batch}: {e}"));
+                    assert!(output.bit_identical(&local(&bundle, &whole, batch, 7, id)), "{name} split {split} batch {batch} request {id}");
+                }
+            }
+        }
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn resnet18_over_grpc_equals_local() {
+    outputs_equal_local("resnet18");
+}
+
+#[test]
+fn mobilenet_v3_small_over_grpc_equals_local() {
+    outputs_equal_local("mobilenet_v3_small");
+}
+
+#[test]
+fn transformer_over_grpc_equals_local() {
+    outputs_equal_local("transformer");
+}
+
+#[test]
+fn several_hosts_at_once_each_get_their_own_results() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let whole = Arc::new(LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap());
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let hosts: Vec<_> = (0..4)
+            .map(|h| {
+                let (url, bundle) = (server.url.clone(), bundle.clone());
+                tokio::spawn(async move { (h, run_host(&url, &bundle, 1 + h as usize * 3, 4, 100 + h, 10).await) })
+            })
+            .collect();
+        for host in hosts {
+            let (h, outcomes) = host.await.unwrap();
+            assert_eq!(outcomes.len(), 10);
+            for (id, output) in outcomes {
+                assert!(output.unwrap().bit_identical(&local(&bundle, &whole, 4, 100 + h, id)), "host {h} request {id}");
+            }
+        }
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A raw client for sending hand-made (bad) frames.
+async fn raw_client(url: &str) -> SplitInferenceClient<tonic::transport::Channel> {
+    SplitInferenceClient::connect(url.to_string()).await.unwrap()
+}
+
+fn frames_for(id: u64, split: u32, boundary: &Boundary) -> Vec<InferFrame> {
+    let enc = encode_boundary(boundary);
+    vec![InferFrame { request_id: id, split, header: Some(enc.header), data: enc.data, last: true }]
+}
+
+/// Sends the frames on one stream with the right bundle id; returns every result frame.
+async fn send(url: &str, bundle: &Bundle, frames: Vec<InferFrame>) -> Vec<pb::ResultFrame> {
+    let mut client = raw_client(url).await;
+    let mut request = tonic::Request::new(tokio_stream::iter(frames));
+    request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    let mut inbound = client.infer(request).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    while let Some(frame) = inbound.next().await {
+        out.push(frame.unwrap());
+    }
+    out
+}
+
+fn error_of(frames: &[pb::ResultFrame], id: u64) -> (tonic::Code, String) {
+    let frame = frames.iter().find(|f| f.request_id == id).unwrap_or_else(|| panic!("no answer for request {id}"));
+    let err = frame.error.as_ref().unwrap_or_else(|| panic!("request {id} succeeded"));
+    (tonic::Code::from(err.code), err.message.clone())
+}
+
+#[test]
+fn bad_requests_get_clear_errors_and_the_stream_keeps_serving() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let n = bundle.stage_count() as u32;
+    let (input, _) = bundle.reference(3).unwrap();
+    let limits = Limits { max_payload_bytes: 1 << 20, ..Limits::default() };
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, limits).await.unwrap();
+        let good = frames_for(0, 0, &input);
+
+        // Wrong bundle id: refused at the handshake, naming both ids.
+        let mut client = raw_client(&server.url).await;
+        let mut request = tonic::Request::new(tokio_stream::iter(good.clone()));
+        request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, "deadbeef".parse().unwrap());
+        let status = client.infer(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert!(status.message().contains("the host has bundle deadbeef") && status.message().contains(bundle.id()), "{status}");
+
+        let mut frames = Vec::new();
+        // 1: split out of range.
+        frames.extend(frames_for(1, n + 1, &input));
+        // 2: a shape that does not match the manifest.
+        let wrong = Boundary { values: vec![("x".into(), cleave_common::Value::Tensor(tch::Tensor::zeros([3, 1, 9, 8], (tch::Kind::Float, tch::Device::Cpu))))] };
+        frames.extend(frames_for(2, 0, &wrong));
+        // 3: truncated payload (last frame ends early).
+        let mut truncated = frames_for(3, 0, &input);
+        truncated[0].data = truncated[0].data.slice(..truncated[0].data.len() - 4);
+        frames.extend(truncated);
+        // 4: a declared size over the server's payload limit, in two frames (the second is skipped).
+        let mut big = frames_for(4, 0, &input);
+        big[0].header.as_mut().unwrap().tensors[0].shape = vec![16, 1, 256, 256];
+        big[0].header.as_mut().unwrap().tensors[0].byte_len = 16 * 256 * 256 * 4;
+        big[0].last = false;
+        frames.extend(big);
+        frames.push(InferFrame { request_id: 4, data: Bytes::from(vec![0u8; 16]), last: true, ..Default::default() });
+        // 5: garbage in a tensor field (a dtype nobody knows).
+        let mut garbage = frames_for(5, 0, &input);
+        garbage[0].header.as_mut().unwrap().tensors[0].dtype = "\u{1}garbage".into();
+        frames.extend(garbage);
+        // 6: a declared byte length that does not fit the shape.
+        let mut lying = frames_for(6, 0, &input);
+        lying[0].header.as_mut().unwrap().tensors[0].byte_len += 1;
+        frames.extend(lying);
+        // 7: a good request after all of that.
+        frames.extend(frames_for(7, 0, &input));
+        let answers = send(&server.url, &bundle, frames).await;
+
+        let ids: Vec<u64> = answers.iter().filter(|f| f.last).map(|f| f.request_id).collect();
+        assert_eq!(ids, [1, 2, 3, 4, 5, 6, 7], "exactly one answer per request, in order");
+        let (code, msg) = error_of(&answers, 1);
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        assert!(msg.contains(&format!("split {} is out of range", n + 1)), "{msg}");
+        let (code, msg) = error_of(&answers, 2);
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        assert!(msg.contains("expected float32[B, 1, 8, 8], got float32[3, 1, 9, 8]"), "{msg}");
+        let (code, msg) = error_of(&answers, 3);
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        assert!(msg.contains("payload truncated"), "{msg}");
+        let (code, msg) = error_of(&answers, 4);
+        assert_eq!(code, tonic::Code::ResourceExhausted);
+        assert!(msg.contains("exceeds the limit of 1048576 bytes"), "{msg}");
+        let (code, msg) = error_of(&answers, 5);
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        assert!(msg.contains("unknown dtype"), "{msg}");
+        let (_, msg) = error_of(&answers, 6);
+        assert!(msg.contains("declared 769 bytes"), "{msg}");
+        let ok = answers.iter().find(|f| f.request_id == 7).unwrap();
+        assert!(ok.error.is_none() && ok.timings.is_some());
+
+        // The server still serves a fresh host.
+        let outcomes = run_host(&server.url, &bundle, 2, 3, 1, 2).await;
+        assert!(outcomes.iter().all(|(_, o)| o.is_ok()));
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn host_with_another_bundle_is_refused_naming_both() {
+    let digits = Bundle::open(bundle_dir("digits")).unwrap();
+    let other = Bundle::open(bundle_dir("transformer")).unwrap();
+    runtime().block_on(async {
+        let server = LoopbackServer::start(digits.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let err = connect(&server.url, &other, 8 << 20).await.err().expect("refused");
+        let text = err.to_string();
+        assert!(text.contains("bundle mismatch") && text.contains(other.id()) && text.contains(digits.id()), "{text}");
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn large_boundaries_are_split_into_frames_and_reassembled() {
+    // A 256 KiB message limit forces resnet18's boundaries over several frames each way.
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let limits = Limits { max_message_bytes: 256 << 10, ..Limits::default() };
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, limits).await.unwrap();
+        let outcomes = run_host(&server.url, &bundle, 1, 8, 3, 2).await;
+        for (id, output) in outcomes {
+            assert!(output.unwrap().bit_identical(&local(&bundle, &whole, 8, 3, id)));
+        }
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn shutdown_answers_requests_in_flight() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let (url, b) = (server.url.clone(), bundle.clone());
+        let host = tokio::spawn(async move { run_host(&url, &b, 3, 8, 5, 12).await });
+        // Ask the server to stop while the host is still streaming.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(!host.is_finished(), "the host should still be streaming when shutdown starts");
+        server.shutdown().await.unwrap();
+        let outcomes = host.await.unwrap();
+        assert_eq!(outcomes.len(), 12);
+        assert!(outcomes.iter().all(|(_, o)| o.is_ok()), "every request in flight is answered");
+    });
+}
