@@ -156,11 +156,17 @@ pub enum InputSource {
         #[serde(default)]
         seed: i64,
     },
-    /// A safetensors file whose tensors are named like the bundle's inputs, batch-first;
-    /// requests take consecutive batches of it.
+    /// A `.safetensors` or `.npz` file whose tensors are named like the bundle's inputs, or a
+    /// `.npy` file for a bundle with one input; batch first. Requests take consecutive batches.
     File {
         /// The file.
         path: PathBuf,
+    },
+    /// A directory of PNG/JPEG images, resized, centre-cropped and normalised to the model's
+    /// input (with the bundle's preprocessing when it has one). Requests take consecutive images.
+    Images {
+        /// The directory.
+        dir: PathBuf,
     },
 }
 
@@ -271,6 +277,7 @@ impl EdgeConfig {
         validate_limits(&raw.loopback.limits).map_err(|(key, message)| invalid(&format!("loopback.{key}"), message))?;
         let input = match raw.input {
             InputSource::File { path: p } => InputSource::File { path: relative_to(path, &p) },
+            InputSource::Images { dir } => InputSource::Images { dir: relative_to(path, &dir) },
             other => other,
         };
         Ok(Self {

@@ -41,18 +41,34 @@ impl Inputs {
         }
         match source {
             InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, batch, seed: *seed }),
+            InputSource::Images { dir } => {
+                let [(name, spec)] = specs.as_slice() else {
+                    anyhow::bail!("image inputs need a bundle with one input; this one has {}", specs.len());
+                };
+                let images = crate::images::load_dir(dir, spec, bundle.manifest().model.preprocess.as_ref())?;
+                let rows = images.size()[0];
+                Ok(Self::File { tensors: vec![(name.clone(), images)], rows, batch })
+            }
             InputSource::File { path } => {
-                let loaded: HashMap<String, Tensor> = Tensor::read_safetensors(path)
-                    .map_err(|e| anyhow::anyhow!("input file {}: {e}", path.display()))?
-                    .into_iter()
-                    .collect();
+                let read = match path.extension().and_then(|e| e.to_str()) {
+                    Some("npy") => match specs.as_slice() {
+                        [(name, _)] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
+                        _ => anyhow::bail!("a .npy file holds one tensor; this bundle has {} inputs (use .npz or .safetensors)", specs.len()),
+                    },
+                    Some("npz") => Tensor::read_npz(path),
+                    Some("safetensors") => Tensor::read_safetensors(path),
+                    _ => anyhow::bail!("input file {}: expected .safetensors, .npz or .npy", path.display()),
+                };
+                let loaded: HashMap<String, Tensor> =
+                    read.map_err(|e| anyhow::anyhow!("input file {}: {e}", path.display()))?.into_iter().collect();
                 let mut tensors = Vec::new();
                 let mut rows = None;
                 for (name, spec) in &specs {
                     let t = loaded.get(name).ok_or_else(|| {
                         anyhow::anyhow!("input file {} has no tensor {name:?} (it has {:?})", path.display(), loaded.keys().collect::<Vec<_>>())
                     })?;
-                    if DType::from_kind(t.kind()) != Some(spec.dtype) || t.dim() != spec.shape.len() {
+                    let fixed_ok = spec.shape.iter().zip(t.size()).skip(1).all(|(d, n)| d.at(1).is_none_or(|w| w == n));
+                    if DType::from_kind(t.kind()) != Some(spec.dtype) || t.dim() != spec.shape.len() || !fixed_ok {
                         anyhow::bail!("input file {}: {name} is {:?}{:?}, the bundle expects {spec}", path.display(), t.kind(), t.size());
                     }
                     let n = t.size()[0];

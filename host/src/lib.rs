@@ -3,11 +3,12 @@
 //! - [`run`]: `host --config edge.yaml [--loopback]`: run the prefix of each request, stream
 //!   the boundaries to the server, write predictions, metrics and a summary.
 //! - `client`: the streaming client (prefix thread, in-flight window, reassembly).
-//! - `inputs`: synthetic or file inputs.
+//! - `inputs`, `images`: synthetic tensors, tensor files (.safetensors, .npz, .npy) or images.
 //! - `report`: `predictions.jsonl`, `metrics.csv`, `summary.json` and the printed table.
 //! - [`print_splits`], [`verify`]: `host splits` and `host verify`.
 
 pub mod client;
+pub mod images;
 pub mod inputs;
 pub mod report;
 

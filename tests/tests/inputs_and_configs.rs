@@ -1,0 +1,136 @@
+//! Input sources (images, .npy, .safetensors) and the example configs.
+
+use std::path::Path;
+
+use cleave_common::config::{EdgeConfig, InputSource, ServerConfig, SplitSpec};
+use cleave_common::{Bundle, DeviceSpec};
+use cleave_host::inputs::Inputs;
+use cleave_tests::bundle_dir;
+use tch::{Device, Kind, Tensor};
+
+fn input_tensor(inputs: &Inputs, id: u64) -> Tensor {
+    inputs.batch(id).values[0].1.as_tensor().unwrap().shallow_clone()
+}
+
+#[test]
+fn images_are_resized_cropped_and_stacked() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Five 16x12 grey images of levels 0, 51, 102, 153, 204 (digits has no normalisation).
+    for i in 0..5u8 {
+        image::GrayImage::from_pixel(16, 12, image::Luma([i * 51])).save(dir.path().join(format!("img{i}.png"))).unwrap();
+    }
+    std::fs::write(dir.path().join("notes.txt"), "not an image").unwrap();
+    let inputs = Inputs::new(&InputSource::Images { dir: dir.path().into() }, &bundle, 3).unwrap();
+    let first = input_tensor(&inputs, 0);
+    assert_eq!(first.size(), [3, 1, 8, 8]);
+    let means: Vec<f64> = (0..3).map(|i| first.get(i).mean(Kind::Double).double_value(&[])).collect();
+    for (i, m) in means.iter().enumerate() {
+        assert!((m - i as f64 * 51.0 / 255.0).abs() < 1e-6, "image {i}: mean {m}");
+    }
+    // The second request takes images 3, 4 and wraps around to 0.
+    let second = input_tensor(&inputs, 1);
+    let m: Vec<f64> = (0..3).map(|i| second.get(i).mean(Kind::Double).double_value(&[])).collect();
+    assert!((m[0] - 153.0 / 255.0).abs() < 1e-6 && (m[2]).abs() < 1e-6, "{m:?}");
+}
+
+#[test]
+fn images_for_a_bundle_that_is_not_an_image_model_are_refused() {
+    let bundle = Bundle::open(bundle_dir("transformer")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let err = Inputs::new(&InputSource::Images { dir: dir.path().into() }, &bundle, 1).err().unwrap();
+    assert!(err.to_string().contains("image inputs need a bundle with one input"), "{err}");
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let err = Inputs::new(&InputSource::Images { dir: dir.path().into() }, &bundle, 1).err().unwrap();
+    assert!(err.to_string().contains("has no .png, .jpg or .jpeg files"), "{err}");
+}
+
+#[test]
+fn npy_and_safetensors_files_give_consecutive_batches() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let data = Tensor::arange(5 * 64, (Kind::Float, Device::Cpu)).view([5, 1, 8, 8]);
+    let npy = dir.path().join("x.npy");
+    data.write_npy(&npy).unwrap();
+    let st = dir.path().join("x.safetensors");
+    Tensor::write_safetensors(&[("x", &data)], &st).unwrap();
+    for path in [npy, st] {
+        let inputs = Inputs::new(&InputSource::File { path: path.clone() }, &bundle, 2).unwrap();
+        assert!(input_tensor(&inputs, 0).equal(&data.narrow(0, 0, 2)), "{}", path.display());
+        assert!(input_tensor(&inputs, 1).equal(&data.narrow(0, 2, 2)));
+        // Request 2 takes row 4 then wraps to row 0.
+        assert!(input_tensor(&inputs, 2).equal(&Tensor::cat(&[data.narrow(0, 4, 1), data.narrow(0, 0, 1)], 0)));
+    }
+    let wrong = dir.path().join("wrong.safetensors");
+    Tensor::write_safetensors(&[("y", &data)], &wrong).unwrap();
+    let err = Inputs::new(&InputSource::File { path: wrong }, &bundle, 2).err().unwrap();
+    assert!(err.to_string().contains("has no tensor \"x\""), "{err}");
+    let bad_shape = dir.path().join("bad.npy");
+    Tensor::zeros([4, 1, 9, 8], (Kind::Float, Device::Cpu)).write_npy(&bad_shape).unwrap();
+    let err = Inputs::new(&InputSource::File { path: bad_shape }, &bundle, 2).err().unwrap();
+    assert!(err.to_string().contains("the bundle expects float32[B, 1, 8, 8]"), "{err}");
+}
+
+fn config_dir() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config"))
+}
+
+#[test]
+fn every_example_config_parses() {
+    let mut seen = 0;
+    for entry in std::fs::read_dir(config_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("server") {
+            let c = ServerConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert!(c.bundle.ends_with("bundles/resnet18"));
+            seen += 1;
+        } else if name.ends_with(".yaml") {
+            EdgeConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3, "config/ holds the demo, edge and server examples");
+    let demo = EdgeConfig::load(&config_dir().join("demo.yaml")).unwrap();
+    assert_eq!(demo.split, SplitSpec::After("layer2".into()));
+    assert_eq!(demo.input, InputSource::Synthetic { seed: 0 });
+    assert_eq!(demo.device, DeviceSpec::Cpu);
+}
+
+#[test]
+fn config_errors_name_the_file_and_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let base = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let p = write("typo.yaml", &format!("{base}batch_sise: 4\n"));
+    let err = EdgeConfig::load(&p).unwrap_err().to_string();
+    assert!(err.contains("typo.yaml") && err.contains("unknown field `batch_sise`"), "{err}");
+    let p = write("split.yaml", &base.replace("split: 3", "split: middle"));
+    let err = EdgeConfig::load(&p).unwrap_err().to_string();
+    assert!(err.contains("`split`") && err.contains("not a cut index"), "{err}");
+    let p = write("device.yaml", &format!("{base}device: gpu\n"));
+    assert!(EdgeConfig::load(&p).unwrap_err().to_string().contains("`device`: invalid device \"gpu\""));
+    let p = write("server.yaml", "listen: nowhere\nbundle: b\n");
+    let err = ServerConfig::load(&p).unwrap_err().to_string();
+    assert!(err.contains("`listen`") && err.contains("not an address"), "{err}");
+    let p = write("limits.yaml", "listen: 127.0.0.1:0\nbundle: b\nlimits: {queue_depth: 0}\n");
+    assert!(ServerConfig::load(&p).unwrap_err().to_string().contains("`limits.queue_depth`: must be positive"));
+}
+
+#[test]
+fn splits_resolve_by_index_module_and_cost() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    assert_eq!(bundle.resolve_split(&SplitSpec::Cut(0)).unwrap(), 0);
+    let after = bundle.resolve_split(&SplitSpec::After("layer2".into())).unwrap();
+    assert_eq!(bundle.cut(after).name, "after layer2.1.relu");
+    assert_eq!(bundle.resolve_split(&SplitSpec::CostPercent(0.0)).unwrap(), 0);
+    assert_eq!(bundle.resolve_split(&SplitSpec::CostPercent(100.0)).unwrap(), bundle.split_points().iter().find(|p| p.edge_cost_share >= 1.0 - 1e-12).unwrap().index);
+    let err = bundle.resolve_split(&SplitSpec::Cut(999)).unwrap_err().to_string();
+    assert!(err.contains("out of range"), "{err}");
+    let err = bundle.resolve_split(&SplitSpec::After("layer9".into())).unwrap_err().to_string();
+    assert!(err.contains("no stage holds module \"layer9\""), "{err}");
+}
