@@ -5,6 +5,9 @@ use std::collections::HashMap;
 use cleave_common::config::InputSource;
 use cleave_common::spec::{DType, ValueSpec};
 use cleave_common::{Boundary, Bundle, Value};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
 /// Makes the input boundary (cut 0) of each request.
@@ -86,16 +89,26 @@ impl Inputs {
     pub fn batch(&self, index: u64) -> Boundary {
         match self {
             Self::Synthetic { specs, batch, seed } => {
-                tch::manual_seed(seed.wrapping_add(index as i64));
+                // A generator of our own per request: libtorch's global one is shared by every
+                // thread, so seeding it would not make inputs reproducible under concurrency.
+                let mut rng = StdRng::seed_from_u64((*seed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index));
                 let values = specs
                     .iter()
                     .map(|(name, spec)| {
                         let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(*batch).unwrap_or(1)).collect();
+                        let numel = shape.iter().product::<i64>().max(0) as usize;
                         let t = match spec.dtype.kind() {
-                            k @ (Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) => Tensor::randn(shape.as_slice(), (k, Device::Cpu)),
-                            // Integer inputs (token ids, labels) stay small so any vocabulary takes them.
+                            k @ (Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) => {
+                                let data: Vec<f32> = (0..numel).map(|_| rng.sample(StandardNormal)).collect();
+                                Tensor::from_slice(&data).view(shape.as_slice()).to_kind(k)
+                            }
+                            // Boolean inputs (masks) are all false: nothing is masked.
                             Kind::Bool => Tensor::zeros(shape.as_slice(), (Kind::Bool, Device::Cpu)),
-                            k => Tensor::randint(10, shape.as_slice(), (k, Device::Cpu)),
+                            // Integer inputs (token ids, labels) stay small so any vocabulary takes them.
+                            k => {
+                                let data: Vec<i64> = (0..numel).map(|_| rng.gen_range(0..10)).collect();
+                                Tensor::from_slice(&data).view(shape.as_slice()).to_kind(k)
+                            }
                         };
                         (name.clone(), Value::Tensor(t))
                     })

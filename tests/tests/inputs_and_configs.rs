@@ -134,3 +134,16 @@ fn splits_resolve_by_index_module_and_cost() {
     let err = bundle.resolve_split(&SplitSpec::After("layer9".into())).unwrap_err().to_string();
     assert!(err.contains("no stage holds module \"layer9\""), "{err}");
 }
+
+#[test]
+fn synthetic_inputs_are_reproducible_from_any_thread() {
+    let bundle = Bundle::open(bundle_dir("transformer")).unwrap();
+    let inputs = Inputs::new(&InputSource::Synthetic { seed: 3 }, &bundle, 4).unwrap();
+    let here = inputs.batch(5);
+    let there = std::thread::scope(|s| s.spawn(|| inputs.batch(5)).join().unwrap());
+    assert!(here.bit_identical(&there));
+    assert!(!here.bit_identical(&inputs.batch(6)), "each request gets its own batch");
+    let tokens = here.values[0].1.as_tensor().unwrap();
+    assert_eq!(tokens.kind(), Kind::Int64);
+    assert!(tokens.max().int64_value(&[]) < 10 && tokens.min().int64_value(&[]) >= 0);
+}
