@@ -265,7 +265,7 @@ impl Bundle {
     pub fn resolve_split(&self, spec: &crate::config::SplitSpec) -> Result<usize> {
         use crate::config::SplitSpec;
         let n = self.stage_count();
-        let invalid = |reason: String| BundleError::InvalidSplit { spec: format!("{spec:?}"), reason };
+        let invalid = |reason: String| BundleError::InvalidSplit { spec: spec.to_string(), reason };
         let cut = match spec {
             SplitSpec::Cut(i) if *i <= n => *i,
             SplitSpec::Cut(i) => return Err(invalid(format!("cut {i} is out of range: the bundle has cuts 0..={n}"))),

@@ -128,6 +128,16 @@ pub enum SplitSpec {
     CostPercent(f64),
 }
 
+impl std::fmt::Display for SplitSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cut(i) => write!(f, "{i}"),
+            Self::After(path) => write!(f, "after:{path}"),
+            Self::CostPercent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
 impl std::str::FromStr for SplitSpec {
     type Err = String;
 
