@@ -60,7 +60,7 @@ impl Default for Limits {
 impl Limits {
     /// Bytes of tensor data per frame: the message limit less room for the header.
     pub fn chunk_bytes(&self) -> usize {
-        (self.max_message_bytes.saturating_sub(64 << 10)).max(4096) as usize
+        crate::wire::chunk_bytes_for(self.max_message_bytes)
     }
 }
 

@@ -241,6 +241,11 @@ fn decode_value(node: &pb::ValueNode, tensors: &mut HashMap<String, Tensor>, dep
     })
 }
 
+/// Tensor bytes per frame under a gRPC message limit (room is left for the header).
+pub fn chunk_bytes_for(max_message_bytes: u64) -> usize {
+    max_message_bytes.saturating_sub(64 << 10).max(4096) as usize
+}
+
 /// Splits a payload into chunks of at most `chunk_bytes` (at least one, possibly empty).
 pub fn chunks(data: &Bytes, chunk_bytes: usize) -> Vec<Bytes> {
     if data.is_empty() {

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
-use cleave_common::wire::{chunks, encode_boundary, Reassembly};
+use cleave_common::wire::{chunk_bytes_for, chunks, encode_boundary, Reassembly};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc;
@@ -124,7 +124,7 @@ pub async fn stream_requests(
     mut on_outcome: impl FnMut(RequestOutcome),
 ) -> anyhow::Result<()> {
     let limits = info.limits.unwrap_or_default();
-    let chunk_bytes = (limits.max_message_bytes.saturating_sub(64 << 10)).max(4096) as usize;
+    let chunk_bytes = chunk_bytes_for(limits.max_message_bytes);
     let (frame_tx, frame_rx) = mpsc::channel::<InferFrame>(64);
     let sent: Arc<Mutex<HashMap<u64, Sent>>> = Arc::default();
     let (token_tx, token_rx) = std::sync::mpsc::sync_channel::<()>(plan.in_flight);
