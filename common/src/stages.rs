@@ -136,9 +136,9 @@ impl LoadedStages {
             input.values.iter().map(|(_, v)| v.to_device(self.device).to_ivalue()).collect();
         let stages = &self.bundle.manifest().stages;
         tch::no_grad(|| -> Result<()> {
-            for index in range.start..range.end {
-                let failed = |message: String| BundleError::StageFailed { index, name: stages[index].name.clone(), message };
-                let module = &self.modules[index - self.range.start];
+            let modules = &self.modules[range.start - self.range.start..range.end - self.range.start];
+            for (stage, module) in stages[range.start..range.end].iter().zip(modules) {
+                let failed = |message: String| BundleError::StageFailed { index: stage.index, name: stage.name.clone(), message };
                 values = match module.forward_is(&values).map_err(|e| failed(first_line(&e.to_string())))? {
                     IValue::Tuple(items) => items,
                     other => return Err(failed(format!("returned {other:?} instead of a tuple"))),

@@ -212,7 +212,7 @@ fn host_with_another_bundle_is_refused_naming_both() {
     let other = Bundle::open(bundle_dir("transformer")).unwrap();
     runtime().block_on(async {
         let server = LoopbackServer::start(digits.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        let err = connect(&server.url, &other, 8 << 20).await.err().expect("refused");
+        let err = connect(&server.url, &other, 8 << 20).await.expect_err("refused");
         let text = err.to_string();
         assert!(text.contains("bundle mismatch") && text.contains(other.id()) && text.contains(digits.id()), "{text}");
         server.shutdown().await.unwrap();
