@@ -11,10 +11,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 TEST_BUNDLES := $(CURDIR)/target/test-bundles
 DEMO_BUNDLE := bundles/resnet18
+DIGITS_TRAINED := bundles/digits-trained
+DIGITS_TEST := bundles/digits-test.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo clean
+.PHONY: setup build test test-bundles demo digits-trained clean
 
 setup: build
 
@@ -46,6 +48,17 @@ test: $(VENV)/.installed $(TEST_BUNDLES)/.stamp
 
 $(DEMO_BUNDLE)/manifest.json: $(VENV)/.installed
 	$(PYTHON) -m cleave_export torchvision:resnet18 --force --out $(DEMO_BUNDLE)
+
+# The digits CNN trained on sklearn's digits (a few seconds on CPU), cut at every op, batches up
+# to 512 so the whole test split (359 images) is one request; and that test split as host input
+# (`x`, with the labels as `label`, which the host ignores). Both are remade when the exporter changes.
+$(DIGITS_TRAINED)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
+	$(EXPORT) cleave_export.zoo:digits_cnn_trained --granularity op --dynamic-batch 1 512 --out $(CURDIR)/$(DIGITS_TRAINED)
+
+$(DIGITS_TEST): $(VENV)/.installed tools/export/cleave_export/datasets.py
+	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --out $(CURDIR)/$@
+
+digits-trained: $(DIGITS_TRAINED)/manifest.json $(DIGITS_TEST)
 
 demo: build $(DEMO_BUNDLE)/manifest.json
 	target/release/host splits --bundle $(DEMO_BUNDLE)
