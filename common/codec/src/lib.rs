@@ -1,0 +1,34 @@
+//! cleave's boundary payload codec: what crosses the network for a request, a result or a
+//! gradient, as bytes. No libtorch here: tensors are dtype, shape and little-endian bytes, so
+//! the codec is tested, fuzzed and benchmarked on its own.
+//!
+//! - [`codec`]: [`Codec`] (precision, shuffle, compression) and its text form; [`CodecPolicy`],
+//!   what a receiver accepts.
+//! - [`precision`], [`shuffle`], [`compress`]: the per-tensor steps, in pipeline order.
+//! - [`seal`]: AES-256-GCM keys, key rings, the per-stream [`seal::Sealer`] and
+//!   [`seal::Opener`] (nonces, replay refusal).
+//! - [`payload`]: [`payload::encode_payload`] and [`payload::IncomingPayload`]: the envelope,
+//!   the authenticated header and the data, with every size checked before allocation.
+//! - [`pb`]: the payload messages generated from `proto/cleave/v1/payload.proto`.
+
+pub mod codec;
+pub mod compress;
+pub mod dtype;
+pub mod error;
+pub mod payload;
+pub mod precision;
+pub mod seal;
+pub mod shuffle;
+
+/// The payload messages (`proto/cleave/v1/payload.proto`).
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod pb {
+    include!(concat!(env!("OUT_DIR"), "/cleave.v1.rs"));
+}
+
+pub use codec::{Codec, CodecPolicy, Compression, Precision};
+pub use dtype::DType;
+pub use error::CodecError;
+pub use payload::{encode_payload, DecodedPayload, EncodedPayload, IncomingPayload, PayloadMeta, TensorData};
+pub use pb::Direction;
+pub use seal::{Key, KeyRing, Opener, Sealer};

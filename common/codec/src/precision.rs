@@ -1,0 +1,177 @@
+//! Lossy precisions for float tensors: casts to fp16 or bf16, and affine int8 quantisation
+//! with one scale and zero point per channel. Bytes are little-endian, as tensors are.
+
+use half::{bf16, f16};
+
+use crate::codec::Precision;
+use crate::dtype::DType;
+use crate::pb::Quantization;
+
+#[cfg(target_endian = "big")]
+compile_error!("cleave's payloads are little-endian and these casts assume a little-endian machine");
+
+/// Casts a float tensor's bytes to `precision`; returns the carried bytes and, for int8, the
+/// quantisation parameters. `shape` gives the channel axis for int8.
+pub fn narrow(precision: Precision, dtype: DType, shape: &[i64], data: &[u8]) -> Result<(Vec<u8>, Option<Quantization>), String> {
+    let values = to_f32(dtype, data);
+    Ok(match precision {
+        Precision::Full => unreachable!("full precision is never narrowed"),
+        Precision::Fp16 => {
+            let mut out = vec![f16::ZERO; values.len()];
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut out[..], &values);
+            (bytemuck::cast_slice(&out).to_vec(), None)
+        }
+        Precision::Bf16 => {
+            let mut out = vec![bf16::ZERO; values.len()];
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut out[..], &values);
+            (bytemuck::cast_slice(&out).to_vec(), None)
+        }
+        Precision::Int8 => {
+            let (q, quant) = quantize(&values, shape)?;
+            (q, Some(quant))
+        }
+    })
+}
+
+/// Undoes [`narrow`] (up to its loss): carried bytes back to `dtype`'s bytes.
+pub fn widen(precision: Precision, dtype: DType, shape: &[i64], carried: &[u8], quant: Option<&Quantization>) -> Result<Vec<u8>, String> {
+    let values: Vec<f32> = match precision {
+        Precision::Full => unreachable!("full precision is never widened"),
+        Precision::Fp16 => {
+            let halves: Vec<f16> = bytemuck::pod_collect_to_vec(carried);
+            let mut out = vec![0f32; halves.len()];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(&halves[..], &mut out);
+            out
+        }
+        Precision::Bf16 => {
+            let halves: Vec<bf16> = bytemuck::pod_collect_to_vec(carried);
+            let mut out = vec![0f32; halves.len()];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(&halves[..], &mut out);
+            out
+        }
+        Precision::Int8 => dequantize(carried, shape, quant.ok_or("int8 tensor without quantisation parameters")?)?,
+    };
+    Ok(from_f32(dtype, &values))
+}
+
+fn to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
+    match dtype {
+        DType::Float64 => data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32).collect(),
+        _ => bytemuck::pod_collect_to_vec(data),
+    }
+}
+
+fn from_f32(dtype: DType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::Float64 => values.iter().flat_map(|&v| f64::from(v).to_le_bytes()).collect(),
+        _ => bytemuck::cast_slice(values).to_vec(),
+    }
+}
+
+/// The channel layout of a tensor for int8: (axis or -1, outer, channels, inner).
+fn channel_layout(shape: &[i64]) -> (i32, usize, usize, usize) {
+    if shape.len() < 2 {
+        let n = shape.iter().product::<i64>().max(0) as usize;
+        return (-1, 1, 1, n);
+    }
+    let outer = shape[0] as usize;
+    let channels = shape[1] as usize;
+    let inner = shape[2..].iter().product::<i64>() as usize;
+    (1, outer, channels, inner)
+}
+
+fn quantize(values: &[f32], shape: &[i64]) -> Result<(Vec<u8>, Quantization), String> {
+    if let Some(bad) = values.iter().find(|v| !v.is_finite()) {
+        return Err(format!("int8 cannot carry the non-finite value {bad}"));
+    }
+    let (axis, outer, channels, inner) = channel_layout(shape);
+    let (mut lo, mut hi) = (vec![f32::INFINITY; channels], vec![f32::NEG_INFINITY; channels]);
+    for block in values.chunks_exact(inner.max(1)).take(outer * channels).enumerate() {
+        let c = block.0 % channels;
+        for &v in block.1 {
+            lo[c] = lo[c].min(v);
+            hi[c] = hi[c].max(v);
+        }
+    }
+    let mut scale = Vec::with_capacity(channels);
+    let mut zero_point = Vec::with_capacity(channels);
+    for c in 0..channels {
+        // The range always includes 0, so that zeros (ReLU outputs, padding) stay exact.
+        let (l, h) = (lo[c].min(0.0), hi[c].max(0.0));
+        // 254 steps, not 255: rounding the zero point then never pushes an end of the
+        // range past -128..=127, so every value is within half a step.
+        let s = if h > l { (h - l) / 254.0 } else { 1.0 };
+        scale.push(s);
+        zero_point.push((-128.0 - l / s).round().clamp(-128.0, 127.0) as i32);
+    }
+    let mut q = vec![0u8; values.len()];
+    for (i, (block, out)) in values.chunks_exact(inner.max(1)).zip(q.chunks_exact_mut(inner.max(1))).enumerate() {
+        let c = i % channels;
+        let (s, z) = (scale[c], zero_point[c] as f32);
+        for (o, &v) in out.iter_mut().zip(block) {
+            *o = ((v / s).round() + z).clamp(-128.0, 127.0) as i8 as u8;
+        }
+    }
+    Ok((q, Quantization { axis, scale, zero_point }))
+}
+
+fn dequantize(q: &[u8], shape: &[i64], quant: &Quantization) -> Result<Vec<f32>, String> {
+    let (axis, _, channels, inner) = channel_layout(shape);
+    if quant.axis != axis || quant.scale.len() != channels || quant.zero_point.len() != channels {
+        return Err(format!(
+            "quantisation parameters for axis {} with {} scales and {} zero points do not fit shape {shape:?} (axis {axis}, {channels} channels)",
+            quant.axis,
+            quant.scale.len(),
+            quant.zero_point.len()
+        ));
+    }
+    if let Some(bad) = quant.scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+        return Err(format!("quantisation scale {bad} is not a positive finite number"));
+    }
+    if let Some(bad) = quant.zero_point.iter().find(|z| !(-128..=127).contains(*z)) {
+        return Err(format!("quantisation zero point {bad} is outside -128..=127"));
+    }
+    let mut out = vec![0f32; q.len()];
+    for (i, (block, o)) in q.chunks_exact(inner.max(1)).zip(out.chunks_exact_mut(inner.max(1))).enumerate() {
+        let c = i % channels;
+        let (s, z) = (quant.scale[c], quant.zero_point[c] as f32);
+        for (v, &b) in o.iter_mut().zip(block) {
+            *v = (f32::from(b as i8) - z) * s;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int8_error_is_at_most_half_a_step_per_channel_and_zero_is_exact() {
+        // Two channels with very different ranges: per-channel scales keep both precise.
+        let shape = [2i64, 2, 3];
+        let values: Vec<f32> = vec![0.0, 0.5, 1.0, -100.0, 0.0, 100.0, 0.25, 0.75, -1.0, 50.0, -50.0, 3.0];
+        let bytes = from_f32(DType::Float32, &values);
+        let (q, quant) = narrow(Precision::Int8, DType::Float32, &shape, &bytes).unwrap();
+        let quant = quant.unwrap();
+        assert_eq!(quant.axis, 1);
+        let back = to_f32(DType::Float32, &widen(Precision::Int8, DType::Float32, &shape, &q, Some(&quant)).unwrap());
+        for (i, (a, b)) in values.iter().zip(&back).enumerate() {
+            let step = quant.scale[(i / 3) % 2];
+            assert!((a - b).abs() <= step / 2.0 * (1.0 + 1e-5), "{a} vs {b} (step {step})");
+            if *a == 0.0 {
+                assert_eq!(*b, 0.0);
+            }
+        }
+        assert!(narrow(Precision::Int8, DType::Float32, &[1], &from_f32(DType::Float32, &[f32::NAN])).unwrap_err().contains("non-finite"));
+    }
+
+    #[test]
+    fn bad_quantisation_parameters_are_errors() {
+        let bad = Quantization { axis: 1, scale: vec![1.0], zero_point: vec![0] };
+        assert!(widen(Precision::Int8, DType::Float32, &[1, 2], &[0, 0], Some(&bad)).unwrap_err().contains("do not fit"));
+        let bad = Quantization { axis: -1, scale: vec![-1.0], zero_point: vec![0] };
+        assert!(widen(Precision::Int8, DType::Float32, &[2], &[0, 0], Some(&bad)).unwrap_err().contains("positive"));
+        assert!(widen(Precision::Int8, DType::Float32, &[2], &[0, 0], None).is_err());
+    }
+}

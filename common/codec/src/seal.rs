@@ -1,0 +1,268 @@
+//! AES-256-GCM for payloads: keys, key rings, and the per-stream sealer and opener.
+//!
+//! Nonces are never reused under one key: each side draws a random 8-byte prefix for each
+//! stream it sends on (from the OS generator) and counts payloads in the remaining 4 bytes
+//! (`counter << 1 | part`: part 0 authenticates the header, part 1 seals the data). A stream
+//! that would wrap its counter is refused rather than reuse a nonce. Two streams collide
+//! only if their random prefixes do (2^-64 per pair).
+//!
+//! The opener accepts one prefix per stream and only increasing counters, so a replayed or
+//! reordered payload is refused; state advances only after a payload authenticates.
+
+use std::fmt;
+
+use aes_gcm::aead::{AeadInPlace, KeyInit};
+use aes_gcm::{Aes256Gcm, Nonce, Tag};
+use rand_core::{OsRng, RngCore};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+use zeroize::Zeroizing;
+
+use crate::error::CodecError;
+use crate::pb::Seal;
+
+/// Bytes of an AES-GCM tag.
+pub const TAG_BYTES: usize = 16;
+const PREFIX_BYTES: usize = 8;
+const KEY_CHECK_BYTES: usize = 8;
+/// Largest counter: `counter << 1 | 1` must fit in 32 bits.
+const MAX_COUNTER: u32 = (u32::MAX >> 1) - 1;
+
+/// A 256-bit key. Never printed: `Debug` shows only its id-free fingerprint's absence.
+#[derive(Clone)]
+pub struct Key(Zeroizing<[u8; 32]>);
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Key(<redacted>)")
+    }
+}
+
+impl Key {
+    /// From 32 bytes.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(Zeroizing::new(bytes))
+    }
+
+    /// From the text of a key file or variable: 64 hex digits (surrounding whitespace
+    /// ignored), or exactly 32 raw bytes. The error never contains the input.
+    pub fn parse(material: &[u8]) -> Result<Self, String> {
+        let text = std::str::from_utf8(material).map(str::trim);
+        if let Ok(text) = text {
+            if text.len() == 64 {
+                let mut bytes = Zeroizing::new([0u8; 32]);
+                return hex::decode_to_slice(text, &mut bytes[..])
+                    .map(|()| Self(bytes))
+                    .map_err(|_| "the key has 64 characters but they are not all hex digits".into());
+            }
+        }
+        if material.len() == 32 {
+            let mut bytes = Zeroizing::new([0u8; 32]);
+            bytes.copy_from_slice(material);
+            return Ok(Self(bytes));
+        }
+        Err(format!(
+            "a key is 64 hex digits or 32 raw bytes; this one has {} bytes (make one with `head -c 32 /dev/urandom | xxd -p -c 64`)",
+            material.len()
+        ))
+    }
+
+    /// A fresh random key (tests, dev set-up).
+    pub fn random() -> Self {
+        let mut bytes = Zeroizing::new([0u8; 32]);
+        OsRng.fill_bytes(&mut bytes[..]);
+        Self(bytes)
+    }
+
+    /// The key as 64 hex digits, for writing a new key file.
+    pub fn to_hex(&self) -> Zeroizing<String> {
+        Zeroizing::new(hex::encode(&self.0[..]))
+    }
+
+    fn check_value(&self) -> [u8; KEY_CHECK_BYTES] {
+        let digest = Sha256::new().chain_update(b"cleave key check v1").chain_update(&self.0[..]).finalize();
+        digest[..KEY_CHECK_BYTES].try_into().expect("8 bytes")
+    }
+}
+
+/// One key with its id, ready to use.
+#[derive(Clone)]
+struct RingKey {
+    id: u32,
+    check: [u8; KEY_CHECK_BYTES],
+    cipher: Aes256Gcm,
+}
+
+/// The keys a side holds, by id (a server holds the current and the previous key while
+/// hosts move to a new one).
+#[derive(Clone, Default)]
+pub struct KeyRing {
+    keys: Vec<RingKey>,
+}
+
+impl fmt::Debug for KeyRing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KeyRing(ids {:?})", self.ids())
+    }
+}
+
+impl KeyRing {
+    /// A ring of `(id, key)` pairs; ids must be distinct.
+    pub fn new(keys: impl IntoIterator<Item = (u32, Key)>) -> Result<Self, String> {
+        let mut ring = Self::default();
+        for (id, key) in keys {
+            if ring.ids().contains(&id) {
+                return Err(format!("key id {id} is given twice"));
+            }
+            let cipher = Aes256Gcm::new_from_slice(&key.0[..]).expect("32-byte key");
+            ring.keys.push(RingKey { id, check: key.check_value(), cipher });
+        }
+        Ok(ring)
+    }
+
+    /// The ids held.
+    pub fn ids(&self) -> Vec<u32> {
+        self.keys.iter().map(|k| k.id).collect()
+    }
+
+    /// Whether the ring holds no key.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    fn get(&self, id: u32) -> Option<&RingKey> {
+        self.keys.iter().find(|k| k.id == id)
+    }
+
+    /// A sealer for one stream, with key `id` and a fresh random nonce prefix.
+    pub fn sealer(&self, id: u32) -> Result<Sealer, CodecError> {
+        let key = self.get(id).ok_or_else(|| CodecError::UnknownKeyId { id, held: self.ids() })?.clone();
+        let mut prefix = [0u8; PREFIX_BYTES];
+        OsRng.fill_bytes(&mut prefix);
+        Ok(Sealer { key, prefix, next: 0 })
+    }
+
+    /// An opener for one stream.
+    pub fn opener(&self) -> Opener {
+        Opener { ring: self.clone(), prefix: None, last: None }
+    }
+}
+
+fn nonce(prefix: &[u8; PREFIX_BYTES], counter: u32, part: u32) -> Nonce<aes_gcm::aead::consts::U12> {
+    let mut n = [0u8; 12];
+    n[..PREFIX_BYTES].copy_from_slice(prefix);
+    n[PREFIX_BYTES..].copy_from_slice(&((counter << 1) | part).to_be_bytes());
+    Nonce::from(n)
+}
+
+/// Seals the payloads one side sends on one stream.
+pub struct Sealer {
+    key: RingKey,
+    prefix: [u8; PREFIX_BYTES],
+    next: u32,
+}
+
+impl fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Sealer(key id {}, next counter {})", self.key.id, self.next)
+    }
+}
+
+impl Sealer {
+    /// The key id it seals with.
+    pub fn key_id(&self) -> u32 {
+        self.key.id
+    }
+
+    /// Takes the next counter; the `Seal` goes into the envelope.
+    pub(crate) fn next_seal(&mut self) -> Result<Seal, CodecError> {
+        if self.next > MAX_COUNTER {
+            return Err(CodecError::NoncesExhausted);
+        }
+        let counter = self.next;
+        self.next += 1;
+        Ok(Seal {
+            key_id: self.key.id,
+            key_check: self.key.check.to_vec(),
+            nonce_prefix: self.prefix.to_vec(),
+            counter,
+        })
+    }
+
+    /// Tag over the header bytes (part 0), then encrypts `data` in place and appends its tag
+    /// (part 1). Returns the header tag.
+    pub(crate) fn seal(&self, seal: &Seal, header: &[u8], data: &mut Vec<u8>) -> Result<Vec<u8>, CodecError> {
+        let cipher = &self.key.cipher;
+        let header_tag = cipher
+            .encrypt_in_place_detached(&nonce(&self.prefix, seal.counter, 0), header, &mut [])
+            .map_err(|_| CodecError::Seal("header".into()))?;
+        let data_tag = cipher
+            .encrypt_in_place_detached(&nonce(&self.prefix, seal.counter, 1), &[], data)
+            .map_err(|_| CodecError::Seal("data too long for AES-GCM".into()))?;
+        data.extend_from_slice(&data_tag);
+        Ok(header_tag.to_vec())
+    }
+}
+
+/// Checks and opens the payloads one side receives on one stream.
+pub struct Opener {
+    ring: KeyRing,
+    prefix: Option<[u8; PREFIX_BYTES]>,
+    last: Option<u32>,
+}
+
+impl fmt::Debug for Opener {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Opener(ids {:?}, last counter {:?})", self.ring.ids(), self.last)
+    }
+}
+
+impl Opener {
+    /// Whether this side holds any key.
+    pub fn has_keys(&self) -> bool {
+        !self.ring.is_empty()
+    }
+
+    /// Checks the key, the nonce order and the header's tag, before anything is allocated
+    /// for the data.
+    pub(crate) fn check_header(&self, seal: &Seal, header: &[u8], header_tag: &[u8]) -> Result<(), CodecError> {
+        let key = self.ring.get(seal.key_id).ok_or_else(|| CodecError::UnknownKeyId { id: seal.key_id, held: self.ring.ids() })?;
+        if !bool::from(key.check.ct_eq(&seal.key_check[..])) {
+            return Err(CodecError::WrongKey { id: seal.key_id });
+        }
+        let prefix: [u8; PREFIX_BYTES] = seal
+            .nonce_prefix
+            .as_slice()
+            .try_into()
+            .map_err(|_| CodecError::Malformed(format!("nonce prefix of {} bytes, expected {PREFIX_BYTES}", seal.nonce_prefix.len())))?;
+        if self.prefix.is_some_and(|p| p != prefix) {
+            return Err(CodecError::Replayed { detail: "the nonce prefix changed within the stream".into() });
+        }
+        if seal.counter > MAX_COUNTER {
+            return Err(CodecError::Malformed(format!("counter {} is out of range", seal.counter)));
+        }
+        if let Some(last) = self.last.filter(|&last| seal.counter <= last) {
+            return Err(CodecError::Replayed { detail: format!("counter {} after counter {last} was accepted", seal.counter) });
+        }
+        let tag: [u8; TAG_BYTES] = header_tag.try_into().map_err(|_| CodecError::HeaderTampered)?;
+        key.cipher
+            .decrypt_in_place_detached(&nonce(&prefix, seal.counter, 0), header, &mut [], &Tag::from(tag))
+            .map_err(|_| CodecError::HeaderTampered)
+    }
+
+    /// Decrypts `data` (ciphertext then tag) in place after [`Opener::check_header`]
+    /// passed; on success the stream's nonce state moves past this payload.
+    pub(crate) fn open(&mut self, seal: &Seal, data: &mut Vec<u8>) -> Result<(), CodecError> {
+        let key = self.ring.get(seal.key_id).ok_or_else(|| CodecError::UnknownKeyId { id: seal.key_id, held: self.ring.ids() })?;
+        let prefix: [u8; PREFIX_BYTES] = seal.nonce_prefix.as_slice().try_into().map_err(|_| CodecError::Malformed("nonce prefix".into()))?;
+        let body = data.len().checked_sub(TAG_BYTES).ok_or(CodecError::DataTampered)?;
+        let tag: [u8; TAG_BYTES] = data[body..].try_into().expect("16 bytes");
+        data.truncate(body);
+        key.cipher
+            .decrypt_in_place_detached(&nonce(&prefix, seal.counter, 1), &[], data, &Tag::from(tag))
+            .map_err(|_| CodecError::DataTampered)?;
+        self.prefix = Some(prefix);
+        self.last = Some(seal.counter);
+        Ok(())
+    }
+}
