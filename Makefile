@@ -13,10 +13,11 @@ TEST_BUNDLES := $(CURDIR)/target/test-bundles
 DEMO_BUNDLE := bundles/resnet18
 DIGITS_TRAINED := bundles/digits-trained
 DIGITS_TEST := bundles/digits-test.safetensors
+BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo digits-trained clean
+.PHONY: setup build test test-bundles demo digits-trained bench-activations clean
 
 setup: build
 
@@ -59,6 +60,14 @@ $(DIGITS_TEST): $(VENV)/.installed tools/export/cleave_export/datasets.py
 	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --out $(CURDIR)/$@
 
 digits-trained: $(DIGITS_TRAINED)/manifest.json $(DIGITS_TEST)
+
+# Real boundary tensors for the codec benches (`cargo bench -p cleave-codec`): resnet18 at
+# 224x224, batch 8, at cut 4 (after the stem's maxpool, 64x56x56), cut 8 (after layer2,
+# 128x28x28) and cut 12 (after layer4, 512x7x7).
+$(BENCH_ACTIVATIONS): $(DEMO_BUNDLE)/manifest.json tools/export/cleave_export/activations.py
+	cd tools/export && $(PYTHON) -m cleave_export.activations $(CURDIR)/$(DEMO_BUNDLE) --cuts 4,8,12 --batch 8 --out $(CURDIR)/$@
+
+bench-activations: $(BENCH_ACTIVATIONS)
 
 demo: build $(DEMO_BUNDLE)/manifest.json
 	target/release/host splits --bundle $(DEMO_BUNDLE)
