@@ -5,6 +5,9 @@ mod link_torch;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     link_torch::link_torch();
+    // Any rerun-if line replaces cargo's default (rerun when the package changes), and the
+    // proto lives outside the package, so it is named here.
+    println!("cargo:rerun-if-changed=../proto/cleave/v1/cleave.proto");
     // A vendored protoc, so that a fresh machine needs no system package.
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
     tonic_prost_build::configure()

@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use cleave_codec::{Codec, CodecPolicy, Key, KeyRing, Precision};
+
 use crate::device::DeviceSpec;
+use crate::security::{ClientTls, EdgeSecurity, SecretSource, ServerSecurity, TlsIdentity, Token};
 
 /// A configuration file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +76,154 @@ struct RawServerConfig {
     device: String,
     #[serde(default)]
     limits: Limits,
+    #[serde(default)]
+    codecs: Option<RawAcceptedCodecs>,
+    #[serde(default)]
+    encryption: Option<RawServerEncryption>,
+    #[serde(default)]
+    tls: Option<RawServerTls>,
+    #[serde(default)]
+    auth: Option<RawAuth>,
+}
+
+/// `codecs:` in server.yaml: what the server accepts (everything when absent).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAcceptedCodecs {
+    #[serde(default)]
+    precisions: Option<Vec<String>>,
+    #[serde(default)]
+    compressions: Option<Vec<String>>,
+}
+
+/// `encryption:` in server.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServerEncryption {
+    #[serde(default)]
+    required: bool,
+    keys: Vec<RawKey>,
+}
+
+/// One key: its id and where it is read from.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    id: u32,
+    #[serde(default)]
+    file: Option<PathBuf>,
+    #[serde(default)]
+    env: Option<String>,
+}
+
+/// `tls:` of a server (and of the loopback server in edge.yaml).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServerTls {
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+/// `auth:` on either side: the bearer token's source.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAuth {
+    token: SecretSource,
+}
+
+/// `encryption:` in edge.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdgeEncryption {
+    key_id: u32,
+    #[serde(default)]
+    file: Option<PathBuf>,
+    #[serde(default)]
+    env: Option<String>,
+}
+
+/// `tls:` in edge.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClientTls {
+    ca: PathBuf,
+    #[serde(default)]
+    domain: Option<String>,
+}
+
+/// Reads and checks a config's secrets and TLS files; errors name the key.
+struct SecretReader<'a> {
+    path: &'a Path,
+}
+
+impl SecretReader<'_> {
+    fn invalid(&self, key: &str, message: String) -> ConfigError {
+        ConfigError::Invalid { path: self.path.to_path_buf(), key: key.into(), message }
+    }
+
+    fn file(&self, key: &str, file: &Path) -> Result<Vec<u8>, ConfigError> {
+        let file = relative_to(self.path, file);
+        std::fs::read(&file).map_err(|e| self.invalid(key, format!("cannot read {}: {e}", file.display())))
+    }
+
+    fn key(&self, key: &str, file: Option<PathBuf>, env: Option<String>) -> Result<Key, ConfigError> {
+        let source = SecretSource { file, env }.relative_to(|f| relative_to(self.path, f));
+        let material = source.read().map_err(|e| self.invalid(key, e))?;
+        Key::parse(&material).map_err(|e| self.invalid(key, e))
+    }
+
+    fn token(&self, auth: Option<RawAuth>) -> Result<Option<Token>, ConfigError> {
+        let Some(auth) = auth else { return Ok(None) };
+        let material = auth.token.relative_to(|f| relative_to(self.path, f)).read().map_err(|e| self.invalid("auth.token", e))?;
+        Token::parse(&material).map(Some).map_err(|e| self.invalid("auth.token", e))
+    }
+
+    fn identity(&self, key: &str, tls: Option<RawServerTls>) -> Result<Option<TlsIdentity>, ConfigError> {
+        let Some(tls) = tls else { return Ok(None) };
+        let cert_pem = self.file(&format!("{key}.cert"), &tls.cert)?;
+        let key_pem = zeroize::Zeroizing::new(self.file(&format!("{key}.key"), &tls.key)?);
+        if !cert_pem.starts_with(b"-----BEGIN") {
+            return Err(self.invalid(&format!("{key}.cert"), "expected a PEM certificate".into()));
+        }
+        Ok(Some(TlsIdentity { cert_pem, key_pem }))
+    }
+
+    fn server_security(&self, raw: &mut RawServerConfig) -> Result<ServerSecurity, ConfigError> {
+        let mut policy = CodecPolicy::default();
+        if let Some(codecs) = raw.codecs.take() {
+            if let Some(names) = codecs.precisions {
+                policy.precisions = names
+                    .iter()
+                    .map(|n| {
+                        Precision::ALL.into_iter().find(|p| p.name() == n).ok_or_else(|| {
+                            self.invalid("codecs.precisions", format!("{n:?} is not a precision (full, fp16, bf16, int8)"))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            if let Some(names) = codecs.compressions {
+                if let Some(bad) = names.iter().find(|n| !["none", "lz4", "zstd"].contains(&n.as_str())) {
+                    return Err(self.invalid("codecs.compressions", format!("{bad:?} is not a compression (none, lz4, zstd)")));
+                }
+                policy.compressions = names;
+            }
+        }
+        let mut keys = KeyRing::default();
+        if let Some(enc) = raw.encryption.take() {
+            if enc.keys.is_empty() {
+                return Err(self.invalid("encryption.keys", "list at least one key: { id: 1, file: path } or { id: 1, env: VAR }".into()));
+            }
+            let pairs = enc
+                .keys
+                .into_iter()
+                .enumerate()
+                .map(|(i, k)| Ok((k.id, self.key(&format!("encryption.keys[{i}]"), k.file, k.env)?)))
+                .collect::<Result<Vec<_>, ConfigError>>()?;
+            keys = KeyRing::new(pairs).map_err(|e| self.invalid("encryption.keys", e))?;
+            policy.require_encryption = enc.required;
+        }
+        Ok(ServerSecurity { policy, keys, tls: self.identity("tls", raw.tls.take())?, token: self.token(raw.auth.take())? })
+    }
 }
 
 fn auto() -> String {
@@ -90,17 +241,20 @@ pub struct ServerConfig {
     pub device: DeviceSpec,
     /// Limits on every stream.
     pub limits: Limits,
+    /// Accepted codecs, keys, TLS and token.
+    pub security: ServerSecurity,
 }
 
 impl ServerConfig {
     /// Reads and validates a server config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let raw: RawServerConfig = read_yaml(path)?;
+        let mut raw: RawServerConfig = read_yaml(path)?;
+        let security = SecretReader { path }.server_security(&mut raw)?;
         let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.to_path_buf(), key: key.into(), message };
         let listen = raw.listen.parse().map_err(|_| invalid("listen", format!("{:?} is not an address like 0.0.0.0:50051", raw.listen)))?;
         let device = raw.device.parse().map_err(|e: crate::BundleError| invalid("device", e.to_string()))?;
         validate_limits(&raw.limits).map_err(|(key, message)| invalid(key, message))?;
-        Ok(Self { listen, bundle: relative_to(path, &raw.bundle), device, limits: raw.limits })
+        Ok(Self { listen, bundle: relative_to(path, &raw.bundle), device, limits: raw.limits, security })
     }
 }
 
@@ -200,6 +354,14 @@ struct RawEdgeConfig {
     top_k: usize,
     #[serde(default)]
     loopback: LoopbackConfig,
+    #[serde(default)]
+    codec: Option<String>,
+    #[serde(default)]
+    encryption: Option<RawEdgeEncryption>,
+    #[serde(default)]
+    tls: Option<RawClientTls>,
+    #[serde(default)]
+    auth: Option<RawAuth>,
 }
 
 fn one() -> i64 {
@@ -215,16 +377,17 @@ fn ten() -> u64 {
     10
 }
 
-/// The in-process server `--loopback` starts.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+/// The in-process server `--loopback` starts. It holds the host's key and token; `tls`
+/// gives it a certificate and key, so that the host's TLS settings are exercised too.
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct LoopbackConfig {
-    /// Its device (`auto` when absent).
+struct LoopbackConfig {
     #[serde(default)]
-    pub device: Option<String>,
-    /// Its limits.
+    device: Option<String>,
     #[serde(default)]
-    pub limits: Limits,
+    limits: Limits,
+    #[serde(default)]
+    tls: Option<RawServerTls>,
 }
 
 /// `edge.yaml`, validated.
@@ -254,13 +417,45 @@ pub struct EdgeConfig {
     pub loopback_device: DeviceSpec,
     /// The loopback server's limits.
     pub loopback_limits: Limits,
+    /// The loopback server's TLS identity.
+    pub loopback_tls: Option<TlsIdentity>,
+    /// How boundaries are encoded (results come back the same way).
+    pub codec: Codec,
+    /// Key, TLS trust and token.
+    pub security: EdgeSecurity,
+}
+
+impl EdgeConfig {
+    /// What the `--loopback` server enforces: exactly what this host brings (its key, its
+    /// token, TLS when the loopback has a certificate).
+    pub fn loopback_security(&self) -> ServerSecurity {
+        let keys = self.security.ring();
+        ServerSecurity {
+            policy: CodecPolicy { require_encryption: !keys.is_empty(), ..CodecPolicy::default() },
+            keys,
+            tls: self.loopback_tls.clone(),
+            token: self.security.token.clone(),
+        }
+    }
 }
 
 impl EdgeConfig {
     /// Reads and validates an edge config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let raw: RawEdgeConfig = read_yaml(path)?;
+        let secrets = SecretReader { path };
         let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.to_path_buf(), key: key.into(), message };
+        let codec = raw.codec.as_deref().unwrap_or("raw").parse().map_err(|e| invalid("codec", e))?;
+        let key = raw.encryption.map(|e| Ok::<_, ConfigError>((e.key_id, secrets.key("encryption", e.file, e.env)?))).transpose()?;
+        let tls = match raw.tls {
+            None => None,
+            Some(t) => Some(ClientTls { ca_pem: secrets.file("tls.ca", &t.ca)?, domain: t.domain }),
+        };
+        if tls.is_some() && raw.server.starts_with("http://") {
+            return Err(invalid("server", format!("{:?}: with `tls`, the URL starts with https://", raw.server)));
+        }
+        let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
+        let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
         let split = match &raw.split {
             serde_yaml::Value::Number(n) => n.to_string(),
             serde_yaml::Value::String(s) => s.clone(),
@@ -303,6 +498,9 @@ impl EdgeConfig {
             top_k: raw.top_k,
             loopback_device,
             loopback_limits: raw.loopback.limits,
+            loopback_tls,
+            codec,
+            security,
         })
     }
 }

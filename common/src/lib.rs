@@ -8,7 +8,8 @@
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`tables`]: the tables printed for people (split points, verification runs).
-//! - [`wire`]: boundaries on the wire (header + raw bytes in frames), checked before allocation.
+//! - [`wire`]: boundaries to and from `cleave-codec` payloads, and payloads in frames.
+//! - [`security`]: secrets from files or variables, the bearer token, TLS material, dev secrets.
 //! - [`pb`]: the generated gRPC types.
 //! - [`error`]: the error type, one variant per step that can fail.
 
@@ -16,6 +17,7 @@ pub mod bundle;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod security;
 pub mod spec;
 pub mod stages;
 pub mod value;

@@ -5,26 +5,19 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// Element type of a tensor, named as PyTorch names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-#[allow(missing_docs)]
-pub enum DType {
-    Float32,
-    Float64,
-    Float16,
-    Bfloat16,
-    Int64,
-    Int32,
-    Int16,
-    Int8,
-    Uint8,
-    Bool,
+pub use cleave_codec::DType;
+
+/// libtorch's view of a [`DType`] (the dtype itself lives in `cleave-codec`, which has no
+/// libtorch).
+pub trait TorchDType: Sized {
+    /// The libtorch kind.
+    fn kind(self) -> tch::Kind;
+    /// The dtype of a libtorch kind, if a bundle can carry it.
+    fn from_kind(kind: tch::Kind) -> Option<Self>;
 }
 
-impl DType {
-    /// The libtorch kind.
-    pub fn kind(self) -> tch::Kind {
+impl TorchDType for DType {
+    fn kind(self) -> tch::Kind {
         match self {
             Self::Float32 => tch::Kind::Float,
             Self::Float64 => tch::Kind::Double,
@@ -39,8 +32,7 @@ impl DType {
         }
     }
 
-    /// The dtype of a libtorch kind, if a bundle can carry it.
-    pub fn from_kind(kind: tch::Kind) -> Option<Self> {
+    fn from_kind(kind: tch::Kind) -> Option<Self> {
         Some(match kind {
             tch::Kind::Float => Self::Float32,
             tch::Kind::Double => Self::Float64,
@@ -54,38 +46,6 @@ impl DType {
             tch::Kind::Bool => Self::Bool,
             _ => return None,
         })
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            Self::Float64 | Self::Int64 => 8,
-            Self::Float32 | Self::Int32 => 4,
-            Self::Float16 | Self::Bfloat16 | Self::Int16 => 2,
-            Self::Int8 | Self::Uint8 | Self::Bool => 1,
-        }
-    }
-
-    /// The PyTorch name (`float32`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Float32 => "float32",
-            Self::Float64 => "float64",
-            Self::Float16 => "float16",
-            Self::Bfloat16 => "bfloat16",
-            Self::Int64 => "int64",
-            Self::Int32 => "int32",
-            Self::Int16 => "int16",
-            Self::Int8 => "int8",
-            Self::Uint8 => "uint8",
-            Self::Bool => "bool",
-        }
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 

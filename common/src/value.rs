@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use tch::{IValue, Tensor};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{DType, Dim, TensorSpec, ValueSpec};
+use crate::spec::{DType, Dim, TensorSpec, TorchDType, ValueSpec};
 
 /// A value that crosses a cut.
 #[derive(Debug)]

@@ -1,70 +1,42 @@
-//! Boundaries on the wire: a header (value tree and tensor metadata) plus the tensors' raw
-//! bytes, split into frames no larger than a chunk and reassembled with bounded memory.
+//! Boundaries on the wire: a [`Boundary`] (libtorch tensors in value trees) to and from a
+//! `cleave-codec` payload, and payloads to and from frames.
 //!
-//! Everything decoded here comes from the network and is untrusted: every declared size is
-//! checked against dtype x shape and against the payload limit before anything is allocated,
-//! and every tensor the tree names must be in the header exactly once.
+//! A payload travels as frames of one request: the first carries the envelope (the header,
+//! authenticated when sealed), every frame a slice of the data, the last is marked. The
+//! receiver checks the envelope before reserving memory for the data, reserves exactly the
+//! declared length (already bounded by the limit and the codec), and never grows past it.
+//!
+//! Each stream has a [`PayloadSender`] and a [`PayloadReceiver`] per direction: they hold
+//! the nonce state that refuses replayed and reordered payloads.
 
 use std::collections::HashMap;
 
 use bytes::Bytes;
+use cleave_codec::pb::{self, NamedValue, ValueNode};
+use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
 use tch::Tensor;
 
-use crate::pb;
-use crate::spec::DType;
+pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadMeta};
+
+use crate::spec::{DType, TorchDType};
 use crate::value::{Boundary, Value};
 
-/// What can be wrong with a payload that arrived from the network.
+/// What can be wrong with a payload or its frames.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {
-    /// The first frame of a request or result has no header.
-    #[error("the first frame of request {0} has no boundary header")]
+    /// The payload itself: malformed, refused, tampered, replayed, too large...
+    #[error("{0}")]
+    Codec(#[from] CodecError),
+    /// The first frame of a request or result has no payload header.
+    #[error("the first frame of request {0} has no payload header")]
     MissingHeader(u64),
-    /// A dtype name this build does not know.
-    #[error("tensor {name}: unknown dtype {dtype:?}")]
-    UnknownDtype {
-        /// Tensor name.
-        name: String,
-        /// The dtype sent.
-        dtype: String,
-    },
-    /// A negative dimension or a shape whose size overflows.
-    #[error("tensor {name}: invalid shape {shape:?}")]
-    InvalidShape {
-        /// Tensor name.
-        name: String,
-        /// The shape sent.
-        shape: Vec<i64>,
-    },
-    /// A declared byte length that is not dtype size x element count.
-    #[error("tensor {name}: declared {declared} bytes, but {dtype}{shape:?} needs {expected}")]
-    SizeMismatch {
-        /// Tensor name.
-        name: String,
-        /// The dtype.
-        dtype: String,
-        /// The shape.
-        shape: Vec<i64>,
-        /// Bytes declared.
-        declared: u64,
-        /// Bytes dtype x shape needs.
-        expected: u64,
-    },
-    /// The payload declares more bytes than the limit.
-    #[error("payload of {declared} bytes exceeds the limit of {limit} bytes")]
-    PayloadTooLarge {
-        /// Bytes declared.
-        declared: u64,
-        /// The limit.
-        limit: u64,
-    },
-    /// Fewer bytes arrived than the header declared.
-    #[error("payload truncated: {got} of {expected} bytes arrived")]
-    Truncated {
-        /// Bytes declared.
-        expected: u64,
-        /// Bytes received.
-        got: u64,
+    /// The frame's request id is not the one its authenticated header names.
+    #[error("a frame of request {frame} carries the header of request {header}")]
+    RequestIdMismatch {
+        /// The frame's id.
+        frame: u64,
+        /// The header's id.
+        header: u64,
     },
     /// More bytes arrived than the header declared.
     #[error("payload overrun: more than the {expected} declared bytes arrived")]
@@ -83,43 +55,68 @@ pub enum WireError {
     /// The value tree names a tensor the header does not have, or names one twice.
     #[error("value tree: {0}")]
     BadTree(String),
+    /// A tensor whose dtype cannot travel.
+    #[error("tensor {name}: libtorch kind {kind} cannot travel")]
+    Unsupported {
+        /// Tensor name.
+        name: String,
+        /// Its kind.
+        kind: String,
+    },
 }
 
-/// A boundary ready to send: its header and its tensors' bytes.
-#[derive(Debug, Clone)]
-pub struct EncodedBoundary {
-    /// Value tree and tensor metadata.
-    pub header: pb::BoundaryHeader,
-    /// The tensors' bytes, concatenated in header order.
-    pub data: Bytes,
+/// Encodes the payloads one side sends on one stream (and seals them when it has a key).
+#[derive(Debug, Default)]
+pub struct PayloadSender {
+    sealer: Option<Sealer>,
 }
 
-/// Serialises a boundary (tensors are copied to the CPU and made contiguous).
-pub fn encode_boundary(boundary: &Boundary) -> EncodedBoundary {
+impl PayloadSender {
+    /// Sends in the clear.
+    pub fn plain() -> Self {
+        Self { sealer: None }
+    }
+
+    /// Seals every payload with `key_id` of `ring`.
+    pub fn sealed(ring: &KeyRing, key_id: u32) -> Result<Self, CodecError> {
+        Ok(Self { sealer: Some(ring.sealer(key_id)?) })
+    }
+
+    /// Whether payloads are sealed.
+    pub fn is_sealed(&self) -> bool {
+        self.sealer.is_some()
+    }
+
+    /// Encodes a boundary (tensors are copied to the CPU, contiguous).
+    pub fn encode(&mut self, meta: PayloadMeta, codec: &Codec, boundary: &Boundary) -> Result<EncodedPayload, WireError> {
+        let (values, tensors) = flatten(boundary)?;
+        Ok(encode_payload(meta, values, &tensors, codec, self.sealer.as_mut())?)
+    }
+}
+
+/// Tensors of a boundary as bytes, and its value trees naming them.
+fn flatten(boundary: &Boundary) -> Result<(Vec<NamedValue>, Vec<TensorData>), WireError> {
     let mut tensors = Vec::new();
-    let mut data = Vec::with_capacity(boundary.tensor_bytes());
     let values = boundary
         .values
         .iter()
-        .map(|(name, value)| pb::NamedValue { name: name.clone(), value: Some(encode_value(value, name, &mut tensors, &mut data)) })
-        .collect();
-    EncodedBoundary { header: pb::BoundaryHeader { values, tensors }, data: Bytes::from(data) }
+        .map(|(name, value)| Ok(NamedValue { name: name.clone(), value: Some(encode_value(value, name, &mut tensors)?) }))
+        .collect::<Result<_, WireError>>()?;
+    Ok((values, tensors))
 }
 
-fn encode_value(value: &Value, path: &str, tensors: &mut Vec<pb::TensorHeader>, data: &mut Vec<u8>) -> pb::ValueNode {
+fn encode_value(value: &Value, path: &str, tensors: &mut Vec<TensorData>) -> Result<ValueNode, WireError> {
     use pb::value_node::Kind;
-    let list = |items: &[Value], tensors: &mut Vec<pb::TensorHeader>, data: &mut Vec<u8>| pb::ValueList {
-        items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), tensors, data)).collect(),
+    let list = |items: &[Value], tensors: &mut Vec<TensorData>| -> Result<pb::ValueList, WireError> {
+        Ok(pb::ValueList { items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), tensors)).collect::<Result<_, _>>()? })
     };
     let kind = match value {
         Value::Tensor(t) => {
+            let dtype = DType::from_kind(t.kind()).ok_or_else(|| WireError::Unsupported { name: path.into(), kind: format!("{:?}", t.kind()) })?;
             let t = t.to_device(tch::Device::Cpu).contiguous();
-            let dtype = DType::from_kind(t.kind()).map_or("unsupported", DType::name);
-            let len = t.numel() * t.kind().elt_size_in_bytes();
-            let start = data.len();
-            data.resize(start + len, 0);
-            t.copy_data_u8(&mut data[start..], t.numel());
-            tensors.push(pb::TensorHeader { name: path.to_string(), dtype: dtype.to_string(), shape: t.size(), byte_len: len as u64 });
+            let mut data = vec![0u8; t.numel() * dtype.size()];
+            t.copy_data_u8(&mut data, t.numel());
+            tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), data });
             Kind::Tensor(path.to_string())
         }
         Value::Int(i) => Kind::Int(*i),
@@ -127,90 +124,98 @@ fn encode_value(value: &Value, path: &str, tensors: &mut Vec<pb::TensorHeader>, 
         Value::Bool(b) => Kind::Bool(*b),
         Value::Str(s) => Kind::Str(s.clone()),
         Value::None => Kind::None(true),
-        Value::Tuple(items) => Kind::Tuple(list(items, tensors, data)),
-        Value::List(items) => Kind::List(list(items, tensors, data)),
+        Value::Tuple(items) => Kind::Tuple(list(items, tensors)?),
+        Value::List(items) => Kind::List(list(items, tensors)?),
         Value::Dict(items) => Kind::Dict(pb::ValueDict {
             entries: items
                 .iter()
-                .map(|(k, v)| pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), tensors, data)) })
-                .collect(),
+                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), tensors)?) }))
+                .collect::<Result<_, WireError>>()?,
         }),
     };
-    pb::ValueNode { kind: Some(kind) }
+    Ok(ValueNode { kind: Some(kind) })
 }
 
-/// Checks a header's declared sizes against dtype x shape and `limit`; returns the total.
-/// Call this before allocating anything for the payload.
-pub fn declared_payload_bytes(header: &pb::BoundaryHeader, limit: u64) -> Result<u64, WireError> {
-    let mut total: u64 = 0;
-    for t in &header.tensors {
-        let dtype = parse_dtype(t)?;
-        let invalid = || WireError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() };
-        let mut expected = dtype.size() as u64;
-        for &d in &t.shape {
-            let d = u64::try_from(d).map_err(|_| invalid())?;
-            expected = expected.checked_mul(d).ok_or_else(invalid)?;
-        }
-        if expected != t.byte_len {
-            return Err(WireError::SizeMismatch {
-                name: t.name.clone(),
-                dtype: t.dtype.clone(),
-                shape: t.shape.clone(),
-                declared: t.byte_len,
-                expected,
-            });
-        }
-        total = total.checked_add(expected).ok_or(WireError::PayloadTooLarge { declared: u64::MAX, limit })?;
-        if total > limit {
-            return Err(WireError::PayloadTooLarge { declared: total, limit });
-        }
-    }
-    Ok(total)
+/// Checks and decodes the payloads one side receives on one stream, in one direction.
+#[derive(Debug)]
+pub struct PayloadReceiver {
+    direction: Direction,
+    limit: u64,
+    policy: CodecPolicy,
+    opener: Opener,
 }
 
-fn parse_dtype(t: &pb::TensorHeader) -> Result<DType, WireError> {
-    serde_json::from_value(serde_json::Value::String(t.dtype.clone()))
-        .map_err(|_| WireError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })
+/// A payload received whole.
+#[derive(Debug)]
+pub struct Received {
+    /// The request id (authenticated when sealed).
+    pub request_id: u64,
+    /// The cut the boundary is at.
+    pub split: u32,
+    /// The codec it travelled with.
+    pub codec: Codec,
+    /// The key id it was sealed with, if it was.
+    pub key_id: Option<u32>,
+    /// The boundary.
+    pub boundary: Boundary,
 }
 
-/// Rebuilds a boundary from a header and its complete payload.
-pub fn decode_boundary(header: &pb::BoundaryHeader, data: &[u8], limit: u64) -> Result<Boundary, WireError> {
-    let total = declared_payload_bytes(header, limit)?;
-    if (data.len() as u64) < total {
-        return Err(WireError::Truncated { expected: total, got: data.len() as u64 });
+impl PayloadReceiver {
+    /// Expects `direction` payloads of at most `limit` tensor bytes that `policy` accepts;
+    /// `ring` holds the keys to open sealed ones.
+    pub fn new(direction: Direction, limit: u64, policy: CodecPolicy, ring: &KeyRing) -> Self {
+        Self { direction, limit, policy, opener: ring.opener() }
     }
-    if (data.len() as u64) > total {
-        return Err(WireError::Overrun { expected: total });
-    }
-    let mut tensors = HashMap::new();
-    let mut offset = 0usize;
-    for t in &header.tensors {
-        let dtype = parse_dtype(t)?;
-        let len = t.byte_len as usize;
-        let tensor = Tensor::from_data_size(&data[offset..offset + len], &t.shape, dtype.kind());
-        offset += len;
-        if tensors.insert(t.name.clone(), tensor).is_some() {
-            return Err(WireError::BadTree(format!("tensor {} appears twice in the header", t.name)));
+
+    /// Starts a payload from its first frame: checks the envelope (and its authentication)
+    /// before reserving the declared data length.
+    pub fn start(&self, request_id: u64, envelope: &[u8]) -> Result<Reassembly, WireError> {
+        if envelope.is_empty() {
+            return Err(WireError::MissingHeader(request_id));
         }
+        let incoming = IncomingPayload::parse(envelope, self.direction, self.limit, &self.policy, &self.opener)?;
+        if incoming.request_id() != request_id {
+            return Err(WireError::RequestIdMismatch { frame: request_id, header: incoming.request_id() });
+        }
+        let expected = incoming.wire_len();
+        Ok(Reassembly { request_id, expected, data: Vec::with_capacity(expected as usize), incoming })
     }
-    let values = header
-        .values
-        .iter()
-        .map(|nv| {
-            let node = nv.value.as_ref().ok_or_else(|| WireError::BadTree(format!("value {} is empty", nv.name)))?;
-            Ok((nv.name.clone(), decode_value(node, &mut tensors, 0)?))
+
+    /// Opens and decodes a complete payload.
+    pub fn finish(&mut self, assembly: Reassembly) -> Result<Received, WireError> {
+        let decoded = assembly.incoming.decode(assembly.data, &mut self.opener)?;
+        let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(decoded.tensors.len());
+        for t in decoded.tensors {
+            let tensor = Tensor::from_data_size(&t.data, &t.shape, t.dtype.kind());
+            if tensors.insert(t.name.clone(), tensor).is_some() {
+                return Err(WireError::BadTree(format!("tensor {} appears twice in the header", t.name)));
+            }
+        }
+        let values = decoded
+            .values
+            .iter()
+            .map(|nv| {
+                let node = nv.value.as_ref().ok_or_else(|| WireError::BadTree(format!("value {} is empty", nv.name)))?;
+                Ok((nv.name.clone(), decode_value(node, &mut tensors, 0)?))
+            })
+            .collect::<Result<Vec<_>, WireError>>()?;
+        if let Some(name) = tensors.keys().next() {
+            return Err(WireError::BadTree(format!("tensor {name} is in the header but not in the value tree")));
+        }
+        Ok(Received {
+            request_id: decoded.meta.request_id,
+            split: decoded.meta.split,
+            codec: decoded.codec,
+            key_id: decoded.key_id,
+            boundary: Boundary { values },
         })
-        .collect::<Result<Vec<_>, WireError>>()?;
-    if let Some(name) = tensors.keys().next() {
-        return Err(WireError::BadTree(format!("tensor {name} is in the header but not in the value tree")));
     }
-    Ok(Boundary { values })
 }
 
 /// Deepest value tree accepted (a hostile tree must not exhaust the stack).
 const MAX_TREE_DEPTH: usize = 32;
 
-fn decode_value(node: &pb::ValueNode, tensors: &mut HashMap<String, Tensor>, depth: usize) -> Result<Value, WireError> {
+fn decode_value(node: &ValueNode, tensors: &mut HashMap<String, Tensor>, depth: usize) -> Result<Value, WireError> {
     use pb::value_node::Kind;
     if depth > MAX_TREE_DEPTH {
         return Err(WireError::BadTree(format!("deeper than {MAX_TREE_DEPTH} levels")));
@@ -241,7 +246,7 @@ fn decode_value(node: &pb::ValueNode, tensors: &mut HashMap<String, Tensor>, dep
     })
 }
 
-/// Tensor bytes per frame under a gRPC message limit (room is left for the header).
+/// Data bytes per frame under a gRPC message limit (room is left for the envelope).
 pub fn chunk_bytes_for(max_message_bytes: u64) -> usize {
     max_message_bytes.saturating_sub(64 << 10).max(4096) as usize
 }
@@ -254,25 +259,20 @@ pub fn chunks(data: &Bytes, chunk_bytes: usize) -> Vec<Bytes> {
     (0..data.len()).step_by(chunk_bytes.max(1)).map(|start| data.slice(start..(start + chunk_bytes).min(data.len()))).collect()
 }
 
-/// Collects the frames of one payload. Memory is reserved once, for the size the header
-/// declares (already checked against the limit), and never grows past it.
+/// Collects the frames of one payload into exactly the declared length.
 #[derive(Debug)]
 pub struct Reassembly {
     /// The request the frames belong to.
     pub request_id: u64,
-    /// The header from the first frame.
-    pub header: pb::BoundaryHeader,
     expected: u64,
-    limit: u64,
     data: Vec<u8>,
+    incoming: IncomingPayload,
 }
 
 impl Reassembly {
-    /// Starts from the first frame's header; checks declared sizes against `limit`.
-    pub fn start(request_id: u64, header: Option<pb::BoundaryHeader>, limit: u64) -> Result<Self, WireError> {
-        let header = header.ok_or(WireError::MissingHeader(request_id))?;
-        let expected = declared_payload_bytes(&header, limit)?;
-        Ok(Self { request_id, header, expected, limit, data: Vec::with_capacity(expected as usize) })
+    /// The split the (checked) header names.
+    pub fn split(&self) -> u32 {
+        self.incoming.split()
     }
 
     /// Adds a frame's bytes; a frame of another request is an error.
@@ -286,16 +286,12 @@ impl Reassembly {
         self.data.extend_from_slice(bytes);
         Ok(())
     }
-
-    /// Decodes the complete payload.
-    pub fn finish(self) -> Result<Boundary, WireError> {
-        decode_boundary(&self.header, &self.data, self.limit)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cleave_codec::Key;
     use tch::{Device, Kind};
 
     fn sample() -> Boundary {
@@ -317,75 +313,101 @@ mod tests {
         }
     }
 
+    fn meta(request_id: u64) -> PayloadMeta {
+        PayloadMeta { request_id, split: 2, direction: Direction::Request }
+    }
+
+    fn receiver(ring: &KeyRing) -> PayloadReceiver {
+        PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), ring)
+    }
+
+    fn send_through_chunks(rx: &mut PayloadReceiver, enc: &EncodedPayload, id: u64, chunk: usize) -> Result<Received, WireError> {
+        let mut re = rx.start(id, &enc.envelope)?;
+        for part in chunks(&enc.data, chunk) {
+            re.push(id, &part)?;
+        }
+        rx.finish(re)
+    }
+
     #[test]
-    fn round_trip_is_bit_exact_through_chunks() {
+    fn lossless_round_trips_are_bit_exact_through_chunks_for_every_codec() {
         let boundary = sample();
-        let enc = encode_boundary(&boundary);
-        let mut re = Reassembly::start(9, Some(enc.header.clone()), 1 << 20).unwrap();
-        let parts = chunks(&enc.data, 7);
-        assert!(parts.len() > 10);
-        for part in &parts {
-            re.push(9, part).unwrap();
+        let ring = KeyRing::new([(1, Key::random())]).unwrap();
+        for codec in ["raw", "shuffle", "lz4", "shuffle+lz4", "zstd-1", "shuffle+zstd-3"] {
+            let codec: Codec = codec.parse().unwrap();
+            for sealed in [false, true] {
+                let mut tx = if sealed { PayloadSender::sealed(&ring, 1).unwrap() } else { PayloadSender::plain() };
+                let mut rx = receiver(&ring);
+                for id in 0..2 {
+                    let enc = tx.encode(meta(id), &codec, &boundary).unwrap();
+                    let back = send_through_chunks(&mut rx, &enc, id, 7).unwrap();
+                    assert!(back.boundary.bit_identical(&boundary), "{codec} sealed {sealed}");
+                    assert_eq!((back.request_id, back.split, back.codec, back.key_id), (id, 2, codec, sealed.then_some(1)));
+                }
+            }
         }
-        let back = re.finish().unwrap();
-        assert!(back.bit_identical(&boundary));
-        let names: Vec<_> = back.values.iter().map(|(n, v)| format!("{n}:{}", v.describe())).collect();
+        let back = send_through_chunks(&mut receiver(&ring), &PayloadSender::plain().encode(meta(0), &Codec::RAW, &boundary).unwrap(), 0, 1 << 20).unwrap();
+        let names: Vec<_> = back.boundary.values.iter().map(|(n, v)| format!("{n}:{}", v.describe())).collect();
         assert_eq!(names, ["x:float32[3, 4, 5]", "pair:tuple of 2", "d:dict of 2", "h:bfloat16[2, 3]", "e:float32[0, 7]", "s:list of 3"]);
-        match &back.values[1].1 {
-            Value::Tuple(items) => assert!(matches!(items[1], Value::Int(-7))),
-            other => panic!("{}", other.describe()),
+    }
+
+    #[test]
+    fn lossy_precisions_rebuild_float32_within_their_error() {
+        let x = Tensor::randn([4, 8, 5, 5], (Kind::Float, Device::Cpu));
+        let boundary = Boundary { values: vec![("x".into(), Value::Tensor(x.shallow_clone()))] };
+        for (codec, tolerance) in [("fp16+shuffle+lz4", 1e-3), ("bf16+zstd", 8e-3), ("int8+shuffle+lz4", 0.05)] {
+            let enc = PayloadSender::plain().encode(meta(0), &codec.parse().unwrap(), &boundary).unwrap();
+            let back = send_through_chunks(&mut receiver(&KeyRing::default()), &enc, 0, 4096).unwrap();
+            let Value::Tensor(y) = &back.boundary.values[0].1 else { panic!("not a tensor") };
+            assert_eq!(y.kind(), Kind::Float);
+            let err = (&x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]);
+            assert!(err <= tolerance, "{codec}: relative error {err}");
         }
     }
 
     #[test]
-    fn declared_sizes_are_checked_before_allocation() {
-        let mut enc = encode_boundary(&sample());
-        enc.header.tensors[0].byte_len += 4;
-        assert!(matches!(declared_payload_bytes(&enc.header, u64::MAX), Err(WireError::SizeMismatch { .. })));
-        let mut enc = encode_boundary(&sample());
-        enc.header.tensors[0].shape = vec![i64::MAX, i64::MAX];
-        assert!(matches!(declared_payload_bytes(&enc.header, u64::MAX), Err(WireError::InvalidShape { .. })));
-        let mut enc = encode_boundary(&sample());
-        enc.header.tensors[0].shape[0] = -1;
-        assert!(matches!(declared_payload_bytes(&enc.header, u64::MAX), Err(WireError::InvalidShape { .. })));
-        let mut enc = encode_boundary(&sample());
-        enc.header.tensors[0].dtype = "complex32".into();
-        assert!(matches!(declared_payload_bytes(&enc.header, u64::MAX), Err(WireError::UnknownDtype { .. })));
-        let enc = encode_boundary(&sample());
-        let err = Reassembly::start(1, Some(enc.header), 100).unwrap_err();
-        assert!(matches!(err, WireError::PayloadTooLarge { limit: 100, .. }), "{err}");
-        assert_eq!(Reassembly::start(1, None, 100).unwrap_err(), WireError::MissingHeader(1));
-    }
-
-    #[test]
-    fn truncated_overrun_and_interleaved_payloads_are_errors() {
-        let enc = encode_boundary(&sample());
-        let n = enc.data.len();
-        let mut re = Reassembly::start(1, Some(enc.header.clone()), u64::MAX).unwrap();
-        re.push(1, &enc.data[..n - 1]).unwrap();
-        assert!(matches!(re.finish(), Err(WireError::Truncated { .. })));
-        let mut re = Reassembly::start(1, Some(enc.header.clone()), u64::MAX).unwrap();
+    fn frames_must_match_their_header_and_stay_within_it() {
+        let enc = PayloadSender::plain().encode(meta(1), &Codec::RAW, &sample()).unwrap();
+        let rx = receiver(&KeyRing::default());
+        assert_eq!(rx.start(2, &enc.envelope).unwrap_err(), WireError::RequestIdMismatch { frame: 2, header: 1 });
+        assert_eq!(rx.start(1, &[]).unwrap_err(), WireError::MissingHeader(1));
+        let mut re = rx.start(1, &enc.envelope).unwrap();
+        assert_eq!(re.push(3, &enc.data[..1]), Err(WireError::Interleaved { expected: 1, got: 3 }));
         re.push(1, &enc.data).unwrap();
         assert!(matches!(re.push(1, &[0]), Err(WireError::Overrun { .. })));
-        let mut re = Reassembly::start(1, Some(enc.header), u64::MAX).unwrap();
-        assert_eq!(re.push(2, &enc.data[..1]), Err(WireError::Interleaved { expected: 1, got: 2 }));
+        let mut rx = receiver(&KeyRing::default());
+        let mut re = rx.start(1, &enc.envelope).unwrap();
+        re.push(1, &enc.data[..enc.data.len() - 1]).unwrap();
+        assert!(matches!(rx.finish(re), Err(WireError::Codec(CodecError::Truncated { .. }))));
     }
 
     #[test]
     fn value_trees_must_name_each_tensor_once() {
-        let mut enc = encode_boundary(&sample());
-        enc.header.values[0].value = Some(pb::ValueNode { kind: Some(pb::value_node::Kind::Tensor("nope".into())) });
-        let err = decode_boundary(&enc.header, &enc.data, u64::MAX).unwrap_err();
-        assert!(err.to_string().contains("tensor nope is not in the header"), "{err}");
-        let mut enc = encode_boundary(&sample());
-        enc.header.values.remove(0);
-        let err = decode_boundary(&enc.header, &enc.data, u64::MAX).unwrap_err();
-        assert!(err.to_string().contains("tensor x is in the header but not in the value tree"), "{err}");
-        let mut node = pb::ValueNode { kind: Some(pb::value_node::Kind::Int(1)) };
-        for _ in 0..40 {
-            node = pb::ValueNode { kind: Some(pb::value_node::Kind::List(pb::ValueList { items: vec![node] })) };
-        }
-        let header = pb::BoundaryHeader { values: vec![pb::NamedValue { name: "deep".into(), value: Some(node) }], tensors: vec![] };
-        assert!(decode_boundary(&header, &[], 0).unwrap_err().to_string().contains("deeper than"));
+        use prost::Message;
+        let enc = PayloadSender::plain().encode(meta(1), &Codec::RAW, &sample()).unwrap();
+        let retree = |f: &dyn Fn(&mut pb::PayloadHeader)| {
+            let mut envelope = pb::PayloadEnvelope::decode(&enc.envelope[..]).unwrap();
+            let mut header = pb::PayloadHeader::decode(&envelope.header[..]).unwrap();
+            f(&mut header);
+            envelope.header = header.encode_to_vec().into();
+            let mut rx = receiver(&KeyRing::default());
+            let mut re = rx.start(1, &envelope.encode_to_vec()).unwrap();
+            re.push(1, &enc.data).unwrap();
+            rx.finish(re).unwrap_err().to_string()
+        };
+        let err = retree(&|h| h.values[0].value = Some(ValueNode { kind: Some(pb::value_node::Kind::Tensor("nope".into())) }));
+        assert!(err.contains("tensor nope is not in the header"), "{err}");
+        let err = retree(&|h| {
+            h.values.remove(0);
+        });
+        assert!(err.contains("tensor x is in the header but not in the value tree"), "{err}");
+        let err = retree(&|h| {
+            let mut node = ValueNode { kind: Some(pb::value_node::Kind::Int(1)) };
+            for _ in 0..40 {
+                node = ValueNode { kind: Some(pb::value_node::Kind::List(pb::ValueList { items: vec![node] })) };
+            }
+            h.values.push(NamedValue { name: "deep".into(), value: Some(node) });
+        });
+        assert!(err.contains("deeper than"), "{err}");
     }
 }

@@ -9,12 +9,14 @@ use std::time::Instant;
 
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
-use cleave_common::wire::{chunk_bytes_for, chunks, encode_boundary, Reassembly};
+use cleave_common::security::{ClientTls, EdgeSecurity, Token};
+use cleave_common::wire::{chunk_bytes_for, chunks, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::inputs::Inputs;
@@ -35,6 +37,10 @@ pub struct StreamPlan {
     pub inputs: Inputs,
     /// Largest result payload accepted from the server.
     pub max_payload_bytes: u64,
+    /// How boundaries are encoded (results come back the same way).
+    pub codec: Codec,
+    /// The key payloads are sealed with, if any.
+    pub key: Option<(u32, cleave_common::wire::Key)>,
 }
 
 /// The server's own timings for one request, in milliseconds.
@@ -88,6 +94,45 @@ pub struct RequestOutcome {
     pub output: Result<Boundary, String>,
 }
 
+/// How to reach a server: message size, TLS trust, bearer token.
+#[derive(Debug, Clone)]
+pub struct Link {
+    /// Largest gRPC message either way.
+    pub max_message: usize,
+    /// TLS trust (the URL must then be https://).
+    pub tls: Option<ClientTls>,
+    /// Bearer token sent with every call.
+    pub token: Option<Token>,
+}
+
+impl Link {
+    /// Plaintext, no token.
+    pub fn plain(max_message: usize) -> Self {
+        Self { max_message, tls: None, token: None }
+    }
+
+    /// With the TLS trust and token of an edge config.
+    pub fn secured(max_message: usize, security: &EdgeSecurity) -> Self {
+        Self { max_message, tls: security.tls.clone(), token: security.token.clone() }
+    }
+}
+
+/// Adds `authorization: Bearer <token>` to every call when there is a token.
+#[derive(Clone)]
+pub struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A connected client.
+pub type Client = SplitInferenceClient<InterceptedService<Channel, BearerToken>>;
+
 struct Sent {
     started: Instant,
     sent_at: Instant,
@@ -95,15 +140,27 @@ struct Sent {
 }
 
 /// Connects to `url` and checks that the server serves `bundle`.
-pub async fn connect(url: &str, bundle: &Bundle, max_message: usize) -> anyhow::Result<(SplitInferenceClient<Channel>, pb::InfoReply)> {
-    let channel = Endpoint::from_shared(url.to_string())?
-        .initial_stream_window_size(Some(8 << 20))
-        .initial_connection_window_size(Some(32 << 20))
-        .connect()
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to {url}: {e}"))?;
-    let mut client = SplitInferenceClient::new(channel).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
-    let info = client.info(pb::InfoRequest {}).await?.into_inner();
+pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> anyhow::Result<(Client, pb::InfoReply)> {
+    let mut endpoint = Endpoint::from_shared(url.to_string())?.initial_stream_window_size(Some(8 << 20)).initial_connection_window_size(Some(32 << 20));
+    if let Some(tls) = &link.tls {
+        if !url.starts_with("https://") {
+            anyhow::bail!("{url}: TLS is configured, so the URL must start with https://");
+        }
+        let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem));
+        if let Some(domain) = &tls.domain {
+            config = config.domain_name(domain.clone());
+        }
+        endpoint = endpoint.tls_config(config).map_err(|e| anyhow::anyhow!("TLS configuration: {e}"))?;
+    }
+    let channel = endpoint.connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {url}: {}", error_chain(&e)))?;
+    let token = match &link.token {
+        Some(t) => Some(t.bearer().parse().map_err(|_| anyhow::anyhow!("the bearer token is not a valid header value"))?),
+        None => None,
+    };
+    let mut client = SplitInferenceClient::with_interceptor(channel, BearerToken(token))
+        .max_decoding_message_size(link.max_message)
+        .max_encoding_message_size(link.max_message);
+    let info = client.info(pb::InfoRequest {}).await.map_err(|s| anyhow::anyhow!("{url}: {:?}: {}", s.code(), s.message()))?.into_inner();
     if info.bundle_id != bundle.id() {
         anyhow::bail!(
             "bundle mismatch: this host has {} ({}), the server at {url} serves {} ({})",
@@ -116,13 +173,51 @@ pub async fn connect(url: &str, bundle: &Bundle, max_message: usize) -> anyhow::
     Ok((client, info))
 }
 
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Checks, before anything is sent, that the server accepts this codec and can open this
+/// host's payloads; the error says what the server accepts.
+pub fn check_server_accepts(info: &pb::InfoReply, codec: &Codec, key_id: Option<u32>) -> anyhow::Result<()> {
+    let support = info.codecs.clone().unwrap_or_default();
+    let precision = codec.precision.name();
+    if !support.precisions.iter().any(|p| p == precision) {
+        anyhow::bail!("codec {codec}: the server accepts precisions [{}], not {precision}", support.precisions.join(", "));
+    }
+    let compression = codec.compression.family();
+    if !support.compressions.iter().any(|c| c == compression) {
+        anyhow::bail!("codec {codec}: the server accepts compressions [{}], not {compression}", support.compressions.join(", "));
+    }
+    match key_id {
+        None if support.encryption_required => {
+            anyhow::bail!("the server requires AES-256-GCM payloads: configure `encryption` with one of its key ids {:?}", support.key_ids)
+        }
+        Some(id) if !support.key_ids.contains(&id) => {
+            anyhow::bail!("the server holds key ids {:?}, not {id}: it could not open this host's payloads", support.key_ids)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Sends every request and calls `on_outcome` once per request id, in arrival order.
-pub async fn stream_requests(
-    client: &mut SplitInferenceClient<Channel>,
-    info: &pb::InfoReply,
-    plan: StreamPlan,
-    mut on_outcome: impl FnMut(RequestOutcome),
-) -> anyhow::Result<()> {
+pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: StreamPlan, mut on_outcome: impl FnMut(RequestOutcome)) -> anyhow::Result<()> {
+    check_server_accepts(info, &plan.codec, plan.key.as_ref().map(|(id, _)| *id))?;
+    let ring = KeyRing::new(plan.key.clone()).expect("one key");
+    let sender = match &plan.key {
+        Some((id, _)) => PayloadSender::sealed(&ring, *id)?,
+        None => PayloadSender::plain(),
+    };
+    // Results must come back sealed when requests go sealed: a stripped seal is refused.
+    let policy = CodecPolicy { require_encryption: plan.key.is_some(), ..CodecPolicy::default() };
+    let mut results = PayloadReceiver::new(Direction::Result, plan.max_payload_bytes, policy, &ring);
     let limits = info.limits.unwrap_or_default();
     let chunk_bytes = chunk_bytes_for(limits.max_message_bytes);
     let (frame_tx, frame_rx) = mpsc::channel::<InferFrame>(64);
@@ -131,11 +226,10 @@ pub async fn stream_requests(
     for _ in 0..plan.in_flight {
         token_tx.send(()).expect("fresh channel has room");
     }
-    let max_payload = plan.max_payload_bytes;
     let requests = plan.requests;
     let producer = {
         let sent = Arc::clone(&sent);
-        std::thread::Builder::new().name("cleave-prefix".into()).spawn(move || produce(plan, chunk_bytes, token_rx, frame_tx, sent))?
+        std::thread::Builder::new().name("cleave-prefix".into()).spawn(move || produce(plan, sender, chunk_bytes, token_rx, frame_tx, sent))?
     };
 
     let mut request = tonic::Request::new(ReceiverStream::new(frame_rx));
@@ -156,17 +250,17 @@ pub async fn stream_requests(
             current = None;
             Err(format!("{:?}: {}", tonic::Code::from(err.code), err.message))
         } else {
-            let mut assembly = match current.take() {
+            let mut assembly: Reassembly = match current.take() {
                 Some(a) => a,
-                None => Reassembly::start(id, frame.header.clone(), max_payload)?,
+                None => results.start(id, &frame.header).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?,
             };
-            assembly.push(id, &frame.data)?;
+            assembly.push(id, &frame.data).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?;
             if !frame.last {
                 current = Some(assembly);
                 continue;
             }
             let t = Instant::now();
-            let decoded = assembly.finish().map_err(|e| format!("result: {e}"));
+            let decoded = results.finish(assembly).map(|r| r.boundary).map_err(|e| format!("result: {e}"));
             let decode_ms = ms(t);
             if let Some(s) = sent.lock().expect("sent map").get_mut(&id) {
                 s.metrics.decode_ms = decode_ms;
@@ -208,6 +302,7 @@ pub async fn stream_requests(
 
 fn produce(
     plan: StreamPlan,
+    mut sender: PayloadSender,
     chunk_bytes: usize,
     tokens: std::sync::mpsc::Receiver<()>,
     frames: mpsc::Sender<InferFrame>,
@@ -225,19 +320,20 @@ fn produce(
         let boundary = stages.run(prefix, &input)?;
         let prefix_ms = ms(t);
         let t = Instant::now();
-        let encoded = encode_boundary(&boundary);
+        let meta = PayloadMeta { request_id: id, split: plan.split as u32, direction: Direction::Request };
+        let encoded = sender.encode(meta, &plan.codec, &boundary)?;
         let parts = chunks(&encoded.data, chunk_bytes);
         let last = parts.len() - 1;
-        let mut header = Some(encoded.header);
+        let mut header = Some(encoded.envelope);
         let frames_out: Vec<InferFrame> = parts
             .into_iter()
             .enumerate()
-            .map(|(i, data)| InferFrame { request_id: id, split: plan.split as u32, header: header.take(), data, last: i == last })
+            .map(|(i, data)| InferFrame { request_id: id, header: header.take().unwrap_or_default(), data, last: i == last })
             .collect();
         let metrics = RequestMetrics {
             prefix_ms,
             encode_ms: ms(t),
-            bytes_raw: encoded.data.len() as u64,
+            bytes_raw: encoded.raw_bytes,
             bytes_wire: frames_out.iter().map(|f| f.encoded_len() as u64).sum(),
             ..Default::default()
         };

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use cleave_common::config::InputSource;
-use cleave_common::spec::{DType, ValueSpec};
+use cleave_common::spec::{DType, TorchDType, ValueSpec};
 use cleave_common::{Boundary, Bundle, Value};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

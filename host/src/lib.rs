@@ -16,10 +16,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use cleave_common::config::{EdgeConfig, SplitSpec};
+use cleave_common::security::ServerSecurity;
 use cleave_common::device::device_name;
 use tokio::net::TcpListener;
 
-use crate::client::{connect, stream_requests, StreamPlan};
+use crate::client::{connect, stream_requests, Link, StreamPlan};
 use crate::inputs::Inputs;
 use crate::report::{summary_table, Percentiles, ReportWriter, Summary};
 
@@ -110,12 +111,24 @@ pub struct LoopbackServer {
 }
 
 impl LoopbackServer {
-    /// Loads the bundle and serves it on 127.0.0.1 with the same code as `server`.
+    /// Loads the bundle and serves it on 127.0.0.1 with the same code as `server`, in
+    /// plaintext, accepting every codec.
     pub async fn start(bundle: &std::path::Path, device: cleave_common::DeviceSpec, limits: cleave_common::config::Limits) -> anyhow::Result<Self> {
+        Self::start_secured(bundle, device, limits, ServerSecurity::default()).await
+    }
+
+    /// Like [`LoopbackServer::start`], enforcing `security` (TLS, token, keys, codecs).
+    pub async fn start_secured(
+        bundle: &std::path::Path,
+        device: cleave_common::DeviceSpec,
+        limits: cleave_common::config::Limits,
+        security: ServerSecurity,
+    ) -> anyhow::Result<Self> {
         let bundle = bundle.to_path_buf();
-        let prepared = tokio::task::spawn_blocking(move || cleave_server::PreparedServer::prepare(&bundle, device, limits)).await??;
+        let scheme = if security.tls.is_some() { "https" } else { "http" };
+        let prepared = tokio::task::spawn_blocking(move || cleave_server::PreparedServer::prepare(&bundle, device, limits, security)).await??;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
+        let url = format!("{scheme}://{}", listener.local_addr()?);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(prepared.serve(listener, async {
             let _ = stopped.await;
@@ -142,13 +155,14 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     let inputs = Inputs::new(&config.input, &bundle, config.batch_size)?;
     let loopback = if opts.loopback {
-        Some(LoopbackServer::start(&config.bundle, config.loopback_device, config.loopback_limits).await?)
+        Some(LoopbackServer::start_secured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security()).await?)
     } else {
         None
     };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
+    let uses_tls = url.starts_with("https://");
     let max_message = config.loopback_limits.max_message_bytes as usize;
-    let (mut client, info) = connect(&url, &bundle, max_message).await?;
+    let (mut client, info) = connect(&url, &bundle, &Link::secured(max_message, &config.security)).await?;
     println!(
         "{} split at cut {split} ({}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
         bundle.manifest().model.source,
@@ -169,6 +183,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         in_flight: config.in_flight,
         inputs,
         max_payload_bytes: config.loopback_limits.max_payload_bytes,
+        codec: config.codec,
+        key: config.security.key.clone(),
     };
     let started = Instant::now();
     let mut record_error = None;
@@ -208,7 +224,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
         bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
         bytes_wire: outcomes.iter().map(|(_, m, _)| m.bytes_wire).sum(),
-        codec: "raw".into(),
+        codec: config.codec.to_string(),
+        encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
+        tls: uses_tls,
+        bearer_token: config.security.token.is_some(),
         wall_s,
     };
     std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)? + "\n")?;

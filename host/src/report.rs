@@ -69,8 +69,14 @@ pub struct Summary {
     pub bytes_raw: u64,
     /// Bytes of the frames sent.
     pub bytes_wire: u64,
-    /// Payload codec.
+    /// Payload codec (`raw`, `shuffle+lz4`, ...).
     pub codec: String,
+    /// Payload encryption, when on (`aes-256-gcm (key id N)`); never the key.
+    pub encryption: Option<String>,
+    /// Whether the link used TLS.
+    pub tls: bool,
+    /// Whether calls carried a bearer token (never the token).
+    pub bearer_token: bool,
     /// Seconds the run took.
     pub wall_s: f64,
 }
@@ -194,7 +200,12 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
         "bytes sent".to_string(),
         human_bytes(s.bytes_raw),
         format!("{} on the wire", human_bytes(s.bytes_wire)),
-        s.codec.clone(),
+        format!(
+            "{}{}{}",
+            s.codec,
+            if s.encryption.is_some() { " + aes-256-gcm" } else { "" },
+            if s.tls { ", TLS" } else { "" }
+        ),
     ]);
     table
 }

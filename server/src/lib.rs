@@ -15,10 +15,12 @@ mod worker;
 
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use cleave_common::config::{Limits, ServerConfig};
 use cleave_common::device::device_name;
 use cleave_common::pb::split_inference_server::SplitInferenceServer;
+use cleave_common::security::{ServerSecurity, Token};
 use cleave_common::tables::verify_table;
 use cleave_common::verify::verify_splits;
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
@@ -34,18 +36,18 @@ pub struct PreparedServer {
 
 impl PreparedServer {
     /// Opens the bundle, loads every stage on the device and starts the compute worker.
-    pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits) -> anyhow::Result<Self> {
+    pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> anyhow::Result<Self> {
         let bundle = Bundle::open(bundle_dir)?;
         let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), device)?;
         let device = device_name(stages.device());
         tracing::info!(bundle = %bundle_dir.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
         let worker = worker::spawn(stages, limits.queue_depth as usize);
-        Ok(Self { service: service::Service { bundle, device, limits, worker } })
+        Ok(Self { service: service::Service { bundle, device, limits, security: Arc::new(security), worker } })
     }
 
     /// From a validated `server.yaml`.
     pub fn from_config(config: &ServerConfig) -> anyhow::Result<Self> {
-        Self::prepare(&config.bundle, config.device, config.limits)
+        Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())
     }
 
     /// The device the stages run on.
@@ -53,18 +55,31 @@ impl PreparedServer {
         &self.service.device
     }
 
+    /// Whether it serves over TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.service.security.tls.is_some()
+    }
+
     /// Serves on `listener` until `shutdown` resolves; requests in flight are answered first.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let limits = self.service.limits;
         let max_message = limits.max_message_bytes as usize;
+        let security = Arc::clone(&self.service.security);
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         health_reporter.set_serving::<SplitInferenceServer<service::Service>>().await;
         let inference = SplitInferenceServer::new(self.service)
             .max_decoding_message_size(max_message)
             .max_encoding_message_size(max_message);
+        let token = security.token.clone();
+        let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| check_token(token.as_ref(), request));
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &security.tls {
+            let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
+            builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity)).map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
+        }
         // Windows sized for large boundaries; payloads are already raw or compressed, so
         // gRPC compression stays off.
-        tonic::transport::Server::builder()
+        builder
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20))
             .add_service(health_service)
@@ -75,14 +90,37 @@ impl PreparedServer {
     }
 }
 
+/// Refuses a call without the server's bearer token (when it has one), before any handler.
+fn check_token(token: Option<&Token>, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+    let Some(token) = token else { return Ok(request) };
+    match request.metadata().get("authorization") {
+        Some(value) if token.matches_header(value.as_bytes()) => Ok(request),
+        Some(_) => Err(tonic::Status::unauthenticated("wrong bearer token")),
+        None => Err(tonic::Status::unauthenticated("this server requires a bearer token (`authorization: Bearer ...`)")),
+    }
+}
+
 /// `server --config server.yaml`: validate, load, bind, serve until SIGINT or SIGTERM.
 pub async fn run(config: ServerConfig) -> anyhow::Result<()> {
     let server = PreparedServer::from_config(&config)?;
     let listener = TcpListener::bind(config.listen).await.map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
-    if !config.listen.ip().is_loopback() {
-        tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address");
+    if !config.listen.ip().is_loopback() && !server.uses_tls() {
+        tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address: anyone on the path can read and alter boundaries; configure `tls`");
     }
-    println!("serving {} on {} ({})", config.bundle.display(), listener.local_addr()?, server.device());
+    let s = &config.security;
+    println!(
+        "serving {} on {} ({}; {}, {}, {})",
+        config.bundle.display(),
+        listener.local_addr()?,
+        server.device(),
+        if server.uses_tls() { "TLS" } else { "plaintext" },
+        if s.token.is_some() { "bearer token required" } else { "no token" },
+        match (s.keys.is_empty(), s.policy.require_encryption) {
+            (true, _) => "payload encryption unavailable".to_string(),
+            (false, true) => format!("AES-256-GCM payloads required, key ids {:?}", s.keys.ids()),
+            (false, false) => format!("AES-256-GCM payloads accepted, key ids {:?}", s.keys.ids()),
+        }
+    );
     server.serve(listener, shutdown_signal()).await
 }
 

@@ -30,6 +30,13 @@ enum Command {
         #[arg(long, default_value = "auto")]
         device: DeviceSpec,
     },
+    /// Write development secrets: a CA, a server certificate for localhost and 127.0.0.1, its
+    /// key, a payload key and a bearer token (for testing and demos, never production).
+    DevSecrets {
+        /// Directory to write them into (kept out of git: `.dev-secrets/` is ignored).
+        #[arg(long, default_value = ".dev-secrets")]
+        out: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -39,6 +46,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match (cli.command, cli.config) {
         (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }),
+        (Some(Command::DevSecrets { out }), _) => cleave_common::security::write_dev_secrets(&out)
+            .map(|s| {
+                println!("wrote ca.pem, server.pem, server.key, payload.key and token to {} (development only)", s.dir.display());
+                true
+            })
+            .map_err(anyhow::Error::msg),
         (None, Some(path)) => serve(&path).map(|()| true),
         (None, None) => unreachable!("clap requires --config or a subcommand"),
     };

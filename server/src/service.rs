@@ -4,14 +4,17 @@
 //! compute worker, and a responder task, which answers them in arrival order. Every request
 //! id gets exactly one result or one error frame; a bad request never ends the stream.
 
+use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use cleave_common::pb::split_inference_server::SplitInference;
 use cleave_common::pb::{self, InferFrame, ResultFrame};
-use cleave_common::wire::{chunks, encode_boundary, Reassembly, WireError};
-use cleave_common::{Bundle, BundleError};
+use cleave_common::security::ServerSecurity;
+use cleave_common::wire::{chunks, Codec, CodecError, Direction, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, WireError};
+use cleave_common::{Boundary, Bundle, BundleError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -36,6 +39,9 @@ pub(crate) enum RequestError {
     /// The boundary does not fit the manifest, or a stage failed.
     #[error("compute: {0}")]
     Bundle(#[from] BundleError),
+    /// The result cannot be encoded (a lossy precision cannot carry it, say).
+    #[error("encode: {0}")]
+    Encode(WireError),
     /// The server is shutting down.
     #[error("the server is shutting down")]
     Unavailable,
@@ -43,9 +49,17 @@ pub(crate) enum RequestError {
 
 /// The one place that maps errors to gRPC status codes.
 pub(crate) fn status_code(err: &RequestError) -> Code {
+    use CodecError as C;
     match err {
-        RequestError::Wire(WireError::PayloadTooLarge { .. }) => Code::ResourceExhausted,
+        RequestError::Wire(WireError::Codec(C::PayloadTooLarge { .. })) => Code::ResourceExhausted,
+        // The payload is not authentic: no key, wrong key, altered, replayed, or unsealed
+        // where sealing is required.
+        RequestError::Wire(WireError::Codec(
+            C::NotSealed | C::NoKeys { .. } | C::UnknownKeyId { .. } | C::WrongKey { .. } | C::HeaderTampered | C::DataTampered | C::Replayed { .. },
+        )) => Code::Unauthenticated,
+        RequestError::Wire(WireError::Codec(C::CodecRefused { .. })) => Code::FailedPrecondition,
         RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } => Code::InvalidArgument,
+        RequestError::Encode(_) => Code::Internal,
         RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
         RequestError::Bundle(_) => Code::Internal,
         RequestError::Unavailable => Code::Unavailable,
@@ -57,6 +71,7 @@ pub(crate) struct Service {
     pub(crate) bundle: Bundle,
     pub(crate) device: String,
     pub(crate) limits: cleave_common::config::Limits,
+    pub(crate) security: Arc<ServerSecurity>,
     pub(crate) worker: mpsc::Sender<Job>,
 }
 
@@ -78,7 +93,12 @@ impl SplitInference for Service {
                 queue_depth: self.limits.queue_depth,
                 max_batch: self.bundle.manifest().batch.max as u32,
             }),
-            codecs: vec!["raw".into()],
+            codecs: Some(pb::CodecSupport {
+                precisions: self.security.policy.precisions.iter().map(|p| p.name().to_string()).collect(),
+                compressions: self.security.policy.compressions.clone(),
+                encryption_required: self.security.policy.require_encryption,
+                key_ids: self.security.keys.ids(),
+            }),
         }))
     }
 
@@ -97,7 +117,7 @@ impl SplitInference for Service {
         let (out_tx, out_rx) = mpsc::channel::<Result<ResultFrame, Status>>(depth * 4);
         let (pending_tx, pending_rx) = mpsc::channel::<Pending>(depth);
         tokio::spawn(read_requests(request.into_inner(), self.context(), pending_tx));
-        tokio::spawn(respond(pending_rx, out_tx, self.limits.chunk_bytes()));
+        tokio::spawn(respond(pending_rx, out_tx, self.limits.chunk_bytes(), Arc::clone(&self.security)));
         Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
     }
 }
@@ -105,29 +125,30 @@ impl SplitInference for Service {
 /// What a stream's reader task needs.
 struct StreamContext {
     stage_count: usize,
-    max_payload: u64,
+    receiver: PayloadReceiver,
     worker: mpsc::Sender<Job>,
 }
 
 impl Service {
     fn context(&self) -> StreamContext {
-        StreamContext { stage_count: self.bundle.stage_count(), max_payload: self.limits.max_payload_bytes, worker: self.worker.clone() }
+        let receiver = PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys);
+        StreamContext { stage_count: self.bundle.stage_count(), receiver, worker: self.worker.clone() }
     }
 }
 
 /// A request waiting for its answer, in arrival order.
 struct Pending {
     request_id: u64,
+    split: u32,
     decode_us: u64,
+    /// The result travels back with the request's codec and key.
+    codec: Codec,
+    key_id: Option<u32>,
     answer: oneshot::Receiver<Result<JobResult, RequestError>>,
 }
 
-async fn read_requests(
-    mut inbound: Streaming<InferFrame>,
-    ctx: StreamContext,
-    pending: mpsc::Sender<Pending>,
-) {
-    let mut current: Option<(Reassembly, u32)> = None;
+async fn read_requests(mut inbound: Streaming<InferFrame>, mut ctx: StreamContext, pending: mpsc::Sender<Pending>) {
+    let mut current: Option<Reassembly> = None;
     // A request already answered with an error whose remaining frames are skipped.
     let mut skipping: Option<u64> = None;
     loop {
@@ -148,11 +169,11 @@ async fn read_requests(
         }
         skipping = None;
         let step = match current.take() {
-            None => Reassembly::start(id, frame.header, ctx.max_payload).map(|r| (r, frame.split)),
-            Some(state) => Ok(state),
+            None => ctx.receiver.start(id, &frame.header),
+            Some(assembly) => Ok(assembly),
         };
-        let (mut assembly, split) = match step {
-            Ok(s) => s,
+        let mut assembly = match step {
+            Ok(a) => a,
             Err(e) => {
                 if !frame.last {
                     skipping = Some(id);
@@ -174,23 +195,27 @@ async fn read_requests(
             continue;
         }
         if !frame.last {
-            current = Some((assembly, split));
+            current = Some(assembly);
             continue;
         }
+        let split = assembly.split();
         let decode_start = Instant::now();
-        let decoded = assembly.finish();
+        let received = ctx.receiver.finish(assembly);
         let decode_us = decode_start.elapsed().as_micros() as u64;
         let (tx, rx) = oneshot::channel();
-        match decoded {
+        let (mut codec, mut key_id) = (Codec::RAW, None);
+        match received {
             Err(e) => {
                 let _ = tx.send(Err(e.into()));
             }
-            Ok(_) if split as usize > ctx.stage_count => {
-                let _ = tx.send(Err(RequestError::SplitOutOfRange { split, cuts: ctx.stage_count }));
+            Ok(r) if r.split as usize > ctx.stage_count => {
+                (codec, key_id) = (r.codec, r.key_id);
+                let _ = tx.send(Err(RequestError::SplitOutOfRange { split: r.split, cuts: ctx.stage_count }));
             }
-            Ok(input) => {
+            Ok(r) => {
+                (codec, key_id) = (r.codec, r.key_id);
                 let (job_tx, job_rx) = oneshot::channel();
-                let job = Job { split: split as usize, input, queued_at: Instant::now(), reply: job_tx };
+                let job = Job { split: r.split as usize, input: r.boundary, queued_at: Instant::now(), reply: job_tx };
                 if ctx.worker.send(job).await.is_err() {
                     let _ = tx.send(Err(RequestError::Unavailable));
                 } else {
@@ -201,7 +226,7 @@ async fn read_requests(
                 }
             }
         }
-        if pending.send(Pending { request_id: id, decode_us, answer: rx }).await.is_err() {
+        if pending.send(Pending { request_id: id, split, decode_us, codec, key_id, answer: rx }).await.is_err() {
             return;
         }
     }
@@ -210,24 +235,55 @@ async fn read_requests(
 async fn answer_now(pending: &mpsc::Sender<Pending>, id: u64, answer: Result<JobResult, RequestError>) -> bool {
     let (tx, rx) = oneshot::channel();
     let _ = tx.send(answer);
-    pending.send(Pending { request_id: id, decode_us: 0, answer: rx }).await.is_ok()
+    pending.send(Pending { request_id: id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx }).await.is_ok()
 }
 
-async fn respond(mut pending: mpsc::Receiver<Pending>, out: mpsc::Sender<Result<ResultFrame, Status>>, chunk_bytes: usize) {
-    while let Some(p) = pending.recv().await {
+/// Encodes results with each request's codec, sealed with each request's key (one sender,
+/// so one nonce sequence, per key on this stream).
+struct ResultEncoder {
+    security: Arc<ServerSecurity>,
+    senders: HashMap<Option<u32>, PayloadSender>,
+}
+
+impl ResultEncoder {
+    fn encode(&mut self, p: &Pending, output: &Boundary) -> Result<cleave_common::wire::EncodedPayload, RequestError> {
+        let sender = match self.senders.entry(p.key_id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(match p.key_id {
+                None => PayloadSender::plain(),
+                Some(id) => PayloadSender::sealed(&self.security.keys, id).map_err(|err| RequestError::Encode(err.into()))?,
+            }),
+        };
+        let meta = PayloadMeta { request_id: p.request_id, split: p.split, direction: Direction::Result };
+        sender.encode(meta, &p.codec, output).map_err(RequestError::Encode)
+    }
+}
+
+async fn respond(
+    mut pending: mpsc::Receiver<Pending>,
+    out: mpsc::Sender<Result<ResultFrame, Status>>,
+    chunk_bytes: usize,
+    security: Arc<ServerSecurity>,
+) {
+    let mut encoder = ResultEncoder { security, senders: HashMap::new() };
+    while let Some(mut p) = pending.recv().await {
         {
-            let answer = p.answer.await.unwrap_or(Err(RequestError::Unavailable));
-            let frames = match answer.and_then(|r| r.output.map(|o| (o, r.queue, r.compute)).map_err(RequestError::from)) {
-                Ok((output, queue, compute)) => {
-                    let encode_start = Instant::now();
-                    let encoded = encode_boundary(&output);
+            let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
+            let encoded = answer.and_then(|r| {
+                let output = r.output?;
+                let encode_start = Instant::now();
+                let encoded = encoder.encode(&p, &output)?;
+                Ok((encoded, r.queue, r.compute, encode_start.elapsed()))
+            });
+            let frames = match encoded {
+                Ok((encoded, queue, compute, encode)) => {
                     let timings = pb::ServerTimings {
                         queue_us: queue.as_micros() as u64,
                         decode_us: p.decode_us,
                         compute_us: compute.as_micros() as u64,
-                        encode_us: encode_start.elapsed().as_micros() as u64,
+                        encode_us: encode.as_micros() as u64,
                     };
-                    result_frames(p.request_id, encoded.header, &encoded.data, timings, chunk_bytes)
+                    result_frames(p.request_id, encoded.envelope, &encoded.data, timings, chunk_bytes)
                 }
                 Err(e) => {
                     tracing::info!(request_id = p.request_id, error = %e, "request refused");
@@ -248,16 +304,16 @@ async fn respond(mut pending: mpsc::Receiver<Pending>, out: mpsc::Sender<Result<
     }
 }
 
-fn result_frames(request_id: u64, header: pb::BoundaryHeader, data: &Bytes, timings: pb::ServerTimings, chunk_bytes: usize) -> Vec<ResultFrame> {
+fn result_frames(request_id: u64, envelope: Bytes, data: &Bytes, timings: pb::ServerTimings, chunk_bytes: usize) -> Vec<ResultFrame> {
     let parts = chunks(data, chunk_bytes);
     let last_index = parts.len() - 1;
-    let mut header = Some(header);
+    let mut header = Some(envelope);
     parts
         .into_iter()
         .enumerate()
         .map(|(i, data)| ResultFrame {
             request_id,
-            header: header.take(),
+            header: header.take().unwrap_or_default(),
             data,
             last: i == last_index,
             timings: (i == last_index).then_some(timings),

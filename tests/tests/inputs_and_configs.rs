@@ -5,6 +5,7 @@ use std::path::Path;
 use cleave_common::config::{EdgeConfig, InputSource, ServerConfig, SplitSpec};
 use cleave_common::{Bundle, DeviceSpec};
 use cleave_host::inputs::Inputs;
+use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_tests::bundle_dir;
 use tch::{Device, Kind, Tensor};
 
@@ -77,8 +78,17 @@ fn config_dir() -> &'static Path {
 
 #[test]
 fn every_example_config_parses() {
-    let mut seen = 0;
+    // The secured examples read development secrets from `.dev-secrets/` beside `config/`:
+    // parse copies of the configs next to freshly written ones.
+    let root = tempfile::tempdir().unwrap();
+    cleave_common::security::write_dev_secrets(&root.path().join(".dev-secrets")).unwrap();
+    std::fs::create_dir(root.path().join("config")).unwrap();
     for entry in std::fs::read_dir(config_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, root.path().join("config").join(path.file_name().unwrap())).unwrap();
+    }
+    let mut seen = 0;
+    for entry in std::fs::read_dir(root.path().join("config")).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         if name.starts_with("server") {
@@ -90,7 +100,14 @@ fn every_example_config_parses() {
             seen += 1;
         }
     }
-    assert!(seen >= 3, "config/ holds the demo, edge and server examples");
+    assert!(seen >= 5, "config/ holds the demo, edge and server examples, plain and secured");
+    let secure = EdgeConfig::load(&root.path().join("config/demo-secure.yaml")).unwrap();
+    assert_eq!(secure.codec.to_string(), "shuffle+lz4");
+    assert!(secure.security.key.is_some() && secure.security.tls.is_some() && secure.security.token.is_some());
+    assert!(secure.loopback_security().tls.is_some() && secure.loopback_security().policy.require_encryption);
+    let server = ServerConfig::load(&root.path().join("config/server-secure.yaml")).unwrap();
+    assert_eq!(server.security.keys.ids(), [1]);
+    assert!(server.security.policy.require_encryption && server.security.tls.is_some() && server.security.token.is_some());
     let demo = EdgeConfig::load(&config_dir().join("demo.yaml")).unwrap();
     assert_eq!(demo.split, SplitSpec::After("layer2".into()));
     assert_eq!(demo.input, InputSource::Synthetic { seed: 0 });
@@ -148,11 +165,16 @@ fn synthetic_inputs_are_reproducible_from_any_thread() {
         let bundle = Bundle::open(dir).unwrap();
         let inputs = Inputs::new(&InputSource::Synthetic { seed: 3 }, &bundle, 4).unwrap();
         let b = inputs.batch(5);
-        cleave_common::wire::encode_boundary(&b)
+        let meta = PayloadMeta { request_id: 0, split: 0, direction: Direction::Request };
+        PayloadSender::plain().encode(meta, &Codec::RAW, &b).unwrap()
     })
     .join()
     .unwrap();
-    let there = cleave_common::wire::decode_boundary(&there.header, &there.data, u64::MAX).unwrap();
+    // Tensors cannot cross threads here, so they travel as a payload.
+    let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default());
+    let mut assembly = receiver.start(0, &there.envelope).unwrap();
+    assembly.push(0, &there.data).unwrap();
+    let there = receiver.finish(assembly).unwrap().boundary;
     assert!(here.bit_identical(&there));
     assert!(!here.bit_identical(&inputs.batch(6)), "each request gets its own batch");
     let tokens = here.values[0].1.as_tensor().unwrap();

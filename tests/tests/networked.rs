@@ -7,9 +7,9 @@ use bytes::Bytes;
 use cleave_common::config::{InputSource, Limits};
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
-use cleave_common::wire::encode_boundary;
+use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
-use cleave_host::client::{connect, stream_requests, StreamPlan};
+use cleave_host::client::{connect, stream_requests, Link, StreamPlan};
 use cleave_host::inputs::Inputs;
 use cleave_host::LoopbackServer;
 use cleave_tests::bundle_dir;
@@ -21,7 +21,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Sends `requests` batches of `batch` split at `split`; returns each request's output.
 async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i64, requests: u64) -> Vec<(u64, Result<Boundary, String>)> {
-    let (mut client, info) = connect(url, bundle, 8 << 20).await.unwrap();
+    let (mut client, info) = connect(url, bundle, &Link::plain(8 << 20)).await.unwrap();
     let plan = StreamPlan {
         bundle: bundle.clone(),
         split,
@@ -30,6 +30,8 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         in_flight: 3,
         inputs: Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap(),
         max_payload_bytes: 1 << 30,
+        codec: Codec::RAW,
+        key: None,
     };
     let mut outcomes = Vec::new();
     stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
@@ -107,8 +109,19 @@ async fn raw_client(url: &str) -> SplitInferenceClient<tonic::transport::Channel
 }
 
 fn frames_for(id: u64, split: u32, boundary: &Boundary) -> Vec<InferFrame> {
-    let enc = encode_boundary(boundary);
-    vec![InferFrame { request_id: id, split, header: Some(enc.header), data: enc.data, last: true }]
+    let meta = PayloadMeta { request_id: id, split, direction: Direction::Request };
+    let enc = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
+    vec![InferFrame { request_id: id, header: enc.envelope, data: enc.data, last: true }]
+}
+
+/// Rewrites the (unsealed) payload header of a first frame.
+fn edit_header(frame: &mut InferFrame, f: impl FnOnce(&mut cleave_codec::pb::PayloadHeader)) {
+    use prost::Message;
+    let mut envelope = cleave_codec::pb::PayloadEnvelope::decode(&frame.header[..]).unwrap();
+    let mut header = cleave_codec::pb::PayloadHeader::decode(&envelope.header[..]).unwrap();
+    f(&mut header);
+    envelope.header = header.encode_to_vec().into();
+    frame.header = envelope.encode_to_vec().into();
 }
 
 /// Sends the frames on one stream with the right bundle id; returns every result frame.
@@ -160,18 +173,20 @@ fn bad_requests_get_clear_errors_and_the_stream_keeps_serving() {
         frames.extend(truncated);
         // 4: a declared size over the server's payload limit, in two frames (the second is skipped).
         let mut big = frames_for(4, 0, &input);
-        big[0].header.as_mut().unwrap().tensors[0].shape = vec![16, 1, 256, 256];
-        big[0].header.as_mut().unwrap().tensors[0].byte_len = 16 * 256 * 256 * 4;
+        edit_header(&mut big[0], |h| {
+            h.tensors[0].shape = vec![16, 1, 256, 256];
+            h.tensors[0].byte_len = 16 * 256 * 256 * 4;
+        });
         big[0].last = false;
         frames.extend(big);
         frames.push(InferFrame { request_id: 4, data: Bytes::from(vec![0u8; 16]), last: true, ..Default::default() });
         // 5: garbage in a tensor field (a dtype nobody knows).
         let mut garbage = frames_for(5, 0, &input);
-        garbage[0].header.as_mut().unwrap().tensors[0].dtype = "\u{1}garbage".into();
+        edit_header(&mut garbage[0], |h| h.tensors[0].dtype = "\u{1}garbage".into());
         frames.extend(garbage);
         // 6: a declared byte length that does not fit the shape.
         let mut lying = frames_for(6, 0, &input);
-        lying[0].header.as_mut().unwrap().tensors[0].byte_len += 1;
+        edit_header(&mut lying[0], |h| h.tensors[0].byte_len += 1);
         frames.extend(lying);
         // 7: a good request after all of that.
         frames.extend(frames_for(7, 0, &input));
@@ -212,7 +227,7 @@ fn host_with_another_bundle_is_refused_naming_both() {
     let other = Bundle::open(bundle_dir("transformer")).unwrap();
     runtime().block_on(async {
         let server = LoopbackServer::start(digits.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        let err = connect(&server.url, &other, 8 << 20).await.expect_err("refused");
+        let err = connect(&server.url, &other, &Link::plain(8 << 20)).await.expect_err("refused");
         let text = err.to_string();
         assert!(text.contains("bundle mismatch") && text.contains(other.id()) && text.contains(digits.id()), "{text}");
         server.shutdown().await.unwrap();

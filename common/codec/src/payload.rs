@@ -142,8 +142,8 @@ pub struct DecodedPayload {
     pub meta: PayloadMeta,
     /// The codec it travelled with.
     pub codec: Codec,
-    /// Whether it was sealed.
-    pub sealed: bool,
+    /// The key id it was sealed with, if it was.
+    pub key_id: Option<u32>,
     /// The boundary's value trees.
     pub values: Vec<NamedValue>,
     /// Its tensors, in header order.
@@ -288,7 +288,7 @@ impl IncomingPayload {
         Ok(DecodedPayload {
             meta: PayloadMeta { request_id: h.request_id, split: h.split, direction: Direction::try_from(h.direction).unwrap_or_default() },
             codec: self.codec,
-            sealed: self.seal.is_some(),
+            key_id: self.seal.as_ref().map(|s| s.key_id),
             values: h.values,
             tensors,
         })

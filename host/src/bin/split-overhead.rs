@@ -1,8 +1,9 @@
 //! Bench (not a test): median end-to-end latency of split inference over loopback gRPC at
-//! three split points, divided by the median latency of the whole model in one process,
-//! all measured in one run on the same inputs.
+//! three split points and for each codec, divided by the median latency of the whole model
+//! in one process, all measured in one run on the same inputs.
 //!
-//!     cargo run --release -p cleave-host --bin split-overhead -- --bundle bundles/resnet18
+//!     cargo run --release -p cleave-host --bin split-overhead -- --bundle bundles/resnet18 \
+//!         --codecs raw,shuffle+lz4 [--encrypt]
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -10,7 +11,9 @@ use std::time::Instant;
 use clap::Parser;
 use cleave_common::config::{InputSource, Limits};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
-use cleave_host::client::{connect, stream_requests, StreamPlan};
+use cleave_common::security::{EdgeSecurity, ServerSecurity};
+use cleave_common::wire::{Codec, CodecPolicy, Key, KeyRing};
+use cleave_host::client::{connect, stream_requests, Link, StreamPlan};
 use cleave_host::inputs::Inputs;
 use cleave_host::report::Percentiles;
 use cleave_host::LoopbackServer;
@@ -29,6 +32,12 @@ struct Args {
     /// Cuts to split at (default: a quarter, half and three quarters of the stages).
     #[arg(long, value_delimiter = ',')]
     splits: Vec<usize>,
+    /// Codecs to compare at each split.
+    #[arg(long, value_delimiter = ',', default_value = "raw,shuffle+lz4")]
+    codecs: Vec<Codec>,
+    /// Also seal every payload with AES-256-GCM (a random key).
+    #[arg(long)]
+    encrypt: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,19 +62,24 @@ fn main() -> anyhow::Result<()> {
     drop(whole);
     let local_p50 = Percentiles::of(&local).p50;
     println!(
-        "{}: batch {}, {} timed requests each, CPU, loopback gRPC, one request in flight",
+        "{}: batch {}, {} timed requests each, CPU, loopback gRPC, one request in flight{}",
         bundle.manifest().model.source,
         args.batch,
-        args.requests
+        args.requests,
+        if args.encrypt { ", payloads sealed with AES-256-GCM" } else { "" }
     );
-    println!("{:<30} {:>12} {:>8} {:>12}", "configuration", "p50 e2e ms", "ratio", "boundary");
-    println!("{:<30} {:>12.2} {:>8.3} {:>12}", "whole model, in process", local_p50, 1.0, "-");
+    println!("{:<30} {:<16} {:>11} {:>7} {:>11} {:>11}", "configuration", "codec", "p50 e2e ms", "ratio", "boundary", "on the wire");
+    println!("{:<30} {:<16} {:>11.2} {:>7.3} {:>11} {:>11}", "whole model, in process", "-", local_p50, 1.0, "-", "-");
+    let key = args.encrypt.then(|| (1u32, Key::random()));
+    let ring = KeyRing::new(key.clone()).expect("one key");
+    let security = ServerSecurity { policy: CodecPolicy { require_encryption: key.is_some(), ..CodecPolicy::default() }, keys: ring, ..Default::default() };
 
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
-        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await?;
-        for split in splits {
-            let (mut client, info) = connect(&server.url, &bundle, 8 << 20).await?;
+        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await?;
+        let link = Link::secured(8 << 20, &EdgeSecurity { key: key.clone(), ..Default::default() });
+        for (split, codec) in splits.iter().flat_map(|&s| args.codecs.iter().map(move |c| (s, *c))) {
+            let (mut client, info) = connect(&server.url, &bundle, &link).await?;
             let plan = StreamPlan {
                 bundle: bundle.clone(),
                 split,
@@ -74,23 +88,33 @@ fn main() -> anyhow::Result<()> {
                 in_flight: 1,
                 inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, &bundle, args.batch)?,
                 max_payload_bytes: 1 << 30,
+                codec,
+                key: key.clone(),
             };
             let mut e2e = Vec::new();
-            let mut bytes = 0;
-            stream_requests(&mut client, &info, plan, |o| {
-                if o.request_id >= warmup && o.output.is_ok() {
+            let (mut raw, mut wire) = (0, 0);
+            let mut errors = Vec::new();
+            stream_requests(&mut client, &info, plan, |o| match &o.output {
+                Ok(_) if o.request_id >= warmup => {
                     e2e.push(o.metrics.e2e_ms);
-                    bytes = o.metrics.bytes_raw;
+                    (raw, wire) = (o.metrics.bytes_raw, o.metrics.bytes_wire);
                 }
+                Ok(_) => {}
+                Err(e) => errors.push(e.clone()),
             })
             .await?;
+            if let Some(e) = errors.first() {
+                anyhow::bail!("split {split} codec {codec}: {} requests failed, first: {e}", errors.len());
+            }
             let p50 = Percentiles::of(&e2e).p50;
             println!(
-                "{:<30} {:>12.2} {:>8.3} {:>12}",
+                "{:<30} {:<16} {:>11.2} {:>7.3} {:>11} {:>11}",
                 format!("split at cut {split} ({})", bundle.cut(split).name.trim_start_matches("after ")),
+                codec.to_string(),
                 p50,
                 p50 / local_p50,
-                cleave_common::tables::human_bytes(bytes)
+                cleave_common::tables::human_bytes(raw),
+                cleave_common::tables::human_bytes(wire)
             );
         }
         server.shutdown().await

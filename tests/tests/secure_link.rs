@@ -1,0 +1,247 @@
+//! The boundary codec and link security end to end: codecs over gRPC against local runs,
+//! TLS with a bearer token (and the refusals without it), and every way a sealed payload
+//! can be attacked, each refused with its own status while the stream keeps serving.
+
+use cleave_common::config::{EdgeConfig, InputSource, Limits};
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::{self, InferFrame};
+use cleave_common::security::{write_dev_secrets, ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity, Token};
+use cleave_common::wire::{Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadSender};
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
+use cleave_host::client::{connect, stream_requests, Link, StreamPlan};
+use cleave_host::inputs::Inputs;
+use cleave_host::LoopbackServer;
+use cleave_tests::bundle_dir;
+use prost::Message;
+use tokio_stream::StreamExt;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// One host run: `requests` batches of 3 at `split` with `codec`; every request's output.
+async fn run_host(url: &str, bundle: &Bundle, split: usize, codec: Codec, security: &EdgeSecurity, requests: u64) -> anyhow::Result<Vec<(u64, Result<Boundary, String>)>> {
+    let (mut client, info) = connect(url, bundle, &Link::secured(8 << 20, security)).await?;
+    let plan = StreamPlan {
+        bundle: bundle.clone(),
+        split,
+        device: DeviceSpec::Cpu,
+        requests,
+        in_flight: 2,
+        inputs: Inputs::new(&InputSource::Synthetic { seed: 11 }, bundle, 3)?,
+        max_payload_bytes: 1 << 30,
+        codec,
+        key: security.key.clone(),
+    };
+    let mut outcomes = Vec::new();
+    stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await?;
+    Ok(outcomes)
+}
+
+fn local(bundle: &Bundle, stages: &LoadedStages, id: u64) -> Boundary {
+    let inputs = Inputs::new(&InputSource::Synthetic { seed: 11 }, bundle, 3).unwrap();
+    stages.run(StageRange::all(bundle), &inputs.batch(id)).unwrap()
+}
+
+fn only_tensor(b: &Boundary) -> &tch::Tensor {
+    match &b.values[0].1 {
+        Value::Tensor(t) => t,
+        other => panic!("not a tensor: {}", other.describe()),
+    }
+}
+
+#[test]
+fn every_lossless_codec_sealed_or_not_gives_the_local_output_bit_for_bit() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let key = (7, Key::random());
+    let ring = KeyRing::new([key.clone()]).unwrap();
+    let split = bundle.stage_count() / 3;
+    runtime().block_on(async {
+        // The server holds the key but does not require it: both kinds of host are served.
+        let security = ServerSecurity { keys: ring, ..Default::default() };
+        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await.unwrap();
+        for codec in ["raw", "shuffle+lz4", "lz4", "shuffle+zstd-1", "zstd-3"] {
+            for sealed in [false, true] {
+                let edge = EdgeSecurity { key: sealed.then(|| key.clone()), ..Default::default() };
+                let outcomes = run_host(&server.url, &bundle, split, codec.parse().unwrap(), &edge, 2).await.unwrap();
+                assert_eq!(outcomes.len(), 2);
+                for (id, output) in outcomes {
+                    let output = output.unwrap_or_else(|e| panic!("{codec} sealed {sealed}: {e}"));
+                    assert!(output.bit_identical(&local(&bundle, &whole, id)), "{codec} sealed {sealed} request {id}");
+                }
+            }
+        }
+        // Lossy precisions change the logits only a little (random weights, so no accuracy
+        // here; the digits bench measures agreement on a trained model).
+        for (codec, tolerance) in [("fp16+shuffle+lz4", 0.01), ("bf16+shuffle+lz4", 0.05), ("int8+lz4", 0.1)] {
+            let outcomes = run_host(&server.url, &bundle, split, codec.parse().unwrap(), &EdgeSecurity::default(), 1).await.unwrap();
+            let output = outcomes[0].1.as_ref().unwrap();
+            let (got, want) = (only_tensor(output), only_tensor(&local(&bundle, &whole, 0)).shallow_clone());
+            let err = (got - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+            assert!(err < tolerance, "{codec}: relative error {err}");
+            assert!(err > 0.0, "{codec} should be lossy");
+        }
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A loopback server with TLS, a token and a required key, and the matching host settings.
+fn secured_pair(dir: &std::path::Path) -> (ServerSecurity, EdgeSecurity) {
+    write_dev_secrets(dir).unwrap();
+    let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
+    let key = (1, Key::parse(&read("payload.key")).unwrap());
+    let token = Token::parse(&read("token")).unwrap();
+    let server = ServerSecurity {
+        policy: CodecPolicy { require_encryption: true, ..CodecPolicy::default() },
+        keys: KeyRing::new([key.clone()]).unwrap(),
+        tls: Some(TlsIdentity { cert_pem: read("server.pem"), key_pem: read("server.key").into() }),
+        token: Some(token.clone()),
+    };
+    let edge = EdgeSecurity { key: Some(key), tls: Some(ClientTls { ca_pem: read("ca.pem"), domain: Some("localhost".into()) }), token: Some(token) };
+    (server, edge)
+}
+
+#[test]
+fn tls_with_a_token_serves_and_refuses_hosts_without_the_right_credentials() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let secrets = tempfile::tempdir().unwrap();
+    let (server_security, edge) = secured_pair(secrets.path());
+    runtime().block_on(async {
+        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), server_security).await.unwrap();
+        assert!(server.url.starts_with("https://127.0.0.1:"));
+        let outcomes = run_host(&server.url, &bundle, 4, "shuffle+lz4".parse().unwrap(), &edge, 3).await.unwrap();
+        for (id, output) in outcomes {
+            assert!(output.unwrap().bit_identical(&local(&bundle, &whole, id)));
+        }
+        // No token: UNAUTHENTICATED before anything else.
+        let no_token = EdgeSecurity { token: None, ..edge.clone() };
+        let err = run_host(&server.url, &bundle, 4, Codec::RAW, &no_token, 1).await.unwrap_err().to_string();
+        assert!(err.contains("Unauthenticated") && err.contains("requires a bearer token"), "{err}");
+        let wrong = EdgeSecurity { token: Some(Token::parse(b"not-the-right-token-at-all").unwrap()), ..edge.clone() };
+        let err = run_host(&server.url, &bundle, 4, Codec::RAW, &wrong, 1).await.unwrap_err().to_string();
+        assert!(err.contains("Unauthenticated") && err.contains("wrong bearer token"), "{err}");
+        // No payload key: refused at the handshake, naming the server's key ids.
+        let unsealed = EdgeSecurity { key: None, ..edge.clone() };
+        let err = run_host(&server.url, &bundle, 4, Codec::RAW, &unsealed, 1).await.unwrap_err().to_string();
+        assert!(err.contains("requires AES-256-GCM payloads") && err.contains("[1]"), "{err}");
+        let other_id = EdgeSecurity { key: Some((9, Key::random())), ..edge.clone() };
+        let err = run_host(&server.url, &bundle, 4, Codec::RAW, &other_id, 1).await.unwrap_err().to_string();
+        assert!(err.contains("holds key ids [1], not 9"), "{err}");
+        // A CA that did not sign the server's certificate: the TLS handshake fails.
+        let other_ca = tempfile::tempdir().unwrap();
+        let (_, stranger) = secured_pair(other_ca.path());
+        let untrusting = EdgeSecurity { tls: stranger.tls, ..edge.clone() };
+        assert!(run_host(&server.url, &bundle, 4, Codec::RAW, &untrusting, 1).await.is_err());
+        // Plaintext to a TLS server fails too.
+        let plain_url = server.url.replace("https://", "http://");
+        assert!(run_host(&plain_url, &bundle, 4, Codec::RAW, &EdgeSecurity { tls: None, ..edge.clone() }, 1).await.is_err());
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Frames of one sealed request from `sender`.
+fn sealed_frames(sender: &mut PayloadSender, id: u64, boundary: &Boundary) -> Vec<InferFrame> {
+    let meta = PayloadMeta { request_id: id, split: 0, direction: Direction::Request };
+    let enc = sender.encode(meta, &"shuffle+lz4".parse().unwrap(), boundary).unwrap();
+    vec![InferFrame { request_id: id, header: enc.envelope, data: enc.data, last: true }]
+}
+
+#[test]
+fn attacks_on_sealed_payloads_are_each_refused_with_their_own_error() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let (input, _) = bundle.reference(3).unwrap();
+    let ring = KeyRing::new([(1, Key::random())]).unwrap();
+    let impostor = KeyRing::new([(1, Key::random())]).unwrap();
+    let security = ServerSecurity { policy: CodecPolicy { require_encryption: true, ..CodecPolicy::default() }, keys: ring.clone(), ..Default::default() };
+    runtime().block_on(async {
+        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await.unwrap();
+        let mut host = PayloadSender::sealed(&ring, 1).unwrap();
+        let mut frames = Vec::new();
+        // 0: a good request.
+        let good = sealed_frames(&mut host, 0, &input);
+        frames.extend(good.clone());
+        // 1: sealed with another key under the same id.
+        frames.extend(sealed_frames(&mut PayloadSender::sealed(&impostor, 1).unwrap(), 1, &input));
+        // 2: one bit of ciphertext flipped.
+        let mut tampered = sealed_frames(&mut host, 2, &input);
+        let mut data = tampered[0].data.to_vec();
+        data[10] ^= 0x40;
+        tampered[0].data = data.into();
+        frames.extend(tampered);
+        // 3: the header changed (the split moved), the tag left as it was.
+        let mut moved = sealed_frames(&mut host, 3, &input);
+        let mut envelope = cleave_codec::pb::PayloadEnvelope::decode(&moved[0].header[..]).unwrap();
+        let mut header = cleave_codec::pb::PayloadHeader::decode(&envelope.header[..]).unwrap();
+        header.split = 2;
+        envelope.header = header.encode_to_vec().into();
+        moved[0].header = envelope.encode_to_vec().into();
+        frames.extend(moved);
+        // 4: request 0 replayed under a new request id cannot be made (the id is
+        // authenticated), so it is replayed as it was, after later payloads.
+        let mut replay = good.clone();
+        replay[0].request_id = 0;
+        frames.extend(replay);
+        // 5: an unsealed payload where sealing is required.
+        let meta = PayloadMeta { request_id: 5, split: 0, direction: Direction::Request };
+        let plain = PayloadSender::plain().encode(meta, &Codec::RAW, &input).unwrap();
+        frames.push(InferFrame { request_id: 5, header: plain.envelope, data: plain.data, last: true });
+        // 6: a good request after all of that.
+        frames.extend(sealed_frames(&mut host, 6, &input));
+
+        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        let mut request = tonic::Request::new(tokio_stream::iter(frames));
+        request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+        let mut inbound = client.infer(request).await.unwrap().into_inner();
+        let mut answers: Vec<pb::ResultFrame> = Vec::new();
+        while let Some(frame) = inbound.next().await {
+            answers.push(frame.unwrap());
+        }
+        let last: Vec<u64> = answers.iter().filter(|f| f.last).map(|f| f.request_id).collect();
+        assert_eq!(last, [0, 1, 2, 3, 0, 5, 6], "one answer per request, in order");
+        let finals: Vec<&pb::ResultFrame> = answers.iter().filter(|f| f.last).collect();
+        let error = |i: usize| {
+            let e = finals[i].error.as_ref().unwrap_or_else(|| panic!("answer {i} succeeded"));
+            (tonic::Code::from(e.code), e.message.clone())
+        };
+        assert!(finals[0].error.is_none());
+        let expected = [
+            (1, "wrong key: key id 1 here is not the key the sender used"),
+            (2, "the payload data was altered in flight"),
+            (3, "the payload header was altered in flight"),
+            (4, "replayed or reordered payload refused: counter 0 after counter 0 was accepted"),
+            (5, "this side requires encrypted payloads"),
+        ];
+        for (i, text) in expected {
+            let (code, message) = error(i);
+            assert_eq!(code, tonic::Code::Unauthenticated, "{message}");
+            assert!(message.contains(text), "answer {i}: {message}");
+        }
+        assert!(finals[6].error.is_none(), "the stream keeps serving after refusals");
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn secret_config_errors_name_the_key_and_never_the_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let base = "server: http://h:1\nbundle: b\nsplit: 1\ninput: {kind: synthetic}\noutput: o\n";
+    let secret = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdeX";
+    write("bad.key", secret);
+    let err = EdgeConfig::load(&write("e1.yaml", &format!("{base}encryption: {{key_id: 1, file: bad.key}}\n"))).unwrap_err().to_string();
+    assert!(err.contains("`encryption`") && err.contains("not all hex digits") && !err.contains(secret), "{err}");
+    let err = EdgeConfig::load(&write("e2.yaml", &format!("{base}encryption: {{key_id: 1, key: {secret}}}\n"))).unwrap_err().to_string();
+    assert!(err.contains("unknown field `key`"), "{err}");
+    let err = EdgeConfig::load(&write("e3.yaml", &format!("{base}encryption: {{key_id: 1, env: CLEAVE_TEST_NO_SUCH_VARIABLE}}\n"))).unwrap_err().to_string();
+    assert!(err.contains("environment variable CLEAVE_TEST_NO_SUCH_VARIABLE is not set"), "{err}");
+    let err = EdgeConfig::load(&write("e4.yaml", &format!("{base}codec: lz4+gzip\n"))).unwrap_err().to_string();
+    assert!(err.contains("`codec`") && err.contains("unknown part \"gzip\""), "{err}");
+    let err = EdgeConfig::load(&write("e5.yaml", &format!("{base}tls: {{ca: nowhere.pem}}\n"))).unwrap_err().to_string();
+    assert!(err.contains("`tls.ca`") && err.contains("nowhere.pem"), "{err}");
+}
