@@ -17,7 +17,7 @@ BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo digits-trained bench-activations clean
+.PHONY: setup build test test-bundles demo demo-secure digits-trained bench-activations clean
 
 setup: build
 
@@ -72,6 +72,15 @@ bench-activations: $(BENCH_ACTIVATIONS)
 demo: build $(DEMO_BUNDLE)/manifest.json
 	target/release/host splits --bundle $(DEMO_BUNDLE)
 	target/release/host --config config/demo.yaml --loopback
+
+# Development secrets for the secured demo (a CA, a server certificate for localhost, a
+# payload key, a token), written once into the git-ignored .dev-secrets/.
+.dev-secrets/token: | build
+	target/release/server dev-secrets --out .dev-secrets
+
+# The demo over a secured link: shuffle+lz4, AES-256-GCM payloads, TLS and a bearer token.
+demo-secure: build $(DEMO_BUNDLE)/manifest.json .dev-secrets/token
+	target/release/host --config config/demo-secure.yaml --loopback
 
 clean:
 	rm -rf target bundles results
