@@ -4,7 +4,7 @@ use comfy_table::presets::UTF8_FULL_CONDENSED;
 use comfy_table::{CellAlignment, Table};
 
 use crate::bundle::Bundle;
-use crate::verify::{VerifyReport, TOLERANCE};
+use crate::verify::VerifyReport;
 
 /// Bytes in binary units (`1.5 MiB`).
 pub fn human_bytes(bytes: u64) -> String {
@@ -81,8 +81,12 @@ pub fn verify_table(report: &VerifyReport) -> Table {
             human_bytes(s.boundary_bytes as u64),
             format!("{:.2}", s.prefix_ms),
             format!("{:.2}", s.suffix_ms),
-            format!("{:.1e}{}", s.relative_error, if s.relative_error <= TOLERANCE { "" } else { " FAIL" }),
-            if s.identical_to_first { "bit-identical".into() } else { "DIFFERS".into() },
+            format!("{:.1e}{}", s.relative_error, if s.relative_error <= report.tolerance { "" } else { " FAIL" }),
+            match (s.identical_to_first, report.require_identical) {
+                (true, _) => "bit-identical".into(),
+                (false, true) => "DIFFERS".into(),
+                (false, false) => "differs (TF32)".into(),
+            },
         ]);
     }
     align_right(&mut table, &[0, 2, 3, 4, 5]);

@@ -7,8 +7,14 @@ use crate::device::{device_name, DeviceSpec};
 use crate::error::Result;
 use crate::stages::{LoadedStages, StageRange};
 
-/// Largest relative error against the reference that counts as a match.
+/// Largest relative error against the reference that counts as a match on the CPU.
 pub const TOLERANCE: f64 = 1e-5;
+
+/// The same on CUDA. libtorch lets cuDNN run float32 convolutions in TF32 by default (inputs
+/// rounded to 10 mantissa bits; tch exposes no switch), so outputs differ from the CPU
+/// reference around 1e-3 relative (5.8e-4 measured for mobilenet_v3_small on an H100), and
+/// kernels may differ from one call to the next, so splits agree closely, not bit for bit.
+pub const CUDA_TOLERANCE: f64 = 5e-3;
 
 /// The result of running one split point.
 #[derive(Debug, Clone)]
@@ -40,12 +46,17 @@ pub struct VerifyReport {
     pub load_ms: f64,
     /// One row per split point.
     pub splits: Vec<SplitCheck>,
+    /// Largest relative error that counts as a match on this device.
+    pub tolerance: f64,
+    /// Whether every split must give the same bits as split 0 (on the CPU it must).
+    pub require_identical: bool,
 }
 
 impl VerifyReport {
-    /// True when every split matches the reference and all agree bit for bit.
+    /// True when every split matches the reference within the device's tolerance and, on
+    /// the CPU, all agree bit for bit.
     pub fn passed(&self) -> bool {
-        self.splits.iter().all(|s| s.relative_error <= TOLERANCE && s.identical_to_first)
+        self.splits.iter().all(|s| s.relative_error <= self.tolerance && (s.identical_to_first || !self.require_identical))
     }
 }
 
@@ -79,7 +90,15 @@ pub fn verify_splits(bundle: &Bundle, device: DeviceSpec, batch: i64) -> Result<
             first = Some(output);
         }
     }
-    Ok(VerifyReport { device: device_name(stages.device()), batch, load_ms, splits })
+    let on_cpu = stages.device() == tch::Device::Cpu;
+    Ok(VerifyReport {
+        device: device_name(stages.device()),
+        batch,
+        load_ms,
+        splits,
+        tolerance: if on_cpu { TOLERANCE } else { CUDA_TOLERANCE },
+        require_identical: on_cpu,
+    })
 }
 
 fn ms(since: Instant) -> f64 {

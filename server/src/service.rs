@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -125,14 +125,15 @@ impl SplitInference for Service {
 /// What a stream's reader task needs.
 struct StreamContext {
     stage_count: usize,
-    receiver: PayloadReceiver,
+    /// Shared with the blocking pool, where payloads are opened and decoded.
+    receiver: Arc<Mutex<PayloadReceiver>>,
     worker: mpsc::Sender<Job>,
 }
 
 impl Service {
     fn context(&self) -> StreamContext {
         let receiver = PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys);
-        StreamContext { stage_count: self.bundle.stage_count(), receiver, worker: self.worker.clone() }
+        StreamContext { stage_count: self.bundle.stage_count(), receiver: Arc::new(Mutex::new(receiver)), worker: self.worker.clone() }
     }
 }
 
@@ -147,7 +148,7 @@ struct Pending {
     answer: oneshot::Receiver<Result<JobResult, RequestError>>,
 }
 
-async fn read_requests(mut inbound: Streaming<InferFrame>, mut ctx: StreamContext, pending: mpsc::Sender<Pending>) {
+async fn read_requests(mut inbound: Streaming<InferFrame>, ctx: StreamContext, pending: mpsc::Sender<Pending>) {
     let mut current: Option<Reassembly> = None;
     // A request already answered with an error whose remaining frames are skipped.
     let mut skipping: Option<u64> = None;
@@ -169,7 +170,7 @@ async fn read_requests(mut inbound: Streaming<InferFrame>, mut ctx: StreamContex
         }
         skipping = None;
         let step = match current.take() {
-            None => ctx.receiver.start(id, &frame.header),
+            None => ctx.receiver.lock().expect("payload receiver").start(id, &frame.header),
             Some(assembly) => Ok(assembly),
         };
         let mut assembly = match step {
@@ -199,9 +200,20 @@ async fn read_requests(mut inbound: Streaming<InferFrame>, mut ctx: StreamContex
             continue;
         }
         let split = assembly.split();
-        let decode_start = Instant::now();
-        let received = ctx.receiver.finish(assembly);
-        let decode_us = decode_start.elapsed().as_micros() as u64;
+        // Decrypting and decompressing a large boundary takes milliseconds: it runs on the
+        // blocking pool, and this stream waits for it, so payloads are still opened in order.
+        let receiver = Arc::clone(&ctx.receiver);
+        let decoded = tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let received = receiver.lock().expect("payload receiver").finish(assembly);
+            (received, started.elapsed())
+        })
+        .await;
+        let Ok((received, decode_time)) = decoded else {
+            tracing::error!(request_id = id, "decoding a payload panicked");
+            return;
+        };
+        let decode_us = decode_time.as_micros() as u64;
         let (tx, rx) = oneshot::channel();
         let (mut codec, mut key_id) = (Codec::RAW, None);
         match received {
@@ -245,8 +257,17 @@ struct ResultEncoder {
     senders: HashMap<Option<u32>, PayloadSender>,
 }
 
+/// What a result needs to be encoded like its request.
+#[derive(Clone, Copy)]
+struct ResultSpec {
+    request_id: u64,
+    split: u32,
+    codec: Codec,
+    key_id: Option<u32>,
+}
+
 impl ResultEncoder {
-    fn encode(&mut self, p: &Pending, output: &Boundary) -> Result<cleave_common::wire::EncodedPayload, RequestError> {
+    fn encode(&mut self, p: ResultSpec, output: &Boundary) -> Result<cleave_common::wire::EncodedPayload, RequestError> {
         let sender = match self.senders.entry(p.key_id) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(match p.key_id {
@@ -265,16 +286,24 @@ async fn respond(
     chunk_bytes: usize,
     security: Arc<ServerSecurity>,
 ) {
-    let mut encoder = ResultEncoder { security, senders: HashMap::new() };
+    let encoder = Arc::new(Mutex::new(ResultEncoder { security, senders: HashMap::new() }));
     while let Some(mut p) = pending.recv().await {
         {
             let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
-            let encoded = answer.and_then(|r| {
-                let output = r.output?;
-                let encode_start = Instant::now();
-                let encoded = encoder.encode(&p, &output)?;
-                Ok((encoded, r.queue, r.compute, encode_start.elapsed()))
-            });
+            let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id };
+            let encoder = Arc::clone(&encoder);
+            // Like decoding, encoding runs on the blocking pool; results stay in order
+            // because this task waits for each one.
+            let encoded = tokio::task::spawn_blocking(move || {
+                answer.and_then(|r| {
+                    let output = r.output?;
+                    let encode_start = Instant::now();
+                    let encoded = encoder.lock().expect("result encoder").encode(spec, &output)?;
+                    Ok((encoded, r.queue, r.compute, encode_start.elapsed()))
+                })
+            })
+            .await
+            .unwrap_or(Err(RequestError::Unavailable));
             let frames = match encoded {
                 Ok((encoded, queue, compute, encode)) => {
                     let timings = pb::ServerTimings {
