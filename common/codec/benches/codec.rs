@@ -1,9 +1,9 @@
-//! Throughput of each codec step on real boundary tensors (resnet18 activations at three cuts,
-//! from `make bench-activations`; another file with `CLEAVE_BENCH_ACTIVATIONS`), in bytes/s
-//! of raw tensor bytes: the byte shuffle, lz4, zstd and AES-256-GCM alone and together, both
-//! directions, and whole payloads as `encode_payload` and `IncomingPayload` produce them.
-//! Compression ratios are not timings: `cargo run --release -p cleave-codec --example
-//! codec_ratios` prints them.
+//! Throughput of each codec step on real boundary tensors: resnet18 activations at three cuts
+//! from `make bench-activations`, or the file `CLEAVE_BENCH_ACTIVATIONS` names (relative to the
+//! workspace root). In bytes/s of raw tensor bytes: the byte shuffle, lz4, zstd and AES-256-GCM
+//! alone and together, both directions, and whole payloads as `encode_payload` and
+//! `IncomingPayload` produce them. Compression ratios are not timings: `cargo run --release -p
+//! cleave-codec --example codec_ratios` prints them.
 
 mod support;
 
@@ -172,7 +172,8 @@ fn aes(c: &mut Criterion, cuts: &[Cut]) {
 fn payloads(c: &mut Criterion, cuts: &[Cut]) {
     let ring = KeyRing::new([(1, Key::from_bytes([7u8; 32]))]).expect("one key");
     let unsealed = KeyRing::default();
-    for (codec, sealed) in [("raw", false), ("raw", true), ("shuffle+lz4", false), ("shuffle+lz4", true)] {
+    let cases = [("raw", false), ("raw", true), ("shuffle+lz4", false), ("shuffle+lz4", true), ("fp16+shuffle+lz4", false)];
+    for (codec, sealed) in cases {
         let codec: Codec = codec.parse().expect("codec");
         let suffix = if sealed { "+aes-256-gcm" } else { "" };
         let mut g = group(c, &format!("payload-encode/{codec}{suffix}"));

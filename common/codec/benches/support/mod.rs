@@ -36,13 +36,14 @@ impl Cut {
     }
 }
 
-/// `$CLEAVE_BENCH_ACTIVATIONS`, or `bundles/resnet18-activations.safetensors` in the
-/// workspace root.
+/// `$CLEAVE_BENCH_ACTIVATIONS`, or `bundles/resnet18-activations.safetensors`; a relative
+/// path is taken from the workspace root (cargo runs benches in the package's directory,
+/// examples wherever it was called, so the current directory would mean two things).
 pub(crate) fn activations_path() -> PathBuf {
-    match std::env::var_os(ACTIVATIONS_VAR) {
-        Some(path) => PathBuf::from(path),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bundles/resnet18-activations.safetensors"),
-    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = root.canonicalize().unwrap_or(root);
+    let path = std::env::var_os(ACTIVATIONS_VAR).map_or_else(|| PathBuf::from("bundles/resnet18-activations.safetensors"), PathBuf::from);
+    root.join(path)
 }
 
 fn dtype(d: Dtype) -> Result<DType, String> {
