@@ -9,7 +9,7 @@
 #[path = "../benches/support/mod.rs"]
 mod support;
 
-use cleave_codec::{encode_payload, Codec, CodecPolicy, Compression, DType, Direction, IncomingPayload, KeyRing, PayloadMeta, Precision};
+use cleave_codec::{encode_payload, Codec, CodecPolicy, Compression, DType, Direction, IncomingPayload, Key, KeyRing, PayloadMeta, Precision};
 
 const COMPRESSIONS: [Compression; 5] = [Compression::None, Compression::Lz4, Compression::Zstd(-1), Compression::Zstd(1), Compression::Zstd(3)];
 
@@ -27,8 +27,15 @@ fn main() {
         println!("  {}: {} raw bytes, {:.1}% exact zeros", cut.describe(), cut.raw_bytes(), 100.0 * zeros as f64 / numel as f64);
     }
     println!();
-    println!("compression ratio = raw tensor bytes / (envelope + data bytes), unsealed (sealing adds 16 bytes of tag and ~40 of seal)");
     let meta = PayloadMeta { request_id: 1, split: 0, direction: Direction::Request };
+    let wire = |enc: &cleave_codec::EncodedPayload| enc.envelope.len() + enc.data.len();
+    let ring = KeyRing::new([(1, Key::random())]).expect("one key");
+    let sealed = encode_payload(meta, Vec::new(), &cuts[0].tensors, &Codec::RAW, Some(&mut ring.sealer(1).expect("key 1"))).expect("encodes");
+    let unsealed = encode_payload(meta, Vec::new(), &cuts[0].tensors, &Codec::RAW, None).expect("encodes");
+    println!(
+        "compression ratio = raw tensor bytes / (envelope + data bytes), unsealed (sealing adds {} bytes per payload)",
+        wire(&sealed) - wire(&unsealed)
+    );
     print!("{:<24}", "codec");
     for cut in &cuts {
         print!("{:>10}", cut.id());
@@ -41,8 +48,7 @@ fn main() {
                 print!("{:<24}", codec.to_string());
                 for cut in &cuts {
                     let enc = encode_payload(meta, Vec::new(), &cut.tensors, &codec, None).expect("encodes");
-                    let wire = enc.envelope.len() + enc.data.len();
-                    print!("{:>10.3}", cut.raw_bytes() as f64 / wire as f64);
+                    print!("{:>10.3}", cut.raw_bytes() as f64 / wire(&enc) as f64);
                 }
                 println!();
             }
