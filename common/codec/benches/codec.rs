@@ -7,7 +7,7 @@
 
 mod support;
 
-use aes_gcm::aead::{AeadInPlace, KeyInit};
+use aes_gcm::aead::{AeadInOut, KeyInit};
 use aes_gcm::{Aes256Gcm, Nonce};
 use cleave_codec::compress::{compress, decompress};
 use cleave_codec::shuffle::{shuffle, unshuffle};
@@ -146,7 +146,7 @@ fn aes(c: &mut Criterion, cuts: &[Cut]) {
     for cut in cuts {
         g.throughput(Throughput::Bytes(cut.raw_bytes()));
         let mut buffer: Vec<u8> = cut.tensors.iter().flat_map(|t| t.data.iter().copied()).collect();
-        g.bench_function(cut.id(), |b| b.iter(|| cipher.encrypt_in_place_detached(&nonce, &[], black_box(&mut buffer[..])).expect("seals")));
+        g.bench_function(cut.id(), |b| b.iter(|| cipher.encrypt_inout_detached(&nonce, &[], black_box(&mut buffer[..]).into()).expect("seals")));
     }
     g.finish();
 
@@ -154,11 +154,11 @@ fn aes(c: &mut Criterion, cuts: &[Cut]) {
     for cut in cuts {
         g.throughput(Throughput::Bytes(cut.raw_bytes()));
         let mut sealed: Vec<u8> = cut.tensors.iter().flat_map(|t| t.data.iter().copied()).collect();
-        let tag = cipher.encrypt_in_place_detached(&nonce, &[], &mut sealed).expect("seals");
+        let tag = cipher.encrypt_inout_detached(&nonce, &[], sealed.as_mut_slice().into()).expect("seals");
         g.bench_function(cut.id(), |b| {
             b.iter_batched_ref(
                 || sealed.clone(),
-                |buffer| cipher.decrypt_in_place_detached(&nonce, &[], &mut buffer[..], &tag).expect("opens"),
+                |buffer| cipher.decrypt_inout_detached(&nonce, &[], buffer.as_mut_slice().into(), &tag).expect("opens"),
                 BatchSize::LargeInput,
             )
         });

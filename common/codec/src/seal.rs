@@ -11,7 +11,7 @@
 
 use std::fmt;
 
-use aes_gcm::aead::{AeadInPlace, KeyInit};
+use aes_gcm::aead::{AeadInOut, KeyInit};
 use aes_gcm::{Aes256Gcm, Nonce, Tag};
 use rand_core::{OsRng, RngCore};
 use sha2::{Digest, Sha256};
@@ -194,10 +194,10 @@ impl Sealer {
     pub(crate) fn seal(&self, seal: &Seal, header: &[u8], data: &mut Vec<u8>) -> Result<Vec<u8>, CodecError> {
         let cipher = &self.key.cipher;
         let header_tag = cipher
-            .encrypt_in_place_detached(&nonce(&self.prefix, seal.counter, 0), header, &mut [])
+            .encrypt_inout_detached(&nonce(&self.prefix, seal.counter, 0), header, (&mut [][..]).into())
             .map_err(|_| CodecError::Seal("header".into()))?;
         let data_tag = cipher
-            .encrypt_in_place_detached(&nonce(&self.prefix, seal.counter, 1), &[], data)
+            .encrypt_inout_detached(&nonce(&self.prefix, seal.counter, 1), &[], data.as_mut_slice().into())
             .map_err(|_| CodecError::Seal("data too long for AES-GCM".into()))?;
         data.extend_from_slice(&data_tag);
         Ok(header_tag.to_vec())
@@ -246,7 +246,7 @@ impl Opener {
         }
         let tag: [u8; TAG_BYTES] = header_tag.try_into().map_err(|_| CodecError::HeaderTampered)?;
         key.cipher
-            .decrypt_in_place_detached(&nonce(&prefix, seal.counter, 0), header, &mut [], &Tag::from(tag))
+            .decrypt_inout_detached(&nonce(&prefix, seal.counter, 0), header, (&mut [][..]).into(), &Tag::from(tag))
             .map_err(|_| CodecError::HeaderTampered)
     }
 
@@ -259,7 +259,7 @@ impl Opener {
         let tag: [u8; TAG_BYTES] = data[body..].try_into().expect("16 bytes");
         data.truncate(body);
         key.cipher
-            .decrypt_in_place_detached(&nonce(&prefix, seal.counter, 1), &[], data, &Tag::from(tag))
+            .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], data.as_mut_slice().into(), &Tag::from(tag))
             .map_err(|_| CodecError::DataTampered)?;
         self.prefix = Some(prefix);
         self.last = Some(seal.counter);
