@@ -13,21 +13,12 @@ compile_error!("cleave's payloads are little-endian and these casts assume a lit
 /// Casts a float tensor's bytes to `precision`; returns the carried bytes and, for int8, the
 /// quantisation parameters. `shape` gives the channel axis for int8.
 pub fn narrow(precision: Precision, dtype: DType, shape: &[i64], data: &[u8]) -> Result<(Vec<u8>, Option<Quantization>), String> {
-    let values = to_f32(dtype, data);
     Ok(match precision {
         Precision::Full => unreachable!("full precision is never narrowed"),
-        Precision::Fp16 => {
-            let mut out = vec![f16::ZERO; values.len()];
-            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut out[..], &values);
-            (bytemuck::cast_slice(&out).to_vec(), None)
-        }
-        Precision::Bf16 => {
-            let mut out = vec![bf16::ZERO; values.len()];
-            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut out[..], &values);
-            (bytemuck::cast_slice(&out).to_vec(), None)
-        }
+        Precision::Fp16 => (narrow_half::<f16>(dtype, data), None),
+        Precision::Bf16 => (narrow_half::<bf16>(dtype, data), None),
         Precision::Int8 => {
-            let (q, quant) = quantize(&values, shape)?;
+            let (q, quant) = quantize(&to_f32(dtype, data), shape)?;
             (q, Some(quant))
         }
     })
@@ -35,23 +26,88 @@ pub fn narrow(precision: Precision, dtype: DType, shape: &[i64], data: &[u8]) ->
 
 /// Undoes [`narrow`] (up to its loss): carried bytes back to `dtype`'s bytes.
 pub fn widen(precision: Precision, dtype: DType, shape: &[i64], carried: &[u8], quant: Option<&Quantization>) -> Result<Vec<u8>, String> {
-    let values: Vec<f32> = match precision {
+    Ok(match precision {
         Precision::Full => unreachable!("full precision is never widened"),
-        Precision::Fp16 => {
-            let halves: Vec<f16> = bytemuck::pod_collect_to_vec(carried);
-            let mut out = vec![0f32; halves.len()];
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(&halves[..], &mut out);
-            out
+        Precision::Fp16 => widen_half::<f16>(dtype, carried),
+        Precision::Bf16 => widen_half::<bf16>(dtype, carried),
+        Precision::Int8 => from_f32(dtype, &dequantize(carried, shape, quant.ok_or("int8 tensor without quantisation parameters")?)?),
+    })
+}
+
+/// Elements converted at a time: the half casts go through small buffers that stay in cache,
+/// so the only full-size allocation is the result (fresh multi-megabyte buffers cost page
+/// faults that dominated these casts).
+const CHUNK: usize = 4096;
+
+/// A 16-bit float type `half` converts slices of.
+trait HalfFloat: bytemuck::Pod {
+    fn from_f32s(src: &[f32], dst: &mut [Self]);
+    fn to_f32s(src: &[Self], dst: &mut [f32]);
+}
+
+impl HalfFloat for f16 {
+    fn from_f32s(src: &[f32], dst: &mut [Self]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+    }
+    fn to_f32s(src: &[Self], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+}
+
+impl HalfFloat for bf16 {
+    fn from_f32s(src: &[f32], dst: &mut [Self]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+    }
+    fn to_f32s(src: &[Self], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+}
+
+/// Reads `dst.len()` floats of `dtype` from little-endian `bytes` (float64 rounded to f32).
+fn read_floats(dtype: DType, bytes: &[u8], dst: &mut [f32], wide: &mut [f64]) {
+    match dtype {
+        DType::Float64 => {
+            let wide = &mut wide[..dst.len()];
+            bytemuck::cast_slice_mut::<f64, u8>(wide).copy_from_slice(bytes);
+            for (d, w) in dst.iter_mut().zip(wide.iter()) {
+                *d = *w as f32;
+            }
         }
-        Precision::Bf16 => {
-            let halves: Vec<bf16> = bytemuck::pod_collect_to_vec(carried);
-            let mut out = vec![0f32; halves.len()];
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(&halves[..], &mut out);
-            out
+        _ => bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(bytes),
+    }
+}
+
+fn narrow_half<H: HalfFloat>(dtype: DType, data: &[u8]) -> Vec<u8> {
+    let size = dtype.size();
+    let mut out = Vec::with_capacity(data.len() / size * 2);
+    let (mut floats, mut wide, mut halves) = (vec![0f32; CHUNK], vec![0f64; CHUNK], vec![H::zeroed(); CHUNK]);
+    for chunk in data.chunks(CHUNK * size) {
+        let n = chunk.len() / size;
+        read_floats(dtype, &chunk[..n * size], &mut floats[..n], &mut wide);
+        H::from_f32s(&floats[..n], &mut halves[..n]);
+        out.extend_from_slice(bytemuck::cast_slice(&halves[..n]));
+    }
+    out
+}
+
+fn widen_half<H: HalfFloat>(dtype: DType, carried: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(carried.len() / 2 * dtype.size());
+    let (mut floats, mut wide, mut halves) = (vec![0f32; CHUNK], vec![0f64; CHUNK], vec![H::zeroed(); CHUNK]);
+    for chunk in carried.chunks(CHUNK * 2) {
+        let n = chunk.len() / 2;
+        bytemuck::cast_slice_mut::<H, u8>(&mut halves[..n]).copy_from_slice(&chunk[..n * 2]);
+        H::to_f32s(&halves[..n], &mut floats[..n]);
+        match dtype {
+            DType::Float64 => {
+                for (w, f) in wide.iter_mut().zip(&floats[..n]) {
+                    *w = f64::from(*f);
+                }
+                out.extend_from_slice(bytemuck::cast_slice(&wide[..n]));
+            }
+            _ => out.extend_from_slice(bytemuck::cast_slice(&floats[..n])),
         }
-        Precision::Int8 => dequantize(carried, shape, quant.ok_or("int8 tensor without quantisation parameters")?)?,
-    };
-    Ok(from_f32(dtype, &values))
+    }
+    out
 }
 
 fn to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
