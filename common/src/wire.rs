@@ -16,7 +16,7 @@ use cleave_codec::pb::{self, NamedValue, ValueNode};
 use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
 use tch::Tensor;
 
-pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadMeta};
+pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadMeta, Precision};
 
 use crate::spec::{DType, TorchDType};
 use crate::value::{Boundary, Value};

@@ -10,7 +10,7 @@ use std::time::Instant;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::security::{ClientTls, EdgeSecurity, Token};
-use cleave_common::wire::{chunk_bytes_for, chunks, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly};
+use cleave_common::wire::{chunk_bytes_for, chunks, Codec, CodecPolicy, Precision, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc;
@@ -188,14 +188,13 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 /// host's payloads; the error says what the server accepts.
 pub fn check_server_accepts(info: &pb::InfoReply, codec: &Codec, key_id: Option<u32>) -> anyhow::Result<()> {
     let support = info.codecs.clone().unwrap_or_default();
-    let precision = codec.precision.name();
-    if !support.precisions.iter().any(|p| p == precision) {
-        anyhow::bail!("codec {codec}: the server accepts precisions [{}], not {precision}", support.precisions.join(", "));
-    }
-    let compression = codec.compression.family();
-    if !support.compressions.iter().any(|c| c == compression) {
-        anyhow::bail!("codec {codec}: the server accepts compressions [{}], not {compression}", support.compressions.join(", "));
-    }
+    // The server's policy, rebuilt from its `Info`, checks the codec exactly as the server will.
+    let policy = CodecPolicy {
+        precisions: Precision::ALL.into_iter().filter(|p| support.precisions.iter().any(|n| n == p.name())).collect(),
+        compressions: support.compressions.clone(),
+        require_encryption: support.encryption_required,
+    };
+    policy.check(codec).map_err(|reason| anyhow::anyhow!("codec {codec}: the server refuses it: {reason}"))?;
     match key_id {
         None if support.encryption_required => {
             anyhow::bail!("the server requires AES-256-GCM payloads: configure `encryption` with one of its key ids {:?}", support.key_ids)
