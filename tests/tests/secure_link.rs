@@ -245,3 +245,23 @@ fn secret_config_errors_name_the_key_and_never_the_secret() {
     let err = EdgeConfig::load(&write("e5.yaml", &format!("{base}tls: {{ca: nowhere.pem}}\n"))).unwrap_err().to_string();
     assert!(err.contains("`tls.ca`") && err.contains("nowhere.pem"), "{err}");
 }
+
+#[test]
+fn the_handshake_refuses_a_codec_or_key_the_server_does_not_accept_naming_what_it_does() {
+    use cleave_host::client::check_server_accepts;
+    let support = pb::CodecSupport {
+        precisions: vec!["full".into(), "fp16".into()],
+        compressions: vec!["none".into(), "lz4".into()],
+        encryption_required: true,
+        key_ids: vec![1, 2],
+    };
+    let info = pb::InfoReply { codecs: Some(support), ..Default::default() };
+    let check = |codec: &str, key: Option<u32>| check_server_accepts(&info, &codec.parse().unwrap(), key).map_err(|e| e.to_string());
+    assert!(check("fp16+shuffle+lz4", Some(2)).is_ok());
+    let err = check("int8+lz4", Some(1)).unwrap_err();
+    assert!(err.contains("precision int8 is not accepted (accepted: full, fp16)"), "{err}");
+    let err = check("shuffle+zstd", Some(1)).unwrap_err();
+    assert!(err.contains("compression zstd is not accepted (accepted: none, lz4)"), "{err}");
+    assert!(check("lz4", None).unwrap_err().contains("requires AES-256-GCM payloads"));
+    assert!(check("lz4", Some(3)).unwrap_err().contains("holds key ids [1, 2], not 3"));
+}
