@@ -13,11 +13,13 @@ TEST_BUNDLES := $(CURDIR)/target/test-bundles
 DEMO_BUNDLE := bundles/resnet18
 DIGITS_TRAINED := bundles/digits-trained
 DIGITS_TEST := bundles/digits-test.safetensors
+DIGITS_CNN := bundles/digits-cnn
+DIGITS_TRAIN := bundles/digits-train.safetensors
 BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo demo-secure digits-trained bench-activations clean
+.PHONY: setup build test test-bundles demo demo-secure digits-trained digits-cnn bench-activations clean
 
 setup: build
 
@@ -31,7 +33,8 @@ build: $(VENV)/.installed
 	cargo build --release --workspace
 
 # Bundles the Rust tests run: every model the foundation issue names, each cut finely, with
-# references at batch 1, 3 and 8. Re-exported only when the exporter changes.
+# references at batch 1, 3 and 8; a tiny batch-norm/dropout/residual model for split training;
+# and the digits train and test splits (`x`, `label`). Re-exported only when the exporter changes.
 $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	rm -rf $(TEST_BUNDLES) && mkdir -p $(TEST_BUNDLES)
 	$(EXPORT) cleave_export.zoo:digits_cnn --granularity op --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/digits
@@ -39,6 +42,9 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(EXPORT) torchvision:resnet18 --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/resnet18
 	$(EXPORT) torchvision:mobilenet_v3_small --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/mobilenet_v3_small
 	$(EXPORT) torchvision:efficientnet_b0 --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/efficientnet_b0
+	$(EXPORT) tests.models:bn_dropout_residual --granularity op --dynamic-batch 1 64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bn_dropout
+	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --part train --out $(TEST_BUNDLES)/digits-train.safetensors
+	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --part test --out $(TEST_BUNDLES)/digits-test.safetensors
 	touch $@
 
 test-bundles: $(TEST_BUNDLES)/.stamp
@@ -60,6 +66,16 @@ $(DIGITS_TEST): $(VENV)/.installed tools/export/cleave_export/datasets.py
 	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --out $(CURDIR)/$@
 
 digits-trained: $(DIGITS_TRAINED)/manifest.json $(DIGITS_TEST)
+
+# The same CNN untrained (for split training from scratch), cut at every op, batches up to 512;
+# with the train split to train on and the test split to score it.
+$(DIGITS_CNN)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
+	$(EXPORT) cleave_export.zoo:digits_cnn --granularity op --dynamic-batch 1 512 --out $(CURDIR)/$(DIGITS_CNN)
+
+$(DIGITS_TRAIN): $(VENV)/.installed tools/export/cleave_export/datasets.py
+	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --part train --out $(CURDIR)/$@
+
+digits-cnn: $(DIGITS_CNN)/manifest.json $(DIGITS_TRAIN) $(DIGITS_TEST)
 
 # Real boundary tensors for the codec benches (`cargo bench -p cleave-codec`): resnet18 at
 # 224x224, batch 8, at cut 4 (after the stem's maxpool, 64x56x56), cut 8 (after layer2,

@@ -3,7 +3,8 @@
 Layout of a bundle directory:
 
     manifest.json              format version, model, inputs/output, cuts, stages, file hashes
-    stage_000.pt ...           one TorchScript module per stage
+    stage_000.pt ...           one TorchScript module per stage: `forward`, and `cleave_buffers`
+                               (its buffers as (name, tensor) pairs, for callers without a buffers API)
     reference_b1.safetensors   reference inputs (`input.NAME`) and outputs (`output.NAME`)
 
 The bundle is written to a temporary directory next to the target and renamed into place
@@ -148,11 +149,37 @@ def _stage_file(i: int) -> str:
     return f"stage_{i:03d}.pt"
 
 
+BUFFERS_METHOD = "cleave_buffers"
+"""TorchScript method every stage carries: `cleave_buffers(self) -> List[Tuple[str, Tensor]]`."""
+
+
+def _buffers_method_source(sgm: fx.GraphModule) -> str:
+    """TorchScript source of `cleave_buffers`: the stage's buffers (batch-norm running statistics,
+    ...) as (name, tensor) pairs in `named_buffers()` order, names as in the model's state_dict.
+
+    libtorch's C++ API (and tch's `CModule`) lists a module's parameters but not its buffers;
+    this method gives a Rust caller the buffer tensors themselves (they alias the module's
+    attributes, so reading them sees the current statistics and `copy_` into them writes them).
+    """
+    lines = [
+        f"def {BUFFERS_METHOD}(self) -> List[Tuple[str, Tensor]]:",
+        "    out: List[Tuple[str, Tensor]] = []",
+    ]
+    for name, _ in sgm.named_buffers():
+        expr = "self"
+        for part in name.split("."):
+            expr = f"getattr({expr}, {json.dumps(part)})"
+        lines.append(f"    out.append(({json.dumps(name)}, {expr}))")
+    lines.append("    return out")
+    return "\n".join(lines) + "\n"
+
+
 def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: dict) -> str:
-    """Save stage `i` as TorchScript: scripted (keeps train/eval behaviour) or, failing that, traced."""
+    """Save stage `i` as TorchScript: scripted (keeps train/eval behaviour) or, failing that, traced.
+    Either way the saved module also gets the `cleave_buffers` method."""
+    buffers_src = _buffers_method_source(sgm)
     try:
-        torch.jit.script(sgm).save(str(path))
-        return "script"
+        scripted = torch.jit.script(sgm)
     except Exception as script_error:
         if not all(s["type"] == "tensor" for s in part.cuts[i].specs):
             raise ExportError(
@@ -161,8 +188,13 @@ def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: di
             ) from script_error
         log.warning("stage %d (%s) is traced, not scripted: %s", i, part.stages[i].name, script_error)
         example = tuple(probe[n.name] for n in part.cuts[i].values)
-        torch.jit.trace(sgm, example, check_trace=False).save(str(path))
+        traced = torch.jit.trace(sgm, example, check_trace=False)
+        traced.define(buffers_src)
+        traced.save(str(path))
         return "trace"
+    scripted.define(buffers_src)
+    scripted.save(str(path))
+    return "script"
 
 
 def _call_model(model, inputs: tuple, batch: int):
@@ -268,6 +300,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _shared_parameters(stage_gms: list[fx.GraphModule]) -> list[dict]:
+    """Parameters that more than one stage holds (tied weights, e.g. an embedding reused as the
+    output head): `{"names": [...], "stages": [...]}`, the name each stage holds it under, in
+    stage order. Every stage file saves its own copy, so a trainer must keep the copies equal
+    (sum the gradients, apply one update).
+
+    Stage graph modules share the model's `Parameter` objects (torch.fx copies references to
+    the submodules and attributes a graph uses, not the tensors), so identity finds the ties.
+    A tie inside one stage is not listed: `named_parameters()` (hence `parameter_names`) lists
+    such a tensor once, under its first name, and the saved stage keeps the two names aliased.
+    """
+    holders: dict[int, list[tuple[int, str]]] = {}
+    order: list[int] = []
+    for i, sgm in enumerate(stage_gms):
+        for name, p in sgm.named_parameters():
+            if id(p) not in holders:
+                holders[id(p)] = []
+                order.append(id(p))
+            holders[id(p)].append((i, name))
+    shared = []
+    for key in order:
+        if len(holders[key]) > 1:
+            shared.append({"names": [n for _, n in holders[key]], "stages": [i for i, _ in holders[key]]})
+    return shared
+
+
 def _manifest(opts, src, model, part: Partition, stage_gms, compilers, flops, kept_whole, references, tmp: Path) -> dict:
     stage_params = [sum(p.numel() for p in sgm.parameters()) for sgm in stage_gms]
     cuts = []
@@ -299,6 +357,8 @@ def _manifest(opts, src, model, part: Partition, stage_gms, compilers, flops, ke
             "parameters": stage_params[i],
             "flops_per_sample": flops[i],
             "compiler": compilers[i],
+            "parameter_names": [name for name, _ in stage_gms[i].named_parameters()],
+            "buffer_names": [name for name, _ in stage_gms[i].named_buffers()],
         }
         for i, s in enumerate(part.stages)
     ]
@@ -320,6 +380,7 @@ def _manifest(opts, src, model, part: Partition, stage_gms, compilers, flops, ke
             "granularity": opts.granularity,
             "kept_whole": kept_whole,
             "merged_cuts": part.merged,
+            "shared_parameters": _shared_parameters(stage_gms),
         },
         "batch": {"min": opts.batch_min, "max": opts.batch_max},
         "inputs": [{"name": n.name, "spec": s} for n, s in zip(part.cuts[0].values, part.cuts[0].specs)],

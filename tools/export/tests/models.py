@@ -62,6 +62,26 @@ class TinyResidual(nn.Module):
         return self.head(torch.flatten(torch.relu(x + y), 1))
 
 
+class BnDropoutResidual(nn.Module):
+    """Batch norm, dropout and a residual connection, small enough for fast split-training tests:
+    at op granularity the cuts inside the block carry two tensors (the branch and the skip)."""
+
+    input_shape = (4, 6, 6)
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop1 = nn.Dropout(0.3)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.drop2 = nn.Dropout(0.2)
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        y = self.conv2(self.drop1(torch.relu(self.bn(self.conv1(x)))))
+        return self.head(self.drop2(torch.flatten(torch.relu(x + y), 1)))
+
+
 class BatchBaked(nn.Module):
     """Bakes the example batch size into a reshape: exported at one batch, wrong at another."""
 
@@ -81,6 +101,10 @@ def tiny_transformer():
 
 def tiny_residual():
     return TinyResidual()
+
+
+def bn_dropout_residual():
+    return BnDropoutResidual()
 
 
 def batch_baked():

@@ -264,6 +264,27 @@ def test_manifest_structure_and_file_hashes(name, request):
     assert all(s["compiler"] == "script" for s in m["stages"])
 
 
+@pytest.mark.parametrize("name", ALL_BUNDLES)
+def test_stage_parameter_and_buffer_names(name, request):
+    """Every stage names its parameters and buffers as the model's state_dict does; together the
+    stages hold each of them once (no tied weights in these models), and every stage's
+    `cleave_buffers` method returns its buffers under the manifest's names."""
+    b: Bundle = request.getfixturevalue(name)
+    m = b.manifest
+    model = load_source(b.source, b.input_shape, 0).model
+    params, buffers = [], []
+    for s, stage in zip(m["stages"], b.stages()):
+        assert [n for n, _ in stage.named_parameters()] == s["parameter_names"], s["name"]
+        assert [n for n, _ in stage.named_buffers()] == s["buffer_names"], s["name"]
+        assert [n for n, _ in stage.cleave_buffers()] == s["buffer_names"], s["name"]
+        assert s["parameters"] == sum(model.get_parameter(n).numel() for n in s["parameter_names"])
+        params += s["parameter_names"]
+        buffers += s["buffer_names"]
+    assert sorted(params) == sorted(n for n, _ in model.named_parameters())
+    assert sorted(buffers) == sorted(n for n, _ in model.named_buffers())
+    assert m["exporter"]["shared_parameters"] == []
+
+
 def test_digits_manifest_details(digits):
     m = digits.manifest
     model = DigitsCNN()
