@@ -141,7 +141,10 @@ struct Sent {
 
 /// Connects to `url` and checks that the server serves `bundle`.
 pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> anyhow::Result<(Client, pb::InfoReply)> {
-    let mut endpoint = Endpoint::from_shared(url.to_string())?.initial_stream_window_size(Some(8 << 20)).initial_connection_window_size(Some(32 << 20));
+    let mut endpoint = Endpoint::from_shared(url.to_string())?
+        .tcp_nodelay(true)
+        .initial_stream_window_size(Some(8 << 20))
+        .initial_connection_window_size(Some(32 << 20));
     if let Some(tls) = &link.tls {
         if !url.starts_with("https://") {
             anyhow::bail!("{url}: TLS is configured, so the URL must start with https://");

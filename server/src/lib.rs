@@ -8,9 +8,11 @@
 //!   (tests and `host --loopback` bind `127.0.0.1:0`).
 //! - `service`: the gRPC service (`Info`, the `Infer` stream) and the one error-to-status map.
 //! - `worker`: the compute thread that owns the stages.
+//! - `training`: the `Train` stream; each session's own thread, stages, optimizer and checkpoints.
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
 
 mod service;
+mod training;
 mod worker;
 
 use std::future::Future;
@@ -26,8 +28,10 @@ use cleave_common::verify::verify_splits;
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::StreamExt;
 
 pub use service::{BUNDLE_ID_METADATA, PROTOCOL_VERSION};
+pub use cleave_common::config::TrainingOptions;
 
 /// A server whose bundle is loaded on its device, ready to serve.
 pub struct PreparedServer {
@@ -37,17 +41,33 @@ pub struct PreparedServer {
 impl PreparedServer {
     /// Opens the bundle, loads every stage on the device and starts the compute worker.
     pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> anyhow::Result<Self> {
+        let device_spec = device;
         let bundle = Bundle::open(bundle_dir)?;
         let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), device)?;
         let device = device_name(stages.device());
         tracing::info!(bundle = %bundle_dir.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
         let worker = worker::spawn(stages, limits.queue_depth as usize);
-        Ok(Self { service: service::Service { bundle, device, limits, security: Arc::new(security), worker } })
+        let service = service::Service {
+            bundle,
+            device,
+            limits,
+            security: Arc::new(security),
+            worker,
+            device_spec,
+            training: training::Training::new(TrainingOptions::default()),
+        };
+        Ok(Self { service })
+    }
+
+    /// Sets how training sessions run (checkpoint directory, concurrent sessions).
+    pub fn with_training(mut self, options: TrainingOptions) -> Self {
+        self.service.training = training::Training::new(options);
+        self
     }
 
     /// From a validated `server.yaml`.
     pub fn from_config(config: &ServerConfig) -> anyhow::Result<Self> {
-        Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())
+        Ok(Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())?.with_training(config.training.clone()))
     }
 
     /// The device the stages run on.
@@ -79,12 +99,19 @@ impl PreparedServer {
         }
         // Windows sized for large boundaries; payloads are already raw or compressed, so
         // gRPC compression stays off.
+        // Small messages (a training step's gradient, say) must not wait for delayed ACKs:
+        // Nagle's algorithm off on every accepted connection.
+        let incoming = TcpListenerStream::new(listener).map(|stream| {
+            let stream = stream?;
+            stream.set_nodelay(true)?;
+            Ok::<_, std::io::Error>(stream)
+        });
         builder
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20))
             .add_service(health_service)
             .add_service(inference)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+            .serve_with_incoming_shutdown(incoming, shutdown)
             .await?;
         Ok(())
     }
