@@ -93,6 +93,19 @@ pub struct ExporterInfo {
     /// Candidate cuts merged away, with the reason.
     #[serde(default)]
     pub merged_cuts: Vec<String>,
+    /// Parameters used by more than one stage (tied weights); absent in bundles exported
+    /// before training support, which training refuses.
+    #[serde(default)]
+    pub shared_parameters: Option<Vec<SharedParameter>>,
+}
+
+/// One tensor that several stages hold a copy of (tied weights).
+#[derive(Debug, Clone, Deserialize)]
+pub struct SharedParameter {
+    /// Its name in each stage.
+    pub names: Vec<String>,
+    /// The stages holding it.
+    pub stages: Vec<usize>,
 }
 
 /// Inclusive range of accepted batch sizes.
@@ -150,6 +163,13 @@ pub struct StageInfo {
     pub flops_per_sample: u64,
     /// `script` (keeps train/eval behaviour) or `trace`.
     pub compiler: String,
+    /// Its parameters' names (the model's `state_dict` keys), in `named_parameters()` order;
+    /// absent in bundles exported before training support.
+    #[serde(default)]
+    pub parameter_names: Option<Vec<String>>,
+    /// Its buffers' names (batch-norm statistics), which its `cleave_buffers()` method returns.
+    #[serde(default)]
+    pub buffer_names: Option<Vec<String>>,
 }
 
 /// A reference input/output pair.

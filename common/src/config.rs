@@ -84,6 +84,28 @@ struct RawServerConfig {
     tls: Option<RawServerTls>,
     #[serde(default)]
     auth: Option<RawAuth>,
+    #[serde(default)]
+    training: Option<RawServerTraining>,
+}
+
+/// `training:` in server.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServerTraining {
+    #[serde(default)]
+    checkpoint_dir: Option<PathBuf>,
+    #[serde(default)]
+    concurrent_sessions: bool,
+}
+
+/// How a server runs training sessions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrainingOptions {
+    /// Where sessions write checkpoints (`NAME.safetensors`) and resume from; none: a
+    /// session cannot save.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Allow several sessions on the bundle at once, each training its own copy.
+    pub concurrent_sessions: bool,
 }
 
 /// `codecs:` in server.yaml: what the server accepts (everything when absent).
@@ -243,6 +265,8 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Accepted codecs, keys, TLS and token.
     pub security: ServerSecurity,
+    /// Training sessions (`training:`; checkpoints default to `checkpoints/` beside the file).
+    pub training: TrainingOptions,
 }
 
 impl ServerConfig {
@@ -254,7 +278,14 @@ impl ServerConfig {
         let listen = raw.listen.parse().map_err(|_| invalid("listen", format!("{:?} is not an address like 0.0.0.0:50051", raw.listen)))?;
         let device = raw.device.parse().map_err(|e: crate::BundleError| invalid("device", e.to_string()))?;
         validate_limits(&raw.limits).map_err(|(key, message)| invalid(key, message))?;
-        Ok(Self { listen, bundle: relative_to(path, &raw.bundle), device, limits: raw.limits, security })
+        let training = match raw.training {
+            None => TrainingOptions { checkpoint_dir: Some(relative_to(path, Path::new("checkpoints"))), concurrent_sessions: false },
+            Some(t) => TrainingOptions {
+                checkpoint_dir: Some(relative_to(path, t.checkpoint_dir.as_deref().unwrap_or(Path::new("checkpoints")))),
+                concurrent_sessions: t.concurrent_sessions,
+            },
+        };
+        Ok(Self { listen, bundle: relative_to(path, &raw.bundle), device, limits: raw.limits, security, training })
     }
 }
 
@@ -348,7 +379,8 @@ struct RawEdgeConfig {
     requests: u64,
     #[serde(default = "two")]
     in_flight: usize,
-    input: InputSource,
+    #[serde(default)]
+    input: Option<InputSource>,
     output: PathBuf,
     #[serde(default = "five")]
     top_k: usize,
@@ -362,6 +394,111 @@ struct RawEdgeConfig {
     tls: Option<RawClientTls>,
     #[serde(default)]
     auth: Option<RawAuth>,
+    #[serde(default)]
+    train: Option<RawTrain>,
+}
+
+/// `train:` in edge.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTrain {
+    #[serde(default = "split_mode")]
+    mode: String,
+    #[serde(default)]
+    tail: Option<serde_yaml::Value>,
+    data: RawTrainData,
+    epochs: usize,
+    batch_size: i64,
+    #[serde(default)]
+    eval_batch_size: Option<i64>,
+    #[serde(default)]
+    shuffle_seed: Option<u64>,
+    #[serde(default)]
+    seed: u64,
+    optimizer: crate::training::optim::OptimizerConfig,
+    loss: String,
+    #[serde(default)]
+    resume: Option<String>,
+    #[serde(default)]
+    max_steps: Option<u64>,
+    #[serde(default)]
+    write_bundle: Option<PathBuf>,
+}
+
+/// `train.data:`: safetensors files with tensors named like the bundle's inputs, plus the targets.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTrainData {
+    train: PathBuf,
+    test: PathBuf,
+    #[serde(default = "label")]
+    targets: String,
+}
+
+fn split_mode() -> String {
+    "split".into()
+}
+fn label() -> String {
+    "label".into()
+}
+
+/// Who holds which stages when training.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainMode {
+    /// The edge trains `[0, split)`, the server `[split, N)` and the loss.
+    Split,
+    /// Labels never leave the edge: it trains `[0, split)` and `[tail, N)` with the loss, the
+    /// server the middle `[split, tail)`.
+    UShaped {
+        /// Where the edge's tail starts.
+        tail: SplitSpec,
+    },
+    /// The whole model in this process (the reference split training is compared with).
+    Monolithic,
+}
+
+impl TrainMode {
+    /// `split`, `u-shaped` or `monolithic`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Split => "split",
+            Self::UShaped { .. } => "u-shaped",
+            Self::Monolithic => "monolithic",
+        }
+    }
+}
+
+/// `train:` in edge.yaml, validated: selects training instead of inference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    /// Who holds which stages.
+    pub mode: TrainMode,
+    /// The training split (safetensors).
+    pub train_data: PathBuf,
+    /// The held-out split evaluated after each epoch.
+    pub test_data: PathBuf,
+    /// The tensor holding the targets in both files.
+    pub targets: String,
+    /// Passes over the training split.
+    pub epochs: usize,
+    /// Samples per step (the last step of an epoch takes the rest).
+    pub batch_size: i64,
+    /// Samples per evaluation request.
+    pub eval_batch_size: i64,
+    /// Shuffles the training split each epoch from this seed (none: file order).
+    pub shuffle_seed: Option<u64>,
+    /// Seeds the dropout masks (see `cleave_common::training::stage_seed`).
+    pub seed: u64,
+    /// The optimizer of both sides.
+    pub optimizer: crate::training::optim::OptimizerConfig,
+    /// The loss.
+    pub loss: crate::training::loss::LossKind,
+    /// Resume from this checkpoint (a name under `<output>/checkpoints`).
+    pub resume: Option<String>,
+    /// Stop after this many steps in all (the run's checkpoint is written there).
+    pub max_steps: Option<u64>,
+    /// Write the trained weights into a new bundle here (loopback and monolithic runs).
+    pub write_bundle: Option<PathBuf>,
 }
 
 fn one() -> i64 {
@@ -407,8 +544,8 @@ pub struct EdgeConfig {
     pub requests: u64,
     /// Requests in flight at once (the prefix of the next runs while earlier ones travel).
     pub in_flight: usize,
-    /// Input source.
-    pub input: InputSource,
+    /// Where inference inputs come from (absent when training).
+    pub input: Option<InputSource>,
     /// Output directory (relative to the working directory).
     pub output: PathBuf,
     /// Classes per prediction.
@@ -423,6 +560,8 @@ pub struct EdgeConfig {
     pub codec: Codec,
     /// Key, TLS trust and token.
     pub security: EdgeSecurity,
+    /// Training instead of inference.
+    pub train: Option<TrainConfig>,
 }
 
 impl EdgeConfig {
@@ -456,12 +595,7 @@ impl EdgeConfig {
         }
         let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
         let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
-        let split = match &raw.split {
-            serde_yaml::Value::Number(n) => n.to_string(),
-            serde_yaml::Value::String(s) => s.clone(),
-            other => return Err(invalid("split", format!("{other:?}: expected a cut index, after:<module path> or a percentage"))),
-        };
-        let split = split.parse().map_err(|e| invalid("split", e))?;
+        let split = split_spec(&raw.split).map_err(|e| invalid("split", e))?;
         let device = raw.device.parse().map_err(|e: crate::BundleError| invalid("device", e.to_string()))?;
         if !raw.server.starts_with("http://") && !raw.server.starts_with("https://") {
             return Err(invalid("server", format!("{:?}: expected a URL like http://gpu-host:50051", raw.server)));
@@ -480,11 +614,17 @@ impl EdgeConfig {
             .parse()
             .map_err(|e: crate::BundleError| invalid("loopback.device", e.to_string()))?;
         validate_limits(&raw.loopback.limits).map_err(|(key, message)| invalid(&format!("loopback.{key}"), message))?;
-        let input = match raw.input {
+        let input = raw.input.map(|input| match input {
             InputSource::File { path: p } => InputSource::File { path: relative_to(path, &p) },
             InputSource::Images { dir } => InputSource::Images { dir: relative_to(path, &dir) },
             other => other,
-        };
+        });
+        let train = raw.train.map(|t| train_config(path, t)).transpose()?;
+        match (&input, &train) {
+            (None, None) => return Err(invalid("input", "give `input` (inference) or `train` (training)".into())),
+            (Some(_), Some(_)) => return Err(invalid("input", "`input` is for inference and `train` brings its own data: give one".into())),
+            _ => {}
+        }
         Ok(Self {
             server: raw.server,
             bundle: relative_to(path, &raw.bundle),
@@ -494,6 +634,7 @@ impl EdgeConfig {
             requests: raw.requests,
             in_flight: raw.in_flight,
             input,
+            train,
             output: raw.output,
             top_k: raw.top_k,
             loopback_device,
@@ -508,6 +649,56 @@ impl EdgeConfig {
 fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
     serde_yaml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+}
+
+fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> {
+    let invalid = |key: &str, message: String| ConfigError::Invalid { path: path.to_path_buf(), key: format!("train.{key}"), message };
+    let mode = match (raw.mode.as_str(), raw.tail) {
+        ("split", None) => TrainMode::Split,
+        ("monolithic", None) => TrainMode::Monolithic,
+        ("u-shaped", Some(tail)) => TrainMode::UShaped { tail: split_spec(&tail).map_err(|e| invalid("tail", e))? },
+        ("u-shaped", None) => return Err(invalid("tail", "u-shaped training needs `tail`: the cut where the edge's last stages start".into())),
+        ("split" | "monolithic", Some(_)) => return Err(invalid("tail", "only u-shaped training has a tail".into())),
+        (other, _) => return Err(invalid("mode", format!("{other:?} is not a mode (split, u-shaped, monolithic)"))),
+    };
+    if raw.epochs == 0 {
+        return Err(invalid("epochs", "must be at least 1".into()));
+    }
+    if raw.batch_size < 1 {
+        return Err(invalid("batch_size", "must be at least 1".into()));
+    }
+    let eval_batch_size = raw.eval_batch_size.unwrap_or(raw.batch_size);
+    if eval_batch_size < 1 {
+        return Err(invalid("eval_batch_size", "must be at least 1".into()));
+    }
+    raw.optimizer.validate().map_err(|e| invalid("optimizer", e))?;
+    if raw.max_steps == Some(0) {
+        return Err(invalid("max_steps", "must be at least 1".into()));
+    }
+    Ok(TrainConfig {
+        mode,
+        train_data: relative_to(path, &raw.data.train),
+        test_data: relative_to(path, &raw.data.test),
+        targets: raw.data.targets,
+        epochs: raw.epochs,
+        batch_size: raw.batch_size,
+        eval_batch_size,
+        shuffle_seed: raw.shuffle_seed,
+        seed: raw.seed,
+        optimizer: raw.optimizer,
+        loss: raw.loss.parse().map_err(|e| invalid("loss", e))?,
+        resume: raw.resume,
+        max_steps: raw.max_steps,
+        write_bundle: raw.write_bundle,
+    })
+}
+
+fn split_spec(value: &serde_yaml::Value) -> Result<SplitSpec, String> {
+    match value {
+        serde_yaml::Value::Number(n) => n.to_string().parse(),
+        serde_yaml::Value::String(s) => s.parse(),
+        other => Err(format!("{other:?}: expected a cut index, after:<module path> or a percentage")),
+    }
 }
 
 /// Paths in a config are relative to the directory of the config file... except when the

@@ -4,6 +4,7 @@
 //! - [`spec`]: what the manifest says crosses a cut: dtypes, symbolic shapes, value trees.
 //! - [`value`]: runtime values at a cut ([`Boundary`]): named tensors plus a value tree.
 //! - [`stages`]: load a range of stages onto a device and run it on a boundary.
+//! - [`training`]: stages in training mode, optimizers, losses, checkpoints (split training).
 //! - [`config`]: `server.yaml` and `edge.yaml`, raw then validated.
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
 //! - [`verify`]: run every split point against the bundle's references.
@@ -22,6 +23,7 @@ pub mod spec;
 pub mod stages;
 pub mod value;
 pub mod tables;
+pub mod training;
 pub mod verify;
 pub mod wire;
 

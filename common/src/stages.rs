@@ -1,6 +1,7 @@
 //! Loading a range of stages onto a device and running it on a boundary.
 //!
-//! Stages run with gradients off and in eval mode. Every boundary is checked against the
+//! Stages run with gradients off and in eval mode for inference (training, in
+//! [`crate::training`], runs the same chain in training mode with gradients on). Every boundary is checked against the
 //! manifest before the first stage runs (a wrong batch size or shape names the expected one)
 //! and the result is checked again after the last, so a stage file that disagrees with its
 //! manifest cannot pass silently.
@@ -55,7 +56,7 @@ impl StageRange {
         self.len() == 0
     }
 
-    fn contains(&self, inner: StageRange) -> bool {
+    pub(crate) fn contains(&self, inner: StageRange) -> bool {
         self.start <= inner.start && inner.start <= inner.end && inner.end <= self.end
     }
 }
@@ -124,6 +125,13 @@ impl LoadedStages {
     /// Runs stages `range` (within the loaded ones) on `input`, the boundary at cut
     /// `range.start`; returns the boundary at cut `range.end`, on this device.
     pub fn run(&self, range: StageRange, input: &Boundary) -> Result<Boundary> {
+        tch::no_grad(|| self.run_chain(range, input, |_| ()))
+    }
+
+    /// Runs stages `range` in the current grad mode. `enter_stage(i)` is called before stage
+    /// `i` runs and what it returns is held until the stage returns (training seeds the
+    /// random generator there and holds its lock).
+    pub(crate) fn run_chain<G>(&self, range: StageRange, input: &Boundary, mut enter_stage: impl FnMut(usize) -> G) -> Result<Boundary> {
         if !self.range.contains(range) {
             return Err(BundleError::InvalidRange {
                 start: range.start,
@@ -135,17 +143,17 @@ impl LoadedStages {
         let mut values: Vec<IValue> =
             input.values.iter().map(|(_, v)| v.to_device(self.device).to_ivalue()).collect();
         let stages = &self.bundle.manifest().stages;
-        tch::no_grad(|| -> Result<()> {
-            let modules = &self.modules[range.start - self.range.start..range.end - self.range.start];
-            for (stage, module) in stages[range.start..range.end].iter().zip(modules) {
-                let failed = |message: String| BundleError::StageFailed { index: stage.index, name: stage.name.clone(), message };
-                values = match module.forward_is(&values).map_err(|e| failed(first_line(&e.to_string())))? {
-                    IValue::Tuple(items) => items,
-                    other => return Err(failed(format!("returned {other:?} instead of a tuple"))),
-                };
-            }
-            Ok(())
-        })?;
+        let modules = &self.modules[range.start - self.range.start..range.end - self.range.start];
+        for (stage, module) in stages[range.start..range.end].iter().zip(modules) {
+            let failed = |message: String| BundleError::StageFailed { index: stage.index, name: stage.name.clone(), message };
+            let guard = enter_stage(stage.index);
+            let returned = module.forward_is(&values).map_err(|e| failed(first_line(&e.to_string())))?;
+            drop(guard);
+            values = match returned {
+                IValue::Tuple(items) => items,
+                other => return Err(failed(format!("returned {other:?} instead of a tuple"))),
+            };
+        }
         let cut = self.bundle.cut(range.end);
         if values.len() != cut.values.len() {
             return Err(BundleError::BoundaryMismatch {
@@ -165,6 +173,23 @@ impl LoadedStages {
             self.bundle.check_boundary(range.end, &output)?;
         }
         Ok(output)
+    }
+
+    /// The loaded modules, in stage order.
+    pub(crate) fn modules(&self) -> &[CModule] {
+        &self.modules
+    }
+
+    /// Puts every loaded module in training (`true`) or eval mode, as `nn.Module.train()`
+    /// does: batch norm uses and updates batch statistics, dropout draws masks.
+    pub(crate) fn set_training(&mut self, training: bool) {
+        for module in &mut self.modules {
+            if training {
+                module.set_train();
+            } else {
+                module.set_eval();
+            }
+        }
     }
 }
 

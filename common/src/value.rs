@@ -272,6 +272,11 @@ impl Boundary {
         Boundary { values: self.values.iter().map(|(n, v)| (n.clone(), v.shallow_clone())).collect() }
     }
 
+    /// The same boundary with every tensor detached from its autograd graph (shared storage).
+    pub fn detached(&self) -> Boundary {
+        Boundary { values: self.values.iter().map(|(n, v)| (n.clone(), v.map_tensors(&Tensor::detach))).collect() }
+    }
+
     /// Total bytes of the tensors inside.
     pub fn tensor_bytes(&self) -> usize {
         self.tensors().iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
