@@ -14,7 +14,8 @@ use cleave_common::pb::split_inference_server::SplitInference;
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{chunks, Codec, CodecError, Direction, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, WireError};
-use cleave_common::{Boundary, Bundle, BundleError};
+use cleave_common::training::TrainError;
+use cleave_common::{Boundary, Bundle, BundleError, DeviceSpec};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -45,6 +46,15 @@ pub(crate) enum RequestError {
     /// The server is shutting down.
     #[error("the server is shutting down")]
     Unavailable,
+    /// A training call failed (setting up, a step, a checkpoint).
+    #[error("training: {0}")]
+    Training(#[from] TrainError),
+    /// A training call out of order (no session yet, a backward without its forward...).
+    #[error("training session: {0}")]
+    Session(String),
+    /// The bundle is already being trained and the server keeps one session per bundle.
+    #[error("{0}")]
+    AlreadyTraining(String),
 }
 
 /// The one place that maps errors to gRPC status codes.
@@ -63,6 +73,15 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
         RequestError::Bundle(_) => Code::Internal,
         RequestError::Unavailable => Code::Unavailable,
+        RequestError::Training(e) => match e {
+            TrainError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. } | BundleError::InvalidRange { .. })
+            | TrainError::Invalid(_)
+            | TrainError::Loss(_)
+            | TrainError::Gradients(_) => Code::InvalidArgument,
+            TrainError::NotTrainable(_) | TrainError::Checkpoint { .. } => Code::FailedPrecondition,
+            TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
+        },
+        RequestError::Session(_) | RequestError::AlreadyTraining(_) => Code::FailedPrecondition,
     }
 }
 
@@ -73,6 +92,9 @@ pub(crate) struct Service {
     pub(crate) limits: cleave_common::config::Limits,
     pub(crate) security: Arc<ServerSecurity>,
     pub(crate) worker: mpsc::Sender<Job>,
+    /// The device training sessions load their stages on.
+    pub(crate) device_spec: DeviceSpec,
+    pub(crate) training: crate::training::Training,
 }
 
 type ResultStream = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
@@ -105,19 +127,28 @@ impl SplitInference for Service {
     type InferStream = ResultStream;
 
     async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<ResultStream>, Status> {
-        let theirs = request.metadata().get(BUNDLE_ID_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
-        if theirs != self.bundle.id() {
-            return Err(Status::failed_precondition(format!(
-                "bundle mismatch: the host has bundle {}, this server serves {}",
-                if theirs.is_empty() { "(none given)" } else { theirs },
-                self.bundle.id()
-            )));
-        }
+        self.check_bundle_id(request.metadata())?;
         let depth = self.limits.queue_depth as usize;
         let (out_tx, out_rx) = mpsc::channel::<Result<ResultFrame, Status>>(depth * 4);
         let (pending_tx, pending_rx) = mpsc::channel::<Pending>(depth);
         tokio::spawn(read_requests(request.into_inner(), self.context(), pending_tx));
         tokio::spawn(respond(pending_rx, out_tx, self.limits.chunk_bytes(), Arc::clone(&self.security)));
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+    }
+
+    type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
+
+    async fn train(&self, request: Request<Streaming<pb::TrainFrame>>) -> Result<Response<Self::TrainStream>, Status> {
+        self.check_bundle_id(request.metadata())?;
+        let (out_tx, out_rx) = mpsc::channel(16);
+        let ctx = crate::training::StreamContext {
+            bundle: self.bundle.clone(),
+            device: self.device_spec,
+            limits: self.limits,
+            security: Arc::clone(&self.security),
+            training: self.training.clone(),
+        };
+        tokio::spawn(crate::training::serve_stream(request.into_inner(), ctx, out_tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
     }
 }
@@ -131,6 +162,19 @@ struct StreamContext {
 }
 
 impl Service {
+    /// Refuses a stream whose host has another bundle than this server serves.
+    fn check_bundle_id(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let theirs = metadata.get(BUNDLE_ID_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if theirs != self.bundle.id() {
+            return Err(Status::failed_precondition(format!(
+                "bundle mismatch: the host has bundle {}, this server serves {}",
+                if theirs.is_empty() { "(none given)" } else { theirs },
+                self.bundle.id()
+            )));
+        }
+        Ok(())
+    }
+
     fn context(&self) -> StreamContext {
         let receiver = PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys);
         StreamContext { stage_count: self.bundle.stage_count(), receiver: Arc::new(Mutex::new(receiver)), worker: self.worker.clone() }
@@ -252,30 +296,36 @@ async fn answer_now(pending: &mpsc::Sender<Pending>, id: u64, answer: Result<Job
 
 /// Encodes results with each request's codec, sealed with each request's key (one sender,
 /// so one nonce sequence, per key on this stream).
-struct ResultEncoder {
+pub(crate) struct ResultEncoder {
     security: Arc<ServerSecurity>,
-    senders: HashMap<Option<u32>, PayloadSender>,
+    senders: HashMap<(Option<u32>, i32), PayloadSender>,
 }
 
 /// What a result needs to be encoded like its request.
 #[derive(Clone, Copy)]
-struct ResultSpec {
-    request_id: u64,
-    split: u32,
-    codec: Codec,
-    key_id: Option<u32>,
+pub(crate) struct ResultSpec {
+    pub(crate) request_id: u64,
+    pub(crate) split: u32,
+    pub(crate) codec: Codec,
+    pub(crate) key_id: Option<u32>,
+    /// `Result` for boundaries, `Gradient` for gradients (each its own nonce sequence).
+    pub(crate) direction: Direction,
 }
 
 impl ResultEncoder {
-    fn encode(&mut self, p: ResultSpec, output: &Boundary) -> Result<cleave_common::wire::EncodedPayload, RequestError> {
-        let sender = match self.senders.entry(p.key_id) {
+    pub(crate) fn new(security: Arc<ServerSecurity>) -> Self {
+        Self { security, senders: HashMap::new() }
+    }
+
+    pub(crate) fn encode(&mut self, p: ResultSpec, output: &Boundary) -> Result<cleave_common::wire::EncodedPayload, RequestError> {
+        let sender = match self.senders.entry((p.key_id, p.direction as i32)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(match p.key_id {
                 None => PayloadSender::plain(),
                 Some(id) => PayloadSender::sealed(&self.security.keys, id).map_err(|err| RequestError::Encode(err.into()))?,
             }),
         };
-        let meta = PayloadMeta { request_id: p.request_id, split: p.split, direction: Direction::Result };
+        let meta = PayloadMeta { request_id: p.request_id, split: p.split, direction: p.direction };
         sender.encode(meta, &p.codec, output).map_err(RequestError::Encode)
     }
 }
@@ -286,11 +336,11 @@ async fn respond(
     chunk_bytes: usize,
     security: Arc<ServerSecurity>,
 ) {
-    let encoder = Arc::new(Mutex::new(ResultEncoder { security, senders: HashMap::new() }));
+    let encoder = Arc::new(Mutex::new(ResultEncoder::new(security)));
     while let Some(mut p) = pending.recv().await {
         {
             let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
-            let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id };
+            let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id, direction: Direction::Result };
             let encoder = Arc::clone(&encoder);
             // Like decoding, encoding runs on the blocking pool; results stay in order
             // because this task waits for each one.
