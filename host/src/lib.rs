@@ -5,12 +5,15 @@
 //! - `client`: the streaming client (prefix thread, in-flight window, reassembly).
 //! - `inputs`, `images`: synthetic tensors, tensor files (.safetensors, .npz, .npy) or images.
 //! - `report`: `predictions.jsonl`, `metrics.csv`, `summary.json` and the printed table.
+//! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
+//!   U-shaped or monolithic training, evaluation, checkpoints, report files.
 //! - [`print_splits`], [`verify`]: `host splits` and `host verify`.
 
 pub mod client;
 pub mod images;
 pub mod inputs;
 pub mod report;
+pub mod training;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -124,9 +127,23 @@ impl LoopbackServer {
         limits: cleave_common::config::Limits,
         security: ServerSecurity,
     ) -> anyhow::Result<Self> {
+        Self::start_configured(bundle, device, limits, security, cleave_server::TrainingOptions::default()).await
+    }
+
+    /// Like [`LoopbackServer::start_secured`], with training sessions configured.
+    pub async fn start_configured(
+        bundle: &std::path::Path,
+        device: cleave_common::DeviceSpec,
+        limits: cleave_common::config::Limits,
+        security: ServerSecurity,
+        training: cleave_server::TrainingOptions,
+    ) -> anyhow::Result<Self> {
         let bundle = bundle.to_path_buf();
         let scheme = if security.tls.is_some() { "https" } else { "http" };
-        let prepared = tokio::task::spawn_blocking(move || cleave_server::PreparedServer::prepare(&bundle, device, limits, security)).await??;
+        let prepared = tokio::task::spawn_blocking(move || {
+            cleave_server::PreparedServer::prepare(&bundle, device, limits, security).map(|p| p.with_training(training))
+        })
+        .await??;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("{scheme}://{}", listener.local_addr()?);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -153,7 +170,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
     let bundle = Bundle::open(&config.bundle)?;
     let split = bundle.resolve_split(opts.split.as_ref().unwrap_or(&config.split))?;
     let output = opts.output.unwrap_or_else(|| config.output.clone());
-    let inputs = Inputs::new(&config.input, &bundle, config.batch_size)?;
+    let Some(input) = &config.input else {
+        anyhow::bail!("the config has no `input`: inference needs one (training configs go to `training::run`)");
+    };
+    let inputs = Inputs::new(input, &bundle, config.batch_size)?;
     let loopback = if opts.loopback {
         Some(LoopbackServer::start_secured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security()).await?)
     } else {

@@ -12,7 +12,7 @@ use cleave_host::{RunOptions, VerifyOptions};
 #[command(name = "host", version, about = "cleave edge host: runs the first stages of a split model")]
 #[command(args_conflicts_with_subcommands = true, arg_required_else_help = true)]
 struct Cli {
-    /// edge.yaml: server, bundle, split, device, batch size, inputs, output directory.
+    /// edge.yaml: server, bundle, split, device, batch size, inputs (or `train:`), output directory.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Start the server in this process on 127.0.0.1 and use it.
@@ -48,6 +48,19 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         batch: Vec<i64>,
     },
+    /// Write a copy of a bundle with the trained weights of checkpoints (the host's and the
+    /// server's `step-N` files), ready for split inference.
+    ExportTrained {
+        /// The bundle that was trained.
+        #[arg(long)]
+        bundle: PathBuf,
+        /// Checkpoint files that together cover every stage (repeat the flag).
+        #[arg(long = "checkpoint", required = true)]
+        checkpoints: Vec<PathBuf>,
+        /// The new bundle's directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -58,6 +71,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true),
         Some(Command::Verify { bundle, device, batch }) => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }),
+        Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         None => run(cli.config.expect("clap requires --config or a subcommand"), RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output }),
     };
     match result {
@@ -72,6 +86,18 @@ fn main() -> ExitCode {
 
 fn run(path: PathBuf, opts: RunOptions) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(&path)?;
-    let summary = tokio::runtime::Runtime::new()?.block_on(cleave_host::run(config, opts))?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    if config.train.is_some() {
+        runtime.block_on(cleave_host::training::run(config, opts))?;
+        return Ok(true);
+    }
+    let summary = runtime.block_on(cleave_host::run(config, opts))?;
     Ok(summary.errors == 0)
+}
+
+fn export_trained(bundle: &std::path::Path, checkpoints: &[PathBuf], out: &std::path::Path) -> anyhow::Result<bool> {
+    let bundle = cleave_common::Bundle::open(bundle)?;
+    let written = cleave_common::training::export::write_trained_bundle(&bundle, checkpoints, out)?;
+    println!("wrote {} (bundle id {})", out.display(), written.id());
+    Ok(true)
 }

@@ -1,0 +1,189 @@
+//! The edge's end of a `Train` stream: one call at a time, from the trainer's thread.
+//!
+//! Training is a strict sequence (a step's gradient must come back before the prefix can
+//! step), so the link offers blocking calls; each drives the async stream with the runtime
+//! handle. It must therefore be used from a blocking thread, never from an async task.
+
+use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
+use cleave_common::wire::{chunk_bytes_for, chunks, Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::{Boundary, Bundle};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::Streaming;
+
+use crate::client::Client;
+
+/// An answer from the server.
+pub(crate) struct Answer {
+    /// The boundary it sent back (a gradient or a boundary at the session's end cut).
+    pub(crate) boundary: Boundary,
+    /// The loss, when the server computed it.
+    pub(crate) loss: Option<f64>,
+}
+
+/// An open training session.
+pub(crate) struct TrainLink {
+    runtime: Handle,
+    frames: mpsc::Sender<TrainFrame>,
+    replies: Streaming<TrainReply>,
+    codec: Codec,
+    /// One sender per direction, so each has its own nonce sequence when sealed.
+    boundaries: PayloadSender,
+    gradients: PayloadSender,
+    results: PayloadReceiver,
+    gradient_results: PayloadReceiver,
+    chunk_bytes: usize,
+    next_id: u64,
+    start: u32,
+    end: u32,
+    /// Whether the server computes the loss (its answer to a forward is then a gradient).
+    server_has_loss: bool,
+}
+
+/// How to open a session.
+pub(crate) struct SessionRequest {
+    pub(crate) open: pb::OpenSession,
+    pub(crate) codec: Codec,
+    pub(crate) key: Option<(u32, Key)>,
+    pub(crate) max_message_bytes: u64,
+    pub(crate) max_payload_bytes: u64,
+}
+
+impl TrainLink {
+    /// Opens a session on a connected client (from async code); the server loads its stages
+    /// before it answers.
+    pub(crate) async fn open(client: &mut Client, bundle: &Bundle, request: SessionRequest) -> anyhow::Result<(Self, pb::SessionOpened)> {
+        let (frames, rx) = mpsc::channel::<TrainFrame>(64);
+        let mut call = tonic::Request::new(ReceiverStream::new(rx));
+        call.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse()?);
+        let (start, end) = (request.open.start, request.open.end);
+        let server_has_loss = end as usize == bundle.stage_count();
+        frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(request.open)) }).await?;
+        let mut replies = client.train(call).await.map_err(|s| anyhow::anyhow!("Train: {:?}: {}", s.code(), s.message()))?.into_inner();
+        let first = next_reply(&mut replies).await?;
+        let opened = first.opened.ok_or_else(|| anyhow::anyhow!("the server did not open the session"))?;
+        let ring = KeyRing::new(request.key.clone()).expect("one key");
+        let sender = || -> anyhow::Result<PayloadSender> {
+            Ok(match &request.key {
+                Some((id, _)) => PayloadSender::sealed(&ring, *id)?,
+                None => PayloadSender::plain(),
+            })
+        };
+        // Answers must come back sealed when calls go sealed: a stripped seal is refused.
+        let policy = CodecPolicy { require_encryption: request.key.is_some(), ..CodecPolicy::default() };
+        let receiver = |d| PayloadReceiver::new(d, request.max_payload_bytes, policy.clone(), &ring);
+        let link = Self {
+            runtime: Handle::current(),
+            frames,
+            replies,
+            codec: request.codec,
+            boundaries: sender()?,
+            gradients: sender()?,
+            results: receiver(Direction::Result),
+            gradient_results: receiver(Direction::Gradient),
+            chunk_bytes: chunk_bytes_for(request.max_message_bytes),
+            next_id: 1,
+            start,
+            end,
+            server_has_loss,
+        };
+        Ok((link, opened))
+    }
+
+    /// A training step's boundary at `start` (with the targets when the server has the loss).
+    pub(crate) fn forward(&mut self, boundary: &Boundary) -> anyhow::Result<Answer> {
+        let expect = if self.server_has_loss { (Direction::Gradient, self.start) } else { (Direction::Result, self.end) };
+        self.call(Phase::Forward, Direction::Request, self.start, boundary, expect)
+    }
+
+    /// U-shaped: the gradient at `end` of the step just sent; answers the gradient at `start`.
+    pub(crate) fn backward(&mut self, grads: &Boundary) -> anyhow::Result<Answer> {
+        self.call(Phase::Backward, Direction::Gradient, self.end, grads, (Direction::Gradient, self.start))
+    }
+
+    /// An evaluation batch at `start`; answers the boundary at `end` (eval mode).
+    pub(crate) fn evaluate(&mut self, boundary: &Boundary) -> anyhow::Result<Answer> {
+        self.call(Phase::Evaluate, Direction::Request, self.start, boundary, (Direction::Result, self.end))
+    }
+
+    /// Asks the server to write its checkpoint `name`; returns the step it holds.
+    pub(crate) fn save(&mut self, name: &str) -> anyhow::Result<u64> {
+        let id = self.take_id();
+        let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() })) };
+        let (frames, replies) = (&self.frames, &mut self.replies);
+        self.runtime.block_on(async {
+            frames.send(frame).await.map_err(|_| anyhow::anyhow!("the server closed the training stream"))?;
+            let reply = next_reply(replies).await?;
+            check_id(&reply, id)?;
+            reply.saved.map(|s| s.step).ok_or_else(|| anyhow::anyhow!("the server answered a checkpoint request without saving"))
+        })
+    }
+
+    fn take_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn call(&mut self, phase: Phase, direction: Direction, split: u32, boundary: &Boundary, expect: (Direction, u32)) -> anyhow::Result<Answer> {
+        let id = self.take_id();
+        let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
+        let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
+        let parts = chunks(&encoded.data, self.chunk_bytes);
+        let last_index = parts.len() - 1;
+        let mut header = Some(encoded.envelope);
+        let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
+        let (frames, replies) = (&self.frames, &mut self.replies);
+        let (received, loss) = self.runtime.block_on(async {
+            for (i, data) in parts.into_iter().enumerate() {
+                let frame = pb::TrainPayloadFrame {
+                    request_id: id,
+                    phase: if i == 0 { phase as i32 } else { 0 },
+                    header: header.take().unwrap_or_default(),
+                    data,
+                    last: i == last_index,
+                };
+                frames
+                    .send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) })
+                    .await
+                    .map_err(|_| anyhow::anyhow!("the server closed the training stream"))?;
+            }
+            let first = next_reply(replies).await?;
+            check_id(&first, id)?;
+            let mut assembly = receiver.start(id, &first.header)?;
+            assembly.push(id, &first.data)?;
+            let mut reply = first;
+            while !reply.last {
+                reply = next_reply(replies).await?;
+                check_id(&reply, id)?;
+                assembly.push(id, &reply.data)?;
+            }
+            anyhow::Ok((receiver.finish(assembly)?, reply.loss))
+        })?;
+        if received.split != expect.1 {
+            anyhow::bail!("the server answered with a boundary at cut {}, expected cut {}", received.split, expect.1);
+        }
+        Ok(Answer { boundary: received.boundary, loss })
+    }
+}
+
+async fn next_reply(replies: &mut Streaming<TrainReply>) -> anyhow::Result<TrainReply> {
+    let reply = match replies.next().await {
+        Some(Ok(reply)) => reply,
+        Some(Err(status)) => anyhow::bail!("training stream failed: {:?}: {}", status.code(), status.message()),
+        None => anyhow::bail!("the server closed the training stream"),
+    };
+    if let Some(e) = &reply.error {
+        anyhow::bail!("the server refused call {}: {:?}: {}", reply.request_id, tonic::Code::from_i32(e.code), e.message);
+    }
+    Ok(reply)
+}
+
+fn check_id(reply: &TrainReply, id: u64) -> anyhow::Result<()> {
+    if reply.request_id != id {
+        anyhow::bail!("the server answered call {} while call {id} was waiting", reply.request_id);
+    }
+    Ok(())
+}
