@@ -30,3 +30,14 @@ pub fn bundle_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
     }
     (tmp, dest)
 }
+
+/// A file beside the test bundles (the digits train and test splits); panics with the command
+/// to run when it is missing.
+pub fn test_file(name: &str) -> PathBuf {
+    let root = std::env::var_os("CLEAVE_TEST_BUNDLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-bundles"));
+    let path = root.join(name);
+    assert!(path.is_file(), "test file {} is missing: run `make test-bundles` (or `make test`)", path.display());
+    path
+}

@@ -56,34 +56,25 @@ def test_stage_seed_is_a_splitmix_finaliser():
     assert all(0 <= v < 2**63 for v in seeds)
 
 
-# Why the Rust side can match torch.optim bit for bit, and why plain decimal
-# hyper-parameters do not (yet): torch.optim's single-tensor optimizers scale with
-# `a.add(b, alpha=s)` (L2 weight decay `grad.add(param, alpha=wd)`; SGD's
-# `param.add_(grad, alpha=-lr)`), which the CPU kernel computes with a fused multiply-add (one
-# rounding); the Rust optimizers write `a + b * s` (two roundings). With a power of two for
-# `s` the product is exact and both agree; otherwise a few elements differ by one ulp from
-# the first step (18 of classifier.1.weight's 32768 for Adam's `wd = 1e-4`). Twenty steps
-# amplify that: Adam normalises the gradient of the convolution biases ahead of batch norm
-# (zero but for rounding noise), and a ReLU or max-pool tie that flips reroutes a gradient
-# (SGD here: one pre-ReLU value at step 9 is -1.1e-8 in one run and 3.4e-7 in the other),
-# so the end difference is 1e-7 or 1e-2 depending on the thread count. The `*-pow2` cases
-# are the gate; the decimal ones document the rounding difference until the Rust side rounds
-# as torch does (`a.addcmul(b, s as a 0-dim tensor)` equals `a.add(b, alpha=s)` bit for bit on
-# the CPU), when their marks must go (the Adam one is strict and will fail as XPASS).
+# torch.optim's single-tensor optimizers scale with `a.add(b, alpha=s)` (L2 weight decay
+# `grad.add(param, alpha=wd)`, SGD's `param.add_(grad, alpha=-lr)`), which the CPU kernel
+# computes with a fused multiply-add (one rounding); the Rust optimizers take the same fused
+# path (`a.addcmul(b, s as a 0-dim tensor)`). Rounding `b * s` first instead left one-ulp
+# differences that twenty steps amplified to 1e-4 (Adam normalises the rounding-noise
+# gradient of the convolution biases ahead of batch norm) or 1e-2 (a ReLU or max-pool tie
+# flips). The `*-pow2` cases use exact products, so they isolate everything but rounding.
 #
 # name: (the host's YAML, the torch.optim reference, pytest marks)
-UNFUSED = "Rust optimizers round b * s before adding; torch.optim's add(b, alpha=s) is fused"
 OPTIMIZERS = {
     "adam": (
         "{ kind: adam, lr: 0.01, weight_decay: 0.0001 }",
         lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=0.0001, foreach=False),
-        [pytest.mark.xfail(strict=True, reason=UNFUSED)],
+        [],
     ),
     "sgd": (
         "{ kind: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.0005 }",
         lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.0005, foreach=False),
-        # Not strict: whether a tie flips within 20 steps depends on the thread count.
-        [pytest.mark.xfail(strict=False, reason=UNFUSED)],
+        [],
     ),
     "adam-pow2": (
         f"{{ kind: adam, lr: 0.01, weight_decay: {2.0**-13!r} }}",

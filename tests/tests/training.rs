@@ -1,0 +1,321 @@
+//! Split training over gRPC on 127.0.0.1 against training the whole model in one process:
+//! after the same steps on the same data with the same seed, both sides' parameters and
+//! buffers must equal the monolithic run's (at most 1e-5 apart), for SGD with momentum and
+//! Adam, on the digits CNN and on a residual model with batch norm and dropout whose cut
+//! carries two tensors, in the split and the U-shaped (labels stay on the edge) variants.
+//! Also: resuming from checkpoints, trained weights written back into a bundle, one session
+//! per bundle, and the errors of a misused session.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use cleave_common::config::{EdgeConfig, Limits, TrainingOptions};
+use cleave_common::pb::{self, train_frame, TrainFrame};
+use cleave_common::security::ServerSecurity;
+use cleave_common::training::TrainableStages;
+use cleave_common::{Bundle, DeviceSpec, StageRange};
+use cleave_host::client::{connect, Link};
+use cleave_host::training::{checkpoint_name, checkpoint_state, TrainingSummary, HOST_CHECKPOINT};
+use cleave_host::{LoopbackServer, RunOptions};
+use cleave_tests::{bundle_dir, test_file};
+use tch::{Kind, Tensor};
+use tokio_stream::StreamExt;
+
+const SGD: &str = "{ kind: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.0005 }";
+const ADAM: &str = "{ kind: adam, lr: 0.01, weight_decay: 0.0001 }";
+const STEPS: u64 = 20;
+
+/// One training run, written as an edge config.
+struct Run<'a> {
+    bundle: &'a str,
+    mode: &'a str,
+    split: usize,
+    tail: Option<usize>,
+    optimizer: &'a str,
+    data: (PathBuf, PathBuf),
+    max_steps: u64,
+    resume: Option<String>,
+    write_bundle: Option<PathBuf>,
+}
+
+impl<'a> Run<'a> {
+    fn new(bundle: &'a str, mode: &'a str, split: usize, optimizer: &'a str) -> Self {
+        let data = match bundle {
+            "digits" => (test_file("digits-train.safetensors"), test_file("digits-test.safetensors")),
+            _ => bn_dropout_data(),
+        };
+        Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: None }
+    }
+
+    fn u_shaped(mut self, tail: usize) -> Self {
+        self.mode = "u-shaped";
+        self.tail = Some(tail);
+        self
+    }
+
+    /// Runs it (over a loopback server unless monolithic) with its output in `out`.
+    fn train(&self, out: &Path) -> TrainingSummary {
+        let tail = self.tail.map(|t| format!("  tail: {t}\n")).unwrap_or_default();
+        let write_bundle = self.write_bundle.as_ref().map(|p| format!("  write_bundle: {}\n", p.display())).unwrap_or_default();
+        let resume = self.resume.as_ref().map(|r| format!("  resume: {r}\n")).unwrap_or_default();
+        let yaml = format!(
+            "server: http://127.0.0.1:1\nbundle: {bundle}\nsplit: {split}\ndevice: cpu\noutput: {out}\nloopback: {{ device: cpu }}\n\
+             train:\n  mode: {mode}\n{tail}  data: {{ train: {train}, test: {test}, targets: label }}\n  epochs: 5\n  batch_size: 16\n  \
+             eval_batch_size: 16\n  shuffle_seed: 3\n  seed: 11\n  max_steps: {steps}\n  optimizer: {opt}\n  loss: cross-entropy\n{write_bundle}{resume}",
+            bundle = bundle_dir(self.bundle).display(),
+            split = self.split,
+            out = out.display(),
+            mode = self.mode,
+            train = self.data.0.display(),
+            test = self.data.1.display(),
+            steps = self.max_steps,
+            opt = self.optimizer,
+        );
+        std::fs::create_dir_all(out).unwrap();
+        let path = out.join("edge.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let config = EdgeConfig::load(&path).unwrap();
+        let opts = RunOptions { loopback: self.mode != "monolithic", split: None, output: None };
+        runtime().block_on(cleave_host::training::run(config, opts)).unwrap_or_else(|e| panic!("{} {}: {e:#}", self.bundle, self.mode))
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// 96 random inputs for `tests.models:bn_dropout_residual` ([4, 6, 6]) with labels that
+/// depend on them (3 classes), written once per test process.
+fn bn_dropout_data() -> (PathBuf, PathBuf) {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        tch::manual_seed(5);
+        for (name, rows) in [("train", 96), ("test", 32)] {
+            let x = Tensor::randn([rows, 4, 6, 6], (Kind::Float, tch::Device::Cpu));
+            let label = x.mean_dim(&[2i64, 3][..], false, Kind::Float).narrow(1, 0, 3).argmax(1, false);
+            Tensor::write_safetensors(&[("x", &x), ("label", &label)], dir.path().join(format!("{name}.safetensors"))).unwrap();
+        }
+        dir
+    });
+    (dir.path().join("train.safetensors"), dir.path().join("test.safetensors"))
+}
+
+/// The parameters and buffers after `step` steps: the host's checkpoint, plus the server's
+/// for a split run.
+fn trained_state(out: &Path, step: u64) -> HashMap<String, Tensor> {
+    let name = checkpoint_name(step);
+    let mut state = checkpoint_state(&out.join("checkpoints").join(&name).join(HOST_CHECKPOINT)).unwrap();
+    let server = out.join("checkpoints/server").join(format!("{name}.safetensors"));
+    if server.is_file() {
+        let theirs = checkpoint_state(&server).unwrap();
+        for key in theirs.keys().filter(|k| !k.starts_with("optim.")) {
+            assert!(!state.contains_key(key), "{key} is in both sides' checkpoints");
+        }
+        state.extend(theirs);
+    }
+    state.retain(|k, _| k.starts_with("param.") || k.starts_with("buffer."));
+    state
+}
+
+fn initial_state(bundle: &str) -> HashMap<String, Tensor> {
+    let bundle = Bundle::open(bundle_dir(bundle)).unwrap();
+    let stages = TrainableStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu, 0).unwrap();
+    stages.state().into_iter().map(|(k, t)| (k, t.copy())).collect()
+}
+
+/// The largest absolute difference over every tensor; the key sets must match.
+fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
+    let mut keys: Vec<&String> = a.keys().collect();
+    keys.sort();
+    let mut theirs: Vec<&String> = b.keys().collect();
+    theirs.sort();
+    assert_eq!(keys, theirs, "the same parameters and buffers on both sides");
+    keys.iter().map(|k| (&a[*k].to_kind(Kind::Double) - &b[*k].to_kind(Kind::Double)).abs().max().double_value(&[])).fold(0.0, f64::max)
+}
+
+/// Split (or U-shaped) training equals monolithic training, and both moved the weights.
+fn equals_monolithic(split_run: Run, label: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mono = Run { mode: "monolithic", tail: None, ..Run::new(split_run.bundle, "monolithic", 0, split_run.optimizer) };
+    let mono_summary = mono.train(&tmp.path().join("mono"));
+    let split_summary = split_run.train(&tmp.path().join("split"));
+    assert_eq!((mono_summary.total_steps, split_summary.total_steps), (STEPS, STEPS), "{label}");
+    let mono_state = trained_state(&tmp.path().join("mono"), STEPS);
+    let split_state = trained_state(&tmp.path().join("split"), STEPS);
+    let diff = max_abs_diff(&split_state, &mono_state);
+    assert!(diff <= 1e-5, "{label}: split and monolithic parameters differ by {diff:e} after {STEPS} steps");
+    let params = |state: &HashMap<String, Tensor>| -> HashMap<String, Tensor> {
+        state.iter().filter(|(k, _)| k.starts_with("param.")).map(|(k, t)| (k.clone(), t.shallow_clone())).collect()
+    };
+    let moved = max_abs_diff(&params(&mono_state), &params(&initial_state(split_run.bundle)));
+    assert!(moved > 1e-3, "{label}: training moved the weights by only {moved:e}");
+    for (name, batches) in mono_state.iter().filter(|(k, _)| k.ends_with("num_batches_tracked")) {
+        assert_eq!(batches.int64_value(&[]), STEPS as i64, "{label}: {name}");
+    }
+    // The same model evaluates alike on the held-out data.
+    let (a, b) = (mono_summary.epochs.last().unwrap(), split_summary.epochs.last().unwrap());
+    assert!((a.test_loss - b.test_loss).abs() < 1e-5, "{label}: test loss {} vs {}", a.test_loss, b.test_loss);
+    eprintln!("{label}: max |split - monolithic| = {diff:e} after {STEPS} steps (weights moved up to {moved:.3})");
+}
+
+#[test]
+fn digits_split_sgd_momentum_equals_monolithic() {
+    equals_monolithic(Run::new("digits", "split", 7, SGD), "digits split at 7, SGD momentum");
+}
+
+#[test]
+fn digits_split_adam_equals_monolithic() {
+    equals_monolithic(Run::new("digits", "split", 4, ADAM), "digits split at 4, Adam");
+}
+
+#[test]
+fn bn_dropout_split_sgd_momentum_equals_monolithic() {
+    // Cut 3 carries two tensors (the skip and the main path), so two gradients come back.
+    equals_monolithic(Run::new("bn_dropout", "split", 3, SGD), "bn_dropout split at 3, SGD momentum");
+}
+
+#[test]
+fn bn_dropout_split_adam_equals_monolithic() {
+    equals_monolithic(Run::new("bn_dropout", "split", 3, ADAM), "bn_dropout split at 3, Adam");
+}
+
+#[test]
+fn digits_u_shaped_adam_equals_monolithic() {
+    // The edge keeps [0, 4) and [10, 12): the last dropout, the last linear layer and the loss.
+    equals_monolithic(Run::new("digits", "split", 4, ADAM).u_shaped(10), "digits u-shaped 4..10, Adam");
+}
+
+#[test]
+fn bn_dropout_u_shaped_sgd_momentum_equals_monolithic() {
+    equals_monolithic(Run::new("bn_dropout", "split", 2, SGD).u_shaped(8), "bn_dropout u-shaped 2..8, SGD momentum");
+}
+
+#[test]
+fn resuming_from_checkpoints_gives_the_uninterrupted_parameters() {
+    let tmp = tempfile::tempdir().unwrap();
+    Run::new("digits", "split", 7, ADAM).train(&tmp.path().join("whole"));
+    // 10 steps, then a new process-like run (new session, new optimizer objects) resumes
+    // both sides from checkpoint step-10 in the same output directory.
+    let interrupted = tmp.path().join("interrupted");
+    Run { max_steps: 10, ..Run::new("digits", "split", 7, ADAM) }.train(&interrupted);
+    let resumed = Run { resume: Some(checkpoint_name(10)), ..Run::new("digits", "split", 7, ADAM) }.train(&interrupted);
+    assert_eq!(resumed.resumed_from_step, Some(10));
+    assert_eq!(resumed.total_steps, STEPS);
+    let whole = checkpoint_state(&tmp.path().join("whole/checkpoints/step-20").join(HOST_CHECKPOINT)).unwrap();
+    let again = checkpoint_state(&interrupted.join("checkpoints/step-20").join(HOST_CHECKPOINT)).unwrap();
+    // Optimizer state included: a resumed run is the same computation, bit for bit.
+    assert_eq!(max_abs_diff(&whole, &again), 0.0, "host side");
+    let diff = max_abs_diff(&trained_state(&tmp.path().join("whole"), STEPS), &trained_state(&interrupted, STEPS));
+    assert_eq!(diff, 0.0, "both sides");
+}
+
+#[test]
+fn trained_weights_written_back_serve_split_inference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let written = tmp.path().join("trained-bundle");
+    Run { write_bundle: Some(written.clone()), ..Run::new("digits", "split", 7, SGD) }.train(&out);
+    let original = Bundle::open(bundle_dir("digits")).unwrap();
+    let trained = Bundle::open(&written).unwrap();
+    assert_ne!(trained.id(), original.id());
+    // The weights in the new stage files are the checkpoints' ...
+    let stages = TrainableStages::load(&trained, StageRange::all(&trained), DeviceSpec::Cpu, 0).unwrap();
+    let in_bundle: HashMap<String, Tensor> = stages.state().into_iter().collect();
+    assert_eq!(max_abs_diff(&in_bundle, &trained_state(&out, STEPS)), 0.0);
+    // ... and its references were recomputed: every split of the new bundle reproduces them.
+    for batch in trained.reference_batches() {
+        let report = cleave_common::verify::verify_splits(&trained, DeviceSpec::Cpu, batch).unwrap();
+        assert!(report.passed(), "batch {batch}: {}", cleave_common::tables::verify_table(&report));
+    }
+}
+
+/// Opens a training session on `url` and returns the first reply (opened, or the error).
+async fn open_session(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (tokio::sync::mpsc::Sender<TrainFrame>, pb::TrainReply) {
+    let (mut client, _) = connect(url, bundle, &Link::plain(8 << 20)).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.unwrap();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    let mut replies = client.train(request).await.unwrap().into_inner();
+    let first = replies.next().await.unwrap().unwrap();
+    // Keep the stream open while the caller holds the sender.
+    tokio::spawn(async move { while replies.next().await.is_some() {} });
+    (tx, first)
+}
+
+fn open_digits(start: u32, end: u32, loss: &str) -> pb::OpenSession {
+    pb::OpenSession {
+        start,
+        end,
+        optimizer: Some(pb::Optimizer { kind: "sgd".into(), lr: 0.1, ..Default::default() }),
+        loss: loss.into(),
+        seed: 1,
+        resume: String::new(),
+    }
+}
+
+fn error_of(reply: &pb::TrainReply) -> (tonic::Code, String) {
+    let e = reply.error.as_ref().unwrap_or_else(|| panic!("expected an error, got {reply:?}"));
+    (tonic::Code::from_i32(e.code), e.message.clone())
+}
+
+#[test]
+fn one_training_session_per_bundle_unless_configured() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let (first, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let (_second, refused) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let (code, message) = error_of(&refused);
+        assert_eq!(code, tonic::Code::FailedPrecondition);
+        assert!(message.contains("already being trained") && message.contains("concurrent_sessions"), "{message}");
+        // Closing the first session frees the bundle.
+        drop(first);
+        let mut reopened = None;
+        for _ in 0..50 {
+            let (tx, reply) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+            if reply.opened.is_some() {
+                reopened = Some(tx);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(reopened.is_some(), "a new session opens once the first is closed");
+        // Shutting down waits for open streams: close the session first.
+        drop(reopened);
+        server.shutdown().await.unwrap();
+
+        let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true };
+        let server = LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let (_a, a) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let (_b, b) = open_session(&server.url, &bundle, open_digits(4, 12, "cross-entropy")).await;
+        assert!(a.opened.is_some() && b.opened.is_some(), "separate copies: {a:?} {b:?}");
+        assert_ne!(a.opened.unwrap().session_id, b.opened.unwrap().session_id);
+    });
+}
+
+#[test]
+fn a_session_that_cannot_work_is_refused_with_the_reason() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true };
+    runtime().block_on(async {
+        let server = LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let cases = [
+            (open_digits(7, 7, "cross-entropy"), "non-empty range"),
+            (open_digits(7, 13, "cross-entropy"), "within [0, 12]"),
+            (open_digits(7, 12, ""), "computes the loss"),
+            (open_digits(4, 10, "cross-entropy"), "the edge computes the loss"),
+            (open_digits(7, 12, "hinge"), "not a loss"),
+            (pb::OpenSession { optimizer: Some(pb::Optimizer { kind: "adam".into(), lr: 0.1, beta1: 0.9, beta2: 1.5, ..Default::default() }), ..open_digits(7, 12, "mse") }, "betas[1]"),
+            (pb::OpenSession { optimizer: None, ..open_digits(7, 12, "mse") }, "no optimizer"),
+            (pb::OpenSession { resume: "step-3".into(), ..open_digits(7, 12, "mse") }, "no checkpoint directory"),
+        ];
+        for (open, expected) in cases {
+            let (_tx, reply) = open_session(&server.url, &bundle, open.clone()).await;
+            let (code, message) = error_of(&reply);
+            assert!(message.contains(expected), "{open:?}: {code:?} {message}");
+        }
+    });
+}
