@@ -19,7 +19,7 @@ BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo demo-secure digits-trained digits-cnn bench-activations clean
+.PHONY: setup build test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations clean
 
 setup: build
 
@@ -53,7 +53,7 @@ test: $(VENV)/.installed $(TEST_BUNDLES)/.stamp
 	CLEAVE_TEST_BUNDLES=$(TEST_BUNDLES) cargo test --release --workspace
 	cd tools/export && $(PYTHON) -m pytest -q tests
 
-$(DEMO_BUNDLE)/manifest.json: $(VENV)/.installed
+$(DEMO_BUNDLE)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(PYTHON) -m cleave_export torchvision:resnet18 --force --out $(DEMO_BUNDLE)
 
 # The digits CNN trained on sklearn's digits (a few seconds on CPU), cut at every op, batches up
@@ -88,6 +88,16 @@ bench-activations: $(BENCH_ACTIVATIONS)
 demo: build $(DEMO_BUNDLE)/manifest.json
 	target/release/host splits --bundle $(DEMO_BUNDLE)
 	target/release/host --config config/demo.yaml --loopback
+
+# Split training of the digits CNN from scratch over loopback gRPC, then the same training of
+# the whole model in one process (same stages, optimizer, seeds and batches), and the two side by side.
+demo-train: build digits-cnn
+	target/release/host --config config/train-digits.yaml --loopback
+	target/release/host --config config/train-digits.yaml --monolithic --output results/train-digits-monolithic
+	$(PYTHON) -c 'import json; runs = [("split over loopback", "results/train-digits"), ("monolithic", "results/train-digits-monolithic")]; \
+	s = {name: json.load(open(d + "/summary.json")) for name, d in runs}; \
+	[print(f"{n:>20}: final test accuracy {v[\"final_test_accuracy\"]*100:.2f}%, median epoch {v[\"median_epoch_seconds\"]:.2f} s, median step {v[\"median_step_ms\"]:.1f} ms") for n, v in s.items()]; \
+	d = abs(s["split over loopback"]["final_test_accuracy"] - s["monolithic"]["final_test_accuracy"]) * 100; print(f"accuracy difference: {d:.2f} points")'
 
 # Development secrets for the secured demo (a CA, a server certificate for localhost, a
 # payload key, a token), written once into the git-ignored .dev-secrets/.

@@ -422,7 +422,7 @@ struct RawTrain {
     #[serde(default)]
     max_steps: Option<u64>,
     #[serde(default)]
-    write_bundle: Option<PathBuf>,
+    write_bundle: bool,
 }
 
 /// `train.data:`: safetensors files with tensors named like the bundle's inputs, plus the targets.
@@ -497,8 +497,9 @@ pub struct TrainConfig {
     pub resume: Option<String>,
     /// Stop after this many steps in all (the run's checkpoint is written there).
     pub max_steps: Option<u64>,
-    /// Write the trained weights into a new bundle here (loopback and monolithic runs).
-    pub write_bundle: Option<PathBuf>,
+    /// Write the trained weights into a new bundle, `<output>/bundle` (loopback and
+    /// monolithic runs, where both sides' checkpoints are on this machine).
+    pub write_bundle: bool,
 }
 
 fn one() -> i64 {

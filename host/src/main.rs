@@ -24,6 +24,9 @@ struct Cli {
     /// Output directory (overrides the config).
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Train the whole model in this process instead (a training config's reference run).
+    #[arg(long)]
+    monolithic: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -72,7 +75,7 @@ fn main() -> ExitCode {
         Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true),
         Some(Command::Verify { bundle, device, batch }) => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }),
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
-        None => run(cli.config.expect("clap requires --config or a subcommand"), RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output }),
+        None => run(cli.config.expect("clap requires --config or a subcommand"), RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output }, cli.monolithic),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -84,8 +87,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(path: PathBuf, opts: RunOptions) -> anyhow::Result<bool> {
-    let config = EdgeConfig::load(&path)?;
+fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool> {
+    let mut config = EdgeConfig::load(&path)?;
+    if monolithic {
+        let train = config.train.as_mut().ok_or_else(|| anyhow::anyhow!("--monolithic needs a training config (a `train:` section)"))?;
+        train.mode = cleave_common::config::TrainMode::Monolithic;
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     if config.train.is_some() {
         runtime.block_on(cleave_host::training::run(config, opts))?;

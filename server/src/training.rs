@@ -199,6 +199,19 @@ struct Opened {
     device: String,
 }
 
+/// Named tensors (boundary leaves, parameters).
+type Named = Vec<(String, Tensor)>;
+/// One gradient slot per tensor; `None` where the loss does not depend on it.
+type Grads = Vec<Option<Tensor>>;
+
+/// U-shaped: a step whose backward has not come yet.
+struct PendingStep {
+    /// The received boundary's floating-point leaves (their gradients go back).
+    inputs: Named,
+    /// The floating-point leaves of the boundary sent back (their gradients come in).
+    outputs: Named,
+}
+
 /// The state the session thread owns.
 struct Session {
     stages: TrainableStages,
@@ -206,8 +219,8 @@ struct Session {
     loss: Option<LossKind>,
     seed: u64,
     step: u64,
-    /// U-shaped: the step whose backward has not come yet (its input leaves and outputs).
-    pending: Option<(Vec<(String, Tensor)>, Vec<(String, Tensor)>)>,
+    /// U-shaped: the step whose backward has not come yet.
+    pending: Option<PendingStep>,
 }
 
 impl Session {
@@ -272,7 +285,7 @@ impl Session {
     /// A training forward. With the loss here: backward too, returning the gradient answer
     /// and the parameters' gradients (the step is finished after answering); U-shaped:
     /// keeps the graph pending and answers with the boundary at `end`.
-    fn forward(&mut self, input: Boundary, targets: Option<Tensor>) -> Result<(Answer, Option<Vec<Option<Tensor>>>), TrainError> {
+    fn forward(&mut self, input: Boundary, targets: Option<Tensor>) -> Result<(Answer, Option<Grads>), TrainError> {
         if self.pending.take().is_some() {
             return Err(TrainError::Invalid(format!(
                 "step {} is still waiting for its gradient (PHASE_BACKWARD); it is dropped, and this step refused",
@@ -285,7 +298,7 @@ impl Session {
             if targets.is_some() {
                 return Err(TrainError::Invalid("this session ends before the loss (U-shaped): targets stay on the edge".into()));
             }
-            self.pending = Some((leaves, cleave_common::training::float_leaves(&output)));
+            self.pending = Some(PendingStep { inputs: leaves, outputs: cleave_common::training::float_leaves(&output) });
             return Ok((Answer::Output(output.detached()), None));
         };
         let targets = targets.ok_or_else(|| {
@@ -301,8 +314,8 @@ impl Session {
         Ok((Answer::Gradients { loss: Some(value), grads: gradient_boundary(&leaves, leaf_grads) }, Some(param_grads)))
     }
 
-    fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Vec<Option<Tensor>>), TrainError> {
-        let (leaves, outputs) = self
+    fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Grads), TrainError> {
+        let PendingStep { inputs: leaves, outputs } = self
             .pending
             .take()
             .ok_or_else(|| TrainError::Invalid("a gradient arrived without a pending forward (PHASE_FORWARD comes first)".into()))?;
@@ -315,7 +328,7 @@ impl Session {
     }
 
     /// Gradients of `root` for the parameters and for the input leaves.
-    fn backward_from(&self, root: &Tensor, leaves: &[(String, Tensor)]) -> Result<(Vec<Option<Tensor>>, Vec<Option<Tensor>>), TrainError> {
+    fn backward_from(&self, root: &Tensor, leaves: &[(String, Tensor)]) -> Result<(Grads, Grads), TrainError> {
         let mut inputs = self.params();
         let n_params = inputs.len();
         inputs.extend(leaves.iter().map(|(_, t)| t.shallow_clone()));
@@ -324,7 +337,7 @@ impl Session {
         Ok((grads, leaf_grads))
     }
 
-    fn finish_step(&mut self, param_grads: Vec<Option<Tensor>>) {
+    fn finish_step(&mut self, param_grads: Grads) {
         self.optimizer.step(self.stages.parameters(), &param_grads);
         self.step += 1;
     }
@@ -436,6 +449,9 @@ async fn call(calls: &mpsc::Sender<CallJob>, call: Call) -> Result<(Answer, Dura
     Ok(rx.await.map_err(|_| RequestError::Unavailable)??)
 }
 
+/// A payload received whole: its call id, phase and data (not yet decoded).
+type Complete = (u64, Phase, Reassembly);
+
 /// The payload side of a stream: reassembly, decoding and encoding answers.
 struct CallStream {
     start: u32,
@@ -467,7 +483,7 @@ impl CallStream {
     }
 
     /// Adds a frame; a complete payload comes back with its phase (not yet decoded).
-    fn push(&mut self, frame: pb::TrainPayloadFrame) -> Result<Option<(u64, Phase, Reassembly)>, (u64, RequestError)> {
+    fn push(&mut self, frame: pb::TrainPayloadFrame) -> Result<Option<Complete>, (u64, RequestError)> {
         let id = frame.request_id;
         if self.skipping == Some(id) {
             if frame.last {

@@ -2,7 +2,8 @@
 
 use std::path::Path;
 
-use cleave_common::config::{EdgeConfig, InputSource, ServerConfig, SplitSpec};
+use cleave_common::config::{EdgeConfig, InputSource, ServerConfig, SplitSpec, TrainMode};
+use cleave_common::training::loss::LossKind;
 use cleave_common::{Bundle, DeviceSpec};
 use cleave_host::inputs::Inputs;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
@@ -110,8 +111,15 @@ fn every_example_config_parses() {
     assert!(server.security.policy.require_encryption && server.security.tls.is_some() && server.security.token.is_some());
     let demo = EdgeConfig::load(&config_dir().join("demo.yaml")).unwrap();
     assert_eq!(demo.split, SplitSpec::After("layer2".into()));
-    assert_eq!(demo.input, InputSource::Synthetic { seed: 0 });
+    assert_eq!(demo.input, Some(InputSource::Synthetic { seed: 0 }));
     assert_eq!(demo.device, DeviceSpec::Cpu);
+    let train = EdgeConfig::load(&config_dir().join("train-digits.yaml")).unwrap().train.expect("a training config");
+    assert_eq!(train.mode, TrainMode::Split);
+    assert_eq!(train.optimizer.kind(), "adam");
+    assert_eq!(train.loss, LossKind::CrossEntropy);
+    assert!(train.train_data.ends_with("bundles/digits-train.safetensors"));
+    let server = ServerConfig::load(&config_dir().join("server.yaml")).unwrap();
+    assert!(server.training.checkpoint_dir.is_some() && !server.training.concurrent_sessions);
 }
 
 #[test]
@@ -136,6 +144,27 @@ fn config_errors_name_the_file_and_the_key() {
     assert!(err.contains("`listen`") && err.contains("not an address"), "{err}");
     let p = write("limits.yaml", "listen: 127.0.0.1:0\nbundle: b\nlimits: {queue_depth: 0}\n");
     assert!(ServerConfig::load(&p).unwrap_err().to_string().contains("`limits.queue_depth`: must be positive"));
+
+    // Training sections.
+    let no_input = base.replace("input: {kind: synthetic}\n", "");
+    let train = "train:\n  data: {train: a, test: b}\n  epochs: 2\n  batch_size: 8\n  optimizer: {kind: sgd, lr: 0.1}\n  loss: cross-entropy\n";
+    let cases = [
+        ("neither.yaml", no_input.clone(), "give `input` (inference) or `train` (training)"),
+        ("both.yaml", format!("{base}{train}"), "give one"),
+        ("mode.yaml", format!("{no_input}{}", train.replace("train:\n", "train:\n  mode: federated\n")), "`train.mode`"),
+        ("tail.yaml", format!("{no_input}{}", train.replace("train:\n", "train:\n  mode: u-shaped\n")), "`train.tail`"),
+        ("lr.yaml", format!("{no_input}{}", train.replace("lr: 0.1", "lr: -1")), "`train.optimizer`: lr must be"),
+        ("loss.yaml", format!("{no_input}{}", train.replace("cross-entropy", "hinge")), "`train.loss`"),
+        ("optim.yaml", format!("{no_input}{}", train.replace("kind: sgd", "kind: lamb")), "unknown variant `lamb`"),
+        ("epochs.yaml", format!("{no_input}{}", train.replace("epochs: 2", "epochs: 0")), "`train.epochs`"),
+    ];
+    for (name, text, expected) in cases {
+        let err = EdgeConfig::load(&write(name, &text)).unwrap_err().to_string();
+        assert!(err.contains(name) && err.contains(expected), "{name}: {err}");
+    }
+    let p = write("training.yaml", "listen: 127.0.0.1:0\nbundle: b\ntraining: {concurrent_sessions: true, checkpoint_dir: ck}\n");
+    let training = ServerConfig::load(&p).unwrap().training;
+    assert!(training.concurrent_sessions && training.checkpoint_dir == Some(dir.path().join("ck")));
 }
 
 #[test]

@@ -35,7 +35,7 @@ struct Run<'a> {
     data: (PathBuf, PathBuf),
     max_steps: u64,
     resume: Option<String>,
-    write_bundle: Option<PathBuf>,
+    write_bundle: bool,
 }
 
 impl<'a> Run<'a> {
@@ -44,7 +44,7 @@ impl<'a> Run<'a> {
             "digits" => (test_file("digits-train.safetensors"), test_file("digits-test.safetensors")),
             _ => bn_dropout_data(),
         };
-        Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: None }
+        Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: false }
     }
 
     fn u_shaped(mut self, tail: usize) -> Self {
@@ -56,7 +56,7 @@ impl<'a> Run<'a> {
     /// Runs it (over a loopback server unless monolithic) with its output in `out`.
     fn train(&self, out: &Path) -> TrainingSummary {
         let tail = self.tail.map(|t| format!("  tail: {t}\n")).unwrap_or_default();
-        let write_bundle = self.write_bundle.as_ref().map(|p| format!("  write_bundle: {}\n", p.display())).unwrap_or_default();
+        let write_bundle = if self.write_bundle { "  write_bundle: true\n" } else { "" };
         let resume = self.resume.as_ref().map(|r| format!("  resume: {r}\n")).unwrap_or_default();
         let yaml = format!(
             "server: http://127.0.0.1:1\nbundle: {bundle}\nsplit: {split}\ndevice: cpu\noutput: {out}\nloopback: {{ device: cpu }}\n\
@@ -214,8 +214,8 @@ fn resuming_from_checkpoints_gives_the_uninterrupted_parameters() {
 fn trained_weights_written_back_serve_split_inference() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let written = tmp.path().join("trained-bundle");
-    Run { write_bundle: Some(written.clone()), ..Run::new("digits", "split", 7, SGD) }.train(&out);
+    let written = out.join(cleave_host::training::TRAINED_BUNDLE);
+    Run { write_bundle: true, ..Run::new("digits", "split", 7, SGD) }.train(&out);
     let original = Bundle::open(bundle_dir("digits")).unwrap();
     let trained = Bundle::open(&written).unwrap();
     assert_ne!(trained.id(), original.id());

@@ -40,6 +40,12 @@ pub use report::{EpochRecord, TrainingSummary};
 /// The host's checkpoint file inside a checkpoint directory (`checkpoints/step-N/`).
 pub const HOST_CHECKPOINT: &str = "host.safetensors";
 
+/// The trained bundle's directory in the output directory (`train.write_bundle: true`).
+pub const TRAINED_BUNDLE: &str = "bundle";
+
+/// Every step of a run: `step,epoch,step_ms,loss`.
+pub const STEPS_CSV: &str = "steps.csv";
+
 /// Where a run is in its data: the next batch to train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 struct Position {
@@ -62,7 +68,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
     if remote && split >= tail {
         anyhow::bail!("the server's stages [{split}, {tail}) are empty: the split must come before the {}", if tail == n { "output" } else { "tail" });
     }
-    if train.write_bundle.is_some() && remote && !opts.loopback {
+    if train.write_bundle && remote && !opts.loopback {
         anyhow::bail!(
             "`train.write_bundle` needs the server's checkpoint on this machine: use --loopback, or copy it here and run `host export-trained`"
         );
@@ -196,15 +202,21 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
         median_step_ms: report::median(&outcome.step_ms),
         total_steps: outcome.step,
         resumed_from_step: resumed,
-        epochs: outcome.epochs,
+        epochs: outcome.epochs.clone(),
     };
     report::write_all(&output, &summary)?;
-    if let Some(dir) = &train.write_bundle {
+    let mut log = String::from("step,epoch,step_ms,loss\n");
+    for (step, epoch, ms, loss) in &outcome.steps {
+        log.push_str(&format!("{step},{epoch},{ms},{loss}\n"));
+    }
+    std::fs::write(output.join(STEPS_CSV), log).with_context(|| format!("writing {}", output.join(STEPS_CSV).display()))?;
+    if train.write_bundle {
+        let dir = output.join(TRAINED_BUNDLE);
         let mut files = vec![outcome.last_checkpoint.join(HOST_CHECKPOINT)];
         if remote {
             files.push(server_checkpoints.join(format!("{}.safetensors", checkpoint_name(outcome.step))));
         }
-        let written = cleave_common::training::export::write_trained_bundle(&bundle, &files, dir)?;
+        let written = cleave_common::training::export::write_trained_bundle(&bundle, &files, &dir)?;
         println!("trained bundle written to {} (id {})", dir.display(), written.id());
     }
     println!(
@@ -254,6 +266,8 @@ fn optimizer_to_pb(o: &OptimizerConfig) -> pb::Optimizer {
 struct Outcome {
     epochs: Vec<EpochRecord>,
     step_ms: Vec<f64>,
+    /// (step, epoch, ms, loss) of every step.
+    steps: Vec<(u64, usize, f64, f64)>,
     step: u64,
     last_checkpoint: PathBuf,
 }
@@ -279,6 +293,7 @@ impl Trainer {
     fn run(mut self, train_set: &Dataset, test_set: &Dataset) -> anyhow::Result<Outcome> {
         let mut epochs = Vec::new();
         let mut step_ms = Vec::new();
+        let mut steps_log = Vec::new();
         let mut last_checkpoint = PathBuf::new();
         let batch = self.train.batch_size as usize;
         let start = self.position;
@@ -302,7 +317,9 @@ impl Trainer {
                 let (inputs, targets) = train_set.batch(rows);
                 let t0 = Instant::now();
                 let loss = self.step(inputs, targets).with_context(|| format!("training step {}", self.step + 1))?;
-                step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                step_ms.push(ms);
+                steps_log.push((self.step, epoch + 1, ms, loss));
                 loss_sum += loss * rows.len() as f64;
                 samples += rows.len();
                 steps += 1;
@@ -347,7 +364,7 @@ impl Trainer {
         if last_checkpoint.as_os_str().is_empty() {
             anyhow::bail!("no step was trained: the run was already at step {} (max_steps) or past its last epoch", self.step);
         }
-        Ok(Outcome { epochs, step_ms, step: self.step, last_checkpoint })
+        Ok(Outcome { epochs, step_ms, steps: steps_log, step: self.step, last_checkpoint })
     }
 
     /// One optimizer step on both sides; returns the loss.
