@@ -13,6 +13,7 @@ use cleave_common::config::{EdgeConfig, Limits, TrainingOptions};
 use cleave_common::pb::{self, train_frame, TrainFrame};
 use cleave_common::security::ServerSecurity;
 use cleave_common::training::TrainableStages;
+use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 use cleave_host::client::{connect, Link};
 use cleave_host::training::{checkpoint_name, checkpoint_state, TrainingSummary, HOST_CHECKPOINT};
@@ -230,8 +231,11 @@ fn trained_weights_written_back_serve_split_inference() {
     }
 }
 
+/// An open `Train` stream: the frames going out, the replies coming in.
+type TrainStream = (tokio::sync::mpsc::Sender<TrainFrame>, tonic::Streaming<pb::TrainReply>);
+
 /// Opens a training session on `url` and returns the first reply (opened, or the error).
-async fn open_session(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (tokio::sync::mpsc::Sender<TrainFrame>, pb::TrainReply) {
+async fn open_session(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (TrainStream, pb::TrainReply) {
     let (mut client, _) = connect(url, bundle, &Link::plain(8 << 20)).await.unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.unwrap();
@@ -239,9 +243,7 @@ async fn open_session(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (tok
     request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
     let mut replies = client.train(request).await.unwrap().into_inner();
     let first = replies.next().await.unwrap().unwrap();
-    // Keep the stream open while the caller holds the sender.
-    tokio::spawn(async move { while replies.next().await.is_some() {} });
-    (tx, first)
+    ((tx, replies), first)
 }
 
 fn open_digits(start: u32, end: u32, loss: &str) -> pb::OpenSession {
@@ -317,5 +319,85 @@ fn a_session_that_cannot_work_is_refused_with_the_reason() {
             let (code, message) = error_of(&reply);
             assert!(message.contains(expected), "{open:?}: {code:?} {message}");
         }
+    });
+}
+
+/// Sends one payload call and returns its reply frames (up to the last, or an error).
+async fn call(stream: &mut TrainStream, id: u64, phase: pb::Phase, meta: (u32, Direction), boundary: &cleave_common::Boundary) -> Vec<pb::TrainReply> {
+    let meta = PayloadMeta { request_id: id, split: meta.0, direction: meta.1 };
+    let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
+    let frame = pb::TrainPayloadFrame { request_id: id, phase: phase as i32, header: encoded.envelope, data: encoded.data, last: true };
+    stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.unwrap();
+    let mut replies = Vec::new();
+    loop {
+        let reply = stream.1.next().await.unwrap().unwrap();
+        let last = reply.last;
+        assert_eq!(reply.request_id, id);
+        replies.push(reply);
+        if last {
+            return replies;
+        }
+    }
+}
+
+#[test]
+fn a_misused_call_gets_its_error_and_the_session_goes_on() {
+    use cleave_common::{Boundary, Value};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let at_cut7 = |with_targets: Option<&[i64]>| {
+        let mut values = vec![("features_6".to_string(), Value::Tensor(Tensor::ones([2, 32, 4, 4], (Kind::Float, tch::Device::Cpu))))];
+        if let Some(t) = with_targets {
+            values.push((cleave_common::training::TARGETS_VALUE.to_string(), Value::Tensor(Tensor::from_slice(t))));
+        }
+        Boundary { values }
+    };
+    let message = |replies: &[pb::TrainReply]| error_of(replies.last().unwrap()).1;
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let forward = (7, Direction::Request);
+        let replies = call(&mut stream, 1, pb::Phase::Forward, forward, &at_cut7(None)).await;
+        assert!(message(&replies).contains("@targets"), "{}", message(&replies));
+        let replies = call(&mut stream, 2, pb::Phase::Forward, forward, &at_cut7(Some(&[3, 10]))).await;
+        assert!(message(&replies).contains("class indices must be in 0..10"), "{}", message(&replies));
+        let grads = Boundary { values: vec![("classifier_4".into(), Value::Tensor(Tensor::ones([2, 10], (Kind::Float, tch::Device::Cpu))))] };
+        let replies = call(&mut stream, 3, pb::Phase::Backward, (12, Direction::Gradient), &grads).await;
+        assert!(message(&replies).contains("without a pending forward"), "{}", message(&replies));
+        let replies = call(&mut stream, 4, pb::Phase::Forward, (5, Direction::Request), &at_cut7(Some(&[3, 4]))).await;
+        assert!(message(&replies).contains("expects cut 7"), "{}", message(&replies));
+        // The session is still open: a valid step gets the loss and the boundary's gradient.
+        let replies = call(&mut stream, 5, pb::Phase::Forward, forward, &at_cut7(Some(&[3, 4]))).await;
+        let last = replies.last().unwrap();
+        assert!(last.error.is_none(), "{last:?}");
+        assert!(last.loss.is_some_and(|l| l.is_finite() && l > 0.0), "{last:?}");
+        let save = |id: u64, name: &str| TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.into() })) };
+        stream.0.send(save(6, "../elsewhere")).await.unwrap();
+        let reply = stream.1.next().await.unwrap().unwrap();
+        let (_, text) = error_of(&reply);
+        assert!(text.contains("no checkpoint directory") || text.contains("checkpoint name"), "{text}");
+    });
+}
+
+#[test]
+fn checkpoint_names_are_file_names() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let options = TrainingOptions { checkpoint_dir: Some(dir.path().to_path_buf()), concurrent_sessions: false };
+    runtime().block_on(async {
+        let server = LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let (mut stream, _) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        for (id, name) in [(1, "../elsewhere"), (2, ".hidden"), (3, "a/b"), (4, "")] {
+            stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.into() })) }).await.unwrap();
+            let reply = stream.1.next().await.unwrap().unwrap();
+            let (code, text) = error_of(&reply);
+            assert_eq!(code, tonic::Code::InvalidArgument, "{name}: {text}");
+            assert!(text.contains("checkpoint name"), "{name}: {text}");
+        }
+        stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: 5, name: "ok-1".into() })) }).await.unwrap();
+        let reply = stream.1.next().await.unwrap().unwrap();
+        assert_eq!(reply.saved.map(|s| s.step), Some(0), "{:?}", reply.error);
+        assert!(dir.path().join("ok-1.safetensors").is_file());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "nothing written outside the name");
     });
 }
