@@ -58,6 +58,11 @@ impl<'a> Run<'a> {
 
     /// Runs it (over a loopback server unless monolithic) with its output in `out`.
     fn train(&self, out: &Path) -> TrainingSummary {
+        self.try_train(out, |yaml| yaml).unwrap_or_else(|e| panic!("{} {}: {e:#}", self.bundle, self.mode))
+    }
+
+    /// Runs it with its config text passed through `edit` first.
+    fn try_train(&self, out: &Path, edit: impl FnOnce(String) -> String) -> anyhow::Result<TrainingSummary> {
         let tail = self.tail.map(|t| format!("  tail: {t}\n")).unwrap_or_default();
         let write_bundle = if self.write_bundle { "  write_bundle: true\n" } else { "" };
         let resume = self.resume.as_ref().map(|r| format!("  resume: {r}\n")).unwrap_or_default();
@@ -77,10 +82,10 @@ impl<'a> Run<'a> {
         );
         std::fs::create_dir_all(out).unwrap();
         let path = out.join("edge.yaml");
-        std::fs::write(&path, yaml).unwrap();
-        let config = EdgeConfig::load(&path).unwrap();
+        std::fs::write(&path, edit(yaml)).unwrap();
+        let config = EdgeConfig::load(&path)?;
         let opts = RunOptions { loopback: self.mode != "monolithic", split: None, output: None };
-        runtime().block_on(cleave_host::training::run(config, opts)).unwrap_or_else(|e| panic!("{} {}: {e:#}", self.bundle, self.mode))
+        runtime().block_on(cleave_host::training::run(config, opts))
     }
 }
 
@@ -405,4 +410,25 @@ fn checkpoint_names_are_file_names() {
         assert!(dir.path().join("ok-1.safetensors").is_file());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "nothing written outside the name");
     });
+}
+
+#[test]
+fn a_run_that_cannot_work_stops_before_training_and_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let split = Run::new("digits", "split", 7, SGD);
+    let cases: Vec<(&str, Box<dyn Fn(String) -> String>, &str)> = vec![
+        ("targets", Box::new(|y: String| y.replace("targets: label", "targets: labels")), "no tensor \"labels\""),
+        ("batch", Box::new(|y: String| y.replace("batch_size: 16\n  eval", "batch_size: 32\n  eval")), "above the bundle's largest batch 16"),
+        ("resume", Box::new(|y: String| format!("{y}  resume: step-5\n")), "step-5/host.safetensors"),
+        ("split", Box::new(|y: String| y.replace("split: 7", "split: 12")), "are empty"),
+    ];
+    for (name, edit, expected) in cases {
+        let err = split.try_train(&tmp.path().join(name), edit).map(|_| ()).unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains(expected), "{name}: {text}");
+        assert!(!tmp.path().join(name).join("checkpoints").exists(), "{name}: nothing trained, nothing written");
+    }
+    let u = Run::new("digits", "split", 7, SGD).u_shaped(7);
+    let text = format!("{:#}", u.try_train(&tmp.path().join("u"), |y| y).map(|_| ()).unwrap_err());
+    assert!(text.contains("[7, 7) are empty"), "{text}");
 }
