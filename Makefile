@@ -97,8 +97,8 @@ demo-train: build digits-cnn
 	target/release/host --config config/train-digits.yaml --monolithic --output results/train-digits-monolithic
 	$(PYTHON) -c 'import json; runs = [("split over loopback", "results/train-digits"), ("monolithic", "results/train-digits-monolithic")]; \
 	s = {name: json.load(open(d + "/summary.json")) for name, d in runs}; \
-	[print(f"{n:>20}: final test accuracy {v[\"final_test_accuracy\"]*100:.2f}%, median epoch {v[\"median_epoch_seconds\"]:.2f} s, median step {v[\"median_step_ms\"]:.1f} ms") for n, v in s.items()]; \
-	d = abs(s["split over loopback"]["final_test_accuracy"] - s["monolithic"]["final_test_accuracy"]) * 100; print(f"accuracy difference: {d:.2f} points")'
+	[print("%20s: final test accuracy %.2f%%, median epoch %.3f s, median step %.2f ms" % (n, v["final_test_accuracy"] * 100, v["median_epoch_seconds"], v["median_step_ms"])) for n, v in s.items()]; \
+	print("accuracy difference: %.2f points" % (abs(s["split over loopback"]["final_test_accuracy"] - s["monolithic"]["final_test_accuracy"]) * 100))'
 
 # Development secrets for the secured demo (a CA, a server certificate for localhost, a
 # payload key, a token), written once into the git-ignored .dev-secrets/.
