@@ -7,6 +7,7 @@
 //! - [`training`]: stages in training mode, optimizers, losses, checkpoints (split training).
 //! - [`config`]: `server.yaml` and `edge.yaml`, raw then validated.
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
+//! - [`planner`]: predicted latency and throughput of every cut from profiles; the best cut.
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`tables`]: the tables printed for people (split points, verification runs).
 //! - [`wire`]: boundaries to and from `cleave-codec` payloads, and payloads in frames.
@@ -18,6 +19,7 @@ pub mod bundle;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod planner;
 pub mod security;
 pub mod spec;
 pub mod stages;
