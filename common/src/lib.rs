@@ -7,6 +7,7 @@
 //! - [`training`]: stages in training mode, optimizers, losses, checkpoints (split training).
 //! - [`config`]: `server.yaml` and `edge.yaml`, raw then validated.
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
+//! - [`graph`]: the stage graph as Graphviz DOT, folded to module level, the chosen cut marked.
 //! - [`planner`]: predicted latency and throughput of every cut from profiles; the best cut.
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`tables`]: the tables printed for people (split points, verification runs).
@@ -19,6 +20,7 @@ pub mod bundle;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod graph;
 pub mod planner;
 pub mod security;
 pub mod spec;

@@ -4,6 +4,7 @@
 //!   the boundaries to the server, write predictions, metrics and a summary.
 //! - `client`: the streaming client (prefix thread, in-flight window, reassembly).
 //! - `inputs`, `images`: synthetic tensors, tensor files (.safetensors, .npz, .npy) or images.
+//! - `pictures`: plots of a run (latency breakdown per cut, latency CDF, predicted against measured).
 //! - `report`: `predictions.jsonl`, `metrics.csv`, `summary.json` and the printed table.
 //! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
 //!   U-shaped or monolithic training, evaluation, checkpoints, report files.
@@ -12,6 +13,7 @@
 pub mod client;
 pub mod images;
 pub mod inputs;
+pub mod pictures;
 pub mod report;
 pub mod training;
 

@@ -1,0 +1,1 @@
+//! The bundle's stage graph as Graphviz DOT (to be written).
