@@ -24,6 +24,18 @@ pub enum Objective {
     Throughput,
 }
 
+impl std::str::FromStr for Objective {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "latency" => Ok(Self::Latency),
+            "throughput" => Ok(Self::Throughput),
+            other => Err(format!("{other:?} is not an objective (latency, throughput)")),
+        }
+    }
+}
+
 /// The link between the edge and the server.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Link {
@@ -145,13 +157,14 @@ impl Profiles {
 
     fn predict_cut(&self, cut: usize) -> CutPrediction {
         let n = self.stage_count();
-        let edge_ms: f64 = self.edge_stage_ms[..cut].iter().sum();
+        // fold, not sum: an empty f64 sum is -0.0.
+        let edge_ms = self.edge_stage_ms[..cut].iter().fold(0.0, |a, b| a + b);
         let remote = cut < n;
         let (up, down) = if remote { (self.cut_wire_bytes[cut], self.result_wire_bytes) } else { (0, 0) };
         let codec_ms = (up + down) as f64 / (1u64 << 20) as f64 * self.codec_ms_per_mib;
         let upload_ms = self.link.transfer_ms(up);
         let download_ms = self.link.transfer_ms(down);
-        let server_ms: f64 = self.server_stage_ms[cut..].iter().sum();
+        let server_ms = self.server_stage_ms[cut..].iter().fold(0.0, |a, b| a + b);
         let rtt_ms = if remote { self.link.rtt_ms } else { 0.0 };
         let latency_ms = edge_ms + codec_ms + upload_ms + rtt_ms + server_ms + download_ms;
         // Pipelined, the edge's compute and codec share its processor; the link carries

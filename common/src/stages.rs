@@ -175,6 +175,42 @@ impl LoadedStages {
         Ok(output)
     }
 
+    /// Times every loaded stage on `input` (the boundary at the first loaded cut): one
+    /// warm-up pass, then `repeats` timed passes; returns each stage's median milliseconds.
+    /// `at_cut(k, boundary)` sees the boundary at every cut of the first timed pass (the
+    /// planner measures their size after the codec there). CUDA work is synchronised before
+    /// each clock reading.
+    pub fn profile(&self, input: &Boundary, repeats: usize, mut at_cut: impl FnMut(usize, &Boundary)) -> Result<Vec<f64>> {
+        let sync = || {
+            if let tch::Device::Cuda(i) = self.device {
+                tch::Cuda::synchronize(i as i64);
+            }
+        };
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); self.range.len()];
+        for pass in 0..=repeats.max(1) {
+            let mut boundary = input.shallow_clone();
+            if pass == 1 {
+                at_cut(self.range.start, &boundary);
+            }
+            for (i, stage) in (self.range.start..self.range.end).enumerate() {
+                sync();
+                let started = Instant::now();
+                boundary = self.run(StageRange::new(stage, stage + 1), &boundary)?;
+                sync();
+                if pass > 0 {
+                    times[i].push(started.elapsed().as_secs_f64() * 1e3);
+                }
+                if pass == 1 {
+                    at_cut(stage + 1, &boundary);
+                }
+            }
+        }
+        Ok(times.into_iter().map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        }).collect())
+    }
+
     /// The loaded modules, in stage order.
     pub(crate) fn modules(&self) -> &[CModule] {
         &self.modules

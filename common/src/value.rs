@@ -245,6 +245,25 @@ fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, batch: &mut Option<i6
     Ok(())
 }
 
+/// Random inputs shaped like `specs` at `batch` (floats from a normal, integers 0, booleans
+/// false): enough to time a model whose cost does not depend on the values.
+pub fn synthetic_inputs(specs: &[crate::spec::NamedSpec], batch: i64) -> Result<Boundary> {
+    let values = specs
+        .iter()
+        .map(|named| {
+            let ValueSpec::Tensor(spec) = &named.spec else {
+                return Err(BundleError::UnsupportedValue { path: named.name.clone(), kind: "a non-tensor input".into() });
+            };
+            let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(batch).unwrap_or(1)).collect();
+            let options = (spec.dtype.kind(), tch::Device::Cpu);
+            let float = matches!(spec.dtype.kind(), tch::Kind::Float | tch::Kind::Double | tch::Kind::Half | tch::Kind::BFloat16);
+            let t = if float { Tensor::randn(shape.as_slice(), options) } else { Tensor::zeros(shape.as_slice(), options) };
+            Ok((named.name.clone(), Value::Tensor(t)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Boundary { values })
+}
+
 /// The named values live at one cut, in the manifest's order.
 #[derive(Debug)]
 pub struct Boundary {

@@ -5,6 +5,7 @@
 //! - `client`: the streaming client (prefix thread, in-flight window, reassembly).
 //! - `inputs`, `images`: synthetic tensors, tensor files (.safetensors, .npz, .npy) or images.
 //! - `pictures`: plots of a run (latency breakdown per cut, latency CDF, predicted against measured).
+//! - [`planning`]: `host plan`: edge, server and link profiles, the predicted latency of every cut.
 //! - `report`: `predictions.jsonl`, `metrics.csv`, `summary.json` and the printed table.
 //! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
 //!   U-shaped or monolithic training, evaluation, checkpoints, report files.
@@ -14,6 +15,7 @@ pub mod client;
 pub mod images;
 pub mod inputs;
 pub mod pictures;
+pub mod planning;
 pub mod report;
 pub mod training;
 

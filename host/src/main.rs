@@ -51,6 +51,27 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         batch: Vec<i64>,
     },
+    /// Profile the edge, the server and the link, and predict every cut's latency and throughput.
+    Plan {
+        /// edge.yaml (bundle, device, batch size, codec, server).
+        #[arg(long)]
+        config: PathBuf,
+        /// Start the server in this process on 127.0.0.1 and use it.
+        #[arg(long)]
+        loopback: bool,
+        /// latency or throughput.
+        #[arg(long, default_value = "latency")]
+        objective: cleave_common::planner::Objective,
+        /// Timed passes per profile.
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Also run this many requests at every usable cut and show the measured median.
+        #[arg(long, default_value_t = 0)]
+        measure: u64,
+        /// Where plan.json goes (default: the config's output directory).
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
     /// Write a copy of a bundle with the trained weights of checkpoints (the host's and the
     /// server's `step-N` files), ready for split inference.
     ExportTrained {
@@ -74,6 +95,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true),
         Some(Command::Verify { bundle, device, batch }) => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }),
+        Some(Command::Plan { config, loopback, objective, repeats, measure, output }) => plan(config, cleave_host::planning::PlanOptions { loopback, objective, repeats, measure, output }),
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         None => run(cli.config.expect("clap requires --config or a subcommand"), RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output }, cli.monolithic),
     };
@@ -100,6 +122,12 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
     }
     let summary = runtime.block_on(cleave_host::run(config, opts))?;
     Ok(summary.errors == 0)
+}
+
+fn plan(path: PathBuf, opts: cleave_host::planning::PlanOptions) -> anyhow::Result<bool> {
+    let config = EdgeConfig::load(&path)?;
+    tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
+    Ok(true)
 }
 
 fn export_trained(bundle: &std::path::Path, checkpoints: &[PathBuf], out: &std::path::Path) -> anyhow::Result<bool> {

@@ -21,7 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Code, Request, Response, Status, Streaming};
 
-use crate::worker::{Job, JobResult};
+use crate::worker::{Job, JobResult, ProfileJob, Work};
 
 /// Protocol version of `cleave.v1`.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -91,7 +91,7 @@ pub(crate) struct Service {
     pub(crate) device: String,
     pub(crate) limits: cleave_common::config::Limits,
     pub(crate) security: Arc<ServerSecurity>,
-    pub(crate) worker: mpsc::Sender<Job>,
+    pub(crate) worker: mpsc::Sender<Work>,
     /// The device training sessions load their stages on.
     pub(crate) device_spec: DeviceSpec,
     pub(crate) training: crate::training::Training,
@@ -136,6 +136,35 @@ impl SplitInference for Service {
         Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
     }
 
+    async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
+        let r = request.into_inner();
+        let batch = self.bundle.manifest().batch;
+        let size = i64::from(r.batch_size);
+        if size < batch.min || size > batch.max {
+            return Err(Status::invalid_argument(format!("batch size {size} is outside the bundle's range {}..={}", batch.min, batch.max)));
+        }
+        // A profile holds the compute worker: keep it short.
+        let repeats = match r.repeats {
+            0 => 5,
+            n if n > 50 => return Err(Status::invalid_argument(format!("{n} repeats: at most 50"))),
+            n => n as usize,
+        };
+        let (tx, rx) = oneshot::channel();
+        self.worker.send(Work::Profile(ProfileJob { batch: size, repeats, reply: tx })).await.map_err(|_| Status::unavailable("the server is shutting down"))?;
+        let stage_ms = rx.await.map_err(|_| Status::unavailable("the server is shutting down"))?.map_err(|e| Status::internal(format!("profile: {e}")))?;
+        Ok(Response::new(pb::ProfileReply { device: self.device.clone(), batch_size: r.batch_size, stage_ms }))
+    }
+
+    async fn echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
+        let r = request.into_inner();
+        // The reply must fit in one message, and a caller must not make the server allocate more.
+        let cap = self.limits.max_message_bytes.saturating_sub(1024);
+        if r.reply_bytes > cap {
+            return Err(Status::invalid_argument(format!("reply_bytes {} is above {cap} (the server's message limit less framing)", r.reply_bytes)));
+        }
+        Ok(Response::new(pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) }))
+    }
+
     type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
 
     async fn train(&self, request: Request<Streaming<pb::TrainFrame>>) -> Result<Response<Self::TrainStream>, Status> {
@@ -158,7 +187,7 @@ struct StreamContext {
     stage_count: usize,
     /// Shared with the blocking pool, where payloads are opened and decoded.
     receiver: Arc<Mutex<PayloadReceiver>>,
-    worker: mpsc::Sender<Job>,
+    worker: mpsc::Sender<Work>,
 }
 
 impl Service {
@@ -272,7 +301,7 @@ async fn read_requests(mut inbound: Streaming<InferFrame>, ctx: StreamContext, p
                 (codec, key_id) = (r.codec, r.key_id);
                 let (job_tx, job_rx) = oneshot::channel();
                 let job = Job { split: r.split as usize, input: r.boundary, queued_at: Instant::now(), reply: job_tx };
-                if ctx.worker.send(job).await.is_err() {
+                if ctx.worker.send(Work::Run(job)).await.is_err() {
                     let _ = tx.send(Err(RequestError::Unavailable));
                 } else {
                     tokio::spawn(async move {

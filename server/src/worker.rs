@@ -31,19 +31,42 @@ pub(crate) struct JobResult {
     pub(crate) compute: Duration,
 }
 
+/// Times every stage at a batch size (the planner's server profile).
+pub(crate) struct ProfileJob {
+    pub(crate) batch: i64,
+    pub(crate) repeats: usize,
+    pub(crate) reply: oneshot::Sender<Result<Vec<f64>, BundleError>>,
+}
+
+/// What the worker does.
+pub(crate) enum Work {
+    /// Run a suffix.
+    Run(Job),
+    /// Time the stages (between requests, so the times are not inflated by other work).
+    Profile(ProfileJob),
+}
+
 /// Starts the worker thread; it ends when every sender is dropped.
-pub(crate) fn spawn(stages: LoadedStages, depth: usize) -> mpsc::Sender<Job> {
-    let (tx, mut rx) = mpsc::channel::<Job>(depth);
+pub(crate) fn spawn(stages: LoadedStages, depth: usize) -> mpsc::Sender<Work> {
+    let (tx, mut rx) = mpsc::channel::<Work>(depth);
     std::thread::Builder::new()
         .name("cleave-compute".into())
         .spawn(move || {
             let n = stages.bundle().stage_count();
-            while let Some(job) = rx.blocking_recv() {
-                let started = Instant::now();
-                let queue = started.duration_since(job.queued_at);
-                let output = stages.run(StageRange::new(job.split, n), &job.input);
-                // The receiver may be gone (its stream ended); the result is then dropped.
-                let _ = job.reply.send(JobResult { output, queue, compute: started.elapsed() });
+            while let Some(work) = rx.blocking_recv() {
+                match work {
+                    Work::Run(job) => {
+                        let started = Instant::now();
+                        let queue = started.duration_since(job.queued_at);
+                        let output = stages.run(StageRange::new(job.split, n), &job.input);
+                        // The receiver may be gone (its stream ended); the result is then dropped.
+                        let _ = job.reply.send(JobResult { output, queue, compute: started.elapsed() });
+                    }
+                    Work::Profile(job) => {
+                        let inputs = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, job.batch);
+                        let _ = job.reply.send(inputs.and_then(|input| stages.profile(&input, job.repeats, |_, _| {})));
+                    }
+                }
             }
         })
         .expect("spawn the compute thread");

@@ -1,0 +1,62 @@
+//! `host plan` end to end: profiles from a real server over loopback, a prediction for every
+//! cut, a usable best cut, and measured latencies beside the predictions.
+
+use cleave_common::config::EdgeConfig;
+use cleave_common::planner::Objective;
+use cleave_host::planning::{plan, PlanOptions};
+use cleave_tests::bundle_dir;
+
+#[test]
+fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("edge.yaml");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ncodec: shuffle+lz4\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("digits").display(),
+        dir.path().join("out").display()
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let config = EdgeConfig::load(&config).unwrap();
+    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats: 2, measure: 2, output: None };
+    let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap();
+    let n = report.profiles.stage_count();
+    assert_eq!(n, 12);
+    assert_eq!((report.predictions.len(), report.profiles.server_stage_ms.len()), (n + 1, n));
+    assert!(report.profiles.edge_stage_ms.iter().chain(&report.profiles.server_stage_ms).all(|&t| t.is_finite() && t >= 0.0));
+    assert!(report.profiles.link.bytes_per_s > 0.0 && report.profiles.link.rtt_ms > 0.0);
+    // Every boundary was encoded: the input of 4 digits (4 x 64 floats) is at least its header away from empty.
+    assert!(report.profiles.cut_wire_bytes.iter().all(|&b| b > 0), "{:?}", report.profiles.cut_wire_bytes);
+    let best = report.best.expect("a best cut");
+    assert!(report.predictions[best].usable);
+    let min = report.predictions.iter().filter(|p| p.usable).map(|p| p.latency_ms).fold(f64::INFINITY, f64::min);
+    assert_eq!(report.predictions[best].latency_ms, min);
+    // Measured at every usable cut.
+    for p in report.predictions.iter().filter(|p| p.usable) {
+        assert!(report.measured_ms[p.cut].is_some_and(|m| m > 0.0), "cut {}", p.cut);
+    }
+    assert!(dir.path().join("out/plan.json").is_file());
+}
+
+#[test]
+fn profile_and_echo_refuse_what_they_cannot_do() {
+    use cleave_common::config::Limits;
+    use cleave_common::pb;
+    use cleave_common::{Bundle, DeviceSpec};
+    use cleave_host::client::{connect, Link};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let server = cleave_host::LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let (mut client, _) = connect(&server.url, &bundle, &Link::plain(16 << 20)).await.unwrap();
+        let err = client.profile(pb::ProfileRequest { batch_size: 17, repeats: 1 }).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("outside the bundle's range 1..=16"), "{}", err.message());
+        let err = client.profile(pb::ProfileRequest { batch_size: 2, repeats: 1000 }).await.unwrap_err();
+        assert!(err.message().contains("at most 50"), "{}", err.message());
+        let ok = client.profile(pb::ProfileRequest { batch_size: 2, repeats: 1 }).await.unwrap().into_inner();
+        assert_eq!(ok.stage_ms.len(), bundle.stage_count());
+        let err = client.echo(pb::EchoRequest { payload: Default::default(), reply_bytes: 1 << 40 }).await.unwrap_err();
+        assert!(err.message().contains("message limit"), "{}", err.message());
+        let back = client.echo(pb::EchoRequest { payload: vec![1u8; 1000].into(), reply_bytes: 5000 }).await.unwrap().into_inner();
+        assert_eq!(back.payload.len(), 5000);
+    });
+}
