@@ -23,6 +23,9 @@ use crate::client::{check_server_accepts, connect, stream_requests, Client, Link
 use crate::inputs::Inputs;
 use crate::report::Percentiles;
 
+/// The plot of predicted against measured latency (`--measure`).
+pub const PREDICTED_VS_MEASURED: &str = "predicted_vs_measured.svg";
+
 /// What `host plan` does.
 #[derive(Debug, Clone)]
 pub struct PlanOptions {
@@ -123,7 +126,20 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> anyhow::Result<PlanR
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     std::fs::create_dir_all(&output)?;
     std::fs::write(output.join("plan.json"), serde_json::to_string_pretty(&report)? + "\n")?;
-    println!("plan written to {}", output.join("plan.json").display());
+    let (dot, svg) = cleave_common::graph::write_stage_graph(&bundle, report.best, &output)?;
+    let measured: Vec<(usize, f64, f64)> =
+        report.predictions.iter().filter_map(|p| report.measured_ms[p.cut].map(|m| (p.cut, p.latency_ms, m))).collect();
+    if !measured.is_empty() {
+        let title = format!("{}: predicted and measured latency per cut", bundle.manifest().model.source);
+        crate::pictures::plot_predicted_vs_measured(&output.join(PREDICTED_VS_MEASURED), &title, &measured)?;
+    }
+    println!(
+        "plan written to {} (and {}{}{})",
+        output.join("plan.json").display(),
+        dot.display(),
+        svg.map_or(String::new(), |s| format!(", {}", s.display())),
+        if measured.is_empty() { String::new() } else { format!(", {}", output.join(PREDICTED_VS_MEASURED).display()) }
+    );
     Ok(report)
 }
 

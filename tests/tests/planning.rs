@@ -35,6 +35,10 @@ fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
         assert!(report.measured_ms[p.cut].is_some_and(|m| m > 0.0), "cut {}", p.cut);
     }
     assert!(dir.path().join("out/plan.json").is_file());
+    let dot = std::fs::read_to_string(dir.path().join("out").join(cleave_common::graph::STAGE_GRAPH_DOT)).unwrap();
+    assert_eq!(dot.matches("split here").count(), 1, "the chosen cut is marked once");
+    let svg = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::PREDICTED_VS_MEASURED)).unwrap();
+    assert!(svg.contains("<polyline"));
 }
 
 #[test]
