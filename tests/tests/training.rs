@@ -416,7 +416,8 @@ fn checkpoint_names_are_file_names() {
 fn a_run_that_cannot_work_stops_before_training_and_says_why() {
     let tmp = tempfile::tempdir().unwrap();
     let split = Run::new("digits", "split", 7, SGD);
-    let cases: Vec<(&str, Box<dyn Fn(String) -> String>, &str)> = vec![
+    type Edit = Box<dyn Fn(String) -> String>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         ("targets", Box::new(|y: String| y.replace("targets: label", "targets: labels")), "no tensor \"labels\""),
         ("batch", Box::new(|y: String| y.replace("batch_size: 16\n  eval", "batch_size: 32\n  eval")), "above the bundle's largest batch 16"),
         ("resume", Box::new(|y: String| format!("{y}  resume: step-5\n")), "step-5/host.safetensors"),
