@@ -287,6 +287,7 @@ impl Bundle {
         let n = self.stage_count();
         let invalid = |reason: String| BundleError::InvalidSplit { spec: spec.to_string(), reason };
         let cut = match spec {
+            SplitSpec::Auto => return Err(invalid("auto is chosen by the planner from measured profiles (`host --config` plans it at start-up)".into())),
             SplitSpec::Cut(i) if *i <= n => *i,
             SplitSpec::Cut(i) => return Err(invalid(format!("cut {i} is out of range: the bundle has cuts 0..={n}"))),
             SplitSpec::After(path) => {

@@ -305,6 +305,9 @@ fn validate_limits(l: &Limits) -> Result<(), (&'static str, String)> {
 /// Where the host splits the model.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SplitSpec {
+    /// `auto`: the planner picks the cut from measured profiles and moves it as the
+    /// measured bandwidth changes.
+    Auto,
     /// A cut index.
     Cut(usize),
     /// The cut after the stage with this name or module path.
@@ -316,6 +319,7 @@ pub enum SplitSpec {
 impl std::fmt::Display for SplitSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Self::Auto => write!(f, "auto"),
             Self::Cut(i) => write!(f, "{i}"),
             Self::After(path) => write!(f, "after:{path}"),
             Self::CostPercent(p) => write!(f, "{p}%"),
@@ -328,6 +332,9 @@ impl std::str::FromStr for SplitSpec {
 
     fn from_str(s: &str) -> Result<Self, String> {
         let s = s.trim();
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
         if let Some(path) = s.strip_prefix("after:") {
             return Ok(Self::After(path.to_string()));
         }
@@ -337,7 +344,7 @@ impl std::str::FromStr for SplitSpec {
                 _ => Err(format!("{s:?}: a percentage must be between 0% and 100%")),
             };
         }
-        s.parse().map(Self::Cut).map_err(|_| format!("{s:?} is not a cut index, after:<module path> or a percentage like 40%"))
+        s.parse().map(Self::Cut).map_err(|_| format!("{s:?} is not a cut index, after:<module path>, a percentage like 40% or auto"))
     }
 }
 
@@ -371,6 +378,8 @@ struct RawEdgeConfig {
     server: String,
     bundle: PathBuf,
     split: serde_yaml::Value,
+    #[serde(default)]
+    objective: Option<String>,
     #[serde(default = "auto")]
     device: String,
     #[serde(default = "one")]
@@ -563,6 +572,8 @@ pub struct EdgeConfig {
     pub security: EdgeSecurity,
     /// Training instead of inference.
     pub train: Option<TrainConfig>,
+    /// What `split: auto` optimises (`objective:`, default latency).
+    pub objective: crate::planner::Objective,
 }
 
 impl EdgeConfig {
@@ -597,6 +608,7 @@ impl EdgeConfig {
         let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
         let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
         let split = split_spec(&raw.split).map_err(|e| invalid("split", e))?;
+        let objective = raw.objective.as_deref().unwrap_or("latency").parse().map_err(|e| invalid("objective", e))?;
         let device = raw.device.parse().map_err(|e: crate::BundleError| invalid("device", e.to_string()))?;
         if !raw.server.starts_with("http://") && !raw.server.starts_with("https://") {
             return Err(invalid("server", format!("{:?}: expected a URL like http://gpu-host:50051", raw.server)));
@@ -636,6 +648,7 @@ impl EdgeConfig {
             in_flight: raw.in_flight,
             input,
             train,
+            objective,
             output: raw.output,
             top_k: raw.top_k,
             loopback_device,

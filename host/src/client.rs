@@ -4,6 +4,7 @@
 //! the server).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -41,6 +42,9 @@ pub struct StreamPlan {
     pub codec: Codec,
     /// The key payloads are sealed with, if any.
     pub key: Option<(u32, cleave_common::wire::Key)>,
+    /// `split: auto`: each request reads its split here when its prefix starts (the planner
+    /// moves it between requests); the edge then holds every stage. `None`: always `split`.
+    pub split_source: Option<Arc<AtomicUsize>>,
 }
 
 /// The server's own timings for one request, in milliseconds.
@@ -66,6 +70,8 @@ impl ServerTimes {
 /// Measurements of one request.
 #[derive(Debug, Clone, Default)]
 pub struct RequestMetrics {
+    /// The cut this request was split at.
+    pub split: usize,
     /// Running stages [0, split).
     pub prefix_ms: f64,
     /// Encoding the boundary.
@@ -310,19 +316,22 @@ fn produce(
     frames: mpsc::Sender<InferFrame>,
     sent: Arc<Mutex<HashMap<u64, Sent>>>,
 ) -> anyhow::Result<()> {
-    let prefix = StageRange::prefix(plan.split);
-    let stages = LoadedStages::load(&plan.bundle, prefix, plan.device)?;
+    // A split that may move needs every stage on the edge.
+    let loaded = if plan.split_source.is_some() { StageRange::all(&plan.bundle) } else { StageRange::prefix(plan.split) };
+    let stages = LoadedStages::load(&plan.bundle, loaded, plan.device)?;
     for id in 0..plan.requests {
         if tokens.recv().is_err() {
             break; // The result side stopped: no more requests.
         }
+        let split = plan.split_source.as_ref().map_or(plan.split, |s| s.load(Ordering::Relaxed));
+        let prefix = StageRange::prefix(split);
         let started = Instant::now();
         let input = plan.inputs.batch(id);
         let t = Instant::now();
         let boundary = stages.run(prefix, &input)?;
         let prefix_ms = ms(t);
         let t = Instant::now();
-        let meta = PayloadMeta { request_id: id, split: plan.split as u32, direction: Direction::Request };
+        let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
         let encoded = sender.encode(meta, &plan.codec, &boundary)?;
         let parts = chunks(&encoded.data, chunk_bytes);
         let last = parts.len() - 1;
@@ -333,6 +342,7 @@ fn produce(
             .map(|(i, data)| InferFrame { request_id: id, header: header.take().unwrap_or_default(), data, last: i == last })
             .collect();
         let metrics = RequestMetrics {
+            split,
             prefix_ms,
             encode_ms: ms(t),
             bytes_raw: encoded.raw_bytes,

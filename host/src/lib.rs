@@ -20,6 +20,8 @@ pub mod report;
 pub mod training;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_common::config::{EdgeConfig, SplitSpec};
@@ -169,10 +171,36 @@ impl LoopbackServer {
     }
 }
 
+/// `split: auto` while running: the bandwidth estimate and the planner that moves the split.
+struct AutoSplit {
+    source: Arc<AtomicUsize>,
+    replanner: cleave_common::planner::Replanner,
+    estimate: cleave_common::planner::BandwidthEstimate,
+    rtt_ms: f64,
+    result_bytes: u64,
+}
+
+impl AutoSplit {
+    /// Feeds one request's transfer into the estimate and moves the split if the planner says so.
+    fn observe(&mut self, m: &client::RequestMetrics) {
+        let network_ms = m.round_trip_ms - m.server.total_ms();
+        if self.estimate.observe(m.bytes_wire + self.result_bytes, network_ms, self.rtt_ms) {
+            let before = self.replanner.current();
+            let now = self.replanner.update(self.estimate.bytes_per_s());
+            if now != before {
+                tracing::info!(from = before, to = now, mbit_per_s = self.estimate.bytes_per_s() * 8.0 / 1e6, "split moved");
+                self.source.store(now, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary> {
     let bundle = Bundle::open(&config.bundle)?;
-    let split = bundle.resolve_split(opts.split.as_ref().unwrap_or(&config.split))?;
+    let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
+    let auto = split_spec == SplitSpec::Auto;
+    let split = if auto { bundle.stage_count() } else { bundle.resolve_split(&split_spec)? };
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     let Some(input) = &config.input else {
         anyhow::bail!("the config has no `input`: inference needs one (training configs go to `training::run`)");
@@ -187,6 +215,24 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
     let uses_tls = url.starts_with("https://");
     let max_message = config.loopback_limits.max_message_bytes as usize;
     let (mut client, info) = connect(&url, &bundle, &Link::secured(max_message, &config.security)).await?;
+    // `split: auto`: plan from measured profiles, then re-plan from the bandwidth measured on
+    // every transfer; the prefix thread reads the split for each request.
+    let mut planner = None;
+    if auto {
+        let profiles = planning::measure_profiles(&config, &mut client, &bundle, 3).await?;
+        let rtt_ms = profiles.link.rtt_ms;
+        let result_bytes = profiles.result_wire_bytes;
+        let estimate = cleave_common::planner::BandwidthEstimate::new(profiles.link.bytes_per_s, 0.3);
+        let replanner = cleave_common::planner::Replanner::new(profiles, config.objective, 0.1)?;
+        println!(
+            "split: auto ({:?}): the planner picks cut {} from the measured profiles (link {:.1} Mbit/s, round trip {rtt_ms:.2} ms)",
+            config.objective,
+            replanner.current(),
+            estimate.bytes_per_s() * 8.0 / 1e6
+        );
+        planner = Some(AutoSplit { source: Arc::new(AtomicUsize::new(replanner.current())), replanner, estimate, rtt_ms, result_bytes });
+    }
+    let split = planner.as_ref().map_or(split, |p| p.replanner.current());
     println!(
         "{} split at cut {split} ({}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
         bundle.manifest().model.source,
@@ -209,11 +255,15 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         max_payload_bytes: config.loopback_limits.max_payload_bytes,
         codec: config.codec,
         key: config.security.key.clone(),
+        split_source: planner.as_ref().map(|p| Arc::clone(&p.source)),
     };
     let started = Instant::now();
     let mut record_error = None;
     stream_requests(&mut client, &info, plan, |outcome| {
         progress.inc(1);
+        if let Some(auto) = planner.as_mut() {
+            auto.observe(&outcome.metrics);
+        }
         if let Err(e) = writer.record(&bundle, outcome) {
             record_error.get_or_insert(e);
         }

@@ -70,26 +70,8 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> anyhow::Result<PlanR
     let (mut client, info) = connect(&url, &bundle, &LinkConfig::secured(max_message as usize, &config.security)).await?;
     check_server_accepts(&info, &config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
 
-    let edge = {
-        let (bundle, device, codec, repeats) = (bundle.clone(), config.device, config.codec, opts.repeats);
-        tokio::task::spawn_blocking(move || profile_edge(&bundle, device, batch, &codec, repeats)).await??
-    };
-    let server = client
-        .profile(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: opts.repeats as u32 })
-        .await
-        .map_err(|s| anyhow::anyhow!("Profile: {:?}: {}", s.code(), s.message()))?
-        .into_inner();
-    let link = probe_link(&mut client, max_message).await?;
+    let profiles = measure_profiles(&config, &mut client, &bundle, opts.repeats).await?;
     let n = bundle.stage_count();
-    let profiles = Profiles {
-        edge_stage_ms: edge.stage_ms,
-        server_stage_ms: server.stage_ms,
-        cut_wire_bytes: edge.cut_wire_bytes[..=n].to_vec(),
-        cut_usable: (0..=n).map(|k| bundle.cut(k).usable).collect(),
-        result_wire_bytes: edge.cut_wire_bytes[n],
-        codec_ms_per_mib: edge.codec_ms_per_mib,
-        link,
-    };
     let predictions = profiles.predict()?;
     let chosen = best(&predictions, opts.objective).map(|p| p.cut);
 
@@ -106,6 +88,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> anyhow::Result<PlanR
                 max_payload_bytes: config.loopback_limits.max_payload_bytes,
                 codec: config.codec,
                 key: config.security.key.clone(),
+                split_source: None,
             };
             let mut e2e = Vec::new();
             stream_requests(&mut client, &info, plan, |o| {
@@ -141,6 +124,32 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> anyhow::Result<PlanR
         if measured.is_empty() { String::new() } else { format!(", {}", output.join(PREDICTED_VS_MEASURED).display()) }
     );
     Ok(report)
+}
+
+/// Measures every profile the planner needs: the edge's stages and boundaries (on a
+/// blocking thread), the server's stages, the link.
+pub(crate) async fn measure_profiles(config: &EdgeConfig, client: &mut Client, bundle: &Bundle, repeats: usize) -> anyhow::Result<Profiles> {
+    let batch = config.batch_size;
+    let edge = {
+        let (bundle, device, codec) = (bundle.clone(), config.device, config.codec);
+        tokio::task::spawn_blocking(move || profile_edge(&bundle, device, batch, &codec, repeats)).await??
+    };
+    let server = client
+        .profile(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: repeats as u32 })
+        .await
+        .map_err(|s| anyhow::anyhow!("Profile: {:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    let link = probe_link(client, config.loopback_limits.max_message_bytes).await?;
+    let n = bundle.stage_count();
+    Ok(Profiles {
+        edge_stage_ms: edge.stage_ms,
+        server_stage_ms: server.stage_ms,
+        cut_wire_bytes: edge.cut_wire_bytes[..=n].to_vec(),
+        cut_usable: (0..=n).map(|k| bundle.cut(k).usable).collect(),
+        result_wire_bytes: edge.cut_wire_bytes[n],
+        codec_ms_per_mib: edge.codec_ms_per_mib,
+        link,
+    })
 }
 
 /// The edge's part of the profile.

@@ -101,7 +101,7 @@ impl ReportWriter {
         let mut metrics = open("metrics.csv")?;
         writeln!(
             metrics,
-            "request_id,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms"
+            "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms"
         )?;
         Ok(Self { dir: dir.to_path_buf(), predictions: open("predictions.jsonl")?, metrics, top_k, outcomes: Vec::new() })
     }
@@ -132,8 +132,9 @@ impl ReportWriter {
         let s = &m.server;
         writeln!(
             self.metrics,
-            "{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}",
+            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}",
             outcome.request_id,
+            m.split,
             ok,
             m.prefix_ms,
             m.encode_ms,

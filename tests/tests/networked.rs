@@ -32,6 +32,7 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         max_payload_bytes: 1 << 30,
         codec: Codec::RAW,
         key: None,
+        split_source: None,
     };
     let mut outcomes = Vec::new();
     stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();

@@ -64,3 +64,32 @@ fn profile_and_echo_refuse_what_they_cannot_do() {
         assert_eq!(back.payload.len(), 5000);
     });
 }
+
+#[test]
+fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("edge.yaml");
+    let out = dir.path().join("out");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: auto\nobjective: latency\ndevice: cpu\nbatch_size: 4\nrequests: 12\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("digits").display(),
+        out.display()
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let config = EdgeConfig::load(&config).unwrap();
+    assert_eq!(config.split, cleave_common::config::SplitSpec::Auto);
+    let opts = cleave_host::RunOptions { loopback: true, split: None, output: None };
+    let summary = tokio::runtime::Runtime::new().unwrap().block_on(cleave_host::run(config, opts)).unwrap();
+    assert_eq!((summary.requests, summary.errors), (12, 0));
+    let bundle = cleave_common::Bundle::open(bundle_dir("digits")).unwrap();
+    let csv = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
+    let mut lines = csv.lines();
+    assert!(lines.next().unwrap().starts_with("request_id,split,"));
+    let splits: Vec<usize> = lines.map(|l| l.split(',').nth(1).unwrap().parse().unwrap()).collect();
+    assert_eq!(splits.len(), 12);
+    assert_eq!(splits[0], summary.split, "the first request runs at the planned cut");
+    assert!(splits.iter().all(|&s| s == bundle.stage_count() || bundle.cut(s).usable));
+    // `auto` is not a cut a bundle can resolve by itself.
+    let err = bundle.resolve_split(&cleave_common::config::SplitSpec::Auto).unwrap_err().to_string();
+    assert!(err.contains("planner"), "{err}");
+}

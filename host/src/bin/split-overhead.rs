@@ -90,6 +90,7 @@ fn main() -> anyhow::Result<()> {
                 max_payload_bytes: 1 << 30,
                 codec,
                 key: key.clone(),
+                split_source: None,
             };
             let mut e2e = Vec::new();
             let (mut raw, mut wire) = (0, 0);
