@@ -59,10 +59,16 @@ pub struct Summary {
     pub e2e_ms: Percentiles,
     /// Prefix, per request.
     pub prefix_ms: Percentiles,
+    /// Encoding the boundary, per request.
+    pub encode_ms: Percentiles,
     /// Round trip, per request.
     pub round_trip_ms: Percentiles,
-    /// The server's own time, per request.
+    /// The server's own time (queue, decode, compute, encode), per request.
     pub server_ms: Percentiles,
+    /// The network's share: the round trip less the server's time, per request.
+    pub network_ms: Percentiles,
+    /// Decoding the result, per request.
+    pub decode_ms: Percentiles,
     /// Requests per second over the whole run.
     pub throughput_rps: f64,
     /// Tensor bytes sent.
@@ -188,7 +194,16 @@ fn top_k(scores: &[Vec<f64>], k: usize) -> Vec<Vec<(usize, f64)>> {
 pub fn summary_table(s: &Summary) -> comfy_table::Table {
     let mut table = comfy_table::Table::new();
     table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED).set_header(vec!["", "p50", "p95", "p99"]);
-    for (name, p) in [("end to end ms", s.e2e_ms), ("edge prefix ms", s.prefix_ms), ("round trip ms", s.round_trip_ms), ("server ms", s.server_ms)] {
+    let rows = [
+        ("end to end ms", s.e2e_ms),
+        ("edge prefix ms", s.prefix_ms),
+        ("encode ms", s.encode_ms),
+        ("round trip ms", s.round_trip_ms),
+        ("  server ms", s.server_ms),
+        ("  network ms", s.network_ms),
+        ("decode ms", s.decode_ms),
+    ];
+    for (name, p) in rows {
         table.add_row(vec![name.to_string(), format!("{:.2}", p.p50), format!("{:.2}", p.p95), format!("{:.2}", p.p99)]);
     }
     table.add_row(vec![

@@ -89,6 +89,14 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     assert_eq!(splits.len(), 12);
     assert_eq!(splits[0], summary.split, "the first request runs at the planned cut");
     assert!(splits.iter().all(|&s| s == bundle.stage_count() || bundle.cut(s).usable));
+    // summary.json summarises every part of a request's time.
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for part in ["e2e_ms", "prefix_ms", "encode_ms", "round_trip_ms", "server_ms", "network_ms", "decode_ms"] {
+        for q in ["p50", "p95", "p99"] {
+            assert!(summary[part][q].as_f64().is_some_and(|v| v >= 0.0), "{part}.{q}: {}", summary[part]);
+        }
+    }
+    assert!(summary["e2e_ms"]["p50"].as_f64().unwrap() >= summary["round_trip_ms"]["p50"].as_f64().unwrap());
     // `auto` is not a cut a bundle can resolve by itself.
     let err = bundle.resolve_split(&cleave_common::config::SplitSpec::Auto).unwrap_err().to_string();
     assert!(err.contains("planner"), "{err}");
