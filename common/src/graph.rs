@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::bundle::{Bundle, StageInfo};
-use crate::tables::{human_bytes, thousands};
+use crate::tables::{human_bytes, si, thousands};
 
 /// The DOT file's name inside the directory given to [`write_stage_graph`].
 pub const STAGE_GRAPH_DOT: &str = "stage_graph.dot";
@@ -209,22 +209,6 @@ fn quote(s: &str) -> String {
     }
     out.push('"');
     out
-}
-
-/// A count in SI units (`75.5 M`), exact below a thousand.
-fn si(n: u64) -> String {
-    const UNITS: [&str; 5] = ["", " K", " M", " G", " T"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1000.0 && unit < UNITS.len() - 1 {
-        value /= 1000.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        n.to_string()
-    } else {
-        format!("{value:.1}{}", UNITS[unit])
-    }
 }
 
 /// The path a stage is folded by: its name, or the first end of a merged range

@@ -8,14 +8,24 @@ use crate::verify::VerifyReport;
 
 /// Bytes in binary units (`1.5 MiB`).
 pub fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
+    scaled(bytes, 1024.0, &[" B", " KiB", " MiB", " GiB", " TiB"])
+}
+
+/// A count in SI units (`75.5 M`), exact below a thousand.
+pub fn si(n: u64) -> String {
+    scaled(n, 1000.0, &["", " K", " M", " G", " T"])
+}
+
+/// `n` divided by `base` until it is below it, with one decimal and the unit reached;
+/// exact (no decimal) in the first unit.
+fn scaled(n: u64, base: f64, units: &[&str]) -> String {
+    let mut value = n as f64;
     let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
+    while value >= base && unit < units.len() - 1 {
+        value /= base;
         unit += 1;
     }
-    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", UNITS[unit]) }
+    if unit == 0 { format!("{n}{}", units[0]) } else { format!("{value:.1}{}", units[unit]) }
 }
 
 /// A count with thousands separators.

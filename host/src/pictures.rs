@@ -218,12 +218,7 @@ fn render_breakdown(title: &str, cuts: &[CutBreakdown]) -> anyhow::Result<String
                 .filter(|&(_, &t)| t > 0.0)
                 .map(|(i, &total)| Text::new(format_ms(total), (i as f64, total), total_style.clone())),
         )?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present()?;
     }
     Ok(svg)
@@ -299,12 +294,7 @@ fn render_cdf(title: &str, series: &[(&str, Vec<f64>)]) -> anyhow::Result<String
                 .label(label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        draw_legend(&mut chart, SeriesLabelPosition::LowerRight)?;
         root.present()?;
     }
     Ok(svg)
@@ -372,19 +362,22 @@ fn render_predicted_vs_measured(title: &str, points: &[(usize, f64, f64)]) -> an
             .draw()?;
         draw_marked_series(&mut chart, &predicted, PREDICTED_COLOR, "predicted", Marker::Triangle)?;
         draw_marked_series(&mut chart, &measured, MEASURED_COLOR, "measured", Marker::Circle)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present()?;
     }
     Ok(svg)
 }
 
-/// A chart with cuts across and milliseconds up.
-type CutChart<'a, 'b> = ChartContext<
+/// The legend every plot of a run (and of a training run) draws: boxed, half see-through.
+pub(crate) fn draw_legend<'a, 'b: 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'b>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
+    chart.configure_series_labels().position(position).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()
+}
+
+/// A chart with integers across (cuts, epochs) and a float value up.
+pub(crate) type LineChart<'a, 'b> = ChartContext<
     'a,
     SVGBackend<'b>,
     Cartesian2d<plotters::coord::types::RangedCoordi64, plotters::coord::types::RangedCoordf64>,
@@ -401,7 +394,7 @@ enum Marker {
 /// breaks the line rather than dragging it to the border) and a marker at every finite
 /// point, so that a single cut still shows.
 fn draw_marked_series(
-    chart: &mut CutChart<'_, '_>,
+    chart: &mut LineChart<'_, '_>,
     points: &[(i64, f64)],
     color: RGBColor,
     label: &str,

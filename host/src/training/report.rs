@@ -10,6 +10,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use plotters::prelude::*;
+
+use crate::pictures::{draw_legend, LineChart};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// The per-epoch table's file name inside the output directory.
@@ -221,12 +223,7 @@ fn render_svg(title: &str, epochs: &[EpochRecord]) -> anyhow::Result<String> {
             .draw()?;
         draw_series(&mut chart, &train, BLUE, "train loss")?;
         draw_series(&mut chart, &test, RED, "test loss")?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
 
         let mut chart = ChartBuilder::on(&right)
             .caption("Test accuracy per epoch", ("sans-serif", 18))
@@ -242,30 +239,18 @@ fn render_svg(title: &str, epochs: &[EpochRecord]) -> anyhow::Result<String> {
             .x_label_formatter(&epoch_label)
             .draw()?;
         draw_series(&mut chart, &accuracy, RGBColor(0, 140, 0), "test accuracy")?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        draw_legend(&mut chart, SeriesLabelPosition::LowerRight)?;
 
         root.present()?;
     }
     Ok(svg)
 }
 
-/// One chart's coordinate system: epochs across, a float value up.
-type EpochChart<'a, 'b> = ChartContext<
-    'a,
-    SVGBackend<'b>,
-    Cartesian2d<plotters::coord::types::RangedCoordi64, plotters::coord::types::RangedCoordf64>,
->;
-
 /// Draws one labelled series: a line through each run of finite points (a NaN or infinite
 /// value breaks the line rather than dragging it to the border) and a marker at every point,
 /// so that a single epoch still shows.
 fn draw_series(
-    chart: &mut EpochChart<'_, '_>,
+    chart: &mut LineChart<'_, '_>,
     points: &[(i64, f64)],
     color: RGBColor,
     label: &str,
