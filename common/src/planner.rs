@@ -199,7 +199,10 @@ fn score(p: &CutPrediction, objective: Objective) -> f64 {
     }
 }
 
-/// A moving estimate of the link's bandwidth from real transfers (exponentially weighted).
+/// A moving estimate of the link's bandwidth from real transfers: an exponentially weighted
+/// mean of the logarithm, so that a fall from 1 Gbit/s to 5 Mbit/s is followed as quickly as
+/// the rise back (a plain mean of bytes per second takes a dozen slow transfers to notice a
+/// fall of that size, each of them seconds long).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BandwidthEstimate {
     bytes_per_s: f64,
@@ -228,7 +231,7 @@ impl BandwidthEstimate {
             return false;
         }
         let sample = bytes as f64 / moving_ms * 1e3;
-        self.bytes_per_s += self.weight * (sample - self.bytes_per_s);
+        self.bytes_per_s = (self.bytes_per_s.ln() + self.weight * (sample.ln() - self.bytes_per_s.ln())).exp();
         true
     }
 }
@@ -255,6 +258,15 @@ impl Replanner {
     /// The cut in use.
     pub fn current(&self) -> usize {
         self.current
+    }
+
+    /// The prediction for `cut` with the link as last updated.
+    pub fn prediction(&self, cut: usize) -> Result<CutPrediction, ProfileError> {
+        if cut > self.profiles.stage_count() {
+            return Err(ProfileError::Shape(format!("cut {cut} is past the last cut {}", self.profiles.stage_count())));
+        }
+        self.profiles.check()?;
+        Ok(self.profiles.predict_cut(cut))
     }
 
     /// Updates the link's bandwidth and returns the cut to use from now on.
@@ -374,6 +386,16 @@ mod tests {
         assert!((bw.bytes_per_s() / (10.0 * MBIT) - 1.0).abs() < 0.01, "{}", bw.bytes_per_s() / MBIT);
         // A transfer that is mostly round trip says nothing about bandwidth.
         assert!(!bw.observe(100, 1.1, 1.0));
+        // A fall by 200x is followed as quickly as a rise by 200x: within 2x after 5 transfers each way.
+        let mut bw = BandwidthEstimate::new(1000.0 * MBIT, 0.5);
+        for _ in 0..5 {
+            bw.observe(625_000, 1001.0, 1.0); // 5 Mbit/s
+        }
+        assert!((bw.bytes_per_s() / (5.0 * MBIT)) < 2.0, "{}", bw.bytes_per_s() / MBIT);
+        for _ in 0..5 {
+            bw.observe(625_000, 6.0, 1.0); // 1000 Mbit/s
+        }
+        assert!((1000.0 * MBIT / bw.bytes_per_s()) < 2.0, "{}", bw.bytes_per_s() / MBIT);
     }
 
     #[test]

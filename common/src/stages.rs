@@ -176,36 +176,22 @@ impl LoadedStages {
     }
 
     /// Times every loaded stage on `input` (the boundary at the first loaded cut): one
-    /// warm-up pass, then `repeats` timed passes; returns each stage's median milliseconds.
-    /// `at_cut(k, boundary)` sees the boundary at every cut of the first timed pass (the
-    /// planner measures their size after the codec there). CUDA work is synchronised before
-    /// each clock reading.
+    /// warm-up pass stage by stage, whose boundary at every cut `at_cut(k, boundary)` sees
+    /// (the planner measures their size after the codec there), then `repeats` passes through
+    /// the whole chain as a request runs it, each stage timed inside the chain; returns each
+    /// stage's median milliseconds. CUDA work is synchronised before each clock reading.
     pub fn profile(&self, input: &Boundary, repeats: usize, mut at_cut: impl FnMut(usize, &Boundary)) -> Result<Vec<f64>> {
-        let sync = || {
-            if let tch::Device::Cuda(i) = self.device {
-                tch::Cuda::synchronize(i as i64);
-            }
-        };
-        let mut times: Vec<Vec<f64>> = vec![Vec::new(); self.range.len()];
-        for pass in 0..=repeats.max(1) {
-            let mut boundary = input.shallow_clone();
-            if pass == 1 {
-                at_cut(self.range.start, &boundary);
-            }
-            for (i, stage) in (self.range.start..self.range.end).enumerate() {
-                sync();
-                let started = Instant::now();
-                boundary = self.run(StageRange::new(stage, stage + 1), &boundary)?;
-                sync();
-                if pass > 0 {
-                    times[i].push(started.elapsed().as_secs_f64() * 1e3);
-                }
-                if pass == 1 {
-                    at_cut(stage + 1, &boundary);
-                }
-            }
+        let mut boundary = input.shallow_clone();
+        at_cut(self.range.start, &boundary);
+        for stage in self.range.start..self.range.end {
+            boundary = self.run(StageRange::new(stage, stage + 1), &boundary)?;
+            at_cut(stage + 1, &boundary);
         }
-        Ok(times.into_iter().map(|mut t| {
+        let times: std::cell::RefCell<Vec<Vec<f64>>> = std::cell::RefCell::new(vec![Vec::new(); self.range.len()]);
+        for _ in 0..repeats.max(1) {
+            tch::no_grad(|| self.run_chain(self.range, input, |stage| StageTimer::start(self.device, stage - self.range.start, &times)))?;
+        }
+        Ok(times.into_inner().into_iter().map(|mut t| {
             t.sort_by(f64::total_cmp);
             t[t.len() / 2]
         }).collect())
@@ -226,6 +212,35 @@ impl LoadedStages {
                 module.set_eval();
             }
         }
+    }
+}
+
+/// Times one stage of a chain: started when the stage is entered, recorded when dropped
+/// (after the stage returned), CUDA synchronised at both ends.
+struct StageTimer<'a> {
+    device: tch::Device,
+    slot: usize,
+    started: Instant,
+    times: &'a std::cell::RefCell<Vec<Vec<f64>>>,
+}
+
+impl<'a> StageTimer<'a> {
+    fn start(device: tch::Device, slot: usize, times: &'a std::cell::RefCell<Vec<Vec<f64>>>) -> Self {
+        synchronize(device);
+        Self { device, slot, started: Instant::now(), times }
+    }
+}
+
+impl Drop for StageTimer<'_> {
+    fn drop(&mut self) {
+        synchronize(self.device);
+        self.times.borrow_mut()[self.slot].push(self.started.elapsed().as_secs_f64() * 1e3);
+    }
+}
+
+fn synchronize(device: tch::Device) {
+    if let tch::Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
     }
 }
 

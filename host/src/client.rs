@@ -26,8 +26,8 @@ use crate::inputs::Inputs;
 pub struct StreamPlan {
     /// The bundle (the server must serve the same id).
     pub bundle: Bundle,
-    /// The cut to split at.
-    pub split: usize,
+    /// The cut each request is split at.
+    pub split: Splits,
     /// Where the prefix runs.
     pub device: DeviceSpec,
     /// Requests to send.
@@ -42,9 +42,40 @@ pub struct StreamPlan {
     pub codec: Codec,
     /// The key payloads are sealed with, if any.
     pub key: Option<(u32, cleave_common::wire::Key)>,
-    /// `split: auto`: each request reads its split here when its prefix starts (the planner
-    /// moves it between requests); the edge then holds every stage. `None`: always `split`.
-    pub split_source: Option<Arc<AtomicUsize>>,
+}
+
+/// Which cut each request is split at. A request split at the last cut runs wholly on the
+/// edge and never crosses the network.
+#[derive(Debug, Clone)]
+pub enum Splits {
+    /// Always this cut.
+    Fixed(usize),
+    /// Read when each request's prefix starts (`split: auto`: the planner moves it between
+    /// requests on the same stream).
+    Moving(Arc<AtomicUsize>),
+    /// Request `i` at `cuts[i % cuts.len()]` (`host plan --measure`: every cut under the
+    /// same conditions, interleaved).
+    RoundRobin(Vec<usize>),
+}
+
+impl Splits {
+    /// The cut of request `id`.
+    pub fn for_request(&self, id: u64) -> usize {
+        match self {
+            Splits::Fixed(cut) => *cut,
+            Splits::Moving(cut) => cut.load(Ordering::Relaxed),
+            Splits::RoundRobin(cuts) => cuts[(id % cuts.len().max(1) as u64) as usize],
+        }
+    }
+
+    /// The stages the edge must hold.
+    fn edge_stages(&self, bundle: &Bundle) -> StageRange {
+        match self {
+            Splits::Fixed(cut) => StageRange::prefix(*cut),
+            Splits::Moving(_) => StageRange::all(bundle),
+            Splits::RoundRobin(cuts) => StageRange::prefix(cuts.iter().copied().max().unwrap_or(0)),
+        }
+    }
 }
 
 /// The server's own timings for one request, in milliseconds.
@@ -225,10 +256,12 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
     };
     // Results must come back sealed when requests go sealed: a stripped seal is refused.
     let policy = CodecPolicy { require_encryption: plan.key.is_some(), ..CodecPolicy::default() };
-    let mut results = PayloadReceiver::new(Direction::Result, plan.max_payload_bytes, policy, &ring);
+    let mut results = ResultAssembler { receiver: PayloadReceiver::new(Direction::Result, plan.max_payload_bytes, policy, &ring), current: None };
     let limits = info.limits.unwrap_or_default();
     let chunk_bytes = chunk_bytes_for(limits.max_message_bytes);
     let (frame_tx, frame_rx) = mpsc::channel::<InferFrame>(64);
+    // Requests split at the last cut never leave the edge: their outcomes come this way.
+    let (local_tx, mut local_rx) = mpsc::unbounded_channel::<RequestOutcome>();
     let sent: Arc<Mutex<HashMap<u64, Sent>>> = Arc::default();
     let (token_tx, token_rx) = std::sync::mpsc::sync_channel::<()>(plan.in_flight);
     for _ in 0..plan.in_flight {
@@ -237,38 +270,84 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
     let requests = plan.requests;
     let producer = {
         let sent = Arc::clone(&sent);
-        std::thread::Builder::new().name("cleave-prefix".into()).spawn(move || produce(plan, sender, chunk_bytes, token_rx, frame_tx, sent))?
+        let channels = Outbound { tokens: token_rx, frames: frame_tx, local: local_tx, sent };
+        std::thread::Builder::new().name("cleave-prefix".into()).spawn(move || produce(plan, sender, chunk_bytes, channels))?
     };
 
     let mut request = tonic::Request::new(ReceiverStream::new(frame_rx));
     request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, info.bundle_id.parse()?);
     let mut inbound = client.infer(request).await?.into_inner();
-    let mut current: Option<Reassembly> = None;
+    let (mut inbound_open, mut local_open) = (true, true);
     let mut answered = 0u64;
-    while let Some(frame) = inbound.next().await {
-        let frame = match frame {
-            Ok(f) => f,
-            Err(status) => {
-                tracing::warn!(%status, "result stream failed");
-                break;
-            }
+    loop {
+        let outcome = tokio::select! {
+            frame = inbound.next(), if inbound_open => match frame {
+                None => {
+                    inbound_open = false;
+                    continue;
+                }
+                Some(Err(status)) => {
+                    tracing::warn!(%status, "result stream failed");
+                    break;
+                }
+                Some(Ok(frame)) => match results.push(frame, &sent)? {
+                    Some(outcome) => outcome,
+                    None => continue, // More frames of this result to come.
+                },
+            },
+            local = local_rx.recv(), if local_open => match local {
+                None => {
+                    local_open = false;
+                    continue;
+                }
+                Some(outcome) => outcome,
+            },
+            else => break,
         };
+        answered += 1;
+        let _ = token_tx.send(());
+        on_outcome(outcome);
+    }
+    drop(token_tx);
+    let produced = producer.join().map_err(|_| anyhow::anyhow!("the prefix thread panicked"))?;
+    // Every request id gets exactly one outcome: one sent but never answered is an error.
+    let mut orphans: Vec<(u64, Sent)> = sent.lock().expect("sent map").drain().collect();
+    orphans.sort_by_key(|(id, _)| *id);
+    for (id, s) in orphans {
+        on_outcome(RequestOutcome { request_id: id, metrics: s.metrics, output: Err("no answer: the stream ended".into()) });
+    }
+    produced?;
+    if answered < requests {
+        tracing::warn!(answered, requests, "not every request was answered");
+    }
+    Ok(())
+}
+
+/// Reassembles result payloads from their frames and matches them with the sent requests.
+struct ResultAssembler {
+    receiver: PayloadReceiver,
+    current: Option<Reassembly>,
+}
+
+impl ResultAssembler {
+    /// Takes one result frame; returns the request's outcome once its last frame is in.
+    fn push(&mut self, frame: pb::ResultFrame, sent: &Mutex<HashMap<u64, Sent>>) -> anyhow::Result<Option<RequestOutcome>> {
         let id = frame.request_id;
         let output = if let Some(err) = &frame.error {
-            current = None;
+            self.current = None;
             Err(format!("{:?}: {}", tonic::Code::from(err.code), err.message))
         } else {
-            let mut assembly: Reassembly = match current.take() {
+            let mut assembly: Reassembly = match self.current.take() {
                 Some(a) => a,
-                None => results.start(id, &frame.header).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?,
+                None => self.receiver.start(id, &frame.header).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?,
             };
             assembly.push(id, &frame.data).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?;
             if !frame.last {
-                current = Some(assembly);
-                continue;
+                self.current = Some(assembly);
+                return Ok(None);
             }
             let t = Instant::now();
-            let decoded = results.finish(assembly).map(|r| r.boundary).map_err(|e| format!("result: {e}"));
+            let decoded = self.receiver.finish(assembly).map(|r| r.boundary).map_err(|e| format!("result: {e}"));
             let decode_ms = ms(t);
             if let Some(s) = sent.lock().expect("sent map").get_mut(&id) {
                 s.metrics.decode_ms = decode_ms;
@@ -289,47 +368,43 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
         let mut metrics = s.metrics;
         metrics.round_trip_ms = ms(s.sent_at);
         metrics.e2e_ms = ms(s.started);
-        answered += 1;
-        let _ = token_tx.send(());
-        on_outcome(RequestOutcome { request_id: id, metrics, output });
+        Ok(Some(RequestOutcome { request_id: id, metrics, output }))
     }
-    drop(token_tx);
-    let produced = producer.join().map_err(|_| anyhow::anyhow!("the prefix thread panicked"))?;
-    // Every request id gets exactly one outcome: one sent but never answered is an error.
-    let mut orphans: Vec<(u64, Sent)> = sent.lock().expect("sent map").drain().collect();
-    orphans.sort_by_key(|(id, _)| *id);
-    for (id, s) in orphans {
-        on_outcome(RequestOutcome { request_id: id, metrics: s.metrics, output: Err("no answer: the stream ended".into()) });
-    }
-    produced?;
-    if answered < requests {
-        tracing::warn!(answered, requests, "not every request was answered");
-    }
-    Ok(())
 }
 
-fn produce(
-    plan: StreamPlan,
-    mut sender: PayloadSender,
-    chunk_bytes: usize,
+/// Where the prefix thread sends its work.
+struct Outbound {
+    /// One per request allowed in flight.
     tokens: std::sync::mpsc::Receiver<()>,
+    /// Frames for the server.
     frames: mpsc::Sender<InferFrame>,
+    /// Outcomes of requests that ran wholly on the edge.
+    local: mpsc::UnboundedSender<RequestOutcome>,
+    /// Requests sent and not yet answered.
     sent: Arc<Mutex<HashMap<u64, Sent>>>,
-) -> anyhow::Result<()> {
-    // A split that may move needs every stage on the edge.
-    let loaded = if plan.split_source.is_some() { StageRange::all(&plan.bundle) } else { StageRange::prefix(plan.split) };
-    let stages = LoadedStages::load(&plan.bundle, loaded, plan.device)?;
+}
+
+fn produce(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, out: Outbound) -> anyhow::Result<()> {
+    let stages = LoadedStages::load(&plan.bundle, plan.split.edge_stages(&plan.bundle), plan.device)?;
+    let last_cut = plan.bundle.stage_count();
     for id in 0..plan.requests {
-        if tokens.recv().is_err() {
+        if out.tokens.recv().is_err() {
             break; // The result side stopped: no more requests.
         }
-        let split = plan.split_source.as_ref().map_or(plan.split, |s| s.load(Ordering::Relaxed));
+        let split = plan.split.for_request(id);
         let prefix = StageRange::prefix(split);
         let started = Instant::now();
         let input = plan.inputs.batch(id);
         let t = Instant::now();
         let boundary = stages.run(prefix, &input)?;
         let prefix_ms = ms(t);
+        if split == last_cut {
+            let metrics = RequestMetrics { split, prefix_ms, e2e_ms: ms(started), ..Default::default() };
+            if out.local.send(RequestOutcome { request_id: id, metrics, output: Ok(boundary) }).is_err() {
+                return Ok(()); // The result side stopped.
+            }
+            continue;
+        }
         let t = Instant::now();
         let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
         let encoded = sender.encode(meta, &plan.codec, &boundary)?;
@@ -349,9 +424,9 @@ fn produce(
             bytes_wire: frames_out.iter().map(|f| f.encoded_len() as u64).sum(),
             ..Default::default()
         };
-        sent.lock().expect("sent map").insert(id, Sent { started, sent_at: Instant::now(), metrics });
+        out.sent.lock().expect("sent map").insert(id, Sent { started, sent_at: Instant::now(), metrics });
         for frame in frames_out {
-            if frames.blocking_send(frame).is_err() {
+            if out.frames.blocking_send(frame).is_err() {
                 return Ok(()); // The stream is gone; its requests are reported unanswered.
             }
         }

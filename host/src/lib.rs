@@ -2,6 +2,7 @@
 //!
 //! - [`run`]: `host --config edge.yaml [--loopback]`: run the prefix of each request, stream
 //!   the boundaries to the server, write predictions, metrics and a summary.
+//! - `auto_split`: `split: auto` while running (moving bandwidth estimate, re-planning, probes).
 //! - `client`: the streaming client (prefix thread, in-flight window, reassembly).
 //! - `inputs`, `images`: synthetic tensors, tensor files (.safetensors, .npz, .npy) or images.
 //! - `pictures`: plots of a run (latency breakdown per cut, latency CDF, predicted against measured).
@@ -11,6 +12,7 @@
 //!   U-shaped or monolithic training, evaluation, checkpoints, report files.
 //! - [`print_splits`], [`verify`]: `host splits` and `host verify`.
 
+pub mod auto_split;
 pub mod client;
 pub mod images;
 pub mod inputs;
@@ -20,8 +22,7 @@ pub mod report;
 pub mod training;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cleave_common::config::{EdgeConfig, SplitSpec};
@@ -29,7 +30,8 @@ use cleave_common::security::ServerSecurity;
 use cleave_common::device::device_name;
 use tokio::net::TcpListener;
 
-use crate::client::{connect, stream_requests, Link, StreamPlan};
+use crate::auto_split::AutoSplit;
+use crate::client::{connect, stream_requests, Link, Splits, StreamPlan};
 use crate::inputs::Inputs;
 use crate::report::{summary_table, Percentiles, ReportWriter, Summary};
 
@@ -171,30 +173,6 @@ impl LoopbackServer {
     }
 }
 
-/// `split: auto` while running: the bandwidth estimate and the planner that moves the split.
-struct AutoSplit {
-    source: Arc<AtomicUsize>,
-    replanner: cleave_common::planner::Replanner,
-    estimate: cleave_common::planner::BandwidthEstimate,
-    rtt_ms: f64,
-    result_bytes: u64,
-}
-
-impl AutoSplit {
-    /// Feeds one request's transfer into the estimate and moves the split if the planner says so.
-    fn observe(&mut self, m: &client::RequestMetrics) {
-        let network_ms = m.round_trip_ms - m.server.total_ms();
-        if self.estimate.observe(m.bytes_wire + self.result_bytes, network_ms, self.rtt_ms) {
-            let before = self.replanner.current();
-            let now = self.replanner.update(self.estimate.bytes_per_s());
-            if now != before {
-                tracing::info!(from = before, to = now, mbit_per_s = self.estimate.bytes_per_s() * 8.0 / 1e6, "split moved");
-                self.source.store(now, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary> {
     let bundle = Bundle::open(&config.bundle)?;
@@ -217,22 +195,19 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
     let (mut client, info) = connect(&url, &bundle, &Link::secured(max_message, &config.security)).await?;
     // `split: auto`: plan from measured profiles, then re-plan from the bandwidth measured on
     // every transfer; the prefix thread reads the split for each request.
+    let mut planned = None;
     let mut planner = None;
     if auto {
         let profiles = planning::measure_profiles(&config, &mut client, &bundle, 3).await?;
-        let rtt_ms = profiles.link.rtt_ms;
-        let result_bytes = profiles.result_wire_bytes;
-        let estimate = cleave_common::planner::BandwidthEstimate::new(profiles.link.bytes_per_s, 0.3);
-        let replanner = cleave_common::planner::Replanner::new(profiles, config.objective, 0.1)?;
+        let (auto_split, plan) = AutoSplit::plan(profiles, config.objective)?;
         println!(
-            "split: auto ({:?}): the planner picks cut {} from the measured profiles (link {:.1} Mbit/s, round trip {rtt_ms:.2} ms)",
-            config.objective,
-            replanner.current(),
-            estimate.bytes_per_s() * 8.0 / 1e6
+            "split: auto ({:?}): the planner picks cut {}, predicted {:.2} ms, from the measured profiles (link {:.1} Mbit/s, round trip {:.2} ms)",
+            plan.objective, plan.cut, plan.predicted_ms, plan.link_mbit_per_s, plan.rtt_ms
         );
-        planner = Some(AutoSplit { source: Arc::new(AtomicUsize::new(replanner.current())), replanner, estimate, rtt_ms, result_bytes });
+        planner = Some(Arc::new(Mutex::new(auto_split)));
+        planned = Some(plan);
     }
-    let split = planner.as_ref().map_or(split, |p| p.replanner.current());
+    let split = planned.as_ref().map_or(split, |p| p.cut);
     println!(
         "{} split at cut {split} ({}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
         bundle.manifest().model.source,
@@ -247,7 +222,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
     progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
     let plan = StreamPlan {
         bundle: bundle.clone(),
-        split,
+        split: match &planner {
+            Some(auto) => Splits::Moving(auto.lock().expect("auto split").cut()),
+            None => Splits::Fixed(split),
+        },
         device: config.device,
         requests: config.requests,
         in_flight: config.in_flight,
@@ -255,20 +233,24 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         max_payload_bytes: config.loopback_limits.max_payload_bytes,
         codec: config.codec,
         key: config.security.key.clone(),
-        split_source: planner.as_ref().map(|p| Arc::clone(&p.source)),
     };
+    let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), client.clone(), max_message as u64)));
     let started = Instant::now();
     let mut record_error = None;
-    stream_requests(&mut client, &info, plan, |outcome| {
+    let streamed = stream_requests(&mut client, &info, plan, |outcome| {
         progress.inc(1);
-        if let Some(auto) = planner.as_mut() {
-            auto.observe(&outcome.metrics);
+        if let Some(auto) = &planner {
+            auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
         }
         if let Err(e) = writer.record(&bundle, outcome) {
             record_error.get_or_insert(e);
         }
     })
-    .await?;
+    .await;
+    if let Some(prober) = prober {
+        prober.abort();
+    }
+    streamed?;
     let wall_s = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
     if let Some(e) = record_error {
@@ -306,6 +288,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         tls: uses_tls,
         bearer_token: config.security.token.is_some(),
         wall_s,
+        planned,
+        split_moves: planner.map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
     };
     std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)? + "\n")?;
     println!("{}", summary_table(&summary));

@@ -19,12 +19,39 @@ use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, P
 use cleave_common::{Bundle, LoadedStages, StageRange};
 use serde::Serialize;
 
-use crate::client::{check_server_accepts, connect, stream_requests, Client, Link as LinkConfig, StreamPlan};
+use crate::client::{check_server_accepts, connect, stream_requests, Client, Link as LinkConfig, RequestMetrics, Splits, StreamPlan};
+use crate::pictures::CutBreakdown;
 use crate::inputs::Inputs;
 use crate::report::Percentiles;
 
 /// The plot of predicted against measured latency (`--measure`).
 pub const PREDICTED_VS_MEASURED: &str = "predicted_vs_measured.svg";
+/// The stacked latency breakdown per measured cut (`--measure`).
+pub const BREAKDOWN: &str = "latency_breakdown.svg";
+/// The CDF of end-to-end latency (`--measure`: at a few cuts; a run: the run's requests).
+pub const LATENCY_CDF: &str = "latency_cdf.svg";
+
+/// One cut as measured by `--measure`: medians of each part, milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct MeasuredCut {
+    /// The cut.
+    pub cut: usize,
+    /// End to end (p50, p95, p99).
+    pub e2e_ms: Percentiles,
+    /// The edge's prefix.
+    pub edge_ms: f64,
+    /// Encoding the boundary.
+    pub encode_ms: f64,
+    /// The round trip less the server's time.
+    pub network_ms: f64,
+    /// The server's time (queue, decode, compute, encode).
+    pub server_ms: f64,
+    /// Decoding the result.
+    pub decode_ms: f64,
+    /// Every request's end-to-end latency (for the CDF; not in plan.json).
+    #[serde(skip)]
+    pub e2e_samples: Vec<f64>,
+}
 
 /// What `host plan` does.
 #[derive(Debug, Clone)]
@@ -50,6 +77,8 @@ pub struct PlanReport {
     pub predictions: Vec<CutPrediction>,
     /// Measured median end-to-end latency per cut (`--measure`), ms.
     pub measured_ms: Vec<Option<f64>>,
+    /// Where the time went at each measured cut (`--measure`).
+    pub measured: Vec<MeasuredCut>,
     /// The objective.
     pub objective: Objective,
     /// The cut the planner picks.
@@ -76,54 +105,118 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> anyhow::Result<PlanR
     let chosen = best(&predictions, opts.objective).map(|p| p.cut);
 
     let mut measured_ms = vec![None; n + 1];
+    let mut measured = Vec::new();
     if opts.measure > 0 {
-        for p in predictions.iter().filter(|p| p.usable) {
-            let plan = StreamPlan {
-                bundle: bundle.clone(),
-                split: p.cut,
-                device: config.device,
-                requests: opts.measure + 1,
-                in_flight: 1,
-                inputs: Inputs::new(&cleave_common::config::InputSource::Synthetic { seed: 0 }, &bundle, batch)?,
-                max_payload_bytes: config.loopback_limits.max_payload_bytes,
-                codec: config.codec,
-                key: config.security.key.clone(),
-                split_source: None,
-            };
-            let mut e2e = Vec::new();
-            stream_requests(&mut client, &info, plan, |o| {
-                // The first request warms up; failures are left out.
-                if o.request_id > 0 && o.output.is_ok() {
-                    e2e.push(o.metrics.e2e_ms);
-                }
-            })
-            .await?;
-            measured_ms[p.cut] = (!e2e.is_empty()).then(|| Percentiles::of(&e2e).p50);
+        let cuts: Vec<usize> = predictions.iter().filter(|p| p.usable).map(|p| p.cut).collect();
+        measured = measure_cuts(&config, &mut client, &info, &bundle, &cuts, opts.measure).await?;
+        for m in &measured {
+            measured_ms[m.cut] = Some(m.e2e_ms.p50);
         }
     }
     if let Some(server) = loopback {
         server.shutdown().await?;
     }
-    let report = PlanReport { profiles, predictions, measured_ms, objective: opts.objective, best: chosen };
+    let report = PlanReport { profiles, predictions, measured_ms, measured, objective: opts.objective, best: chosen };
     print_plan(&bundle, &report, &info.device, batch, &config.codec);
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     std::fs::create_dir_all(&output)?;
     std::fs::write(output.join("plan.json"), serde_json::to_string_pretty(&report)? + "\n")?;
     let (dot, svg) = cleave_common::graph::write_stage_graph(&bundle, report.best, &output)?;
-    let measured: Vec<(usize, f64, f64)> =
-        report.predictions.iter().filter_map(|p| report.measured_ms[p.cut].map(|m| (p.cut, p.latency_ms, m))).collect();
-    if !measured.is_empty() {
-        let title = format!("{}: predicted and measured latency per cut", bundle.manifest().model.source);
-        crate::pictures::plot_predicted_vs_measured(&output.join(PREDICTED_VS_MEASURED), &title, &measured)?;
+    let mut written = vec![dot];
+    written.extend(svg);
+    if !report.measured.is_empty() {
+        written.extend(plot_measured(&bundle, &report, &output)?);
     }
-    println!(
-        "plan written to {} (and {}{}{})",
-        output.join("plan.json").display(),
-        dot.display(),
-        svg.map_or(String::new(), |s| format!(", {}", s.display())),
-        if measured.is_empty() { String::new() } else { format!(", {}", output.join(PREDICTED_VS_MEASURED).display()) }
-    );
+    let written: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+    println!("plan written to {} (and {})", output.join("plan.json").display(), written.join(", "));
     Ok(report)
+}
+
+/// Runs `rounds` requests at every cut of `cuts` on one stream, the cuts interleaved request
+/// by request so that a machine that slows down or speeds up treats them alike; one more
+/// round first warms up and is left out.
+async fn measure_cuts(
+    config: &EdgeConfig,
+    client: &mut Client,
+    info: &cleave_common::pb::InfoReply,
+    bundle: &Bundle,
+    cuts: &[usize],
+    rounds: u64,
+) -> anyhow::Result<Vec<MeasuredCut>> {
+    let plan = StreamPlan {
+        bundle: bundle.clone(),
+        split: Splits::RoundRobin(cuts.to_vec()),
+        device: config.device,
+        requests: (rounds + 1) * cuts.len() as u64,
+        in_flight: 1,
+        inputs: Inputs::new(&cleave_common::config::InputSource::Synthetic { seed: 0 }, bundle, config.batch_size)?,
+        max_payload_bytes: config.loopback_limits.max_payload_bytes,
+        codec: config.codec,
+        key: config.security.key.clone(),
+    };
+    let mut per_cut: std::collections::BTreeMap<usize, Vec<RequestMetrics>> = cuts.iter().map(|&c| (c, Vec::new())).collect();
+    let mut failures = Vec::new();
+    stream_requests(client, info, plan, |o| match o.output {
+        Ok(_) if o.request_id >= cuts.len() as u64 => per_cut.entry(o.metrics.split).or_default().push(o.metrics),
+        Ok(_) => {}
+        Err(e) => failures.push(format!("request {} at cut {}: {e}", o.request_id, o.metrics.split)),
+    })
+    .await?;
+    if let Some(first) = failures.first() {
+        anyhow::bail!("measuring the cuts: {} of the requests failed, the first: {first}", failures.len());
+    }
+    let median = |all: &[RequestMetrics], f: fn(&RequestMetrics) -> f64| Percentiles::of(&all.iter().map(f).collect::<Vec<_>>()).p50;
+    Ok(per_cut
+        .into_iter()
+        .map(|(cut, all)| MeasuredCut {
+            cut,
+            e2e_ms: Percentiles::of(&all.iter().map(|m| m.e2e_ms).collect::<Vec<_>>()),
+            edge_ms: median(&all, |m| m.prefix_ms),
+            encode_ms: median(&all, |m| m.encode_ms),
+            network_ms: median(&all, |m| if m.bytes_wire == 0 { 0.0 } else { (m.round_trip_ms - m.server.total_ms()).max(0.0) }),
+            server_ms: median(&all, |m| m.server.total_ms()),
+            decode_ms: median(&all, |m| m.decode_ms),
+            e2e_samples: all.iter().map(|m| m.e2e_ms).collect(),
+        })
+        .collect())
+}
+
+/// The plots of `--measure`: predicted against measured latency, the breakdown per cut, and
+/// the latency CDF at the first and last cuts, the predicted best and the measured best.
+fn plot_measured(bundle: &Bundle, report: &PlanReport, output: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
+    let model = &bundle.manifest().model.source;
+    let points: Vec<(usize, f64, f64)> =
+        report.measured.iter().map(|m| (m.cut, report.predictions[m.cut].latency_ms, m.e2e_ms.p50)).collect();
+    crate::pictures::plot_predicted_vs_measured(&output.join(PREDICTED_VS_MEASURED), &format!("{model}: predicted and measured latency per cut"), &points)?;
+    let bars: Vec<CutBreakdown> = report
+        .measured
+        .iter()
+        .map(|m| CutBreakdown {
+            cut: m.cut,
+            label: m.cut.to_string(),
+            edge_ms: m.edge_ms,
+            encode_ms: m.encode_ms,
+            network_ms: m.network_ms,
+            server_ms: m.server_ms,
+            decode_ms: m.decode_ms,
+        })
+        .collect();
+    crate::pictures::plot_breakdown(&output.join(BREAKDOWN), &format!("{model}: where the time goes at each cut (medians)"), &bars)?;
+    let measured_best = report.measured.iter().min_by(|a, b| a.e2e_ms.p50.total_cmp(&b.e2e_ms.p50)).map(|m| m.cut);
+    let mut shown: Vec<(usize, &str)> = Vec::new();
+    let first = report.measured.first().map(|m| m.cut);
+    let last = report.measured.last().map(|m| m.cut);
+    for (cut, why) in [(report.best, "planned best"), (measured_best, "measured best"), (first, "first"), (last, "last")] {
+        if let Some(cut) = cut.filter(|c| !shown.iter().any(|(s, _)| s == c)) {
+            shown.push((cut, why));
+        }
+    }
+    let series: Vec<(String, Vec<f64>)> = shown
+        .iter()
+        .filter_map(|(cut, why)| report.measured.iter().find(|m| m.cut == *cut).map(|m| (format!("cut {cut} ({why})"), m.e2e_samples.clone())))
+        .collect();
+    crate::pictures::plot_latency_cdf(&output.join(LATENCY_CDF), &format!("{model}: end-to-end latency"), &series)?;
+    Ok(vec![output.join(PREDICTED_VS_MEASURED), output.join(BREAKDOWN), output.join(LATENCY_CDF)])
 }
 
 /// Measures every profile the planner needs: the edge's stages and boundaries (on a

@@ -85,6 +85,12 @@ pub struct Summary {
     pub bearer_token: bool,
     /// Seconds the run took.
     pub wall_s: f64,
+    /// `split: auto`: what the planner chose at start-up.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned: Option<crate::auto_split::Planned>,
+    /// `split: auto`: every move of the split while running.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub split_moves: Vec<crate::auto_split::SplitMove>,
 }
 
 /// Writes the per-request files as outcomes arrive.

@@ -9,7 +9,7 @@ use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
-use cleave_host::client::{connect, stream_requests, Link, StreamPlan};
+use cleave_host::client::{connect, stream_requests, Link, Splits, StreamPlan};
 use cleave_host::inputs::Inputs;
 use cleave_host::LoopbackServer;
 use cleave_tests::bundle_dir;
@@ -24,7 +24,7 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
     let (mut client, info) = connect(url, bundle, &Link::plain(8 << 20)).await.unwrap();
     let plan = StreamPlan {
         bundle: bundle.clone(),
-        split,
+        split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
         requests,
         in_flight: 3,
@@ -32,7 +32,6 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         max_payload_bytes: 1 << 30,
         codec: Codec::RAW,
         key: None,
-        split_source: None,
     };
     let mut outcomes = Vec::new();
     stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
@@ -79,6 +78,43 @@ fn mobilenet_v3_small_over_grpc_equals_local() {
 #[test]
 fn transformer_over_grpc_equals_local() {
     outputs_equal_local("transformer");
+}
+
+#[test]
+fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let n = bundle.stage_count();
+    let schedule = vec![n, 0, 5, n, 11];
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let (mut client, info) = connect(&server.url, &bundle, &Link::plain(8 << 20)).await.unwrap();
+        let plan = StreamPlan {
+            bundle: bundle.clone(),
+            split: Splits::RoundRobin(schedule.clone()),
+            device: DeviceSpec::Cpu,
+            requests: 10,
+            in_flight: 2,
+            inputs: Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 3).unwrap(),
+            max_payload_bytes: 1 << 30,
+            codec: Codec::RAW,
+            key: None,
+        };
+        let mut outcomes = Vec::new();
+        stream_requests(&mut client, &info, plan, |o| outcomes.push(o)).await.unwrap();
+        outcomes.sort_by_key(|o| o.request_id);
+        assert_eq!(outcomes.iter().map(|o| o.request_id).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
+        for o in outcomes {
+            let split = schedule[o.request_id as usize % schedule.len()];
+            assert_eq!(o.metrics.split, split, "request {}", o.request_id);
+            let output = o.output.unwrap_or_else(|e| panic!("request {} at cut {split}: {e}", o.request_id));
+            assert!(output.bit_identical(&local(&bundle, &whole, 3, 5, o.request_id)), "request {} at cut {split}", o.request_id);
+            // At the last cut everything ran on the edge: nothing crossed the network.
+            let crossed = o.metrics.bytes_wire > 0 && o.metrics.round_trip_ms > 0.0;
+            assert_eq!(crossed, split != n, "request {} at cut {split}: {:?}", o.request_id, o.metrics);
+        }
+        server.shutdown().await.unwrap();
+    });
 }
 
 #[test]

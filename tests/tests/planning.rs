@@ -39,6 +39,22 @@ fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
     assert_eq!(dot.matches("split here").count(), 1, "the chosen cut is marked once");
     let svg = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::PREDICTED_VS_MEASURED)).unwrap();
     assert!(svg.contains("<polyline"));
+    // The measured breakdown: one entry per usable cut, its parts adding up to no more than the whole.
+    let usable = report.predictions.iter().filter(|p| p.usable).count();
+    assert_eq!(report.measured.len(), usable);
+    for m in &report.measured {
+        assert_eq!(report.measured_ms[m.cut], Some(m.e2e_ms.p50));
+        assert_eq!(m.e2e_samples.len(), 2, "cut {}: the warm-up round is left out", m.cut);
+        if m.cut == n {
+            assert_eq!((m.network_ms, m.server_ms), (0.0, 0.0), "the last cut never leaves the edge");
+        } else {
+            assert!(m.server_ms > 0.0, "cut {}", m.cut);
+        }
+    }
+    let bars = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::BREAKDOWN)).unwrap();
+    assert!(bars.matches("<rect").count() >= usable, "a bar per cut");
+    let cdf = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::LATENCY_CDF)).unwrap();
+    assert!(cdf.contains("<polyline") && cdf.contains(&format!("cut {best} (planned best")), "{cdf}");
 }
 
 #[test]
@@ -97,6 +113,10 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
         }
     }
     assert!(summary["e2e_ms"]["p50"].as_f64().unwrap() >= summary["round_trip_ms"]["p50"].as_f64().unwrap());
+    // What the planner chose and predicted is recorded beside what happened.
+    assert_eq!(summary["planned"]["cut"].as_u64(), Some(splits[0] as u64));
+    assert!(summary["planned"]["predicted_ms"].as_f64().is_some_and(|v| v > 0.0), "{}", summary["planned"]);
+    assert_eq!(summary["planned"]["objective"], "latency");
     // `auto` is not a cut a bundle can resolve by itself.
     let err = bundle.resolve_split(&cleave_common::config::SplitSpec::Auto).unwrap_err().to_string();
     assert!(err.contains("planner"), "{err}");

@@ -13,7 +13,7 @@ use cleave_common::config::{InputSource, Limits};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_common::security::{EdgeSecurity, ServerSecurity};
 use cleave_common::wire::{Codec, CodecPolicy, Key, KeyRing};
-use cleave_host::client::{connect, stream_requests, Link, StreamPlan};
+use cleave_host::client::{connect, stream_requests, Link, Splits, StreamPlan};
 use cleave_host::inputs::Inputs;
 use cleave_host::report::Percentiles;
 use cleave_host::LoopbackServer;
@@ -82,7 +82,7 @@ fn main() -> anyhow::Result<()> {
             let (mut client, info) = connect(&server.url, &bundle, &link).await?;
             let plan = StreamPlan {
                 bundle: bundle.clone(),
-                split,
+                split: Splits::Fixed(split),
                 device: DeviceSpec::Cpu,
                 requests: warmup + args.requests,
                 in_flight: 1,
@@ -90,7 +90,6 @@ fn main() -> anyhow::Result<()> {
                 max_payload_bytes: 1 << 30,
                 codec,
                 key: key.clone(),
-                split_source: None,
             };
             let mut e2e = Vec::new();
             let (mut raw, mut wire) = (0, 0);

@@ -1,0 +1,208 @@
+//! `split: auto` while running: plan from measured profiles at start-up, then keep a moving
+//! estimate of the link's bandwidth and let the re-planner move the split between requests.
+//!
+//! The estimate is fed by every request that crosses the network (its bytes over its
+//! network time). A request split at the last cut runs wholly on the edge and moves nothing,
+//! so while the split sits there a prober sends an upload-only `Echo` now and then: without
+//! it, a link that gets faster again would never be noticed.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cleave_common::planner::{BandwidthEstimate, CutPrediction, Objective, Profiles, Replanner};
+use serde::Serialize;
+
+use crate::client::{Client, RequestMetrics};
+
+/// How much each transfer moves the bandwidth estimate (in the logarithm: half way).
+const ESTIMATE_WEIGHT: f64 = 0.5;
+/// Predicted gain a move must beat (a share of the current cut's latency).
+const MOVE_MARGIN: f64 = 0.1;
+/// Bytes each probe uploads while everything runs on the edge.
+const PROBE_BYTES: usize = 256 << 10;
+/// Pause between probes.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// What the planner chose at start-up (in `summary.json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Planned {
+    /// The objective.
+    pub objective: Objective,
+    /// The cut chosen from the profiles.
+    pub cut: usize,
+    /// Its predicted end-to-end latency, ms.
+    pub predicted_ms: f64,
+    /// Its predicted pipelined throughput, requests/s.
+    pub predicted_rps: f64,
+    /// The probed link, Mbit/s.
+    pub link_mbit_per_s: f64,
+    /// The probed round trip, ms.
+    pub rtt_ms: f64,
+}
+
+/// One move of the split while running (in `summary.json`).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct SplitMove {
+    /// The request whose measurement triggered it (0 for a probe's); later requests use the new cut.
+    pub after_request: u64,
+    /// From this cut.
+    pub from: usize,
+    /// To this cut.
+    pub to: usize,
+    /// The bandwidth estimate that moved it, Mbit/s.
+    pub mbit_per_s: f64,
+}
+
+/// The running planner, shared by the result loop and the prober.
+pub struct AutoSplit {
+    cut: Arc<AtomicUsize>,
+    replanner: Replanner,
+    estimate: BandwidthEstimate,
+    rtt_ms: f64,
+    result_bytes: u64,
+    last_cut: usize,
+    last_request: u64,
+    moves: Vec<SplitMove>,
+}
+
+impl AutoSplit {
+    /// Plans from `profiles`; returns the planner and what it chose.
+    pub fn plan(profiles: Profiles, objective: Objective) -> anyhow::Result<(Self, Planned)> {
+        let rtt_ms = profiles.link.rtt_ms;
+        let result_bytes = profiles.result_wire_bytes;
+        let last_cut = profiles.stage_count();
+        let estimate = BandwidthEstimate::new(profiles.link.bytes_per_s, ESTIMATE_WEIGHT);
+        let replanner = Replanner::new(profiles, objective, MOVE_MARGIN)?;
+        let chosen: CutPrediction = replanner.prediction(replanner.current())?;
+        let planned = Planned {
+            objective,
+            cut: chosen.cut,
+            predicted_ms: chosen.latency_ms,
+            predicted_rps: chosen.throughput_rps,
+            link_mbit_per_s: estimate.bytes_per_s() * 8.0 / 1e6,
+            rtt_ms,
+        };
+        let cut = Arc::new(AtomicUsize::new(chosen.cut));
+        Ok((Self { cut, replanner, estimate, rtt_ms, result_bytes, last_cut, last_request: 0, moves: Vec::new() }, planned))
+    }
+
+    /// The cut requests read when their prefix starts.
+    pub fn cut(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.cut)
+    }
+
+    /// Every move so far.
+    pub fn moves(&self) -> &[SplitMove] {
+        &self.moves
+    }
+
+    /// Feeds one answered request into the estimate (requests that stayed on the edge moved
+    /// nothing and are skipped).
+    pub fn observe(&mut self, request_id: u64, m: &RequestMetrics) {
+        self.last_request = self.last_request.max(request_id);
+        if m.split == self.last_cut || m.bytes_wire == 0 {
+            return;
+        }
+        let network_ms = m.round_trip_ms - m.server.total_ms();
+        if self.estimate.observe(m.bytes_wire + self.result_bytes, network_ms, self.rtt_ms) {
+            self.replan();
+        }
+    }
+
+    /// Feeds one probe: `bytes` uploaded in `elapsed_ms` (an empty reply).
+    fn observe_probe(&mut self, bytes: u64, elapsed_ms: f64) {
+        if self.estimate.observe(bytes, elapsed_ms, self.rtt_ms) {
+            self.replan();
+        }
+    }
+
+    fn replan(&mut self) {
+        let before = self.replanner.current();
+        let now = self.replanner.update(self.estimate.bytes_per_s());
+        if now != before {
+            let mbit_per_s = self.estimate.bytes_per_s() * 8.0 / 1e6;
+            tracing::info!(from = before, to = now, mbit_per_s, "split moved");
+            self.moves.push(SplitMove { after_request: self.last_request, from: before, to: now, mbit_per_s });
+            self.cut.store(now, Ordering::Relaxed);
+        }
+    }
+}
+
+/// While the split sits at the last cut, uploads [`PROBE_BYTES`] through `Echo` every
+/// [`PROBE_EVERY`] and feeds the estimate. Runs until aborted.
+pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, mut client: Client, max_message: u64) {
+    let bytes = PROBE_BYTES.min(max_message.saturating_sub(4096) as usize);
+    loop {
+        tokio::time::sleep(PROBE_EVERY).await;
+        let on_edge = {
+            let a = auto.lock().expect("auto split");
+            a.cut.load(Ordering::Relaxed) == a.last_cut
+        };
+        if !on_edge {
+            continue;
+        }
+        let started = Instant::now();
+        let probe = cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; bytes]), reply_bytes: 0 };
+        match client.echo(probe).await {
+            Ok(_) => auto.lock().expect("auto split").observe_probe(bytes as u64, started.elapsed().as_secs_f64() * 1e3),
+            Err(status) => tracing::warn!(%status, "bandwidth probe failed"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::ServerTimes;
+    use cleave_common::planner::Link;
+
+    const MBIT: f64 = 1e6 / 8.0;
+
+    /// The planner tests' 4-stage model: the edge 10x slower than the server, the boundary
+    /// shrinking along the model; over a fast link everything goes to the server (cut 0).
+    fn profiles() -> Profiles {
+        Profiles {
+            edge_stage_ms: vec![20.0, 20.0, 20.0, 20.0],
+            server_stage_ms: vec![2.0, 2.0, 2.0, 2.0],
+            cut_wire_bytes: vec![600_000, 800_000, 100_000, 10_000, 4_000],
+            cut_usable: vec![true; 5],
+            result_wire_bytes: 4_000,
+            codec_ms_per_mib: 0.0,
+            link: Link { bytes_per_s: 10_000.0 * MBIT, rtt_ms: 1.0 },
+        }
+    }
+
+    /// A request at `split` that moved `bytes` up in `network_ms` (plus an 8 ms server).
+    fn request(split: usize, bytes: u64, network_ms: f64) -> RequestMetrics {
+        let server = ServerTimes { compute_ms: 8.0, ..Default::default() };
+        RequestMetrics { split, bytes_wire: bytes, round_trip_ms: network_ms + 8.0, server, ..Default::default() }
+    }
+
+    #[test]
+    fn slow_transfers_move_the_split_and_each_move_is_recorded() {
+        let (mut auto, planned) = AutoSplit::plan(profiles(), Objective::Latency).unwrap();
+        assert_eq!((planned.cut, auto.cut().load(Ordering::Relaxed)), (0, 0));
+        // The predicted latency at cut 0: 0.48 ms up, 1 ms round trip, 8 ms server, 0.0032 ms down.
+        assert!((planned.predicted_ms - (0.48 + 1.0 + 8.0 + 0.0032)).abs() < 1e-9, "{planned:?}");
+        // The link drops to about 2 Mbit/s: 604 kB in 2.4 s. A few requests move the estimate
+        // far enough that everything runs on the edge.
+        for id in 0..6 {
+            auto.observe(id, &request(0, 600_000, 2417.0));
+        }
+        assert_eq!(auto.cut().load(Ordering::Relaxed), 4);
+        let moves = auto.moves().to_vec();
+        assert!(!moves.is_empty());
+        assert_eq!((moves[0].from, moves.last().unwrap().to), (0, 4));
+        assert!(moves.windows(2).all(|w| w[0].to == w[1].from && w[0].after_request <= w[1].after_request));
+        // Requests that ran on the edge say nothing about the link.
+        let before = auto.estimate.bytes_per_s();
+        auto.observe(11, &RequestMetrics { split: 4, ..Default::default() });
+        assert_eq!(auto.estimate.bytes_per_s(), before);
+        // Probes that find the link fast again (256 KiB in 2.1 ms: 1 Gbit/s) bring the split back.
+        for _ in 0..10 {
+            auto.observe_probe(256 << 10, 1.0 + 2.1);
+        }
+        assert_eq!(auto.cut().load(Ordering::Relaxed), 0);
+    }
+}
