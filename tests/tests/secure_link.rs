@@ -8,7 +8,7 @@ use cleave_common::pb::{self, InferFrame};
 use cleave_common::security::{write_dev_secrets, ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity, Token};
 use cleave_common::wire::{Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
-use cleave_host::client::{connect, stream_requests, Link, StreamPlan};
+use cleave_host::client::{connect, stream_requests, Link, Splits, StreamPlan};
 use cleave_host::inputs::Inputs;
 use cleave_host::LoopbackServer;
 use cleave_tests::bundle_dir;
@@ -24,7 +24,7 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, codec: Codec, securi
     let (mut client, info) = connect(url, bundle, &Link::secured(8 << 20, security)).await?;
     let plan = StreamPlan {
         bundle: bundle.clone(),
-        split,
+        split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
         requests,
         in_flight: 2,
@@ -32,7 +32,6 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, codec: Codec, securi
         max_payload_bytes: 1 << 30,
         codec,
         key: security.key.clone(),
-        split_source: None,
     };
     let mut outcomes = Vec::new();
     stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await?;
