@@ -278,7 +278,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         encode_ms: pick(|m| m.encode_ms),
         round_trip_ms: pick(|m| m.round_trip_ms),
         server_ms: pick(|m| m.server.total_ms()),
-        network_ms: pick(|m| (m.round_trip_ms - m.server.total_ms()).max(0.0)),
+        network_ms: pick(report::network_ms),
         decode_ms: pick(|m| m.decode_ms),
         throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
         bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
@@ -292,6 +292,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Summary
         split_moves: planner.map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
     };
     std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)? + "\n")?;
+    report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
     println!("{}", summary_table(&summary));
     println!("results in {}", output.display());
     Ok(summary)

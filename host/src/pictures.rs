@@ -16,6 +16,13 @@ use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+/// The file name of the plot of predicted against measured latency per cut.
+pub const PREDICTED_VS_MEASURED: &str = "predicted_vs_measured.svg";
+/// The file name of the stacked latency breakdown, a bar per cut.
+pub const BREAKDOWN: &str = "latency_breakdown.svg";
+/// The file name of the CDF of end-to-end latency.
+pub const LATENCY_CDF: &str = "latency_cdf.svg";
+
 /// Where one request's time went, at one cut: medians over one run with that cut, in
 /// milliseconds.
 #[derive(Debug, Clone, PartialEq)]

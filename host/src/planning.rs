@@ -22,14 +22,9 @@ use serde::Serialize;
 use crate::client::{check_server_accepts, connect, stream_requests, Client, Link as LinkConfig, RequestMetrics, Splits, StreamPlan};
 use crate::pictures::CutBreakdown;
 use crate::inputs::Inputs;
-use crate::report::Percentiles;
+use crate::report::{median_breakdown, Percentiles};
 
-/// The plot of predicted against measured latency (`--measure`).
-pub const PREDICTED_VS_MEASURED: &str = "predicted_vs_measured.svg";
-/// The stacked latency breakdown per measured cut (`--measure`).
-pub const BREAKDOWN: &str = "latency_breakdown.svg";
-/// The CDF of end-to-end latency (`--measure`: at a few cuts; a run: the run's requests).
-pub const LATENCY_CDF: &str = "latency_cdf.svg";
+pub use crate::pictures::{BREAKDOWN, LATENCY_CDF, PREDICTED_VS_MEASURED};
 
 /// One cut as measured by `--measure`: medians of each part, milliseconds.
 #[derive(Debug, Clone, Serialize)]
@@ -165,18 +160,21 @@ async fn measure_cuts(
     if let Some(first) = failures.first() {
         anyhow::bail!("measuring the cuts: {} of the requests failed, the first: {first}", failures.len());
     }
-    let median = |all: &[RequestMetrics], f: fn(&RequestMetrics) -> f64| Percentiles::of(&all.iter().map(f).collect::<Vec<_>>()).p50;
     Ok(per_cut
         .into_iter()
-        .map(|(cut, all)| MeasuredCut {
-            cut,
-            e2e_ms: Percentiles::of(&all.iter().map(|m| m.e2e_ms).collect::<Vec<_>>()),
-            edge_ms: median(&all, |m| m.prefix_ms),
-            encode_ms: median(&all, |m| m.encode_ms),
-            network_ms: median(&all, |m| if m.bytes_wire == 0 { 0.0 } else { (m.round_trip_ms - m.server.total_ms()).max(0.0) }),
-            server_ms: median(&all, |m| m.server.total_ms()),
-            decode_ms: median(&all, |m| m.decode_ms),
-            e2e_samples: all.iter().map(|m| m.e2e_ms).collect(),
+        .map(|(cut, all)| {
+            let all: Vec<&RequestMetrics> = all.iter().collect();
+            let b = median_breakdown(cut, &all);
+            MeasuredCut {
+                cut,
+                e2e_ms: Percentiles::of(&all.iter().map(|m| m.e2e_ms).collect::<Vec<_>>()),
+                edge_ms: b.edge_ms,
+                encode_ms: b.encode_ms,
+                network_ms: b.network_ms,
+                server_ms: b.server_ms,
+                decode_ms: b.decode_ms,
+                e2e_samples: all.iter().map(|m| m.e2e_ms).collect(),
+            }
         })
         .collect())
 }

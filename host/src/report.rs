@@ -9,7 +9,8 @@ use cleave_common::tables::human_bytes;
 use cleave_common::{Bundle, Value};
 use serde::Serialize;
 
-use crate::client::RequestOutcome;
+use crate::client::{RequestMetrics, RequestOutcome};
+use crate::pictures::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
 
 /// p50, p95 and p99 of a measurement.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -158,20 +159,65 @@ impl ReportWriter {
             s.compute_ms,
             s.encode_ms,
             s.total_ms(),
-            (m.round_trip_ms - s.total_ms()).max(0.0),
+            network_ms(m),
             m.decode_ms,
             m.e2e_ms
         )?;
+        // A line per request as it is answered: `tail -f metrics.csv` follows a run.
+        self.metrics.flush()?;
         self.outcomes.push((outcome.request_id, outcome.metrics, ok));
         Ok(())
     }
 
     /// Flushes the files.
-    pub fn finish(mut self) -> anyhow::Result<Vec<(u64, crate::client::RequestMetrics, bool)>> {
+    pub fn finish(mut self) -> anyhow::Result<Vec<(u64, RequestMetrics, bool)>> {
         self.predictions.flush()?;
         self.metrics.flush()?;
         Ok(self.outcomes)
     }
+}
+
+/// The network's share of a request: its round trip less the server's time (zero for a
+/// request that never left the edge).
+pub fn network_ms(m: &RequestMetrics) -> f64 {
+    (m.round_trip_ms - m.server.total_ms()).max(0.0)
+}
+
+/// Where the time of `requests` (all split at `cut`) went: the median of each part, ms.
+pub fn median_breakdown(cut: usize, requests: &[&RequestMetrics]) -> CutBreakdown {
+    let median = |f: fn(&RequestMetrics) -> f64| Percentiles::of(&requests.iter().map(|m| f(m)).collect::<Vec<_>>()).p50;
+    CutBreakdown {
+        cut,
+        label: cut.to_string(),
+        edge_ms: median(|m| m.prefix_ms),
+        encode_ms: median(|m| m.encode_ms),
+        network_ms: median(network_ms),
+        server_ms: median(|m| m.server.total_ms()),
+        decode_ms: median(|m| m.decode_ms),
+    }
+}
+
+/// The plots of a run: the CDF of end-to-end latency and the median breakdown, one series and
+/// one bar per cut the requests were split at (one, unless `split: auto` moved it). Failed
+/// requests are left out. Returns the files written (none when no request succeeded).
+pub fn plot_run(model: &str, outcomes: &[(u64, RequestMetrics, bool)], dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut by_cut: std::collections::BTreeMap<usize, Vec<&RequestMetrics>> = Default::default();
+    for (_, m, ok) in outcomes {
+        if *ok {
+            by_cut.entry(m.split).or_default().push(m);
+        }
+    }
+    if by_cut.is_empty() {
+        return Ok(Vec::new());
+    }
+    let series: Vec<(String, Vec<f64>)> =
+        by_cut.iter().map(|(cut, all)| (format!("split at cut {cut}"), all.iter().map(|m| m.e2e_ms).collect())).collect();
+    let cdf = dir.join(LATENCY_CDF);
+    crate::pictures::plot_latency_cdf(&cdf, &format!("{model}: end-to-end latency"), &series)?;
+    let bars: Vec<CutBreakdown> = by_cut.iter().map(|(cut, all)| median_breakdown(*cut, all)).collect();
+    let breakdown = dir.join(BREAKDOWN);
+    crate::pictures::plot_breakdown(&breakdown, &format!("{model}: where the time goes (medians)"), &bars)?;
+    Ok(vec![cdf, breakdown])
 }
 
 /// Softmax scores when the output is one float tensor [batch, classes].

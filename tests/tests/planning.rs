@@ -117,6 +117,13 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     assert_eq!(summary["planned"]["cut"].as_u64(), Some(splits[0] as u64));
     assert!(summary["planned"]["predicted_ms"].as_f64().is_some_and(|v| v > 0.0), "{}", summary["planned"]);
     assert_eq!(summary["planned"]["objective"], "latency");
+    // The run's plots: a CDF line and a breakdown bar per cut used.
+    let used: std::collections::BTreeSet<usize> = splits.iter().copied().collect();
+    let cdf = std::fs::read_to_string(out.join(cleave_host::pictures::LATENCY_CDF)).unwrap();
+    for cut in &used {
+        assert!(cdf.contains(&format!("split at cut {cut}")), "cut {cut}");
+    }
+    assert!(std::fs::read_to_string(out.join(cleave_host::pictures::BREAKDOWN)).unwrap().contains("<rect"));
     // `auto` is not a cut a bundle can resolve by itself.
     let err = bundle.resolve_split(&cleave_common::config::SplitSpec::Auto).unwrap_err().to_string();
     assert!(err.contains("planner"), "{err}");
