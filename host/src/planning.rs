@@ -286,15 +286,19 @@ fn profile_edge(bundle: &Bundle, device: cleave_common::DeviceSpec, batch: i64, 
     Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 } })
 }
 
-/// Round-trip time (median of empty echoes) and bandwidth (the largest echo that fits a
-/// message, both ways: 2 x size over its time less the round trip).
+/// Round-trip time (median of empty echoes) and upload bandwidth: a first echo of 64 KiB
+/// gives a rough figure, which sizes the probes so that the largest takes about a quarter
+/// of a second whatever the link (at most the message limit, 4 MiB); echoes of a quarter,
+/// half and all of that size, three each, then give the bandwidth as the inverse slope of
+/// time against size (least squares over each size's median), which the round trip and
+/// any fixed cost per call do not bias.
 async fn probe_link(client: &mut Client, max_message: u64) -> anyhow::Result<Link> {
     let echo = |size: usize| {
         let mut client = client.clone();
         async move {
             let started = Instant::now();
             client
-                .echo(cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: size as u64 })
+                .echo(cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: 0 })
                 .await
                 .map_err(|s| anyhow::anyhow!("Echo: {:?}: {}", s.code(), s.message()))?;
             anyhow::Ok(started.elapsed().as_secs_f64() * 1e3)
@@ -309,13 +313,32 @@ async fn probe_link(client: &mut Client, max_message: u64) -> anyhow::Result<Lin
         empty.push(echo(0).await?);
     }
     let rtt_ms = median(empty);
-    let size = ((max_message.saturating_sub(4096)).min(4 << 20)) as usize;
-    let mut full = Vec::new();
-    for _ in 0..5 {
-        full.push(echo(size).await?);
+    let cap = max_message.saturating_sub(4096).min(4 << 20) as usize;
+    let first = (64usize << 10).min(cap);
+    let rough_bytes_per_ms = first as f64 / (echo(first).await? - rtt_ms).max(1e-3);
+    let size = ((rough_bytes_per_ms * 250.0) as usize).clamp(first, cap);
+    let mut points = Vec::new();
+    for share in [4, 2, 1] {
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            times.push(echo(size / share).await?);
+        }
+        points.push(((size / share) as f64, median(times)));
     }
-    let moving_ms = (median(full) - rtt_ms).max(1e-3);
-    Ok(Link { bytes_per_s: 2.0 * size as f64 / moving_ms * 1e3, rtt_ms })
+    let ms_per_byte = slope(&points).filter(|s| *s > 0.0).unwrap_or_else(|| {
+        // Times that do not grow with size (a link much faster than the calls): the largest alone.
+        let (bytes, ms) = points[points.len() - 1];
+        (ms - rtt_ms).max(1e-3) / bytes
+    });
+    Ok(Link { bytes_per_s: 1e3 / ms_per_byte, rtt_ms })
+}
+
+/// The least-squares slope of `y` against `x`; `None` when every `x` is the same.
+fn slope(points: &[(f64, f64)]) -> Option<f64> {
+    let n = points.len() as f64;
+    let (mx, my) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| (a + x / n, b + y / n));
+    let (sxy, sxx) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| (a + (x - mx) * (y - my), b + (x - mx) * (x - mx)));
+    (sxx > 0.0).then(|| sxy / sxx)
 }
 
 fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: i64, codec: &Codec) {
@@ -350,4 +373,15 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
         report.objective
     );
     println!("{table}");
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_slope_of_time_against_size_is_the_inverse_bandwidth() {
+        // 1 ms round trip plus 1 ms per 125 kB (1 Gbit/s).
+        let points: Vec<(f64, f64)> = [62_500.0, 125_000.0, 250_000.0].iter().map(|&b| (b, 1.0 + b / 125_000.0)).collect();
+        assert!((super::slope(&points).unwrap() - 1.0 / 125_000.0).abs() < 1e-15);
+        assert_eq!(super::slope(&[(5.0, 1.0), (5.0, 2.0)]), None);
+    }
 }
