@@ -19,7 +19,7 @@ BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations clean
+.PHONY: setup build test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep clean
 
 setup: build
 
@@ -108,6 +108,15 @@ demo-train: build digits-cnn
 # The demo over a secured link: shuffle+lz4, AES-256-GCM payloads, TLS and a bearer token.
 demo-secure: build $(DEMO_BUNDLE)/manifest.json .dev-secrets/token
 	target/release/host --config config/demo-secure.yaml --loopback
+
+# The networked bench (as root): resnet18 cut at its top-level modules, batches 1 to 8; the
+# server and the host in two network namespaces over an HTB-shaped veth link (bench/README.md).
+LINK_SWEEP_BUNDLE := bundles/resnet18-top
+$(LINK_SWEEP_BUNDLE)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
+	$(EXPORT) torchvision:resnet18 --granularity top --dynamic-batch 1 8 --out $(CURDIR)/$(LINK_SWEEP_BUNDLE)
+
+link-sweep: build $(LINK_SWEEP_BUNDLE)/manifest.json
+	bench/link-sweep --bundle $(LINK_SWEEP_BUNDLE)
 
 clean:
 	rm -rf target bundles results

@@ -4,7 +4,8 @@
 //! The estimate is fed by every request that crosses the network (its bytes over its
 //! network time). A request split at the last cut runs wholly on the edge and moves nothing,
 //! so while the split sits there a prober sends an upload-only `Echo` now and then: without
-//! it, a link that gets faster again would never be noticed.
+//! it, a link that gets faster again would never be noticed. Probes are small and rare (at
+//! most 5% of the time): they compete with the requests for a weak edge's processor.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,10 +20,15 @@ use crate::client::{Client, RequestMetrics};
 const ESTIMATE_WEIGHT: f64 = 0.5;
 /// Predicted gain a move must beat (a share of the current cut's latency).
 const MOVE_MARGIN: f64 = 0.1;
-/// Bytes each probe uploads while everything runs on the edge.
-const PROBE_BYTES: usize = 256 << 10;
-/// Pause between probes.
+/// A probe is sized to take about this long at the estimated bandwidth.
+const PROBE_TARGET: Duration = Duration::from_millis(50);
+/// Bounds of a probe's size.
+const PROBE_BYTES: std::ops::RangeInclusive<usize> = (16 << 10)..=(4 << 20);
+/// The shortest pause between probes.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Probes take at most this share of the time (the link, and the edge's processor, which a
+/// weak edge device cannot spare: a probe's duration sets the pause after it).
+const PROBE_DUTY: f64 = 0.05;
 
 /// What the planner chose at start-up (in `summary.json`).
 #[derive(Debug, Clone, Serialize)]
@@ -110,11 +116,19 @@ impl AutoSplit {
         }
     }
 
-    /// Feeds one probe: `bytes` uploaded in `elapsed_ms` (an empty reply).
-    fn observe_probe(&mut self, bytes: u64, elapsed_ms: f64) {
-        if self.estimate.observe(bytes, elapsed_ms, self.rtt_ms) {
+    /// Feeds one probe: `bytes` uploaded in `elapsed_ms` (an empty reply). Returns whether it
+    /// counted (one that took little more than a round trip says nothing).
+    fn observe_probe(&mut self, bytes: u64, elapsed_ms: f64) -> bool {
+        let counted = self.estimate.observe(bytes, elapsed_ms, self.rtt_ms);
+        if counted {
             self.replan();
         }
+        counted
+    }
+
+    /// The size of the next probe: [`PROBE_TARGET`] at the estimated bandwidth.
+    fn probe_bytes(&self) -> usize {
+        ((self.estimate.bytes_per_s() * PROBE_TARGET.as_secs_f64()) as usize).clamp(*PROBE_BYTES.start(), *PROBE_BYTES.end())
     }
 
     fn replan(&mut self) {
@@ -129,23 +143,35 @@ impl AutoSplit {
     }
 }
 
-/// While the split sits at the last cut, uploads [`PROBE_BYTES`] through `Echo` every
-/// [`PROBE_EVERY`] and feeds the estimate. Runs until aborted.
+/// While the split sits at the last cut, uploads a probe through `Echo` now and then and
+/// feeds the estimate: sized to take [`PROBE_TARGET`] at the estimated bandwidth (four times
+/// larger after one too quick to count, so a link that became much faster is still seen),
+/// at most [`PROBE_DUTY`] of the time. Runs until aborted.
 pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, mut client: Client, max_message: u64) {
-    let bytes = PROBE_BYTES.min(max_message.saturating_sub(4096) as usize);
+    let largest = (max_message.saturating_sub(4096) as usize).max(1);
+    let mut pause = PROBE_EVERY;
+    let mut bytes = auto.lock().expect("auto split").probe_bytes();
     loop {
-        tokio::time::sleep(PROBE_EVERY).await;
+        tokio::time::sleep(pause).await;
         let on_edge = {
             let a = auto.lock().expect("auto split");
             a.cut.load(Ordering::Relaxed) == a.last_cut
         };
         if !on_edge {
+            pause = PROBE_EVERY;
             continue;
         }
+        let size = bytes.min(largest);
         let started = Instant::now();
-        let probe = cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; bytes]), reply_bytes: 0 };
-        match client.echo(probe).await {
-            Ok(_) => auto.lock().expect("auto split").observe_probe(bytes as u64, started.elapsed().as_secs_f64() * 1e3),
+        let probe = cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: 0 };
+        let answer = client.echo(probe).await;
+        let elapsed = started.elapsed();
+        pause = PROBE_EVERY.max(elapsed.div_f64(PROBE_DUTY));
+        match answer {
+            Ok(_) => {
+                let mut a = auto.lock().expect("auto split");
+                bytes = if a.observe_probe(size as u64, elapsed.as_secs_f64() * 1e3) { a.probe_bytes() } else { (size * 4).min(*PROBE_BYTES.end()) };
+            }
             Err(status) => tracing::warn!(%status, "bandwidth probe failed"),
         }
     }
@@ -199,10 +225,16 @@ mod tests {
         let before = auto.estimate.bytes_per_s();
         auto.observe(11, &RequestMetrics { split: 4, ..Default::default() });
         assert_eq!(auto.estimate.bytes_per_s(), before);
+        // Probes on a slow link are small: 50 ms at about 2 Mbit/s is under the 16 KiB floor.
+        assert_eq!(auto.probe_bytes(), 16 << 10);
+        // One that is mostly round trip does not count.
+        assert!(!auto.observe_probe(16 << 10, 1.1));
         // Probes that find the link fast again (256 KiB in 2.1 ms: 1 Gbit/s) bring the split back.
         for _ in 0..10 {
             auto.observe_probe(256 << 10, 1.0 + 2.1);
         }
         assert_eq!(auto.cut().load(Ordering::Relaxed), 0);
+        // At about 1 Gbit/s, 50 ms is more than the 4 MiB ceiling.
+        assert_eq!(auto.probe_bytes(), 4 << 20);
     }
 }

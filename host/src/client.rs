@@ -385,7 +385,16 @@ struct Outbound {
 }
 
 fn produce(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, out: Outbound) -> anyhow::Result<()> {
-    let stages = LoadedStages::load(&plan.bundle, plan.split.edge_stages(&plan.bundle), plan.device)?;
+    let edge_stages = plan.split.edge_stages(&plan.bundle);
+    let stages = LoadedStages::load(&plan.bundle, edge_stages, plan.device)?;
+    // TorchScript optimises a module over its first runs, which take several times longer:
+    // two passes before the first request keep that out of every request's latency.
+    if !edge_stages.is_empty() && plan.requests > 0 {
+        let input = plan.inputs.batch(0);
+        for _ in 0..2 {
+            stages.run(edge_stages, &input)?;
+        }
+    }
     let last_cut = plan.bundle.stage_count();
     for id in 0..plan.requests {
         if out.tokens.recv().is_err() {
