@@ -21,9 +21,11 @@ const ESTIMATE_WEIGHT: f64 = 0.5;
 /// Predicted gain a move must beat (a share of the current cut's latency).
 const MOVE_MARGIN: f64 = 0.1;
 /// A probe is sized to take about this long at the estimated bandwidth.
-const PROBE_TARGET: Duration = Duration::from_millis(50);
-/// Bounds of a probe's size.
-const PROBE_BYTES: std::ops::RangeInclusive<usize> = (16 << 10)..=(4 << 20);
+const PROBE_TARGET: Duration = Duration::from_millis(200);
+/// Bounds of a probe's size. Small probes measure the burst a shaper or a buffer lets
+/// through at line rate, not the sustained rate: 16 KiB probes of a 5 Mbit/s link shaped
+/// with a 32 KiB burst read as hundreds of Mbit/s and sent the split to the server.
+const PROBE_BYTES: std::ops::RangeInclusive<usize> = (256 << 10)..=(4 << 20);
 /// The shortest pause between probes.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Probes take at most this share of the time (the link, and the edge's processor, which a
@@ -225,16 +227,16 @@ mod tests {
         let before = auto.estimate.bytes_per_s();
         auto.observe(11, &RequestMetrics { split: 4, ..Default::default() });
         assert_eq!(auto.estimate.bytes_per_s(), before);
-        // Probes on a slow link are small: 50 ms at about 2 Mbit/s is under the 16 KiB floor.
-        assert_eq!(auto.probe_bytes(), 16 << 10);
+        // Probes on a slow link are small: 200 ms at about 2 Mbit/s is under the 256 KiB floor.
+        assert_eq!(auto.probe_bytes(), 256 << 10);
         // One that is mostly round trip does not count.
-        assert!(!auto.observe_probe(16 << 10, 1.1));
+        assert!(!auto.observe_probe(256 << 10, 1.1));
         // Probes that find the link fast again (256 KiB in 2.1 ms: 1 Gbit/s) bring the split back.
         for _ in 0..10 {
             auto.observe_probe(256 << 10, 1.0 + 2.1);
         }
         assert_eq!(auto.cut().load(Ordering::Relaxed), 0);
-        // At about 1 Gbit/s, 50 ms is more than the 4 MiB ceiling.
+        // At about 1 Gbit/s, 200 ms is more than the 4 MiB ceiling.
         assert_eq!(auto.probe_bytes(), 4 << 20);
     }
 }
