@@ -251,8 +251,35 @@ pub fn chunk_bytes_for(max_message_bytes: u64) -> usize {
     max_message_bytes.saturating_sub(64 << 10).max(4096) as usize
 }
 
+/// One frame's share of an encoded payload.
+#[derive(Debug, Clone)]
+pub struct FramePart {
+    /// The envelope on the first frame, empty on the others.
+    pub header: Bytes,
+    /// At most `chunk_bytes` of the payload's data.
+    pub data: Bytes,
+    /// Whether this is the payload's first frame.
+    pub first: bool,
+    /// Whether this is its last.
+    pub last: bool,
+}
+
+/// Splits an encoded payload into frames of at most `chunk_bytes` data each (at least one):
+/// the envelope rides on the first, `last` marks the end. Every stream, both ways, frames
+/// its payloads this way.
+pub fn frame_parts(envelope: Bytes, data: &Bytes, chunk_bytes: usize) -> Vec<FramePart> {
+    let parts = chunks(data, chunk_bytes);
+    let last = parts.len() - 1;
+    let mut header = Some(envelope);
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, data)| FramePart { header: header.take().unwrap_or_default(), data, first: i == 0, last: i == last })
+        .collect()
+}
+
 /// Splits a payload into chunks of at most `chunk_bytes` (at least one, possibly empty).
-pub fn chunks(data: &Bytes, chunk_bytes: usize) -> Vec<Bytes> {
+fn chunks(data: &Bytes, chunk_bytes: usize) -> Vec<Bytes> {
     if data.is_empty() {
         return vec![Bytes::new()];
     }
@@ -322,9 +349,14 @@ mod tests {
     }
 
     fn send_through_chunks(rx: &mut PayloadReceiver, enc: &EncodedPayload, id: u64, chunk: usize) -> Result<Received, WireError> {
-        let mut re = rx.start(id, &enc.envelope)?;
-        for part in chunks(&enc.data, chunk) {
-            re.push(id, &part)?;
+        let parts = frame_parts(enc.envelope.clone(), &enc.data, chunk);
+        // The envelope rides on the first frame alone; only the last is marked last.
+        assert!(parts.iter().all(|p| p.first != p.header.is_empty()));
+        assert_eq!(parts.iter().filter(|p| p.last).count(), 1);
+        assert!(parts.last().unwrap().last && parts[0].first);
+        let mut re = rx.start(id, &parts[0].header)?;
+        for part in &parts {
+            re.push(id, &part.data)?;
         }
         rx.finish(re)
     }

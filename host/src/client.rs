@@ -11,7 +11,7 @@ use std::time::Instant;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::security::{ClientTls, EdgeSecurity, Token};
-use cleave_common::wire::{chunk_bytes_for, chunks, Codec, CodecPolicy, Precision, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly};
+use cleave_common::wire::{chunk_bytes_for, frame_parts, Codec, CodecPolicy, Precision, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc;
@@ -417,13 +417,9 @@ fn produce(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, out:
         let t = Instant::now();
         let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
         let encoded = sender.encode(meta, &plan.codec, &boundary)?;
-        let parts = chunks(&encoded.data, chunk_bytes);
-        let last = parts.len() - 1;
-        let mut header = Some(encoded.envelope);
-        let frames_out: Vec<InferFrame> = parts
+        let frames_out: Vec<InferFrame> = frame_parts(encoded.envelope, &encoded.data, chunk_bytes)
             .into_iter()
-            .enumerate()
-            .map(|(i, data)| InferFrame { request_id: id, header: header.take().unwrap_or_default(), data, last: i == last })
+            .map(|part| InferFrame { request_id: id, header: part.header, data: part.data, last: part.last })
             .collect();
         let metrics = RequestMetrics {
             split,

@@ -13,6 +13,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -177,14 +178,8 @@ fn render_breakdown(title: &str, cuts: &[CutBreakdown]) -> anyhow::Result<String
 
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (width, PLOT_SIZE.1)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let root = root.titled(title, ("sans-serif", 22))?;
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(48)
-            .y_label_area_size(64)
-            .build_cartesian_2d(x_range, 0.0..y_max)?;
+        let root = titled_canvas(&mut svg, (width, PLOT_SIZE.1), title)?;
+        let mut chart = chart_on(&root, 48).build_cartesian_2d(x_range, 0.0..y_max)?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -271,17 +266,11 @@ fn format_ms(ms: f64) -> String {
 
 /// Draws the CDF of each series (sorted, finite, non-empty) into an SVG document.
 fn render_cdf(title: &str, series: &[(&str, Vec<f64>)]) -> anyhow::Result<String> {
-    let x_range = value_range(series.iter().flat_map(|(_, values)| values.iter().copied()));
+    let x_range = value_range(series.iter().flat_map(|(_, values)| values.iter().copied()), None);
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, PLOT_SIZE).into_drawing_area();
-        root.fill(&WHITE)?;
-        let root = root.titled(title, ("sans-serif", 22))?;
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
-            .build_cartesian_2d(x_range, 0.0..1.02)?;
+        let root = titled_canvas(&mut svg, PLOT_SIZE, title)?;
+        let mut chart = chart_on(&root, 40).build_cartesian_2d(x_range, 0.0..1.02)?;
         chart
             .configure_mesh()
             .x_desc("end-to-end latency (ms)")
@@ -294,7 +283,7 @@ fn render_cdf(title: &str, series: &[(&str, Vec<f64>)]) -> anyhow::Result<String
             let label = format!(
                 "{name} (n={}, median {} ms)",
                 values.len(),
-                format_ms(sorted_median(values))
+                format_ms(crate::training::report::median(values))
             );
             chart
                 .draw_series(LineSeries::new(cdf_steps(values), style))?
@@ -318,16 +307,6 @@ fn cdf_steps(sorted: &[f64]) -> Vec<(f64, f64)> {
     points
 }
 
-/// The median of sorted, non-empty values.
-fn sorted_median(sorted: &[f64]) -> f64 {
-    let mid = sorted.len() / 2;
-    if sorted.len() % 2 == 1 {
-        sorted[mid]
-    } else {
-        (sorted[mid - 1] + sorted[mid]) / 2.0
-    }
-}
-
 /// Draws predicted and measured latency per cut into an SVG document.
 fn render_predicted_vs_measured(title: &str, points: &[(usize, f64, f64)]) -> anyhow::Result<String> {
     let mut points = points.to_vec();
@@ -346,20 +325,14 @@ fn render_predicted_vs_measured(title: &str, points: &[(usize, f64, f64)]) -> an
     let predicted: Vec<(i64, f64)> = points.iter().map(|&(cut, p, _)| (cut as i64, p)).collect();
     let measured: Vec<(i64, f64)> = points.iter().map(|&(cut, _, m)| (cut as i64, m)).collect();
     // From zero, so that a gap reads at its true size, with headroom above for the legend.
-    let span = value_range(predicted.iter().chain(&measured).map(|&(_, y)| y));
+    let span = value_range(predicted.iter().chain(&measured).map(|&(_, y)| y), None);
     let bottom = span.start.min(0.0);
     let y_range = bottom..span.end + 0.2 * (span.end - bottom);
 
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, PLOT_SIZE).into_drawing_area();
-        root.fill(&WHITE)?;
-        let root = root.titled(title, ("sans-serif", 22))?;
-        let mut chart = ChartBuilder::on(&root)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
-            .build_cartesian_2d(x_range, y_range)?;
+        let root = titled_canvas(&mut svg, PLOT_SIZE, title)?;
+        let mut chart = chart_on(&root, 40).build_cartesian_2d(x_range, y_range)?;
         chart
             .configure_mesh()
             .x_desc("cut")
@@ -367,12 +340,27 @@ fn render_predicted_vs_measured(title: &str, points: &[(usize, f64, f64)]) -> an
             .x_labels(((last - first) as usize + 3).min(16))
             .x_label_formatter(&cut_label)
             .draw()?;
-        draw_marked_series(&mut chart, &predicted, PREDICTED_COLOR, "predicted", Marker::Triangle)?;
-        draw_marked_series(&mut chart, &measured, MEASURED_COLOR, "measured", Marker::Circle)?;
+        draw_marked_series(&mut chart, &predicted, PREDICTED_COLOR, "predicted", Marker::Triangle(5))?;
+        draw_marked_series(&mut chart, &measured, MEASURED_COLOR, "measured", Marker::Circle(4))?;
         draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present()?;
     }
     Ok(svg)
+}
+
+/// The canvas every plot draws on, in memory: white, the title on top.
+pub(crate) fn titled_canvas<'b>(svg: &'b mut String, size: (u32, u32), title: &str) -> anyhow::Result<DrawingArea<SVGBackend<'b>, Shift>> {
+    let root = SVGBackend::with_string(svg, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    Ok(root.titled(title, ("sans-serif", 22))?)
+}
+
+/// A chart builder with the margin and the axis label areas every plot uses (`x_label_area`
+/// pixels under the x axis).
+pub(crate) fn chart_on<'a, 'b>(area: &'a DrawingArea<SVGBackend<'b>, Shift>, x_label_area: u32) -> ChartBuilder<'a, 'b, SVGBackend<'b>> {
+    let mut builder = ChartBuilder::on(area);
+    builder.margin(12).x_label_area_size(x_label_area).y_label_area_size(64);
+    builder
 }
 
 /// The legend every plot of a run (and of a training run) draws: boxed, half see-through.
@@ -390,17 +378,17 @@ pub(crate) type LineChart<'a, 'b> = ChartContext<
     Cartesian2d<plotters::coord::types::RangedCoordi64, plotters::coord::types::RangedCoordf64>,
 >;
 
-/// The point marker of a series.
+/// The point marker of a series, with its size in pixels.
 #[derive(Debug, Clone, Copy)]
-enum Marker {
-    Circle,
-    Triangle,
+pub(crate) enum Marker {
+    Circle(u32),
+    Triangle(u32),
 }
 
 /// Draws one labelled series: a line through each run of finite points (a non-finite value
 /// breaks the line rather than dragging it to the border) and a marker at every finite
-/// point, so that a single cut still shows.
-fn draw_marked_series(
+/// point, so that a single cut (or epoch) still shows.
+pub(crate) fn draw_marked_series(
     chart: &mut LineChart<'_, '_>,
     points: &[(i64, f64)],
     color: RGBColor,
@@ -421,24 +409,25 @@ fn draw_marked_series(
     }
     let finite = points.iter().filter(|&&(_, y)| y.is_finite());
     match marker {
-        Marker::Circle => {
-            chart.draw_series(finite.map(|&(x, y)| Circle::new((x, y), 4, style.filled())))?;
+        Marker::Circle(size) => {
+            chart.draw_series(finite.map(|&(x, y)| Circle::new((x, y), size, style.filled())))?;
         }
-        Marker::Triangle => {
-            chart.draw_series(finite.map(|&(x, y)| TriangleMarker::new((x, y), 5, style.filled())))?;
+        Marker::Triangle(size) => {
+            chart.draw_series(finite.map(|&(x, y)| TriangleMarker::new((x, y), size, style.filled())))?;
         }
     }
     Ok(())
 }
 
-/// The finite values' span with a 5% margin; a degenerate span (one value, or all equal) is
-/// padded so the axis has width, and no finite value at all gives `0..1`.
-fn value_range(values: impl Iterator<Item = f64>) -> Range<f64> {
+/// A value axis: the finite values' span with a 5% margin, clamped to `limits` when given.
+/// An empty or degenerate span (one value, or all equal) is padded so the axis has height;
+/// no finite value at all gives `limits`, or `0..1`.
+pub(crate) fn value_range(values: impl Iterator<Item = f64>, limits: Option<Range<f64>>) -> Range<f64> {
     let (lo, hi) = values
         .filter(|v| v.is_finite())
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if lo > hi {
-        return 0.0..1.0;
+        return limits.unwrap_or(0.0..1.0);
     }
     let span = hi - lo;
     let pad = if span > f64::EPSILON * hi.abs().max(1.0) {
@@ -446,7 +435,13 @@ fn value_range(values: impl Iterator<Item = f64>) -> Range<f64> {
     } else {
         (hi.abs() * 0.1).max(0.5)
     };
-    (lo - pad)..(hi + pad)
+    // Clamping keeps the axis some height: the padded span reaches past a limit by `pad` on
+    // one side at most, and a value sitting at a limit (100% everywhere) keeps the other side.
+    let (lo, hi) = (lo - pad, hi + pad);
+    match limits {
+        Some(limits) => lo.max(limits.start)..hi.min(limits.end),
+        None => lo..hi,
+    }
 }
 
 #[cfg(test)]
@@ -616,8 +611,8 @@ mod tests {
     #[test]
     fn cdf_steps_rise_by_one_over_n() {
         assert_eq!(cdf_steps(&[1.0, 2.0]), [(1.0, 0.0), (1.0, 0.5), (2.0, 0.5), (2.0, 1.0)]);
-        assert_eq!(sorted_median(&[1.0, 2.0, 4.0]), 2.0);
-        assert_eq!(sorted_median(&[1.0, 2.0, 4.0, 5.0]), 3.0);
+        assert_eq!(crate::training::report::median(&[1.0, 2.0, 4.0]), 2.0);
+        assert_eq!(crate::training::report::median(&[1.0, 2.0, 4.0, 5.0]), 3.0);
     }
 
     #[test]
@@ -695,11 +690,15 @@ mod tests {
     }
 
     #[test]
-    fn value_range_pads_degenerate_spans() {
-        let r = value_range([0.7].into_iter());
+    fn value_range_pads_degenerate_spans_and_respects_limits() {
+        let r = value_range([0.7].into_iter(), None);
         assert!(r.start < 0.7 && r.end > 0.7);
-        assert_eq!(value_range([f64::NAN].into_iter()), 0.0..1.0);
-        let r = value_range([1.0, 3.0].into_iter());
+        let r = value_range([100.0, 100.0].into_iter(), Some(0.0..100.0));
+        assert!(r.start < 100.0 && r.end == 100.0, "{r:?}");
+        let r = value_range([0.0].into_iter(), Some(0.0..100.0));
+        assert!(r.start == 0.0 && r.end > 0.0, "{r:?}");
+        assert_eq!(value_range([f64::NAN].into_iter(), None), 0.0..1.0);
+        let r = value_range([1.0, 3.0].into_iter(), None);
         assert!((r.start - 0.9).abs() < 1e-12 && (r.end - 3.1).abs() < 1e-12, "{r:?}");
     }
 }

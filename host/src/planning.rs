@@ -304,10 +304,7 @@ async fn probe_link(client: &mut Client, max_message: u64) -> anyhow::Result<Lin
             anyhow::Ok(started.elapsed().as_secs_f64() * 1e3)
         }
     };
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let median = |v: Vec<f64>| Percentiles::of(&v).p50;
     let mut empty = Vec::new();
     for _ in 0..11 {
         empty.push(echo(0).await?);

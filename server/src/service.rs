@@ -13,7 +13,7 @@ use bytes::Bytes;
 use cleave_common::pb::split_inference_server::SplitInference;
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::security::ServerSecurity;
-use cleave_common::wire::{chunks, Codec, CodecError, Direction, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, WireError};
+use cleave_common::wire::{frame_parts, Codec, CodecError, Direction, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, WireError};
 use cleave_common::training::TrainError;
 use cleave_common::{Boundary, Bundle, BundleError, DeviceSpec};
 use tokio::sync::{mpsc, oneshot};
@@ -413,18 +413,14 @@ async fn respond(
 }
 
 fn result_frames(request_id: u64, envelope: Bytes, data: &Bytes, timings: pb::ServerTimings, chunk_bytes: usize) -> Vec<ResultFrame> {
-    let parts = chunks(data, chunk_bytes);
-    let last_index = parts.len() - 1;
-    let mut header = Some(envelope);
-    parts
+    frame_parts(envelope, data, chunk_bytes)
         .into_iter()
-        .enumerate()
-        .map(|(i, data)| ResultFrame {
+        .map(|part| ResultFrame {
             request_id,
-            header: header.take().unwrap_or_default(),
-            data,
-            last: i == last_index,
-            timings: (i == last_index).then_some(timings),
+            header: part.header,
+            data: part.data,
+            last: part.last,
+            timings: part.last.then_some(timings),
             error: None,
         })
         .collect()

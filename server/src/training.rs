@@ -22,7 +22,7 @@ use cleave_common::training::optim::{Optimizer, OptimizerConfig};
 use cleave_common::training::{
     gradient_boundary, gradients, take_targets, track_gradients, vjp_root, TrainError, TrainableStages,
 };
-use cleave_common::wire::{chunks, Codec, Direction, PayloadReceiver, Reassembly};
+use cleave_common::wire::{frame_parts, Codec, Direction, PayloadReceiver, Reassembly};
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange, Value};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
@@ -580,19 +580,15 @@ impl CallStream {
             Err(_) => return vec![error_reply(id, &RequestError::Unavailable)],
         };
         let timings = pb::ServerTimings { queue_us: 0, decode_us, compute_us: compute.as_micros() as u64, encode_us: encode_time.as_micros() as u64 };
-        let parts = chunks(&encoded.data, self.chunk_bytes);
-        let last_index = parts.len() - 1;
-        let mut header = Some(encoded.envelope);
-        parts
+        frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes)
             .into_iter()
-            .enumerate()
-            .map(|(i, data)| TrainReply {
+            .map(|part| TrainReply {
                 request_id: id,
-                header: header.take().unwrap_or_default(),
-                data,
-                last: i == last_index,
-                loss: if i == last_index { loss } else { None },
-                timings: (i == last_index).then_some(timings),
+                header: part.header,
+                data: part.data,
+                last: part.last,
+                loss: if part.last { loss } else { None },
+                timings: part.last.then_some(timings),
                 ..Default::default()
             })
             .collect()

@@ -5,7 +5,7 @@
 //! handle. It must therefore be used from a blocking thread, never from an async task.
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
-use cleave_common::wire::{chunk_bytes_for, chunks, Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::wire::{chunk_bytes_for, frame_parts, Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
@@ -131,19 +131,17 @@ impl TrainLink {
         let id = self.take_id();
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
         let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
-        let parts = chunks(&encoded.data, self.chunk_bytes);
-        let last_index = parts.len() - 1;
-        let mut header = Some(encoded.envelope);
+        let parts = frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes);
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
         let (frames, replies) = (&self.frames, &mut self.replies);
         let (received, loss) = self.runtime.block_on(async {
-            for (i, data) in parts.into_iter().enumerate() {
+            for part in parts {
                 let frame = pb::TrainPayloadFrame {
                     request_id: id,
-                    phase: if i == 0 { phase as i32 } else { 0 },
-                    header: header.take().unwrap_or_default(),
-                    data,
-                    last: i == last_index,
+                    phase: if part.first { phase as i32 } else { 0 },
+                    header: part.header,
+                    data: part.data,
+                    last: part.last,
                 };
                 frames
                     .send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) })

@@ -11,7 +11,7 @@ use std::path::Path;
 use anyhow::{bail, Context};
 use plotters::prelude::*;
 
-use crate::pictures::{draw_legend, LineChart};
+use crate::pictures::{chart_on, draw_legend, draw_marked_series, titled_canvas, value_range, Marker};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// The per-epoch table's file name inside the output directory.
@@ -203,16 +203,11 @@ fn render_svg(title: &str, epochs: &[EpochRecord]) -> anyhow::Result<String> {
 
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, PLOT_SIZE).into_drawing_area();
-        root.fill(&WHITE)?;
-        let root = root.titled(title, ("sans-serif", 22))?;
+        let root = titled_canvas(&mut svg, PLOT_SIZE, title)?;
         let (left, right) = root.split_horizontally(PLOT_SIZE.0 / 2);
 
-        let mut chart = ChartBuilder::on(&left)
+        let mut chart = chart_on(&left, 40)
             .caption("Loss per epoch", ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
             .build_cartesian_2d(x_range.clone(), loss_range)?;
         chart
             .configure_mesh()
@@ -221,15 +216,12 @@ fn render_svg(title: &str, epochs: &[EpochRecord]) -> anyhow::Result<String> {
             .x_labels(x_label_count(epochs.len()))
             .x_label_formatter(&epoch_label)
             .draw()?;
-        draw_series(&mut chart, &train, BLUE, "train loss")?;
-        draw_series(&mut chart, &test, RED, "test loss")?;
+        draw_marked_series(&mut chart, &train, BLUE, "train loss", Marker::Circle(3))?;
+        draw_marked_series(&mut chart, &test, RED, "test loss", Marker::Circle(3))?;
         draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
 
-        let mut chart = ChartBuilder::on(&right)
+        let mut chart = chart_on(&right, 40)
             .caption("Test accuracy per epoch", ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
             .build_cartesian_2d(x_range, accuracy_range)?;
         chart
             .configure_mesh()
@@ -238,44 +230,12 @@ fn render_svg(title: &str, epochs: &[EpochRecord]) -> anyhow::Result<String> {
             .x_labels(x_label_count(epochs.len()))
             .x_label_formatter(&epoch_label)
             .draw()?;
-        draw_series(&mut chart, &accuracy, RGBColor(0, 140, 0), "test accuracy")?;
+        draw_marked_series(&mut chart, &accuracy, RGBColor(0, 140, 0), "test accuracy", Marker::Circle(3))?;
         draw_legend(&mut chart, SeriesLabelPosition::LowerRight)?;
 
         root.present()?;
     }
     Ok(svg)
-}
-
-/// Draws one labelled series: a line through each run of finite points (a NaN or infinite
-/// value breaks the line rather than dragging it to the border) and a marker at every point,
-/// so that a single epoch still shows.
-fn draw_series(
-    chart: &mut LineChart<'_, '_>,
-    points: &[(i64, f64)],
-    color: RGBColor,
-    label: &str,
-) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
-    let style = ShapeStyle::from(color).stroke_width(2);
-    for (i, run) in points
-        .split(|&(_, y)| !y.is_finite())
-        .filter(|run| !run.is_empty())
-        .enumerate()
-    {
-        let series = chart.draw_series(LineSeries::new(run.iter().copied(), style))?;
-        // Only the first run carries the legend entry, so the legend lists each series once.
-        if i == 0 {
-            series
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-        }
-    }
-    chart.draw_series(
-        points
-            .iter()
-            .filter(|&&(_, y)| y.is_finite())
-            .map(|&(x, y)| Circle::new((x, y), 3, style.filled())),
-    )?;
-    Ok(())
 }
 
 /// The epoch axis: `1..=n`, widened to `0..=2` for a single epoch so its point sits in the
@@ -293,30 +253,6 @@ fn x_label_count(count: usize) -> usize {
     (count + 2).min(12)
 }
 
-/// The value axis: the finite values' span with a 5% margin, clamped to `limits` when given.
-/// An empty or degenerate span (one value, or all equal) is padded so the axis has height;
-/// no finite value at all gives `limits`, or `0..1`.
-fn value_range(values: impl Iterator<Item = f64>, limits: Option<Range<f64>>) -> Range<f64> {
-    let (lo, hi) = values
-        .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
-    if lo > hi {
-        return limits.unwrap_or(0.0..1.0);
-    }
-    let span = hi - lo;
-    let pad = if span > f64::EPSILON * hi.abs().max(1.0) {
-        span * 0.05
-    } else {
-        (hi.abs() * 0.1).max(0.5)
-    };
-    // Clamping keeps the axis some height: the padded span reaches past a limit by `pad` on
-    // one side at most, and a value sitting at a limit (100% everywhere) keeps the other side.
-    let (lo, hi) = (lo - pad, hi + pad);
-    match limits {
-        Some(limits) => lo.max(limits.start)..hi.min(limits.end),
-        None => lo..hi,
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -524,18 +460,5 @@ mod tests {
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
         assert_eq!(median(&[-1.0, 5.0]), 2.0);
         assert_eq!(median(&[7.0, 7.0, 7.0, 1.0]), 7.0);
-    }
-
-    #[test]
-    fn value_range_pads_degenerate_spans_and_respects_limits() {
-        let r = value_range([0.7].into_iter(), None);
-        assert!(r.start < 0.7 && r.end > 0.7);
-        let r = value_range([100.0, 100.0].into_iter(), Some(0.0..100.0));
-        assert!(r.start < 100.0 && r.end == 100.0, "{r:?}");
-        let r = value_range([0.0].into_iter(), Some(0.0..100.0));
-        assert!(r.start == 0.0 && r.end > 0.0, "{r:?}");
-        assert_eq!(value_range([f64::NAN].into_iter(), None), 0.0..1.0);
-        let r = value_range([1.0, 3.0].into_iter(), None);
-        assert!((r.start - 0.9).abs() < 1e-12 && (r.end - 3.1).abs() < 1e-12, "{r:?}");
     }
 }
