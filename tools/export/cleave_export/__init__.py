@@ -12,6 +12,8 @@ Modules:
     partition  group nodes into stages and compute the live set at every cut
     bundle     compile, validate and write the bundle
     zoo        small built-in models (the digits CNN)
+    digits     sklearn's 8x8 digits and their fixed train/test split (the zoo trains on them)
+    datasets   write a dataset split as safetensors for the host (`python -m cleave_export.datasets`)
 """
 
 __version__ = "0.1.0"

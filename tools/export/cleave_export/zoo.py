@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from cleave_export.digits import digits_split
+
 
 class DigitsCNN(nn.Module):
     """A small CNN for scikit-learn's 8x8 digits (input [B, 1, 8, 8], 10 classes)."""
@@ -78,7 +80,7 @@ def train_digits_cnn(
 
 def digits_cnn_trained(seed: int = 0, split_seed: int = 0) -> nn.Module:
     """The digits CNN trained to convergence on the train split of
-    `cleave_export.datasets.digits_split(split_seed)` (about 98-99% test accuracy), in eval mode.
+    `cleave_export.digits.digits_split(split_seed)` (about 98-99% test accuracy), in eval mode.
 
     Reproducible: fixed seeds, one CPU thread and deterministic algorithms while it trains, so
     two calls give bit-identical parameters (on the same machine and torch build). The global
@@ -86,8 +88,6 @@ def digits_cnn_trained(seed: int = 0, split_seed: int = 0) -> nn.Module:
     leaves torch's global state as it was (the exporter draws its reference inputs from it).
     Takes a few seconds on one core.
     """
-    from cleave_export.datasets import digits_split
-
     x_train, y_train, _, _ = digits_split(split_seed)
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
