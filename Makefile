@@ -19,7 +19,11 @@ BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-.PHONY: setup build test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep clean
+# The import-cycle check reads every crate's source and the exporter's modules.
+CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
+	--rust common/codec/src --rust common/src --rust server/src --rust host/src
+
+.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep clean
 
 setup: build
 
@@ -49,8 +53,18 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 
 test-bundles: $(TEST_BUNDLES)/.stamp
 
-# `build` first: the exporter tests run the release `host` against torch.optim (and must not skip).
-test: build $(TEST_BUNDLES)/.stamp
+# Formatting, clippy with warnings denied (the workspace, and the host without the server
+# crate), the exporter's linter, and no import circles between files.
+lint: $(VENV)/.installed
+	cargo fmt --all --check
+	cargo clippy --release --workspace --all-targets -- -D warnings
+	cargo clippy --release -p cleave-host --no-default-features -- -D warnings
+	cd tools/export && $(CURDIR)/$(VENV)/bin/ruff check .
+	$(CYCLE_CHECK)
+
+# Lint first; `build` before the tests: the exporter tests run the release `host` against
+# torch.optim (and must not skip).
+test: lint build $(TEST_BUNDLES)/.stamp
 	CLEAVE_TEST_BUNDLES=$(TEST_BUNDLES) cargo test --release --workspace
 	cd tools/export && CLEAVE_REQUIRE_HOST=1 $(PYTHON) -m pytest -q tests
 

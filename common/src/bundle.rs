@@ -204,6 +204,52 @@ pub struct SplitPoint {
     pub usable: Result<(), String>,
 }
 
+/// Where the host splits the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SplitSpec {
+    /// `auto`: the planner picks the cut from measured profiles and moves it as the
+    /// measured bandwidth changes.
+    Auto,
+    /// A cut index.
+    Cut(usize),
+    /// The cut after the stage with this name or module path.
+    After(String),
+    /// The first cut where the edge holds at least this share (percent) of the model's FLOPs.
+    CostPercent(f64),
+}
+
+impl std::fmt::Display for SplitSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => write!(f, "auto"),
+            Self::Cut(i) => write!(f, "{i}"),
+            Self::After(path) => write!(f, "after:{path}"),
+            Self::CostPercent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+impl std::str::FromStr for SplitSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
+        if let Some(path) = s.strip_prefix("after:") {
+            return Ok(Self::After(path.to_string()));
+        }
+        if let Some(p) = s.strip_suffix('%') {
+            return match p.trim().parse::<f64>() {
+                Ok(p) if (0.0..=100.0).contains(&p) => Ok(Self::CostPercent(p)),
+                _ => Err(format!("{s:?}: a percentage must be between 0% and 100%")),
+            };
+        }
+        s.parse().map(Self::Cut).map_err(|_| format!("{s:?} is not a cut index, after:<module path>, a percentage like 40% or auto"))
+    }
+}
+
 /// An opened, verified bundle. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Bundle {
@@ -216,8 +262,12 @@ impl Bundle {
     /// Opens the bundle in `dir`, checking its format and the hash of every file.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
+        if !dir.exists() {
+            let hint = crate::examples::missing_hint(&dir, ": export one with `python -m cleave_export` (see README.md)");
+            return Err(BundleError::NotFound { dir, hint });
+        }
         let path = dir.join("manifest.json");
-        let bytes = std::fs::read(&path).map_err(|source| BundleError::Io { path: path.clone(), source })?;
+        let bytes = std::fs::read(&path).map_err(|error| BundleError::Io { path: path.clone(), error })?;
         let manifest = parse_manifest(&path, &bytes)?;
         for (file, expected) in &manifest.files {
             let actual = sha256_file(&dir, file)?;
@@ -282,18 +332,17 @@ impl Bundle {
 
     /// The cut a split spec names: an index, the cut after a module (`after:layer2.1`, the
     /// whole module on the edge), or the first cut where the edge holds a share of the FLOPs.
-    pub fn resolve_split(&self, spec: &crate::config::SplitSpec) -> Result<usize> {
-        use crate::config::SplitSpec;
+    pub fn resolve_split(&self, spec: &SplitSpec) -> Result<usize> {
         let n = self.stage_count();
         let invalid = |reason: String| BundleError::InvalidSplit { spec: spec.to_string(), reason };
         let cut = match spec {
-            SplitSpec::Auto => return Err(invalid("auto is chosen by the planner from measured profiles (`host --config` plans it at start-up)".into())),
+            SplitSpec::Auto => {
+                return Err(invalid("auto is chosen by the planner from measured profiles (`host --config` plans it at start-up)".into()))
+            }
             SplitSpec::Cut(i) if *i <= n => *i,
             SplitSpec::Cut(i) => return Err(invalid(format!("cut {i} is out of range: the bundle has cuts 0..={n}"))),
             SplitSpec::After(path) => {
-                let inside = |s: &StageInfo| {
-                    s.name == *path || s.modules.iter().any(|m| m == path || m.starts_with(&format!("{path}.")))
-                };
+                let inside = |s: &StageInfo| s.name == *path || s.modules.iter().any(|m| m == path || m.starts_with(&format!("{path}.")));
                 match self.manifest.stages.iter().rposition(inside) {
                     Some(k) => k + 1,
                     None => return Err(invalid(format!("no stage holds module {path:?} (see `host splits`)"))),
@@ -388,9 +437,7 @@ fn assemble(tree: &ValueSpec, by_name: &mut HashMap<String, Value>) -> Result<Va
         }
         ValueSpec::Tuple { items } => Value::Tuple(items.iter().map(|t| assemble(t, by_name)).collect::<Result<_>>()?),
         ValueSpec::List { items } => Value::List(items.iter().map(|t| assemble(t, by_name)).collect::<Result<_>>()?),
-        ValueSpec::Dict { items } => Value::Dict(
-            items.iter().map(|it| Ok((it.key.clone(), assemble(&it.value, by_name)?))).collect::<Result<_>>()?,
-        ),
+        ValueSpec::Dict { items } => Value::Dict(items.iter().map(|it| Ok((it.key.clone(), assemble(&it.value, by_name)?))).collect::<Result<_>>()?),
         other => return Err(BundleError::UnsupportedValue { path: "output".into(), kind: other.describe() }),
     })
 }
@@ -441,16 +488,30 @@ fn sha256_file(dir: &Path, file: &str) -> Result<String> {
     let path = dir.join(file);
     let mut f = File::open(&path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => BundleError::MissingFile { dir: dir.to_path_buf(), file: file.to_string() },
-        _ => BundleError::Io { path: path.clone(), source },
+        _ => BundleError::Io { path: path.clone(), error: source },
     })?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = f.read(&mut buf).map_err(|source| BundleError::Io { path: path.clone(), source })?;
+        let n = f.read(&mut buf).map_err(|error| BundleError::Io { path: path.clone(), error })?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
     }
     Ok(hex::encode(hasher.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_specs_parse() {
+        assert_eq!("3".parse::<SplitSpec>().unwrap(), SplitSpec::Cut(3));
+        assert_eq!("after:layer2.1".parse::<SplitSpec>().unwrap(), SplitSpec::After("layer2.1".into()));
+        assert_eq!("40%".parse::<SplitSpec>().unwrap(), SplitSpec::CostPercent(40.0));
+        assert!("140%".parse::<SplitSpec>().unwrap_err().contains("between 0% and 100%"));
+        assert!("middle".parse::<SplitSpec>().unwrap_err().contains("not a cut index"));
+    }
 }

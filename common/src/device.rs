@@ -25,11 +25,9 @@ impl FromStr for DeviceSpec {
             "auto" => Ok(Self::Auto),
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda(0)),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Self::Cuda)
-                .ok_or_else(|| BundleError::InvalidDevice(s.to_string())),
+            other => {
+                other.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Self::Cuda).ok_or_else(|| BundleError::InvalidDevice(s.to_string()))
+            }
         }
     }
 }
@@ -55,10 +53,7 @@ impl DeviceSpec {
                 if (n as i64) < count {
                     Ok(tch::Device::Cuda(n))
                 } else {
-                    Err(BundleError::DeviceUnavailable {
-                        requested: self.to_string(),
-                        reason: format!("libtorch sees {count} CUDA device(s)"),
-                    })
+                    Err(BundleError::DeviceUnavailable { requested: self.to_string(), reason: format!("libtorch sees {count} CUDA device(s)") })
                 }
             }
         }

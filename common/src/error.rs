@@ -9,13 +9,21 @@ pub type Result<T, E = BundleError> = std::result::Result<T, E>;
 /// Everything that can go wrong opening, loading or running a bundle.
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {
+    /// The bundle directory does not exist.
+    #[error("bundle {dir} does not exist{hint}")]
+    NotFound {
+        /// The directory.
+        dir: PathBuf,
+        /// How to make it (`: run make X, which creates it`), or nothing.
+        hint: String,
+    },
     /// A file of the bundle could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// Why.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// `manifest.json` is not valid JSON or does not describe a bundle.
     #[error("{path} is not a valid cleave manifest: {message}")]
@@ -146,4 +154,21 @@ pub enum BundleError {
         /// What is wrong.
         message: String,
     },
+}
+
+/// A foreign error with its chain of causes, each once: tonic's transport errors, for one,
+/// keep the reason in their source ("transport error", then "connection refused"). A cause
+/// whose text the message already holds is not repeated.
+pub fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let next = s.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = s.source();
+    }
+    text
 }

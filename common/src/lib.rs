@@ -1,45 +1,45 @@
-//! cleave's shared library: everything the `host` and the `server` both need.
+//! cleave's shared library: everything the `host` and the `server` both need, and nothing
+//! only one of them does.
 //!
-//! - [`bundle`]: open an exported bundle (manifest, hashes, references) and list its split points.
+//! - [`bundle`]: open an exported bundle (manifest, hashes, references), list its split
+//!   points, and resolve a [`SplitSpec`] to a cut.
 //! - [`spec`]: what the manifest says crosses a cut: dtypes, symbolic shapes, value trees.
 //! - [`value`]: runtime values at a cut ([`Boundary`]): named tensors plus a value tree.
 //! - [`stages`]: load a range of stages onto a device and run it on a boundary.
-//! - [`training`]: stages in training mode, optimizers, losses, checkpoints (split training).
-//! - [`config`]: `server.yaml` and `edge.yaml`, raw then validated.
+//! - [`training`]: stages in training mode, optimizers, losses, checkpoints, and the step
+//!   math both sides of split training run.
+//! - [`wire`]: boundaries to and from `cleave-codec` payloads, payloads in frames, and the one
+//!   frame assembler every stream uses.
+//! - [`protocol`]: the gRPC protocol at its edge: generated types ([`pb`]), constants, the
+//!   server's `Info` as a domain type, conversions.
+//! - [`config`]: what both sides' config files share: limits, secrets, TLS files, paths.
+//! - [`security`]: secrets from files or variables, the bearer token, TLS material.
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
-//! - [`graph`]: the stage graph as Graphviz DOT, folded to module level, the chosen cut marked.
-//! - [`planner`]: predicted latency and throughput of every cut from profiles; the best cut.
 //! - [`verify`]: run every split point against the bundle's references.
+//! - [`stats`]: the one percentile definition (medians, p95, p99).
 //! - [`tables`]: the tables printed for people (split points, verification runs).
-//! - [`wire`]: boundaries to and from `cleave-codec` payloads, and payloads in frames.
-//! - [`security`]: secrets from files or variables, the bearer token, TLS material, dev secrets.
-//! - [`pb`]: the generated gRPC types.
-//! - [`error`]: the error type, one variant per step that can fail.
+//! - [`error`]: the bundle runtime's error type, one variant per step that can fail.
+//! - [`examples`]: the make target that creates each example bundle and dataset (for errors).
 
 pub mod bundle;
 pub mod config;
 pub mod device;
 pub mod error;
-pub mod graph;
-pub mod planner;
+pub mod examples;
+pub mod protocol;
 pub mod security;
 pub mod spec;
 pub mod stages;
-pub mod value;
+pub mod stats;
 pub mod tables;
 pub mod training;
+pub mod value;
 pub mod verify;
 pub mod wire;
 
-/// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
-/// glue uses them; the rest of the code works with domain types and converts at the edge.
-#[allow(missing_docs, unreachable_pub, clippy::all)]
-pub mod pb {
-    tonic::include_proto!("cleave.v1");
-}
-
-pub use bundle::{Bundle, SplitPoint};
+pub use bundle::{Bundle, SplitPoint, SplitSpec};
 pub use device::DeviceSpec;
 pub use error::{BundleError, Result};
+pub use protocol::pb;
 pub use stages::{LoadedStages, StageRange};
 pub use value::{Boundary, Value};

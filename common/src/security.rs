@@ -1,6 +1,5 @@
 //! Link security: where secrets come from (a file or an environment variable, never the YAML
-//! itself), the bearer token, TLS material, what each side ends up with, and the dev
-//! secrets `server dev-secrets` writes.
+//! itself), the bearer token, TLS material, and what each side ends up with.
 //!
 //! Secrets never reach a log, an error message or a result file: their types print as
 //! `<redacted>`, and errors name the file or variable, never the content.
@@ -30,9 +29,9 @@ impl SecretSource {
     pub fn read(&self) -> Result<Zeroizing<Vec<u8>>, String> {
         match (&self.file, &self.env) {
             (Some(path), None) => std::fs::read(path).map(Zeroizing::new).map_err(|e| format!("cannot read {}: {e}", path.display())),
-            (None, Some(var)) => std::env::var_os(var)
-                .map(|v| Zeroizing::new(v.into_encoded_bytes()))
-                .ok_or_else(|| format!("environment variable {var} is not set")),
+            (None, Some(var)) => {
+                std::env::var_os(var).map(|v| Zeroizing::new(v.into_encoded_bytes())).ok_or_else(|| format!("environment variable {var} is not set"))
+            }
             _ => Err("give exactly one of `file` and `env` (secrets never go in the YAML itself)".into()),
         }
     }
@@ -131,59 +130,6 @@ impl EdgeSecurity {
     }
 }
 
-/// Files `server dev-secrets` writes.
-#[derive(Debug)]
-pub struct DevSecrets {
-    /// The directory.
-    pub dir: PathBuf,
-}
-
-/// Writes a development CA, a server certificate for `localhost`/`127.0.0.1` signed by it,
-/// the server's key, a payload key and a token into `dir` (created; files readable only by
-/// the owner). For testing and demos: production keys come from your own PKI and secret store.
-pub fn write_dev_secrets(dir: &Path) -> Result<DevSecrets, String> {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-    let fail = |e: rcgen::Error| format!("certificate generation failed: {e}");
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(fail)?;
-    ca_params.distinguished_name.push(DnType::CommonName, "cleave development CA");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_key = KeyPair::generate().map_err(fail)?;
-    let ca_cert = ca_params.self_signed(&ca_key).map_err(fail)?;
-    let issuer = Issuer::new(ca_params, &ca_key);
-    let mut server_params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).map_err(fail)?;
-    server_params.distinguished_name.push(DnType::CommonName, "cleave development server");
-    let server_key = KeyPair::generate().map_err(fail)?;
-    let server_cert = server_params.signed_by(&server_key, &issuer).map_err(fail)?;
-    let token: String = {
-        let key = Key::random();
-        key.to_hex()[..40].to_string()
-    };
-    let payload_key = Key::random().to_hex();
-    let files: [(&str, String); 5] = [
-        ("ca.pem", ca_cert.pem()),
-        ("server.pem", server_cert.pem()),
-        ("server.key", server_key.serialize_pem()),
-        ("payload.key", payload_key.to_string()),
-        ("token", token),
-    ];
-    for (name, content) in files {
-        write_private(&dir.join(name), content.as_bytes())?;
-    }
-    Ok(DevSecrets { dir: dir.to_path_buf() })
-}
-
-fn write_private(path: &Path, content: &[u8]) -> Result<(), String> {
-    use std::io::Write;
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let mut file = options.open(path).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    file.write_all(content).map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,17 +151,5 @@ mod tests {
         assert!(both.read().unwrap_err().contains("exactly one"));
         let missing = SecretSource { file: None, env: Some("CLEAVE_TEST_SURELY_UNSET_VARIABLE".into()) };
         assert_eq!(missing.read().unwrap_err(), "environment variable CLEAVE_TEST_SURELY_UNSET_VARIABLE is not set");
-    }
-
-    #[test]
-    fn dev_secrets_are_written_and_parse() {
-        let dir = tempfile::tempdir().unwrap();
-        write_dev_secrets(dir.path()).unwrap();
-        for name in ["ca.pem", "server.pem", "server.key", "payload.key", "token"] {
-            assert!(dir.path().join(name).is_file(), "{name}");
-        }
-        Key::parse(&std::fs::read(dir.path().join("payload.key")).unwrap()).unwrap();
-        Token::parse(&std::fs::read(dir.path().join("token")).unwrap()).unwrap();
-        assert!(std::fs::read_to_string(dir.path().join("ca.pem")).unwrap().starts_with("-----BEGIN CERTIFICATE-----"));
     }
 }

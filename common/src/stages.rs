@@ -96,8 +96,10 @@ impl LoadedStages {
         let modules = bundle.manifest().stages[range.start..range.end]
             .iter()
             .map(|stage| {
-                let mut module = CModule::load_on_device(bundle.dir().join(&stage.file), device).map_err(|e| {
-                    BundleError::LoadStage { index: stage.index, file: stage.file.clone(), message: first_line(&e.to_string()) }
+                let mut module = CModule::load_on_device(bundle.dir().join(&stage.file), device).map_err(|e| BundleError::LoadStage {
+                    index: stage.index,
+                    file: stage.file.clone(),
+                    message: first_line(&e.to_string()),
                 })?;
                 module.set_eval();
                 Ok(module)
@@ -133,15 +135,10 @@ impl LoadedStages {
     /// random generator there and holds its lock).
     pub(crate) fn run_chain<G>(&self, range: StageRange, input: &Boundary, mut enter_stage: impl FnMut(usize) -> G) -> Result<Boundary> {
         if !self.range.contains(range) {
-            return Err(BundleError::InvalidRange {
-                start: range.start,
-                end: range.end,
-                reason: format!("the loaded stages are {}", self.range),
-            });
+            return Err(BundleError::InvalidRange { start: range.start, end: range.end, reason: format!("the loaded stages are {}", self.range) });
         }
         self.bundle.check_boundary(range.start, input)?;
-        let mut values: Vec<IValue> =
-            input.values.iter().map(|(_, v)| v.to_device(self.device).to_ivalue()).collect();
+        let mut values: Vec<IValue> = input.values.iter().map(|(_, v)| v.to_device(self.device).to_ivalue()).collect();
         let stages = &self.bundle.manifest().stages;
         let modules = &self.modules[range.start - self.range.start..range.end - self.range.start];
         for (stage, module) in stages[range.start..range.end].iter().zip(modules) {
@@ -162,12 +159,8 @@ impl LoadedStages {
                 problem: format!("the stages returned {} values, the manifest lists {}", values.len(), cut.values.len()),
             });
         }
-        let values = cut
-            .values
-            .iter()
-            .zip(values)
-            .map(|(spec, v)| Ok((spec.name.clone(), Value::from_ivalue(v, &spec.name)?)))
-            .collect::<Result<Vec<_>>>()?;
+        let values =
+            cut.values.iter().zip(values).map(|(spec, v)| Ok((spec.name.clone(), Value::from_ivalue(v, &spec.name)?))).collect::<Result<Vec<_>>>()?;
         let output = Boundary { values };
         if !range.is_empty() {
             self.bundle.check_boundary(range.end, &output)?;
@@ -191,10 +184,8 @@ impl LoadedStages {
         for _ in 0..repeats.max(1) {
             tch::no_grad(|| self.run_chain(self.range, input, |stage| StageTimer::start(self.device, stage - self.range.start, &times)))?;
         }
-        Ok(times.into_inner().into_iter().map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
-        }).collect())
+        // Every stage was timed at least once, so no sample is empty.
+        Ok(times.into_inner().iter().map(|t| crate::stats::median(t).unwrap_or(f64::NAN)).collect())
     }
 
     /// The loaded modules, in stage order.

@@ -25,7 +25,11 @@ fn scaled(n: u64, base: f64, units: &[&str]) -> String {
         value /= base;
         unit += 1;
     }
-    if unit == 0 { format!("{n}{}", units[0]) } else { format!("{value:.1}{}", units[unit]) }
+    if unit == 0 {
+        format!("{n}{}", units[0])
+    } else {
+        format!("{value:.1}{}", units[unit])
+    }
 }
 
 /// A count with thousands separators.

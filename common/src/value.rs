@@ -89,9 +89,7 @@ impl Value {
                 IValue::TensorList(items.iter().filter_map(|v| v.as_tensor().map(Tensor::shallow_clone)).collect())
             }
             Value::List(items) => IValue::GenericList(items.iter().map(Value::to_ivalue).collect()),
-            Value::Dict(items) => {
-                IValue::GenericDict(items.iter().map(|(k, v)| (IValue::String(k.clone()), v.to_ivalue())).collect())
-            }
+            Value::Dict(items) => IValue::GenericDict(items.iter().map(|(k, v)| (IValue::String(k.clone()), v.to_ivalue())).collect()),
         }
     }
 
@@ -230,12 +228,8 @@ fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, batch: &mut Option<i6
         match dim {
             Dim::Fixed(n) if n != size => return mismatch(format!("dimension {axis} must be {n}")),
             Dim::Batch(k) => match *batch {
-                Some(b) if k * b != size => {
-                    return mismatch(format!("dimension {axis} must be {} = {} for batch size {b}", Dim::Batch(k), k * b))
-                }
-                None if size % k != 0 || size == 0 => {
-                    return mismatch(format!("dimension {axis} must be a positive multiple of {k}"))
-                }
+                Some(b) if k * b != size => return mismatch(format!("dimension {axis} must be {} = {} for batch size {b}", Dim::Batch(k), k * b)),
+                None if size % k != 0 || size == 0 => return mismatch(format!("dimension {axis} must be a positive multiple of {k}")),
                 None => *batch = Some(size / k),
                 _ => {}
             },

@@ -25,7 +25,7 @@ use crate::value::{Boundary, Value};
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {
     /// The payload itself: malformed, refused, tampered, replayed, too large...
-    #[error("{0}")]
+    #[error(transparent)]
     Codec(#[from] CodecError),
     /// The first frame of a request or result has no payload header.
     #[error("the first frame of request {0} has no payload header")]
@@ -82,11 +82,6 @@ impl PayloadSender {
         Ok(Self { sealer: Some(ring.sealer(key_id)?) })
     }
 
-    /// Whether payloads are sealed.
-    pub fn is_sealed(&self) -> bool {
-        self.sealer.is_some()
-    }
-
     /// Encodes a boundary (tensors are copied to the CPU, contiguous).
     pub fn encode(&mut self, meta: PayloadMeta, codec: &Codec, boundary: &Boundary) -> Result<EncodedPayload, WireError> {
         let (values, tensors) = flatten(boundary)?;
@@ -108,7 +103,9 @@ fn flatten(boundary: &Boundary) -> Result<(Vec<NamedValue>, Vec<TensorData>), Wi
 fn encode_value(value: &Value, path: &str, tensors: &mut Vec<TensorData>) -> Result<ValueNode, WireError> {
     use pb::value_node::Kind;
     let list = |items: &[Value], tensors: &mut Vec<TensorData>| -> Result<pb::ValueList, WireError> {
-        Ok(pb::ValueList { items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), tensors)).collect::<Result<_, _>>()? })
+        Ok(pb::ValueList {
+            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), tensors)).collect::<Result<_, _>>()?,
+        })
     };
     let kind = match value {
         Value::Tensor(t) => {
@@ -224,9 +221,9 @@ fn decode_value(node: &ValueNode, tensors: &mut HashMap<String, Tensor>, depth: 
         list.items.iter().map(|n| decode_value(n, tensors, depth + 1)).collect::<Result<Vec<_>, _>>()
     };
     Ok(match node.kind.as_ref().ok_or_else(|| WireError::BadTree("a node has no value".into()))? {
-        Kind::Tensor(name) => Value::Tensor(
-            tensors.remove(name).ok_or_else(|| WireError::BadTree(format!("tensor {name} is not in the header (or is named twice)")))?,
-        ),
+        Kind::Tensor(name) => {
+            Value::Tensor(tensors.remove(name).ok_or_else(|| WireError::BadTree(format!("tensor {name} is not in the header (or is named twice)")))?)
+        }
         Kind::Int(i) => Value::Int(*i),
         Kind::Float(f) => Value::Float(*f),
         Kind::Bool(b) => Value::Bool(*b),
@@ -315,9 +312,94 @@ impl Reassembly {
     }
 }
 
+/// A frame of some stream's payloads, as [`frame_parts`] made it: the request id, the
+/// envelope on the first frame, a slice of the data, the last marked.
+pub trait PayloadFrame {
+    /// The request (or call) the frame belongs to.
+    fn request_id(&self) -> u64;
+    /// The envelope: on the first frame only.
+    fn header(&self) -> &[u8];
+    /// Its slice of the payload data.
+    fn data(&self) -> &[u8];
+    /// Whether it ends the payload.
+    fn last(&self) -> bool;
+}
+
+/// Reassembles one stream's payloads from their frames; every stream (requests, results,
+/// training calls and answers) uses it. `Tag` travels with a payload from its first frame to
+/// its completion (the training stream's phase, say).
+///
+/// When a payload fails (a bad envelope, a frame of another request, an overrun), the error
+/// names the request that failed, and the rest of the offending frames are skipped up to
+/// and including the one marked last, so that one bad request costs one answer and the
+/// stream carries on with the next.
+#[derive(Debug)]
+pub struct FrameAssembler<Tag = ()> {
+    current: Option<(Reassembly, Tag)>,
+    /// A request already answered with an error whose remaining frames are skipped.
+    skipping: Option<u64>,
+}
+
+impl<Tag> Default for FrameAssembler<Tag> {
+    fn default() -> Self {
+        Self { current: None, skipping: None }
+    }
+}
+
+impl<Tag> FrameAssembler<Tag> {
+    /// Takes one frame. `start` is called on a payload's first frame: it checks the envelope
+    /// and reserves the payload (see [`PayloadReceiver::start`]). Returns the payload once its
+    /// last frame is in, `None` while more are to come or the frame is skipped, and on an
+    /// error the id of the request that failed.
+    pub fn push<F: PayloadFrame, E: From<WireError>>(
+        &mut self,
+        frame: &F,
+        start: impl FnOnce(&F) -> Result<(Reassembly, Tag), E>,
+    ) -> Result<Option<(Reassembly, Tag)>, (u64, E)> {
+        let id = frame.request_id();
+        if self.skipping == Some(id) {
+            if frame.last() {
+                self.skipping = None;
+            }
+            return Ok(None);
+        }
+        self.skipping = None;
+        let (mut assembly, tag) = match self.current.take() {
+            Some(current) => current,
+            None => start(frame).map_err(|e| {
+                self.skip_rest_of(frame);
+                (id, e)
+            })?,
+        };
+        if let Err(e) = assembly.push(id, frame.data()) {
+            // An interleaved frame fails the incomplete request; a stray frame of another
+            // request cannot be trusted either, so that one is skipped to its end too.
+            self.skip_rest_of(frame);
+            return Err((assembly.request_id, e.into()));
+        }
+        if !frame.last() {
+            self.current = Some((assembly, tag));
+            return Ok(None);
+        }
+        Ok(Some((assembly, tag)))
+    }
+
+    /// Drops the payload being reassembled (its request was answered otherwise, with an
+    /// error frame, say).
+    pub fn abandon(&mut self) {
+        self.current = None;
+    }
+
+    fn skip_rest_of(&mut self, frame: &impl PayloadFrame) {
+        self.skipping = (!frame.last()).then_some(frame.request_id());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    // The frames of the `Infer` stream, as every stream's frames are assembled alike.
+    use crate::pb::InferFrame;
     use cleave_codec::Key;
     use tch::{Device, Kind};
 
@@ -354,11 +436,52 @@ mod tests {
         assert!(parts.iter().all(|p| p.first != p.header.is_empty()));
         assert_eq!(parts.iter().filter(|p| p.last).count(), 1);
         assert!(parts.last().unwrap().last && parts[0].first);
-        let mut re = rx.start(id, &parts[0].header)?;
+        let mut assembler = FrameAssembler::default();
         for part in &parts {
-            re.push(id, &part.data)?;
+            let frame = InferFrame { request_id: id, header: part.header.clone(), data: part.data.clone(), last: part.last };
+            if let Some((done, ())) = assembler.push(&frame, |f| rx.start(f.request_id, &f.header).map(|a| (a, ()))).map_err(|(_, e)| e)? {
+                return rx.finish(done);
+            }
         }
-        rx.finish(re)
+        unreachable!("the last part is marked last")
+    }
+
+    #[test]
+    fn a_failed_request_is_skipped_to_its_last_frame_and_the_next_one_assembles() {
+        let rx = receiver(&KeyRing::default());
+        let enc = |id| PayloadSender::plain().encode(meta(id), &Codec::RAW, &sample()).unwrap();
+        let (one, two) = (enc(1), enc(2));
+        let frames = |id: u64, e: &EncodedPayload, header: Vec<u8>| -> Vec<InferFrame> {
+            frame_parts(header.into(), &e.data, 64)
+                .into_iter()
+                .map(|p| InferFrame { request_id: id, header: p.header, data: p.data, last: p.last })
+                .collect()
+        };
+        // Request 1 has a garbled envelope: its first frame fails, the rest are skipped.
+        let bad = frames(1, &one, vec![0xff; 9]);
+        assert!(bad.len() > 2);
+        let mut assembler = FrameAssembler::default();
+        let start = |f: &InferFrame| rx.start(f.request_id, &f.header).map(|a| (a, ()));
+        let (failed, _) = assembler.push(&bad[0], start).unwrap_err();
+        assert_eq!(failed, 1);
+        for frame in &bad[1..] {
+            assert!(assembler.push(frame, start).unwrap().is_none());
+        }
+        // Request 2 then assembles whole.
+        let good = frames(2, &two, two.envelope.to_vec());
+        let mut done = None;
+        for frame in &good {
+            done = assembler.push(frame, start).unwrap();
+        }
+        let (assembly, ()) = done.expect("the last frame completes it");
+        assert_eq!(assembly.request_id, 2);
+        // A frame of another request inside request 2 fails request 2 and is skipped to its end.
+        let mut assembler = FrameAssembler::default();
+        assert!(assembler.push(&good[0], start).unwrap().is_none());
+        let stray = InferFrame { request_id: 7, header: Bytes::new(), data: Bytes::from_static(&[0]), last: false };
+        let (failed, e): (u64, WireError) = assembler.push(&stray, start).unwrap_err();
+        assert_eq!((failed, e), (2, WireError::Interleaved { expected: 2, got: 7 }));
+        assert!(assembler.push(&InferFrame { last: true, ..stray }, start).unwrap().is_none());
     }
 
     #[test]
@@ -378,7 +501,8 @@ mod tests {
                 }
             }
         }
-        let back = send_through_chunks(&mut receiver(&ring), &PayloadSender::plain().encode(meta(0), &Codec::RAW, &boundary).unwrap(), 0, 1 << 20).unwrap();
+        let back =
+            send_through_chunks(&mut receiver(&ring), &PayloadSender::plain().encode(meta(0), &Codec::RAW, &boundary).unwrap(), 0, 1 << 20).unwrap();
         let names: Vec<_> = back.boundary.values.iter().map(|(n, v)| format!("{n}:{}", v.describe())).collect();
         assert_eq!(names, ["x:float32[3, 4, 5]", "pair:tuple of 2", "d:dict of 2", "h:bfloat16[2, 3]", "e:float32[0, 7]", "s:list of 3"]);
     }

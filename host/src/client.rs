@@ -8,19 +8,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
-use cleave_common::security::{ClientTls, EdgeSecurity, Token};
-use cleave_common::wire::{chunk_bytes_for, frame_parts, Codec, CodecPolicy, Precision, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly};
+use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
 
+use crate::error::{HostError, Result};
 use crate::inputs::Inputs;
+use crate::session::EdgeSession;
 
 /// What to send.
 pub struct StreamPlan {
@@ -36,12 +34,10 @@ pub struct StreamPlan {
     pub in_flight: usize,
     /// Where the input batches come from.
     pub inputs: Inputs,
-    /// Largest result payload accepted from the server.
-    pub max_payload_bytes: u64,
     /// How boundaries are encoded (results come back the same way).
     pub codec: Codec,
     /// The key payloads are sealed with, if any.
-    pub key: Option<(u32, cleave_common::wire::Key)>,
+    pub key: Option<(u32, Key)>,
 }
 
 /// Which cut each request is split at. A request split at the last cut runs wholly on the
@@ -131,124 +127,16 @@ pub struct RequestOutcome {
     pub output: Result<Boundary, String>,
 }
 
-/// How to reach a server: message size, TLS trust, bearer token.
-#[derive(Debug, Clone)]
-pub struct Link {
-    /// Largest gRPC message either way.
-    pub max_message: usize,
-    /// TLS trust (the URL must then be https://).
-    pub tls: Option<ClientTls>,
-    /// Bearer token sent with every call.
-    pub token: Option<Token>,
-}
-
-impl Link {
-    /// Plaintext, no token.
-    pub fn plain(max_message: usize) -> Self {
-        Self { max_message, tls: None, token: None }
-    }
-
-    /// With the TLS trust and token of an edge config.
-    pub fn secured(max_message: usize, security: &EdgeSecurity) -> Self {
-        Self { max_message, tls: security.tls.clone(), token: security.token.clone() }
-    }
-}
-
-/// Adds `authorization: Bearer <token>` to every call when there is a token.
-#[derive(Clone)]
-pub struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
-
-impl tonic::service::Interceptor for BearerToken {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(value) = &self.0 {
-            request.metadata_mut().insert("authorization", value.clone());
-        }
-        Ok(request)
-    }
-}
-
-/// A connected client.
-pub type Client = SplitInferenceClient<InterceptedService<Channel, BearerToken>>;
-
 struct Sent {
     started: Instant,
     sent_at: Instant,
     metrics: RequestMetrics,
 }
 
-/// Connects to `url` and checks that the server serves `bundle`.
-pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> anyhow::Result<(Client, pb::InfoReply)> {
-    let mut endpoint = Endpoint::from_shared(url.to_string())?
-        .tcp_nodelay(true)
-        .initial_stream_window_size(Some(8 << 20))
-        .initial_connection_window_size(Some(32 << 20));
-    if let Some(tls) = &link.tls {
-        if !url.starts_with("https://") {
-            anyhow::bail!("{url}: TLS is configured, so the URL must start with https://");
-        }
-        let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem));
-        if let Some(domain) = &tls.domain {
-            config = config.domain_name(domain.clone());
-        }
-        endpoint = endpoint.tls_config(config).map_err(|e| anyhow::anyhow!("TLS configuration: {e}"))?;
-    }
-    let channel = endpoint.connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {url}: {}", error_chain(&e)))?;
-    let token = match &link.token {
-        Some(t) => Some(t.bearer().parse().map_err(|_| anyhow::anyhow!("the bearer token is not a valid header value"))?),
-        None => None,
-    };
-    let mut client = SplitInferenceClient::with_interceptor(channel, BearerToken(token))
-        .max_decoding_message_size(link.max_message)
-        .max_encoding_message_size(link.max_message);
-    let info = client.info(pb::InfoRequest {}).await.map_err(|s| anyhow::anyhow!("{url}: {:?}: {}", s.code(), s.message()))?.into_inner();
-    if info.bundle_id != bundle.id() {
-        anyhow::bail!(
-            "bundle mismatch: this host has {} ({}), the server at {url} serves {} ({})",
-            bundle.id(),
-            bundle.manifest().model.source,
-            info.bundle_id,
-            info.model_source
-        );
-    }
-    Ok((client, info))
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
-/// Checks, before anything is sent, that the server accepts this codec and can open this
-/// host's payloads; the error says what the server accepts.
-pub fn check_server_accepts(info: &pb::InfoReply, codec: &Codec, key_id: Option<u32>) -> anyhow::Result<()> {
-    let support = info.codecs.clone().unwrap_or_default();
-    // The server's policy, rebuilt from its `Info`, checks the codec exactly as the server will.
-    let policy = CodecPolicy {
-        precisions: Precision::ALL.into_iter().filter(|p| support.precisions.iter().any(|n| n == p.name())).collect(),
-        compressions: support.compressions.clone(),
-        require_encryption: support.encryption_required,
-    };
-    policy.check(codec).map_err(|reason| anyhow::anyhow!("codec {codec}: the server refuses it: {reason}"))?;
-    match key_id {
-        None if support.encryption_required => {
-            anyhow::bail!("the server requires AES-256-GCM payloads: configure `encryption` with one of its key ids {:?}", support.key_ids)
-        }
-        Some(id) if !support.key_ids.contains(&id) => {
-            anyhow::bail!("the server holds key ids {:?}, not {id}: it could not open this host's payloads", support.key_ids)
-        }
-        _ => Ok(()),
-    }
-}
-
 /// Sends every request and calls `on_outcome` once per request id, in arrival order.
-pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: StreamPlan, mut on_outcome: impl FnMut(RequestOutcome)) -> anyhow::Result<()> {
-    check_server_accepts(info, &plan.codec, plan.key.as_ref().map(|(id, _)| *id))?;
+/// Results are framed by the server's message limit and accepted up to its payload limit.
+pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, mut on_outcome: impl FnMut(RequestOutcome)) -> Result<()> {
+    session.check_accepts(&plan.codec, plan.key.as_ref().map(|(id, _)| *id))?;
     let ring = KeyRing::new(plan.key.clone()).expect("one key");
     let sender = match &plan.key {
         Some((id, _)) => PayloadSender::sealed(&ring, *id)?,
@@ -256,12 +144,15 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
     };
     // Results must come back sealed when requests go sealed: a stripped seal is refused.
     let policy = CodecPolicy { require_encryption: plan.key.is_some(), ..CodecPolicy::default() };
-    let mut results = ResultAssembler { receiver: PayloadReceiver::new(Direction::Result, plan.max_payload_bytes, policy, &ring), current: None };
-    let limits = info.limits.unwrap_or_default();
-    let chunk_bytes = chunk_bytes_for(limits.max_message_bytes);
+    let mut results = ResultAssembler {
+        receiver: PayloadReceiver::new(Direction::Result, session.max_payload_bytes(), policy, &ring),
+        frames: FrameAssembler::default(),
+    };
+    let chunk_bytes = session.chunk_bytes();
     let (frame_tx, frame_rx) = mpsc::channel::<InferFrame>(64);
-    // Requests split at the last cut never leave the edge: their outcomes come this way.
-    let (local_tx, mut local_rx) = mpsc::unbounded_channel::<RequestOutcome>();
+    // Requests split at the last cut never leave the edge: their outcomes come this way. At
+    // most `in_flight` requests hold a token, so the channel never holds more.
+    let (local_tx, mut local_rx) = mpsc::channel::<RequestOutcome>(plan.in_flight);
     let sent: Arc<Mutex<HashMap<u64, Sent>>> = Arc::default();
     let (token_tx, token_rx) = std::sync::mpsc::sync_channel::<()>(plan.in_flight);
     for _ in 0..plan.in_flight {
@@ -271,12 +162,14 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
     let producer = {
         let sent = Arc::clone(&sent);
         let channels = Outbound { tokens: token_rx, frames: frame_tx, local: local_tx, sent };
-        std::thread::Builder::new().name("cleave-prefix".into()).spawn(move || produce(plan, sender, chunk_bytes, channels))?
+        std::thread::Builder::new()
+            .name("cleave-prefix".into())
+            .spawn(move || produce(plan, sender, chunk_bytes, channels))
+            .map_err(|e| HostError::Invalid(format!("cannot start the prefix thread: {e}")))?
     };
 
-    let mut request = tonic::Request::new(ReceiverStream::new(frame_rx));
-    request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, info.bundle_id.parse()?);
-    let mut inbound = client.infer(request).await?.into_inner();
+    let request = session.stream_request(ReceiverStream::new(frame_rx));
+    let mut inbound = session.client.infer(request).await.map_err(|s| HostError::rpc("Infer", &s))?.into_inner();
     let (mut inbound_open, mut local_open) = (true, true);
     let mut answered = 0u64;
     loop {
@@ -309,7 +202,7 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
         on_outcome(outcome);
     }
     drop(token_tx);
-    let produced = producer.join().map_err(|_| anyhow::anyhow!("the prefix thread panicked"))?;
+    let produced = producer.join().map_err(|_| HostError::Invalid("the prefix thread panicked".into()))?;
     // Every request id gets exactly one outcome: one sent but never answered is an error.
     let mut orphans: Vec<(u64, Sent)> = sent.lock().expect("sent map").drain().collect();
     orphans.sort_by_key(|(id, _)| *id);
@@ -326,26 +219,25 @@ pub async fn stream_requests(client: &mut Client, info: &pb::InfoReply, plan: St
 /// Reassembles result payloads from their frames and matches them with the sent requests.
 struct ResultAssembler {
     receiver: PayloadReceiver,
-    current: Option<Reassembly>,
+    frames: FrameAssembler,
 }
 
 impl ResultAssembler {
-    /// Takes one result frame; returns the request's outcome once its last frame is in.
-    fn push(&mut self, frame: pb::ResultFrame, sent: &Mutex<HashMap<u64, Sent>>) -> anyhow::Result<Option<RequestOutcome>> {
+    /// Takes one result frame; returns the request's outcome once its last frame is in. A
+    /// result that cannot be reassembled ends the stream: the server broke the framing.
+    fn push(&mut self, frame: pb::ResultFrame, sent: &Mutex<HashMap<u64, Sent>>) -> Result<Option<RequestOutcome>> {
         let id = frame.request_id;
         let output = if let Some(err) = &frame.error {
-            self.current = None;
+            self.frames.abandon();
             Err(format!("{:?}: {}", tonic::Code::from(err.code), err.message))
         } else {
-            let mut assembly: Reassembly = match self.current.take() {
-                Some(a) => a,
-                None => self.receiver.start(id, &frame.header).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?,
+            let receiver = &self.receiver;
+            let assembled = self.frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ())));
+            let assembly = match assembled {
+                Ok(None) => return Ok(None),
+                Ok(Some((assembly, ()))) => assembly,
+                Err((id, e)) => return Err(HostError::Stream(format!("result of request {id}: {e}"))),
             };
-            assembly.push(id, &frame.data).map_err(|e| anyhow::anyhow!("result of request {id}: {e}"))?;
-            if !frame.last {
-                self.current = Some(assembly);
-                return Ok(None);
-            }
             let t = Instant::now();
             let decoded = self.receiver.finish(assembly).map(|r| r.boundary).map_err(|e| format!("result: {e}"));
             let decode_ms = ms(t);
@@ -363,7 +255,7 @@ impl ResultAssembler {
             decoded
         };
         let Some(s) = sent.lock().expect("sent map").remove(&id) else {
-            anyhow::bail!("the server answered request {id}, which was not sent or was already answered");
+            return Err(HostError::Stream(format!("the server answered request {id}, which was not sent or was already answered")));
         };
         let mut metrics = s.metrics;
         metrics.round_trip_ms = ms(s.sent_at);
@@ -379,12 +271,12 @@ struct Outbound {
     /// Frames for the server.
     frames: mpsc::Sender<InferFrame>,
     /// Outcomes of requests that ran wholly on the edge.
-    local: mpsc::UnboundedSender<RequestOutcome>,
+    local: mpsc::Sender<RequestOutcome>,
     /// Requests sent and not yet answered.
     sent: Arc<Mutex<HashMap<u64, Sent>>>,
 }
 
-fn produce(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, out: Outbound) -> anyhow::Result<()> {
+fn produce(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, out: Outbound) -> Result<()> {
     let edge_stages = plan.split.edge_stages(&plan.bundle);
     let stages = LoadedStages::load(&plan.bundle, edge_stages, plan.device)?;
     // TorchScript optimises a module over its first runs, which take several times longer:
@@ -409,7 +301,7 @@ fn produce(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, out:
         let prefix_ms = ms(t);
         if split == last_cut {
             let metrics = RequestMetrics { split, prefix_ms, e2e_ms: ms(started), ..Default::default() };
-            if out.local.send(RequestOutcome { request_id: id, metrics, output: Ok(boundary) }).is_err() {
+            if out.local.blocking_send(RequestOutcome { request_id: id, metrics, output: Ok(boundary) }).is_err() {
                 return Ok(()); // The result side stopped.
             }
             continue;

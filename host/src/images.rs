@@ -8,20 +8,22 @@ use cleave_common::spec::{DType, Dim, TensorSpec};
 use image::imageops::FilterType;
 use tch::Tensor;
 
+use crate::error::{HostError, Result};
+
 /// Every PNG/JPEG in `dir` (sorted by name) as one batch-first tensor shaped for `spec`.
-pub fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Preprocess>) -> anyhow::Result<Tensor> {
+pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Preprocess>) -> Result<Tensor> {
     let (c, h, w) = match spec.shape.as_slice() {
         [Dim::Batch(1), Dim::Fixed(c @ (1 | 3)), Dim::Fixed(h), Dim::Fixed(w)] if spec.dtype == DType::Float32 => (*c, *h as u32, *w as u32),
-        _ => anyhow::bail!("image inputs need a float32 [B, 1 or 3, H, W] input; this bundle takes {spec}"),
+        _ => return Err(HostError::Invalid(format!("image inputs need a float32 [B, 1 or 3, H, W] input; this bundle takes {spec}"))),
     };
     let mut paths: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|e| anyhow::anyhow!("image directory {}: {e}", dir.display()))?
+        .map_err(|e| HostError::Invalid(format!("image directory {}: {e}", dir.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| matches!(p.extension().and_then(|e| e.to_str()).map(str::to_lowercase).as_deref(), Some("png" | "jpg" | "jpeg")))
         .collect();
     paths.sort();
     if paths.is_empty() {
-        anyhow::bail!("image directory {} has no .png, .jpg or .jpeg files", dir.display());
+        return Err(HostError::Invalid(format!("image directory {} has no .png, .jpg or .jpeg files", dir.display())));
     }
     let resize = preprocess.map_or(h.max(w), |p| p.resize.max(h.max(w)));
     let (mean, std) = match preprocess {
@@ -30,13 +32,14 @@ pub fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Preprocess>) 
     };
     let mut batch = Vec::with_capacity(paths.len());
     for path in &paths {
-        let img = image::open(path).map_err(|e| anyhow::anyhow!("image {}: {e}", path.display()))?;
+        let img = image::open(path).map_err(|e| HostError::Invalid(format!("image {}: {e}", path.display())))?;
         // Resize so the shorter side is `resize`, then take the centre h x w.
         let (iw, ih) = (img.width(), img.height());
         let scale = resize as f64 / iw.min(ih) as f64;
         let (rw, rh) = (((iw as f64 * scale).round() as u32).max(w), ((ih as f64 * scale).round() as u32).max(h));
         let img = img.resize_exact(rw, rh, FilterType::Triangle).crop_imm((rw - w) / 2, (rh - h) / 2, w, h);
-        let pixels: Vec<f32> = if c == 3 { img.to_rgb8().into_raw() } else { img.to_luma8().into_raw() }.into_iter().map(|p| f32::from(p) / 255.0).collect();
+        let pixels: Vec<f32> =
+            if c == 3 { img.to_rgb8().into_raw() } else { img.to_luma8().into_raw() }.into_iter().map(|p| f32::from(p) / 255.0).collect();
         // HWC -> CHW, then normalise each channel.
         let t = Tensor::from_slice(&pixels).view([h as i64, w as i64, c]).permute([2, 0, 1]);
         let mean = Tensor::from_slice(&mean).to_kind(tch::Kind::Float).view([c, 1, 1]);

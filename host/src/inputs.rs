@@ -2,13 +2,15 @@
 
 use std::collections::HashMap;
 
-use cleave_common::config::InputSource;
+use crate::config::InputSource;
 use cleave_common::spec::{DType, TorchDType, ValueSpec};
 use cleave_common::{Boundary, Bundle, Value};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
+
+use crate::error::{HostError, Result};
 
 /// Makes the input boundary (cut 0) of each request.
 pub enum Inputs {
@@ -34,19 +36,19 @@ pub enum Inputs {
 
 impl Inputs {
     /// Prepares the source for `bundle` at `batch` samples per request.
-    pub fn new(source: &InputSource, bundle: &Bundle, batch: i64) -> anyhow::Result<Self> {
+    pub fn new(source: &InputSource, bundle: &Bundle, batch: i64) -> Result<Self> {
         let mut specs = Vec::new();
         for input in &bundle.manifest().inputs {
             match &input.spec {
                 ValueSpec::Tensor(t) => specs.push((input.name.clone(), t.clone())),
-                other => anyhow::bail!("input {} is {}, only tensor inputs are supported", input.name, other.describe()),
+                other => return Err(HostError::Invalid(format!("input {} is {}, only tensor inputs are supported", input.name, other.describe()))),
             }
         }
         match source {
             InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, batch, seed: *seed }),
             InputSource::Images { dir } => {
                 let [(name, spec)] = specs.as_slice() else {
-                    anyhow::bail!("image inputs need a bundle with one input; this one has {}", specs.len());
+                    return Err(HostError::Invalid(format!("image inputs need a bundle with one input; this one has {}", specs.len())));
                 };
                 let images = crate::images::load_dir(dir, spec, bundle.manifest().model.preprocess.as_ref())?;
                 let rows = images.size()[0];
@@ -56,27 +58,44 @@ impl Inputs {
                 let read = match path.extension().and_then(|e| e.to_str()) {
                     Some("npy") => match specs.as_slice() {
                         [(name, _)] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
-                        _ => anyhow::bail!("a .npy file holds one tensor; this bundle has {} inputs (use .npz or .safetensors)", specs.len()),
+                        _ => {
+                            return Err(HostError::Invalid(format!(
+                                "a .npy file holds one tensor; this bundle has {} inputs (use .npz or .safetensors)",
+                                specs.len()
+                            )))
+                        }
                     },
                     Some("npz") => Tensor::read_npz(path),
                     Some("safetensors") => Tensor::read_safetensors(path),
-                    _ => anyhow::bail!("input file {}: expected .safetensors, .npz or .npy", path.display()),
+                    _ => return Err(HostError::Invalid(format!("input file {}: expected .safetensors, .npz or .npy", path.display()))),
                 };
                 let loaded: HashMap<String, Tensor> =
-                    read.map_err(|e| anyhow::anyhow!("input file {}: {e}", path.display()))?.into_iter().collect();
+                    read.map_err(|e| HostError::Invalid(format!("input file {}: {e}", path.display())))?.into_iter().collect();
                 let mut tensors = Vec::new();
                 let mut rows = None;
                 for (name, spec) in &specs {
                     let t = loaded.get(name).ok_or_else(|| {
-                        anyhow::anyhow!("input file {} has no tensor {name:?} (it has {:?})", path.display(), loaded.keys().collect::<Vec<_>>())
+                        HostError::Invalid(format!(
+                            "input file {} has no tensor {name:?} (it has {:?})",
+                            path.display(),
+                            loaded.keys().collect::<Vec<_>>()
+                        ))
                     })?;
                     let fixed_ok = spec.shape.iter().zip(t.size()).skip(1).all(|(d, n)| d.at(1).is_none_or(|w| w == n));
                     if DType::from_kind(t.kind()) != Some(spec.dtype) || t.dim() != spec.shape.len() || !fixed_ok {
-                        anyhow::bail!("input file {}: {name} is {:?}{:?}, the bundle expects {spec}", path.display(), t.kind(), t.size());
+                        return Err(HostError::Invalid(format!(
+                            "input file {}: {name} is {:?}{:?}, the bundle expects {spec}",
+                            path.display(),
+                            t.kind(),
+                            t.size()
+                        )));
                     }
                     let n = t.size()[0];
                     if *rows.get_or_insert(n) != n || n == 0 {
-                        anyhow::bail!("input file {}: tensors must have the same, non-zero number of rows", path.display());
+                        return Err(HostError::Invalid(format!(
+                            "input file {}: tensors must have the same, non-zero number of rows",
+                            path.display()
+                        )));
                     }
                     tensors.push((name.clone(), t.shallow_clone()));
                 }

@@ -4,8 +4,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use cleave_common::config::{EdgeConfig, SplitSpec};
-use cleave_common::DeviceSpec;
+use cleave_common::{DeviceSpec, SplitSpec};
+use cleave_host::config::{EdgeConfig, TrainMode};
+use cleave_host::planning::planner::Objective;
+use cleave_host::planning::PlanOptions;
 use cleave_host::{RunOptions, VerifyOptions};
 
 #[derive(Parser)]
@@ -61,7 +63,7 @@ enum Command {
         loopback: bool,
         /// latency or throughput.
         #[arg(long, default_value = "latency")]
-        objective: cleave_common::planner::Objective,
+        objective: Objective,
         /// Timed passes per profile.
         #[arg(long, default_value_t = 5)]
         repeats: usize,
@@ -88,16 +90,22 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .init();
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into())).init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true),
-        Some(Command::Verify { bundle, device, batch }) => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }),
-        Some(Command::Plan { config, loopback, objective, repeats, measure, output }) => plan(config, cleave_host::planning::PlanOptions { loopback, objective, repeats, measure, output }),
+        Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true).map_err(anyhow::Error::from),
+        Some(Command::Verify { bundle, device, batch }) => {
+            cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }).map_err(anyhow::Error::from)
+        }
+        Some(Command::Plan { config, loopback, objective, repeats, measure, output }) => {
+            plan(config, PlanOptions { loopback, objective, repeats, measure, output })
+        }
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
-        None => run(cli.config.expect("clap requires --config or a subcommand"), RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output }, cli.monolithic),
+        None => run(
+            cli.config.expect("clap requires --config or a subcommand"),
+            RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output },
+            cli.monolithic,
+        ),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -113,7 +121,7 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
     let mut config = EdgeConfig::load(&path)?;
     if monolithic {
         let train = config.train.as_mut().ok_or_else(|| anyhow::anyhow!("--monolithic needs a training config (a `train:` section)"))?;
-        train.mode = cleave_common::config::TrainMode::Monolithic;
+        train.mode = TrainMode::Monolithic;
     }
     let runtime = tokio::runtime::Runtime::new()?;
     if config.train.is_some() {
@@ -124,7 +132,7 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
     Ok(summary.errors == 0)
 }
 
-fn plan(path: PathBuf, opts: cleave_host::planning::PlanOptions) -> anyhow::Result<bool> {
+fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(&path)?;
     tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
     Ok(true)

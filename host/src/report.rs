@@ -5,35 +5,18 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use cleave_common::stats::{median, Percentiles};
 use cleave_common::tables::human_bytes;
 use cleave_common::{Bundle, Value};
 use serde::Serialize;
 
 use crate::client::{RequestMetrics, RequestOutcome};
-use crate::pictures::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
+use crate::error::{HostError, Result};
+use crate::planning::auto_split::{Planned, SplitMove};
+use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
 
-/// p50, p95 and p99 of a measurement.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct Percentiles {
-    /// Median.
-    pub p50: f64,
-    /// 95th percentile.
-    pub p95: f64,
-    /// 99th percentile.
-    pub p99: f64,
-}
-
-impl Percentiles {
-    /// Nearest-rank percentiles of `values` (zeros when empty).
-    pub fn of(values: &[f64]) -> Self {
-        let mut v = values.to_vec();
-        v.sort_by(f64::total_cmp);
-        let at = |p: f64| if v.is_empty() { 0.0 } else { v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1] };
-        Self { p50: at(0.50), p95: at(0.95), p99: at(0.99) }
-    }
-}
-
-/// `summary.json`.
+/// `summary.json`. Each part's percentiles are over the requests that succeeded (`null`
+/// when none did).
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     /// Bundle directory.
@@ -57,19 +40,19 @@ pub struct Summary {
     /// Requests answered with an error (or not at all).
     pub errors: u64,
     /// End to end, per request.
-    pub e2e_ms: Percentiles,
+    pub e2e_ms: Option<Percentiles>,
     /// Prefix, per request.
-    pub prefix_ms: Percentiles,
+    pub prefix_ms: Option<Percentiles>,
     /// Encoding the boundary, per request.
-    pub encode_ms: Percentiles,
+    pub encode_ms: Option<Percentiles>,
     /// Round trip, per request.
-    pub round_trip_ms: Percentiles,
+    pub round_trip_ms: Option<Percentiles>,
     /// The server's own time (queue, decode, compute, encode), per request.
-    pub server_ms: Percentiles,
+    pub server_ms: Option<Percentiles>,
     /// The network's share: the round trip less the server's time, per request.
-    pub network_ms: Percentiles,
+    pub network_ms: Option<Percentiles>,
     /// Decoding the result, per request.
-    pub decode_ms: Percentiles,
+    pub decode_ms: Option<Percentiles>,
     /// Requests per second over the whole run.
     pub throughput_rps: f64,
     /// Tensor bytes sent.
@@ -88,10 +71,10 @@ pub struct Summary {
     pub wall_s: f64,
     /// `split: auto`: what the planner chose at start-up.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub planned: Option<crate::auto_split::Planned>,
+    pub planned: Option<Planned>,
     /// `split: auto`: every move of the split while running.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub split_moves: Vec<crate::auto_split::SplitMove>,
+    pub split_moves: Vec<SplitMove>,
 }
 
 /// Writes the per-request files as outcomes arrive.
@@ -101,26 +84,28 @@ pub struct ReportWriter {
     metrics: BufWriter<File>,
     top_k: usize,
     /// Outcomes seen (for the summary).
-    pub outcomes: Vec<(u64, crate::client::RequestMetrics, bool)>,
+    pub outcomes: Vec<(u64, RequestMetrics, bool)>,
 }
 
 impl ReportWriter {
     /// Creates the output directory and its files.
-    pub fn create(dir: &Path, top_k: usize) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create output directory {}: {e}", dir.display()))?;
-        let open = |name: &str| -> anyhow::Result<BufWriter<File>> {
-            Ok(BufWriter::new(File::create(dir.join(name)).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", dir.join(name).display()))?))
+    pub fn create(dir: &Path, top_k: usize) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create output directory", path: dir.into(), error })?;
+        let open = |name: &str| -> Result<BufWriter<File>> {
+            Ok(BufWriter::new(File::create(dir.join(name)).map_err(|e| HostError::write(dir.join(name), e))?))
         };
         let mut metrics = open("metrics.csv")?;
+        let metrics_path = dir.join("metrics.csv");
         writeln!(
             metrics,
             "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms"
-        )?;
+        )
+        .map_err(|e| HostError::write(&metrics_path, e))?;
         Ok(Self { dir: dir.to_path_buf(), predictions: open("predictions.jsonl")?, metrics, top_k, outcomes: Vec::new() })
     }
 
     /// Records one outcome.
-    pub fn record(&mut self, bundle: &Bundle, outcome: RequestOutcome) -> anyhow::Result<()> {
+    pub fn record(&mut self, bundle: &Bundle, outcome: RequestOutcome) -> Result<()> {
         let m = &outcome.metrics;
         let line = match outcome.output {
             Ok(last) => {
@@ -129,10 +114,12 @@ impl ReportWriter {
                     Some(scores) => serde_json::json!({ "request_id": outcome.request_id, "top_k": top_k(&scores, self.top_k) }),
                     None => {
                         let rel = format!("tensors/request_{:06}.safetensors", outcome.request_id);
-                        std::fs::create_dir_all(self.dir.join("tensors"))?;
+                        let tensors = self.dir.join("tensors");
+                        std::fs::create_dir_all(&tensors).map_err(|error| HostError::Io { action: "cannot create", path: tensors, error })?;
                         let mut leaves = Vec::new();
                         output.tensor_leaves("output", &mut leaves);
-                        let named: Vec<(String, tch::Tensor)> = leaves.into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).contiguous())).collect();
+                        let named: Vec<(String, tch::Tensor)> =
+                            leaves.into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).contiguous())).collect();
                         tch::Tensor::write_safetensors(&named, self.dir.join(&rel))?;
                         serde_json::json!({ "request_id": outcome.request_id, "tensors": rel })
                     }
@@ -141,7 +128,8 @@ impl ReportWriter {
             Err(e) => serde_json::json!({ "request_id": outcome.request_id, "error": e }),
         };
         let ok = line.get("error").is_none();
-        writeln!(self.predictions, "{line}")?;
+        let predictions_error = |e| HostError::write(self.dir.join("predictions.jsonl"), e);
+        writeln!(self.predictions, "{line}").map_err(predictions_error)?;
         let s = &m.server;
         writeln!(
             self.metrics,
@@ -162,17 +150,17 @@ impl ReportWriter {
             network_ms(m),
             m.decode_ms,
             m.e2e_ms
-        )?;
-        // A line per request as it is answered: `tail -f metrics.csv` follows a run.
-        self.metrics.flush()?;
+        )
+        .and_then(|()| self.metrics.flush()) // A line per request as it is answered: `tail -f metrics.csv` follows a run.
+        .map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
         self.outcomes.push((outcome.request_id, outcome.metrics, ok));
         Ok(())
     }
 
     /// Flushes the files.
-    pub fn finish(mut self) -> anyhow::Result<Vec<(u64, RequestMetrics, bool)>> {
-        self.predictions.flush()?;
-        self.metrics.flush()?;
+    pub fn finish(mut self) -> Result<Vec<(u64, RequestMetrics, bool)>> {
+        self.predictions.flush().map_err(|e| HostError::write(self.dir.join("predictions.jsonl"), e))?;
+        self.metrics.flush().map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
         Ok(self.outcomes)
     }
 }
@@ -183,24 +171,26 @@ pub fn network_ms(m: &RequestMetrics) -> f64 {
     (m.round_trip_ms - m.server.total_ms()).max(0.0)
 }
 
-/// Where the time of `requests` (all split at `cut`) went: the median of each part, ms.
-pub fn median_breakdown(cut: usize, requests: &[&RequestMetrics]) -> CutBreakdown {
-    let median = |f: fn(&RequestMetrics) -> f64| Percentiles::of(&requests.iter().map(|m| f(m)).collect::<Vec<_>>()).p50;
-    CutBreakdown {
+/// Where the time of `requests` (all split at `cut`, at least one) went: the median of each
+/// part, ms.
+pub fn median_breakdown(cut: usize, requests: &[&RequestMetrics]) -> Result<CutBreakdown> {
+    let empty = |_| HostError::Invalid(format!("no request at cut {cut} to break down"));
+    let median = |f: fn(&RequestMetrics) -> f64| median(&requests.iter().map(|m| f(m)).collect::<Vec<_>>()).map_err(empty);
+    Ok(CutBreakdown {
         cut,
         label: cut.to_string(),
-        edge_ms: median(|m| m.prefix_ms),
-        encode_ms: median(|m| m.encode_ms),
-        network_ms: median(network_ms),
-        server_ms: median(|m| m.server.total_ms()),
-        decode_ms: median(|m| m.decode_ms),
-    }
+        edge_ms: median(|m| m.prefix_ms)?,
+        encode_ms: median(|m| m.encode_ms)?,
+        network_ms: median(network_ms)?,
+        server_ms: median(|m| m.server.total_ms())?,
+        decode_ms: median(|m| m.decode_ms)?,
+    })
 }
 
 /// The plots of a run: the CDF of end-to-end latency and the median breakdown, one series and
 /// one bar per cut the requests were split at (one, unless `split: auto` moved it). Failed
 /// requests are left out. Returns the files written (none when no request succeeded).
-pub fn plot_run(model: &str, outcomes: &[(u64, RequestMetrics, bool)], dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub fn plot_run(model: &str, outcomes: &[(u64, RequestMetrics, bool)], dir: &Path) -> Result<Vec<PathBuf>> {
     let mut by_cut: std::collections::BTreeMap<usize, Vec<&RequestMetrics>> = Default::default();
     for (_, m, ok) in outcomes {
         if *ok {
@@ -213,10 +203,10 @@ pub fn plot_run(model: &str, outcomes: &[(u64, RequestMetrics, bool)], dir: &Pat
     let series: Vec<(String, Vec<f64>)> =
         by_cut.iter().map(|(cut, all)| (format!("split at cut {cut}"), all.iter().map(|m| m.e2e_ms).collect())).collect();
     let cdf = dir.join(LATENCY_CDF);
-    crate::pictures::plot_latency_cdf(&cdf, &format!("{model}: end-to-end latency"), &series)?;
-    let bars: Vec<CutBreakdown> = by_cut.iter().map(|(cut, all)| median_breakdown(*cut, all)).collect();
+    crate::plots::run::plot_latency_cdf(&cdf, &format!("{model}: end-to-end latency"), &series)?;
+    let bars: Vec<CutBreakdown> = by_cut.iter().map(|(cut, all)| median_breakdown(*cut, all)).collect::<Result<_>>()?;
     let breakdown = dir.join(BREAKDOWN);
-    crate::pictures::plot_breakdown(&breakdown, &format!("{model}: where the time goes (medians)"), &bars)?;
+    crate::plots::run::plot_breakdown(&breakdown, &format!("{model}: where the time goes (medians)"), &bars)?;
     Ok(vec![cdf, breakdown])
 }
 
@@ -256,7 +246,8 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
         ("decode ms", s.decode_ms),
     ];
     for (name, p) in rows {
-        table.add_row(vec![name.to_string(), format!("{:.2}", p.p50), format!("{:.2}", p.p95), format!("{:.2}", p.p99)]);
+        let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        table.add_row(vec![name.to_string(), cell(p.map(|p| p.p50)), cell(p.map(|p| p.p95)), cell(p.map(|p| p.p99))]);
     }
     table.add_row(vec![
         "throughput".to_string(),
@@ -268,12 +259,7 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
         "bytes sent".to_string(),
         human_bytes(s.bytes_raw),
         format!("{} on the wire", human_bytes(s.bytes_wire)),
-        format!(
-            "{}{}{}",
-            s.codec,
-            if s.encryption.is_some() { " + aes-256-gcm" } else { "" },
-            if s.tls { ", TLS" } else { "" }
-        ),
+        format!("{}{}{}", s.codec, if s.encryption.is_some() { " + aes-256-gcm" } else { "" }, if s.tls { ", TLS" } else { "" }),
     ]);
     table
 }
@@ -281,16 +267,6 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        let p = Percentiles::of(&v);
-        assert_eq!((p.p50, p.p95, p.p99), (50.0, 95.0, 99.0));
-        let p = Percentiles::of(&[3.0]);
-        assert_eq!((p.p50, p.p99), (3.0, 3.0));
-        assert_eq!(Percentiles::of(&[]).p50, 0.0);
-    }
 
     #[test]
     fn top_k_orders_by_score() {

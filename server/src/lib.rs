@@ -6,11 +6,22 @@
 //! - [`PreparedServer::prepare`] validates the config and loads the bundle before any port
 //!   is bound; [`PreparedServer::serve`] serves on a listener until `shutdown` resolves
 //!   (tests and `host --loopback` bind `127.0.0.1:0`).
-//! - `service`: the gRPC service (`Info`, the `Infer` stream) and the one error-to-status map.
+//! - [`config`]: `server.yaml`, raw then validated.
+//! - `service`: the tonic service; it checks the bundle id and the token and delegates.
+//! - `infer`: the `Infer` stream (reader and responder tasks).
+//! - `training`: the `Train` stream: `admission` (who may train), `session` (each session's
+//!   own thread, stages, optimizer and checkpoints), `stream` (calls answered in order).
+//! - `payloads`: decoding requests and encoding answers on the blocking pool.
 //! - `worker`: the compute thread that owns the stages.
-//! - `training`: the `Train` stream; each session's own thread, stages, optimizer and checkpoints.
+//! - `error`: why a call failed, and the one map from errors to gRPC statuses.
+//! - [`write_dev_secrets`]: `server dev-secrets`.
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
 
+pub mod config;
+mod dev_secrets;
+mod error;
+mod infer;
+mod payloads;
 mod service;
 mod training;
 mod worker;
@@ -19,10 +30,10 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cleave_common::config::{Limits, ServerConfig};
+use cleave_common::config::Limits;
 use cleave_common::device::device_name;
 use cleave_common::pb::split_inference_server::SplitInferenceServer;
-use cleave_common::security::{ServerSecurity, Token};
+use cleave_common::security::ServerSecurity;
 use cleave_common::tables::verify_table;
 use cleave_common::verify::verify_splits;
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
@@ -30,8 +41,9 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 
-pub use service::{BUNDLE_ID_METADATA, PROTOCOL_VERSION};
-pub use cleave_common::config::TrainingOptions;
+pub use config::{ServerConfig, TrainingOptions};
+pub use dev_secrets::{write_dev_secrets, DevSecrets};
+pub use error::ServerError;
 
 /// A server whose bundle is loaded on its device, ready to serve.
 pub struct PreparedServer {
@@ -40,7 +52,7 @@ pub struct PreparedServer {
 
 impl PreparedServer {
     /// Opens the bundle, loads every stage on the device and starts the compute worker.
-    pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> anyhow::Result<Self> {
+    pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> Result<Self, ServerError> {
         let device_spec = device;
         let bundle = Bundle::open(bundle_dir)?;
         let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), device)?;
@@ -54,19 +66,19 @@ impl PreparedServer {
             security: Arc::new(security),
             worker,
             device_spec,
-            training: training::Training::new(TrainingOptions::default()),
+            training: training::admission::Training::new(TrainingOptions::default()),
         };
         Ok(Self { service })
     }
 
     /// Sets how training sessions run (checkpoint directory, concurrent sessions).
     pub fn with_training(mut self, options: TrainingOptions) -> Self {
-        self.service.training = training::Training::new(options);
+        self.service.training = training::admission::Training::new(options);
         self
     }
 
     /// From a validated `server.yaml`.
-    pub fn from_config(config: &ServerConfig) -> anyhow::Result<Self> {
+    pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
         Ok(Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())?.with_training(config.training.clone()))
     }
 
@@ -81,21 +93,21 @@ impl PreparedServer {
     }
 
     /// Serves on `listener` until `shutdown` resolves; requests in flight are answered first.
-    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
         let limits = self.service.limits;
         let max_message = limits.max_message_bytes as usize;
         let security = Arc::clone(&self.service.security);
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         health_reporter.set_serving::<SplitInferenceServer<service::Service>>().await;
-        let inference = SplitInferenceServer::new(self.service)
-            .max_decoding_message_size(max_message)
-            .max_encoding_message_size(max_message);
+        let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
         let token = security.token.clone();
-        let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| check_token(token.as_ref(), request));
+        let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(token.as_ref(), request));
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = &security.tls {
             let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
-            builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity)).map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
+            builder = builder
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .map_err(|e| ServerError::Tls(cleave_common::error::with_causes(&e)))?;
         }
         // Windows sized for large boundaries; payloads are already raw or compressed, so
         // gRPC compression stays off.
@@ -112,25 +124,21 @@ impl PreparedServer {
             .add_service(health_service)
             .add_service(inference)
             .serve_with_incoming_shutdown(incoming, shutdown)
-            .await?;
+            .await
+            .map_err(|e| ServerError::Serve(cleave_common::error::with_causes(&e)))?;
         Ok(())
     }
 }
 
-/// Refuses a call without the server's bearer token (when it has one), before any handler.
-fn check_token(token: Option<&Token>, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-    let Some(token) = token else { return Ok(request) };
-    match request.metadata().get("authorization") {
-        Some(value) if token.matches_header(value.as_bytes()) => Ok(request),
-        Some(_) => Err(tonic::Status::unauthenticated("wrong bearer token")),
-        None => Err(tonic::Status::unauthenticated("this server requires a bearer token (`authorization: Bearer ...`)")),
-    }
-}
-
 /// `server --config server.yaml`: validate, load, bind, serve until SIGINT or SIGTERM.
-pub async fn run(config: ServerConfig) -> anyhow::Result<()> {
-    let server = PreparedServer::from_config(&config)?;
-    let listener = TcpListener::bind(config.listen).await.map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
+pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
+    // Opening the bundle hashes every file and loading it takes seconds: not on the runtime.
+    let prepared = config.clone();
+    let server = tokio::task::spawn_blocking(move || PreparedServer::from_config(&prepared))
+        .await
+        .map_err(|e| ServerError::Serve(format!("loading the bundle: {e}")))??;
+    let listen_error = |error| ServerError::Listen { addr: config.listen.to_string(), error };
+    let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
     if !config.listen.ip().is_loopback() && !server.uses_tls() {
         tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address: anyone on the path can read and alter boundaries; configure `tls`");
     }
@@ -138,7 +146,7 @@ pub async fn run(config: ServerConfig) -> anyhow::Result<()> {
     println!(
         "serving {} on {} ({}; {}, {}, {})",
         config.bundle.display(),
-        listener.local_addr()?,
+        listener.local_addr().map_err(listen_error)?,
         server.device(),
         if server.uses_tls() { "TLS" } else { "plaintext" },
         if s.token.is_some() { "bearer token required" } else { "no token" },
@@ -178,7 +186,7 @@ pub struct CheckOptions {
 
 /// Loads the bundle on the device and runs every split at every reference batch size;
 /// returns whether everything matched.
-pub fn check(opts: &CheckOptions) -> anyhow::Result<bool> {
+pub fn check(opts: &CheckOptions) -> Result<bool, ServerError> {
     let bundle = Bundle::open(&opts.bundle)?;
     let device = opts.device.resolve()?;
     println!(

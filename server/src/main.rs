@@ -4,9 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use cleave_common::config::ServerConfig;
 use cleave_common::DeviceSpec;
-use cleave_server::CheckOptions;
+use cleave_server::{CheckOptions, ServerConfig};
 
 #[derive(Parser)]
 #[command(name = "server", version, about = "cleave server: runs the last stages of a split model on CUDA")]
@@ -40,13 +39,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .init();
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
     let cli = Cli::parse();
     let result = match (cli.command, cli.config) {
-        (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }),
-        (Some(Command::DevSecrets { out }), _) => cleave_common::security::write_dev_secrets(&out)
+        (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }).map_err(anyhow::Error::from),
+        (Some(Command::DevSecrets { out }), _) => cleave_server::write_dev_secrets(&out)
             .map(|s| {
                 println!("wrote ca.pem, server.pem, server.key, payload.key and token to {} (development only)", s.dir.display());
                 true
@@ -67,5 +64,5 @@ fn main() -> ExitCode {
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = ServerConfig::load(path)?;
-    tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))
+    Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))?)
 }

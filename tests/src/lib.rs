@@ -11,11 +11,7 @@ pub fn bundle_dir(name: &str) -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-bundles"));
     let dir = root.join(name);
-    assert!(
-        dir.join("manifest.json").is_file(),
-        "test bundle {} is missing: run `make test-bundles` (or `make test`)",
-        dir.display()
-    );
+    assert!(dir.join("manifest.json").is_file(), "test bundle {} is missing: run `make test-bundles` (or `make test`)", dir.display());
     dir
 }
 

@@ -2,11 +2,13 @@
 
 use std::path::Path;
 
-use cleave_common::config::{EdgeConfig, InputSource, ServerConfig, SplitSpec, TrainMode};
 use cleave_common::training::loss::LossKind;
-use cleave_common::{Bundle, DeviceSpec};
-use cleave_host::inputs::Inputs;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::SplitSpec;
+use cleave_common::{Bundle, DeviceSpec};
+use cleave_host::config::{EdgeConfig, InputSource, TrainMode};
+use cleave_host::inputs::Inputs;
+use cleave_server::ServerConfig;
 use cleave_tests::bundle_dir;
 use tch::{Device, Kind, Tensor};
 
@@ -82,7 +84,7 @@ fn every_example_config_parses() {
     // The secured examples read development secrets from `.dev-secrets/` beside `config/`:
     // parse copies of the configs next to freshly written ones.
     let root = tempfile::tempdir().unwrap();
-    cleave_common::security::write_dev_secrets(&root.path().join(".dev-secrets")).unwrap();
+    cleave_server::write_dev_secrets(&root.path().join(".dev-secrets")).unwrap();
     std::fs::create_dir(root.path().join("config")).unwrap();
     for entry in std::fs::read_dir(config_dir()).unwrap() {
         let path = entry.unwrap().path();
@@ -174,7 +176,10 @@ fn splits_resolve_by_index_module_and_cost() {
     let after = bundle.resolve_split(&SplitSpec::After("layer2".into())).unwrap();
     assert_eq!(bundle.cut(after).name, "after layer2.1.relu");
     assert_eq!(bundle.resolve_split(&SplitSpec::CostPercent(0.0)).unwrap(), 0);
-    assert_eq!(bundle.resolve_split(&SplitSpec::CostPercent(100.0)).unwrap(), bundle.split_points().iter().find(|p| p.edge_cost_share >= 1.0 - 1e-12).unwrap().index);
+    assert_eq!(
+        bundle.resolve_split(&SplitSpec::CostPercent(100.0)).unwrap(),
+        bundle.split_points().iter().find(|p| p.edge_cost_share >= 1.0 - 1e-12).unwrap().index
+    );
     let err = bundle.resolve_split(&SplitSpec::Cut(999)).unwrap_err().to_string();
     assert!(err.contains("out of range"), "{err}");
     let err = bundle.resolve_split(&SplitSpec::After("layer9".into())).unwrap_err().to_string();

@@ -4,13 +4,15 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cleave_common::config::{InputSource, Limits};
+use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
-use cleave_host::client::{connect, stream_requests, Link, Splits, StreamPlan};
+use cleave_host::client::{stream_requests, Splits, StreamPlan};
+use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
+use cleave_host::session::{connect, Link};
 use cleave_host::LoopbackServer;
 use cleave_tests::bundle_dir;
 use tokio_stream::StreamExt;
@@ -21,7 +23,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Sends `requests` batches of `batch` split at `split`; returns each request's output.
 async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i64, requests: u64) -> Vec<(u64, Result<Boundary, String>)> {
-    let (mut client, info) = connect(url, bundle, &Link::plain(8 << 20)).await.unwrap();
+    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
     let plan = StreamPlan {
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
@@ -29,12 +31,11 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         requests,
         in_flight: 3,
         inputs: Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap(),
-        max_payload_bytes: 1 << 30,
         codec: Codec::RAW,
         key: None,
     };
     let mut outcomes = Vec::new();
-    stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
+    stream_requests(&mut session, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
     outcomes
 }
 
@@ -88,7 +89,7 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
     let schedule = vec![n, 0, 5, n, 11];
     runtime().block_on(async {
         let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        let (mut client, info) = connect(&server.url, &bundle, &Link::plain(8 << 20)).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
         let plan = StreamPlan {
             bundle: bundle.clone(),
             split: Splits::RoundRobin(schedule.clone()),
@@ -96,12 +97,11 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
             requests: 10,
             in_flight: 2,
             inputs: Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 3).unwrap(),
-            max_payload_bytes: 1 << 30,
             codec: Codec::RAW,
             key: None,
         };
         let mut outcomes = Vec::new();
-        stream_requests(&mut client, &info, plan, |o| outcomes.push(o)).await.unwrap();
+        stream_requests(&mut session, plan, |o| outcomes.push(o)).await.unwrap();
         outcomes.sort_by_key(|o| o.request_id);
         assert_eq!(outcomes.iter().map(|o| o.request_id).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
         for o in outcomes {
@@ -165,7 +165,7 @@ fn edit_header(frame: &mut InferFrame, f: impl FnOnce(&mut cleave_codec::pb::Pay
 async fn send(url: &str, bundle: &Bundle, frames: Vec<InferFrame>) -> Vec<pb::ResultFrame> {
     let mut client = raw_client(url).await;
     let mut request = tonic::Request::new(tokio_stream::iter(frames));
-    request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
     let mut inbound = client.infer(request).await.unwrap().into_inner();
     let mut out = Vec::new();
     while let Some(frame) = inbound.next().await {
@@ -193,7 +193,7 @@ fn bad_requests_get_clear_errors_and_the_stream_keeps_serving() {
         // Wrong bundle id: refused at the handshake, naming both ids.
         let mut client = raw_client(&server.url).await;
         let mut request = tonic::Request::new(tokio_stream::iter(good.clone()));
-        request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, "deadbeef".parse().unwrap());
+        request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, "deadbeef".parse().unwrap());
         let status = client.infer(request).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::FailedPrecondition);
         assert!(status.message().contains("the host has bundle deadbeef") && status.message().contains(bundle.id()), "{status}");
@@ -202,7 +202,9 @@ fn bad_requests_get_clear_errors_and_the_stream_keeps_serving() {
         // 1: split out of range.
         frames.extend(frames_for(1, n + 1, &input));
         // 2: a shape that does not match the manifest.
-        let wrong = Boundary { values: vec![("x".into(), cleave_common::Value::Tensor(tch::Tensor::zeros([3, 1, 9, 8], (tch::Kind::Float, tch::Device::Cpu))))] };
+        let wrong = Boundary {
+            values: vec![("x".into(), cleave_common::Value::Tensor(tch::Tensor::zeros([3, 1, 9, 8], (tch::Kind::Float, tch::Device::Cpu))))],
+        };
         frames.extend(frames_for(2, 0, &wrong));
         // 3: truncated payload (last frame ends early).
         let mut truncated = frames_for(3, 0, &input);
@@ -264,7 +266,7 @@ fn host_with_another_bundle_is_refused_naming_both() {
     let other = Bundle::open(bundle_dir("transformer")).unwrap();
     runtime().block_on(async {
         let server = LoopbackServer::start(digits.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        let err = connect(&server.url, &other, &Link::plain(8 << 20)).await.expect_err("refused");
+        let err = connect(&server.url, &other, &Link::plain()).await.expect_err("refused");
         let text = err.to_string();
         assert!(text.contains("bundle mismatch") && text.contains(other.id()) && text.contains(digits.id()), "{text}");
         server.shutdown().await.unwrap();
@@ -301,5 +303,30 @@ fn shutdown_answers_requests_in_flight() {
         let outcomes = host.await.unwrap();
         assert_eq!(outcomes.len(), 12);
         assert!(outcomes.iter().all(|(_, o)| o.is_ok()), "every request in flight is answered");
+    });
+}
+
+#[test]
+fn a_host_with_defaults_takes_its_message_limit_from_a_server_with_32_mib_messages() {
+    // The host's own defaults allow 8 MiB messages; the server announces 32 MiB in `Info`,
+    // and the host frames and accepts by the server's limit (a 20 MiB message both ways).
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let limits = Limits { max_message_bytes: 32 << 20, ..Limits::default() };
+    assert!(limits.max_message_bytes > Limits::default().max_message_bytes);
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, limits).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        assert_eq!(session.server.limits, limits);
+        assert_eq!(session.chunk_bytes(), cleave_common::wire::chunk_bytes_for(32 << 20));
+        let size = 20usize << 20;
+        let echo = pb::EchoRequest { payload: Bytes::from(vec![7u8; size]), reply_bytes: size as u64 };
+        let back = session.client.echo(echo).await.expect("a 20 MiB message each way fits the server's 32 MiB").into_inner();
+        assert_eq!(back.payload.len(), size);
+        let outcomes = run_host(&server.url, &bundle, 1, 8, 11, 2).await;
+        for (id, output) in outcomes {
+            assert!(output.unwrap().bit_identical(&local(&bundle, &whole, 8, 11, id)));
+        }
+        server.shutdown().await.unwrap();
     });
 }

@@ -1,8 +1,8 @@
 //! `host plan` end to end: profiles from a real server over loopback, a prediction for every
 //! cut, a usable best cut, and measured latencies beside the predictions.
 
-use cleave_common::config::EdgeConfig;
-use cleave_common::planner::Objective;
+use cleave_host::config::EdgeConfig;
+use cleave_host::planning::planner::Objective;
 use cleave_host::planning::{plan, PlanOptions};
 use cleave_tests::bundle_dir;
 
@@ -35,9 +35,9 @@ fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
         assert!(report.measured_ms[p.cut].is_some_and(|m| m > 0.0), "cut {}", p.cut);
     }
     assert!(dir.path().join("out/plan.json").is_file());
-    let dot = std::fs::read_to_string(dir.path().join("out").join(cleave_common::graph::STAGE_GRAPH_DOT)).unwrap();
+    let dot = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::graph::STAGE_GRAPH_DOT)).unwrap();
     assert_eq!(dot.matches("split here").count(), 1, "the chosen cut is marked once");
-    let svg = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::PREDICTED_VS_MEASURED)).unwrap();
+    let svg = std::fs::read_to_string(dir.path().join("out").join(cleave_host::plots::run::PREDICTED_VS_MEASURED)).unwrap();
     assert!(svg.contains("<polyline"));
     // The measured breakdown: one entry per usable cut, its parts adding up to no more than the whole.
     let usable = report.predictions.iter().filter(|p| p.usable).count();
@@ -51,9 +51,9 @@ fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
             assert!(m.server_ms > 0.0, "cut {}", m.cut);
         }
     }
-    let bars = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::BREAKDOWN)).unwrap();
+    let bars = std::fs::read_to_string(dir.path().join("out").join(cleave_host::plots::run::BREAKDOWN)).unwrap();
     assert!(bars.matches("<rect").count() >= usable, "a bar per cut");
-    let cdf = std::fs::read_to_string(dir.path().join("out").join(cleave_host::planning::LATENCY_CDF)).unwrap();
+    let cdf = std::fs::read_to_string(dir.path().join("out").join(cleave_host::plots::run::LATENCY_CDF)).unwrap();
     assert!(cdf.contains("<polyline") && cdf.contains(&format!("cut {best} (planned best")), "{cdf}");
 }
 
@@ -62,21 +62,21 @@ fn profile_and_echo_refuse_what_they_cannot_do() {
     use cleave_common::config::Limits;
     use cleave_common::pb;
     use cleave_common::{Bundle, DeviceSpec};
-    use cleave_host::client::{connect, Link};
+    use cleave_host::session::{connect, Link};
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let server = cleave_host::LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        let (mut client, _) = connect(&server.url, &bundle, &Link::plain(16 << 20)).await.unwrap();
-        let err = client.profile(pb::ProfileRequest { batch_size: 17, repeats: 1 }).await.unwrap_err();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let err = session.client.profile(pb::ProfileRequest { batch_size: 17, repeats: 1 }).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert!(err.message().contains("outside the bundle's range 1..=16"), "{}", err.message());
-        let err = client.profile(pb::ProfileRequest { batch_size: 2, repeats: 1000 }).await.unwrap_err();
+        let err = session.client.profile(pb::ProfileRequest { batch_size: 2, repeats: 1000 }).await.unwrap_err();
         assert!(err.message().contains("at most 50"), "{}", err.message());
-        let ok = client.profile(pb::ProfileRequest { batch_size: 2, repeats: 1 }).await.unwrap().into_inner();
+        let ok = session.client.profile(pb::ProfileRequest { batch_size: 2, repeats: 1 }).await.unwrap().into_inner();
         assert_eq!(ok.stage_ms.len(), bundle.stage_count());
-        let err = client.echo(pb::EchoRequest { payload: Default::default(), reply_bytes: 1 << 40 }).await.unwrap_err();
+        let err = session.client.echo(pb::EchoRequest { payload: Default::default(), reply_bytes: 1 << 40 }).await.unwrap_err();
         assert!(err.message().contains("message limit"), "{}", err.message());
-        let back = client.echo(pb::EchoRequest { payload: vec![1u8; 1000].into(), reply_bytes: 5000 }).await.unwrap().into_inner();
+        let back = session.client.echo(pb::EchoRequest { payload: vec![1u8; 1000].into(), reply_bytes: 5000 }).await.unwrap().into_inner();
         assert_eq!(back.payload.len(), 5000);
     });
 }
@@ -93,7 +93,7 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     );
     std::fs::write(&config, yaml).unwrap();
     let config = EdgeConfig::load(&config).unwrap();
-    assert_eq!(config.split, cleave_common::config::SplitSpec::Auto);
+    assert_eq!(config.split, cleave_common::SplitSpec::Auto);
     let opts = cleave_host::RunOptions { loopback: true, split: None, output: None };
     let summary = tokio::runtime::Runtime::new().unwrap().block_on(cleave_host::run(config, opts)).unwrap();
     assert_eq!((summary.requests, summary.errors), (12, 0));
@@ -119,12 +119,12 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     assert_eq!(summary["planned"]["objective"], "latency");
     // The run's plots: a CDF line and a breakdown bar per cut used.
     let used: std::collections::BTreeSet<usize> = splits.iter().copied().collect();
-    let cdf = std::fs::read_to_string(out.join(cleave_host::pictures::LATENCY_CDF)).unwrap();
+    let cdf = std::fs::read_to_string(out.join(cleave_host::plots::run::LATENCY_CDF)).unwrap();
     for cut in &used {
         assert!(cdf.contains(&format!("split at cut {cut}")), "cut {cut}");
     }
-    assert!(std::fs::read_to_string(out.join(cleave_host::pictures::BREAKDOWN)).unwrap().contains("<rect"));
+    assert!(std::fs::read_to_string(out.join(cleave_host::plots::run::BREAKDOWN)).unwrap().contains("<rect"));
     // `auto` is not a cut a bundle can resolve by itself.
-    let err = bundle.resolve_split(&cleave_common::config::SplitSpec::Auto).unwrap_err().to_string();
+    let err = bundle.resolve_split(&cleave_common::SplitSpec::Auto).unwrap_err().to_string();
     assert!(err.contains("planner"), "{err}");
 }

@@ -2,15 +2,18 @@
 //! TLS with a bearer token (and the refusals without it), and every way a sealed payload
 //! can be attacked, each refused with its own status while the stream keeps serving.
 
-use cleave_common::config::{EdgeConfig, InputSource, Limits};
+use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
-use cleave_common::security::{write_dev_secrets, ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity, Token};
+use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity, Token};
 use cleave_common::wire::{Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
-use cleave_host::client::{connect, stream_requests, Link, Splits, StreamPlan};
+use cleave_host::client::{stream_requests, Splits, StreamPlan};
+use cleave_host::config::{EdgeConfig, InputSource};
 use cleave_host::inputs::Inputs;
+use cleave_host::session::{connect, Link};
 use cleave_host::LoopbackServer;
+use cleave_server::write_dev_secrets;
 use cleave_tests::bundle_dir;
 use prost::Message;
 use tokio_stream::StreamExt;
@@ -20,8 +23,15 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// One host run: `requests` batches of 3 at `split` with `codec`; every request's output.
-async fn run_host(url: &str, bundle: &Bundle, split: usize, codec: Codec, security: &EdgeSecurity, requests: u64) -> anyhow::Result<Vec<(u64, Result<Boundary, String>)>> {
-    let (mut client, info) = connect(url, bundle, &Link::secured(8 << 20, security)).await?;
+async fn run_host(
+    url: &str,
+    bundle: &Bundle,
+    split: usize,
+    codec: Codec,
+    security: &EdgeSecurity,
+    requests: u64,
+) -> anyhow::Result<Vec<(u64, Result<Boundary, String>)>> {
+    let mut session = connect(url, bundle, &Link::secured(security)).await?;
     let plan = StreamPlan {
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
@@ -29,12 +39,11 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, codec: Codec, securi
         requests,
         in_flight: 2,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 11 }, bundle, 3)?,
-        max_payload_bytes: 1 << 30,
         codec,
         key: security.key.clone(),
     };
     let mut outcomes = Vec::new();
-    stream_requests(&mut client, &info, plan, |o| outcomes.push((o.request_id, o.output))).await?;
+    stream_requests(&mut session, plan, |o| outcomes.push((o.request_id, o.output))).await?;
     Ok(outcomes)
 }
 
@@ -154,7 +163,8 @@ fn attacks_on_sealed_payloads_are_each_refused_with_their_own_error() {
     let (input, _) = bundle.reference(3).unwrap();
     let ring = KeyRing::new([(1, Key::random())]).unwrap();
     let impostor = KeyRing::new([(1, Key::random())]).unwrap();
-    let security = ServerSecurity { policy: CodecPolicy { require_encryption: true, ..CodecPolicy::default() }, keys: ring.clone(), ..Default::default() };
+    let security =
+        ServerSecurity { policy: CodecPolicy { require_encryption: true, ..CodecPolicy::default() }, keys: ring.clone(), ..Default::default() };
     runtime().block_on(async {
         let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await.unwrap();
         let mut host = PayloadSender::sealed(&ring, 1).unwrap();
@@ -192,7 +202,7 @@ fn attacks_on_sealed_payloads_are_each_refused_with_their_own_error() {
 
         let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
         let mut request = tonic::Request::new(tokio_stream::iter(frames));
-        request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+        request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
         let mut inbound = client.infer(request).await.unwrap().into_inner();
         let mut answers: Vec<pb::ResultFrame> = Vec::new();
         while let Some(frame) = inbound.next().await {
@@ -238,7 +248,9 @@ fn secret_config_errors_name_the_key_and_never_the_secret() {
     assert!(err.contains("`encryption`") && err.contains("not all hex digits") && !err.contains(secret), "{err}");
     let err = EdgeConfig::load(&write("e2.yaml", &format!("{base}encryption: {{key_id: 1, key: {secret}}}\n"))).unwrap_err().to_string();
     assert!(err.contains("unknown field `key`"), "{err}");
-    let err = EdgeConfig::load(&write("e3.yaml", &format!("{base}encryption: {{key_id: 1, env: CLEAVE_TEST_NO_SUCH_VARIABLE}}\n"))).unwrap_err().to_string();
+    let err = EdgeConfig::load(&write("e3.yaml", &format!("{base}encryption: {{key_id: 1, env: CLEAVE_TEST_NO_SUCH_VARIABLE}}\n")))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("environment variable CLEAVE_TEST_NO_SUCH_VARIABLE is not set"), "{err}");
     let err = EdgeConfig::load(&write("e4.yaml", &format!("{base}codec: lz4+gzip\n"))).unwrap_err().to_string();
     assert!(err.contains("`codec`") && err.contains("unknown part \"gzip\""), "{err}");
@@ -248,14 +260,17 @@ fn secret_config_errors_name_the_key_and_never_the_secret() {
 
 #[test]
 fn the_handshake_refuses_a_codec_or_key_the_server_does_not_accept_naming_what_it_does() {
-    use cleave_host::client::check_server_accepts;
+    use cleave_common::protocol::{ServerInfo, PROTOCOL_VERSION};
+    use cleave_host::session::check_server_accepts;
     let support = pb::CodecSupport {
         precisions: vec!["full".into(), "fp16".into()],
         compressions: vec!["none".into(), "lz4".into()],
         encryption_required: true,
         key_ids: vec![1, 2],
     };
-    let info = pb::InfoReply { codecs: Some(support), ..Default::default() };
+    let limits = pb::Limits { max_message_bytes: 8 << 20, max_payload_bytes: 1 << 30, queue_depth: 64, max_batch: 8 };
+    let reply = pb::InfoReply { protocol_version: PROTOCOL_VERSION, codecs: Some(support), limits: Some(limits), ..Default::default() };
+    let info = ServerInfo::try_from(reply).unwrap();
     let check = |codec: &str, key: Option<u32>| check_server_accepts(&info, &codec.parse().unwrap(), key).map_err(|e| e.to_string());
     assert!(check("fp16+shuffle+lz4", Some(2)).is_ok());
     let err = check("int8+lz4", Some(1)).unwrap_err();

@@ -15,13 +15,7 @@ fn every_split_matches_reference(name: &str, min_cuts: usize) -> Bundle {
         let report = verify_splits(&bundle, DeviceSpec::Cpu, batch).expect("verify");
         assert_eq!(report.splits.len(), bundle.stage_count() + 1, "{name}: one row per cut");
         for s in &report.splits {
-            assert!(
-                s.relative_error <= TOLERANCE,
-                "{name} batch {batch} split {} ({}): relative error {:e}",
-                s.split,
-                s.name,
-                s.relative_error
-            );
+            assert!(s.relative_error <= TOLERANCE, "{name} batch {batch} split {} ({}): relative error {:e}", s.split, s.name, s.relative_error);
             assert!(s.identical_to_first, "{name} batch {batch}: split {} differs from split 0", s.split);
         }
     }
@@ -90,9 +84,7 @@ fn prefix_and_suffix_loaded_separately_match_the_whole_chain() {
         let server = LoadedStages::load(&bundle, StageRange::suffix(&bundle, split), DeviceSpec::Cpu).unwrap();
         let middle = edge.run(StageRange::prefix(split), &input).unwrap();
         // A deep copy stands in for the trip over the wire.
-        let middle = cleave_common::Boundary {
-            values: middle.values.iter().map(|(n, v)| (n.clone(), deep_copy(v))).collect(),
-        };
+        let middle = cleave_common::Boundary { values: middle.values.iter().map(|(n, v)| (n.clone(), deep_copy(v))).collect() };
         let output = server.run(StageRange::suffix(&bundle, split), &middle).unwrap();
         assert!(output.bit_identical(&expected), "split {split}");
         assert!(output.max_relative_error(&reference) <= TOLERANCE, "split {split}");

@@ -9,15 +9,17 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use cleave_common::config::{EdgeConfig, Limits, TrainingOptions};
+use cleave_common::config::Limits;
 use cleave_common::pb::{self, train_frame, TrainFrame};
 use cleave_common::security::ServerSecurity;
 use cleave_common::training::TrainableStages;
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, StageRange};
-use cleave_host::client::{connect, Link};
+use cleave_host::config::EdgeConfig;
+use cleave_host::session::{connect, Link};
 use cleave_host::training::{checkpoint_name, checkpoint_state, TrainingSummary, HOST_CHECKPOINT};
 use cleave_host::{LoopbackServer, RunOptions};
+use cleave_server::TrainingOptions;
 use cleave_tests::{bundle_dir, test_file};
 use tch::{Kind, Tensor};
 use tokio_stream::StreamExt;
@@ -85,7 +87,7 @@ impl<'a> Run<'a> {
         std::fs::write(&path, edit(yaml)).unwrap();
         let config = EdgeConfig::load(&path)?;
         let opts = RunOptions { loopback: self.mode != "monolithic", split: None, output: None };
-        runtime().block_on(cleave_host::training::run(config, opts))
+        Ok(runtime().block_on(cleave_host::training::run(config, opts))?)
     }
 }
 
@@ -246,12 +248,12 @@ type TrainStream = (tokio::sync::mpsc::Sender<TrainFrame>, tonic::Streaming<pb::
 
 /// Opens a training session on `url` and returns the first reply (opened, or the error).
 async fn open_session(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (TrainStream, pb::TrainReply) {
-    let (mut client, _) = connect(url, bundle, &Link::plain(8 << 20)).await.unwrap();
+    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.unwrap();
     let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    request.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
-    let mut replies = client.train(request).await.unwrap().into_inner();
+    request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    let mut replies = session.client.train(request).await.unwrap().into_inner();
     let first = replies.next().await.unwrap().unwrap();
     ((tx, replies), first)
 }
@@ -300,7 +302,8 @@ fn one_training_session_per_bundle_unless_configured() {
         server.shutdown().await.unwrap();
 
         let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true };
-        let server = LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
         let (_a, a) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
         let (_b, b) = open_session(&server.url, &bundle, open_digits(4, 12, "cross-entropy")).await;
         assert!(a.opened.is_some() && b.opened.is_some(), "separate copies: {a:?} {b:?}");
@@ -313,14 +316,21 @@ fn a_session_that_cannot_work_is_refused_with_the_reason() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true };
     runtime().block_on(async {
-        let server = LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
         let cases = [
             (open_digits(7, 7, "cross-entropy"), "non-empty range"),
             (open_digits(7, 13, "cross-entropy"), "within [0, 12]"),
             (open_digits(7, 12, ""), "computes the loss"),
             (open_digits(4, 10, "cross-entropy"), "the edge computes the loss"),
             (open_digits(7, 12, "hinge"), "not a loss"),
-            (pb::OpenSession { optimizer: Some(pb::Optimizer { kind: "adam".into(), lr: 0.1, beta1: 0.9, beta2: 1.5, ..Default::default() }), ..open_digits(7, 12, "mse") }, "betas[1]"),
+            (
+                pb::OpenSession {
+                    optimizer: Some(pb::Optimizer { kind: "adam".into(), lr: 0.1, beta1: 0.9, beta2: 1.5, ..Default::default() }),
+                    ..open_digits(7, 12, "mse")
+                },
+                "betas[1]",
+            ),
             (pb::OpenSession { optimizer: None, ..open_digits(7, 12, "mse") }, "no optimizer"),
             (pb::OpenSession { resume: "step-3".into(), ..open_digits(7, 12, "mse") }, "no checkpoint directory"),
         ];
@@ -333,7 +343,13 @@ fn a_session_that_cannot_work_is_refused_with_the_reason() {
 }
 
 /// Sends one payload call and returns its reply frames (up to the last, or an error).
-async fn call(stream: &mut TrainStream, id: u64, phase: pb::Phase, meta: (u32, Direction), boundary: &cleave_common::Boundary) -> Vec<pb::TrainReply> {
+async fn call(
+    stream: &mut TrainStream,
+    id: u64,
+    phase: pb::Phase,
+    meta: (u32, Direction),
+    boundary: &cleave_common::Boundary,
+) -> Vec<pb::TrainReply> {
     let meta = PayloadMeta { request_id: id, split: meta.0, direction: meta.1 };
     let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
     let frame = pb::TrainPayloadFrame { request_id: id, phase: phase as i32, header: encoded.envelope, data: encoded.data, last: true };
@@ -395,10 +411,15 @@ fn checkpoint_names_are_file_names() {
     let dir = tempfile::tempdir().unwrap();
     let options = TrainingOptions { checkpoint_dir: Some(dir.path().to_path_buf()), concurrent_sessions: false };
     runtime().block_on(async {
-        let server = LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
         let (mut stream, _) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
         for (id, name) in [(1, "../elsewhere"), (2, ".hidden"), (3, "a/b"), (4, "")] {
-            stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.into() })) }).await.unwrap();
+            stream
+                .0
+                .send(TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.into() })) })
+                .await
+                .unwrap();
             let reply = stream.1.next().await.unwrap().unwrap();
             let (code, text) = error_of(&reply);
             assert_eq!(code, tonic::Code::InvalidArgument, "{name}: {text}");
@@ -432,4 +453,20 @@ fn a_run_that_cannot_work_stops_before_training_and_says_why() {
     let u = Run::new("digits", "split", 7, SGD).u_shaped(7);
     let text = format!("{:#}", u.try_train(&tmp.path().join("u"), |y| y).map(|_| ()).unwrap_err());
     assert!(text.contains("[7, 7) are empty"), "{text}");
+}
+
+#[test]
+fn a_missing_example_bundle_names_the_make_target_and_each_cause_once() {
+    // The example training config, as on a fresh clone: its bundle and datasets not made yet.
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("config")).unwrap();
+    let config = root.path().join("config").join("train-digits.yaml");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/train-digits.yaml"), &config).unwrap();
+    let config = EdgeConfig::load(&config).unwrap();
+    let opts = RunOptions { loopback: true, ..RunOptions::default() };
+    let err = runtime().block_on(cleave_host::training::run(config, opts)).unwrap_err();
+    let expected = format!("bundle {} does not exist: run `make digits-cnn`, which creates it", root.path().join("bundles/digits-cnn").display());
+    assert_eq!(err.to_string(), expected);
+    // As `host` prints it: the chain of causes adds nothing the message already says.
+    assert_eq!(format!("{:#}", anyhow::Error::from(err)), expected);
 }

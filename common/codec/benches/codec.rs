@@ -199,7 +199,8 @@ fn payloads(c: &mut Criterion, cuts: &[Cut]) {
                 b.iter_batched(
                     || (keys.opener(), enc.data.to_vec()),
                     |(mut opener, data)| {
-                        let incoming = IncomingPayload::parse(&enc.envelope, Direction::Request, LIMIT, &CodecPolicy::default(), &opener).expect("parses");
+                        let incoming =
+                            IncomingPayload::parse(&enc.envelope, Direction::Request, LIMIT, &CodecPolicy::default(), &opener).expect("parses");
                         incoming.decode(data, &mut opener).expect("decodes")
                     },
                     BatchSize::LargeInput,

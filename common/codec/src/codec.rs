@@ -94,11 +94,6 @@ pub struct Codec {
 impl Codec {
     /// No transformation at all.
     pub const RAW: Codec = Codec { precision: Precision::Full, shuffle: false, compression: Compression::None };
-
-    /// Whether every tensor comes back bit for bit.
-    pub fn is_lossless(&self) -> bool {
-        self.precision == Precision::Full
-    }
 }
 
 impl fmt::Display for Codec {
@@ -182,11 +177,7 @@ pub struct CodecPolicy {
 
 impl Default for CodecPolicy {
     fn default() -> Self {
-        Self {
-            precisions: Precision::ALL.to_vec(),
-            compressions: ["none", "lz4", "zstd"].map(String::from).to_vec(),
-            require_encryption: false,
-        }
+        Self { precisions: Precision::ALL.to_vec(), compressions: ["none", "lz4", "zstd"].map(String::from).to_vec(), require_encryption: false }
     }
 }
 
@@ -198,11 +189,7 @@ impl CodecPolicy {
             return Err(format!("precision {} is not accepted (accepted: {})", codec.precision.name(), names.join(", ")));
         }
         if !self.compressions.iter().any(|c| c == codec.compression.family()) {
-            return Err(format!(
-                "compression {} is not accepted (accepted: {})",
-                codec.compression.family(),
-                self.compressions.join(", ")
-            ));
+            return Err(format!("compression {} is not accepted (accepted: {})", codec.compression.family(), self.compressions.join(", ")));
         }
         Ok(())
     }

@@ -23,18 +23,8 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 10] = [
-        Self::Float32,
-        Self::Float64,
-        Self::Float16,
-        Self::Bfloat16,
-        Self::Int64,
-        Self::Int32,
-        Self::Int16,
-        Self::Int8,
-        Self::Uint8,
-        Self::Bool,
-    ];
+    pub const ALL: [DType; 10] =
+        [Self::Float32, Self::Float64, Self::Float16, Self::Bfloat16, Self::Int64, Self::Int32, Self::Int16, Self::Int8, Self::Uint8, Self::Bool];
 
     /// Bytes per element.
     pub fn size(self) -> usize {

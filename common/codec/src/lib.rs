@@ -16,15 +16,11 @@ pub mod compress;
 pub mod dtype;
 pub mod error;
 pub mod payload;
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod pb;
 pub mod precision;
 pub mod seal;
 pub mod shuffle;
-
-/// The payload messages (`proto/cleave/v1/payload.proto`).
-#[allow(missing_docs, unreachable_pub, clippy::all)]
-pub mod pb {
-    include!(concat!(env!("OUT_DIR"), "/cleave.v1.rs"));
-}
 
 pub use codec::{Codec, CodecPolicy, Compression, Precision};
 pub use dtype::DType;

@@ -221,7 +221,11 @@ impl IncomingPayload {
                 });
             }
             if codec.compression == Compression::None && t.wire_len != carried {
-                return Err(CodecError::SizeMismatch { name: t.name.clone(), declared: t.wire_len, expected: format!("uncompressed it is {carried}") });
+                return Err(CodecError::SizeMismatch {
+                    name: t.name.clone(),
+                    declared: t.wire_len,
+                    expected: format!("uncompressed it is {carried}"),
+                });
             }
             let quantised = codec.precision == Precision::Int8 && codec.precision.casts(dtype);
             if quantised != t.quant.is_some() {

@@ -181,12 +181,7 @@ impl Sealer {
         }
         let counter = self.next;
         self.next += 1;
-        Ok(Seal {
-            key_id: self.key.id,
-            key_check: self.key.check.to_vec(),
-            nonce_prefix: self.prefix.to_vec(),
-            counter,
-        })
+        Ok(Seal { key_id: self.key.id, key_check: self.key.check.to_vec(), nonce_prefix: self.prefix.to_vec(), counter })
     }
 
     /// Tag over the header bytes (part 0), then encrypts `data` in place and appends its tag

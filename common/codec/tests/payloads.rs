@@ -6,8 +6,8 @@ use cleave_codec::{
     encode_payload, Codec, CodecError, CodecPolicy, Compression, DType, Direction, EncodedPayload, IncomingPayload, Key, KeyRing, PayloadMeta,
     Precision, TensorData,
 };
-use prost::Message;
 use proptest::prelude::*;
+use prost::Message;
 
 const LIMIT: u64 = 64 << 20;
 

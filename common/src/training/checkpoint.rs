@@ -44,7 +44,8 @@ pub fn save(path: &Path, meta: &CheckpointMeta, parts: &[&TrainableStages], opti
     let mut encoded = Vec::with_capacity(tensors.len());
     for (name, t) in &tensors {
         let t = t.to_device(tch::Device::Cpu).contiguous();
-        let dtype = safetensors_dtype(t.kind()).ok_or_else(|| fail(path, format!("{name} has dtype {:?}, which checkpoints do not store", t.kind())))?;
+        let dtype =
+            safetensors_dtype(t.kind()).ok_or_else(|| fail(path, format!("{name} has dtype {:?}, which checkpoints do not store", t.kind())))?;
         let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
         t.f_copy_data_u8(&mut data, t.numel()).map_err(|e| fail(path, format!("{name}: {e}")))?;
         encoded.push((name.clone(), dtype, t.size().iter().map(|&d| d as usize).collect::<Vec<_>>(), data));

@@ -34,7 +34,9 @@ pub fn write_trained_bundle(bundle: &Bundle, checkpoints: &[PathBuf], out: &Path
         state.extend(tensors);
     }
     let mut stages = TrainableStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu, 0)?;
-    stages.load_state(&state).map_err(|m| fail(checkpoints.first().map_or(out, |p| p.as_path()), format!("the checkpoints do not cover the model: {m}")))?;
+    stages
+        .load_state(&state)
+        .map_err(|m| fail(checkpoints.first().map_or(out, |p| p.as_path()), format!("the checkpoints do not cover the model: {m}")))?;
 
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| fail(out, format!("cannot create {}: {e}", parent.display())))?;
@@ -51,7 +53,8 @@ pub fn write_trained_bundle(bundle: &Bundle, checkpoints: &[PathBuf], out: &Path
             tensors.extend(output.tensors().into_iter().map(|(n, t)| (format!("output.{n}"), t.to_device(tch::Device::Cpu).contiguous())));
             Tensor::write_safetensors(&tensors, tmp.join(&reference.file)).map_err(|e| fail(&tmp, e.to_string()))?;
         }
-        let rewritten: Vec<&str> = manifest.stages.iter().map(|s| s.file.as_str()).chain(manifest.references.iter().map(|r| r.file.as_str())).collect();
+        let rewritten: Vec<&str> =
+            manifest.stages.iter().map(|s| s.file.as_str()).chain(manifest.references.iter().map(|r| r.file.as_str())).collect();
         let raw_path = bundle.dir().join("manifest.json");
         let raw = std::fs::read(&raw_path).map_err(|e| fail(&raw_path, e.to_string()))?;
         let mut raw: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| fail(&raw_path, e.to_string()))?;

@@ -43,9 +43,7 @@ impl LossKind {
                         return Err(TrainError::Loss(format!("class indices must be in 0..{}, found {lo}..={hi}", o[1])));
                     }
                 }
-                output
-                    .f_cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, -100, 0.0)
-                    .map_err(|e| TrainError::torch("cross-entropy", e))
+                output.f_cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, -100, 0.0).map_err(|e| TrainError::torch("cross-entropy", e))
             }
             Self::Mse => {
                 if output.size() != targets.size() {

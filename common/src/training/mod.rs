@@ -8,8 +8,8 @@
 //! - [`loss`]: cross-entropy and mean squared error, as `torch.nn.functional` computes them.
 //! - [`checkpoint`]: parameters, buffers and optimizer state in a safetensors file.
 //! - [`export`]: trained weights written back into a bundle for split inference.
-//! - [`gradients`] and [`vjp_root`]: the two backward passes every side runs: from a loss,
-//!   or from the gradients of a boundary that another process computed.
+//! - [`step`]: the step math both sides run: the output and its loss, and a part's backward
+//!   pass from the loss or from the gradient another process sent ([`gradients`], [`vjp_root`]).
 //!
 //! Dropout masks are a function of (session seed, step, stage index): before stage `i` runs
 //! in training step `t`, the generator is seeded with [`stage_seed`]. Masks therefore do not
@@ -17,87 +17,25 @@
 //! split training give the same model as training in one process.
 
 pub mod checkpoint;
+mod error;
 pub mod export;
 pub mod loss;
 pub mod optim;
+mod seeding;
+pub mod step;
 mod trainable;
-
-use std::sync::{Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use crate::error::BundleError;
 use crate::value::{Boundary, Value};
 
+pub use error::TrainError;
+pub use seeding::stage_seed;
 pub use trainable::TrainableStages;
 
 /// Name of the extra value that carries the targets in a training step's payload. The `@`
 /// keeps it apart from every value name the exporter writes (Python identifiers).
 pub const TARGETS_VALUE: &str = "@targets";
-
-/// Why a training step, or setting one up, failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// Loading or running the stages failed, or a boundary does not fit the manifest.
-    #[error(transparent)]
-    Bundle(#[from] BundleError),
-    /// The bundle cannot be trained as it is.
-    #[error("the bundle cannot be trained: {0}")]
-    NotTrainable(String),
-    /// A configuration value that cannot work (optimizer, loss, split).
-    #[error("{0}")]
-    Invalid(String),
-    /// The loss cannot be computed from this output and these targets.
-    #[error("loss: {0}")]
-    Loss(String),
-    /// Gradients that do not fit the boundary they belong to.
-    #[error("gradients: {0}")]
-    Gradients(String),
-    /// libtorch refused an operation.
-    #[error("{step}: {message}")]
-    Torch {
-        /// What was being done.
-        step: &'static str,
-        /// libtorch's message (first line).
-        message: String,
-    },
-    /// A checkpoint cannot be written or read, or does not fit these stages.
-    #[error("checkpoint {path}: {message}")]
-    Checkpoint {
-        /// The file.
-        path: std::path::PathBuf,
-        /// What is wrong.
-        message: String,
-    },
-}
-
-impl TrainError {
-    pub(crate) fn torch(step: &'static str, err: tch::TchError) -> Self {
-        let text = err.to_string();
-        let message = text.lines().find(|l| !l.trim().is_empty()).unwrap_or(&text).trim().to_string();
-        Self::Torch { step, message }
-    }
-}
-
-/// The seed of stage `stage`'s random draws (dropout) in training step `step` of a session
-/// seeded with `seed` (SplitMix64 over the three, so nearby inputs give unrelated seeds).
-pub fn stage_seed(seed: u64, step: u64, stage: usize) -> i64 {
-    let mut z = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (stage as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) >> 1) as i64
-}
-
-/// libtorch's default generator is process-wide: a training stage holds this lock from
-/// seeding it to the end of its forward pass, so that two parts training in one process
-/// (`--loopback`) cannot interleave their draws.
-static GENERATOR: Mutex<()> = Mutex::new(());
-
-pub(crate) fn seeded_generator(seed: i64) -> MutexGuard<'static, ()> {
-    let guard = GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    tch::manual_seed(seed);
-    guard
-}
 
 /// The floating-point tensors of a boundary, with their wire names: the ones that can carry
 /// a gradient.

@@ -209,9 +209,7 @@ impl Optimizer {
                     exp_avg: param.zeros_like(),
                     exp_avg_sq: param.zeros_like(),
                 });
-                let ParamState::Adam { step, exp_avg, exp_avg_sq } = state else {
-                    unreachable!("an Adam optimizer keeps Adam state")
-                };
+                let ParamState::Adam { step, exp_avg, exp_avg_sq } = state else { unreachable!("an Adam optimizer keeps Adam state") };
                 *step += 1;
                 let _ = exp_avg.lerp_(&grad, 1.0 - beta1);
                 let _ = exp_avg_sq.g_mul_scalar_(beta2);

@@ -4,7 +4,8 @@ use std::collections::HashMap;
 
 use tch::{IValue, Tensor};
 
-use super::{seeded_generator, stage_seed, TrainError};
+use super::error::TrainError;
+use super::seeding::{seeded_generator, stage_seed};
 use crate::bundle::Bundle;
 use crate::device::DeviceSpec;
 use crate::stages::{LoadedStages, StageRange};
@@ -60,9 +61,9 @@ impl TrainableStages {
             let mut named: HashMap<String, Tensor> =
                 module.named_parameters().map_err(|e| TrainError::torch("reading parameters", e))?.into_iter().collect();
             for name in info.parameter_names.as_deref().unwrap_or_default() {
-                let p = named.remove(name).ok_or_else(|| {
-                    TrainError::NotTrainable(format!("stage {} has no parameter {name}, which its manifest lists", info.index))
-                })?;
+                let p = named
+                    .remove(name)
+                    .ok_or_else(|| TrainError::NotTrainable(format!("stage {} has no parameter {name}, which its manifest lists", info.index)))?;
                 if p.requires_grad() {
                     parameters.push((name.clone(), p));
                 }

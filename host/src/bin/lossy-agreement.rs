@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context};
 use clap::Parser;
+use cleave_common::stats::median;
 use cleave_common::tables::thousands;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
@@ -145,12 +146,6 @@ fn percent(count: i64, of: i64) -> f64 {
     100.0 * count as f64 / of as f64
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
-}
-
 fn require_file(path: &Path, what: &str) -> anyhow::Result<()> {
     if !path.exists() {
         bail!("{what} {} is missing; `{MAKE_TARGET}` creates the default one", path.display());
@@ -176,11 +171,7 @@ fn main() -> anyhow::Result<()> {
 
     // The reference of the sanity check: the whole model, unsplit, on the same batch.
     let unsplit = Outcome::from_last_cut(&stages.run(StageRange::all(&bundle), &input)?)?;
-    println!(
-        "{}: {} held-out test images as one batch, CPU, in process through the payload codec",
-        bundle.manifest().model.source,
-        samples
-    );
+    println!("{}: {} held-out test images as one batch, CPU, in process through the payload codec", bundle.manifest().model.source, samples);
     println!("unsplit fp32 model: test accuracy {:.2}%", percent(unsplit.matches(&test.label), samples));
     println!(
         "smallest fp32 top-1/top-2 logit margin on the test set: {:.4} (a logit change under half of it cannot flip a prediction)",
@@ -198,9 +189,7 @@ fn main() -> anyhow::Result<()> {
     let (mut raw_mismatches, mut raw_not_bit_exact) = (Vec::new(), Vec::new());
     for cut in (1..n).filter(|&s| bundle.cut(s).usable) {
         let prefix = stages.run(StageRange::new(0, cut), &input)?;
-        let suffix = |boundary: &Boundary| -> anyhow::Result<Outcome> {
-            Outcome::from_last_cut(&stages.run(StageRange::new(cut, n), boundary)?)
-        };
+        let suffix = |boundary: &Boundary| -> anyhow::Result<Outcome> { Outcome::from_last_cut(&stages.run(StageRange::new(cut, n), boundary)?) };
         // The fp32 reference at this cut is always the raw codec, listed or not.
         let (decoded, _, _) = round_trip(&prefix, cut, &Codec::RAW)?;
         let reference = suffix(&decoded)?;
@@ -245,15 +234,12 @@ fn main() -> anyhow::Result<()> {
     for codec in &args.codecs {
         let of: Vec<&Row> = rows.iter().filter(|r| r.codec == *codec).collect();
         // The worst cut: the lowest agreement, then (when they all agree) the largest logit change.
-        let Some(worst) = of
-            .iter()
-            .min_by(|a, b| a.agreement.total_cmp(&b.agreement).then(b.max_logit_diff.total_cmp(&a.max_logit_diff)))
-        else {
+        let Some(worst) = of.iter().min_by(|a, b| a.agreement.total_cmp(&b.agreement).then(b.max_logit_diff.total_cmp(&a.max_logit_diff))) else {
             continue;
         };
         let min_accuracy = of.iter().map(|r| r.accuracy).fold(f64::INFINITY, f64::min);
         let max_logit_diff = of.iter().map(|r| r.max_logit_diff).fold(0.0, f64::max);
-        let mut saved: Vec<f64> = of.iter().map(|r| r.saved_percent()).collect();
+        let saved: Vec<f64> = of.iter().map(|r| r.saved_percent()).collect();
         println!(
             "{:<16} {:>6} {:>14.2}% {:>10} {:>12.2}% {:>13.4} {:>12.1}%",
             codec.to_string(),
@@ -262,7 +248,7 @@ fn main() -> anyhow::Result<()> {
             worst.cut,
             min_accuracy,
             max_logit_diff,
-            median(&mut saved)
+            median(&saved)?
         );
     }
 

@@ -9,13 +9,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use cleave_common::config::{InputSource, Limits};
-use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
+use cleave_common::config::Limits;
 use cleave_common::security::{EdgeSecurity, ServerSecurity};
+use cleave_common::stats::median;
 use cleave_common::wire::{Codec, CodecPolicy, Key, KeyRing};
-use cleave_host::client::{connect, stream_requests, Link, Splits, StreamPlan};
+use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
+use cleave_host::client::{stream_requests, Splits, StreamPlan};
+use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
-use cleave_host::report::Percentiles;
+use cleave_host::session::{connect, Link};
 use cleave_host::LoopbackServer;
 
 #[derive(Parser)]
@@ -60,7 +62,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     drop(whole);
-    let local_p50 = Percentiles::of(&local).p50;
+    let local_p50 = median(&local)?;
     println!(
         "{}: batch {}, {} timed requests each, CPU, loopback gRPC, one request in flight{}",
         bundle.manifest().model.source,
@@ -72,14 +74,15 @@ fn main() -> anyhow::Result<()> {
     println!("{:<30} {:<16} {:>11.2} {:>7.3} {:>11} {:>11}", "whole model, in process", "-", local_p50, 1.0, "-", "-");
     let key = args.encrypt.then(|| (1u32, Key::random()));
     let ring = KeyRing::new(key.clone()).expect("one key");
-    let security = ServerSecurity { policy: CodecPolicy { require_encryption: key.is_some(), ..CodecPolicy::default() }, keys: ring, ..Default::default() };
+    let security =
+        ServerSecurity { policy: CodecPolicy { require_encryption: key.is_some(), ..CodecPolicy::default() }, keys: ring, ..Default::default() };
 
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await?;
-        let link = Link::secured(8 << 20, &EdgeSecurity { key: key.clone(), ..Default::default() });
+        let link = Link::secured(&EdgeSecurity { key: key.clone(), ..Default::default() });
         for (split, codec) in splits.iter().flat_map(|&s| args.codecs.iter().map(move |c| (s, *c))) {
-            let (mut client, info) = connect(&server.url, &bundle, &link).await?;
+            let mut session = connect(&server.url, &bundle, &link).await?;
             let plan = StreamPlan {
                 bundle: bundle.clone(),
                 split: Splits::Fixed(split),
@@ -87,14 +90,13 @@ fn main() -> anyhow::Result<()> {
                 requests: warmup + args.requests,
                 in_flight: 1,
                 inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, &bundle, args.batch)?,
-                max_payload_bytes: 1 << 30,
                 codec,
                 key: key.clone(),
             };
             let mut e2e = Vec::new();
             let (mut raw, mut wire) = (0, 0);
             let mut errors = Vec::new();
-            stream_requests(&mut client, &info, plan, |o| match &o.output {
+            stream_requests(&mut session, plan, |o| match &o.output {
                 Ok(_) if o.request_id >= warmup => {
                     e2e.push(o.metrics.e2e_ms);
                     (raw, wire) = (o.metrics.bytes_raw, o.metrics.bytes_wire);
@@ -106,7 +108,7 @@ fn main() -> anyhow::Result<()> {
             if let Some(e) = errors.first() {
                 anyhow::bail!("split {split} codec {codec}: {} requests failed, first: {e}", errors.len());
             }
-            let p50 = Percentiles::of(&e2e).p50;
+            let p50 = median(&e2e)?;
             println!(
                 "{:<30} {:<16} {:>11.2} {:>7.3} {:>11} {:>11}",
                 format!("split at cut {split} ({})", bundle.cut(split).name.trim_start_matches("after ")),
@@ -117,6 +119,6 @@ fn main() -> anyhow::Result<()> {
                 cleave_common::tables::human_bytes(wire)
             );
         }
-        server.shutdown().await
+        Ok(server.shutdown().await?)
     })
 }

@@ -9,8 +9,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use cleave_common::config::EdgeConfig;
-use cleave_host::training::report::median;
+use cleave_common::stats::median;
+use cleave_host::config::EdgeConfig;
 use cleave_host::RunOptions;
 use tch::{Kind, Tensor};
 
@@ -75,15 +75,18 @@ fn main() -> anyhow::Result<()> {
         for mode in ["monolithic", "split"] {
             let out = tmp.path().join(format!("{mode}-{round}"));
             let config = write_config(&args, tmp.path(), &out, mode)?;
-            let summary = runtime.block_on(cleave_host::training::run(config, RunOptions { loopback: mode == "split", split: None, output: None }))?;
+            let summary =
+                runtime.block_on(cleave_host::training::run(config, RunOptions { loopback: mode == "split", split: None, output: None }))?;
             let _ = summary;
             let steps = read_step_ms(&out)?;
-            medians.push((mode, median(&steps[1..])));
-            eprintln!("round {round} {mode}: median step {:.1} ms over {} steps", median(&steps[1..]), steps.len() - 1);
+            let step_median =
+                median(&steps[1..]).map_err(|_| anyhow::anyhow!("round {round} {mode}: no step past the warm-up (use --steps 2 or more)"))?;
+            medians.push((mode, step_median));
+            eprintln!("round {round} {mode}: median step {step_median:.1} ms over {} steps", steps.len() - 1);
         }
     }
     let of = |mode: &str| median(&medians.iter().filter(|(m, _)| *m == mode).map(|(_, v)| *v).collect::<Vec<_>>());
-    let (mono, split) = (of("monolithic"), of("split"));
+    let (mono, split) = (of("monolithic")?, of("split")?);
     println!(
         "{} batch {} on {}, split {}, codec {}: median step monolithic {:.1} ms, split over loopback {:.1} ms, ratio {:.3}",
         bundle.manifest().model.source,

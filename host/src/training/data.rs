@@ -10,6 +10,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tch::Tensor;
 
+use crate::error::{HostError, Result};
+
 /// A dataset held in memory.
 pub(crate) struct Dataset {
     inputs: Vec<(String, Tensor)>,
@@ -19,29 +21,30 @@ pub(crate) struct Dataset {
 
 impl Dataset {
     /// Reads `path`: the bundle's inputs by name and the `targets` tensor.
-    pub(crate) fn load(path: &Path, bundle: &Bundle, targets: &str) -> anyhow::Result<Self> {
-        let tensors = Tensor::read_safetensors(path).map_err(|e| anyhow::anyhow!("cannot read training data {}: {e}", path.display()))?;
+    pub(crate) fn load(path: &Path, bundle: &Bundle, targets: &str) -> Result<Self> {
+        crate::files::require("dataset", path)?;
+        let tensors = Tensor::read_safetensors(path).map_err(|e| HostError::Invalid(format!("cannot read training data {}: {e}", path.display())))?;
         let take = |name: &str| {
             tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.shallow_clone()).ok_or_else(|| {
                 let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-                anyhow::anyhow!("{}: no tensor {name:?} (it holds {})", path.display(), names.join(", "))
+                HostError::Invalid(format!("{}: no tensor {name:?} (it holds {})", path.display(), names.join(", ")))
             })
         };
         let mut inputs = Vec::new();
         for input in &bundle.manifest().inputs {
             if !matches!(input.spec, ValueSpec::Tensor(_)) {
-                anyhow::bail!("input {} is {}; training reads tensor inputs only", input.name, input.spec.describe());
+                return Err(HostError::Invalid(format!("input {} is {}; training reads tensor inputs only", input.name, input.spec.describe())));
             }
             inputs.push((input.name.clone(), take(&input.name)?));
         }
         let targets = take(targets)?;
         let rows = targets.size().first().copied().unwrap_or(0);
         if rows == 0 {
-            anyhow::bail!("{}: the targets have no rows", path.display());
+            return Err(HostError::Invalid(format!("{}: the targets have no rows", path.display())));
         }
         for (name, t) in &inputs {
             if t.size().first() != Some(&rows) {
-                anyhow::bail!("{}: {name} has {:?} rows, the targets {rows}", path.display(), t.size().first());
+                return Err(HostError::Invalid(format!("{}: {name} has {:?} rows, the targets {rows}", path.display(), t.size().first())));
             }
         }
         Ok(Self { inputs, targets, rows })

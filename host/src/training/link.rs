@@ -5,15 +5,16 @@
 //! handle. It must therefore be used from a blocking thread, never from an async task.
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
-use cleave_common::wire::{chunk_bytes_for, frame_parts, Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
-use cleave_common::{Boundary, Bundle};
+use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::Boundary;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
-use crate::client::Client;
+use crate::error::{HostError, Result};
+use crate::session::EdgeSession;
 
 /// An answer from the server.
 pub(crate) struct Answer {
@@ -42,30 +43,31 @@ pub(crate) struct TrainLink {
     server_has_loss: bool,
 }
 
-/// How to open a session.
+/// How to open a session (frames and payloads are sized by the server's limits).
 pub(crate) struct SessionRequest {
     pub(crate) open: pb::OpenSession,
     pub(crate) codec: Codec,
     pub(crate) key: Option<(u32, Key)>,
-    pub(crate) max_message_bytes: u64,
-    pub(crate) max_payload_bytes: u64,
+}
+
+fn closed() -> HostError {
+    HostError::Stream("the server closed the training stream".into())
 }
 
 impl TrainLink {
     /// Opens a session on a connected client (from async code); the server loads its stages
     /// before it answers.
-    pub(crate) async fn open(client: &mut Client, bundle: &Bundle, request: SessionRequest) -> anyhow::Result<(Self, pb::SessionOpened)> {
+    pub(crate) async fn open(session: &mut EdgeSession, request: SessionRequest) -> Result<(Self, pb::SessionOpened)> {
         let (frames, rx) = mpsc::channel::<TrainFrame>(64);
-        let mut call = tonic::Request::new(ReceiverStream::new(rx));
-        call.metadata_mut().insert(cleave_server::BUNDLE_ID_METADATA, bundle.id().parse()?);
+        let call = session.stream_request(ReceiverStream::new(rx));
         let (start, end) = (request.open.start, request.open.end);
-        let server_has_loss = end as usize == bundle.stage_count();
-        frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(request.open)) }).await?;
-        let mut replies = client.train(call).await.map_err(|s| anyhow::anyhow!("Train: {:?}: {}", s.code(), s.message()))?.into_inner();
+        let server_has_loss = end as usize == session.server.stage_count;
+        frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(request.open)) }).await.map_err(|_| closed())?;
+        let mut replies = session.client.train(call).await.map_err(|s| HostError::rpc("Train", &s))?.into_inner();
         let first = next_reply(&mut replies).await?;
-        let opened = first.opened.ok_or_else(|| anyhow::anyhow!("the server did not open the session"))?;
+        let opened = first.opened.ok_or_else(|| HostError::Stream("the server did not open the session".into()))?;
         let ring = KeyRing::new(request.key.clone()).expect("one key");
-        let sender = || -> anyhow::Result<PayloadSender> {
+        let sender = || -> Result<PayloadSender> {
             Ok(match &request.key {
                 Some((id, _)) => PayloadSender::sealed(&ring, *id)?,
                 None => PayloadSender::plain(),
@@ -73,7 +75,7 @@ impl TrainLink {
         };
         // Answers must come back sealed when calls go sealed: a stripped seal is refused.
         let policy = CodecPolicy { require_encryption: request.key.is_some(), ..CodecPolicy::default() };
-        let receiver = |d| PayloadReceiver::new(d, request.max_payload_bytes, policy.clone(), &ring);
+        let receiver = |d| PayloadReceiver::new(d, session.max_payload_bytes(), policy.clone(), &ring);
         let link = Self {
             runtime: Handle::current(),
             frames,
@@ -83,7 +85,7 @@ impl TrainLink {
             gradients: sender()?,
             results: receiver(Direction::Result),
             gradient_results: receiver(Direction::Gradient),
-            chunk_bytes: chunk_bytes_for(request.max_message_bytes),
+            chunk_bytes: session.chunk_bytes(),
             next_id: 1,
             start,
             end,
@@ -93,31 +95,31 @@ impl TrainLink {
     }
 
     /// A training step's boundary at `start` (with the targets when the server has the loss).
-    pub(crate) fn forward(&mut self, boundary: &Boundary) -> anyhow::Result<Answer> {
+    pub(crate) fn forward(&mut self, boundary: &Boundary) -> Result<Answer> {
         let expect = if self.server_has_loss { (Direction::Gradient, self.start) } else { (Direction::Result, self.end) };
         self.call(Phase::Forward, Direction::Request, self.start, boundary, expect)
     }
 
     /// U-shaped: the gradient at `end` of the step just sent; answers the gradient at `start`.
-    pub(crate) fn backward(&mut self, grads: &Boundary) -> anyhow::Result<Answer> {
+    pub(crate) fn backward(&mut self, grads: &Boundary) -> Result<Answer> {
         self.call(Phase::Backward, Direction::Gradient, self.end, grads, (Direction::Gradient, self.start))
     }
 
     /// An evaluation batch at `start`; answers the boundary at `end` (eval mode).
-    pub(crate) fn evaluate(&mut self, boundary: &Boundary) -> anyhow::Result<Answer> {
+    pub(crate) fn evaluate(&mut self, boundary: &Boundary) -> Result<Answer> {
         self.call(Phase::Evaluate, Direction::Request, self.start, boundary, (Direction::Result, self.end))
     }
 
     /// Asks the server to write its checkpoint `name`; returns the step it holds.
-    pub(crate) fn save(&mut self, name: &str) -> anyhow::Result<u64> {
+    pub(crate) fn save(&mut self, name: &str) -> Result<u64> {
         let id = self.take_id();
         let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() })) };
         let (frames, replies) = (&self.frames, &mut self.replies);
         self.runtime.block_on(async {
-            frames.send(frame).await.map_err(|_| anyhow::anyhow!("the server closed the training stream"))?;
+            frames.send(frame).await.map_err(|_| closed())?;
             let reply = next_reply(replies).await?;
             check_id(&reply, id)?;
-            reply.saved.map(|s| s.step).ok_or_else(|| anyhow::anyhow!("the server answered a checkpoint request without saving"))
+            reply.saved.map(|s| s.step).ok_or_else(|| HostError::Stream("the server answered a checkpoint request without saving".into()))
         })
     }
 
@@ -127,7 +129,7 @@ impl TrainLink {
         id
     }
 
-    fn call(&mut self, phase: Phase, direction: Direction, split: u32, boundary: &Boundary, expect: (Direction, u32)) -> anyhow::Result<Answer> {
+    fn call(&mut self, phase: Phase, direction: Direction, split: u32, boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
         let id = self.take_id();
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
         let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
@@ -143,45 +145,40 @@ impl TrainLink {
                     data: part.data,
                     last: part.last,
                 };
-                frames
-                    .send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) })
-                    .await
-                    .map_err(|_| anyhow::anyhow!("the server closed the training stream"))?;
+                frames.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.map_err(|_| closed())?;
             }
-            let first = next_reply(replies).await?;
-            check_id(&first, id)?;
-            let mut assembly = receiver.start(id, &first.header)?;
-            assembly.push(id, &first.data)?;
-            let mut reply = first;
-            while !reply.last {
-                reply = next_reply(replies).await?;
+            let mut answer = FrameAssembler::default();
+            loop {
+                let reply = next_reply(replies).await?;
                 check_id(&reply, id)?;
-                assembly.push(id, &reply.data)?;
+                let assembled = answer.push(&reply, |r| receiver.start(r.request_id, &r.header).map(|a| (a, ()))).map_err(|(_, e)| e)?;
+                if let Some((assembly, ())) = assembled {
+                    return Ok::<_, HostError>((receiver.finish(assembly)?, reply.loss));
+                }
             }
-            anyhow::Ok((receiver.finish(assembly)?, reply.loss))
         })?;
         if received.split != expect.1 {
-            anyhow::bail!("the server answered with a boundary at cut {}, expected cut {}", received.split, expect.1);
+            return Err(HostError::Stream(format!("the server answered with a boundary at cut {}, expected cut {}", received.split, expect.1)));
         }
         Ok(Answer { boundary: received.boundary, loss })
     }
 }
 
-async fn next_reply(replies: &mut Streaming<TrainReply>) -> anyhow::Result<TrainReply> {
+async fn next_reply(replies: &mut Streaming<TrainReply>) -> Result<TrainReply> {
     let reply = match replies.next().await {
         Some(Ok(reply)) => reply,
-        Some(Err(status)) => anyhow::bail!("training stream failed: {:?}: {}", status.code(), status.message()),
-        None => anyhow::bail!("the server closed the training stream"),
+        Some(Err(status)) => return Err(HostError::Stream(format!("training stream failed: {:?}: {}", status.code(), status.message()))),
+        None => return Err(closed()),
     };
     if let Some(e) = &reply.error {
-        anyhow::bail!("the server refused call {}: {:?}: {}", reply.request_id, tonic::Code::from_i32(e.code), e.message);
+        return Err(HostError::Refused(format!("the server refused call {}: {:?}: {}", reply.request_id, tonic::Code::from_i32(e.code), e.message)));
     }
     Ok(reply)
 }
 
-fn check_id(reply: &TrainReply, id: u64) -> anyhow::Result<()> {
+fn check_id(reply: &TrainReply, id: u64) -> Result<()> {
     if reply.request_id != id {
-        anyhow::bail!("the server answered call {} while call {id} was waiting", reply.request_id);
+        return Err(HostError::Stream(format!("the server answered call {} while call {id} was waiting", reply.request_id)));
     }
     Ok(())
 }

@@ -20,22 +20,25 @@ pub mod report;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
-use cleave_common::config::{EdgeConfig, TrainConfig, TrainMode, TrainingOptions};
 use cleave_common::device::device_name;
 use cleave_common::pb;
+use cleave_common::stats::median;
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
-use cleave_common::training::loss::correct;
-use cleave_common::training::optim::{Optimizer, OptimizerConfig};
-use cleave_common::training::{float_leaves, gradient_boundary, gradients, track_gradients, vjp_root, TrainableStages, TARGETS_VALUE};
+use cleave_common::training::loss::{correct, LossKind};
+use cleave_common::training::optim::Optimizer;
+use cleave_common::training::step::{backward, backward_from_boundary, output_tensor, step_loss, Grads};
+use cleave_common::training::{float_leaves, track_gradients, TrainableStages, TARGETS_VALUE};
 use cleave_common::{Boundary, Bundle, StageRange, Value};
 use tch::Tensor;
 
-use crate::client::{check_server_accepts, connect, Link};
-use crate::RunOptions;
+use crate::config::{EdgeConfig, TrainConfig, TrainMode};
+use crate::error::{HostError, Result};
+use crate::plots::training::plot_training;
+use crate::run::RunOptions;
+use crate::session::{connect, Link};
 use data::Dataset;
 use link::{SessionRequest, TrainLink};
-pub use report::{EpochRecord, TrainingSummary};
+pub use report::{EpochRecord, TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
 
 /// The host's checkpoint file inside a checkpoint directory (`checkpoints/step-N/`).
 pub const HOST_CHECKPOINT: &str = "host.safetensors";
@@ -54,9 +57,9 @@ struct Position {
 }
 
 /// `host --config` with `train:`: trains, evaluates, checkpoints, writes the report files.
-pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<TrainingSummary> {
-    let train = config.train.clone().context("the config has no `train` section")?;
-    let bundle = Bundle::open(&config.bundle)?;
+pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary> {
+    let train = config.train.clone().ok_or_else(|| HostError::Invalid("the config has no `train` section".into()))?;
+    let bundle = crate::files::open_bundle(&config.bundle).await?;
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let n = bundle.stage_count();
     let (split, tail) = match &train.mode {
@@ -66,43 +69,54 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
     };
     let remote = train.mode != TrainMode::Monolithic;
     if remote && split >= tail {
-        anyhow::bail!("the server's stages [{split}, {tail}) are empty: the split must come before the {}", if tail == n { "output" } else { "tail" });
+        return Err(HostError::Invalid(format!(
+            "the server's stages [{split}, {tail}) are empty: the split must come before the {}",
+            if tail == n { "output" } else { "tail" }
+        )));
     }
     if train.write_bundle && remote && !opts.loopback {
-        anyhow::bail!(
+        return Err(HostError::Invalid(
             "`train.write_bundle` needs the server's checkpoint on this machine: use --loopback, or copy it here and run `host export-trained`"
-        );
+                .into(),
+        ));
     }
     let batch = bundle.manifest().batch;
     for (key, size) in [("batch_size", train.batch_size), ("eval_batch_size", train.eval_batch_size)] {
         if size > batch.max {
-            anyhow::bail!("train.{key} {size} is above the bundle's largest batch {}", batch.max);
+            return Err(HostError::Invalid(format!("train.{key} {size} is above the bundle's largest batch {}", batch.max)));
         }
     }
-    let train_set = Dataset::load(&train.train_data, &bundle, &train.targets)?;
-    let test_set = Dataset::load(&train.test_data, &bundle, &train.targets)?;
+    let (train_set, test_set) = {
+        let (bundle, train) = (bundle.clone(), train.clone());
+        tokio::task::spawn_blocking(move || {
+            Ok::<_, HostError>((
+                Dataset::load(&train.train_data, &bundle, &train.targets)?,
+                Dataset::load(&train.test_data, &bundle, &train.targets)?,
+            ))
+        })
+        .await
+        .map_err(|e| HostError::Invalid(format!("loading the datasets: {e}")))??
+    };
     for (what, rows, size) in [("training", train_set.rows(), train.batch_size), ("test", test_set.rows(), train.eval_batch_size)] {
         let last = rows % size;
         if last != 0 && last < batch.min {
-            anyhow::bail!("the {what} set's last batch would have {last} rows, below the bundle's smallest batch {}", batch.min);
+            return Err(HostError::Invalid(format!(
+                "the {what} set's last batch would have {last} rows, below the bundle's smallest batch {}",
+                batch.min
+            )));
         }
     }
 
     let checkpoints = output.join("checkpoints");
     let server_checkpoints = checkpoints.join("server");
-    let loopback = if remote && opts.loopback {
-        let options = TrainingOptions { checkpoint_dir: Some(server_checkpoints.clone()), concurrent_sessions: false };
-        Some(crate::LoopbackServer::start_configured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security(), options).await?)
-    } else {
-        None
-    };
+    let loopback = if remote && opts.loopback { Some(crate::loopback::for_training(&config, &server_checkpoints).await?) } else { None };
 
     // The edge's stages load on a blocking thread: TorchScript loading takes a while.
     let (prefix, tail_stages, optimizer, position, resumed) = {
         let (bundle, device, seed) = (bundle.clone(), config.device, train.seed);
         let train = train.clone();
         let checkpoints = checkpoints.clone();
-        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        tokio::task::spawn_blocking(move || -> Result<_> {
             let prefix = (split > 0).then(|| TrainableStages::load(&bundle, StageRange::new(0, split), device, seed)).transpose()?;
             let tail_stages = (remote && tail < n).then(|| TrainableStages::load(&bundle, StageRange::new(tail, n), device, seed)).transpose()?;
             let mut optimizer = Optimizer::new(train.optimizer.clone());
@@ -113,41 +127,40 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
                 let parts: Vec<&TrainableStages> = prefix.iter().chain(tail_stages.iter()).collect();
                 let meta = checkpoint::restore(&path, &parts, &mut optimizer)?;
                 if meta.seed != train.seed {
-                    anyhow::bail!("{}: trained with seed {}, this run has seed {}; resume with the same seed", path.display(), meta.seed, train.seed);
+                    let message = format!("trained with seed {}, this run has seed {}; resume with the same seed", meta.seed, train.seed);
+                    return Err(HostError::File { path, message });
                 }
-                position = serde_json::from_value(meta.extra["position"].clone()).with_context(|| format!("{}: no data position", path.display()))?;
+                position = serde_json::from_value(meta.extra["position"].clone())
+                    .map_err(|e| HostError::File { path: path.clone(), message: format!("no data position: {e}") })?;
                 resumed = Some(meta.step);
             }
             Ok((prefix, tail_stages, optimizer, position, resumed))
         })
-        .await??
+        .await
+        .map_err(|e| HostError::Invalid(format!("loading the edge's stages: {e}")))??
     };
     let step = resumed.unwrap_or(0);
 
-    let mut client = None;
+    let mut session = None;
     let link = if remote {
         let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-        let max_message = config.loopback_limits.max_message_bytes;
-        let (mut c, info) = connect(&url, &bundle, &Link::secured(max_message as usize, &config.security)).await?;
-        check_server_accepts(&info, &config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
+        let mut s = connect(&url, &bundle, &Link::secured(&config.security)).await?;
+        s.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
         let open = pb::OpenSession {
             start: split as u32,
             end: tail as u32,
-            optimizer: Some(optimizer_to_pb(&train.optimizer)),
+            optimizer: Some(pb::Optimizer::from(&train.optimizer)),
             loss: if tail == n { train.loss.name().to_string() } else { String::new() },
             seed: train.seed,
             resume: train.resume.clone().unwrap_or_default(),
         };
-        let request = SessionRequest {
-            open,
-            codec: config.codec,
-            key: config.security.key.clone(),
-            max_message_bytes: max_message,
-            max_payload_bytes: config.loopback_limits.max_payload_bytes,
-        };
-        let (link, opened) = TrainLink::open(&mut c, &bundle, request).await?;
+        let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
+        let (link, opened) = TrainLink::open(&mut s, request).await?;
         if opened.step != step {
-            anyhow::bail!("the server resumed at step {}, this host at step {step}: the checkpoints are of different moments", opened.step);
+            return Err(HostError::Invalid(format!(
+                "the server resumed at step {}, this host at step {step}: the checkpoints are of different moments",
+                opened.step
+            )));
         }
         println!(
             "{} training {} : edge trains {} on {}, server {} trains [{split}, {tail}) on {} (session {}, {} parameters there)",
@@ -160,7 +173,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
             opened.session_id,
             opened.parameters
         );
-        client = Some(c);
+        session = Some(s);
         Some(link)
     } else {
         println!("monolithic training {}: every stage on {}", bundle.manifest().model.source, device_name(config.device.resolve()?));
@@ -180,8 +193,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
         split,
         tail_cut: tail,
     };
-    let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set)).await??;
-    drop(client);
+    let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set))
+        .await
+        .map_err(|e| HostError::Invalid(format!("the training thread failed: {e}")))??;
+    drop(session);
     if let Some(server) = loopback {
         server.shutdown().await?;
     }
@@ -192,24 +207,25 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
         model_source: bundle.manifest().model.source.clone(),
         split: remote.then_some(split),
         tail: matches!(train.mode, TrainMode::UShaped { .. }).then_some(tail),
-        optimizer: serde_json::to_value(&train.optimizer)?,
+        optimizer: serde_json::to_value(&train.optimizer).map_err(|e| HostError::Invalid(format!("the optimizer as JSON: {e}")))?,
         loss: train.loss.name().to_string(),
         batch_size: train.batch_size as usize,
         seed: train.seed,
         final_test_accuracy: outcome.epochs.last().map_or(f64::NAN, |e| e.test_accuracy),
         final_train_loss: outcome.epochs.last().map_or(f64::NAN, |e| e.train_loss),
-        median_epoch_seconds: report::median(&outcome.epochs.iter().map(|e| e.epoch_seconds).collect::<Vec<_>>()),
-        median_step_ms: report::median(&outcome.step_ms),
+        // A run has at least one epoch and one step (else it stopped before); NaN otherwise.
+        median_epoch_seconds: median(&outcome.epochs.iter().map(|e| e.epoch_seconds).collect::<Vec<_>>()).unwrap_or(f64::NAN),
+        median_step_ms: median(&outcome.step_ms).unwrap_or(f64::NAN),
         total_steps: outcome.step,
         resumed_from_step: resumed,
         epochs: outcome.epochs.clone(),
     };
-    report::write_all(&output, &summary)?;
+    write_report(&output, &summary)?;
     let mut log = String::from("step,epoch,step_ms,loss\n");
     for (step, epoch, ms, loss) in &outcome.steps {
         log.push_str(&format!("{step},{epoch},{ms},{loss}\n"));
     }
-    std::fs::write(output.join(STEPS_CSV), log).with_context(|| format!("writing {}", output.join(STEPS_CSV).display()))?;
+    std::fs::write(output.join(STEPS_CSV), log).map_err(|e| HostError::write(output.join(STEPS_CSV), e))?;
     if train.write_bundle {
         let dir = output.join(TRAINED_BUNDLE);
         let mut files = vec![outcome.last_checkpoint.join(HOST_CHECKPOINT)];
@@ -231,6 +247,24 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> anyhow::Result<Trainin
     Ok(summary)
 }
 
+/// Writes `metrics.csv`, `summary.json` and `training.svg` into `dir`, creating it when
+/// needed. A summary without epochs is refused before anything is written.
+pub fn write_report(dir: &Path, summary: &TrainingSummary) -> Result<()> {
+    if summary.epochs.is_empty() {
+        return Err(HostError::Invalid(format!("cannot write the training report into {}: the run has no epochs", dir.display())));
+    }
+    std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create", path: dir.into(), error })?;
+    report::write_metrics_csv(&dir.join(METRICS_CSV), &summary.epochs)?;
+    report::write_summary(&dir.join(SUMMARY_JSON), summary)?;
+    let cut = match (summary.split, summary.tail) {
+        (Some(split), Some(tail)) => format!(", cuts {split} and {tail}"),
+        (Some(split), None) => format!(", cut {split}"),
+        _ => String::new(),
+    };
+    let title = format!("{} training of {}{cut}", summary.mode, summary.model_source);
+    Ok(plot_training(&dir.join(TRAINING_SVG), &title, &summary.epochs)?)
+}
+
 fn describe_edge(split: usize, tail: usize, n: usize) -> String {
     match (split, tail == n) {
         (0, true) => "nothing (it sends its inputs)".into(),
@@ -243,23 +277,6 @@ fn describe_edge(split: usize, tail: usize, n: usize) -> String {
 /// The name of the checkpoint taken after `step` steps, on both sides.
 pub fn checkpoint_name(step: u64) -> String {
     format!("step-{step}")
-}
-
-fn optimizer_to_pb(o: &OptimizerConfig) -> pb::Optimizer {
-    match *o {
-        OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov } => {
-            pb::Optimizer { kind: "sgd".into(), lr, momentum, dampening, weight_decay, nesterov, ..Default::default() }
-        }
-        OptimizerConfig::Adam { lr, betas, eps, weight_decay } | OptimizerConfig::Adamw { lr, betas, eps, weight_decay } => pb::Optimizer {
-            kind: o.kind().into(),
-            lr,
-            weight_decay,
-            beta1: betas[0],
-            beta2: betas[1],
-            eps,
-            ..Default::default()
-        },
-    }
 }
 
 /// What the loop hands back.
@@ -290,7 +307,7 @@ struct Trainer {
 }
 
 impl Trainer {
-    fn run(mut self, train_set: &Dataset, test_set: &Dataset) -> anyhow::Result<Outcome> {
+    fn run(mut self, train_set: &Dataset, test_set: &Dataset) -> Result<Outcome> {
         let mut epochs = Vec::new();
         let mut step_ms = Vec::new();
         let mut steps_log = Vec::new();
@@ -316,7 +333,7 @@ impl Trainer {
                 }
                 let (inputs, targets) = train_set.batch(rows);
                 let t0 = Instant::now();
-                let loss = self.step(inputs, targets).with_context(|| format!("training step {}", self.step + 1))?;
+                let loss = self.step(inputs, targets).map_err(|e| e.during(format!("training step {}", self.step + 1)))?;
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 step_ms.push(ms);
                 steps_log.push((self.step, epoch + 1, ms, loss));
@@ -334,7 +351,7 @@ impl Trainer {
             }
             if steps > 0 {
                 let eval_started = Instant::now();
-                let (test_loss, test_accuracy) = self.evaluate(test_set).context("evaluation")?;
+                let (test_loss, test_accuracy) = self.evaluate(test_set).map_err(|e| e.during("evaluation"))?;
                 let record = EpochRecord {
                     epoch: epoch + 1,
                     steps,
@@ -362,13 +379,16 @@ impl Trainer {
             }
         }
         if last_checkpoint.as_os_str().is_empty() {
-            anyhow::bail!("no step was trained: the run was already at step {} (max_steps) or past its last epoch", self.step);
+            return Err(HostError::Invalid(format!(
+                "no step was trained: the run was already at step {} (max_steps) or past its last epoch",
+                self.step
+            )));
         }
         Ok(Outcome { epochs, step_ms, steps: steps_log, step: self.step, last_checkpoint })
     }
 
     /// One optimizer step on both sides; returns the loss.
-    fn step(&mut self, inputs: Boundary, targets: Tensor) -> anyhow::Result<f64> {
+    fn step(&mut self, inputs: Boundary, targets: Tensor) -> Result<f64> {
         let step = self.step;
         let at_split = match &mut self.prefix {
             Some(prefix) => prefix.forward(step, &inputs)?,
@@ -376,23 +396,21 @@ impl Trainer {
         };
         let prefix_outputs = float_leaves(&at_split);
         let mut params: Vec<(String, Tensor)> = Vec::new();
-        let mut grads: Vec<Option<Tensor>> = Vec::new();
+        let mut grads: Grads = Vec::new();
         let loss = match self.link.as_mut() {
             None => {
                 // Monolithic: the prefix is the whole model.
-                let loss = self.train.loss.compute(&output_tensor(&self.bundle, at_split)?, &targets)?;
+                let loss = step_loss(&self.bundle, self.train.loss, at_split, &targets)?;
                 let prefix = self.prefix.as_ref().expect("a monolithic run holds every stage");
                 params.extend(named(prefix.parameters()));
-                grads.extend(gradients(&loss, &tensors(prefix.parameters()))?);
-                self.optimizer.step(&params, &grads);
-                self.step += 1;
-                return Ok(loss.double_value(&[]));
+                grads.extend(backward(Some(&loss), prefix.parameters(), &[])?.parameters);
+                loss.double_value(&[])
             }
             Some(link) if self.tail_cut == self.bundle.stage_count() => {
                 let mut payload = at_split.detached();
                 payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
                 let answer = link.forward(&payload)?;
-                let loss = answer.loss.context("the server sent no loss")?;
+                let loss = answer.loss.ok_or_else(|| HostError::Stream("the server sent no loss".into()))?;
                 self.backward_prefix(&prefix_outputs, &answer.boundary, &mut params, &mut grads)?;
                 loss
             }
@@ -404,15 +422,12 @@ impl Trainer {
                     Some(tail) => tail.forward(step, &middle)?,
                     None => middle,
                 };
-                let loss = self.train.loss.compute(&output_tensor(&self.bundle, output)?, &targets)?;
+                let loss = step_loss(&self.bundle, self.train.loss, output, &targets)?;
                 let tail_params = self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
-                let mut inputs = tensors(&tail_params);
-                inputs.extend(leaves.iter().map(|(_, t)| t.shallow_clone()));
-                let mut all = gradients(&loss, &inputs)?;
-                let leaf_grads = all.split_off(tail_params.len());
+                let tail_grads = backward(Some(&loss), &tail_params, &leaves)?;
                 params.extend(tail_params);
-                grads.extend(all);
-                let back = self.link.as_mut().expect("linked").backward(&gradient_boundary(&leaves, leaf_grads))?;
+                grads.extend(tail_grads.parameters);
+                let back = self.link.as_mut().expect("linked").backward(&tail_grads.boundary)?;
                 self.backward_prefix(&prefix_outputs, &back.boundary, &mut params, &mut grads)?;
                 loss.double_value(&[])
             }
@@ -423,19 +438,21 @@ impl Trainer {
     }
 
     /// Continues the backward pass into the prefix from the server's gradient at the split.
-    fn backward_prefix(&self, outputs: &[(String, Tensor)], grads_at_split: &Boundary, params: &mut Vec<(String, Tensor)>, grads: &mut Vec<Option<Tensor>>) -> anyhow::Result<()> {
+    fn backward_prefix(
+        &self,
+        outputs: &[(String, Tensor)],
+        grads_at_split: &Boundary,
+        params: &mut Vec<(String, Tensor)>,
+        grads: &mut Grads,
+    ) -> Result<()> {
         let Some(prefix) = &self.prefix else { return Ok(()) };
-        let root = vjp_root(outputs, grads_at_split)?;
         params.extend(named(prefix.parameters()));
-        match root {
-            Some(root) => grads.extend(gradients(&root, &tensors(prefix.parameters()))?),
-            None => grads.extend(prefix.parameters().iter().map(|_| None)),
-        }
+        grads.extend(backward_from_boundary(outputs, grads_at_split, prefix.parameters(), &[])?.parameters);
         Ok(())
     }
 
     /// Mean loss and accuracy on the held-out set, in eval mode (split inference over the session).
-    fn evaluate(&mut self, test_set: &Dataset) -> anyhow::Result<(f64, f64)> {
+    fn evaluate(&mut self, test_set: &Dataset) -> Result<(f64, f64)> {
         let rows: Vec<i64> = (0..test_set.rows()).collect();
         let (mut loss_sum, mut right) = (0.0f64, 0i64);
         for chunk in rows.chunks(self.train.eval_batch_size as usize) {
@@ -457,7 +474,7 @@ impl Trainer {
             let output = output_tensor(&self.bundle, output)?;
             let loss = tch::no_grad(|| self.train.loss.compute(&output, &targets))?;
             loss_sum += loss.double_value(&[]) * chunk.len() as f64;
-            if self.train.loss == cleave_common::training::loss::LossKind::CrossEntropy {
+            if self.train.loss == LossKind::CrossEntropy {
                 right += correct(&output, &targets);
             }
         }
@@ -466,7 +483,7 @@ impl Trainer {
     }
 
     /// Both sides write checkpoint `step-N`; returns the host's checkpoint directory.
-    fn save_checkpoint(&mut self) -> anyhow::Result<PathBuf> {
+    fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let name = checkpoint_name(self.step);
         let dir = self.checkpoints.join(&name);
         let parts: Vec<&TrainableStages> = self.prefix.iter().chain(self.tail.iter()).collect();
@@ -487,7 +504,7 @@ impl Trainer {
         if let Some(link) = self.link.as_mut() {
             let server_step = link.save(&name)?;
             if server_step != self.step {
-                anyhow::bail!("the server checkpointed step {server_step}, this host step {}", self.step);
+                return Err(HostError::Stream(format!("the server checkpointed step {server_step}, this host step {}", self.step)));
             }
         }
         Ok(dir)
@@ -498,19 +515,38 @@ fn named(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
     params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
 }
 
-fn tensors(params: &[(String, Tensor)]) -> Vec<Tensor> {
-    params.iter().map(|(_, t)| t.shallow_clone()).collect()
-}
-
-/// The model's output from the boundary at the last cut; training needs one tensor.
-fn output_tensor(bundle: &Bundle, last: Boundary) -> anyhow::Result<Tensor> {
-    match bundle.assemble_output(last)? {
-        Value::Tensor(t) => Ok(t),
-        other => anyhow::bail!("the model's output is {}; the loss needs one tensor", other.describe()),
-    }
-}
-
 /// Reads the parameters and buffers of a checkpoint file (for comparisons and tools).
-pub fn checkpoint_state(path: &Path) -> anyhow::Result<std::collections::HashMap<String, Tensor>> {
+pub fn checkpoint_state(path: &Path) -> Result<std::collections::HashMap<String, Tensor>> {
     Ok(checkpoint::read(path)?.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report::fixtures::{epoch, summary};
+    use super::report::read_summary;
+    use super::*;
+    use crate::plots::training::tests::assert_plot_looks_right;
+    use std::fs;
+
+    #[test]
+    fn write_report_creates_the_directory_and_all_three_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("runs").join("split-3");
+        let written = summary(vec![epoch(1, 0.5, 0.4, 0.8), epoch(2, 0.25, 0.3, 0.9)]);
+        write_report(&out, &written).unwrap();
+        assert_eq!(read_summary(&out.join(SUMMARY_JSON)).unwrap(), written);
+        assert_eq!(fs::read_to_string(out.join(METRICS_CSV)).unwrap().lines().count(), 3);
+        let svg = fs::read_to_string(out.join(TRAINING_SVG)).unwrap();
+        assert_plot_looks_right(&svg);
+        assert!(svg.contains("split training of tests.models:digits_cnn, cut 3"));
+    }
+
+    #[test]
+    fn write_report_refuses_an_empty_run_before_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("empty-run");
+        let err = write_report(&out, &summary(Vec::new())).unwrap_err().to_string();
+        assert!(err.contains("no epochs") && err.contains("empty-run"), "{err}");
+        assert!(!out.exists());
+    }
 }

@@ -11,10 +11,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cleave_common::planner::{BandwidthEstimate, CutPrediction, Objective, Profiles, Replanner};
+use super::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
 use serde::Serialize;
 
-use crate::client::{Client, RequestMetrics};
+use crate::client::RequestMetrics;
+use crate::session::EdgeSession;
 
 /// How much each transfer moves the bandwidth estimate (in the logarithm: half way).
 const ESTIMATE_WEIGHT: f64 = 0.5;
@@ -76,7 +77,7 @@ pub struct AutoSplit {
 
 impl AutoSplit {
     /// Plans from `profiles`; returns the planner and what it chose.
-    pub fn plan(profiles: Profiles, objective: Objective) -> anyhow::Result<(Self, Planned)> {
+    pub fn plan(profiles: Profiles, objective: Objective) -> Result<(Self, Planned), ProfileError> {
         let rtt_ms = profiles.link.rtt_ms;
         let result_bytes = profiles.result_wire_bytes;
         let last_cut = profiles.stage_count();
@@ -149,8 +150,9 @@ impl AutoSplit {
 /// feeds the estimate: sized to take [`PROBE_TARGET`] at the estimated bandwidth (four times
 /// larger after one too quick to count, so a link that became much faster is still seen),
 /// at most [`PROBE_DUTY`] of the time. Runs until aborted.
-pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, mut client: Client, max_message: u64) {
-    let largest = (max_message.saturating_sub(4096) as usize).max(1);
+pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSession) {
+    let mut client = session.client;
+    let largest = (session.server.limits.max_message_bytes.saturating_sub(4096) as usize).max(1);
     let mut pause = PROBE_EVERY;
     let mut bytes = auto.lock().expect("auto split").probe_bytes();
     loop {
@@ -183,7 +185,7 @@ pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, mut client: Client
 mod tests {
     use super::*;
     use crate::client::ServerTimes;
-    use cleave_common::planner::Link;
+    use crate::planning::planner::Link;
 
     const MBIT: f64 = 1e6 / 8.0;
 

@@ -13,8 +13,8 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::bundle::{Bundle, StageInfo};
-use crate::tables::{human_bytes, si, thousands};
+use cleave_common::bundle::{Bundle, StageInfo};
+use cleave_common::tables::{human_bytes, si, thousands};
 
 /// The DOT file's name inside the directory given to [`write_stage_graph`].
 pub const STAGE_GRAPH_DOT: &str = "stage_graph.dot";
@@ -55,12 +55,7 @@ pub fn stage_graph_dot(bundle: &Bundle, chosen_cut: Option<usize>) -> String {
     let mut dot = String::new();
     // Writing into a String cannot fail, hence the ignored results below.
     let _ = writeln!(dot, "digraph stage_graph {{");
-    let mut title = format!(
-        "{} ({} stages, {} parameters",
-        manifest.model.source,
-        n,
-        thousands(manifest.model.parameters)
-    );
+    let mut title = format!("{} ({} stages, {} parameters", manifest.model.source, n, thousands(manifest.model.parameters));
     if let Some(k) = chosen {
         let _ = write!(title, ", split at cut {k}");
     }
@@ -68,28 +63,13 @@ pub fn stage_graph_dot(bundle: &Bundle, chosen_cut: Option<usize>) -> String {
     let _ = writeln!(dot, "  label={};", quote(&title));
     let _ = writeln!(dot, "  labelloc=t;");
     let _ = writeln!(dot, "  rankdir=TB;");
-    let _ = writeln!(
-        dot,
-        "  node [shape=box, style=\"rounded,filled\", fillcolor=\"{PLAIN_FILL}\"];"
-    );
+    let _ = writeln!(dot, "  node [shape=box, style=\"rounded,filled\", fillcolor=\"{PLAIN_FILL}\"];");
     let _ = writeln!(dot);
 
-    let inputs: Vec<String> = manifest
-        .inputs
-        .iter()
-        .flat_map(|input| input.spec.tensor_leaves(&input.name))
-        .map(|(name, spec)| format!("{name}: {spec}"))
-        .collect();
-    let input_label = if inputs.is_empty() {
-        "input".to_string()
-    } else {
-        format!("input\n{}", inputs.join("\n"))
-    };
-    let _ = writeln!(
-        dot,
-        "  input [label={}, shape=ellipse, style=solid];",
-        quote(&input_label)
-    );
+    let inputs: Vec<String> =
+        manifest.inputs.iter().flat_map(|input| input.spec.tensor_leaves(&input.name)).map(|(name, spec)| format!("{name}: {spec}")).collect();
+    let input_label = if inputs.is_empty() { "input".to_string() } else { format!("input\n{}", inputs.join("\n")) };
+    let _ = writeln!(dot, "  input [label={}, shape=ellipse, style=solid];", quote(&input_label));
     let _ = writeln!(dot, "  output [label=\"output\", shape=ellipse, style=solid];");
 
     match chosen {
@@ -100,18 +80,12 @@ pub fn stage_graph_dot(bundle: &Bundle, chosen_cut: Option<usize>) -> String {
         }
         Some(k) => {
             let (edge, server): (Vec<&StageGroup>, Vec<&StageGroup>) = groups.iter().partition(|g| g.stages.end <= k);
-            for (side, fill, members, range) in
-                [("edge", EDGE_FILL, &edge, 0..k), ("server", SERVER_FILL, &server, k..n)]
-            {
+            for (side, fill, members, range) in [("edge", EDGE_FILL, &edge, 0..k), ("server", SERVER_FILL, &server, k..n)] {
                 if members.is_empty() {
                     continue;
                 }
                 let _ = writeln!(dot, "  subgraph cluster_{side} {{");
-                let _ = writeln!(
-                    dot,
-                    "    label={};",
-                    quote(&format!("{side}: stages [{}, {})", range.start, range.end))
-                );
+                let _ = writeln!(dot, "    label={};", quote(&format!("{side}: stages [{}, {})", range.start, range.end)));
                 let _ = writeln!(dot, "    style=\"rounded,filled\";");
                 let _ = writeln!(dot, "    color=\"#999999\";");
                 let _ = writeln!(dot, "    fillcolor=\"#ffffff\";");
@@ -129,11 +103,7 @@ pub fn stage_graph_dot(bundle: &Bundle, chosen_cut: Option<usize>) -> String {
     let mut boundaries: Vec<(usize, String)> = groups.iter().map(|g| (g.stages.start, node_id(g))).collect();
     boundaries.push((n, "output".to_string()));
     for (cut, next) in boundaries {
-        let _ = writeln!(
-            dot,
-            "  {previous} -> {next} [{}];",
-            edge_attributes(bundle, cut, chosen == Some(cut))
-        );
+        let _ = writeln!(dot, "  {previous} -> {next} [{}];", edge_attributes(bundle, cut, chosen == Some(cut)));
         previous = next;
     }
     let _ = writeln!(dot, "}}");
@@ -151,12 +121,7 @@ fn node_line(stages: &[StageInfo], group: &StageGroup, fill: Option<&str>) -> St
     } else {
         format!("stages [{}, {})", group.stages.start, group.stages.end)
     };
-    let label = format!(
-        "{}\n{range}\n{} params\n{} FLOPs/sample",
-        group.label,
-        thousands(parameters),
-        si(flops)
-    );
+    let label = format!("{}\n{range}\n{} params\n{} FLOPs/sample", group.label, thousands(parameters), si(flops));
     let fill = fill.map(|f| format!(", fillcolor=\"{f}\"")).unwrap_or_default();
     format!("{} [label={}{fill}];", node_id(group), quote(&label))
 }
@@ -221,9 +186,7 @@ fn stage_path(stage: &StageInfo) -> &str {
 /// an operation inside a module (`layer1.0:add` is `layer1`, `layer1.0`, `layer1.0:add`).
 /// A path with fewer components is returned whole.
 fn path_prefix(path: &str, depth: usize) -> &str {
-    path.match_indices(['.', ':'])
-        .nth(depth.saturating_sub(1))
-        .map_or(path, |(at, _)| &path[..at])
+    path.match_indices(['.', ':']).nth(depth.saturating_sub(1)).map_or(path, |(at, _)| &path[..at])
 }
 
 /// The nodes of the graph: runs of consecutive stages with the same top-level module, where
@@ -248,27 +211,18 @@ fn fold(stages: &[StageInfo], range: Range<usize>, depth: usize, chosen: Option<
         let run = start..end;
         match chosen {
             Some(k) if run.start < k && k < run.end => {
-                let deeper = stages[run.clone()]
-                    .iter()
-                    .any(|s| path_prefix(stage_path(s), depth + 1) != path_prefix(stage_path(s), depth));
+                let deeper = stages[run.clone()].iter().any(|s| path_prefix(stage_path(s), depth + 1) != path_prefix(stage_path(s), depth));
                 if deeper {
                     fold(stages, run, depth + 1, chosen, out);
                 } else {
                     // The same path on both sides of the cut (one module called twice in a
                     // row): only single stages can show it.
-                    out.extend(run.map(|i| StageGroup {
-                        label: stages[i].name.clone(),
-                        stages: i..i + 1,
-                    }));
+                    out.extend(run.map(|i| StageGroup { label: stages[i].name.clone(), stages: i..i + 1 }));
                 }
             }
             _ => {
                 // A single stage shows its full name (a merged range included).
-                let label = if run.len() == 1 {
-                    stages[run.start].name.clone()
-                } else {
-                    key.to_string()
-                };
+                let label = if run.len() == 1 { stages[run.start].name.clone() } else { key.to_string() };
                 out.push(StageGroup { label, stages: run });
             }
         }
@@ -285,24 +239,12 @@ pub fn render_svg(dot: &str, out: &Path) -> Result<bool, io::Error> {
 
 /// [`render_svg`] with the Graphviz program given, so a test can name one that is missing.
 fn render_svg_with(program: &OsStr, dot: &str, out: &Path) -> Result<bool, io::Error> {
-    let mut child = match Command::new(program)
-        .arg("-Tsvg")
-        .arg("-o")
-        .arg(out)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Ok(child) => child,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => {
-            return Err(io::Error::new(
-                e.kind(),
-                format!("running dot for {}: {e}", out.display()),
-            ))
-        }
-    };
+    let mut child =
+        match Command::new(program).arg("-Tsvg").arg("-o").arg(out).stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn() {
+            Ok(child) => child,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(io::Error::new(e.kind(), format!("running dot for {}: {e}", out.display()))),
+        };
     let named = |e: io::Error| io::Error::new(e.kind(), format!("running dot for {}: {e}", out.display()));
     // dot reads its whole input before it writes, and its stderr is a few warnings at most,
     // so writing everything before reading stderr cannot deadlock.
@@ -327,8 +269,7 @@ pub fn write_stage_graph(bundle: &Bundle, chosen: Option<usize>, dir: &Path) -> 
     std::fs::create_dir_all(dir).map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
     let dot = stage_graph_dot(bundle, chosen);
     let dot_path = dir.join(STAGE_GRAPH_DOT);
-    std::fs::write(&dot_path, &dot)
-        .map_err(|e| io::Error::new(e.kind(), format!("writing {}: {e}", dot_path.display())))?;
+    std::fs::write(&dot_path, &dot).map_err(|e| io::Error::new(e.kind(), format!("writing {}: {e}", dot_path.display())))?;
     let svg_path = dir.join(STAGE_GRAPH_SVG);
     let svg = render_svg(&dot, &svg_path)?.then_some(svg_path);
     Ok((dot_path, svg))
@@ -339,8 +280,8 @@ mod tests {
     use super::*;
 
     fn test_bundle(name: &str) -> Bundle {
-        let root = std::env::var("CLEAVE_TEST_BUNDLES")
-            .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/test-bundles").to_string());
+        let root =
+            std::env::var("CLEAVE_TEST_BUNDLES").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/test-bundles").to_string());
         let dir = Path::new(&root).join(name);
         Bundle::open(&dir).unwrap_or_else(|e| panic!("test bundle {} (run `make test-bundles`): {e}", dir.display()))
     }
@@ -349,11 +290,7 @@ mod tests {
     /// balance outside strings, and whose edges join declared nodes. Returns the node labels
     /// by id and the edge statements.
     fn parse(dot: &str) -> (Vec<(String, String)>, Vec<String>) {
-        assert!(
-            dot.starts_with("digraph "),
-            "not a digraph: {}",
-            &dot[..dot.len().min(40)]
-        );
+        assert!(dot.starts_with("digraph "), "not a digraph: {}", &dot[..dot.len().min(40)]);
         let (mut depth, mut in_string, mut escaped) = (0i64, false, false);
         for c in dot.chars() {
             match (in_string, escaped, c) {
@@ -389,10 +326,7 @@ mod tests {
             let (from, rest) = edge.split_once(" -> ").unwrap();
             let to = rest.split_whitespace().next().unwrap();
             for end in [from, to] {
-                assert!(
-                    nodes.iter().any(|(id, _)| id == end),
-                    "edge {edge:?} joins undeclared node {end:?}"
-                );
+                assert!(nodes.iter().any(|(id, _)| id == end), "edge {edge:?} joins undeclared node {end:?}");
             }
         }
         (nodes, edges)
@@ -400,10 +334,7 @@ mod tests {
 
     /// The first line of each node's label (its module name), in order of declaration.
     fn names(nodes: &[(String, String)]) -> Vec<String> {
-        nodes
-            .iter()
-            .map(|(_, label)| label.split("\\n").next().unwrap().to_string())
-            .collect()
+        nodes.iter().map(|(_, label)| label.split("\\n").next().unwrap().to_string()).collect()
     }
 
     #[test]
@@ -412,35 +343,18 @@ mod tests {
         let dot = stage_graph_dot(&bundle, None);
         let (nodes, edges) = parse(&dot);
         let names = names(&nodes);
-        assert_eq!(
-            names,
-            [
-                "input", "output", "conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4",
-                "avgpool", "flatten", "fc"
-            ]
-        );
+        assert_eq!(names, ["input", "output", "conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "flatten", "fc"]);
         // One edge per cut between nodes: input, 11 module boundaries, output.
         assert_eq!(edges.len(), 12);
         assert!(!dot.contains("split here") && !dot.contains("color=red") && !dot.contains("cluster_"));
         // layer1 is stages [4, 18) with the parameters of its stages.
         let layer1 = &nodes.iter().find(|(_, l)| l.starts_with("layer1\\n")).unwrap().1;
         let params: u64 = bundle.manifest().stages[4..18].iter().map(|s| s.parameters).sum();
-        assert!(
-            layer1.contains("stages [4, 18)") && layer1.contains(&format!("{} params", thousands(params))),
-            "{layer1}"
-        );
+        assert!(layer1.contains("stages [4, 18)") && layer1.contains(&format!("{} params", thousands(params))), "{layer1}");
         // Cut 4 enters layer1 with 64 KiB per sample; a residual cut inside shows 2 tensors.
-        assert!(
-            edges
-                .iter()
-                .any(|e| e.starts_with("stages_3_4 -> stages_4_18 [label=\"cut 4\\n64.0 KiB/sample\"]")),
-            "{edges:?}"
-        );
+        assert!(edges.iter().any(|e| e.starts_with("stages_3_4 -> stages_4_18 [label=\"cut 4\\n64.0 KiB/sample\"]")), "{edges:?}");
         let every_cut = stage_graph_dot(&bundle, Some(5));
-        assert!(
-            every_cut.contains("cut 5\\n128.0 KiB/sample\\n2 tensors"),
-            "{every_cut}"
-        );
+        assert!(every_cut.contains("cut 5\\n128.0 KiB/sample\\n2 tensors"), "{every_cut}");
     }
 
     #[test]
@@ -450,10 +364,7 @@ mod tests {
         let dot = stage_graph_dot(&bundle, Some(26));
         let (nodes, edges) = parse(&dot);
         let names = names(&nodes);
-        assert!(
-            names.contains(&"layer2.0".to_string()) && names.contains(&"layer2.1".to_string()),
-            "{names:?}"
-        );
+        assert!(names.contains(&"layer2.0".to_string()) && names.contains(&"layer2.1".to_string()), "{names:?}");
         assert!(!names.contains(&"layer2".to_string()), "{names:?}");
         for module in ["conv1", "layer1", "layer3", "layer4", "fc"] {
             assert!(names.contains(&module.to_string()), "{module} missing from {names:?}");
@@ -467,10 +378,7 @@ mod tests {
         assert!(dot.contains("edge: stages [0, 26)") && dot.contains("server: stages [26, 66)"));
         // Edge-side nodes are filled with the edge's colour, server-side with the server's.
         let fill_of = |id: &str| {
-            let line = dot
-                .lines()
-                .find(|l| l.trim_start().starts_with(&format!("{id} [label=")))
-                .unwrap();
+            let line = dot.lines().find(|l| l.trim_start().starts_with(&format!("{id} [label="))).unwrap();
             if line.contains(EDGE_FILL) {
                 "edge"
             } else if line.contains(SERVER_FILL) {
@@ -488,10 +396,7 @@ mod tests {
         let dot = stage_graph_dot(&bundle, Some(25));
         let (nodes, _) = parse(&dot);
         let names = super::tests::names(&nodes);
-        assert!(
-            names.contains(&"layer2.0:add_2".to_string()) && names.contains(&"layer2.1".to_string()),
-            "{names:?}"
-        );
+        assert!(names.contains(&"layer2.0:add_2".to_string()) && names.contains(&"layer2.1".to_string()), "{names:?}");
         assert_eq!(dot.matches("split here").count(), 1);
     }
 
@@ -527,24 +432,10 @@ mod tests {
         let dot = stage_graph_dot(&bundle, Some(4));
         let (nodes, edges) = parse(&dot);
         let names = names(&nodes);
-        assert_eq!(
-            &names[2..],
-            [
-                "features.0",
-                "features.1",
-                "features.2",
-                "features.3",
-                "features.4",
-                "features.5",
-                "features.6",
-                "classifier"
-            ]
-        );
+        assert_eq!(&names[2..], ["features.0", "features.1", "features.2", "features.3", "features.4", "features.5", "features.6", "classifier"]);
         assert_eq!(edges.len(), 9);
         assert_eq!(dot.matches("split here").count(), 1);
-        assert!(edges
-            .iter()
-            .any(|e| e.starts_with("stages_3_4 -> stages_4_5") && e.contains("split here")));
+        assert!(edges.iter().any(|e| e.starts_with("stages_3_4 -> stages_4_5") && e.contains("split here")));
 
         // A cut between the two top-level modules unfolds nothing.
         let dot = stage_graph_dot(&bundle, Some(7));
@@ -554,14 +445,7 @@ mod tests {
 
     #[test]
     fn every_cut_of_every_test_bundle_gives_a_well_formed_graph() {
-        for name in [
-            "resnet18",
-            "digits",
-            "transformer",
-            "efficientnet_b0",
-            "mobilenet_v3_small",
-            "bn_dropout",
-        ] {
+        for name in ["resnet18", "digits", "transformer", "efficientnet_b0", "mobilenet_v3_small", "bn_dropout"] {
             let bundle = test_bundle(name);
             for k in 0..=bundle.stage_count() {
                 let dot = stage_graph_dot(&bundle, Some(k));
@@ -602,10 +486,7 @@ mod tests {
         let out = dir.path().join("graphs");
         let (dot_path, svg_path) = write_stage_graph(&bundle, Some(4), &out).unwrap();
         assert_eq!(dot_path, out.join(STAGE_GRAPH_DOT));
-        assert_eq!(
-            std::fs::read_to_string(&dot_path).unwrap(),
-            stage_graph_dot(&bundle, Some(4))
-        );
+        assert_eq!(std::fs::read_to_string(&dot_path).unwrap(), stage_graph_dot(&bundle, Some(4)));
         assert_eq!(svg_path.is_some(), installed);
         if let Some(svg_path) = svg_path {
             let svg = std::fs::read_to_string(svg_path).unwrap();

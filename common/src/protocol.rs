@@ -1,0 +1,225 @@
+//! The gRPC protocol `cleave.v1` at its edge: the generated types ([`pb`], used only by RPC
+//! glue), the protocol constants, and the conversions between generated and domain types
+//! (the server's `Info`, optimizers, the frames every stream carries).
+
+use crate::config::Limits;
+use crate::training::optim::OptimizerConfig;
+use crate::wire::{CodecPolicy, PayloadFrame, Precision};
+
+/// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
+/// glue uses them; the rest of the code works with domain types and converts here.
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod pb {
+    tonic::include_proto!("cleave.v1");
+}
+
+/// Version of `cleave.v1` this build speaks; a host refuses a server with another.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Metadata key carrying the bundle id the host expects on `Infer` and `Train` streams.
+pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
+
+/// A server's `Info` that this host cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// The server speaks another version of the protocol.
+    #[error("the server speaks protocol version {server}, this host speaks version {host}")]
+    VersionMismatch {
+        /// This build's version.
+        host: u32,
+        /// The server's.
+        server: u32,
+    },
+    /// The `Info` reply is incomplete or its values cannot be right.
+    #[error("the server's Info is invalid: {0}")]
+    InvalidInfo(String),
+}
+
+/// What a server serves and accepts, from its `Info`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerInfo {
+    /// The server's build.
+    pub server_version: String,
+    /// The id of the bundle it serves.
+    pub bundle_id: String,
+    /// Where that bundle's model came from.
+    pub model_source: String,
+    /// Stages in the bundle.
+    pub stage_count: usize,
+    /// The device its stages run on (`cpu`, `cuda:0`).
+    pub device: String,
+    /// The limits it enforces; a host frames and accepts messages by them.
+    pub limits: Limits,
+    /// The largest batch the bundle takes.
+    pub max_batch: u32,
+    /// The codecs it accepts and whether payloads must be sealed.
+    pub policy: CodecPolicy,
+    /// The key ids it holds.
+    pub key_ids: Vec<u32>,
+}
+
+impl TryFrom<pb::InfoReply> for ServerInfo {
+    type Error = ProtocolError;
+
+    /// Checks the protocol version first, then that the limits are ones a server could
+    /// enforce (the host sizes its frames and buffers by them).
+    fn try_from(info: pb::InfoReply) -> Result<Self, ProtocolError> {
+        if info.protocol_version != PROTOCOL_VERSION {
+            return Err(ProtocolError::VersionMismatch { host: PROTOCOL_VERSION, server: info.protocol_version });
+        }
+        let l = info.limits.ok_or_else(|| ProtocolError::InvalidInfo("no limits".into()))?;
+        let limits = Limits { max_message_bytes: l.max_message_bytes, max_payload_bytes: l.max_payload_bytes, queue_depth: l.queue_depth };
+        limits.validate().map_err(|(key, message)| ProtocolError::InvalidInfo(format!("{key} {message}")))?;
+        let codecs = info.codecs.unwrap_or_default();
+        let policy = CodecPolicy {
+            precisions: Precision::ALL.into_iter().filter(|p| codecs.precisions.iter().any(|n| n == p.name())).collect(),
+            compressions: codecs.compressions,
+            require_encryption: codecs.encryption_required,
+        };
+        Ok(Self {
+            server_version: info.server_version,
+            bundle_id: info.bundle_id,
+            model_source: info.model_source,
+            stage_count: info.stage_count as usize,
+            device: info.device,
+            limits,
+            max_batch: l.max_batch,
+            policy,
+            key_ids: codecs.key_ids,
+        })
+    }
+}
+
+impl From<&ServerInfo> for pb::InfoReply {
+    fn from(info: &ServerInfo) -> Self {
+        pb::InfoReply {
+            protocol_version: PROTOCOL_VERSION,
+            server_version: info.server_version.clone(),
+            bundle_id: info.bundle_id.clone(),
+            model_source: info.model_source.clone(),
+            stage_count: info.stage_count as u32,
+            device: info.device.clone(),
+            limits: Some(pb::Limits {
+                max_message_bytes: info.limits.max_message_bytes,
+                max_payload_bytes: info.limits.max_payload_bytes,
+                queue_depth: info.limits.queue_depth,
+                max_batch: info.max_batch,
+            }),
+            codecs: Some(pb::CodecSupport {
+                precisions: info.policy.precisions.iter().map(|p| p.name().to_string()).collect(),
+                compressions: info.policy.compressions.clone(),
+                encryption_required: info.policy.require_encryption,
+                key_ids: info.key_ids.clone(),
+            }),
+        }
+    }
+}
+
+impl From<&OptimizerConfig> for pb::Optimizer {
+    fn from(o: &OptimizerConfig) -> Self {
+        match *o {
+            OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov } => {
+                pb::Optimizer { kind: "sgd".into(), lr, momentum, dampening, weight_decay, nesterov, ..Default::default() }
+            }
+            OptimizerConfig::Adam { lr, betas, eps, weight_decay } | OptimizerConfig::Adamw { lr, betas, eps, weight_decay } => {
+                pb::Optimizer { kind: o.kind().into(), lr, weight_decay, beta1: betas[0], beta2: betas[1], eps, ..Default::default() }
+            }
+        }
+    }
+}
+
+impl TryFrom<&pb::Optimizer> for OptimizerConfig {
+    type Error = String;
+
+    /// The optimizer a session asks for, validated as a config file's would be.
+    fn try_from(o: &pb::Optimizer) -> Result<Self, String> {
+        let config = match o.kind.as_str() {
+            "sgd" => {
+                OptimizerConfig::Sgd { lr: o.lr, momentum: o.momentum, dampening: o.dampening, weight_decay: o.weight_decay, nesterov: o.nesterov }
+            }
+            "adam" => OptimizerConfig::Adam { lr: o.lr, betas: [o.beta1, o.beta2], eps: o.eps, weight_decay: o.weight_decay },
+            "adamw" => OptimizerConfig::Adamw { lr: o.lr, betas: [o.beta1, o.beta2], eps: o.eps, weight_decay: o.weight_decay },
+            other => return Err(format!("optimizer {other:?} is not one of sgd, adam, adamw")),
+        };
+        config.validate().map(|()| config).map_err(|e| format!("optimizer: {e}"))
+    }
+}
+
+/// Every stream's payload frames: a request id, the envelope on the first, a slice of the
+/// data, the last marked.
+macro_rules! payload_frame {
+    ($($frame:ty),*) => {$(
+        impl PayloadFrame for $frame {
+            fn request_id(&self) -> u64 {
+                self.request_id
+            }
+            fn header(&self) -> &[u8] {
+                &self.header
+            }
+            fn data(&self) -> &[u8] {
+                &self.data
+            }
+            fn last(&self) -> bool {
+                self.last
+            }
+        }
+    )*};
+}
+
+payload_frame!(pb::InferFrame, pb::ResultFrame, pb::TrainPayloadFrame, pb::TrainReply);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> pb::InfoReply {
+        let info = ServerInfo {
+            server_version: "0.1.0".into(),
+            bundle_id: "abc".into(),
+            model_source: "m".into(),
+            stage_count: 4,
+            device: "cpu".into(),
+            limits: Limits { max_message_bytes: 32 << 20, ..Limits::default() },
+            max_batch: 8,
+            policy: CodecPolicy::default(),
+            key_ids: vec![3],
+        };
+        pb::InfoReply::from(&info)
+    }
+
+    #[test]
+    fn info_round_trips() {
+        let back = ServerInfo::try_from(info()).unwrap();
+        assert_eq!(back.limits.max_message_bytes, 32 << 20);
+        assert_eq!(back.policy, CodecPolicy::default());
+        assert_eq!(pb::InfoReply::from(&back), info());
+    }
+
+    #[test]
+    fn another_protocol_version_is_refused_naming_both() {
+        let err = ServerInfo::try_from(pb::InfoReply { protocol_version: 2, ..info() }).unwrap_err();
+        assert_eq!(err, ProtocolError::VersionMismatch { host: 1, server: 2 });
+        assert_eq!(err.to_string(), "the server speaks protocol version 2, this host speaks version 1");
+    }
+
+    #[test]
+    fn impossible_limits_are_refused() {
+        let mut reply = info();
+        reply.limits.as_mut().unwrap().max_message_bytes = 100;
+        assert!(ServerInfo::try_from(reply).unwrap_err().to_string().contains("max_message_bytes"));
+        assert!(ServerInfo::try_from(pb::InfoReply { limits: None, ..info() }).unwrap_err().to_string().contains("no limits"));
+    }
+
+    #[test]
+    fn optimizers_round_trip() {
+        for o in [
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 1e-4, nesterov: true },
+            OptimizerConfig::Adam { lr: 1e-3, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.0 },
+            OptimizerConfig::Adamw { lr: 1e-3, betas: [0.9, 0.99], eps: 1e-8, weight_decay: 0.01 },
+        ] {
+            assert_eq!(OptimizerConfig::try_from(&pb::Optimizer::from(&o)).unwrap(), o);
+        }
+        let bad = pb::Optimizer { kind: "lion".into(), ..Default::default() };
+        assert!(OptimizerConfig::try_from(&bad).unwrap_err().contains("not one of"));
+    }
+}

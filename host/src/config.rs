@@ -1,0 +1,394 @@
+//! `edge.yaml`: read raw (unknown keys refused), then validated into an [`EdgeConfig`] with
+//! typed values; every error names the file, the key and what was expected. A config runs
+//! inference (`input:`) or training (`train:`), never both.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use cleave_common::bundle::SplitSpec;
+use cleave_common::config::{auto_device, ConfigError, ConfigFile, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity};
+use cleave_common::training::loss::LossKind;
+use cleave_common::training::optim::OptimizerConfig;
+use cleave_common::wire::{Codec, CodecPolicy};
+use cleave_common::DeviceSpec;
+
+use crate::planning::planner::Objective;
+
+/// `encryption:` in edge.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdgeEncryption {
+    key_id: u32,
+    #[serde(default)]
+    file: Option<PathBuf>,
+    #[serde(default)]
+    env: Option<String>,
+}
+
+/// `tls:` in edge.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClientTls {
+    ca: PathBuf,
+    #[serde(default)]
+    domain: Option<String>,
+}
+
+/// Where the host's inputs come from.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum InputSource {
+    /// Random tensors shaped like the bundle's inputs, from a seed.
+    Synthetic {
+        /// The seed.
+        #[serde(default)]
+        seed: i64,
+    },
+    /// A `.safetensors` or `.npz` file whose tensors are named like the bundle's inputs, or a
+    /// `.npy` file for a bundle with one input; batch first. Requests take consecutive batches.
+    File {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A directory of PNG/JPEG images, resized, centre-cropped and normalised to the model's
+    /// input (with the bundle's preprocessing when it has one). Requests take consecutive images.
+    Images {
+        /// The directory.
+        dir: PathBuf,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdgeConfig {
+    server: String,
+    bundle: PathBuf,
+    split: serde_yaml::Value,
+    #[serde(default)]
+    objective: Option<String>,
+    #[serde(default = "auto_device")]
+    device: String,
+    #[serde(default = "one")]
+    batch_size: i64,
+    #[serde(default = "ten")]
+    requests: u64,
+    #[serde(default = "two")]
+    in_flight: usize,
+    #[serde(default)]
+    input: Option<InputSource>,
+    output: PathBuf,
+    #[serde(default = "five")]
+    top_k: usize,
+    #[serde(default)]
+    loopback: LoopbackConfig,
+    #[serde(default)]
+    codec: Option<String>,
+    #[serde(default)]
+    encryption: Option<RawEdgeEncryption>,
+    #[serde(default)]
+    tls: Option<RawClientTls>,
+    #[serde(default)]
+    auth: Option<RawAuth>,
+    #[serde(default)]
+    train: Option<RawTrain>,
+}
+
+/// `train:` in edge.yaml.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTrain {
+    #[serde(default = "split_mode")]
+    mode: String,
+    #[serde(default)]
+    tail: Option<serde_yaml::Value>,
+    data: RawTrainData,
+    epochs: usize,
+    batch_size: i64,
+    #[serde(default)]
+    eval_batch_size: Option<i64>,
+    #[serde(default)]
+    shuffle_seed: Option<u64>,
+    #[serde(default)]
+    seed: u64,
+    optimizer: OptimizerConfig,
+    loss: String,
+    #[serde(default)]
+    resume: Option<String>,
+    #[serde(default)]
+    max_steps: Option<u64>,
+    #[serde(default)]
+    write_bundle: bool,
+}
+
+/// `train.data:`: safetensors files with tensors named like the bundle's inputs, plus the targets.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTrainData {
+    train: PathBuf,
+    test: PathBuf,
+    #[serde(default = "label")]
+    targets: String,
+}
+
+fn split_mode() -> String {
+    "split".into()
+}
+fn label() -> String {
+    "label".into()
+}
+
+/// Who holds which stages when training.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainMode {
+    /// The edge trains `[0, split)`, the server `[split, N)` and the loss.
+    Split,
+    /// Labels never leave the edge: it trains `[0, split)` and `[tail, N)` with the loss, the
+    /// server the middle `[split, tail)`.
+    UShaped {
+        /// Where the edge's tail starts.
+        tail: SplitSpec,
+    },
+    /// The whole model in this process (the reference split training is compared with).
+    Monolithic,
+}
+
+impl TrainMode {
+    /// `split`, `u-shaped` or `monolithic`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Split => "split",
+            Self::UShaped { .. } => "u-shaped",
+            Self::Monolithic => "monolithic",
+        }
+    }
+}
+
+/// `train:` in edge.yaml, validated: selects training instead of inference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    /// Who holds which stages.
+    pub mode: TrainMode,
+    /// The training split (safetensors).
+    pub train_data: PathBuf,
+    /// The held-out split evaluated after each epoch.
+    pub test_data: PathBuf,
+    /// The tensor holding the targets in both files.
+    pub targets: String,
+    /// Passes over the training split.
+    pub epochs: usize,
+    /// Samples per step (the last step of an epoch takes the rest).
+    pub batch_size: i64,
+    /// Samples per evaluation request.
+    pub eval_batch_size: i64,
+    /// Shuffles the training split each epoch from this seed (none: file order).
+    pub shuffle_seed: Option<u64>,
+    /// Seeds the dropout masks (see `cleave_common::training::stage_seed`).
+    pub seed: u64,
+    /// The optimizer of both sides.
+    pub optimizer: OptimizerConfig,
+    /// The loss.
+    pub loss: LossKind,
+    /// Resume from this checkpoint (a name under `<output>/checkpoints`).
+    pub resume: Option<String>,
+    /// Stop after this many steps in all (the run's checkpoint is written there).
+    pub max_steps: Option<u64>,
+    /// Write the trained weights into a new bundle, `<output>/bundle` (loopback and
+    /// monolithic runs, where both sides' checkpoints are on this machine).
+    pub write_bundle: bool,
+}
+
+fn one() -> i64 {
+    1
+}
+fn two() -> usize {
+    2
+}
+fn five() -> usize {
+    5
+}
+fn ten() -> u64 {
+    10
+}
+
+/// The in-process server `--loopback` starts. It holds the host's key and token; `tls`
+/// gives it a certificate and key, so that the host's TLS settings are exercised too.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoopbackConfig {
+    #[serde(default)]
+    device: Option<String>,
+    #[serde(default)]
+    limits: Limits,
+    #[serde(default)]
+    tls: Option<RawTlsIdentity>,
+}
+
+/// `edge.yaml`, validated.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// The server's URL (`http://host:port`).
+    pub server: String,
+    /// Bundle directory (relative to the config file).
+    pub bundle: PathBuf,
+    /// Where to split.
+    pub split: SplitSpec,
+    /// Where the prefix runs.
+    pub device: DeviceSpec,
+    /// Samples per request.
+    pub batch_size: i64,
+    /// Requests to send.
+    pub requests: u64,
+    /// Requests in flight at once (the prefix of the next runs while earlier ones travel).
+    pub in_flight: usize,
+    /// Where inference inputs come from (absent when training).
+    pub input: Option<InputSource>,
+    /// Output directory (relative to the working directory).
+    pub output: PathBuf,
+    /// Classes per prediction.
+    pub top_k: usize,
+    /// The loopback server.
+    pub loopback_device: DeviceSpec,
+    /// The loopback server's limits.
+    pub loopback_limits: Limits,
+    /// The loopback server's TLS identity.
+    pub loopback_tls: Option<TlsIdentity>,
+    /// How boundaries are encoded (results come back the same way).
+    pub codec: Codec,
+    /// Key, TLS trust and token.
+    pub security: EdgeSecurity,
+    /// Training instead of inference.
+    pub train: Option<TrainConfig>,
+    /// What `split: auto` optimises (`objective:`, default latency).
+    pub objective: Objective,
+}
+
+impl EdgeConfig {
+    /// What the `--loopback` server enforces: exactly what this host brings (its key, its
+    /// token, TLS when the loopback has a certificate).
+    pub fn loopback_security(&self) -> ServerSecurity {
+        let keys = self.security.ring();
+        ServerSecurity {
+            policy: CodecPolicy { require_encryption: !keys.is_empty(), ..CodecPolicy::default() },
+            keys,
+            tls: self.loopback_tls.clone(),
+            token: self.security.token.clone(),
+        }
+    }
+}
+
+impl EdgeConfig {
+    /// Reads and validates an edge config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let secrets = ConfigFile { path };
+        let raw: RawEdgeConfig = secrets.read_yaml()?;
+        let invalid = |key: &str, message: String| secrets.invalid(key, message);
+        let codec = raw.codec.as_deref().unwrap_or("raw").parse().map_err(|e| invalid("codec", e))?;
+        let key = raw.encryption.map(|e| Ok::<_, ConfigError>((e.key_id, secrets.key("encryption", e.file, e.env)?))).transpose()?;
+        let tls = match raw.tls {
+            None => None,
+            Some(t) => Some(ClientTls { ca_pem: secrets.file("tls.ca", &t.ca)?, domain: t.domain }),
+        };
+        if tls.is_some() && raw.server.starts_with("http://") {
+            return Err(invalid("server", format!("{:?}: with `tls`, the URL starts with https://", raw.server)));
+        }
+        let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
+        let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
+        let split = split_spec(&raw.split).map_err(|e| invalid("split", e))?;
+        let objective = raw.objective.as_deref().unwrap_or("latency").parse().map_err(|e| invalid("objective", e))?;
+        let device = secrets.device("device", &raw.device)?;
+        if !raw.server.starts_with("http://") && !raw.server.starts_with("https://") {
+            return Err(invalid("server", format!("{:?}: expected a URL like http://gpu-host:50051", raw.server)));
+        }
+        if raw.batch_size < 1 {
+            return Err(invalid("batch_size", "must be at least 1".into()));
+        }
+        if raw.in_flight < 1 {
+            return Err(invalid("in_flight", "must be at least 1".into()));
+        }
+        let loopback_device = secrets.device("loopback.device", raw.loopback.device.as_deref().unwrap_or("auto"))?;
+        let loopback_limits = secrets.limits("loopback.", raw.loopback.limits)?;
+        let input = raw.input.map(|input| match input {
+            InputSource::File { path: p } => InputSource::File { path: secrets.resolve(&p) },
+            InputSource::Images { dir } => InputSource::Images { dir: secrets.resolve(&dir) },
+            other => other,
+        });
+        let train = raw.train.map(|t| train_config(path, t)).transpose()?;
+        match (&input, &train) {
+            (None, None) => return Err(invalid("input", "give `input` (inference) or `train` (training)".into())),
+            (Some(_), Some(_)) => return Err(invalid("input", "`input` is for inference and `train` brings its own data: give one".into())),
+            _ => {}
+        }
+        Ok(Self {
+            server: raw.server,
+            bundle: secrets.resolve(&raw.bundle),
+            split,
+            device,
+            batch_size: raw.batch_size,
+            requests: raw.requests,
+            in_flight: raw.in_flight,
+            input,
+            train,
+            objective,
+            output: raw.output,
+            top_k: raw.top_k,
+            loopback_device,
+            loopback_limits,
+            loopback_tls,
+            codec,
+            security,
+        })
+    }
+}
+
+fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> {
+    let file = ConfigFile { path };
+    let invalid = |key: &str, message: String| file.invalid(&format!("train.{key}"), message);
+    let mode = match (raw.mode.as_str(), raw.tail) {
+        ("split", None) => TrainMode::Split,
+        ("monolithic", None) => TrainMode::Monolithic,
+        ("u-shaped", Some(tail)) => TrainMode::UShaped { tail: split_spec(&tail).map_err(|e| invalid("tail", e))? },
+        ("u-shaped", None) => return Err(invalid("tail", "u-shaped training needs `tail`: the cut where the edge's last stages start".into())),
+        ("split" | "monolithic", Some(_)) => return Err(invalid("tail", "only u-shaped training has a tail".into())),
+        (other, _) => return Err(invalid("mode", format!("{other:?} is not a mode (split, u-shaped, monolithic)"))),
+    };
+    if raw.epochs == 0 {
+        return Err(invalid("epochs", "must be at least 1".into()));
+    }
+    if raw.batch_size < 1 {
+        return Err(invalid("batch_size", "must be at least 1".into()));
+    }
+    let eval_batch_size = raw.eval_batch_size.unwrap_or(raw.batch_size);
+    if eval_batch_size < 1 {
+        return Err(invalid("eval_batch_size", "must be at least 1".into()));
+    }
+    raw.optimizer.validate().map_err(|e| invalid("optimizer", e))?;
+    if raw.max_steps == Some(0) {
+        return Err(invalid("max_steps", "must be at least 1".into()));
+    }
+    Ok(TrainConfig {
+        mode,
+        train_data: file.resolve(&raw.data.train),
+        test_data: file.resolve(&raw.data.test),
+        targets: raw.data.targets,
+        epochs: raw.epochs,
+        batch_size: raw.batch_size,
+        eval_batch_size,
+        shuffle_seed: raw.shuffle_seed,
+        seed: raw.seed,
+        optimizer: raw.optimizer,
+        loss: raw.loss.parse().map_err(|e| invalid("loss", e))?,
+        resume: raw.resume,
+        max_steps: raw.max_steps,
+        write_bundle: raw.write_bundle,
+    })
+}
+
+fn split_spec(value: &serde_yaml::Value) -> Result<SplitSpec, String> {
+    match value {
+        serde_yaml::Value::Number(n) => n.to_string().parse(),
+        serde_yaml::Value::String(s) => s.parse(),
+        other => Err(format!("{other:?}: expected a cut index, after:<module path> or a percentage")),
+    }
+}

@@ -1,0 +1,141 @@
+//! The host library's error type: one variant per kind of failure, each naming what failed
+//! and carrying what a user needs to fix it. A variant's message includes its cause and no
+//! variant reports that cause again as its `source`, so a printed chain names each cause once.
+
+use std::path::PathBuf;
+
+use cleave_common::config::ConfigError;
+use cleave_common::protocol::ProtocolError;
+use cleave_common::training::TrainError;
+use cleave_common::wire::{CodecError, WireError};
+use cleave_common::BundleError;
+
+use crate::planning::planner::ProfileError;
+use crate::plots::PlotError;
+
+/// Result alias for the host library.
+pub type Result<T, E = HostError> = std::result::Result<T, E>;
+
+/// Everything that can stop a host run, plan or training.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// `edge.yaml` cannot be used.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The bundle cannot be opened, loaded or run.
+    #[error(transparent)]
+    Bundle(#[from] BundleError),
+    /// A training part failed.
+    #[error(transparent)]
+    Training(#[from] TrainError),
+    /// A payload cannot be encoded or decoded.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// A payload sender cannot be made (a key the ring does not hold, say).
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    /// The server speaks another protocol, or its `Info` is invalid.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// Profiles that cannot be planned from.
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
+    /// A plot cannot be drawn or written.
+    #[error(transparent)]
+    Plot(#[from] PlotError),
+    /// The server cannot be reached.
+    #[error("cannot connect to {url}: {reason}")]
+    Connect {
+        /// The server's URL.
+        url: String,
+        /// Why, with every cause.
+        reason: String,
+    },
+    /// A call to the server failed with a gRPC status.
+    #[error("{call}: {code:?}: {message}")]
+    Rpc {
+        /// The call (`Info`, `Infer`, `Train`, `Profile`, `Echo`).
+        call: &'static str,
+        /// The status code.
+        code: tonic::Code,
+        /// The server's message.
+        message: String,
+    },
+    /// The server cannot serve this host as configured (another bundle, a codec or key it
+    /// refuses).
+    #[error("{0}")]
+    Refused(String),
+    /// The server broke the protocol (an answer out of order, a missing reply).
+    #[error("{0}")]
+    Stream(String),
+    /// The run cannot work as configured (a batch too large, a split after the tail...).
+    #[error("{0}")]
+    Invalid(String),
+    /// A file or directory the run needs does not exist.
+    #[error("{what} {path} does not exist{hint}")]
+    Missing {
+        /// What it is (`bundle`, `dataset`).
+        what: &'static str,
+        /// Where it was looked for.
+        path: PathBuf,
+        /// How to make it (`: run make X, which creates it`), or nothing.
+        hint: String,
+    },
+    /// A file cannot be read or written.
+    #[error("{action} {path}: {error}")]
+    Io {
+        /// `cannot read`, `cannot write`, `cannot create`.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// A file's content cannot be used.
+    #[error("{path}: {message}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// libtorch refused an operation on the edge.
+    #[error("{0}")]
+    Torch(String),
+    /// A step of a longer job failed; `context` says which.
+    #[error("{context}: {error}")]
+    During {
+        /// What was being done (`training step 12`, `evaluation`).
+        context: String,
+        /// What failed.
+        error: Box<HostError>,
+    },
+}
+
+impl HostError {
+    /// A failure to write `path`.
+    pub fn write(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
+        Self::Io { action: "cannot write", path: path.into(), error }
+    }
+
+    /// A failure to read `path`.
+    pub fn read(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
+        Self::Io { action: "cannot read", path: path.into(), error }
+    }
+
+    /// A failed call, from its status.
+    pub fn rpc(call: &'static str, status: &tonic::Status) -> Self {
+        Self::Rpc { call, code: status.code(), message: status.message().to_string() }
+    }
+
+    /// This error, as what failed while doing `context`.
+    pub fn during(self, context: impl Into<String>) -> Self {
+        Self::During { context: context.into(), error: Box::new(self) }
+    }
+}
+
+impl From<tch::TchError> for HostError {
+    fn from(e: tch::TchError) -> Self {
+        Self::Torch(e.to_string())
+    }
+}

@@ -1,0 +1,86 @@
+//! `--loopback`: the server, started in this process on 127.0.0.1 with the same code as the
+//! `server` binary, so that one command on one machine exercises the whole path. The only
+//! use the host makes of the server crate, behind the `loopback` feature (on by default).
+
+use std::path::Path;
+
+use cleave_common::config::Limits;
+use cleave_common::security::ServerSecurity;
+use cleave_common::DeviceSpec;
+use cleave_server::{PreparedServer, ServerError, TrainingOptions};
+use tokio::net::TcpListener;
+
+use crate::config::EdgeConfig;
+use crate::error::{HostError, Result};
+
+/// A server started in this process for `--loopback`; stops when dropped.
+pub struct LoopbackServer {
+    /// Its URL.
+    pub url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), ServerError>>>,
+}
+
+fn server_error(e: ServerError) -> HostError {
+    HostError::Invalid(format!("the loopback server: {e}"))
+}
+
+impl LoopbackServer {
+    /// Loads the bundle and serves it on 127.0.0.1, in plaintext, accepting every codec.
+    pub async fn start(bundle: &Path, device: DeviceSpec, limits: Limits) -> Result<Self> {
+        Self::start_secured(bundle, device, limits, ServerSecurity::default()).await
+    }
+
+    /// Like [`LoopbackServer::start`], enforcing `security` (TLS, token, keys, codecs).
+    pub async fn start_secured(bundle: &Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> Result<Self> {
+        Self::start_configured(bundle, device, limits, security, TrainingOptions::default()).await
+    }
+
+    /// Like [`LoopbackServer::start_secured`], with training sessions configured.
+    pub async fn start_configured(
+        bundle: &Path,
+        device: DeviceSpec,
+        limits: Limits,
+        security: ServerSecurity,
+        training: TrainingOptions,
+    ) -> Result<Self> {
+        let bundle = bundle.to_path_buf();
+        let scheme = if security.tls.is_some() { "https" } else { "http" };
+        let prepared =
+            tokio::task::spawn_blocking(move || PreparedServer::prepare(&bundle, device, limits, security).map(|p| p.with_training(training)))
+                .await
+                .map_err(|e| HostError::Invalid(format!("starting the loopback server: {e}")))?
+                .map_err(server_error)?;
+        let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| HostError::Invalid(format!("the loopback server cannot listen: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| HostError::Invalid(format!("the loopback server's address: {e}")))?;
+        let url = format!("{scheme}://{addr}");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(prepared.serve(listener, async {
+            let _ = stopped.await;
+        }));
+        Ok(Self { url, stop: Some(stop), task: Some(task) })
+    }
+
+    /// Stops it after the requests in flight are answered.
+    pub async fn shutdown(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => task.await.map_err(|e| HostError::Invalid(format!("the loopback server failed: {e}")))?.map_err(server_error),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The loopback server of an inference run or a plan: the config's `loopback` section, and
+/// exactly what the host brings (its key, its token, TLS when the loopback has a certificate).
+pub(crate) async fn for_inference(config: &EdgeConfig) -> Result<LoopbackServer> {
+    LoopbackServer::start_secured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security()).await
+}
+
+/// The loopback server of a training run, writing its checkpoints into `checkpoints`.
+pub(crate) async fn for_training(config: &EdgeConfig, checkpoints: &Path) -> Result<LoopbackServer> {
+    let options = TrainingOptions { checkpoint_dir: Some(checkpoints.to_path_buf()), concurrent_sessions: false };
+    LoopbackServer::start_configured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security(), options).await
+}

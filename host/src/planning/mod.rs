@@ -1,0 +1,18 @@
+//! Where to split: the planner and everything that feeds it.
+//!
+//! - [`planner`]: predicted latency and pipelined throughput of every cut from profiles, the
+//!   best cut per objective, a moving bandwidth estimate, a re-planner with a margin.
+//! - [`profile`]: the profiles measured: the edge's stages and boundaries, the server's
+//!   stages (`Profile`), the link (`Echo`).
+//! - [`plan`]: `host plan`: the table of every cut, `plan.json`, `--measure` and its plots.
+//! - [`auto_split`]: `split: auto` while running: the plan at start-up, the estimate fed by
+//!   every transfer, the re-planner's moves, upload probes while everything runs on the edge.
+//! - [`graph`]: the stage graph as Graphviz DOT, folded to module level, the chosen cut marked.
+
+pub mod auto_split;
+pub mod graph;
+pub mod plan;
+pub mod planner;
+pub mod profile;
+
+pub use plan::{plan, MeasuredCut, PlanOptions, PlanReport};

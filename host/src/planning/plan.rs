@@ -1,0 +1,237 @@
+//! `host plan`: measure the profiles the planner needs (`profile`), then predict every cut;
+//! write `plan.json`, the stage graph, and with `--measure N` the plots of every usable cut
+//! run for real (N requests, the measured median beside the prediction).
+
+use std::path::PathBuf;
+
+use cleave_common::stats::Percentiles;
+use cleave_common::tables::human_bytes;
+use cleave_common::wire::Codec;
+use cleave_common::Bundle;
+use serde::Serialize;
+
+use super::graph::write_stage_graph;
+use super::planner::{best, CutPrediction, Objective, Profiles};
+use super::profile::measure_profiles;
+use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
+use crate::config::{EdgeConfig, InputSource};
+use crate::error::{HostError, Result};
+use crate::files::open_bundle;
+use crate::inputs::Inputs;
+use crate::plots::run::{plot_breakdown, plot_latency_cdf, plot_predicted_vs_measured, CutBreakdown, BREAKDOWN, LATENCY_CDF, PREDICTED_VS_MEASURED};
+use crate::report::median_breakdown;
+use crate::session::{connect, EdgeSession, Link};
+
+/// One cut as measured by `--measure`: medians of each part, milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct MeasuredCut {
+    /// The cut.
+    pub cut: usize,
+    /// End to end (p50, p95, p99).
+    pub e2e_ms: Percentiles,
+    /// The edge's prefix.
+    pub edge_ms: f64,
+    /// Encoding the boundary.
+    pub encode_ms: f64,
+    /// The round trip less the server's time.
+    pub network_ms: f64,
+    /// The server's time (queue, decode, compute, encode).
+    pub server_ms: f64,
+    /// Decoding the result.
+    pub decode_ms: f64,
+    /// Every request's end-to-end latency (for the CDF; not in plan.json).
+    #[serde(skip)]
+    pub e2e_samples: Vec<f64>,
+}
+
+/// What `host plan` does.
+#[derive(Debug, Clone)]
+pub struct PlanOptions {
+    /// Start the server in this process.
+    pub loopback: bool,
+    /// What to optimise.
+    pub objective: Objective,
+    /// Timed passes per profile.
+    pub repeats: usize,
+    /// Requests to run at every usable cut to compare with the prediction (0: none).
+    pub measure: u64,
+    /// Where `plan.json` goes (default: the config's output directory).
+    pub output: Option<PathBuf>,
+}
+
+/// The result of `host plan`, also written to `plan.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    /// The measured profiles.
+    pub profiles: Profiles,
+    /// The prediction for every cut.
+    pub predictions: Vec<CutPrediction>,
+    /// Measured median end-to-end latency per cut (`--measure`), ms.
+    pub measured_ms: Vec<Option<f64>>,
+    /// Where the time went at each measured cut (`--measure`).
+    pub measured: Vec<MeasuredCut>,
+    /// The objective.
+    pub objective: Objective,
+    /// The cut the planner picks.
+    pub best: Option<usize>,
+}
+
+/// Measures the profiles and prints the table of every cut.
+pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
+    let bundle = open_bundle(&config.bundle).await?;
+    let batch = config.batch_size;
+    let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
+    let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
+    let mut session = connect(&url, &bundle, &Link::secured(&config.security)).await?;
+    session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
+
+    let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats).await?;
+    let n = bundle.stage_count();
+    let predictions = profiles.predict()?;
+    let chosen = best(&predictions, opts.objective).map(|p| p.cut);
+
+    let mut measured_ms = vec![None; n + 1];
+    let mut measured = Vec::new();
+    if opts.measure > 0 {
+        let cuts: Vec<usize> = predictions.iter().filter(|p| p.usable).map(|p| p.cut).collect();
+        measured = measure_cuts(&config, &mut session, &bundle, &cuts, opts.measure).await?;
+        for m in &measured {
+            measured_ms[m.cut] = Some(m.e2e_ms.p50);
+        }
+    }
+    if let Some(server) = loopback {
+        server.shutdown().await?;
+    }
+    let report = PlanReport { profiles, predictions, measured_ms, measured, objective: opts.objective, best: chosen };
+    print_plan(&bundle, &report, &session.server.device, batch, &config.codec);
+    let output = opts.output.unwrap_or_else(|| config.output.clone());
+    std::fs::create_dir_all(&output).map_err(|error| HostError::Io { action: "cannot create", path: output.clone(), error })?;
+    let json = serde_json::to_string_pretty(&report).map_err(|e| HostError::Invalid(format!("the plan as JSON: {e}")))?;
+    std::fs::write(output.join("plan.json"), json + "\n").map_err(|e| HostError::write(output.join("plan.json"), e))?;
+    let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(|e| HostError::write(output.join("stage_graph.dot"), e))?;
+    let mut written = vec![dot];
+    written.extend(svg);
+    if !report.measured.is_empty() {
+        written.extend(plot_measured(&bundle, &report, &output)?);
+    }
+    let written: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+    println!("plan written to {} (and {})", output.join("plan.json").display(), written.join(", "));
+    Ok(report)
+}
+
+/// Runs `rounds` requests at every cut of `cuts` on one stream, the cuts interleaved request
+/// by request so that a machine that slows down or speeds up treats them alike; one more
+/// round first warms up and is left out.
+async fn measure_cuts(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, cuts: &[usize], rounds: u64) -> Result<Vec<MeasuredCut>> {
+    let plan = StreamPlan {
+        bundle: bundle.clone(),
+        split: Splits::RoundRobin(cuts.to_vec()),
+        device: config.device,
+        requests: (rounds + 1) * cuts.len() as u64,
+        in_flight: 1,
+        inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, config.batch_size)?,
+        codec: config.codec,
+        key: config.security.key.clone(),
+    };
+    let mut per_cut: std::collections::BTreeMap<usize, Vec<RequestMetrics>> = cuts.iter().map(|&c| (c, Vec::new())).collect();
+    let mut failures = Vec::new();
+    stream_requests(session, plan, |o| match o.output {
+        Ok(_) if o.request_id >= cuts.len() as u64 => per_cut.entry(o.metrics.split).or_default().push(o.metrics),
+        Ok(_) => {}
+        Err(e) => failures.push(format!("request {} at cut {}: {e}", o.request_id, o.metrics.split)),
+    })
+    .await?;
+    if let Some(first) = failures.first() {
+        return Err(HostError::Invalid(format!("measuring the cuts: {} of the requests failed, the first: {first}", failures.len())));
+    }
+    per_cut
+        .into_iter()
+        .map(|(cut, all)| {
+            let all: Vec<&RequestMetrics> = all.iter().collect();
+            let b = median_breakdown(cut, &all)?;
+            let e2e: Vec<f64> = all.iter().map(|m| m.e2e_ms).collect();
+            let e2e_ms = Percentiles::of(&e2e).map_err(|_| HostError::Invalid(format!("no request measured at cut {cut}")))?;
+            Ok(MeasuredCut {
+                cut,
+                e2e_ms,
+                edge_ms: b.edge_ms,
+                encode_ms: b.encode_ms,
+                network_ms: b.network_ms,
+                server_ms: b.server_ms,
+                decode_ms: b.decode_ms,
+                e2e_samples: e2e,
+            })
+        })
+        .collect()
+}
+
+/// The plots of `--measure`: predicted against measured latency, the breakdown per cut, and
+/// the latency CDF at the first and last cuts, the predicted best and the measured best.
+fn plot_measured(bundle: &Bundle, report: &PlanReport, output: &std::path::Path) -> Result<Vec<PathBuf>> {
+    let model = &bundle.manifest().model.source;
+    let points: Vec<(usize, f64, f64)> = report.measured.iter().map(|m| (m.cut, report.predictions[m.cut].latency_ms, m.e2e_ms.p50)).collect();
+    plot_predicted_vs_measured(&output.join(PREDICTED_VS_MEASURED), &format!("{model}: predicted and measured latency per cut"), &points)?;
+    let bars: Vec<CutBreakdown> = report
+        .measured
+        .iter()
+        .map(|m| CutBreakdown {
+            cut: m.cut,
+            label: m.cut.to_string(),
+            edge_ms: m.edge_ms,
+            encode_ms: m.encode_ms,
+            network_ms: m.network_ms,
+            server_ms: m.server_ms,
+            decode_ms: m.decode_ms,
+        })
+        .collect();
+    plot_breakdown(&output.join(BREAKDOWN), &format!("{model}: where the time goes at each cut (medians)"), &bars)?;
+    let measured_best = report.measured.iter().min_by(|a, b| a.e2e_ms.p50.total_cmp(&b.e2e_ms.p50)).map(|m| m.cut);
+    let mut shown: Vec<(usize, &str)> = Vec::new();
+    let first = report.measured.first().map(|m| m.cut);
+    let last = report.measured.last().map(|m| m.cut);
+    for (cut, why) in [(report.best, "planned best"), (measured_best, "measured best"), (first, "first"), (last, "last")] {
+        if let Some(cut) = cut.filter(|c| !shown.iter().any(|(s, _)| s == c)) {
+            shown.push((cut, why));
+        }
+    }
+    let series: Vec<(String, Vec<f64>)> = shown
+        .iter()
+        .filter_map(|(cut, why)| report.measured.iter().find(|m| m.cut == *cut).map(|m| (format!("cut {cut} ({why})"), m.e2e_samples.clone())))
+        .collect();
+    plot_latency_cdf(&output.join(LATENCY_CDF), &format!("{model}: end-to-end latency"), &series)?;
+    Ok(vec![output.join(PREDICTED_VS_MEASURED), output.join(BREAKDOWN), output.join(LATENCY_CDF)])
+}
+
+fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: i64, codec: &Codec) {
+    let mut table = comfy_table::Table::new();
+    table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+    table.set_header(vec!["cut", "name", "edge ms", "on the wire", "upload ms", "server ms", "predicted ms", "measured ms", "req/s", ""]);
+    for p in &report.predictions {
+        let mark = match (Some(p.cut) == report.best, p.usable) {
+            (true, _) => "<- best",
+            (false, false) => "unusable",
+            _ => "",
+        };
+        table.add_row(vec![
+            p.cut.to_string(),
+            bundle.cut(p.cut).name.clone(),
+            format!("{:.2}", p.edge_ms),
+            if p.cut == bundle.stage_count() { "-".into() } else { human_bytes(report.profiles.cut_wire_bytes[p.cut]) },
+            format!("{:.2}", p.upload_ms),
+            format!("{:.2}", p.server_ms),
+            format!("{:.2}", p.latency_ms),
+            report.measured_ms[p.cut].map_or(String::new(), |m| format!("{m:.2}")),
+            format!("{:.1}", p.throughput_rps),
+            mark.into(),
+        ]);
+    }
+    let link = &report.profiles.link;
+    println!(
+        "{} at batch {batch}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {:?}",
+        bundle.manifest().model.source,
+        link.bytes_per_s * 8.0 / 1e6,
+        link.rtt_ms,
+        report.objective
+    );
+    println!("{table}");
+}

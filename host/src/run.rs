@@ -1,0 +1,160 @@
+//! `host --config edge.yaml [--loopback]`: an inference run. Each request's prefix runs on
+//! the edge, its boundary streams to the server, and the answers are written as they come
+//! (`predictions.jsonl`, `metrics.csv`), then `summary.json`, the summary table and the
+//! plots. With `split: auto` the planner picks the cut and moves it while the run goes on.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cleave_common::bundle::SplitSpec;
+use cleave_common::device::device_name;
+use cleave_common::stats::Percentiles;
+
+use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
+use crate::config::EdgeConfig;
+use crate::error::{HostError, Result};
+use crate::files::open_bundle;
+use crate::inputs::Inputs;
+use crate::planning::auto_split::{self, AutoSplit};
+use crate::planning::profile::measure_profiles;
+use crate::report::{self, summary_table, ReportWriter, Summary};
+use crate::session::{connect, Link};
+
+/// Command-line overrides of `edge.yaml`.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Start the server in this process on 127.0.0.1 (an ephemeral port) and use it.
+    pub loopback: bool,
+    /// Overrides `split`.
+    pub split: Option<SplitSpec>,
+    /// Overrides `output`.
+    pub output: Option<PathBuf>,
+}
+
+/// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
+pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
+    let bundle = open_bundle(&config.bundle).await?;
+    let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
+    let auto = split_spec == SplitSpec::Auto;
+    let split = if auto { bundle.stage_count() } else { bundle.resolve_split(&split_spec)? };
+    let output = opts.output.unwrap_or_else(|| config.output.clone());
+    let Some(input) = &config.input else {
+        return Err(HostError::Invalid("the config has no `input`: inference needs one (training configs go to `training::run`)".into()));
+    };
+    // Image inputs are decoded and resized: on the blocking pool.
+    let inputs = {
+        let (input, bundle, batch) = (input.clone(), bundle.clone(), config.batch_size);
+        tokio::task::spawn_blocking(move || Inputs::new(&input, &bundle, batch))
+            .await
+            .map_err(|e| HostError::Invalid(format!("reading the inputs: {e}")))??
+    };
+    let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
+    let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
+    let uses_tls = url.starts_with("https://");
+    let mut session = connect(&url, &bundle, &Link::secured(&config.security)).await?;
+    // `split: auto`: plan from measured profiles, then re-plan from the bandwidth measured on
+    // every transfer; the prefix thread reads the split for each request.
+    let mut planned = None;
+    let mut planner = None;
+    if auto {
+        let profiles = measure_profiles(&config, &mut session, &bundle, 3).await?;
+        let (auto_split, plan) = AutoSplit::plan(profiles, config.objective)?;
+        println!(
+            "split: auto ({:?}): the planner picks cut {}, predicted {:.2} ms, from the measured profiles (link {:.1} Mbit/s, round trip {:.2} ms)",
+            plan.objective, plan.cut, plan.predicted_ms, plan.link_mbit_per_s, plan.rtt_ms
+        );
+        planner = Some(Arc::new(Mutex::new(auto_split)));
+        planned = Some(plan);
+    }
+    let split = planned.as_ref().map_or(split, |p| p.cut);
+    println!(
+        "{} split at cut {split} ({}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
+        bundle.manifest().model.source,
+        bundle.cut(split).name,
+        device_name(config.device.resolve()?),
+        url,
+        bundle.stage_count(),
+        session.server.device
+    );
+    let mut writer = ReportWriter::create(&output, config.top_k)?;
+    let progress = indicatif::ProgressBar::new(config.requests);
+    progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
+    let plan = StreamPlan {
+        bundle: bundle.clone(),
+        split: match &planner {
+            Some(auto) => Splits::Moving(auto.lock().expect("auto split").cut()),
+            None => Splits::Fixed(split),
+        },
+        device: config.device,
+        requests: config.requests,
+        in_flight: config.in_flight,
+        inputs,
+        codec: config.codec,
+        key: config.security.key.clone(),
+    };
+    let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), session.clone())));
+    let started = Instant::now();
+    let mut record_error = None;
+    let streamed = stream_requests(&mut session, plan, |outcome| {
+        progress.inc(1);
+        if let Some(auto) = &planner {
+            auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
+        }
+        if let Err(e) = writer.record(&bundle, outcome) {
+            record_error.get_or_insert(e);
+        }
+    })
+    .await;
+    if let Some(prober) = prober {
+        prober.abort();
+    }
+    streamed?;
+    let wall_s = started.elapsed().as_secs_f64();
+    progress.finish_and_clear();
+    if let Some(e) = record_error {
+        return Err(e);
+    }
+    if let Some(server) = loopback {
+        server.shutdown().await?;
+    }
+    let outcomes = writer.finish()?;
+    let ok: Vec<&RequestMetrics> = outcomes.iter().filter(|(_, _, ok)| *ok).map(|(_, m, _)| m).collect();
+    // No request succeeded: no percentiles (`null` in summary.json).
+    let pick = |f: fn(&RequestMetrics) -> f64| Percentiles::of(&ok.iter().map(|m| f(m)).collect::<Vec<_>>()).ok();
+    let summary = Summary {
+        bundle: config.bundle.display().to_string(),
+        bundle_id: bundle.id().to_string(),
+        server: url,
+        edge_device: device_name(config.device.resolve()?),
+        server_device: session.server.device.clone(),
+        split,
+        split_name: bundle.cut(split).name.clone(),
+        batch_size: config.batch_size,
+        requests: outcomes.len() as u64,
+        errors: outcomes.iter().filter(|(_, _, ok)| !ok).count() as u64,
+        e2e_ms: pick(|m| m.e2e_ms),
+        prefix_ms: pick(|m| m.prefix_ms),
+        encode_ms: pick(|m| m.encode_ms),
+        round_trip_ms: pick(|m| m.round_trip_ms),
+        server_ms: pick(|m| m.server.total_ms()),
+        network_ms: pick(report::network_ms),
+        decode_ms: pick(|m| m.decode_ms),
+        throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
+        bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
+        bytes_wire: outcomes.iter().map(|(_, m, _)| m.bytes_wire).sum(),
+        codec: config.codec.to_string(),
+        encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
+        tls: uses_tls,
+        bearer_token: config.security.token.is_some(),
+        wall_s,
+        planned,
+        split_moves: planner.map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
+    };
+    let json = serde_json::to_string_pretty(&summary).map_err(|e| HostError::Invalid(format!("the summary as JSON: {e}")))?;
+    std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;
+    report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
+    println!("{}", summary_table(&summary));
+    println!("results in {}", output.display());
+    Ok(summary)
+}

@@ -1,0 +1,157 @@
+//! The one way the edge connects to a server, for runs, plans and training alike: the
+//! endpoint (HTTP/2 windows, TLS trust, Nagle off), the bearer token on every call, then
+//! `Info` and the checks a host makes before it sends anything: the protocol version, the
+//! bundle id, and (per run) that the server accepts the host's codec and can open its
+//! payloads. The message limit and the result payload limit are the server's, from `Info`:
+//! the host frames what it sends and accepts what it receives by them.
+
+use cleave_common::pb;
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA};
+use cleave_common::security::{ClientTls, EdgeSecurity, Token};
+use cleave_common::wire::{chunk_bytes_for, Codec};
+use cleave_common::Bundle;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{HostError, Result};
+
+/// How to reach a server: TLS trust and bearer token.
+#[derive(Debug, Clone, Default)]
+pub struct Link {
+    /// TLS trust (the URL must then be https://).
+    pub tls: Option<ClientTls>,
+    /// Bearer token sent with every call.
+    pub token: Option<Token>,
+}
+
+impl Link {
+    /// Plaintext, no token.
+    pub fn plain() -> Self {
+        Self::default()
+    }
+
+    /// With the TLS trust and token of an edge config.
+    pub fn secured(security: &EdgeSecurity) -> Self {
+        Self { tls: security.tls.clone(), token: security.token.clone() }
+    }
+}
+
+/// Adds `authorization: Bearer <token>` to every call when there is a token.
+#[derive(Clone)]
+pub struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A connected client.
+pub type Client = SplitInferenceClient<InterceptedService<Channel, BearerToken>>;
+
+/// A connection to a server that serves this host's bundle.
+#[derive(Clone)]
+pub struct EdgeSession {
+    /// The gRPC client, its message limits set from the server's.
+    pub client: Client,
+    /// What the server said of itself.
+    pub server: ServerInfo,
+    /// Its URL.
+    pub url: String,
+}
+
+impl std::fmt::Debug for EdgeSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EdgeSession").field("url", &self.url).field("server", &self.server).finish_non_exhaustive()
+    }
+}
+
+/// Connects to `url`, asks `Info`, and checks the protocol version and the bundle id.
+pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSession> {
+    let connect_error = |reason: String| HostError::Connect { url: url.to_string(), reason };
+    let mut endpoint = Endpoint::from_shared(url.to_string())
+        .map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?
+        .tcp_nodelay(true)
+        .initial_stream_window_size(Some(8 << 20))
+        .initial_connection_window_size(Some(32 << 20));
+    if let Some(tls) = &link.tls {
+        if !url.starts_with("https://") {
+            return Err(connect_error("TLS is configured, so the URL must start with https://".into()));
+        }
+        let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem));
+        if let Some(domain) = &tls.domain {
+            config = config.domain_name(domain.clone());
+        }
+        endpoint = endpoint.tls_config(config).map_err(|e| connect_error(format!("TLS configuration: {}", cleave_common::error::with_causes(&e))))?;
+    }
+    let channel = endpoint.connect().await.map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?;
+    let token = match &link.token {
+        Some(t) => Some(t.bearer().parse().map_err(|_| HostError::Invalid("the bearer token is not a valid header value".into()))?),
+        None => None,
+    };
+    let mut client = SplitInferenceClient::with_interceptor(channel, BearerToken(token));
+    let reply = client.info(pb::InfoRequest {}).await.map_err(|s| HostError::Rpc {
+        call: "Info",
+        code: s.code(),
+        message: format!("{url}: {}", s.message()),
+    })?;
+    let server = ServerInfo::try_from(reply.into_inner()).map_err(|e| HostError::Refused(format!("{url}: {e}")))?;
+    if server.bundle_id != bundle.id() {
+        return Err(HostError::Refused(format!(
+            "bundle mismatch: this host has {} ({}), the server at {url} serves {} ({})",
+            bundle.id(),
+            bundle.manifest().model.source,
+            server.bundle_id,
+            server.model_source
+        )));
+    }
+    let max_message = server.limits.max_message_bytes as usize;
+    let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
+    Ok(EdgeSession { client, server, url: url.to_string() })
+}
+
+impl EdgeSession {
+    /// Checks, before anything is sent, that the server accepts this codec and can open this
+    /// host's payloads (see [`check_server_accepts`]).
+    pub fn check_accepts(&self, codec: &Codec, key_id: Option<u32>) -> Result<()> {
+        check_server_accepts(&self.server, codec, key_id)
+    }
+
+    /// Data bytes per frame under the server's message limit.
+    pub fn chunk_bytes(&self) -> usize {
+        chunk_bytes_for(self.server.limits.max_message_bytes)
+    }
+
+    /// The largest payload (results, gradients) accepted back: the server's own limit.
+    pub fn max_payload_bytes(&self) -> u64 {
+        self.server.limits.max_payload_bytes
+    }
+
+    /// A streaming call's request, carrying the bundle id the server checks.
+    pub fn stream_request<T>(&self, stream: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(stream);
+        let id = self.server.bundle_id.parse().expect("a bundle id (hex) is a valid header value");
+        request.metadata_mut().insert(BUNDLE_ID_METADATA, id);
+        request
+    }
+}
+
+/// Checks that a server accepts `codec` and holds `key_id` (or needs no key); the error says
+/// what the server accepts.
+pub fn check_server_accepts(server: &ServerInfo, codec: &Codec, key_id: Option<u32>) -> Result<()> {
+    server.policy.check(codec).map_err(|reason| HostError::Refused(format!("codec {codec}: the server refuses it: {reason}")))?;
+    match key_id {
+        None if server.policy.require_encryption => Err(HostError::Refused(format!(
+            "the server requires AES-256-GCM payloads: configure `encryption` with one of its key ids {:?}",
+            server.key_ids
+        ))),
+        Some(id) if !server.key_ids.contains(&id) => {
+            Err(HostError::Refused(format!("the server holds key ids {:?}, not {id}: it could not open this host's payloads", server.key_ids)))
+        }
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,138 @@
+//! Why a call failed, by the phase that failed, and the one place that maps such an error
+//! to a gRPC status: for a request or training call answered in its stream, for a stream
+//! refused before it starts, and for the unary calls (`Profile`, `Echo`) and the token check.
+//!
+//! A variant's message includes its cause, and no variant reports the cause again as its
+//! `source`, so a printed chain names each cause once.
+
+use cleave_common::training::TrainError;
+use cleave_common::wire::{CodecError, WireError};
+use cleave_common::BundleError;
+use tonic::{Code, Status};
+
+/// Why a request, a call or a stream failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RequestError {
+    /// The payload is malformed.
+    #[error("decode: {0}")]
+    Wire(WireError),
+    /// The split point does not exist.
+    #[error("split {split} is out of range: the bundle has cuts 0..={cuts}")]
+    SplitOutOfRange { split: u32, cuts: usize },
+    /// The boundary does not fit the manifest, or a stage failed.
+    #[error("compute: {0}")]
+    Bundle(BundleError),
+    /// The result cannot be encoded (a lossy precision cannot carry it, say).
+    #[error("encode: {0}")]
+    Encode(WireError),
+    /// The server is shutting down.
+    #[error("the server is shutting down")]
+    Unavailable,
+    /// A training call failed (setting up, a step, a checkpoint).
+    #[error("training: {0}")]
+    Training(TrainError),
+    /// A training call out of order (no session yet, a backward without its forward...).
+    #[error("training session: {0}")]
+    Session(String),
+    /// The bundle is already being trained and the server keeps one session per bundle.
+    #[error("{0}")]
+    AlreadyTraining(String),
+    /// The stream's host has another bundle than this server serves.
+    #[error("bundle mismatch: the host has bundle {host}, this server serves {server}")]
+    BundleMismatch { host: String, server: String },
+    /// A `Profile` or `Echo` call asks for something the server does not give.
+    #[error("{0}")]
+    BadCall(String),
+    /// Timing the stages failed.
+    #[error("profile: {0}")]
+    Profile(BundleError),
+    /// The call has no bearer token, or the wrong one.
+    #[error("{0}")]
+    Unauthenticated(&'static str),
+}
+
+impl From<WireError> for RequestError {
+    fn from(e: WireError) -> Self {
+        Self::Wire(e)
+    }
+}
+
+impl From<BundleError> for RequestError {
+    fn from(e: BundleError) -> Self {
+        Self::Bundle(e)
+    }
+}
+
+impl From<TrainError> for RequestError {
+    fn from(e: TrainError) -> Self {
+        Self::Training(e)
+    }
+}
+
+/// The one place that maps errors to gRPC status codes.
+pub(crate) fn status_code(err: &RequestError) -> Code {
+    use CodecError as C;
+    match err {
+        RequestError::Wire(WireError::Codec(C::PayloadTooLarge { .. })) => Code::ResourceExhausted,
+        // The payload is not authentic: no key, wrong key, altered, replayed, or unsealed
+        // where sealing is required.
+        RequestError::Wire(WireError::Codec(
+            C::NotSealed | C::NoKeys { .. } | C::UnknownKeyId { .. } | C::WrongKey { .. } | C::HeaderTampered | C::DataTampered | C::Replayed { .. },
+        )) => Code::Unauthenticated,
+        RequestError::Wire(WireError::Codec(C::CodecRefused { .. })) => Code::FailedPrecondition,
+        RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } | RequestError::BadCall(_) => Code::InvalidArgument,
+        RequestError::Encode(_) | RequestError::Profile(_) => Code::Internal,
+        RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
+        RequestError::Bundle(_) => Code::Internal,
+        RequestError::Unavailable => Code::Unavailable,
+        RequestError::Training(e) => match e {
+            TrainError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. } | BundleError::InvalidRange { .. })
+            | TrainError::Invalid(_)
+            | TrainError::Loss(_)
+            | TrainError::Gradients(_) => Code::InvalidArgument,
+            TrainError::NotTrainable(_) | TrainError::Checkpoint { .. } => Code::FailedPrecondition,
+            TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
+        },
+        RequestError::Session(_) | RequestError::AlreadyTraining(_) | RequestError::BundleMismatch { .. } => Code::FailedPrecondition,
+        RequestError::Unauthenticated(_) => Code::Unauthenticated,
+    }
+}
+
+impl From<RequestError> for Status {
+    fn from(err: RequestError) -> Self {
+        Status::new(status_code(&err), err.to_string())
+    }
+}
+
+/// The error frame a stream answers a failed request or call with.
+pub(crate) fn error_frame(err: &RequestError) -> cleave_common::pb::Error {
+    cleave_common::pb::Error { code: status_code(err) as i32, message: err.to_string() }
+}
+
+/// Why the server could not start, or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// `server.yaml` cannot be used.
+    #[error(transparent)]
+    Config(#[from] cleave_common::config::ConfigError),
+    /// The bundle cannot be opened, loaded or checked.
+    #[error(transparent)]
+    Bundle(#[from] BundleError),
+    /// The listening address cannot be bound or read.
+    #[error("cannot listen on {addr}: {error}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The TLS identity cannot be used.
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// The gRPC server failed.
+    #[error("serving: {0}")]
+    Serve(String),
+    /// Development secrets cannot be written.
+    #[error("dev secrets: {0}")]
+    DevSecrets(String),
+}

@@ -1,0 +1,80 @@
+//! Payloads in and out of a stream, on the blocking pool (decrypting, decompressing and
+//! encoding a large boundary takes milliseconds). Answers travel back like requests: each
+//! result (or gradient) is encoded with its request's codec and sealed with its request's
+//! key, one sender, so one nonce sequence, per (key, direction) on a stream.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cleave_common::security::ServerSecurity;
+use cleave_common::wire::{Codec, Direction, EncodedPayload, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, Received};
+use cleave_common::Boundary;
+
+use crate::error::RequestError;
+
+/// What a result needs to be encoded like its request.
+#[derive(Clone, Copy)]
+pub(crate) struct ResultSpec {
+    pub(crate) request_id: u64,
+    pub(crate) split: u32,
+    pub(crate) codec: Codec,
+    pub(crate) key_id: Option<u32>,
+    /// `Result` for boundaries, `Gradient` for gradients (each its own nonce sequence).
+    pub(crate) direction: Direction,
+}
+
+/// Encodes one stream's answers.
+pub(crate) struct ResultEncoder {
+    security: Arc<ServerSecurity>,
+    senders: HashMap<(Option<u32>, i32), PayloadSender>,
+}
+
+impl ResultEncoder {
+    pub(crate) fn new(security: Arc<ServerSecurity>) -> Self {
+        Self { security, senders: HashMap::new() }
+    }
+
+    fn encode(&mut self, p: ResultSpec, output: &Boundary) -> Result<EncodedPayload, RequestError> {
+        let sender = match self.senders.entry((p.key_id, p.direction as i32)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(match p.key_id {
+                None => PayloadSender::plain(),
+                Some(id) => PayloadSender::sealed(&self.security.keys, id).map_err(|err| RequestError::Encode(err.into()))?,
+            }),
+        };
+        let meta = PayloadMeta { request_id: p.request_id, split: p.split, direction: p.direction };
+        sender.encode(meta, &p.codec, output).map_err(RequestError::Encode)
+    }
+}
+
+/// Encodes `output` on the blocking pool; returns the payload and the time encoding took.
+/// The caller awaits each answer in turn, so answers keep their order.
+pub(crate) async fn encode_blocking(
+    encoder: &Arc<Mutex<ResultEncoder>>,
+    spec: ResultSpec,
+    output: Boundary,
+) -> Result<(EncodedPayload, Duration), RequestError> {
+    let encoder = Arc::clone(encoder);
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let encoded = encoder.lock().expect("result encoder").encode(spec, &output)?;
+        Ok((encoded, started.elapsed()))
+    })
+    .await
+    .unwrap_or(Err(RequestError::Unavailable))
+}
+
+/// Opens and decodes a complete payload on the blocking pool; returns it and the time it
+/// took. The caller awaits each payload in turn, so payloads are opened in order (the
+/// receiver's replay window needs that).
+pub(crate) async fn decode_blocking(receiver: &Arc<Mutex<PayloadReceiver>>, assembly: Reassembly) -> Result<(Received, Duration), RequestError> {
+    let receiver = Arc::clone(receiver);
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let received = receiver.lock().expect("payload receiver").finish(assembly)?;
+        Ok((received, started.elapsed()))
+    })
+    .await
+    .unwrap_or(Err(RequestError::Unavailable))
+}

@@ -1,0 +1,98 @@
+//! Who may train: an `OpenSession` checked against the bundle (a usable range, an
+//! optimizer, a loss exactly when the server holds the last stage, a checkpoint name), and
+//! the sessions open now. By default a bundle has at most one session at a time, so two
+//! hosts cannot train the same weights unknowingly; `training.concurrent_sessions` lets each
+//! train its own copy.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cleave_common::pb;
+use cleave_common::training::loss::LossKind;
+use cleave_common::training::optim::OptimizerConfig;
+use cleave_common::training::TrainError;
+use cleave_common::{Bundle, DeviceSpec, StageRange};
+
+use super::session::{checkpoint_path, SessionSetup};
+use crate::config::TrainingOptions;
+use crate::error::RequestError;
+
+/// The training side of the service: options and the sessions open now.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Training {
+    pub(crate) options: TrainingOptions,
+    sessions: Arc<Sessions>,
+}
+
+#[derive(Debug, Default)]
+struct Sessions {
+    open: Mutex<Vec<(String, Instant)>>,
+    next: AtomicU64,
+}
+
+/// A session's place among the open ones; dropping it closes the session.
+pub(crate) struct SessionSlot {
+    sessions: Arc<Sessions>,
+    pub(crate) id: String,
+}
+
+impl Drop for SessionSlot {
+    fn drop(&mut self) {
+        self.sessions.open.lock().unwrap_or_else(|p| p.into_inner()).retain(|(id, _)| id != &self.id);
+        tracing::info!(session = %self.id, "training session closed");
+    }
+}
+
+impl Training {
+    pub(crate) fn new(options: TrainingOptions) -> Self {
+        Self { options, sessions: Arc::default() }
+    }
+
+    /// Takes a place for a new session on `bundle`, or says why not.
+    pub(crate) fn admit(&self, bundle: &Bundle) -> Result<SessionSlot, RequestError> {
+        let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((id, since)) = open.first().filter(|_| !self.options.concurrent_sessions) {
+            return Err(RequestError::AlreadyTraining(format!(
+                "bundle {} is already being trained (session {id}, open for {} s); this server allows one training session per \
+                 bundle: close that one, or set `training.concurrent_sessions: true` in server.yaml to train separate copies",
+                bundle.id(),
+                since.elapsed().as_secs()
+            )));
+        }
+        let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
+        open.push((id.clone(), Instant::now()));
+        Ok(SessionSlot { sessions: Arc::clone(&self.sessions), id })
+    }
+
+    /// Checks an `OpenSession` against `bundle`; the session then loads on `device`.
+    pub(crate) fn setup(&self, bundle: &Bundle, device: DeviceSpec, open: &pb::OpenSession) -> Result<SessionSetup, RequestError> {
+        let n = bundle.stage_count();
+        let (start, end) = (open.start as usize, open.end as usize);
+        let invalid = |m: String| RequestError::Training(TrainError::Invalid(m));
+        if !(start < end && end <= n) {
+            return Err(invalid(format!("the server's stages [{start}, {end}) must be a non-empty range within [0, {n}]")));
+        }
+        for cut in [start, end] {
+            let info = bundle.cut(cut);
+            if !info.usable && cut != n {
+                return Err(invalid(format!("cut {cut} ({}) cannot be split at: {}", info.name, info.reason.as_deref().unwrap_or("unusable"))));
+            }
+        }
+        let optimizer = open.optimizer.as_ref().ok_or_else(|| invalid("no optimizer given".into()))?;
+        let optimizer = OptimizerConfig::try_from(optimizer).map_err(invalid)?;
+        let loss = match (end == n, open.loss.as_str()) {
+            (true, "") => return Err(invalid("the server holds the last stage, so it computes the loss: name it (cross-entropy, mse)".into())),
+            (true, name) => Some(name.parse::<LossKind>().map_err(invalid)?),
+            (false, "") => None,
+            (false, name) => {
+                return Err(invalid(format!("loss {name:?} given, but the server's part ends at cut {end} < {n}: the edge computes the loss")))
+            }
+        };
+        let resume = match open.resume.as_str() {
+            "" => None,
+            name => Some(checkpoint_path(self.options.checkpoint_dir.as_ref(), name)?),
+        };
+        Ok(SessionSetup { bundle: bundle.clone(), range: StageRange::new(start, end), device, optimizer, loss, seed: open.seed, resume })
+    }
+}

@@ -1,0 +1,237 @@
+//! A training session's own thread: it owns a fresh copy of the session's stages in
+//! training mode and its optimizer, and runs the calls its stream hands it one at a time
+//! (forward, U-shaped backward, evaluation, checkpoint). The step math is the one the edge
+//! runs too (`cleave_common::training::step`).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use cleave_common::training::checkpoint::{self, CheckpointMeta};
+use cleave_common::training::loss::LossKind;
+use cleave_common::training::optim::{Optimizer, OptimizerConfig};
+use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads};
+use cleave_common::training::{float_leaves, track_gradients, TrainError, TrainableStages, TARGETS_VALUE};
+use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
+use tch::Tensor;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::RequestError;
+
+/// A validated `OpenSession`: what the session thread loads.
+pub(crate) struct SessionSetup {
+    pub(crate) bundle: Bundle,
+    pub(crate) range: StageRange,
+    pub(crate) device: DeviceSpec,
+    pub(crate) optimizer: OptimizerConfig,
+    pub(crate) loss: Option<LossKind>,
+    pub(crate) seed: u64,
+    pub(crate) resume: Option<PathBuf>,
+}
+
+/// Checks a checkpoint name: a file name, never a path.
+pub(crate) fn checkpoint_path(dir: Option<&PathBuf>, name: &str) -> Result<PathBuf, RequestError> {
+    let dir = dir.ok_or_else(|| RequestError::Session("this server has no checkpoint directory (`training.checkpoint_dir`)".into()))?;
+    let valid = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !valid {
+        return Err(RequestError::Training(TrainError::Invalid(format!(
+            "checkpoint name {name:?}: use letters, digits, '-', '_' and '.', not starting with '.'"
+        ))));
+    }
+    Ok(dir.join(format!("{name}.safetensors")))
+}
+
+/// A call for the session thread.
+pub(crate) enum Call {
+    /// A step's boundary (and targets when the server holds the loss).
+    Forward { input: Boundary, targets: Option<Tensor> },
+    /// U-shaped: the gradient at `end` of the pending step.
+    Backward { grads: Boundary },
+    /// An evaluation batch.
+    Evaluate { input: Boundary },
+    /// Write a checkpoint.
+    Save { path: PathBuf, name: String },
+}
+
+/// The session thread's answer.
+pub(crate) enum Answer {
+    /// The gradient at `start` (and the loss when the server computed it).
+    Gradients { loss: Option<f64>, grads: Boundary },
+    /// The boundary at `end` (U-shaped forward, or evaluation).
+    Output(Boundary),
+    /// A checkpoint was written.
+    Saved { name: String, step: u64 },
+}
+
+struct CallJob {
+    call: Call,
+    reply: oneshot::Sender<Result<(Answer, Duration), TrainError>>,
+}
+
+/// What the session reports once its stages are loaded.
+pub(crate) struct Opened {
+    pub(crate) step: u64,
+    pub(crate) parameters: u64,
+    pub(crate) device: String,
+}
+
+/// U-shaped: a step whose backward has not come yet.
+struct PendingStep {
+    /// The received boundary's floating-point leaves (their gradients go back).
+    inputs: Vec<(String, Tensor)>,
+    /// The floating-point leaves of the boundary sent back (their gradients come in).
+    outputs: Vec<(String, Tensor)>,
+}
+
+/// The state the session thread owns.
+struct Session {
+    stages: TrainableStages,
+    optimizer: Optimizer,
+    loss: Option<LossKind>,
+    seed: u64,
+    step: u64,
+    /// U-shaped: the step whose backward has not come yet.
+    pending: Option<PendingStep>,
+}
+
+impl Session {
+    fn open(setup: SessionSetup) -> Result<Self, TrainError> {
+        let stages = TrainableStages::load(&setup.bundle, setup.range, setup.device, setup.seed)?;
+        let mut optimizer = Optimizer::new(setup.optimizer);
+        let mut step = 0;
+        if let Some(path) = &setup.resume {
+            let meta = checkpoint::restore(path, &[&stages], &mut optimizer)?;
+            if meta.seed != setup.seed {
+                return Err(TrainError::Checkpoint {
+                    path: path.clone(),
+                    message: format!("it was trained with seed {}, this session has seed {}: resume with the same seed", meta.seed, setup.seed),
+                });
+            }
+            step = meta.step;
+        }
+        Ok(Self { stages, optimizer, loss: setup.loss, seed: setup.seed, step, pending: None })
+    }
+
+    /// Runs a call; answers through `reply` as soon as the answer exists, so that the
+    /// optimizer step overlaps with sending the gradient back.
+    fn handle(&mut self, call: Call, started: Instant, reply: oneshot::Sender<Result<(Answer, Duration), TrainError>>) {
+        let answer = |r: Result<Answer, TrainError>| {
+            let _ = reply.send(r.map(|a| (a, started.elapsed())));
+        };
+        match call {
+            Call::Forward { input, targets } => match self.forward(input, targets) {
+                Ok((answer_now, Some(param_grads))) => {
+                    answer(Ok(answer_now));
+                    self.finish_step(param_grads);
+                }
+                Ok((answer_now, None)) => answer(Ok(answer_now)),
+                Err(e) => answer(Err(e)),
+            },
+            Call::Backward { grads } => match self.backward(&grads) {
+                Ok((answer_now, param_grads)) => {
+                    answer(Ok(answer_now));
+                    self.finish_step(param_grads);
+                }
+                Err(e) => answer(Err(e)),
+            },
+            Call::Evaluate { input } => answer(self.stages.evaluate(&input).map(|out| Answer::Output(out.detached()))),
+            Call::Save { path, name } => {
+                let meta = CheckpointMeta {
+                    bundle_id: self.stages.bundle().id().to_string(),
+                    ranges: vec![[self.stages.range().start, self.stages.range().end]],
+                    step: self.step,
+                    optimizer: self.optimizer.config().clone(),
+                    seed: self.seed,
+                    extra: Default::default(),
+                };
+                answer(checkpoint::save(&path, &meta, &[&self.stages], &self.optimizer).map(|()| Answer::Saved { name, step: self.step }))
+            }
+        }
+    }
+
+    /// A training forward. With the loss here: backward too, returning the gradient answer
+    /// and the parameters' gradients (the step is finished after answering); U-shaped:
+    /// keeps the graph pending and answers with the boundary at `end`.
+    fn forward(&mut self, input: Boundary, targets: Option<Tensor>) -> Result<(Answer, Option<Grads>), TrainError> {
+        if self.pending.take().is_some() {
+            return Err(TrainError::Invalid(format!(
+                "step {} is still waiting for its gradient (PHASE_BACKWARD); it is dropped, and this step refused",
+                self.step + 1
+            )));
+        }
+        let leaves = track_gradients(&input);
+        let output = self.stages.forward(self.step, &input)?;
+        let Some(loss_kind) = self.loss else {
+            if targets.is_some() {
+                return Err(TrainError::Invalid("this session ends before the loss (U-shaped): targets stay on the edge".into()));
+            }
+            self.pending = Some(PendingStep { inputs: leaves, outputs: float_leaves(&output) });
+            return Ok((Answer::Output(output.detached()), None));
+        };
+        let targets = targets
+            .ok_or_else(|| TrainError::Invalid(format!("this session computes the loss: each step carries the targets as value {TARGETS_VALUE}")))?;
+        let loss = step_loss(self.stages.bundle(), loss_kind, output, &targets)?;
+        let grads = backward(Some(&loss), self.stages.parameters(), &leaves)?;
+        let value = loss.double_value(&[]);
+        Ok((Answer::Gradients { loss: Some(value), grads: grads.boundary }, Some(grads.parameters)))
+    }
+
+    /// U-shaped: continues the pending step's backward pass from the gradient at `end`.
+    fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Grads), TrainError> {
+        let PendingStep { inputs: leaves, outputs } = self
+            .pending
+            .take()
+            .ok_or_else(|| TrainError::Invalid("a gradient arrived without a pending forward (PHASE_FORWARD comes first)".into()))?;
+        let grads = backward_from_boundary(&outputs, grads, self.stages.parameters(), &leaves)?;
+        Ok((Answer::Gradients { loss: None, grads: grads.boundary }, grads.parameters))
+    }
+
+    fn finish_step(&mut self, param_grads: Grads) {
+        self.optimizer.step(self.stages.parameters(), &param_grads);
+        self.step += 1;
+    }
+}
+
+/// The channel to a session's thread.
+pub(crate) struct SessionHandle {
+    calls: mpsc::Sender<CallJob>,
+}
+
+impl SessionHandle {
+    /// Loads the session on its own thread; returns once it is ready (or failed to load).
+    pub(crate) async fn spawn(setup: SessionSetup) -> Result<(Self, Opened), RequestError> {
+        // Calls come one at a time per stream; the channel only hands them over.
+        let (tx, mut rx) = mpsc::channel::<CallJob>(2);
+        let (opened_tx, opened_rx) = oneshot::channel();
+        std::thread::Builder::new()
+            .name("cleave-train".into())
+            .spawn(move || {
+                let mut session = match Session::open(setup) {
+                    Ok(s) => {
+                        let device = cleave_common::device::device_name(s.stages.device());
+                        let _ = opened_tx.send(Ok(Opened { step: s.step, parameters: s.stages.parameter_count(), device }));
+                        s
+                    }
+                    Err(e) => {
+                        let _ = opened_tx.send(Err(e));
+                        return;
+                    }
+                };
+                while let Some(job) = rx.blocking_recv() {
+                    session.handle(job.call, Instant::now(), job.reply);
+                }
+            })
+            .map_err(|e| RequestError::Session(format!("cannot start the session thread: {e}")))?;
+        let opened = opened_rx.await.map_err(|_| RequestError::Unavailable)??;
+        Ok((Self { calls: tx }, opened))
+    }
+
+    /// Runs one call on the session thread; returns the answer and the time it took there.
+    pub(crate) async fn call(&self, call: Call) -> Result<(Answer, Duration), RequestError> {
+        let (tx, rx) = oneshot::channel();
+        self.calls.send(CallJob { call, reply: tx }).await.map_err(|_| RequestError::Unavailable)?;
+        Ok(rx.await.map_err(|_| RequestError::Unavailable)??)
+    }
+}
