@@ -11,7 +11,6 @@ const MADE_BY: &[(&str, &str)] = &[
     ("bundles/digits-train.safetensors", "digits-cnn"),
     ("bundles/digits-test.safetensors", "digits-cnn"),
     ("bundles/digits-trained", "digits-trained"),
-    ("bundles/resnet18-activations.safetensors", "bench-activations"),
     ("target/test-bundles", "test-bundles"),
 ];
 

@@ -137,6 +137,9 @@ struct Sent {
 /// Results are framed by the server's message limit and accepted up to its payload limit.
 pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, mut on_outcome: impl FnMut(RequestOutcome)) -> Result<()> {
     session.check_accepts(&plan.codec, plan.key.as_ref().map(|(id, _)| *id))?;
+    if plan.in_flight == 0 {
+        return Err(HostError::Invalid("in_flight must be at least 1: no request could be sent".into()));
+    }
     let ring = KeyRing::new(plan.key.clone()).expect("one key");
     let sender = match &plan.key {
         Some((id, _)) => PayloadSender::sealed(&ring, *id)?,

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 
 use cleave_common::config::ConfigError;
-use cleave_common::protocol::ProtocolError;
 use cleave_common::training::TrainError;
 use cleave_common::wire::{CodecError, WireError};
 use cleave_common::BundleError;
@@ -34,9 +33,6 @@ pub enum HostError {
     /// A payload sender cannot be made (a key the ring does not hold, say).
     #[error(transparent)]
     Codec(#[from] CodecError),
-    /// The server speaks another protocol, or its `Info` is invalid.
-    #[error(transparent)]
-    Protocol(#[from] ProtocolError),
     /// Profiles that cannot be planned from.
     #[error(transparent)]
     Profile(#[from] ProfileError),
@@ -99,6 +95,9 @@ pub enum HostError {
         /// What is wrong with it.
         message: String,
     },
+    /// The stage graph cannot be written or drawn (the message names the file).
+    #[error("the stage graph: {0}")]
+    Graph(std::io::Error),
     /// libtorch refused an operation on the edge.
     #[error("{0}")]
     Torch(String),

@@ -50,11 +50,13 @@ impl Inputs {
                 let [(name, spec)] = specs.as_slice() else {
                     return Err(HostError::Invalid(format!("image inputs need a bundle with one input; this one has {}", specs.len())));
                 };
+                crate::files::require("image directory", dir)?;
                 let images = crate::images::load_dir(dir, spec, bundle.manifest().model.preprocess.as_ref())?;
                 let rows = images.size()[0];
                 Ok(Self::File { tensors: vec![(name.clone(), images)], rows, batch })
             }
             InputSource::File { path } => {
+                crate::files::require("input file", path)?;
                 let read = match path.extension().and_then(|e| e.to_str()) {
                     Some("npy") => match specs.as_slice() {
                         [(name, _)] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),

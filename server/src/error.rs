@@ -25,6 +25,9 @@ pub(crate) enum RequestError {
     /// The result cannot be encoded (a lossy precision cannot carry it, say).
     #[error("encode: {0}")]
     Encode(WireError),
+    /// The answer is larger than the payload limit (the host accepts answers up to it).
+    #[error("the answer holds {bytes} tensor bytes, above this server's limit of {limit} (`limits.max_payload_bytes`)")]
+    AnswerTooLarge { bytes: u64, limit: u64 },
     /// The server is shutting down.
     #[error("the server is shutting down")]
     Unavailable,
@@ -73,7 +76,7 @@ impl From<TrainError> for RequestError {
 pub(crate) fn status_code(err: &RequestError) -> Code {
     use CodecError as C;
     match err {
-        RequestError::Wire(WireError::Codec(C::PayloadTooLarge { .. })) => Code::ResourceExhausted,
+        RequestError::Wire(WireError::Codec(C::PayloadTooLarge { .. })) | RequestError::AnswerTooLarge { .. } => Code::ResourceExhausted,
         // The payload is not authentic: no key, wrong key, altered, replayed, or unsealed
         // where sealing is required.
         RequestError::Wire(WireError::Codec(
@@ -132,6 +135,14 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("serving: {0}")]
     Serve(String),
+    /// A limit that no server can enforce.
+    #[error("limits: `{key}` {message}")]
+    Limits {
+        /// The key.
+        key: &'static str,
+        /// What it must be.
+        message: String,
+    },
     /// Development secrets cannot be written.
     #[error("dev secrets: {0}")]
     DevSecrets(String),

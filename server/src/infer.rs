@@ -27,6 +27,8 @@ pub(crate) struct InferContext {
     pub(crate) worker: mpsc::Sender<Work>,
     /// Keys the results are sealed with.
     pub(crate) security: Arc<ServerSecurity>,
+    /// The largest result (tensor bytes) sent back.
+    pub(crate) max_payload_bytes: u64,
     /// Data bytes per result frame.
     pub(crate) chunk_bytes: usize,
     /// Requests decoded and waiting for their answer before the reader waits.
@@ -36,7 +38,8 @@ pub(crate) struct InferContext {
 /// Serves one stream: spawns its reader and responder; results go to `out`.
 pub(crate) fn serve_stream(inbound: Streaming<InferFrame>, ctx: InferContext, out: mpsc::Sender<Result<ResultFrame, Status>>) {
     let (pending_tx, pending_rx) = mpsc::channel::<Pending>(ctx.depth);
-    tokio::spawn(respond(pending_rx, out, ctx.chunk_bytes, Arc::clone(&ctx.security)));
+    let encoder = ResultEncoder::new(Arc::clone(&ctx.security), ctx.max_payload_bytes);
+    tokio::spawn(respond(pending_rx, out, encoder, ctx.chunk_bytes));
     tokio::spawn(read_requests(inbound, ctx, pending_tx));
 }
 
@@ -84,7 +87,10 @@ async fn read_requests(mut inbound: Streaming<InferFrame>, ctx: InferContext, pe
             }
         };
         let (id, split) = (assembly.request_id, assembly.split());
-        let decoded = decode_blocking(&receiver, assembly).await;
+        let Some(decoded) = decode_blocking(&receiver, assembly).await else {
+            tracing::error!(request_id = id, "decoding a payload panicked: the stream ends");
+            return;
+        };
         let (tx, rx) = oneshot::channel();
         let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
         match decoded {
@@ -116,13 +122,8 @@ async fn read_requests(mut inbound: Streaming<InferFrame>, ctx: InferContext, pe
 }
 
 /// Answers the stream's requests in arrival order.
-async fn respond(
-    mut pending: mpsc::Receiver<Pending>,
-    out: mpsc::Sender<Result<ResultFrame, Status>>,
-    chunk_bytes: usize,
-    security: Arc<ServerSecurity>,
-) {
-    let encoder = Arc::new(Mutex::new(ResultEncoder::new(security)));
+async fn respond(mut pending: mpsc::Receiver<Pending>, out: mpsc::Sender<Result<ResultFrame, Status>>, encoder: ResultEncoder, chunk_bytes: usize) {
+    let encoder = Arc::new(Mutex::new(encoder));
     while let Some(mut p) = pending.recv().await {
         let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
         let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id, direction: Direction::Result };

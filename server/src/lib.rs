@@ -3,7 +3,7 @@
 //! The server loads a whole bundle once, on its device, so that it can run the suffix
 //! `[s, N)` of any split point a host asks for.
 //!
-//! - [`PreparedServer::prepare`] validates the config and loads the bundle before any port
+//! - [`PreparedServer::prepare`] checks the limits and loads the bundle before any port
 //!   is bound; [`PreparedServer::serve`] serves on a listener until `shutdown` resolves
 //!   (tests and `host --loopback` bind `127.0.0.1:0`).
 //! - [`config`]: `server.yaml`, raw then validated.
@@ -54,6 +54,7 @@ impl PreparedServer {
     /// Opens the bundle, loads every stage on the device and starts the compute worker.
     pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> Result<Self, ServerError> {
         let device_spec = device;
+        limits.validate().map_err(|(key, message)| ServerError::Limits { key, message })?;
         let bundle = Bundle::open(bundle_dir)?;
         let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), device)?;
         let device = device_name(stages.device());

@@ -27,15 +27,22 @@ pub(crate) struct ResultSpec {
 /// Encodes one stream's answers.
 pub(crate) struct ResultEncoder {
     security: Arc<ServerSecurity>,
+    /// The largest answer (tensor bytes) sent: the limit requests have, `max_payload_bytes`,
+    /// which the host accepts answers up to.
+    max_payload_bytes: u64,
     senders: HashMap<(Option<u32>, i32), PayloadSender>,
 }
 
 impl ResultEncoder {
-    pub(crate) fn new(security: Arc<ServerSecurity>) -> Self {
-        Self { security, senders: HashMap::new() }
+    pub(crate) fn new(security: Arc<ServerSecurity>, max_payload_bytes: u64) -> Self {
+        Self { security, max_payload_bytes, senders: HashMap::new() }
     }
 
     fn encode(&mut self, p: ResultSpec, output: &Boundary) -> Result<EncodedPayload, RequestError> {
+        let bytes = output.tensor_bytes() as u64;
+        if bytes > self.max_payload_bytes {
+            return Err(RequestError::AnswerTooLarge { bytes, limit: self.max_payload_bytes });
+        }
         let sender = match self.senders.entry((p.key_id, p.direction as i32)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(match p.key_id {
@@ -67,14 +74,18 @@ pub(crate) async fn encode_blocking(
 
 /// Opens and decodes a complete payload on the blocking pool; returns it and the time it
 /// took. The caller awaits each payload in turn, so payloads are opened in order (the
-/// receiver's replay window needs that).
-pub(crate) async fn decode_blocking(receiver: &Arc<Mutex<PayloadReceiver>>, assembly: Reassembly) -> Result<(Received, Duration), RequestError> {
+/// receiver's replay window needs that). `None` when decoding panicked: the receiver is then
+/// poisoned, and the stream must end.
+pub(crate) async fn decode_blocking(
+    receiver: &Arc<Mutex<PayloadReceiver>>,
+    assembly: Reassembly,
+) -> Option<Result<(Received, Duration), RequestError>> {
     let receiver = Arc::clone(receiver);
-    tokio::task::spawn_blocking(move || {
+    let decoded = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let received = receiver.lock().expect("payload receiver").finish(assembly)?;
         Ok((received, started.elapsed()))
     })
-    .await
-    .unwrap_or(Err(RequestError::Unavailable))
+    .await;
+    decoded.ok()
 }

@@ -71,6 +71,7 @@ impl SplitInference for Service {
             receiver: PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys),
             worker: self.worker.clone(),
             security: Arc::clone(&self.security),
+            max_payload_bytes: self.limits.max_payload_bytes,
             chunk_bytes: self.limits.chunk_bytes(),
             depth,
         };

@@ -470,3 +470,31 @@ fn a_missing_example_bundle_names_the_make_target_and_each_cause_once() {
     // As `host` prints it: the chain of causes adds nothing the message already says.
     assert_eq!(format!("{:#}", anyhow::Error::from(err)), expected);
 }
+
+#[test]
+fn an_answer_above_the_payload_limit_is_refused_and_the_session_goes_on() {
+    // The host accepts answers up to the server's `max_payload_bytes` (from `Info`), so the
+    // server holds its answers to the same limit: a U-shaped forward whose boundary at `end`
+    // is larger than the limit gets RESOURCE_EXHAUSTED, not a frame the host must refuse.
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let batch = 4;
+    let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, batch).unwrap();
+    let limit = 2 * input.tensor_bytes() as u64;
+    let n = bundle.stage_count();
+    let end = (1..n)
+        .find(|&k| bundle.cut(k).usable && bundle.cut(k).bytes_per_sample * batch as u64 > limit)
+        .expect("a cut whose boundary outgrows twice the input");
+    let limits = Limits { max_payload_bytes: limit, ..Limits::default() };
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, limits).await.unwrap();
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(0, end as u32, "")).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let replies = call(&mut stream, 1, pb::Phase::Evaluate, (0, Direction::Request), &input).await;
+        let (code, message) = error_of(replies.last().unwrap());
+        assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+        assert!(message.contains("max_payload_bytes") && message.contains(&limit.to_string()), "{message}");
+        // The session goes on: the next call is answered (its answer is too large as well).
+        let replies = call(&mut stream, 2, pb::Phase::Evaluate, (0, Direction::Request), &input).await;
+        assert_eq!(error_of(replies.last().unwrap()).0, tonic::Code::ResourceExhausted);
+    });
+}

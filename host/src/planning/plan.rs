@@ -108,7 +108,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
     std::fs::create_dir_all(&output).map_err(|error| HostError::Io { action: "cannot create", path: output.clone(), error })?;
     let json = serde_json::to_string_pretty(&report).map_err(|e| HostError::Invalid(format!("the plan as JSON: {e}")))?;
     std::fs::write(output.join("plan.json"), json + "\n").map_err(|e| HostError::write(output.join("plan.json"), e))?;
-    let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(|e| HostError::write(output.join("stage_graph.dot"), e))?;
+    let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(HostError::Graph)?;
     let mut written = vec![dot];
     written.extend(svg);
     if !report.measured.is_empty() {

@@ -11,7 +11,8 @@
 //!
 //! After every epoch the held-out split is evaluated (split inference over the same session,
 //! in eval mode) and a checkpoint is written on both sides; the output directory gets
-//! `metrics.csv`, `summary.json` and `training.svg` ([`report`]).
+//! `metrics.csv` and `summary.json` ([`report`]), `training.svg` (`plots::training`) and
+//! `steps.csv` ([`write_report`] and the run).
 
 mod data;
 mod link;
@@ -232,7 +233,11 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         if remote {
             files.push(server_checkpoints.join(format!("{}.safetensors", checkpoint_name(outcome.step))));
         }
-        let written = cleave_common::training::export::write_trained_bundle(&bundle, &files, &dir)?;
+        // Loading the stages and hashing the new bundle's files: on the blocking pool.
+        let (trained, target) = (bundle.clone(), dir.clone());
+        let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
+            .await
+            .map_err(|e| HostError::Invalid(format!("writing the trained bundle: {e}")))??;
         println!("trained bundle written to {} (id {})", dir.display(), written.id());
     }
     println!(

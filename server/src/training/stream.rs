@@ -120,7 +120,7 @@ impl CallStream {
             end,
             requests: receiver(Direction::Request),
             gradients: receiver(Direction::Gradient),
-            encoder: Arc::new(Mutex::new(ResultEncoder::new(Arc::clone(&ctx.security)))),
+            encoder: Arc::new(Mutex::new(ResultEncoder::new(Arc::clone(&ctx.security), ctx.limits.max_payload_bytes))),
             chunk_bytes: ctx.limits.chunk_bytes(),
             frames: FrameAssembler::default(),
         }
@@ -156,8 +156,9 @@ impl CallStream {
     async fn answer(&mut self, assembly: Reassembly, phase: Phase, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
         let (received, decode_time) = match decode_blocking(self.receiver(phase), assembly).await {
-            Ok(r) => r,
-            Err(e) => return vec![error_reply(id, &e)],
+            Some(Ok(r)) => r,
+            Some(Err(e)) => return vec![error_reply(id, &e)],
+            None => return vec![error_reply(id, &RequestError::Unavailable)],
         };
         let expected_cut = if phase == Phase::Backward { self.end } else { self.start };
         if received.split != expected_cut {
