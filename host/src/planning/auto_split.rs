@@ -185,22 +185,11 @@ pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSessi
 mod tests {
     use super::*;
     use crate::client::ServerTimes;
-    use crate::planning::planner::Link;
+    use crate::planning::planner::fixtures;
 
-    const MBIT: f64 = 1e6 / 8.0;
-
-    /// The planner tests' 4-stage model: the edge 10x slower than the server, the boundary
-    /// shrinking along the model; over a fast link everything goes to the server (cut 0).
+    /// The planner tests' 4-stage model over a fast link: everything goes to the server (cut 0).
     fn profiles() -> Profiles {
-        Profiles {
-            edge_stage_ms: vec![20.0, 20.0, 20.0, 20.0],
-            server_stage_ms: vec![2.0, 2.0, 2.0, 2.0],
-            cut_wire_bytes: vec![600_000, 800_000, 100_000, 10_000, 4_000],
-            cut_usable: vec![true; 5],
-            result_wire_bytes: 4_000,
-            codec_ms_per_mib: 0.0,
-            link: Link { bytes_per_s: 10_000.0 * MBIT, rtt_ms: 1.0 },
-        }
+        fixtures::profiles(10_000.0)
     }
 
     /// A request at `split` that moved `bytes` up in `network_ms` (plus an 8 ms server).

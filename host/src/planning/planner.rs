@@ -286,15 +286,17 @@ impl Replanner {
     }
 }
 
+/// Synthetic profiles with known best cuts, for the planner's tests and `auto_split`'s.
 #[cfg(test)]
-mod tests {
+pub(crate) mod fixtures {
     use super::*;
 
-    const MBIT: f64 = 1e6 / 8.0;
+    /// Bytes per second in one Mbit/s.
+    pub(crate) const MBIT: f64 = 1e6 / 8.0;
 
     /// A 4-stage model: a big input, a boundary that shrinks along the model, a small result;
     /// the edge 10x slower than the server.
-    fn profiles(mbit_per_s: f64) -> Profiles {
+    pub(crate) fn profiles(mbit_per_s: f64) -> Profiles {
         Profiles {
             edge_stage_ms: vec![20.0, 20.0, 20.0, 20.0],
             server_stage_ms: vec![2.0, 2.0, 2.0, 2.0],
@@ -305,6 +307,12 @@ mod tests {
             link: Link { bytes_per_s: mbit_per_s * MBIT, rtt_ms: 1.0 },
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixtures::{profiles, MBIT};
+    use super::*;
 
     fn best_cut(p: &Profiles, objective: Objective) -> usize {
         best(&p.predict().unwrap(), objective).unwrap().cut
