@@ -55,6 +55,16 @@ pub enum WireError {
     /// The value tree names a tensor the header does not have, or names one twice.
     #[error("value tree: {0}")]
     BadTree(String),
+    /// libtorch cannot build a tensor of this shape.
+    #[error("tensor {name}: libtorch cannot build shape {shape:?}: {message}")]
+    BadTensor {
+        /// Tensor name.
+        name: String,
+        /// Its declared shape.
+        shape: Vec<i64>,
+        /// libtorch's message (first line).
+        message: String,
+    },
     /// A tensor whose dtype cannot travel.
     #[error("tensor {name}: libtorch kind {kind} cannot travel")]
     Unsupported {
@@ -183,7 +193,13 @@ impl PayloadReceiver {
         let decoded = assembly.incoming.decode(assembly.data, &mut self.opener)?;
         let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(decoded.tensors.len());
         for t in decoded.tensors {
-            let tensor = Tensor::from_data_size(&t.data, &t.shape, t.dtype.kind());
+            // Fallible: a shape whose strides overflow (an empty `[0, 2^32, 2^32]`) is an error
+            // for this payload, not a panic for the stream.
+            let tensor = Tensor::f_from_data_size(&t.data, &t.shape, t.dtype.kind()).map_err(|e| WireError::BadTensor {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                message: first_line(&e.to_string()),
+            })?;
             if tensors.insert(t.name.clone(), tensor).is_some() {
                 return Err(WireError::BadTree(format!("tensor {} appears twice in the header", t.name)));
             }
@@ -207,6 +223,11 @@ impl PayloadReceiver {
             boundary: Boundary { values },
         })
     }
+}
+
+/// The first non-empty line of libtorch's message (the rest is a C++ backtrace).
+fn first_line(text: &str) -> String {
+    text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or(text).to_string()
 }
 
 /// Deepest value tree accepted (a hostile tree must not exhaust the stack).
@@ -535,6 +556,23 @@ mod tests {
         let mut re = rx.start(1, &enc.envelope).unwrap();
         re.push(1, &enc.data[..enc.data.len() - 1]).unwrap();
         assert!(matches!(rx.finish(re), Err(WireError::Codec(CodecError::Truncated { .. }))));
+    }
+
+    #[test]
+    fn a_shape_libtorch_cannot_build_is_an_error_not_a_panic() {
+        use prost::Message;
+        let empty = Boundary { values: vec![("e".into(), Value::Tensor(Tensor::zeros([0, 7], (Kind::Float, Device::Cpu))))] };
+        let enc = PayloadSender::plain().encode(meta(1), &Codec::RAW, &empty).unwrap();
+        let mut envelope = pb::PayloadEnvelope::decode(&enc.envelope[..]).unwrap();
+        let mut header = pb::PayloadHeader::decode(&envelope.header[..]).unwrap();
+        // No bytes, but strides of 2^64 elements.
+        header.tensors[0].shape = vec![0, 1 << 32, 1 << 32];
+        envelope.header = header.encode_to_vec().into();
+        let mut rx = receiver(&KeyRing::default());
+        let mut re = rx.start(1, &envelope.encode_to_vec()).unwrap();
+        re.push(1, &enc.data).unwrap();
+        let err = rx.finish(re).unwrap_err();
+        assert!(matches!(&err, WireError::BadTensor { name, .. } if name == "e"), "{err}");
     }
 
     #[test]
