@@ -15,7 +15,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{NamedSpec, TensorSpec, ValueSpec};
+use crate::spec::{DType, NamedSpec, TensorSpec, ValueSpec};
 use crate::value::{Boundary, Value};
 
 /// The bundle format this build reads.
@@ -371,6 +371,48 @@ impl Bundle {
         let mut batch = None;
         for ((name, value), spec) in boundary.values.iter().zip(&info.values) {
             value.check(&spec.spec, name, &mut batch).map_err(mismatch)?;
+        }
+        let BatchRange { min, max } = self.manifest.batch;
+        match batch {
+            Some(b) if !(min..=max).contains(&b) => Err(BundleError::BatchOutOfRange { got: b, min, max }),
+            Some(b) => Ok(b),
+            None => Ok(min),
+        }
+    }
+
+    /// Checks what a payload declares it carries at `cut` (each tensor's name, dtype and
+    /// shape, before a byte of it is reserved) against the manifest: exactly the cut's
+    /// tensors, shapes of one batch size within the exported range. Returns the batch size.
+    /// A cut out of range, or one that cannot be split at (its sizes depend on the data and
+    /// could not be bounded), is refused.
+    pub fn check_declared<'a>(&self, cut: usize, declared: impl IntoIterator<Item = (&'a str, DType, &'a [i64])>) -> Result<i64> {
+        let n = self.stage_count();
+        let Some(info) = self.manifest.cuts.get(cut) else {
+            return Err(BundleError::InvalidSplit {
+                spec: cut.to_string(),
+                reason: format!("split {cut} is out of range: the bundle has cuts 0..={n}"),
+            });
+        };
+        let mismatch = |problem: String| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem };
+        if !info.usable && cut != n {
+            return Err(mismatch(format!("this cut cannot be split at: {}", info.reason.as_deref().unwrap_or("unusable"))));
+        }
+        let specs = info.tensors();
+        let mut batch = None;
+        let mut seen: Vec<&str> = Vec::with_capacity(specs.len());
+        for (name, dtype, shape) in declared {
+            if seen.contains(&name) {
+                return Err(mismatch(format!("tensor {name:?} is declared twice")));
+            }
+            let Some((_, spec)) = specs.iter().find(|(n, _)| n == name) else {
+                let want: Vec<&str> = specs.iter().map(|(n, _)| n.as_str()).collect();
+                return Err(mismatch(format!("no tensor {name:?} crosses this cut (it carries {want:?})")));
+            };
+            spec.check_shape(dtype, shape, &mut batch).map_err(|why| mismatch(format!("{name}: expected {spec}, got {dtype}{shape:?} ({why})")))?;
+            seen.push(name);
+        }
+        if let Some((missing, _)) = specs.iter().find(|(n, _)| !seen.contains(&n.as_str())) {
+            return Err(mismatch(format!("tensor {missing:?} is missing")));
         }
         let BatchRange { min, max } = self.manifest.batch;
         match batch {

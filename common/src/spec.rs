@@ -129,6 +129,32 @@ pub struct TensorSpec {
     pub shape: Vec<Dim>,
 }
 
+impl TensorSpec {
+    /// Checks a tensor's dtype and shape against this spec. `batch` is the batch size the
+    /// boundary has shown so far (the first `B` dimension sets it). Returns why not.
+    pub fn check_shape(&self, dtype: DType, shape: &[i64], batch: &mut Option<i64>) -> Result<(), String> {
+        if dtype != self.dtype {
+            return Err("dtype".into());
+        }
+        if shape.len() != self.shape.len() {
+            return Err(format!("rank {} instead of {}", shape.len(), self.shape.len()));
+        }
+        for (axis, (&dim, &size)) in self.shape.iter().zip(shape).enumerate() {
+            match dim {
+                Dim::Fixed(n) if n != size => return Err(format!("dimension {axis} must be {n}")),
+                Dim::Batch(k) => match *batch {
+                    Some(b) if k * b != size => return Err(format!("dimension {axis} must be {} = {} for batch size {b}", Dim::Batch(k), k * b)),
+                    None if size % k != 0 || size <= 0 => return Err(format!("dimension {axis} must be a positive multiple of {k}")),
+                    None => *batch = Some(size / k),
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for TensorSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let dims: Vec<String> = self.shape.iter().map(Dim::to_string).collect();

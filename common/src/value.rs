@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use tch::{IValue, Tensor};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{DType, Dim, TensorSpec, TorchDType, ValueSpec};
+use crate::spec::{DType, TensorSpec, TorchDType, ValueSpec};
 
 /// A value that crosses a cut.
 #[derive(Debug)]
@@ -216,27 +216,11 @@ fn describe_tensor(t: &Tensor) -> String {
 }
 
 fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, batch: &mut Option<i64>) -> Result<(), String> {
-    let got = t.size();
-    let mismatch = |why: String| Err(format!("{path}: expected {spec}, got {} ({why})", describe_tensor(t)));
-    if DType::from_kind(t.kind()) != Some(spec.dtype) {
-        return mismatch("dtype".into());
-    }
-    if got.len() != spec.shape.len() {
-        return mismatch(format!("rank {} instead of {}", got.len(), spec.shape.len()));
-    }
-    for (axis, (&dim, &size)) in spec.shape.iter().zip(&got).enumerate() {
-        match dim {
-            Dim::Fixed(n) if n != size => return mismatch(format!("dimension {axis} must be {n}")),
-            Dim::Batch(k) => match *batch {
-                Some(b) if k * b != size => return mismatch(format!("dimension {axis} must be {} = {} for batch size {b}", Dim::Batch(k), k * b)),
-                None if size % k != 0 || size == 0 => return mismatch(format!("dimension {axis} must be a positive multiple of {k}")),
-                None => *batch = Some(size / k),
-                _ => {}
-            },
-            _ => {}
-        }
-    }
-    Ok(())
+    let checked = match DType::from_kind(t.kind()) {
+        Some(dtype) => spec.check_shape(dtype, &t.size(), batch),
+        None => Err("dtype".into()),
+    };
+    checked.map_err(|why| format!("{path}: expected {spec}, got {} ({why})", describe_tensor(t)))
 }
 
 /// Random inputs shaped like `specs` at `batch` (floats from a normal, integers 0, booleans

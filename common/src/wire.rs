@@ -18,6 +18,7 @@ use tch::Tensor;
 
 pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadMeta, Precision};
 
+use crate::bundle::Bundle;
 use crate::spec::{DType, TorchDType};
 use crate::value::{Boundary, Value};
 
@@ -55,6 +56,10 @@ pub enum WireError {
     /// The value tree names a tensor the header does not have, or names one twice.
     #[error("value tree: {0}")]
     BadTree(String),
+    /// The payload declares tensors that do not fit the cut it names (checked before its data
+    /// is reserved).
+    #[error("{0}")]
+    NotExpected(String),
     /// libtorch cannot build a tensor of this shape.
     #[error("tensor {name}: libtorch cannot build shape {shape:?}: {message}")]
     BadTensor {
@@ -150,6 +155,9 @@ pub struct PayloadReceiver {
     limit: u64,
     policy: CodecPolicy,
     opener: Opener,
+    /// When set, what each payload declares is checked against this bundle's cut before its
+    /// data is reserved.
+    expected: Option<Bundle>,
 }
 
 /// A payload received whole.
@@ -171,7 +179,15 @@ impl PayloadReceiver {
     /// Expects `direction` payloads of at most `limit` tensor bytes that `policy` accepts;
     /// `ring` holds the keys to open sealed ones.
     pub fn new(direction: Direction, limit: u64, policy: CodecPolicy, ring: &KeyRing) -> Self {
-        Self { direction, limit, policy, opener: ring.opener() }
+        Self { direction, limit, policy, opener: ring.opener(), expected: None }
+    }
+
+    /// Checks each payload's declared tensors against `bundle`'s cut at the split its header
+    /// names (exactly the cut's tensors, one batch size within range) before reserving its
+    /// data: nothing is allocated on a peer's word beyond what the manifest allows.
+    pub fn checked_against(mut self, bundle: &Bundle) -> Self {
+        self.expected = Some(bundle.clone());
+        self
     }
 
     /// Starts a payload from its first frame: checks the envelope (and its authentication)
@@ -183,6 +199,9 @@ impl PayloadReceiver {
         let incoming = IncomingPayload::parse(envelope, self.direction, self.limit, &self.policy, &self.opener)?;
         if incoming.request_id() != request_id {
             return Err(WireError::RequestIdMismatch { frame: request_id, header: incoming.request_id() });
+        }
+        if let Some(bundle) = &self.expected {
+            bundle.check_declared(incoming.split() as usize, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(e.to_string()))?;
         }
         let expected = incoming.wire_len();
         Ok(Reassembly { request_id, expected, data: Vec::with_capacity(expected as usize), incoming })

@@ -68,7 +68,8 @@ impl SplitInference for Service {
         let (out_tx, out_rx) = mpsc::channel::<Result<ResultFrame, Status>>(depth * 4);
         let ctx = InferContext {
             stage_count: self.bundle.stage_count(),
-            receiver: PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys),
+            receiver: PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys)
+                .checked_against(&self.bundle),
             worker: self.worker.clone(),
             security: Arc::clone(&self.security),
             max_payload_bytes: self.limits.max_payload_bytes,

@@ -170,3 +170,20 @@ fn split_points_list_every_cut_with_parameters_on_each_side() {
         assert_eq!(p.params_before + p.params_after, total);
     }
 }
+
+#[test]
+fn what_a_payload_declares_is_checked_against_its_cut() {
+    use cleave_common::spec::DType;
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let n = bundle.stage_count();
+    let x = [3i64, 1, 8, 8];
+    assert_eq!(bundle.check_declared(0, [("x", DType::Float32, &x[..])]).unwrap(), 3);
+    let err = |cut, declared: Vec<(&str, DType, &[i64])>| bundle.check_declared(cut, declared).unwrap_err().to_string();
+    assert!(err(0, vec![("x", DType::Float32, &[3, 1, 9, 8])]).contains("expected float32[B, 1, 8, 8], got float32[3, 1, 9, 8]"));
+    assert!(err(0, vec![("x", DType::Int64, &x)]).contains("(dtype)"));
+    assert!(err(0, vec![("y", DType::Float32, &x)]).contains("no tensor \"y\" crosses this cut"));
+    assert!(err(0, vec![("x", DType::Float32, &x), ("x", DType::Float32, &x)]).contains("declared twice"));
+    assert!(err(0, vec![]).contains("tensor \"x\" is missing"));
+    assert!(err(0, vec![("x", DType::Float32, &[17, 1, 8, 8])]).contains("batch size 17 is outside"));
+    assert!(err(n + 1, vec![]).contains(&format!("split {} is out of range", n + 1)));
+}

@@ -330,3 +330,46 @@ fn a_host_with_defaults_takes_its_message_limit_from_a_server_with_32_mib_messag
         server.shutdown().await.unwrap();
     });
 }
+
+#[test]
+fn a_request_that_does_not_fit_its_cut_is_refused_from_its_first_frame() {
+    // The envelope alone says the tensor is [4096, 1, 8, 8] (1 MiB, within the payload limit)
+    // at a cut that takes batches up to 16: the server answers before any data arrives, so
+    // nothing was reserved for it; the rest of its frames are skipped and the stream goes on.
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let (input, _) = bundle.reference(3).unwrap();
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let mut client = raw_client(&server.url).await;
+        let (tx, rx) = tokio::sync::mpsc::channel::<InferFrame>(8);
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+        let mut inbound = client.infer(request).await.unwrap().into_inner();
+
+        let mut first = frames_for(1, 0, &input).remove(0);
+        let bytes = 4096 * 64 * 4;
+        edit_header(&mut first, |h| {
+            h.tensors[0].shape = vec![4096, 1, 8, 8];
+            h.tensors[0].byte_len = bytes;
+            h.tensors[0].wire_len = bytes;
+            h.wire_len = bytes;
+        });
+        first.data = Bytes::new();
+        first.last = false;
+        tx.send(first).await.unwrap();
+        let answer =
+            tokio::time::timeout(std::time::Duration::from_secs(30), inbound.next()).await.expect("answered with no data sent").unwrap().unwrap();
+        let (code, msg) = error_of(std::slice::from_ref(&answer), 1);
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        assert!(msg.contains("batch size 4096 is outside the bundle's range 1..=16"), "{msg}");
+
+        // Its remaining frames are skipped; the next request is served.
+        tx.send(InferFrame { request_id: 1, data: Bytes::from(vec![0u8; 1024]), last: true, ..Default::default() }).await.unwrap();
+        tx.send(frames_for(2, 0, &input).remove(0)).await.unwrap();
+        drop(tx);
+        let rest: Vec<pb::ResultFrame> = inbound.map(|f| f.unwrap()).collect().await;
+        assert_eq!(rest.iter().filter(|f| f.last).map(|f| f.request_id).collect::<Vec<_>>(), [2]);
+        assert!(rest.iter().all(|f| f.error.is_none()));
+        server.shutdown().await.unwrap();
+    });
+}

@@ -266,6 +266,13 @@ impl IncomingPayload {
         self.header.wire_len
     }
 
+    /// What each tensor declares: its name, dtype and shape (sizes already checked against
+    /// each other and the limit), for a receiver to check against what it expects before
+    /// reserving the data.
+    pub fn declared_tensors(&self) -> impl Iterator<Item = (&str, DType, &[i64])> {
+        self.header.tensors.iter().zip(&self.dtypes).map(|(t, &dtype)| (t.name.as_str(), dtype, t.shape.as_slice()))
+    }
+
     /// Tensor bytes the payload rebuilds.
     pub fn raw_len(&self) -> u64 {
         self.header.tensors.iter().map(|t| t.byte_len).sum()
