@@ -30,6 +30,8 @@ struct RawServerConfig {
     auth: Option<RawAuth>,
     #[serde(default)]
     training: Option<RawServerTraining>,
+    #[serde(default)]
+    insecure: bool,
 }
 
 /// `training:` in server.yaml.
@@ -97,6 +99,8 @@ pub struct ServerConfig {
     pub security: ServerSecurity,
     /// Training sessions (`training:`; checkpoints default to `checkpoints/` beside the file).
     pub training: TrainingOptions,
+    /// `insecure: true`: serve another machine without TLS or without a token, on purpose.
+    pub insecure: bool,
 }
 
 impl ServerConfig {
@@ -105,7 +109,21 @@ impl ServerConfig {
         let file = ConfigFile { path };
         let mut raw: RawServerConfig = file.read_yaml()?;
         let security = server_security(&file, &mut raw)?;
-        let listen = raw.listen.parse().map_err(|_| file.invalid("listen", format!("{:?} is not an address like 0.0.0.0:50051", raw.listen)))?;
+        let listen: SocketAddr =
+            raw.listen.parse().map_err(|_| file.invalid("listen", format!("{:?} is not an address like 0.0.0.0:50051", raw.listen)))?;
+        // Other machines reach a non-loopback address: without TLS anyone on the path reads
+        // and alters boundaries, without a token anyone may use the GPU.
+        if !listen.ip().is_loopback() && !raw.insecure && (security.tls.is_none() || security.token.is_none()) {
+            let missing = match (security.tls.is_none(), security.token.is_none()) {
+                (true, true) => "`tls` and `auth`",
+                (true, false) => "`tls`",
+                _ => "`auth` (a bearer token)",
+            };
+            return Err(file.invalid(
+                "listen",
+                format!("{listen} is reachable from other machines: configure {missing}, or write `insecure: true` to serve it as it is"),
+            ));
+        }
         let device = file.device("device", &raw.device)?;
         let limits = file.limits("", raw.limits)?;
         let training = match raw.training {
@@ -115,7 +133,7 @@ impl ServerConfig {
                 concurrent_sessions: t.concurrent_sessions,
             },
         };
-        Ok(Self { listen, bundle: file.resolve(&raw.bundle), device, limits, security, training })
+        Ok(Self { listen, bundle: file.resolve(&raw.bundle), device, limits, security, training, insecure: raw.insecure })
     }
 }
 
@@ -156,4 +174,28 @@ fn server_security(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<S
         policy.require_encryption = enc.required;
     }
     Ok(ServerSecurity { policy, keys, tls: file.identity("tls", raw.tls.take())?, token: file.token(raw.auth.take())? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(yaml: &str) -> Result<ServerConfig, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.yaml");
+        std::fs::write(&path, format!("bundle: b\n{yaml}")).unwrap();
+        ServerConfig::load(&path).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn another_machine_is_served_only_with_tls_and_a_token_or_insecure_written() {
+        let err = load("listen: 0.0.0.0:50051\n").unwrap_err();
+        assert!(
+            err.contains("`listen`: 0.0.0.0:50051 is reachable from other machines: configure `tls` and `auth`, or write `insecure: true`"),
+            "{err}"
+        );
+        assert!(load("listen: 0.0.0.0:50051\ninsecure: true\n").unwrap().insecure);
+        assert!(load("listen: 127.0.0.1:50051\n").is_ok());
+        assert!(load("listen: \"[::1]:50051\"\n").is_ok());
+    }
 }

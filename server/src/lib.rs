@@ -140,7 +140,7 @@ pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Serve(format!("loading the bundle: {e}")))??;
     let listen_error = |error| ServerError::Listen { addr: config.listen.to_string(), error };
     let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
-    if !config.listen.ip().is_loopback() && !server.uses_tls() {
+    if config.insecure && !config.listen.ip().is_loopback() && !server.uses_tls() {
         tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address: anyone on the path can read and alter boundaries; configure `tls`");
     }
     let s = &config.security;
