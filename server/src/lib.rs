@@ -45,6 +45,9 @@ pub use config::{ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets};
 pub use error::ServerError;
 
+/// How long a failed accept waits before the next one.
+const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// A server whose bundle is loaded on its device, ready to serve.
 pub struct PreparedServer {
     service: service::Service,
@@ -113,11 +116,21 @@ impl PreparedServer {
         // Windows sized for large boundaries; payloads are already raw or compressed, so
         // gRPC compression stays off.
         // Small messages (a training step's gradient, say) must not wait for delayed ACKs:
-        // Nagle's algorithm off on every accepted connection.
-        let incoming = TcpListenerStream::new(listener).map(|stream| {
-            let stream = stream?;
-            stream.set_nodelay(true)?;
-            Ok::<_, std::io::Error>(stream)
+        // Nagle's algorithm off on every accepted connection. A failed accept (out of file
+        // descriptors, say) waits a moment before the next: tonic goes on accepting after an
+        // error, and retrying at once would spin a core while the descriptors stay taken.
+        let incoming = TcpListenerStream::new(listener).then(|stream| async move {
+            match stream {
+                Ok(stream) => {
+                    stream.set_nodelay(true)?;
+                    Ok::<_, std::io::Error>(stream)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a connection failed; waiting before the next");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    Err(e)
+                }
+            }
         });
         builder
             .initial_stream_window_size(Some(8 << 20))
