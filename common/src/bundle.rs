@@ -250,6 +250,21 @@ impl std::str::FromStr for SplitSpec {
     }
 }
 
+/// Which of a cut's tensors a payload declares (see [`Bundle::check_declared_as`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CutTensors {
+    /// Exactly the cut's tensors: a request, an evaluation batch.
+    All,
+    /// The cut's tensors and, optionally, one more of this name whose first dimension is the
+    /// batch: a training step carrying its targets.
+    AllAndMaybe(&'static str),
+    /// Any of the cut's floating-point tensors, each at most once: gradients at the cut.
+    FloatSubset,
+}
+
+/// Highest rank of the extra tensor [`CutTensors::AllAndMaybe`] allows.
+const MAX_EXTRA_RANK: usize = 8;
+
 /// An opened, verified bundle. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Bundle {
@@ -386,6 +401,17 @@ impl Bundle {
     /// A cut out of range, or one that cannot be split at (its sizes depend on the data and
     /// could not be bounded), is refused.
     pub fn check_declared<'a>(&self, cut: usize, declared: impl IntoIterator<Item = (&'a str, DType, &'a [i64])>) -> Result<i64> {
+        self.check_declared_as(cut, CutTensors::All, declared)
+    }
+
+    /// [`Bundle::check_declared`] under `rule`: which of the cut's tensors the payload must
+    /// (or may) carry.
+    pub fn check_declared_as<'a>(
+        &self,
+        cut: usize,
+        rule: CutTensors,
+        declared: impl IntoIterator<Item = (&'a str, DType, &'a [i64])>,
+    ) -> Result<i64> {
         let n = self.stage_count();
         let Some(info) = self.manifest.cuts.get(cut) else {
             return Err(BundleError::InvalidSplit {
@@ -400,19 +426,46 @@ impl Bundle {
         let specs = info.tensors();
         let mut batch = None;
         let mut seen: Vec<&str> = Vec::with_capacity(specs.len());
+        // The extra tensor (a step's targets): its leading dimension, checked once the batch is known.
+        let mut extra_rows = None;
         for (name, dtype, shape) in declared {
             if seen.contains(&name) {
                 return Err(mismatch(format!("tensor {name:?} is declared twice")));
+            }
+            seen.push(name);
+            if let CutTensors::AllAndMaybe(extra) = rule {
+                if name == extra {
+                    match shape {
+                        [rows, rest @ ..] if rest.len() < MAX_EXTRA_RANK => extra_rows = Some(*rows),
+                        _ => {
+                            return Err(mismatch(format!(
+                                "{name}: a tensor of rank 1 to {MAX_EXTRA_RANK} whose first dimension is the batch, got {shape:?}"
+                            )))
+                        }
+                    }
+                    continue;
+                }
             }
             let Some((_, spec)) = specs.iter().find(|(n, _)| n == name) else {
                 let want: Vec<&str> = specs.iter().map(|(n, _)| n.as_str()).collect();
                 return Err(mismatch(format!("no tensor {name:?} crosses this cut (it carries {want:?})")));
             };
+            if rule == CutTensors::FloatSubset && !dtype.is_float() {
+                return Err(mismatch(format!("{name}: a gradient is floating-point, got {dtype}")));
+            }
             spec.check_shape(dtype, shape, &mut batch).map_err(|why| mismatch(format!("{name}: expected {spec}, got {dtype}{shape:?} ({why})")))?;
-            seen.push(name);
         }
-        if let Some((missing, _)) = specs.iter().find(|(n, _)| !seen.contains(&n.as_str())) {
-            return Err(mismatch(format!("tensor {missing:?} is missing")));
+        if rule != CutTensors::FloatSubset {
+            if let Some((missing, _)) = specs.iter().find(|(n, _)| !seen.contains(&n.as_str())) {
+                return Err(mismatch(format!("tensor {missing:?} is missing")));
+            }
+        }
+        if let (Some(rows), CutTensors::AllAndMaybe(extra)) = (extra_rows, rule) {
+            match batch {
+                Some(b) if rows != b => return Err(mismatch(format!("{extra}: its first dimension is {rows}, the batch is {b}"))),
+                None => batch = Some(rows),
+                _ => {}
+            }
         }
         let BatchRange { min, max } = self.manifest.batch;
         match batch {

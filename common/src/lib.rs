@@ -37,7 +37,7 @@ pub mod value;
 pub mod verify;
 pub mod wire;
 
-pub use bundle::{Bundle, SplitPoint, SplitSpec};
+pub use bundle::{Bundle, CutTensors, SplitPoint, SplitSpec};
 pub use device::DeviceSpec;
 pub use error::{BundleError, Result};
 pub use protocol::pb;

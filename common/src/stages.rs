@@ -173,19 +173,45 @@ impl LoadedStages {
     /// (the planner measures their size after the codec there), then `repeats` passes through
     /// the whole chain as a request runs it, each stage timed inside the chain; returns each
     /// stage's median milliseconds. CUDA work is synchronised before each clock reading.
-    pub fn profile(&self, input: &Boundary, repeats: usize, mut at_cut: impl FnMut(usize, &Boundary)) -> Result<Vec<f64>> {
+    pub fn profile(&self, input: &Boundary, repeats: usize, at_cut: impl FnMut(usize, &Boundary)) -> Result<Vec<f64>> {
+        Ok(self.profile_between(input, repeats, at_cut, || true)?.unwrap_or_default())
+    }
+
+    /// [`LoadedStages::profile`], calling `between()` before every stage, outside its timing
+    /// (a server runs waiting requests there, so that they wait at most one stage behind a
+    /// profile); `between()` returning false stops the profile at the end of that pass
+    /// (`Ok(None)`).
+    pub fn profile_between(
+        &self,
+        input: &Boundary,
+        repeats: usize,
+        mut at_cut: impl FnMut(usize, &Boundary),
+        mut between: impl FnMut() -> bool,
+    ) -> Result<Option<Vec<f64>>> {
         let mut boundary = input.shallow_clone();
         at_cut(self.range.start, &boundary);
         for stage in self.range.start..self.range.end {
+            if !between() {
+                return Ok(None);
+            }
             boundary = self.run(StageRange::new(stage, stage + 1), &boundary)?;
             at_cut(stage + 1, &boundary);
         }
         let times: std::cell::RefCell<Vec<Vec<f64>>> = std::cell::RefCell::new(vec![Vec::new(); self.range.len()]);
+        let mut go_on = true;
         for _ in 0..repeats.max(1) {
-            tch::no_grad(|| self.run_chain(self.range, input, |stage| StageTimer::start(self.device, stage - self.range.start, &times)))?;
+            tch::no_grad(|| {
+                self.run_chain(self.range, input, |stage| {
+                    go_on &= between();
+                    StageTimer::start(self.device, stage - self.range.start, &times)
+                })
+            })?;
+            if !go_on {
+                return Ok(None);
+            }
         }
         // Every stage was timed at least once, so no sample is empty.
-        Ok(times.into_inner().iter().map(|t| crate::stats::median(t).unwrap_or(f64::NAN)).collect())
+        Ok(Some(times.into_inner().iter().map(|t| crate::stats::median(t).unwrap_or(f64::NAN)).collect()))
     }
 
     /// The loaded modules, in stage order.

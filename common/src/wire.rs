@@ -18,7 +18,7 @@ use tch::Tensor;
 
 pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadMeta, Precision};
 
-use crate::bundle::Bundle;
+use crate::bundle::{Bundle, CutTensors};
 use crate::spec::{DType, TorchDType};
 use crate::value::{Boundary, Value};
 
@@ -45,6 +45,10 @@ pub enum WireError {
         /// Bytes declared.
         expected: u64,
     },
+    /// A caller of [`FrameAssembler::push_started`] did not start the payload its first
+    /// frame begins (a bug on this side, not the peer's).
+    #[error("internal error: the payload of request {0} was not started from its first frame")]
+    NotStarted(u64),
     /// A frame of another request arrived before the current one ended.
     #[error("frame of request {got} arrived while request {expected} was incomplete")]
     Interleaved {
@@ -156,8 +160,8 @@ pub struct PayloadReceiver {
     policy: CodecPolicy,
     opener: Opener,
     /// When set, what each payload declares is checked against this bundle's cut before its
-    /// data is reserved.
-    expected: Option<Bundle>,
+    /// data is reserved: the cut its header names, or only this one, under this rule.
+    expected: Option<(Bundle, Option<usize>, CutTensors)>,
 }
 
 /// A payload received whole.
@@ -186,7 +190,15 @@ impl PayloadReceiver {
     /// names (exactly the cut's tensors, one batch size within range) before reserving its
     /// data: nothing is allocated on a peer's word beyond what the manifest allows.
     pub fn checked_against(mut self, bundle: &Bundle) -> Self {
-        self.expected = Some(bundle.clone());
+        self.expected = Some((bundle.clone(), None, CutTensors::All));
+        self
+    }
+
+    /// Like [`PayloadReceiver::checked_against`] for a stream whose payloads all sit at one
+    /// cut (a training session's boundaries at its start, gradients at its end): a payload
+    /// naming another cut is refused, and `rule` says which of the cut's tensors it carries.
+    pub fn checked_at(mut self, bundle: &Bundle, cut: usize, rule: CutTensors) -> Self {
+        self.expected = Some((bundle.clone(), Some(cut), rule));
         self
     }
 
@@ -200,11 +212,16 @@ impl PayloadReceiver {
         if incoming.request_id() != request_id {
             return Err(WireError::RequestIdMismatch { frame: request_id, header: incoming.request_id() });
         }
-        if let Some(bundle) = &self.expected {
-            bundle.check_declared(incoming.split() as usize, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(e.to_string()))?;
+        if let Some((bundle, cut, rule)) = &self.expected {
+            let split = incoming.split() as usize;
+            if cut.is_some_and(|cut| cut != split) {
+                return Err(WireError::NotExpected(format!("the payload is at cut {split}, this stream takes cut {}", cut.unwrap_or(split))));
+            }
+            bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(e.to_string()))?;
         }
-        let expected = incoming.wire_len();
-        Ok(Reassembly { request_id, expected, data: Vec::with_capacity(expected as usize), incoming })
+        // The data is reserved by the first push, so that a caller may wait for room (in a
+        // memory budget) between the checks and the reservation.
+        Ok(Reassembly { request_id, expected: incoming.wire_len(), data: Vec::new(), incoming })
     }
 
     /// Opens and decodes a complete payload.
@@ -339,6 +356,12 @@ impl Reassembly {
         self.incoming.split()
     }
 
+    /// The most memory the payload holds: its data as received, and the tensors it decodes
+    /// into (both as its checked envelope declares them).
+    pub fn held_bytes(&self) -> u64 {
+        self.expected.saturating_add(self.incoming.raw_len())
+    }
+
     /// Adds a frame's bytes; a frame of another request is an error.
     pub fn push(&mut self, request_id: u64, bytes: &[u8]) -> Result<(), WireError> {
         if request_id != self.request_id {
@@ -346,6 +369,9 @@ impl Reassembly {
         }
         if self.data.len() as u64 + bytes.len() as u64 > self.expected {
             return Err(WireError::Overrun { expected: self.expected });
+        }
+        if self.data.capacity() == 0 {
+            self.data.reserve_exact(self.expected as usize);
         }
         self.data.extend_from_slice(bytes);
         Ok(())
@@ -396,6 +422,29 @@ impl<Tag> FrameAssembler<Tag> {
         frame: &F,
         start: impl FnOnce(&F) -> Result<(Reassembly, Tag), E>,
     ) -> Result<Option<(Reassembly, Tag)>, (u64, E)> {
+        let started = self.starts_payload(frame).then(|| start(frame));
+        self.push_started(frame, started)
+    }
+
+    /// Whether `frame` starts a payload: [`FrameAssembler::push_started`] then needs the
+    /// payload started from it (a caller that must wait before reserving, for room in a
+    /// memory budget, say, starts it itself).
+    pub fn starts_payload(&self, frame: &impl PayloadFrame) -> bool {
+        self.current.is_none() && self.skipping != Some(frame.request_id())
+    }
+
+    /// Whether a payload is part-way in.
+    pub fn in_progress(&self) -> bool {
+        self.current.is_some()
+    }
+
+    /// Like [`FrameAssembler::push`], with the payload already started from this frame when
+    /// [`FrameAssembler::starts_payload`] says it starts one (`None` otherwise).
+    pub fn push_started<F: PayloadFrame, E: From<WireError>>(
+        &mut self,
+        frame: &F,
+        started: Option<Result<(Reassembly, Tag), E>>,
+    ) -> Result<Option<(Reassembly, Tag)>, (u64, E)> {
         let id = frame.request_id();
         if self.skipping == Some(id) {
             if frame.last() {
@@ -404,12 +453,13 @@ impl<Tag> FrameAssembler<Tag> {
             return Ok(None);
         }
         self.skipping = None;
-        let (mut assembly, tag) = match self.current.take() {
-            Some(current) => current,
-            None => start(frame).map_err(|e| {
+        let (mut assembly, tag) = match (self.current.take(), started) {
+            (Some(current), _) => current,
+            (None, Some(started)) => started.map_err(|e| {
                 self.skip_rest_of(frame);
                 (id, e)
             })?,
+            (None, None) => return Err((id, WireError::NotStarted(id).into())),
         };
         if let Err(e) = assembly.push(id, frame.data()) {
             // An interleaved frame fails the incomplete request; a stray frame of another
@@ -422,6 +472,14 @@ impl<Tag> FrameAssembler<Tag> {
             return Ok(None);
         }
         Ok(Some((assembly, tag)))
+    }
+
+    /// Gives up the payload part-way in (its request was too slow): drops it and skips the
+    /// rest of its frames; returns its request id.
+    pub fn give_up(&mut self) -> Option<u64> {
+        let (assembly, _) = self.current.take()?;
+        self.skipping = Some(assembly.request_id);
+        Some(assembly.request_id)
     }
 
     /// Drops the payload being reassembled (its request was answered otherwise, with an

@@ -36,6 +36,11 @@ impl DType {
         }
     }
 
+    /// Whether it is a floating-point dtype (gradients flow only to those).
+    pub fn is_float(self) -> bool {
+        matches!(self, Self::Float32 | Self::Float64 | Self::Float16 | Self::Bfloat16)
+    }
+
     /// The PyTorch name (`float32`, ...).
     pub fn name(self) -> &'static str {
         match self {
