@@ -45,12 +45,17 @@ impl LoopbackServer {
         training: TrainingOptions,
     ) -> Result<Self> {
         let bundle = bundle.to_path_buf();
-        let scheme = if security.tls.is_some() { "https" } else { "http" };
         let prepared =
             tokio::task::spawn_blocking(move || PreparedServer::prepare(&bundle, device, limits, security).map(|p| p.with_training(training)))
                 .await
                 .map_err(|e| HostError::Invalid(format!("starting the loopback server: {e}")))?
                 .map_err(server_error)?;
+        Self::serve(prepared).await
+    }
+
+    /// Serves a server prepared by the caller (any limits) on 127.0.0.1.
+    pub async fn serve(prepared: PreparedServer) -> Result<Self> {
+        let scheme = if prepared.uses_tls() { "https" } else { "http" };
         let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| HostError::Invalid(format!("the loopback server cannot listen: {e}")))?;
         let addr = listener.local_addr().map_err(|e| HostError::Invalid(format!("the loopback server's address: {e}")))?;
         let url = format!("{scheme}://{addr}");
@@ -61,7 +66,8 @@ impl LoopbackServer {
         Ok(Self { url, stop: Some(stop), task: Some(task) })
     }
 
-    /// Stops it after the requests in flight are answered.
+    /// Stops it: the requests received are answered, every connection closed within the
+    /// drain timeout.
     pub async fn shutdown(mut self) -> Result<()> {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
@@ -81,6 +87,6 @@ pub(crate) async fn for_inference(config: &EdgeConfig) -> Result<LoopbackServer>
 
 /// The loopback server of a training run, writing its checkpoints into `checkpoints`.
 pub(crate) async fn for_training(config: &EdgeConfig, checkpoints: &Path) -> Result<LoopbackServer> {
-    let options = TrainingOptions { checkpoint_dir: Some(checkpoints.to_path_buf()), concurrent_sessions: false };
+    let options = TrainingOptions { checkpoint_dir: Some(checkpoints.to_path_buf()), concurrent_sessions: false, ..TrainingOptions::default() };
     LoopbackServer::start_configured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security(), options).await
 }

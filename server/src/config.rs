@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -19,7 +20,7 @@ struct RawServerConfig {
     #[serde(default = "auto_device")]
     device: String,
     #[serde(default)]
-    limits: Limits,
+    limits: RawServerLimits,
     #[serde(default)]
     codecs: Option<RawAcceptedCodecs>,
     #[serde(default)]
@@ -34,6 +35,161 @@ struct RawServerConfig {
     insecure: bool,
 }
 
+/// `limits:` in server.yaml: what a request may carry ([`Limits`], announced to hosts in
+/// `Info`) and what the server holds for its peers ([`PeerLimits`]); an absent key keeps its
+/// default.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawServerLimits {
+    max_message_bytes: Option<u64>,
+    max_payload_bytes: Option<u64>,
+    queue_depth: Option<u32>,
+    max_connections: Option<u32>,
+    max_streams_per_connection: Option<u32>,
+    max_requests_per_stream: Option<u32>,
+    memory_budget_bytes: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    budget_wait: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    request_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    idle_connection_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    keepalive_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    keepalive_timeout: Option<Duration>,
+    max_echo_bytes_per_connection: Option<u64>,
+    max_profile_repeats: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    drain_timeout: Option<Duration>,
+}
+
+impl RawServerLimits {
+    fn split(self) -> (Limits, PeerLimits) {
+        let l = Limits::default();
+        let limits = Limits {
+            max_message_bytes: self.max_message_bytes.unwrap_or(l.max_message_bytes),
+            max_payload_bytes: self.max_payload_bytes.unwrap_or(l.max_payload_bytes),
+            queue_depth: self.queue_depth.unwrap_or(l.queue_depth),
+        };
+        let p = PeerLimits::fitting(&limits);
+        let peers = PeerLimits {
+            max_connections: self.max_connections.unwrap_or(p.max_connections),
+            max_streams_per_connection: self.max_streams_per_connection.unwrap_or(p.max_streams_per_connection),
+            max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
+            memory_budget_bytes: self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes),
+            budget_wait: self.budget_wait.unwrap_or(p.budget_wait),
+            request_timeout: self.request_timeout.unwrap_or(p.request_timeout),
+            idle_connection_timeout: self.idle_connection_timeout.unwrap_or(p.idle_connection_timeout),
+            keepalive_interval: self.keepalive_interval.unwrap_or(p.keepalive_interval),
+            keepalive_timeout: self.keepalive_timeout.unwrap_or(p.keepalive_timeout),
+            max_echo_bytes_per_connection: self.max_echo_bytes_per_connection.unwrap_or(p.max_echo_bytes_per_connection),
+            max_profile_repeats: self.max_profile_repeats.unwrap_or(p.max_profile_repeats),
+            drain_timeout: self.drain_timeout.unwrap_or(p.drain_timeout),
+        };
+        (limits, peers)
+    }
+}
+
+/// What the server holds for its peers, all of them together: connections, streams, memory
+/// and time. Every key sits under `limits:` in server.yaml (durations as `30s`, `500ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerLimits {
+    /// Open connections; one more is closed as soon as it is accepted.
+    pub max_connections: u32,
+    /// Concurrent HTTP/2 streams (calls) per connection, announced in its SETTINGS.
+    pub max_streams_per_connection: u32,
+    /// Requests of one stream received and not yet answered; the stream is not read further
+    /// until one is answered.
+    pub max_requests_per_stream: u32,
+    /// Request bytes held by all streams together (reassembly buffers and the boundaries
+    /// they decode into, until answered).
+    pub memory_budget_bytes: u64,
+    /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
+    pub budget_wait: Duration,
+    /// From a request's first frame to its last: longer is DEADLINE_EXCEEDED, its memory freed.
+    /// Also how long an answer may wait for a host that does not read it.
+    pub request_timeout: Duration,
+    /// A connection with no call open for this long is closed.
+    pub idle_connection_timeout: Duration,
+    /// HTTP/2 PING interval on every connection.
+    pub keepalive_interval: Duration,
+    /// A connection whose PING is not answered within this is closed.
+    pub keepalive_timeout: Duration,
+    /// `Echo` reply bytes a connection may have outstanding (built, not yet sent).
+    pub max_echo_bytes_per_connection: u64,
+    /// Timed passes a `Profile` call may ask for (it holds the compute worker between the
+    /// requests it lets by; its batch is bounded by the bundle's range).
+    pub max_profile_repeats: u32,
+    /// On shutdown, how long requests in flight are given before every connection is closed.
+    pub drain_timeout: Duration,
+}
+
+impl Default for PeerLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            max_streams_per_connection: 32,
+            max_requests_per_stream: 32,
+            memory_budget_bytes: 2 << 30,
+            budget_wait: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(30),
+            idle_connection_timeout: Duration::from_secs(300),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+            max_echo_bytes_per_connection: 32 << 20,
+            max_profile_repeats: 50,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl PeerLimits {
+    /// The defaults, with the memory budget and the `Echo` allowance raised where `limits`
+    /// allow larger requests or messages than they hold.
+    pub fn fitting(limits: &Limits) -> Self {
+        let d = Self::default();
+        Self {
+            memory_budget_bytes: d.memory_budget_bytes.max(limits.max_payload_bytes.saturating_mul(2)),
+            max_echo_bytes_per_connection: d.max_echo_bytes_per_connection.max(limits.max_message_bytes),
+            ..d
+        }
+    }
+
+    /// Checks every limit against the request limits; an error names the key (under
+    /// `limits.`) and what it must be.
+    pub fn validate(&self, limits: &Limits) -> Result<(), (&'static str, String)> {
+        let positive = [
+            ("limits.max_connections", u64::from(self.max_connections)),
+            ("limits.max_streams_per_connection", u64::from(self.max_streams_per_connection)),
+            ("limits.max_requests_per_stream", u64::from(self.max_requests_per_stream)),
+            ("limits.request_timeout", self.request_timeout.as_millis() as u64),
+            ("limits.idle_connection_timeout", self.idle_connection_timeout.as_millis() as u64),
+            ("limits.keepalive_interval", self.keepalive_interval.as_millis() as u64),
+            ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
+            ("limits.max_profile_repeats", u64::from(self.max_profile_repeats)),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err((key, "must be positive".into()));
+        }
+        // The largest request holds its data as received and as decoded: one must fit.
+        let largest = limits.max_payload_bytes.saturating_mul(2);
+        if self.memory_budget_bytes < largest {
+            return Err((
+                "limits.memory_budget_bytes",
+                format!("must hold the largest request as received and decoded: at least 2 x limits.max_payload_bytes = {largest}"),
+            ));
+        }
+        if self.max_echo_bytes_per_connection < limits.max_message_bytes {
+            return Err((
+                "limits.max_echo_bytes_per_connection",
+                format!("must be at least limits.max_message_bytes ({})", limits.max_message_bytes),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `training:` in server.yaml.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -42,16 +198,31 @@ struct RawServerTraining {
     checkpoint_dir: Option<PathBuf>,
     #[serde(default)]
     concurrent_sessions: bool,
+    #[serde(default, with = "humantime_serde")]
+    session_idle_timeout: Option<Duration>,
+    #[serde(default)]
+    max_sessions: Option<u32>,
 }
 
 /// How a server runs training sessions.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TrainingOptions {
     /// Where sessions write checkpoints (`NAME.safetensors`) and resume from; none: a
     /// session cannot save.
     pub checkpoint_dir: Option<PathBuf>,
     /// Allow several sessions on the bundle at once, each training its own copy.
     pub concurrent_sessions: bool,
+    /// A session whose host sends nothing for this long is closed (a vanished host never
+    /// locks the others out).
+    pub session_idle_timeout: Duration,
+    /// Sessions open at once (with `concurrent_sessions`; otherwise one).
+    pub max_sessions: u32,
+}
+
+impl Default for TrainingOptions {
+    fn default() -> Self {
+        Self { checkpoint_dir: None, concurrent_sessions: false, session_idle_timeout: Duration::from_secs(600), max_sessions: 4 }
+    }
 }
 
 /// `codecs:` in server.yaml: what the server accepts (everything when absent).
@@ -93,8 +264,10 @@ pub struct ServerConfig {
     pub bundle: PathBuf,
     /// Where the stages run.
     pub device: DeviceSpec,
-    /// Limits on every stream.
+    /// What a request may carry.
     pub limits: Limits,
+    /// What the server holds for its peers.
+    pub peers: PeerLimits,
     /// Accepted codecs, keys, TLS and token.
     pub security: ServerSecurity,
     /// Training sessions (`training:`; checkpoints default to `checkpoints/` beside the file).
@@ -125,15 +298,26 @@ impl ServerConfig {
             ));
         }
         let device = file.device("device", &raw.device)?;
-        let limits = file.limits("", raw.limits)?;
+        let (limits, peers) = raw.limits.split();
+        let limits = file.limits("", limits)?;
+        peers.validate(&limits).map_err(|(key, message)| file.invalid(key, message))?;
+        let d = TrainingOptions::default();
         let training = match raw.training {
-            None => TrainingOptions { checkpoint_dir: Some(file.resolve(Path::new("checkpoints"))), concurrent_sessions: false },
+            None => TrainingOptions { checkpoint_dir: Some(file.resolve(Path::new("checkpoints"))), ..d },
             Some(t) => TrainingOptions {
                 checkpoint_dir: Some(file.resolve(t.checkpoint_dir.as_deref().unwrap_or(Path::new("checkpoints")))),
                 concurrent_sessions: t.concurrent_sessions,
+                session_idle_timeout: t.session_idle_timeout.unwrap_or(d.session_idle_timeout),
+                max_sessions: t.max_sessions.unwrap_or(d.max_sessions),
             },
         };
-        Ok(Self { listen, bundle: file.resolve(&raw.bundle), device, limits, security, training, insecure: raw.insecure })
+        if training.session_idle_timeout.is_zero() {
+            return Err(file.invalid("training.session_idle_timeout", "must be positive"));
+        }
+        if training.max_sessions == 0 {
+            return Err(file.invalid("training.max_sessions", "must be positive"));
+        }
+        Ok(Self { listen, bundle: file.resolve(&raw.bundle), device, limits, peers, security, training, insecure: raw.insecure })
     }
 }
 
@@ -197,5 +381,47 @@ mod tests {
         assert!(load("listen: 0.0.0.0:50051\ninsecure: true\n").unwrap().insecure);
         assert!(load("listen: 127.0.0.1:50051\n").is_ok());
         assert!(load("listen: \"[::1]:50051\"\n").is_ok());
+    }
+
+    #[test]
+    fn every_limit_is_a_key_with_a_default_and_a_bad_value_names_its_key() {
+        let c = load("listen: 127.0.0.1:1\n").unwrap();
+        assert_eq!((c.limits, c.peers), (Limits::default(), PeerLimits::default()));
+        assert_eq!(c.training.session_idle_timeout, TrainingOptions::default().session_idle_timeout);
+        let c = load(
+            "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
+             memory_budget_bytes: 3221225472\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
+             keepalive_interval: 9s\n  keepalive_timeout: 3s\n  max_echo_bytes_per_connection: 16777216\n  max_profile_repeats: 6\n  \
+             drain_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
+        )
+        .unwrap();
+        let want = PeerLimits {
+            max_connections: 3,
+            max_streams_per_connection: 4,
+            max_requests_per_stream: 5,
+            memory_budget_bytes: 3 << 30,
+            budget_wait: Duration::from_millis(250),
+            request_timeout: Duration::from_secs(7),
+            idle_connection_timeout: Duration::from_secs(60),
+            keepalive_interval: Duration::from_secs(9),
+            keepalive_timeout: Duration::from_secs(3),
+            max_echo_bytes_per_connection: 16 << 20,
+            max_profile_repeats: 6,
+            drain_timeout: Duration::from_secs(2),
+        };
+        assert_eq!(c.peers, want);
+        assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
+        for (yaml, key, says) in [
+            ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
+            ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
+            ("limits: {memory_budget_bytes: 1048576}", "limits.memory_budget_bytes", "at least 2 x limits.max_payload_bytes"),
+            ("limits: {max_echo_bytes_per_connection: 1024}", "limits.max_echo_bytes_per_connection", "at least limits.max_message_bytes"),
+            ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
+        ] {
+            let err = load(&format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap_err();
+            assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");
+        }
+        let err = load("listen: 127.0.0.1:1\nlimits: {request_timeout: soon}\n").unwrap_err();
+        assert!(err.contains("request_timeout"), "{err}");
     }
 }

@@ -52,6 +52,21 @@ pub(crate) enum RequestError {
     /// The call has no bearer token, or the wrong one.
     #[error("{0}")]
     Unauthenticated(&'static str),
+    /// The request's bytes do not fit in the memory budget in time.
+    #[error(transparent)]
+    OverBudget(#[from] crate::budget::OverBudget),
+    /// The rest of a request's frames did not come in time; what it held is freed.
+    #[error("request stalled: its frames did not all arrive within {0:?} (`limits.request_timeout`); what it held is freed")]
+    Stalled(std::time::Duration),
+    /// The server is draining: this request was not started; resend it to a server.
+    #[error("the server is shutting down: this request was not started, resend it")]
+    Draining,
+    /// A shared resource is taken (another profile running, a connection's echo bytes).
+    #[error("{0}")]
+    Busy(String),
+    /// A bug: something panicked while serving this request; the stream goes on.
+    #[error("internal error: {0}")]
+    Panicked(String),
 }
 
 impl From<WireError> for RequestError {
@@ -98,6 +113,10 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         },
         RequestError::Session(_) | RequestError::AlreadyTraining(_) | RequestError::BundleMismatch { .. } => Code::FailedPrecondition,
         RequestError::Unauthenticated(_) => Code::Unauthenticated,
+        RequestError::OverBudget(_) | RequestError::Busy(_) => Code::ResourceExhausted,
+        RequestError::Stalled(_) => Code::DeadlineExceeded,
+        RequestError::Draining => Code::Unavailable,
+        RequestError::Panicked(_) => Code::Internal,
     }
 }
 
@@ -110,6 +129,21 @@ impl From<RequestError> for Status {
 /// The error frame a stream answers a failed request or call with.
 pub(crate) fn error_frame(err: &RequestError) -> cleave_common::pb::Error {
     cleave_common::pb::Error { code: status_code(err) as i32, message: err.to_string() }
+}
+
+/// What a panic said, as text.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+    text.unwrap_or_else(|| "(no message)".into())
+}
+
+/// Runs `f`, turning a panic into [`RequestError::Panicked`] naming `what` panicked.
+pub(crate) fn catch_panic<T>(what: &str, f: impl FnOnce() -> Result<T, RequestError>) -> Result<T, RequestError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic_message(panic.as_ref());
+        tracing::error!(%what, panic = %message, "caught a panic");
+        Err(RequestError::Panicked(format!("{what} panicked: {message}")))
+    })
 }
 
 /// Why the server could not start, or stopped serving.
@@ -146,4 +180,19 @@ pub enum ServerError {
     /// Development secrets cannot be written.
     #[error("dev secrets: {0}")]
     DevSecrets(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_is_that_call_s_internal_error() {
+        let caught = catch_panic("decoding a payload", || -> Result<(), RequestError> { panic!("index out of bounds") }).unwrap_err();
+        assert_eq!(status_code(&caught), Code::Internal);
+        assert_eq!(caught.to_string(), "internal error: decoding a payload panicked: index out of bounds");
+        let formatted = catch_panic("encoding", || -> Result<(), RequestError> { panic!("{} of {}", 3, 4) }).unwrap_err();
+        assert!(formatted.to_string().ends_with("encoding panicked: 3 of 4"));
+        assert_eq!(catch_panic("nothing", || Ok(5)).unwrap(), 5);
+    }
 }

@@ -2,27 +2,41 @@
 //! and checks them and queues them for the compute worker, and a responder task, which
 //! answers them in arrival order. Every request id gets exactly one result or one error
 //! frame; a bad request never ends the stream.
+//!
+//! What a stream holds is bounded: at most `limits.max_requests_per_stream` requests between
+//! their first frame and their answer (the stream is not read further until one is
+//! answered); each request's declared bytes reserved in the server's memory budget before
+//! its data is; a request whose frames stall past `limits.request_timeout` answered
+//! DEADLINE_EXCEEDED and freed; an answer its host does not take within the same timeout
+//! ends the stream. When the server drains, the reader stops and what was received is
+//! answered.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::security::ServerSecurity;
-use cleave_common::wire::{frame_parts, Codec, Direction, FrameAssembler, PayloadReceiver};
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::StreamExt;
-use tonic::{Status, Streaming};
+use cleave_common::wire::{frame_parts, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio_stream::{Stream, StreamExt};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
 
+use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, RequestError};
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
 use crate::worker::{Job, JobResult, Work};
+
+/// Result frames a stream buffers for its host: with one answer being encoded, what a host
+/// that does not read can make the server hold.
+const OUT_FRAMES: usize = 4;
 
 /// What one `Infer` stream needs.
 pub(crate) struct InferContext {
     /// Stages in the bundle (a split must be at most this).
     pub(crate) stage_count: usize,
-    /// Opens and decodes the stream's requests.
-    pub(crate) receiver: PayloadReceiver,
+    /// Opens and decodes the stream's requests (shared with the blocking pool).
+    pub(crate) receiver: Arc<Mutex<PayloadReceiver>>,
     /// The compute worker's queue.
     pub(crate) worker: mpsc::Sender<Work>,
     /// Keys the results are sealed with.
@@ -31,16 +45,44 @@ pub(crate) struct InferContext {
     pub(crate) max_payload_bytes: u64,
     /// Data bytes per result frame.
     pub(crate) chunk_bytes: usize,
-    /// Requests decoded and waiting for their answer before the reader waits.
-    pub(crate) depth: usize,
+    /// Requests between their first frame and their answer.
+    pub(crate) max_requests: usize,
+    /// The memory every stream's requests share.
+    pub(crate) budget: MemoryBudget,
+    /// From a request's first frame to its last, and for an answer to be taken.
+    pub(crate) request_timeout: Duration,
+    /// Cancelled when the server starts draining.
+    pub(crate) draining: CancellationToken,
 }
 
 /// Serves one stream: spawns its reader and responder; results go to `out`.
-pub(crate) fn serve_stream(inbound: Streaming<InferFrame>, ctx: InferContext, out: mpsc::Sender<Result<ResultFrame, Status>>) {
-    let (pending_tx, pending_rx) = mpsc::channel::<Pending>(ctx.depth);
+pub(crate) fn serve_stream<S>(inbound: S, ctx: InferContext) -> mpsc::Receiver<Result<ResultFrame, Status>>
+where
+    S: Stream<Item = Result<InferFrame, Status>> + Unpin + Send + 'static,
+{
+    let (out, out_rx) = mpsc::channel(OUT_FRAMES);
+    let (pending_tx, pending_rx) = mpsc::channel::<Pending>(ctx.max_requests);
     let encoder = ResultEncoder::new(Arc::clone(&ctx.security), ctx.max_payload_bytes);
-    tokio::spawn(respond(pending_rx, out, encoder, ctx.chunk_bytes));
-    tokio::spawn(read_requests(inbound, ctx, pending_tx));
+    tokio::spawn(respond(pending_rx, out.clone(), encoder, ctx.chunk_bytes, ctx.request_timeout));
+    let reader = tokio::spawn(read_requests(inbound, ctx, pending_tx));
+    // A panic in the reader (a bug) ends the stream with INTERNAL rather than silently.
+    tokio::spawn(async move {
+        if let Err(e) = reader.await {
+            if e.is_panic() {
+                let message = crate::error::panic_message(e.into_panic().as_ref());
+                tracing::error!(panic = %message, "an Infer stream's reader panicked");
+                let _ = out.send(Err(Status::internal(format!("internal error: the stream's reader panicked: {message}")))).await;
+            }
+        }
+    });
+    out_rx
+}
+
+/// What a request holds from its first frame to its answer: its place among the stream's
+/// requests and its bytes in the memory budget.
+struct Held {
+    _slot: OwnedSemaphorePermit,
+    _bytes: Option<Reservation>,
 }
 
 /// A request waiting for its answer, in arrival order.
@@ -52,6 +94,7 @@ struct Pending {
     codec: Codec,
     key_id: Option<u32>,
     answer: oneshot::Receiver<Result<JobResult, RequestError>>,
+    _held: Option<Held>,
 }
 
 impl Pending {
@@ -59,70 +102,158 @@ impl Pending {
     fn answered(request_id: u64, answer: Result<JobResult, RequestError>) -> Self {
         let (tx, rx) = oneshot::channel();
         let _ = tx.send(answer);
-        Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx }
+        Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx, _held: None }
     }
 }
 
-async fn read_requests(mut inbound: Streaming<InferFrame>, ctx: InferContext, pending: mpsc::Sender<Pending>) {
-    let receiver = Arc::new(Mutex::new(ctx.receiver));
-    let mut frames = FrameAssembler::default();
+/// What the reader waits for next.
+enum Next {
+    Frame(InferFrame),
+    /// The request part-way in did not finish in time.
+    Stalled,
+    /// The host closed its side, or it failed.
+    End,
+    Draining,
+}
+
+async fn read_requests<S>(mut inbound: S, ctx: InferContext, pending: mpsc::Sender<Pending>)
+where
+    S: Stream<Item = Result<InferFrame, Status>> + Unpin,
+{
+    let receiver = Arc::clone(&ctx.receiver);
+    let slots = Arc::new(Semaphore::new(ctx.max_requests));
+    let mut frames = FrameAssembler::<Held>::default();
+    // When the request part-way in must be complete.
+    let mut deadline: Option<tokio::time::Instant> = None;
+    let answer_now = |id, e| Pending::answered(id, Err(e));
     loop {
-        let frame = match inbound.next().await {
-            Some(Ok(frame)) => frame,
-            Some(Err(status)) => {
-                tracing::debug!(%status, "inbound stream failed");
-                return;
+        // A new request needs a place among the stream's requests before it is read.
+        let mut slot = None;
+        if !frames.in_progress() {
+            tokio::select! {
+                biased;
+                () = ctx.draining.cancelled() => return,
+                s = Arc::clone(&slots).acquire_owned() => slot = s.ok(),
             }
-            None => return,
+        }
+        let stalled = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
         };
-        let start = |f: &InferFrame| receiver.lock().expect("payload receiver").start(f.request_id, &f.header).map(|a| (a, ()));
-        let assembly = match frames.push(&frame, start) {
-            Ok(None) => continue,
-            Ok(Some((assembly, ()))) => assembly,
-            Err((id, e)) => {
-                if pending.send(Pending::answered(id, Err(e.into()))).await.is_err() {
+        let next = tokio::select! {
+            biased;
+            () = ctx.draining.cancelled() => Next::Draining,
+            () = stalled => Next::Stalled,
+            frame = inbound.next() => match frame {
+                Some(Ok(frame)) => Next::Frame(frame),
+                Some(Err(status)) => {
+                    tracing::debug!(%status, "inbound stream failed");
+                    Next::End
+                }
+                None => Next::End,
+            },
+        };
+        let frame = match next {
+            Next::Frame(frame) => frame,
+            Next::End => return,
+            Next::Stalled | Next::Draining => {
+                let draining = matches!(next, Next::Draining);
+                if let Some(id) = frames.give_up() {
+                    let e = if draining { RequestError::Draining } else { RequestError::Stalled(ctx.request_timeout) };
+                    tracing::info!(request_id = id, error = %e, "request given up part-way");
+                    deadline = None;
+                    if pending.send(answer_now(id, e)).await.is_err() {
+                        return;
+                    }
+                }
+                if draining {
                     return;
                 }
                 continue;
             }
         };
-        let (id, split) = (assembly.request_id, assembly.split());
-        let Some(decoded) = decode_blocking(&receiver, assembly).await else {
-            tracing::error!(request_id = id, "decoding a payload panicked: the stream ends");
-            return;
+        let started = match (frames.starts_payload(&frame), slot) {
+            (true, Some(slot)) => Some(start_request(&receiver, &ctx.budget, &frame, slot).await),
+            _ => None,
         };
-        let (tx, rx) = oneshot::channel();
-        let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
-        match decoded {
-            Err(e) => {
-                let _ = tx.send(Err(e));
-            }
-            Ok((r, took)) => {
-                (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
-                if r.split as usize > ctx.stage_count {
-                    let _ = tx.send(Err(RequestError::SplitOutOfRange { split: r.split, cuts: ctx.stage_count }));
-                } else {
-                    let (job_tx, job_rx) = oneshot::channel();
-                    let job = Job { split: r.split as usize, input: r.boundary, queued_at: Instant::now(), reply: job_tx };
-                    if ctx.worker.send(Work::Run(job)).await.is_err() {
-                        let _ = tx.send(Err(RequestError::Unavailable));
-                    } else {
-                        tokio::spawn(async move {
-                            let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
-                            let _ = tx.send(answer);
-                        });
-                    }
+        let (assembly, held) = match frames.push_started(&frame, started) {
+            Ok(None) => {
+                if frames.in_progress() && deadline.is_none() {
+                    deadline = Some(tokio::time::Instant::now() + ctx.request_timeout);
                 }
+                continue;
             }
-        }
-        if pending.send(Pending { request_id: id, split, decode_us, codec, key_id, answer: rx }).await.is_err() {
+            Ok(Some(done)) => done,
+            Err((id, e)) => {
+                deadline = None;
+                if pending.send(answer_now(id, e)).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        deadline = None;
+        let next = queue_request(&receiver, &ctx, assembly, held).await;
+        if pending.send(next).await.is_err() {
             return;
         }
     }
 }
 
+/// Starts a request from its first frame: its envelope checked against the cut it names,
+/// then its declared bytes reserved in the memory budget (waiting briefly for room).
+async fn start_request(
+    receiver: &Mutex<PayloadReceiver>,
+    budget: &MemoryBudget,
+    frame: &InferFrame,
+    slot: OwnedSemaphorePermit,
+) -> Result<(Reassembly, Held), RequestError> {
+    let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(frame.request_id, &frame.header)?;
+    let bytes = budget.reserve(assembly.held_bytes()).await?;
+    Ok((assembly, Held { _slot: slot, _bytes: Some(bytes) }))
+}
+
+/// Decodes a complete request and hands it to the compute worker; returns it as pending.
+async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContext, assembly: Reassembly, held: Held) -> Pending {
+    let (id, split) = (assembly.request_id, assembly.split());
+    let decoded = decode_blocking(receiver, assembly).await;
+    let (tx, rx) = oneshot::channel();
+    let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
+    match decoded {
+        Err(e) => {
+            let _ = tx.send(Err(e));
+        }
+        Ok((r, took)) => {
+            (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
+            if r.split as usize > ctx.stage_count {
+                let _ = tx.send(Err(RequestError::SplitOutOfRange { split: r.split, cuts: ctx.stage_count }));
+            } else {
+                let (job_tx, job_rx) = oneshot::channel();
+                let job = Job { split: r.split as usize, input: r.boundary, queued_at: Instant::now(), reply: job_tx };
+                if ctx.worker.send(Work::Run(job)).await.is_err() {
+                    let _ = tx.send(Err(RequestError::Unavailable));
+                } else {
+                    tokio::spawn(async move {
+                        let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
+                        let _ = tx.send(answer);
+                    });
+                }
+            }
+        }
+    }
+    Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, _held: Some(held) }
+}
+
 /// Answers the stream's requests in arrival order.
-async fn respond(mut pending: mpsc::Receiver<Pending>, out: mpsc::Sender<Result<ResultFrame, Status>>, encoder: ResultEncoder, chunk_bytes: usize) {
+async fn respond(
+    mut pending: mpsc::Receiver<Pending>,
+    out: mpsc::Sender<Result<ResultFrame, Status>>,
+    encoder: ResultEncoder,
+    chunk_bytes: usize,
+    timeout: Duration,
+) {
     let encoder = Arc::new(Mutex::new(encoder));
     while let Some(mut p) = pending.recv().await {
         let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
@@ -157,8 +288,13 @@ async fn respond(mut pending: mpsc::Receiver<Pending>, out: mpsc::Sender<Result<
             }
         };
         for frame in frames {
-            if out.send(Ok(frame)).await.is_err() {
-                return; // The host is gone: stop working for it.
+            match out.send_timeout(Ok(frame), timeout).await {
+                Ok(()) => {}
+                Err(mpsc::error::SendTimeoutError::Closed(_)) => return, // The host is gone: stop working for it.
+                Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
+                    tracing::info!(request_id = p.request_id, "the host took no answer for {timeout:?} (`limits.request_timeout`): the stream ends");
+                    return;
+                }
             }
         }
     }

@@ -17,7 +17,9 @@
 //! - [`write_dev_secrets`]: `server dev-secrets`.
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
 
+mod budget;
 pub mod config;
+mod connections;
 mod dev_secrets;
 mod error;
 mod infer;
@@ -29,6 +31,7 @@ mod worker;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cleave_common::config::Limits;
 use cleave_common::device::device_name;
@@ -40,13 +43,15 @@ use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
 
-pub use config::{ServerConfig, TrainingOptions};
+pub use budget::MemoryBudget;
+pub use config::{PeerLimits, ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets};
 pub use error::ServerError;
 
 /// How long a failed accept waits before the next one.
-const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// A server whose bundle is loaded on its device, ready to serve.
 pub struct PreparedServer {
@@ -63,6 +68,8 @@ impl PreparedServer {
         let device = device_name(stages.device());
         tracing::info!(bundle = %bundle_dir.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
         let worker = worker::spawn(stages, limits.queue_depth as usize);
+        let peers = PeerLimits::fitting(&limits);
+        peers.validate(&limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
         let service = service::Service {
             bundle,
             device,
@@ -71,8 +78,25 @@ impl PreparedServer {
             worker,
             device_spec,
             training: training::admission::Training::new(TrainingOptions::default()),
+            peers,
+            budget: MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait),
+            draining: CancellationToken::new(),
+            profiling: Arc::new(tokio::sync::Semaphore::new(1)),
         };
         Ok(Self { service })
+    }
+
+    /// Sets what the server holds for its peers (connections, streams, memory, time).
+    pub fn with_peer_limits(mut self, peers: PeerLimits) -> Result<Self, ServerError> {
+        peers.validate(&self.service.limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
+        self.service.peers = peers;
+        self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
+        Ok(self)
+    }
+
+    /// The memory budget every stream's requests share (to watch what it holds).
+    pub fn memory_budget(&self) -> MemoryBudget {
+        self.service.budget.clone()
     }
 
     /// Sets how training sessions run (checkpoint directory, concurrent sessions).
@@ -83,7 +107,9 @@ impl PreparedServer {
 
     /// From a validated `server.yaml`.
     pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
-        Ok(Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())?.with_training(config.training.clone()))
+        Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())?
+            .with_training(config.training.clone())
+            .with_peer_limits(config.peers)
     }
 
     /// The device the stages run on.
@@ -96,9 +122,13 @@ impl PreparedServer {
         self.service.security.tls.is_some()
     }
 
-    /// Serves on `listener` until `shutdown` resolves; requests in flight are answered first.
+    /// Serves on `listener` until `shutdown` resolves, then drains: health NOT_SERVING at
+    /// once, no new calls, the requests every stream has received answered, and every
+    /// connection closed after `limits.drain_timeout` whatever its peer does.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
         let limits = self.service.limits;
+        let peers = self.service.peers;
+        let draining = self.service.draining.clone();
         let max_message = limits.max_message_bytes as usize;
         let security = Arc::clone(&self.service.security);
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -113,35 +143,82 @@ impl PreparedServer {
                 .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
                 .map_err(|e| ServerError::Tls(cleave_common::error::with_causes(&e)))?;
         }
+        let connections = Arc::new(connections::Connections::new(&peers));
+        let incoming = accept(listener, Arc::clone(&connections), peers);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         // Windows sized for large boundaries; payloads are already raw or compressed, so
         // gRPC compression stays off.
-        // Small messages (a training step's gradient, say) must not wait for delayed ACKs:
-        // Nagle's algorithm off on every accepted connection. A failed accept (out of file
-        // descriptors, say) waits a moment before the next: tonic goes on accepting after an
-        // error, and retrying at once would spin a core while the descriptors stay taken.
-        let incoming = TcpListenerStream::new(listener).then(|stream| async move {
+        let serving = builder
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .max_concurrent_streams(Some(peers.max_streams_per_connection))
+            .http2_keepalive_interval(Some(peers.keepalive_interval))
+            .http2_keepalive_timeout(Some(peers.keepalive_timeout))
+            .layer(connections::CallTracking)
+            .add_service(health_service)
+            .add_service(inference)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            });
+        tokio::pin!(serving);
+        let serve_error = |e: tonic::transport::Error| ServerError::Serve(cleave_common::error::with_causes(&e));
+        tokio::select! {
+            served = &mut serving => return served.map_err(serve_error),
+            () = shutdown => {}
+        }
+        tracing::info!(drain_timeout = ?peers.drain_timeout, "draining: answering the requests received, then closing");
+        health_reporter.set_not_serving::<SplitInferenceServer<service::Service>>().await;
+        health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        draining.cancel();
+        let _ = stop.send(());
+        match tokio::time::timeout(peers.drain_timeout, &mut serving).await {
+            Ok(served) => served.map_err(serve_error),
+            Err(_) => {
+                tracing::warn!(
+                    open = connections.open(&peers),
+                    "the drain took longer than {:?} (`limits.drain_timeout`): closing every connection",
+                    peers.drain_timeout
+                );
+                connections.close_all();
+                let _ = tokio::time::timeout(Duration::from_secs(1), serving).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The accepted connections: Nagle's algorithm off on each (small messages, a training
+/// step's gradient say, must not wait for delayed ACKs), one past `limits.max_connections`
+/// closed at once, and a failed accept (out of file descriptors, say) waiting a moment before
+/// the next: tonic goes on accepting after an error, and retrying at once would spin a core
+/// while the descriptors stay taken.
+fn accept(
+    listener: TcpListener,
+    connections: Arc<connections::Connections>,
+    peers: PeerLimits,
+) -> impl tokio_stream::Stream<Item = std::io::Result<connections::TrackedIo>> {
+    TcpListenerStream::new(listener)
+        .then(|stream| async move {
             match stream {
-                Ok(stream) => {
-                    stream.set_nodelay(true)?;
-                    Ok::<_, std::io::Error>(stream)
-                }
+                Ok(stream) => stream.set_nodelay(true).map(|()| Some(stream)),
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a connection failed; waiting before the next");
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
                     Err(e)
                 }
             }
-        });
-        builder
-            .initial_stream_window_size(Some(8 << 20))
-            .initial_connection_window_size(Some(32 << 20))
-            .add_service(health_service)
-            .add_service(inference)
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
-            .map_err(|e| ServerError::Serve(cleave_common::error::with_causes(&e)))?;
-        Ok(())
-    }
+        })
+        .filter_map(move |accepted| match accepted {
+            Ok(Some(stream)) => match connections.admit(stream) {
+                Some(tracked) => Some(Ok(tracked)),
+                None => {
+                    tracing::warn!(max = peers.max_connections, "a connection refused: `limits.max_connections` are open");
+                    None
+                }
+            },
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
+        })
 }
 
 /// `server --config server.yaml`: validate, load, bind, serve until SIGINT or SIGTERM.

@@ -4,14 +4,14 @@
 //! key, one sender, so one nonce sequence, per (key, direction) on a stream.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{Codec, Direction, EncodedPayload, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, Received};
 use cleave_common::Boundary;
 
-use crate::error::RequestError;
+use crate::error::{catch_panic, RequestError};
 
 /// What a result needs to be encoded like its request.
 #[derive(Clone, Copy)]
@@ -56,7 +56,8 @@ impl ResultEncoder {
 }
 
 /// Encodes `output` on the blocking pool; returns the payload and the time encoding took.
-/// The caller awaits each answer in turn, so answers keep their order.
+/// The caller awaits each answer in turn, so answers keep their order. A panic is caught
+/// inside the lock (which is then not poisoned): that answer is INTERNAL, the stream goes on.
 pub(crate) async fn encode_blocking(
     encoder: &Arc<Mutex<ResultEncoder>>,
     spec: ResultSpec,
@@ -65,7 +66,8 @@ pub(crate) async fn encode_blocking(
     let encoder = Arc::clone(encoder);
     tokio::task::spawn_blocking(move || {
         let started = Instant::now();
-        let encoded = encoder.lock().expect("result encoder").encode(spec, &output)?;
+        let mut encoder = encoder.lock().unwrap_or_else(PoisonError::into_inner);
+        let encoded = catch_panic("encoding an answer", || encoder.encode(spec, &output))?;
         Ok((encoded, started.elapsed()))
     })
     .await
@@ -74,18 +76,16 @@ pub(crate) async fn encode_blocking(
 
 /// Opens and decodes a complete payload on the blocking pool; returns it and the time it
 /// took. The caller awaits each payload in turn, so payloads are opened in order (the
-/// receiver's replay window needs that). `None` when decoding panicked: the receiver is then
-/// poisoned, and the stream must end.
-pub(crate) async fn decode_blocking(
-    receiver: &Arc<Mutex<PayloadReceiver>>,
-    assembly: Reassembly,
-) -> Option<Result<(Received, Duration), RequestError>> {
+/// receiver's replay window needs that). A panic is caught inside the lock: that request is
+/// INTERNAL, the stream goes on.
+pub(crate) async fn decode_blocking(receiver: &Arc<Mutex<PayloadReceiver>>, assembly: Reassembly) -> Result<(Received, Duration), RequestError> {
     let receiver = Arc::clone(receiver);
-    let decoded = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let started = Instant::now();
-        let received = receiver.lock().expect("payload receiver").finish(assembly)?;
+        let mut receiver = receiver.lock().unwrap_or_else(PoisonError::into_inner);
+        let received = catch_panic("decoding a payload", || Ok(receiver.finish(assembly)?))?;
         Ok((received, started.elapsed()))
     })
-    .await;
-    decoded.ok()
+    .await
+    .unwrap_or(Err(RequestError::Unavailable))
 }

@@ -3,7 +3,7 @@
 //! to [`crate::training`]. Every refusal is a [`RequestError`], turned into a status in one place.
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use cleave_common::config::Limits;
@@ -13,19 +13,21 @@ use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA};
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{Direction, PayloadReceiver};
 use cleave_common::{Bundle, DeviceSpec};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::budget::MemoryBudget;
+use crate::config::PeerLimits;
+use crate::connections::{connection_of, echo_units, HeldUntilSent};
 use crate::error::RequestError;
 use crate::infer::InferContext;
 use crate::training::admission::Training;
 use crate::training::stream::TrainContext;
 use crate::worker::{ProfileJob, Work};
 
-/// Most timed passes a `Profile` call may ask for: a profile holds the compute worker.
-const MAX_PROFILE_REPEATS: u32 = 50;
 /// Timed passes when a `Profile` call asks for none.
 const DEFAULT_PROFILE_REPEATS: usize = 5;
 
@@ -39,6 +41,14 @@ pub(crate) struct Service {
     /// The device training sessions load their stages on.
     pub(crate) device_spec: DeviceSpec,
     pub(crate) training: Training,
+    /// What the server holds for its peers.
+    pub(crate) peers: PeerLimits,
+    /// The memory every stream's requests share.
+    pub(crate) budget: MemoryBudget,
+    /// Cancelled when the server starts draining.
+    pub(crate) draining: CancellationToken,
+    /// One profile at a time.
+    pub(crate) profiling: Arc<Semaphore>,
 }
 
 type ResultStream = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
@@ -64,20 +74,26 @@ impl SplitInference for Service {
 
     async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<ResultStream>, Status> {
         self.check_bundle_id(request.metadata())?;
-        let depth = self.limits.queue_depth as usize;
-        let (out_tx, out_rx) = mpsc::channel::<Result<ResultFrame, Status>>(depth * 4);
+        if self.draining.is_cancelled() {
+            return Err(RequestError::Draining.into());
+        }
         let ctx = InferContext {
             stage_count: self.bundle.stage_count(),
-            receiver: PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys)
-                .checked_against(&self.bundle),
+            receiver: Arc::new(Mutex::new(
+                PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys)
+                    .checked_against(&self.bundle),
+            )),
             worker: self.worker.clone(),
             security: Arc::clone(&self.security),
             max_payload_bytes: self.limits.max_payload_bytes,
             chunk_bytes: self.limits.chunk_bytes(),
-            depth,
+            max_requests: self.peers.max_requests_per_stream as usize,
+            budget: self.budget.clone(),
+            request_timeout: self.peers.request_timeout,
+            draining: self.draining.clone(),
         };
-        crate::infer::serve_stream(request.into_inner(), ctx, out_tx);
-        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+        let out = crate::infer::serve_stream(request.into_inner(), ctx);
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
     }
 
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
@@ -87,18 +103,25 @@ impl SplitInference for Service {
         if size < batch.min || size > batch.max {
             return Err(RequestError::BadCall(format!("batch size {size} is outside the bundle's range {}..={}", batch.min, batch.max)).into());
         }
+        let max = self.peers.max_profile_repeats;
         let repeats = match r.repeats {
-            0 => DEFAULT_PROFILE_REPEATS,
-            n if n > MAX_PROFILE_REPEATS => return Err(RequestError::BadCall(format!("{n} repeats: at most {MAX_PROFILE_REPEATS}")).into()),
+            0 => DEFAULT_PROFILE_REPEATS.min(max as usize),
+            n if n > max => return Err(RequestError::BadCall(format!("{n} repeats: at most {max} (`limits.max_profile_repeats`)")).into()),
             n => n as usize,
         };
+        // One at a time: a profile holds the compute worker between the requests it lets by.
+        let _profiling = Arc::clone(&self.profiling)
+            .try_acquire_owned()
+            .map_err(|_| RequestError::Busy("another Profile is running: this server runs one at a time, try again".into()))?;
+        // Dropping this handler (its caller went away) drops `rx`; the worker sees it and stops.
         let (tx, rx) = oneshot::channel();
         self.worker.send(Work::Profile(ProfileJob { batch: size, repeats, reply: tx })).await.map_err(|_| RequestError::Unavailable)?;
-        let stage_ms = rx.await.map_err(|_| RequestError::Unavailable)?.map_err(RequestError::Profile)?;
+        let stage_ms = rx.await.map_err(|_| RequestError::Unavailable)??.ok_or(RequestError::Unavailable)?;
         Ok(Response::new(pb::ProfileReply { device: self.device.clone(), batch_size: r.batch_size, stage_ms }))
     }
 
     async fn echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
+        let connection = connection_of(request.extensions());
         let r = request.into_inner();
         // The reply must fit in one message, and a caller must not make the server allocate more.
         let cap = self.limits.max_message_bytes.saturating_sub(1024);
@@ -107,13 +130,33 @@ impl SplitInference for Service {
                 RequestError::BadCall(format!("reply_bytes {} is above {cap} (the server's message limit less framing)", r.reply_bytes)).into()
             );
         }
-        Ok(Response::new(pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) }))
+        // Replies not yet sent count against their connection, until their body is done: a
+        // peer that asks and never reads cannot pile them up.
+        let connection = connection.ok_or_else(|| RequestError::Panicked("an Echo call without its connection".into()))?;
+        let units = echo_units(r.reply_bytes) as u32;
+        let permit = tokio::time::timeout(self.peers.budget_wait, Arc::clone(&connection.echo).acquire_many_owned(units))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .ok_or_else(|| {
+                RequestError::Busy(format!(
+                    "this connection has {} Echo reply bytes not yet sent: at most {} (`limits.max_echo_bytes_per_connection`)",
+                    self.peers.max_echo_bytes_per_connection - connection.echo.available_permits() as u64 * 1024,
+                    self.peers.max_echo_bytes_per_connection
+                ))
+            })?;
+        let mut response = Response::new(pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) });
+        response.extensions_mut().insert(HeldUntilSent(Arc::new(permit)));
+        Ok(response)
     }
 
     type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
 
     async fn train(&self, request: Request<Streaming<pb::TrainFrame>>) -> Result<Response<Self::TrainStream>, Status> {
         self.check_bundle_id(request.metadata())?;
+        if self.draining.is_cancelled() {
+            return Err(RequestError::Draining.into());
+        }
         let (out_tx, out_rx) = mpsc::channel(16);
         let ctx = TrainContext {
             bundle: self.bundle.clone(),
@@ -121,6 +164,9 @@ impl SplitInference for Service {
             limits: self.limits,
             security: Arc::clone(&self.security),
             training: self.training.clone(),
+            budget: self.budget.clone(),
+            request_timeout: self.peers.request_timeout,
+            draining: self.draining.clone(),
         };
         tokio::spawn(crate::training::stream::serve_stream(request.into_inner(), ctx, out_tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))

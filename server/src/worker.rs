@@ -2,12 +2,16 @@
 //!
 //! libtorch modules are not `Sync` and autograd mode is per thread, so compute never runs on
 //! the async runtime. Streams hand jobs over a bounded channel (backpressure) and get each
-//! answer through a oneshot channel.
+//! answer through a oneshot channel. A panic in a job is caught: that job is answered
+//! INTERNAL and the worker goes on. A profile runs the requests waiting before each of its
+//! stages, so they wait at most one stage behind it, and stops when its caller is gone.
 
 use std::time::{Duration, Instant};
 
-use cleave_common::{Boundary, BundleError, LoadedStages, StageRange};
+use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::error::{catch_panic, RequestError};
 
 /// One suffix to run.
 pub(crate) struct Job {
@@ -24,7 +28,7 @@ pub(crate) struct Job {
 /// The answer to a job.
 pub(crate) struct JobResult {
     /// The boundary at the last cut, or why not.
-    pub(crate) output: Result<Boundary, BundleError>,
+    pub(crate) output: Result<Boundary, RequestError>,
     /// Time spent waiting for the worker.
     pub(crate) queue: Duration,
     /// Time spent running the stages.
@@ -35,14 +39,15 @@ pub(crate) struct JobResult {
 pub(crate) struct ProfileJob {
     pub(crate) batch: i64,
     pub(crate) repeats: usize,
-    pub(crate) reply: oneshot::Sender<Result<Vec<f64>, BundleError>>,
+    /// Each stage's median ms; `None` when the caller went away and the profile stopped.
+    pub(crate) reply: oneshot::Sender<Result<Option<Vec<f64>>, RequestError>>,
 }
 
 /// What the worker does.
 pub(crate) enum Work {
     /// Run a suffix.
     Run(Job),
-    /// Time the stages (between requests, so the times are not inflated by other work).
+    /// Time the stages.
     Profile(ProfileJob),
 }
 
@@ -52,23 +57,44 @@ pub(crate) fn spawn(stages: LoadedStages, depth: usize) -> mpsc::Sender<Work> {
     std::thread::Builder::new()
         .name("cleave-compute".into())
         .spawn(move || {
-            let n = stages.bundle().stage_count();
             while let Some(work) = rx.blocking_recv() {
                 match work {
-                    Work::Run(job) => {
-                        let started = Instant::now();
-                        let queue = started.duration_since(job.queued_at);
-                        let output = stages.run(StageRange::new(job.split, n), &job.input);
-                        // The receiver may be gone (its stream ended); the result is then dropped.
-                        let _ = job.reply.send(JobResult { output, queue, compute: started.elapsed() });
-                    }
-                    Work::Profile(job) => {
-                        let inputs = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, job.batch);
-                        let _ = job.reply.send(inputs.and_then(|input| stages.profile(&input, job.repeats, |_, _| {})));
-                    }
+                    Work::Run(job) => run(&stages, job),
+                    Work::Profile(job) => profile(&stages, job, &mut rx),
                 }
             }
         })
         .expect("spawn the compute thread");
     tx
+}
+
+fn run(stages: &LoadedStages, job: Job) {
+    let started = Instant::now();
+    let queue = started.duration_since(job.queued_at);
+    let range = StageRange::new(job.split, stages.bundle().stage_count());
+    let output = catch_panic(&format!("running stages {range}"), || Ok(stages.run(range, &job.input)?));
+    // The receiver may be gone (its stream ended); the result is then dropped.
+    let _ = job.reply.send(JobResult { output, queue, compute: started.elapsed() });
+}
+
+fn profile(stages: &LoadedStages, job: ProfileJob, queue: &mut mpsc::Receiver<Work>) {
+    let answer = catch_panic("profiling the stages", || {
+        let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, job.batch)?;
+        let between_stages = || {
+            while let Ok(work) = queue.try_recv() {
+                match work {
+                    Work::Run(waiting) => run(stages, waiting),
+                    Work::Profile(other) => {
+                        let _ = other.reply.send(Err(RequestError::Busy("another profile is running: profiles run one at a time".into())));
+                    }
+                }
+            }
+            !job.reply.is_closed()
+        };
+        stages.profile_between(&input, job.repeats, |_, _| {}, between_stages).map_err(RequestError::Profile)
+    });
+    if let Ok(None) = answer {
+        tracing::info!("a profile stopped: its caller went away");
+    }
+    let _ = job.reply.send(answer);
 }

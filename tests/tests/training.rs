@@ -301,7 +301,7 @@ fn one_training_session_per_bundle_unless_configured() {
         drop(reopened);
         server.shutdown().await.unwrap();
 
-        let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true };
+        let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true, ..TrainingOptions::default() };
         let server =
             LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
         let (_a, a) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
@@ -314,7 +314,7 @@ fn one_training_session_per_bundle_unless_configured() {
 #[test]
 fn a_session_that_cannot_work_is_refused_with_the_reason() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
-    let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true };
+    let options = TrainingOptions { checkpoint_dir: None, concurrent_sessions: true, ..TrainingOptions::default() };
     runtime().block_on(async {
         let server =
             LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
@@ -391,7 +391,7 @@ fn a_misused_call_gets_its_error_and_the_session_goes_on() {
         let replies = call(&mut stream, 3, pb::Phase::Backward, (12, Direction::Gradient), &grads).await;
         assert!(message(&replies).contains("without a pending forward"), "{}", message(&replies));
         let replies = call(&mut stream, 4, pb::Phase::Forward, (5, Direction::Request), &at_cut7(Some(&[3, 4]))).await;
-        assert!(message(&replies).contains("expects cut 7"), "{}", message(&replies));
+        assert!(message(&replies).contains("the payload is at cut 5, this stream takes cut 7"), "{}", message(&replies));
         // The session is still open: a valid step gets the loss and the boundary's gradient.
         let replies = call(&mut stream, 5, pb::Phase::Forward, forward, &at_cut7(Some(&[3, 4]))).await;
         let last = replies.last().unwrap();
@@ -409,7 +409,7 @@ fn a_misused_call_gets_its_error_and_the_session_goes_on() {
 fn checkpoint_names_are_file_names() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let options = TrainingOptions { checkpoint_dir: Some(dir.path().to_path_buf()), concurrent_sessions: false };
+    let options = TrainingOptions { checkpoint_dir: Some(dir.path().to_path_buf()), concurrent_sessions: false, ..TrainingOptions::default() };
     runtime().block_on(async {
         let server =
             LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();

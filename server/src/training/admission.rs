@@ -52,6 +52,12 @@ impl Training {
     /// Takes a place for a new session on `bundle`, or says why not.
     pub(crate) fn admit(&self, bundle: &Bundle) -> Result<SessionSlot, RequestError> {
         let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
+        if self.options.concurrent_sessions && open.len() >= self.options.max_sessions as usize {
+            return Err(RequestError::Busy(format!(
+                "{} training sessions are open, this server's most (`training.max_sessions`): try again when one closes",
+                open.len()
+            )));
+        }
         if let Some((id, since)) = open.first().filter(|_| !self.options.concurrent_sessions) {
             return Err(RequestError::AlreadyTraining(format!(
                 "bundle {} is already being trained (session {id}, open for {} s); this server allows one training session per \

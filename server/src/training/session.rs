@@ -65,9 +65,11 @@ pub(crate) enum Answer {
     Saved { name: String, step: u64 },
 }
 
+type Reply = oneshot::Sender<Result<(Answer, Duration), RequestError>>;
+
 struct CallJob {
     call: Call,
-    reply: oneshot::Sender<Result<(Answer, Duration), TrainError>>,
+    reply: Reply,
 }
 
 /// What the session reports once its stages are loaded.
@@ -116,9 +118,12 @@ impl Session {
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
     /// optimizer step overlaps with sending the gradient back.
-    fn handle(&mut self, call: Call, started: Instant, reply: oneshot::Sender<Result<(Answer, Duration), TrainError>>) {
-        let answer = |r: Result<Answer, TrainError>| {
-            let _ = reply.send(r.map(|a| (a, started.elapsed())));
+    /// `reply` is taken when answered; a caller that catches a panic answers it if not.
+    fn handle(&mut self, call: Call, started: Instant, reply: &mut Option<Reply>) {
+        let mut answer = |r: Result<Answer, TrainError>| {
+            if let Some(reply) = reply.take() {
+                let _ = reply.send(r.map(|a| (a, started.elapsed())).map_err(RequestError::from));
+            }
         };
         match call {
             Call::Forward { input, targets } => match self.forward(input, targets) {
@@ -220,7 +225,18 @@ impl SessionHandle {
                     }
                 };
                 while let Some(job) = rx.blocking_recv() {
-                    session.handle(job.call, Instant::now(), job.reply);
+                    let mut reply = Some(job.reply);
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.handle(job.call, Instant::now(), &mut reply)));
+                    if let Err(panic) = handled {
+                        // The call is answered INTERNAL; a step it left half done is dropped,
+                        // and the session goes on with the next call.
+                        let message = crate::error::panic_message(panic.as_ref());
+                        tracing::error!(panic = %message, "a training call panicked");
+                        session.pending = None;
+                        if let Some(reply) = reply.take() {
+                            let _ = reply.send(Err(RequestError::Panicked(format!("a training call panicked: {message}"))));
+                        }
+                    }
                 }
             })
             .map_err(|e| RequestError::Session(format!("cannot start the session thread: {e}")))?;
@@ -232,6 +248,6 @@ impl SessionHandle {
     pub(crate) async fn call(&self, call: Call) -> Result<(Answer, Duration), RequestError> {
         let (tx, rx) = oneshot::channel();
         self.calls.send(CallJob { call, reply: tx }).await.map_err(|_| RequestError::Unavailable)?;
-        Ok(rx.await.map_err(|_| RequestError::Unavailable)??)
+        rx.await.map_err(|_| RequestError::Unavailable)?
     }
 }

@@ -4,19 +4,22 @@
 //! leaves the session open.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cleave_common::config::Limits;
 use cleave_common::pb::{self, train_frame, Phase, TrainReply};
 use cleave_common::security::ServerSecurity;
-use cleave_common::training::take_targets;
+use cleave_common::training::{take_targets, TARGETS_VALUE};
 use cleave_common::wire::{frame_parts, Direction, FrameAssembler, PayloadReceiver, Reassembly};
-use cleave_common::{Bundle, DeviceSpec};
+use cleave_common::{Bundle, CutTensors, DeviceSpec};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::admission::Training;
 use super::session::{checkpoint_path, Answer, Call, SessionHandle};
+use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, RequestError};
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
 
@@ -27,6 +30,23 @@ pub(crate) struct TrainContext {
     pub(crate) limits: Limits,
     pub(crate) security: Arc<ServerSecurity>,
     pub(crate) training: Training,
+    /// The memory every stream's payloads share.
+    pub(crate) budget: MemoryBudget,
+    /// From a payload's first frame to its last.
+    pub(crate) request_timeout: Duration,
+    /// Cancelled when the server starts draining.
+    pub(crate) draining: CancellationToken,
+}
+
+/// What the stream waits for next.
+enum Next {
+    Frame(pb::TrainFrame),
+    /// The payload part-way in did not finish within `limits.request_timeout`.
+    Stalled,
+    /// Nothing came within `training.session_idle_timeout`.
+    Idle,
+    Draining,
+    End,
 }
 
 fn error_reply(request_id: u64, e: &RequestError) -> TrainReply {
@@ -35,7 +55,8 @@ fn error_reply(request_id: u64, e: &RequestError) -> TrainReply {
 
 /// Serves one `Train` stream: opens the session, then answers its calls in order.
 pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: TrainContext, out: mpsc::Sender<Result<TrainReply, Status>>) {
-    let open = match inbound.next().await {
+    let first = tokio::time::timeout(ctx.training.options.session_idle_timeout, inbound.next()).await.unwrap_or(None);
+    let open = match first {
         Some(Ok(pb::TrainFrame { kind: Some(train_frame::Kind::Open(open)) })) => open,
         Some(Ok(_)) => {
             let _ = out.send(Ok(error_reply(0, &RequestError::Session("the first frame of a Train stream opens the session".into())))).await;
@@ -64,8 +85,45 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         return;
     }
     let mut stream = CallStream::new(&ctx, open.start, open.end);
-    while let Some(frame) = inbound.next().await {
-        let Ok(frame) = frame else { return };
+    // When the payload part-way in must be complete.
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let wait_until = deadline.unwrap_or_else(|| tokio::time::Instant::now() + ctx.training.options.session_idle_timeout);
+        let next = tokio::select! {
+            biased;
+            () = ctx.draining.cancelled() => Next::Draining,
+            () = tokio::time::sleep_until(wait_until) => if deadline.is_some() { Next::Stalled } else { Next::Idle },
+            frame = inbound.next() => match frame {
+                Some(Ok(frame)) => Next::Frame(frame),
+                _ => Next::End,
+            },
+        };
+        let frame = match next {
+            Next::Frame(frame) => frame,
+            Next::End => break,
+            Next::Stalled => {
+                deadline = None;
+                if let Some(id) = stream.frames.give_up() {
+                    if out.send(Ok(error_reply(id, &RequestError::Stalled(ctx.request_timeout)))).await.is_err() {
+                        return;
+                    }
+                }
+                continue;
+            }
+            Next::Idle | Next::Draining => {
+                let e = if matches!(next, Next::Draining) {
+                    RequestError::Draining
+                } else {
+                    RequestError::Session(format!(
+                        "nothing came for {:?} (`training.session_idle_timeout`): session {} is closed",
+                        ctx.training.options.session_idle_timeout, slot.id
+                    ))
+                };
+                tracing::info!(session = %slot.id, error = %e, "training session ended by the server");
+                let _ = out.send(Ok(error_reply(stream.frames.give_up().unwrap_or(0), &e))).await;
+                break;
+            }
+        };
         let replies = match frame.kind {
             Some(train_frame::Kind::Save(save)) => {
                 let answer = match checkpoint_path(ctx.training.options.checkpoint_dir.as_ref(), &save.name) {
@@ -80,10 +138,21 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                     Err(e) => error_reply(save.request_id, &e),
                 }]
             }
-            Some(train_frame::Kind::Payload(p)) => match stream.push(&p) {
-                Ok(None) => continue,
-                Ok(Some((assembly, phase))) => stream.answer(assembly, phase, &session).await,
-                Err((id, e)) => vec![error_reply(id, &e)],
+            Some(train_frame::Kind::Payload(p)) => match stream.push(&p, &ctx.budget).await {
+                Ok(None) => {
+                    if stream.frames.in_progress() && deadline.is_none() {
+                        deadline = Some(tokio::time::Instant::now() + ctx.request_timeout);
+                    }
+                    continue;
+                }
+                Ok(Some((assembly, (phase, _bytes)))) => {
+                    deadline = None;
+                    stream.answer(assembly, phase, &session).await
+                }
+                Err((id, e)) => {
+                    deadline = None;
+                    vec![error_reply(id, &e)]
+                }
             },
             Some(train_frame::Kind::Open(_)) => vec![error_reply(0, &RequestError::Session("this stream already has a session open".into()))],
             None => vec![error_reply(0, &RequestError::Session("an empty frame".into()))],
@@ -107,19 +176,27 @@ struct CallStream {
     gradients: Arc<Mutex<PayloadReceiver>>,
     encoder: Arc<Mutex<ResultEncoder>>,
     chunk_bytes: usize,
-    /// The phase a call's first frame names travels with its payload.
-    frames: FrameAssembler<Phase>,
+    /// The phase a call's first frame names travels with its payload, and its bytes in the
+    /// memory budget.
+    frames: FrameAssembler<(Phase, Reservation)>,
 }
 
 impl CallStream {
     fn new(ctx: &TrainContext, start: u32, end: u32) -> Self {
-        let receiver =
-            |d| Arc::new(Mutex::new(PayloadReceiver::new(d, ctx.limits.max_payload_bytes, ctx.security.policy.clone(), &ctx.security.keys)));
+        // What each payload declares is checked before its data is reserved: boundaries at
+        // the session's start (with the targets when the server computes the loss), gradients
+        // at its end (its floating-point tensors).
+        let receiver = |d, cut: u32, rule| {
+            let receiver = PayloadReceiver::new(d, ctx.limits.max_payload_bytes, ctx.security.policy.clone(), &ctx.security.keys);
+            Arc::new(Mutex::new(receiver.checked_at(&ctx.bundle, cut as usize, rule)))
+        };
+        let holds_loss = end as usize == ctx.bundle.stage_count();
+        let boundaries = if holds_loss { CutTensors::AllAndMaybe(TARGETS_VALUE) } else { CutTensors::All };
         Self {
             start,
             end,
-            requests: receiver(Direction::Request),
-            gradients: receiver(Direction::Gradient),
+            requests: receiver(Direction::Request, start, boundaries),
+            gradients: receiver(Direction::Gradient, end, CutTensors::FloatSubset),
             encoder: Arc::new(Mutex::new(ResultEncoder::new(Arc::clone(&ctx.security), ctx.limits.max_payload_bytes))),
             chunk_bytes: ctx.limits.chunk_bytes(),
             frames: FrameAssembler::default(),
@@ -134,21 +211,29 @@ impl CallStream {
         }
     }
 
-    /// Adds a frame; a complete payload comes back with its phase (not yet decoded).
-    fn push(&mut self, frame: &pb::TrainPayloadFrame) -> Result<Option<(Reassembly, Phase)>, (u64, RequestError)> {
-        let (requests, gradients) = (&self.requests, &self.gradients);
-        self.frames.push(frame, |f| {
-            let phase = Phase::try_from(f.phase).unwrap_or(Phase::Unspecified);
-            let receiver = match phase {
-                Phase::Forward | Phase::Evaluate => requests,
-                Phase::Backward => gradients,
-                Phase::Unspecified => {
-                    return Err(RequestError::Session("a payload's first frame names its phase (forward, backward, evaluate)".into()));
-                }
-            };
-            let assembly = receiver.lock().expect("payload receiver").start(f.request_id, &f.header)?;
-            Ok((assembly, phase))
-        })
+    /// Adds a frame; a complete payload comes back with its phase (not yet decoded) and its
+    /// bytes in the budget (reserved, waiting briefly for room, before its data is).
+    async fn push(
+        &mut self,
+        frame: &pb::TrainPayloadFrame,
+        budget: &MemoryBudget,
+    ) -> Result<Option<(Reassembly, (Phase, Reservation))>, (u64, RequestError)> {
+        let started = if self.frames.starts_payload(frame) { Some(self.start_payload(frame, budget).await) } else { None };
+        self.frames.push_started(frame, started)
+    }
+
+    async fn start_payload(&self, f: &pb::TrainPayloadFrame, budget: &MemoryBudget) -> Result<(Reassembly, (Phase, Reservation)), RequestError> {
+        let phase = Phase::try_from(f.phase).unwrap_or(Phase::Unspecified);
+        let receiver = match phase {
+            Phase::Forward | Phase::Evaluate => &self.requests,
+            Phase::Backward => &self.gradients,
+            Phase::Unspecified => {
+                return Err(RequestError::Session("a payload's first frame names its phase (forward, backward, evaluate)".into()));
+            }
+        };
+        let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(f.request_id, &f.header)?;
+        let bytes = budget.reserve(assembly.held_bytes()).await?;
+        Ok((assembly, (phase, bytes)))
     }
 
     /// Decodes a complete payload, runs its call and encodes the answer (decoding and
@@ -156,9 +241,8 @@ impl CallStream {
     async fn answer(&mut self, assembly: Reassembly, phase: Phase, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
         let (received, decode_time) = match decode_blocking(self.receiver(phase), assembly).await {
-            Some(Ok(r)) => r,
-            Some(Err(e)) => return vec![error_reply(id, &e)],
-            None => return vec![error_reply(id, &RequestError::Unavailable)],
+            Ok(r) => r,
+            Err(e) => return vec![error_reply(id, &e)],
         };
         let expected_cut = if phase == Phase::Backward { self.end } else { self.start };
         if received.split != expected_cut {

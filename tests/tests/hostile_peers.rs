@@ -1,0 +1,376 @@
+//! A server nothing can exhaust: the limits on what peers make it hold (memory, requests per
+//! stream, connections, `Echo` replies, profiles, training sessions) and its drain. Memory is
+//! checked through the budget's own accounting, never through timings.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use cleave_common::config::Limits;
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::{self, train_frame, InferFrame, TrainFrame};
+use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
+use cleave_common::{Boundary, Bundle, DeviceSpec};
+use cleave_host::LoopbackServer;
+use cleave_server::{PeerLimits, PreparedServer, TrainingOptions};
+use cleave_tests::bundle_dir;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// A server on `bundle` with these limits, and its memory budget.
+async fn serve(bundle: &Bundle, limits: Limits, peers: PeerLimits, training: TrainingOptions) -> (LoopbackServer, cleave_server::MemoryBudget) {
+    let dir = bundle.dir().to_path_buf();
+    let prepared = tokio::task::spawn_blocking(move || {
+        PreparedServer::prepare(&dir, DeviceSpec::Cpu, limits, Default::default()).unwrap().with_training(training).with_peer_limits(peers).unwrap()
+    })
+    .await
+    .unwrap();
+    let budget = prepared.memory_budget();
+    (LoopbackServer::serve(prepared).await.unwrap(), budget)
+}
+
+/// An `Infer` stream whose frames the test sends one at a time.
+struct RawStream {
+    frames: mpsc::Sender<InferFrame>,
+    results: tonic::Streaming<pb::ResultFrame>,
+}
+
+async fn open_stream(url: &str, bundle: &Bundle) -> RawStream {
+    let mut client = SplitInferenceClient::connect(url.to_string()).await.unwrap();
+    let (frames, rx) = mpsc::channel(16);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    let results = client.infer(request).await.unwrap().into_inner();
+    RawStream { frames, results }
+}
+
+/// A request at cut 0 in `parts` frames.
+fn request_frames(id: u64, boundary: &Boundary, parts: usize) -> Vec<InferFrame> {
+    let meta = PayloadMeta { request_id: id, split: 0, direction: Direction::Request };
+    let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
+    let chunk = encoded.data.len().div_ceil(parts);
+    (0..parts)
+        .map(|i| {
+            let data = encoded.data.slice(i * chunk..((i + 1) * chunk).min(encoded.data.len()));
+            let header = if i == 0 { encoded.envelope.clone() } else { Bytes::new() };
+            InferFrame { request_id: id, header, data, last: i + 1 == parts }
+        })
+        .collect()
+}
+
+impl RawStream {
+    /// Sends a request in `parts` frames, or only the first `sent` of them.
+    async fn send(&self, id: u64, boundary: &Boundary, parts: usize, sent: usize) {
+        for frame in request_frames(id, boundary, parts).into_iter().take(sent) {
+            self.frames.send(frame).await.unwrap();
+        }
+    }
+
+    /// The next complete answer: its request id and its error (code and message), if any.
+    async fn answer(&mut self) -> (u64, Option<(tonic::Code, String)>) {
+        loop {
+            let frame = self.results.next().await.expect("an answer").expect("the stream goes on");
+            if frame.last {
+                return (frame.request_id, frame.error.map(|e| (tonic::Code::from(e.code), e.message)));
+            }
+        }
+    }
+}
+
+/// The (small) resnet18 test bundle's input at batch 32: 1.5 MB of tensor data.
+fn resnet_input(bundle: &Bundle) -> Boundary {
+    cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, 32).unwrap()
+}
+
+#[test]
+fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and_freed() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    let raw = input.tensor_bytes() as u64;
+    // Each request holds its data as received and decoded: 2 x 1.5 MB. Two fit in the
+    // budget, a third does not.
+    let limits = Limits { max_payload_bytes: 2 << 20, ..Limits::default() };
+    let peers = PeerLimits {
+        memory_budget_bytes: 5 * raw,
+        budget_wait: Duration::from_millis(300),
+        request_timeout: Duration::from_secs(2),
+        ..PeerLimits::default()
+    };
+    assert!(peers.memory_budget_bytes >= 2 * limits.max_payload_bytes && peers.memory_budget_bytes < 6 * raw, "raw {raw}");
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
+        // Two streams each send half of a request and stall.
+        let mut stalled = Vec::new();
+        for id in [1, 2] {
+            let s = open_stream(&server.url, &bundle).await;
+            s.send(id, &input, 2, 1).await;
+            stalled.push(s);
+        }
+        // A third finds no room: it waits the budget's wait, then RESOURCE_EXHAUSTED, while
+        // the budget holds exactly the two stalled requests.
+        let mut third = open_stream(&server.url, &bundle).await;
+        third.send(3, &input, 2, 1).await;
+        let (id, error) = third.answer().await;
+        let (code, message) = error.expect("refused");
+        assert_eq!((id, code), (3, tonic::Code::ResourceExhausted), "{message}");
+        assert!(message.contains("`limits.memory_budget_bytes`"), "{message}");
+        let held = budget.held_bytes();
+        assert!(held >= 4 * raw && held <= 4 * raw + 64 * 1024, "held {held} for two requests of {raw} bytes");
+        assert!(budget.peak_bytes() <= budget.total_bytes());
+        // The stalled ones are answered DEADLINE_EXCEEDED and give their bytes back.
+        for (s, id) in stalled.iter_mut().zip([1, 2]) {
+            let (got, error) = s.answer().await;
+            let (code, message) = error.expect("stalled");
+            assert_eq!((got, code), (id, tonic::Code::DeadlineExceeded), "{message}");
+            assert!(message.contains("`limits.request_timeout`"), "{message}");
+        }
+        assert_eq!(budget.held_bytes(), 0);
+        // The rest of a given-up request's frames are skipped; the stream serves the next.
+        let s = &mut stalled[0];
+        s.send(1, &input, 2, 2).await;
+        s.send(4, &input, 1, 1).await;
+        assert_eq!(s.answer().await, (4, None));
+        assert_eq!(budget.held_bytes(), 0);
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_stream_holds_at_most_max_requests_per_stream() {
+    // Eight requests sent at once on one stream: with one allowed in flight, the stream is not
+    // read further until each is answered, so the budget never holds two.
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    let one = 2 * input.tensor_bytes() as u64;
+    let peers = PeerLimits { max_requests_per_stream: 1, ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let mut s = open_stream(&server.url, &bundle).await;
+        let frames: Vec<InferFrame> = (0..8).flat_map(|id| request_frames(id, &input, 1)).collect();
+        let sender = s.frames.clone();
+        let sending = tokio::spawn(async move {
+            for frame in frames {
+                sender.send(frame).await.unwrap();
+            }
+        });
+        for id in 0..8 {
+            assert_eq!(s.answer().await, (id, None));
+        }
+        sending.await.unwrap();
+        let peak = budget.peak_bytes();
+        assert!(peak >= one && peak < 2 * one, "peak {peak} bytes held; one request holds {one}");
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn connections_past_the_limit_are_closed_and_idle_ones_time_out() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let peers = PeerLimits { max_connections: 2, idle_connection_timeout: Duration::from_secs(1), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let info = |url: String| async move {
+            let mut client = SplitInferenceClient::connect(url).await.map_err(|e| e.to_string())?;
+            client.info(pb::InfoRequest {}).await.map(|_| client).map_err(|e| e.to_string())
+        };
+        let first = info(server.url.clone()).await.expect("the first connection is served");
+        let second = info(server.url.clone()).await.expect("the second connection is served");
+        // A third is closed as soon as it is accepted: its call fails instead of hanging.
+        let third = tokio::time::timeout(Duration::from_secs(20), info(server.url.clone())).await.expect("refused at once, not left hanging");
+        assert!(third.is_err(), "a third connection past `max_connections: 2` is served");
+        // Idle connections (no call open) are closed after the idle timeout, freeing their places.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        info(server.url.clone()).await.expect("a place is free once the idle connections are closed");
+        drop((first, second));
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn shutdown_closes_every_connection_within_the_drain_timeout_whatever_peers_do() {
+    // A stream stalled mid-request and a health watch keep their connections open; the drain
+    // answers the stalled request UNAVAILABLE, says NOT_SERVING, and closes everything after
+    // `drain_timeout`.
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest};
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    let peers = PeerLimits { drain_timeout: Duration::from_secs(1), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let mut health = HealthClient::new(tonic::transport::Channel::from_shared(server.url.clone()).unwrap().connect().await.unwrap());
+        let mut watch = health.watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+        assert_eq!(watch.next().await.unwrap().unwrap().status(), ServingStatus::Serving);
+        let mut stalled = open_stream(&server.url, &bundle).await;
+        stalled.send(7, &input, 2, 1).await;
+        while budget.held_bytes() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let stopping = tokio::spawn(server.shutdown());
+        assert_eq!(watch.next().await.unwrap().unwrap().status(), ServingStatus::NotServing);
+        let (id, error) = stalled.answer().await;
+        let (code, message) = error.expect("given up");
+        assert_eq!((id, code), (7, tonic::Code::Unavailable), "{message}");
+        assert!(message.contains("resend it"), "{message}");
+        // The guard only turns a hang into a failure: the drain itself is 1 s.
+        tokio::time::timeout(Duration::from_secs(30), stopping).await.expect("the server stops within its drain timeout").unwrap().unwrap();
+        assert_eq!(budget.held_bytes(), 0);
+    });
+}
+
+#[test]
+fn profiles_run_one_at_a_time_let_inference_by_and_stop_when_their_caller_goes() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), PeerLimits::default(), TrainingOptions::default()).await;
+        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        // A long profile: 50 passes at batch 64.
+        let long = {
+            let mut client = client.clone();
+            tokio::spawn(async move { client.profile(pb::ProfileRequest { batch_size: 64, repeats: 50 }).await })
+        };
+        // A second is refused while it runs.
+        let busy = loop {
+            match client.profile(pb::ProfileRequest { batch_size: 1, repeats: 1 }).await {
+                Err(status) => break status,
+                Ok(_) => tokio::task::yield_now().await,
+            }
+        };
+        assert_eq!(busy.code(), tonic::Code::ResourceExhausted, "{busy}");
+        assert!(busy.message().contains("one at a time"), "{busy}");
+        // Inference is answered between the profile's stages, long before it ends.
+        let mut s = open_stream(&server.url, &bundle).await;
+        s.send(0, &input, 1, 1).await;
+        assert_eq!(s.answer().await, (0, None));
+        assert!(!long.is_finished(), "the request was answered while the profile ran");
+        // Its caller goes: the profile stops, and the next one runs.
+        long.abort();
+        let quick = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match client.profile(pb::ProfileRequest { batch_size: 1, repeats: 1 }).await {
+                    Ok(reply) => break reply.into_inner(),
+                    Err(status) if status.code() == tonic::Code::ResourceExhausted => tokio::time::sleep(Duration::from_millis(20)).await,
+                    Err(status) => panic!("{status}"),
+                }
+            }
+        })
+        .await
+        .expect("a cancelled profile stops");
+        assert_eq!(quick.stage_ms.len(), bundle.stage_count());
+        server.shutdown().await.unwrap();
+    });
+}
+
+type TrainStream = (mpsc::Sender<TrainFrame>, tonic::Streaming<pb::TrainReply>);
+
+async fn open_session(url: &str, bundle: &Bundle) -> (TrainStream, pb::TrainReply) {
+    let mut client = SplitInferenceClient::connect(url.to_string()).await.unwrap();
+    let open = pb::OpenSession {
+        start: 7,
+        end: 12,
+        optimizer: Some(pb::Optimizer { kind: "sgd".into(), lr: 0.1, ..Default::default() }),
+        loss: "cross-entropy".into(),
+        seed: 1,
+        resume: String::new(),
+    };
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.unwrap();
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    let mut replies = client.train(request).await.unwrap().into_inner();
+    let first = replies.next().await.unwrap().unwrap();
+    ((tx, replies), first)
+}
+
+#[test]
+fn an_idle_training_session_is_closed_and_sessions_are_capped() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let options =
+        TrainingOptions { concurrent_sessions: true, max_sessions: 2, session_idle_timeout: Duration::from_secs(1), ..TrainingOptions::default() };
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), PeerLimits::default(), options).await;
+        let (mut a, opened) = open_session(&server.url, &bundle).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let (_b, opened) = open_session(&server.url, &bundle).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        // A third is refused while two are open.
+        let (_, refused) = open_session(&server.url, &bundle).await;
+        let e = refused.error.expect("refused");
+        assert_eq!(tonic::Code::from(e.code), tonic::Code::ResourceExhausted, "{}", e.message);
+        assert!(e.message.contains("`training.max_sessions`"), "{}", e.message);
+        // The host of `a` vanishes (sends nothing): the server closes its session...
+        let closed = a.1.next().await.unwrap().unwrap().error.expect("closed by the server");
+        assert!(closed.message.contains("`training.session_idle_timeout`"), "{}", closed.message);
+        assert!(a.1.next().await.is_none(), "its stream ends");
+        // ... and its place is free.
+        let (_c, opened) = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let (c, opened) = open_session(&server.url, &bundle).await;
+                if opened.opened.is_some() {
+                    break (c, opened);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("a place frees up");
+        assert!(opened.opened.is_some());
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn echo_replies_a_connection_does_not_read_are_bounded_per_connection() {
+    // A raw HTTP/2 peer with a zero receive window asks for Echo replies and never reads
+    // them: they count against its connection until sent, so the third is refused.
+    use prost::Message;
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let limits = Limits::default();
+    let peers =
+        PeerLimits { max_echo_bytes_per_connection: limits.max_message_bytes, budget_wait: Duration::from_millis(200), ..PeerLimits::default() };
+    let reply_bytes = limits.max_message_bytes / 2 - 4096;
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let (mut h2, connection) = h2::client::Builder::new().initial_window_size(0).handshake::<_, Bytes>(tcp).await.unwrap();
+        tokio::spawn(connection);
+        let mut statuses = Vec::new();
+        let mut unread = Vec::new();
+        for _ in 0..3 {
+            let request = http::Request::post(format!("http://{addr}/cleave.v1.SplitInference/Echo"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(())
+                .unwrap();
+            h2 = h2.ready().await.unwrap();
+            let (response, mut body) = h2.send_request(request, false).unwrap();
+            let message = pb::EchoRequest { payload: Bytes::new(), reply_bytes }.encode_to_vec();
+            let mut framed = vec![0u8];
+            framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+            framed.extend_from_slice(&message);
+            body.send_data(Bytes::from(framed), true).unwrap();
+            let response = response.await.unwrap();
+            // A refusal comes as headers only, with its grpc-status; a reply waits to be read.
+            statuses.push(response.headers().get("grpc-status").map(|v| v.to_str().unwrap().to_string()));
+            if let Some(message) = response.headers().get("grpc-message") {
+                statuses.push(Some(message.to_str().unwrap().to_string()));
+            }
+            unread.push(response);
+        }
+        assert_eq!(statuses[..2], [None, None], "the first two replies fit: {statuses:?}");
+        assert_eq!(statuses[2].as_deref(), Some("8"), "the third is RESOURCE_EXHAUSTED: {statuses:?}");
+        assert!(statuses[3].as_deref().is_some_and(|m| m.contains("max_echo_bytes_per_connection")), "{statuses:?}");
+        // Another connection has its own allowance.
+        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        let back = client.echo(pb::EchoRequest { payload: Bytes::new(), reply_bytes }).await.unwrap().into_inner();
+        assert_eq!(back.payload.len() as u64, reply_bytes);
+        drop(unread);
+        server.shutdown().await.unwrap();
+    });
+}
