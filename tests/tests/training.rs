@@ -498,3 +498,51 @@ fn an_answer_above_the_payload_limit_is_refused_and_the_session_goes_on() {
         assert_eq!(error_of(replies.last().unwrap()).0, tonic::Code::ResourceExhausted);
     });
 }
+
+#[test]
+fn a_training_payload_that_does_not_fit_its_session_s_cuts_is_refused_before_its_data() {
+    // Boundaries come at the session's start (cut 7, plus the targets when the server holds
+    // the loss), gradients at its end as floating-point tensors of that cut: what a payload
+    // declares is checked from its first frame, and the session goes on.
+    use cleave_common::{Boundary, Value};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let cpu = (Kind::Float, tch::Device::Cpu);
+    let boundary = |values: Vec<(&str, Tensor)>| Boundary { values: values.into_iter().map(|(n, t)| (n.to_string(), Value::Tensor(t))).collect() };
+    let targets = || Tensor::from_slice(&[3i64, 4]);
+    let forward = (7, Direction::Request);
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let refusals = [
+            (boundary(vec![("features_6", Tensor::ones([2, 32, 4, 5], cpu)), ("@targets", targets())]), forward, "features_6: expected"),
+            (
+                boundary(vec![("features_6", Tensor::ones([2, 32, 4, 4], cpu)), ("@targets", targets()), ("junk", Tensor::ones([2], cpu))]),
+                forward,
+                "no tensor \"junk\" crosses this cut",
+            ),
+            (
+                boundary(vec![("features_6", Tensor::ones([2, 32, 4, 4], cpu)), ("@targets", Tensor::from_slice(&[1i64, 2, 3]))]),
+                forward,
+                "the batch is 2",
+            ),
+            (boundary(vec![("features_6", Tensor::ones([2, 32, 4, 4], cpu))]), (5, Direction::Request), "this stream takes cut 7"),
+        ];
+        for (id, (payload, meta, says)) in refusals.into_iter().enumerate() {
+            let replies = call(&mut stream, id as u64, pb::Phase::Forward, meta, &payload).await;
+            let (code, message) = error_of(replies.last().unwrap());
+            assert_eq!(code, tonic::Code::InvalidArgument, "{message}");
+            assert!(message.contains(says), "{says}: {message}");
+        }
+        let int_gradient = boundary(vec![("classifier_4", Tensor::ones([2, 10], (Kind::Int64, tch::Device::Cpu)))]);
+        let replies = call(&mut stream, 10, pb::Phase::Backward, (12, Direction::Gradient), &int_gradient).await;
+        let (_, message) = error_of(replies.last().unwrap());
+        assert!(message.contains("a gradient is floating-point"), "{message}");
+        // A valid step still trains.
+        let step = boundary(vec![("features_6", Tensor::ones([2, 32, 4, 4], cpu)), ("@targets", targets())]);
+        let replies = call(&mut stream, 11, pb::Phase::Forward, forward, &step).await;
+        let last = replies.last().unwrap();
+        assert!(last.error.is_none() && last.loss.is_some(), "{last:?}");
+        server.shutdown().await.unwrap();
+    });
+}
