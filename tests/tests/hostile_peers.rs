@@ -105,9 +105,13 @@ fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and
         let (server, budget) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
         // Two streams each send half of a request and stall.
         let mut stalled = Vec::new();
-        for id in [1, 2] {
+        for id in [1u64, 2] {
             let s = open_stream(&server.url, &bundle).await;
             s.send(id, &input, 2, 1).await;
+            // In order: the third must come after both hold their bytes.
+            while budget.held_bytes() < id * 2 * raw {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             stalled.push(s);
         }
         // A third finds no room: it waits the budget's wait, then RESOURCE_EXHAUSTED, while
@@ -208,7 +212,7 @@ fn shutdown_closes_every_connection_within_the_drain_timeout_whatever_peers_do()
         let mut stalled = open_stream(&server.url, &bundle).await;
         stalled.send(7, &input, 2, 1).await;
         while budget.held_bytes() == 0 {
-            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let stopping = tokio::spawn(server.shutdown());
         assert_eq!(watch.next().await.unwrap().unwrap().status(), ServingStatus::NotServing);
@@ -229,18 +233,29 @@ fn profiles_run_one_at_a_time_let_inference_by_and_stop_when_their_caller_goes()
     runtime().block_on(async {
         let (server, _) = serve(&bundle, Limits::default(), PeerLimits::default(), TrainingOptions::default()).await;
         let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
-        // A long profile: 50 passes at batch 64.
+        // A long profile: 50 passes at batch 64 (retried if a probe below holds the worker).
         let long = {
             let mut client = client.clone();
-            tokio::spawn(async move { client.profile(pb::ProfileRequest { batch_size: 64, repeats: 50 }).await })
+            tokio::spawn(async move {
+                loop {
+                    match client.profile(pb::ProfileRequest { batch_size: 64, repeats: 50 }).await {
+                        Err(status) if status.code() == tonic::Code::ResourceExhausted => tokio::time::sleep(Duration::from_millis(5)).await,
+                        done => return done,
+                    }
+                }
+            })
         };
-        // A second is refused while it runs.
-        let busy = loop {
-            match client.profile(pb::ProfileRequest { batch_size: 1, repeats: 1 }).await {
-                Err(status) => break status,
-                Ok(_) => tokio::task::yield_now().await,
+        // A second is refused while it runs (the guard turns a hang into a failure).
+        let busy = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match client.profile(pb::ProfileRequest { batch_size: 1, repeats: 1 }).await {
+                    Err(status) => break status,
+                    Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
             }
-        };
+        })
+        .await
+        .expect("the long profile starts");
         assert_eq!(busy.code(), tonic::Code::ResourceExhausted, "{busy}");
         assert!(busy.message().contains("one at a time"), "{busy}");
         // Inference is answered between the profile's stages, long before it ends.
