@@ -32,6 +32,7 @@ use crate::config::PeerLimits;
 /// Every connection of a server.
 pub(crate) struct Connections {
     slots: Arc<Semaphore>,
+    max: usize,
     closing: CancellationToken,
     idle_timeout: Duration,
     echo_units: usize,
@@ -41,6 +42,7 @@ impl Connections {
     pub(crate) fn new(limits: &PeerLimits) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(limits.max_connections as usize)),
+            max: limits.max_connections as usize,
             closing: CancellationToken::new(),
             idle_timeout: limits.idle_connection_timeout,
             echo_units: echo_units(limits.max_echo_bytes_per_connection) as usize,
@@ -67,8 +69,8 @@ impl Connections {
     }
 
     /// Connections open now.
-    pub(crate) fn open(&self, limits: &PeerLimits) -> usize {
-        limits.max_connections as usize - self.slots.available_permits()
+    pub(crate) fn open(&self) -> usize {
+        self.max - self.slots.available_permits()
     }
 
     /// Closes every connection: their next read or write fails.

@@ -175,7 +175,7 @@ impl PreparedServer {
             Ok(served) => served.map_err(serve_error),
             Err(_) => {
                 tracing::warn!(
-                    open = connections.open(&peers),
+                    open = connections.open(),
                     "the drain took longer than {:?} (`limits.drain_timeout`): closing every connection",
                     peers.drain_timeout
                 );
