@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep clean
+.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep chaos clean
 
 setup: build
 
@@ -100,9 +100,10 @@ $(BENCH_ACTIVATIONS): $(DEMO_BUNDLE)/manifest.json tools/export/cleave_export/ac
 
 bench-activations: $(BENCH_ACTIVATIONS)
 
+# The demo replaces its own earlier results (`--force`); a plain `host` run refuses to.
 demo: build $(DEMO_BUNDLE)/manifest.json
 	target/release/host splits --bundle $(DEMO_BUNDLE)
-	target/release/host --config config/demo.yaml --loopback
+	target/release/host --config config/demo.yaml --loopback --force
 
 # Split training of the digits CNN from scratch over loopback gRPC, then the same training of
 # the whole model in one process (same stages, optimizer, seeds and batches), and the two side by side.
@@ -121,13 +122,17 @@ demo-train: build digits-cnn
 
 # The demo over a secured link: shuffle+lz4, AES-256-GCM payloads, TLS and a bearer token.
 demo-secure: build $(DEMO_BUNDLE)/manifest.json .dev-secrets/token
-	target/release/host --config config/demo-secure.yaml --loopback
+	target/release/host --config config/demo-secure.yaml --loopback --force
 
 # The networked bench (as root): resnet18 cut at its top-level modules, batches 1 to 8; the
 # server and the host in two network namespaces over an HTB-shaped veth link (bench/README.md).
 LINK_SWEEP_BUNDLE := bundles/resnet18-top
 $(LINK_SWEEP_BUNDLE)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(EXPORT) torchvision:resnet18 --granularity top --dynamic-batch 1 8 --out $(CURDIR)/$(LINK_SWEEP_BUNDLE)
+
+# A 2,000-request run while its server is killed, stopped and restarted (bench/README.md).
+chaos: build $(TEST_BUNDLES)/.stamp
+	bench/chaos
 
 link-sweep: build $(LINK_SWEEP_BUNDLE)/manifest.json
 	bench/link-sweep --bundle $(LINK_SWEEP_BUNDLE)

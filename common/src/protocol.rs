@@ -19,6 +19,11 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// Metadata key carrying the bundle id the host expects on `Infer` and `Train` streams.
 pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
 
+/// Metadata key carrying the host's session id on `Infer` streams (1 to 64 letters, digits,
+/// `-` or `_`, random per run): a request resent under the same session and request id is
+/// answered from the server's window of recent results, not computed again.
+pub const HOST_SESSION_METADATA: &str = "cleave-host-session";
+
 /// A server's `Info` that this host cannot work with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtocolError {

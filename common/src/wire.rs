@@ -356,6 +356,16 @@ impl Reassembly {
         self.incoming.split()
     }
 
+    /// The codec it travels with.
+    pub fn codec(&self) -> Codec {
+        self.incoming.codec()
+    }
+
+    /// The key it is sealed with, if it is.
+    pub fn key_id(&self) -> Option<u32> {
+        self.incoming.key_id()
+    }
+
     /// The most memory the payload holds: its data as received, and the tensors it decodes
     /// into (both as its checked envelope declares them).
     pub fn held_bytes(&self) -> u64 {
@@ -480,6 +490,13 @@ impl<Tag> FrameAssembler<Tag> {
         let (assembly, _) = self.current.take()?;
         self.skipping = Some(assembly.request_id);
         Some(assembly.request_id)
+    }
+
+    /// Skips the payload `frame` starts, to its last frame: its request was answered from
+    /// this first frame (from the server's window of recent results, say).
+    pub fn skip_payload(&mut self, frame: &impl PayloadFrame) {
+        self.current = None;
+        self.skip_rest_of(frame);
     }
 
     /// Drops the payload being reassembled (its request was answered otherwise, with an

@@ -3,6 +3,7 @@
 //! inference (`input:`) or training (`train:`), never both.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -93,6 +94,87 @@ struct RawEdgeConfig {
     auth: Option<RawAuth>,
     #[serde(default)]
     train: Option<RawTrain>,
+    #[serde(default, with = "humantime_serde")]
+    connect_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    request_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    keepalive_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    keepalive_timeout: Option<Duration>,
+    #[serde(default)]
+    retry: RawRetry,
+    #[serde(default)]
+    fallback: Option<String>,
+}
+
+/// `retry:` in edge.yaml.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRetry {
+    #[serde(default)]
+    max_attempts: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    max_backoff: Option<Duration>,
+}
+
+/// How the host deals with a server that fails, stalls or goes away (every key at the top
+/// of edge.yaml; durations as `5s`, `500ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resilience {
+    /// Opening a connection (TCP, TLS, HTTP/2) and its `Info` call (`connect_timeout`).
+    pub connect_timeout: Duration,
+    /// From sending a request to its whole answer (`request_timeout`): later, the connection
+    /// is taken for stalled, dropped and the request resent on a new one.
+    pub request_timeout: Duration,
+    /// HTTP/2 PING interval while connected (`keepalive_interval`).
+    pub keepalive_interval: Duration,
+    /// A PING unanswered this long breaks the connection (`keepalive_timeout`).
+    pub keepalive_timeout: Duration,
+    /// Reconnecting (`retry:`).
+    pub retry: RetryPolicy,
+    /// What becomes of requests while no server answers (`fallback:`).
+    pub fallback: Fallback,
+}
+
+impl Default for Resilience {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            fallback: Fallback::None,
+        }
+    }
+}
+
+/// `retry:` in edge.yaml: reconnect after exponential backoff with jitter, from 100 ms up to
+/// `max_backoff`; a request is sent at most `max_attempts` times, and the run gives up after
+/// `max_attempts` connection attempts in a row fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Sends of one request, and connection attempts in a row, before giving up.
+    pub max_attempts: u32,
+    /// The longest wait between two connection attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self { max_attempts: 5, max_backoff: Duration::from_secs(5) }
+    }
+}
+
+/// `fallback:` in edge.yaml.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// A request no server answers is an error (`none`, the default).
+    None,
+    /// A request no server answers within the deadline runs wholly on the edge (the bundle is
+    /// already there), and the run returns to the split once a server answers again (`edge`).
+    Edge,
 }
 
 /// `train:` in edge.yaml.
@@ -262,6 +344,8 @@ pub struct EdgeConfig {
     pub train: Option<TrainConfig>,
     /// What `split: auto` optimises (`objective:`, default latency).
     pub objective: Objective,
+    /// Deadlines, reconnects and fallback.
+    pub resilience: Resilience,
 }
 
 impl EdgeConfig {
@@ -315,6 +399,36 @@ impl EdgeConfig {
             other => other,
         });
         let train = raw.train.map(|t| train_config(path, t)).transpose()?;
+        let d = Resilience::default();
+        let resilience = Resilience {
+            connect_timeout: raw.connect_timeout.unwrap_or(d.connect_timeout),
+            request_timeout: raw.request_timeout.unwrap_or(d.request_timeout),
+            keepalive_interval: raw.keepalive_interval.unwrap_or(d.keepalive_interval),
+            keepalive_timeout: raw.keepalive_timeout.unwrap_or(d.keepalive_timeout),
+            retry: RetryPolicy {
+                max_attempts: raw.retry.max_attempts.unwrap_or(d.retry.max_attempts),
+                max_backoff: raw.retry.max_backoff.unwrap_or(d.retry.max_backoff),
+            },
+            fallback: match raw.fallback.as_deref() {
+                None | Some("none") => Fallback::None,
+                Some("edge") => Fallback::Edge,
+                Some(other) => return Err(invalid("fallback", format!("{other:?}: expected `none` or `edge`"))),
+            },
+        };
+        for (key, value) in [
+            ("connect_timeout", resilience.connect_timeout),
+            ("request_timeout", resilience.request_timeout),
+            ("keepalive_interval", resilience.keepalive_interval),
+            ("keepalive_timeout", resilience.keepalive_timeout),
+            ("retry.max_backoff", resilience.retry.max_backoff),
+        ] {
+            if value.is_zero() {
+                return Err(invalid(key, "must be positive".into()));
+            }
+        }
+        if resilience.retry.max_attempts == 0 {
+            return Err(invalid("retry.max_attempts", "must be at least 1 (one attempt: no retry)".into()));
+        }
         match (&input, &train) {
             (None, None) => return Err(invalid("input", "give `input` (inference) or `train` (training)".into())),
             (Some(_), Some(_)) => return Err(invalid("input", "`input` is for inference and `train` brings its own data: give one".into())),
@@ -338,6 +452,7 @@ impl EdgeConfig {
             loopback_tls,
             codec,
             security,
+            resilience,
         })
     }
 }

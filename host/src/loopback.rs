@@ -55,8 +55,13 @@ impl LoopbackServer {
 
     /// Serves a server prepared by the caller (any limits) on 127.0.0.1.
     pub async fn serve(prepared: PreparedServer) -> Result<Self> {
+        Self::serve_at(prepared, "127.0.0.1:0").await
+    }
+
+    /// Like [`LoopbackServer::serve`], on `addr` (a server restarted where it was).
+    pub async fn serve_at(prepared: PreparedServer, addr: &str) -> Result<Self> {
         let scheme = if prepared.uses_tls() { "https" } else { "http" };
-        let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| HostError::Invalid(format!("the loopback server cannot listen: {e}")))?;
+        let listener = TcpListener::bind(addr).await.map_err(|e| HostError::Invalid(format!("the loopback server cannot listen on {addr}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| HostError::Invalid(format!("the loopback server's address: {e}")))?;
         let url = format!("{scheme}://{addr}");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -86,7 +91,15 @@ pub(crate) async fn for_inference(config: &EdgeConfig) -> Result<LoopbackServer>
 }
 
 /// The loopback server of a training run, writing its checkpoints into `checkpoints`.
+/// Every epoch writes a checkpoint: the count quota holds them all (the disk is the host's own).
 pub(crate) async fn for_training(config: &EdgeConfig, checkpoints: &Path) -> Result<LoopbackServer> {
-    let options = TrainingOptions { checkpoint_dir: Some(checkpoints.to_path_buf()), concurrent_sessions: false, ..TrainingOptions::default() };
+    let d = TrainingOptions::default();
+    let epochs = config.train.as_ref().map_or(0, |t| t.epochs);
+    let options = TrainingOptions {
+        checkpoint_dir: Some(checkpoints.to_path_buf()),
+        concurrent_sessions: false,
+        max_checkpoints: d.max_checkpoints.max(u32::try_from(epochs).unwrap_or(u32::MAX)),
+        ..d
+    };
     LoopbackServer::start_configured(&config.bundle, config.loopback_device, config.loopback_limits, config.loopback_security(), options).await
 }

@@ -8,6 +8,7 @@ use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, TrainMode};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
+use cleave_host::report::OutputMode;
 use cleave_host::{RunOptions, VerifyOptions};
 
 #[derive(Parser)]
@@ -26,6 +27,12 @@ struct Cli {
     /// Output directory (overrides the config).
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Replace the results of an earlier run in the output directory.
+    #[arg(long, conflicts_with = "resume")]
+    force: bool,
+    /// Continue the run in the output directory: send only the requests it has no outcome for.
+    #[arg(long)]
+    resume: bool,
     /// Train the whole model in this process instead (a training config's reference run).
     #[arg(long)]
     monolithic: bool,
@@ -103,7 +110,16 @@ fn main() -> ExitCode {
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         None => run(
             cli.config.expect("clap requires --config or a subcommand"),
-            RunOptions { loopback: cli.loopback, split: cli.split, output: cli.output },
+            RunOptions {
+                loopback: cli.loopback,
+                split: cli.split,
+                output: cli.output,
+                output_mode: match (cli.force, cli.resume) {
+                    (true, _) => OutputMode::Force,
+                    (_, true) => OutputMode::Resume,
+                    _ => OutputMode::Fresh,
+                },
+            },
             cli.monolithic,
         ),
     };
@@ -129,7 +145,7 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
         return Ok(true);
     }
     let summary = runtime.block_on(cleave_host::run(config, opts))?;
-    Ok(summary.errors == 0)
+    Ok(summary.errors == 0 && summary.counts.never_sent == 0)
 }
 
 fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {

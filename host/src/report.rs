@@ -10,7 +10,7 @@ use cleave_common::tables::human_bytes;
 use cleave_common::{Bundle, Value};
 use serde::Serialize;
 
-use crate::client::{RequestMetrics, RequestOutcome};
+use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, StreamCounts};
 use crate::error::{HostError, Result};
 use crate::planning::auto_split::{Planned, SplitMove};
 use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
@@ -39,6 +39,12 @@ pub struct Summary {
     pub requests: u64,
     /// Requests answered with an error (or not at all).
     pub errors: u64,
+    /// What became of the requests of this invocation: sent, answered, retried, failed,
+    /// never sent, answered on the edge, reconnects, duplicate answers dropped.
+    #[serde(flatten)]
+    pub counts: StreamCounts,
+    /// Outcomes kept from the run this one resumed (`--resume`).
+    pub resumed: u64,
     /// End to end, per request.
     pub e2e_ms: Option<Percentiles>,
     /// Prefix, per request.
@@ -77,31 +83,80 @@ pub struct Summary {
     pub split_moves: Vec<SplitMove>,
 }
 
-/// Writes the per-request files as outcomes arrive.
+/// The per-request files of a run.
+const RUN_FILES: [&str; 3] = ["predictions.jsonl", "metrics.csv", "summary.json"];
+
+/// The columns of `metrics.csv`.
+const METRICS_HEADER: &str = "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,\
+server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms,served_by,attempts";
+
+/// What to do with an output directory that holds an earlier run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OutputMode {
+    /// Refuse it: a run never silently overwrites results.
+    #[default]
+    Fresh,
+    /// Replace it (`--force`).
+    Force,
+    /// Continue it (`--resume`): requests it answered are kept and not sent again.
+    Resume,
+}
+
+/// Writes the per-request files as outcomes arrive, a line per request, flushed at once: a
+/// run killed part-way leaves whole lines of what was answered.
 pub struct ReportWriter {
     dir: PathBuf,
     predictions: BufWriter<File>,
     metrics: BufWriter<File>,
     top_k: usize,
-    /// Outcomes seen (for the summary).
+    /// Outcomes seen (for the summary), those of the run resumed first.
     pub outcomes: Vec<(u64, RequestMetrics, bool)>,
+    /// Outcomes kept from the run resumed.
+    pub resumed: u64,
 }
 
 impl ReportWriter {
-    /// Creates the output directory and its files.
-    pub fn create(dir: &Path, top_k: usize) -> Result<Self> {
+    /// Creates the output directory and its files: refused when it holds an earlier run,
+    /// unless `mode` replaces or resumes it.
+    pub fn open(dir: &Path, top_k: usize, mode: OutputMode) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create output directory", path: dir.into(), error })?;
+        let earlier: Vec<&str> = RUN_FILES.into_iter().filter(|f| dir.join(f).exists()).collect();
+        let resuming = mode == OutputMode::Resume && dir.join("predictions.jsonl").exists();
+        match mode {
+            OutputMode::Fresh if !earlier.is_empty() => {
+                return Err(HostError::Invalid(format!(
+                    "the output directory {} holds an earlier run ({}): give --force to replace it, --resume to continue it, or another `output`",
+                    dir.display(),
+                    earlier.join(", ")
+                )))
+            }
+            OutputMode::Force => {
+                for f in earlier {
+                    std::fs::remove_file(dir.join(f)).map_err(|e| HostError::write(dir.join(f), e))?;
+                }
+                let tensors = dir.join("tensors");
+                if tensors.exists() {
+                    std::fs::remove_dir_all(&tensors).map_err(|e| HostError::write(&tensors, e))?;
+                }
+            }
+            _ => {}
+        }
+        let outcomes = if resuming { keep_answered(dir)? } else { Vec::new() };
         let open = |name: &str| -> Result<BufWriter<File>> {
-            Ok(BufWriter::new(File::create(dir.join(name)).map_err(|e| HostError::write(dir.join(name), e))?))
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(name)).map_err(|e| HostError::write(dir.join(name), e))?;
+            Ok(BufWriter::new(file))
         };
-        let mut metrics = open("metrics.csv")?;
-        let metrics_path = dir.join("metrics.csv");
-        writeln!(
-            metrics,
-            "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms"
-        )
-        .map_err(|e| HostError::write(&metrics_path, e))?;
-        Ok(Self { dir: dir.to_path_buf(), predictions: open("predictions.jsonl")?, metrics, top_k, outcomes: Vec::new() })
+        let (predictions, mut metrics) = (open("predictions.jsonl")?, open("metrics.csv")?);
+        if !resuming {
+            writeln!(metrics, "{METRICS_HEADER}").and_then(|()| metrics.flush()).map_err(|e| HostError::write(dir.join("metrics.csv"), e))?;
+        }
+        let resumed = outcomes.len() as u64;
+        Ok(Self { dir: dir.to_path_buf(), predictions, metrics, top_k, outcomes, resumed })
+    }
+
+    /// Request ids that have their outcome already (from the run resumed).
+    pub fn done(&self) -> std::collections::HashSet<u64> {
+        self.outcomes.iter().map(|(id, _, _)| *id).collect()
     }
 
     /// Records one outcome.
@@ -111,7 +166,9 @@ impl ReportWriter {
             Ok(last) => {
                 let output = bundle.assemble_output(last)?;
                 match classification_scores(&output) {
-                    Some(scores) => serde_json::json!({ "request_id": outcome.request_id, "top_k": top_k(&scores, self.top_k) }),
+                    Some(scores) => {
+                        serde_json::json!({ "request_id": outcome.request_id, "served_by": m.served_by, "top_k": top_k(&scores, self.top_k) })
+                    }
                     None => {
                         let rel = format!("tensors/request_{:06}.safetensors", outcome.request_id);
                         let tensors = self.dir.join("tensors");
@@ -121,7 +178,7 @@ impl ReportWriter {
                         let named: Vec<(String, tch::Tensor)> =
                             leaves.into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).contiguous())).collect();
                         tch::Tensor::write_safetensors(&named, self.dir.join(&rel))?;
-                        serde_json::json!({ "request_id": outcome.request_id, "tensors": rel })
+                        serde_json::json!({ "request_id": outcome.request_id, "served_by": m.served_by, "tensors": rel })
                     }
                 }
             }
@@ -129,11 +186,11 @@ impl ReportWriter {
         };
         let ok = line.get("error").is_none();
         let predictions_error = |e| HostError::write(self.dir.join("predictions.jsonl"), e);
-        writeln!(self.predictions, "{line}").map_err(predictions_error)?;
+        writeln!(self.predictions, "{line}").and_then(|()| self.predictions.flush()).map_err(predictions_error)?;
         let s = &m.server;
         writeln!(
             self.metrics,
-            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}",
+            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}",
             outcome.request_id,
             m.split,
             ok,
@@ -149,7 +206,9 @@ impl ReportWriter {
             s.total_ms(),
             network_ms(m),
             m.decode_ms,
-            m.e2e_ms
+            m.e2e_ms,
+            m.served_by.name(),
+            m.attempts
         )
         .and_then(|()| self.metrics.flush()) // A line per request as it is answered: `tail -f metrics.csv` follows a run.
         .map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
@@ -163,6 +222,78 @@ impl ReportWriter {
         self.metrics.flush().map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
         Ok(self.outcomes)
     }
+}
+
+/// Continues a run: keeps the requests both `predictions.jsonl` and `metrics.csv` have a
+/// whole line for (a run killed part-way may have written one and not the other, or half a
+/// line), rewrites both files with only those, and returns their outcomes.
+fn keep_answered(dir: &Path) -> Result<Vec<(u64, RequestMetrics, bool)>> {
+    let read =
+        |name: &str| std::fs::read_to_string(dir.join(name)).map_err(|error| HostError::Io { action: "cannot read", path: dir.join(name), error });
+    let whole_lines = |text: &str| -> Vec<String> {
+        let whole = text.rfind('\n').map_or("", |end| &text[..end]);
+        whole.lines().filter(|l| !l.is_empty()).map(str::to_string).collect()
+    };
+    let cannot = |name: &str, why: String| HostError::Invalid(format!("cannot resume from {}: {why}", dir.join(name).display()));
+    let predictions = whole_lines(&read("predictions.jsonl")?);
+    let metrics = whole_lines(&read("metrics.csv")?);
+    let (header, rows) = metrics.split_first().ok_or_else(|| cannot("metrics.csv", "it has no header".into()))?;
+    if header != METRICS_HEADER {
+        return Err(cannot("metrics.csv", "its columns are not this version's".into()));
+    }
+    let mut lines: std::collections::BTreeMap<u64, String> = Default::default();
+    for line in predictions {
+        let id = serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| v.get("request_id").and_then(serde_json::Value::as_u64))
+            .ok_or_else(|| cannot("predictions.jsonl", format!("a line without a request id: {line}")))?;
+        lines.insert(id, line);
+    }
+    // (prediction line, metrics row, outcome) of each request with both.
+    let mut kept = Vec::new();
+    for row in rows {
+        let (id, metrics, ok) = parse_metrics_row(row).ok_or_else(|| cannot("metrics.csv", format!("a row that does not parse: {row}")))?;
+        if let Some(line) = lines.remove(&id) {
+            kept.push((line, row.clone(), (id, metrics, ok)));
+        }
+    }
+    let rewrite = |name: &str, lines: Vec<&str>| -> Result<()> {
+        let tmp = dir.join(format!(".{name}.resume"));
+        std::fs::write(&tmp, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).map_err(|e| HostError::write(&tmp, e))?;
+        std::fs::rename(&tmp, dir.join(name)).map_err(|e| HostError::write(dir.join(name), e))
+    };
+    rewrite("predictions.jsonl", kept.iter().map(|k| k.0.as_str()).collect())?;
+    rewrite("metrics.csv", std::iter::once(METRICS_HEADER).chain(kept.iter().map(|k| k.1.as_str())).collect())?;
+    Ok(kept.into_iter().map(|(_, _, outcome)| outcome).collect())
+}
+
+/// One row of `metrics.csv`: the request id, its measurements and whether it succeeded.
+fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
+    let cells: Vec<&str> = row.split(',').collect();
+    if cells.len() != METRICS_HEADER.split(',').count() {
+        return None;
+    }
+    let f = |i: usize| cells[i].parse::<f64>().ok();
+    let u = |i: usize| cells[i].parse::<u64>().ok();
+    let metrics = RequestMetrics {
+        split: cells[1].parse().ok()?,
+        prefix_ms: f(3)?,
+        encode_ms: f(4)?,
+        bytes_raw: u(5)?,
+        bytes_wire: u(6)?,
+        round_trip_ms: f(7)?,
+        server: ServerTimes { queue_ms: f(8)?, decode_ms: f(9)?, compute_ms: f(10)?, encode_ms: f(11)? },
+        decode_ms: f(14)?,
+        e2e_ms: f(15)?,
+        served_by: match cells[16] {
+            "server" => ServedBy::Server,
+            "edge" => ServedBy::Edge,
+            _ => return None,
+        },
+        suffix_on_edge_ms: 0.0,
+        attempts: cells[17].parse().ok()?,
+    };
+    Some((u(0)?, metrics, cells[2].parse().ok()?))
 }
 
 /// The network's share of a request: its round trip less the server's time (zero for a
@@ -254,6 +385,13 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
         format!("{:.1} req/s", s.throughput_rps),
         format!("{} requests", s.requests),
         format!("{} errors", s.errors),
+    ]);
+    let c = &s.counts;
+    table.add_row(vec![
+        "requests".to_string(),
+        format!("{} answered", c.answered),
+        format!("{} retried, {} reconnects", c.retried, c.reconnects),
+        format!("{} failed, {} never sent, {} on the edge", c.failed, c.never_sent, c.served_by_edge),
     ]);
     table.add_row(vec![
         "bytes sent".to_string(),

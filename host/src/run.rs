@@ -18,8 +18,8 @@ use crate::files::open_bundle;
 use crate::inputs::Inputs;
 use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::profile::measure_profiles;
-use crate::report::{self, summary_table, ReportWriter, Summary};
-use crate::session::{connect, Link};
+use crate::report::{self, summary_table, OutputMode, ReportWriter, Summary};
+use crate::session::{connect_retrying, Link};
 
 /// Command-line overrides of `edge.yaml`.
 #[derive(Debug, Clone, Default)]
@@ -30,6 +30,8 @@ pub struct RunOptions {
     pub split: Option<SplitSpec>,
     /// Overrides `output`.
     pub output: Option<PathBuf>,
+    /// What to do when `output` holds an earlier run.
+    pub output_mode: OutputMode,
 }
 
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
@@ -49,10 +51,16 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
             .await
             .map_err(|e| HostError::Invalid(format!("reading the inputs: {e}")))??
     };
+    // An earlier run in `output` is refused, replaced or resumed before anything is sent.
+    let mut writer = ReportWriter::open(&output, config.top_k, opts.output_mode)?;
+    let done = writer.done();
+    if writer.resumed > 0 {
+        println!("resuming {}: {} of {} requests have their outcome", output.display(), writer.resumed, config.requests);
+    }
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
     let uses_tls = url.starts_with("https://");
-    let mut session = connect(&url, &bundle, &Link::secured(&config.security)).await?;
+    let mut session = connect_retrying(&url, &bundle, &Link::of(&config), &config.resilience.retry).await?;
     // `split: auto`: plan from measured profiles, then re-plan from the bandwidth measured on
     // every transfer; the prefix thread reads the split for each request.
     let mut planned = None;
@@ -77,8 +85,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         bundle.stage_count(),
         session.server.device
     );
-    let mut writer = ReportWriter::create(&output, config.top_k)?;
-    let progress = indicatif::ProgressBar::new(config.requests);
+    let ids: Vec<u64> = (0..config.requests).filter(|id| !done.contains(id)).collect();
+    let progress = indicatif::ProgressBar::new(ids.len() as u64);
     progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
     let plan = StreamPlan {
         bundle: bundle.clone(),
@@ -87,7 +95,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
             None => Splits::Fixed(split),
         },
         device: config.device,
-        requests: config.requests,
+        ids,
+        resilience: config.resilience,
         in_flight: config.in_flight,
         inputs,
         codec: config.codec,
@@ -109,7 +118,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     if let Some(prober) = prober {
         prober.abort();
     }
-    streamed?;
+    let counts = streamed?;
     let wall_s = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
     if let Some(e) = record_error {
@@ -118,6 +127,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     if let Some(server) = loopback {
         server.shutdown().await?;
     }
+    let writer_resumed = writer.resumed;
     let outcomes = writer.finish()?;
     let ok: Vec<&RequestMetrics> = outcomes.iter().filter(|(_, _, ok)| *ok).map(|(_, m, _)| m).collect();
     // No request succeeded: no percentiles (`null` in summary.json).
@@ -133,6 +143,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         batch_size: config.batch_size,
         requests: outcomes.len() as u64,
         errors: outcomes.iter().filter(|(_, _, ok)| !ok).count() as u64,
+        counts,
+        resumed: writer_resumed,
         e2e_ms: pick(|m| m.e2e_ms),
         prefix_ms: pick(|m| m.prefix_ms),
         encode_ms: pick(|m| m.encode_ms),

@@ -5,6 +5,8 @@
 //! payloads. The message limit and the result payload limit are the server's, from `Info`:
 //! the host frames what it sends and accepts what it receives by them.
 
+use std::time::Duration;
+
 use cleave_common::pb;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA};
@@ -14,15 +16,30 @@ use cleave_common::Bundle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use backon::BackoffBuilder;
+
+use crate::config::{EdgeConfig, Resilience, RetryPolicy};
 use crate::error::{HostError, Result};
 
-/// How to reach a server: TLS trust and bearer token.
-#[derive(Debug, Clone, Default)]
+/// How to reach a server: TLS trust, bearer token, and how long to wait for it.
+#[derive(Debug, Clone)]
 pub struct Link {
     /// TLS trust (the URL must then be https://).
     pub tls: Option<ClientTls>,
     /// Bearer token sent with every call.
     pub token: Option<Token>,
+    /// Opening the connection and its `Info` call.
+    pub connect_timeout: Duration,
+    /// HTTP/2 PING interval, and how long a PING may go unanswered before the connection is
+    /// taken for broken: a server that stops answering is noticed even between requests.
+    pub keepalive: (Duration, Duration),
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        let r = Resilience::default();
+        Self { tls: None, token: None, connect_timeout: r.connect_timeout, keepalive: (r.keepalive_interval, r.keepalive_timeout) }
+    }
 }
 
 impl Link {
@@ -33,7 +50,13 @@ impl Link {
 
     /// With the TLS trust and token of an edge config.
     pub fn secured(security: &EdgeSecurity) -> Self {
-        Self { tls: security.tls.clone(), token: security.token.clone() }
+        Self { tls: security.tls.clone(), token: security.token.clone(), ..Self::default() }
+    }
+
+    /// With the TLS trust, token and timeouts of an edge config.
+    pub fn of(config: &EdgeConfig) -> Self {
+        let r = &config.resilience;
+        Self { connect_timeout: r.connect_timeout, keepalive: (r.keepalive_interval, r.keepalive_timeout), ..Self::secured(&config.security) }
     }
 }
 
@@ -62,6 +85,8 @@ pub struct EdgeSession {
     pub server: ServerInfo,
     /// Its URL.
     pub url: String,
+    /// How it was reached (to reach it again).
+    pub link: Link,
 }
 
 impl std::fmt::Debug for EdgeSession {
@@ -76,6 +101,10 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?
         .tcp_nodelay(true)
+        .connect_timeout(link.connect_timeout)
+        .http2_keep_alive_interval(link.keepalive.0)
+        .keep_alive_timeout(link.keepalive.1)
+        .keep_alive_while_idle(true)
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20));
     if let Some(tls) = &link.tls {
@@ -88,16 +117,29 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         }
         endpoint = endpoint.tls_config(config).map_err(|e| connect_error(format!("TLS configuration: {}", cleave_common::error::with_causes(&e))))?;
     }
-    let channel = endpoint.connect().await.map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?;
+    // A server that accepts and then says nothing (stopped, say) must not hold the host: the
+    // whole handshake and `Info` get `connect_timeout`.
+    let timed_out = || connect_error(format!("no answer within {:?} (`connect_timeout`)", link.connect_timeout));
+    let channel = tokio::time::timeout(link.connect_timeout, endpoint.connect())
+        .await
+        .map_err(|_| timed_out())?
+        .map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?;
     let token = match &link.token {
         Some(t) => Some(t.bearer().parse().map_err(|_| HostError::Invalid("the bearer token is not a valid header value".into()))?),
         None => None,
     };
     let mut client = SplitInferenceClient::with_interceptor(channel, BearerToken(token));
-    let reply = client.info(pb::InfoRequest {}).await.map_err(|s| HostError::Rpc {
-        call: "Info",
-        code: s.code(),
-        message: format!("{url}: {}", s.message()),
+    let mut info = tonic::Request::new(pb::InfoRequest {});
+    info.set_timeout(link.connect_timeout);
+    // A refusal is final; a server that is not there yet (or stalls) may be tried again.
+    let reply = client.info(info).await.map_err(|s| match s.code() {
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::Unimplemented | tonic::Code::InvalidArgument => {
+            HostError::Rpc { call: "Info", code: s.code(), message: format!("{url}: {}", s.message()) }
+        }
+        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
+            connect_error(format!("no answer to Info within {:?} (`connect_timeout`)", link.connect_timeout))
+        }
+        code => connect_error(format!("Info: {code:?}: {}", s.message())),
     })?;
     let server = ServerInfo::try_from(reply.into_inner()).map_err(|e| HostError::Refused(format!("{url}: {e}")))?;
     if server.bundle_id != bundle.id() {
@@ -111,7 +153,35 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     }
     let max_message = server.limits.max_message_bytes as usize;
     let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
-    Ok(EdgeSession { client, server, url: url.to_string() })
+    Ok(EdgeSession { client, server, url: url.to_string(), link: link.clone() })
+}
+
+/// [`connect`], tried up to `retry.max_attempts` times with exponential backoff and jitter
+/// between attempts (a host started while its server is down, or restarting, waits for it).
+/// A server that answers and refuses this host (another bundle, say) is not tried again.
+pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
+    let mut backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100).min(retry.max_backoff))
+        .with_max_delay(retry.max_backoff)
+        .with_jitter()
+        .without_max_times()
+        .build();
+    let mut attempt = 1;
+    loop {
+        match connect(url, bundle, link).await {
+            Ok(session) => return Ok(session),
+            Err(e @ HostError::Connect { .. }) if attempt < retry.max_attempts => {
+                let wait = backoff.next().unwrap_or(retry.max_backoff);
+                tracing::warn!(attempt, of = retry.max_attempts, error = %e, "cannot reach the server; trying again in {wait:?}");
+                tokio::time::sleep(wait).await;
+                attempt += 1;
+            }
+            Err(HostError::Connect { url, reason }) => {
+                return Err(HostError::Connect { url, reason: format!("{reason} ({attempt} attempts, `retry.max_attempts`)") })
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 impl EdgeSession {

@@ -62,6 +62,8 @@ struct RawServerLimits {
     max_profile_repeats: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     drain_timeout: Option<Duration>,
+    dedup_window_requests: Option<u32>,
+    dedup_window_bytes: Option<u64>,
 }
 
 impl RawServerLimits {
@@ -86,6 +88,8 @@ impl RawServerLimits {
             max_echo_bytes_per_connection: self.max_echo_bytes_per_connection.unwrap_or(p.max_echo_bytes_per_connection),
             max_profile_repeats: self.max_profile_repeats.unwrap_or(p.max_profile_repeats),
             drain_timeout: self.drain_timeout.unwrap_or(p.drain_timeout),
+            dedup_window_requests: self.dedup_window_requests.unwrap_or(p.dedup_window_requests),
+            dedup_window_bytes: self.dedup_window_bytes.unwrap_or(p.dedup_window_bytes),
         };
         (limits, peers)
     }
@@ -123,6 +127,11 @@ pub struct PeerLimits {
     pub max_profile_repeats: u32,
     /// On shutdown, how long requests in flight are given before every connection is closed.
     pub drain_timeout: Duration,
+    /// Recent results kept so that a request its host resends after a broken connection is
+    /// answered without computing it again (0: none kept).
+    pub dedup_window_requests: u32,
+    /// Tensor bytes those results may hold together.
+    pub dedup_window_bytes: u64,
 }
 
 impl Default for PeerLimits {
@@ -140,6 +149,8 @@ impl Default for PeerLimits {
             max_echo_bytes_per_connection: 32 << 20,
             max_profile_repeats: 50,
             drain_timeout: Duration::from_secs(10),
+            dedup_window_requests: 1024,
+            dedup_window_bytes: 256 << 20,
         }
     }
 }
@@ -202,13 +213,17 @@ struct RawServerTraining {
     session_idle_timeout: Option<Duration>,
     #[serde(default)]
     max_sessions: Option<u32>,
+    #[serde(default)]
+    max_checkpoints: Option<u32>,
+    #[serde(default)]
+    max_checkpoint_bytes: Option<u64>,
 }
 
 /// How a server runs training sessions.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainingOptions {
-    /// Where sessions write checkpoints (`NAME.safetensors`) and resume from; none: a
-    /// session cannot save.
+    /// Where sessions write checkpoints and resume from, each session in its own namespace
+    /// (`NAMESPACE/NAME.safetensors`); none: a session cannot save.
     pub checkpoint_dir: Option<PathBuf>,
     /// Allow several sessions on the bundle at once, each training its own copy.
     pub concurrent_sessions: bool,
@@ -217,11 +232,24 @@ pub struct TrainingOptions {
     pub session_idle_timeout: Duration,
     /// Sessions open at once (with `concurrent_sessions`; otherwise one).
     pub max_sessions: u32,
+    /// Checkpoints one namespace may hold (overwriting one of them counts once).
+    pub max_checkpoints: u32,
+    /// Bytes on disk one namespace's checkpoints may hold together, the one being saved
+    /// included (a save that would go over is refused before it is written, or after, by its
+    /// file's size, before it is renamed into place).
+    pub max_checkpoint_bytes: u64,
 }
 
 impl Default for TrainingOptions {
     fn default() -> Self {
-        Self { checkpoint_dir: None, concurrent_sessions: false, session_idle_timeout: Duration::from_secs(600), max_sessions: 4 }
+        Self {
+            checkpoint_dir: None,
+            concurrent_sessions: false,
+            session_idle_timeout: Duration::from_secs(600),
+            max_sessions: 4,
+            max_checkpoints: 64,
+            max_checkpoint_bytes: 4 << 30,
+        }
     }
 }
 
@@ -309,6 +337,8 @@ impl ServerConfig {
                 concurrent_sessions: t.concurrent_sessions,
                 session_idle_timeout: t.session_idle_timeout.unwrap_or(d.session_idle_timeout),
                 max_sessions: t.max_sessions.unwrap_or(d.max_sessions),
+                max_checkpoints: t.max_checkpoints.unwrap_or(d.max_checkpoints),
+                max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
             },
         };
         if training.session_idle_timeout.is_zero() {
@@ -316,6 +346,12 @@ impl ServerConfig {
         }
         if training.max_sessions == 0 {
             return Err(file.invalid("training.max_sessions", "must be positive"));
+        }
+        if training.max_checkpoints == 0 {
+            return Err(file.invalid("training.max_checkpoints", "must be positive"));
+        }
+        if training.max_checkpoint_bytes == 0 {
+            return Err(file.invalid("training.max_checkpoint_bytes", "must be positive"));
         }
         Ok(Self { listen, bundle: file.resolve(&raw.bundle), device, limits, peers, security, training, insecure: raw.insecure })
     }
@@ -392,7 +428,7 @@ mod tests {
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
              memory_budget_bytes: 3221225472\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  max_echo_bytes_per_connection: 16777216\n  max_profile_repeats: 6\n  \
-             drain_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
+             drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
         )
         .unwrap();
         let want = PeerLimits {
@@ -408,6 +444,8 @@ mod tests {
             max_echo_bytes_per_connection: 16 << 20,
             max_profile_repeats: 6,
             drain_timeout: Duration::from_secs(2),
+            dedup_window_requests: 10,
+            dedup_window_bytes: 4096,
         };
         assert_eq!(c.peers, want);
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
@@ -423,5 +461,23 @@ mod tests {
         }
         let err = load("listen: 127.0.0.1:1\nlimits: {request_timeout: soon}\n").unwrap_err();
         assert!(err.contains("request_timeout"), "{err}");
+    }
+
+    #[test]
+    fn checkpoint_quotas_are_keys_with_defaults_and_must_be_positive() {
+        let d = TrainingOptions::default();
+        assert_eq!((d.max_checkpoints, d.max_checkpoint_bytes), (64, 4 << 30));
+        let c = load("listen: 127.0.0.1:1\ntraining: {checkpoint_dir: ck}\n").unwrap();
+        assert_eq!((c.training.max_checkpoints, c.training.max_checkpoint_bytes), (d.max_checkpoints, d.max_checkpoint_bytes));
+        let c = load("listen: 127.0.0.1:1\ntraining:\n  max_checkpoints: 3\n  max_checkpoint_bytes: 1048576\n").unwrap();
+        assert_eq!((c.training.max_checkpoints, c.training.max_checkpoint_bytes), (3, 1 << 20));
+        for (yaml, key) in
+            [("training: {max_checkpoints: 0}", "training.max_checkpoints"), ("training: {max_checkpoint_bytes: 0}", "training.max_checkpoint_bytes")]
+        {
+            let err = load(&format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap_err();
+            assert!(err.contains(&format!("`{key}`")) && err.contains("must be positive"), "{yaml}: {err}");
+        }
+        let err = load("listen: 127.0.0.1:1\ntraining: {max_checkpoint_bytes: lots}\n").unwrap_err();
+        assert!(err.contains("max_checkpoint_bytes"), "{err}");
     }
 }

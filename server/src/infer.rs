@@ -25,6 +25,7 @@ use tonic::Status;
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, RequestError};
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
+use crate::window::{HostSession, ResultWindow};
 use crate::worker::{Job, JobResult, Work};
 
 /// Result frames a stream buffers for its host: with one answer being encoded, what a host
@@ -53,6 +54,8 @@ pub(crate) struct InferContext {
     pub(crate) request_timeout: Duration,
     /// Cancelled when the server starts draining.
     pub(crate) draining: CancellationToken,
+    /// The window of recent results and the session of this stream's host, when it gave one.
+    pub(crate) window: Option<(ResultWindow, HostSession)>,
 }
 
 /// Serves one stream: spawns its reader and responder; results go to `out`.
@@ -175,7 +178,17 @@ where
             }
         };
         let started = match (frames.starts_payload(&frame), slot) {
-            (true, Some(slot)) => Some(start_request(&receiver, &ctx.budget, &frame, slot).await),
+            (true, Some(slot)) => match start_request(&receiver, &ctx, &frame, slot).await {
+                Ok(Started::Recalled(answer)) => {
+                    frames.skip_payload(&frame);
+                    if pending.send(answer).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Ok(Started::New(assembly, held)) => Some(Ok((assembly, held))),
+                Err(e) => Some(Err(e)),
+            },
             _ => None,
         };
         let (assembly, held) = match frames.push_started(&frame, started) {
@@ -202,17 +215,34 @@ where
     }
 }
 
-/// Starts a request from its first frame: its envelope checked against the cut it names,
-/// then its declared bytes reserved in the memory budget (waiting briefly for room).
+/// A request started from its first frame.
+enum Started {
+    /// To be received, its bytes reserved.
+    New(Reassembly, Held),
+    /// Resent, and answered from the window of recent results.
+    Recalled(Pending),
+}
+
+/// Starts a request from its first frame: its envelope checked against the cut it names;
+/// then its answer taken from the window when its host sent it before, or else its declared
+/// bytes reserved in the memory budget (waiting briefly for room).
 async fn start_request(
     receiver: &Mutex<PayloadReceiver>,
-    budget: &MemoryBudget,
+    ctx: &InferContext,
     frame: &InferFrame,
     slot: OwnedSemaphorePermit,
-) -> Result<(Reassembly, Held), RequestError> {
+) -> Result<Started, RequestError> {
     let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(frame.request_id, &frame.header)?;
-    let bytes = budget.reserve(assembly.held_bytes()).await?;
-    Ok((assembly, Held { _slot: slot, _bytes: Some(bytes) }))
+    if let Some(output) = ctx.window.as_ref().and_then(|(window, session)| window.recall(session, frame.request_id)) {
+        tracing::debug!(request_id = frame.request_id, "a resent request answered from the window of recent results");
+        let (tx, answer) = oneshot::channel();
+        let _ = tx.send(Ok(JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }));
+        let held = Some(Held { _slot: slot, _bytes: None });
+        let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
+        return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, _held: held }));
+    }
+    let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
+    Ok(Started::New(assembly, Held { _slot: slot, _bytes: Some(bytes) }))
 }
 
 /// Decodes a complete request and hands it to the compute worker; returns it as pending.
@@ -235,8 +265,13 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
                 if ctx.worker.send(Work::Run(job)).await.is_err() {
                     let _ = tx.send(Err(RequestError::Unavailable));
                 } else {
+                    let window = ctx.window.clone();
                     tokio::spawn(async move {
                         let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
+                        // Kept even when this stream is gone by now: its host will resend it.
+                        if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
+                            window.keep(&session, id, output);
+                        }
                         let _ = tx.send(answer);
                     });
                 }

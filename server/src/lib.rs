@@ -13,6 +13,8 @@
 //!   own thread, stages, optimizer and checkpoints), `stream` (calls answered in order).
 //! - `payloads`: decoding requests and encoding answers on the blocking pool.
 //! - `worker`: the compute thread that owns the stages.
+//! - `window`: recent results, so that a request resent after a broken connection is
+//!   answered without computing it again.
 //! - `error`: why a call failed, and the one map from errors to gRPC statuses.
 //! - [`write_dev_secrets`]: `server dev-secrets`.
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
@@ -26,6 +28,7 @@ mod infer;
 mod payloads;
 mod service;
 mod training;
+mod window;
 mod worker;
 
 use std::future::Future;
@@ -49,6 +52,7 @@ pub use budget::MemoryBudget;
 pub use config::{PeerLimits, ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets};
 pub use error::ServerError;
+pub use window::ResultWindow;
 
 /// How long a failed accept waits before the next one.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -80,6 +84,7 @@ impl PreparedServer {
             training: training::admission::Training::new(TrainingOptions::default()),
             peers,
             budget: MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait),
+            window: ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes),
             draining: CancellationToken::new(),
             profiling: Arc::new(tokio::sync::Semaphore::new(1)),
         };
@@ -91,12 +96,18 @@ impl PreparedServer {
         peers.validate(&self.service.limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
         self.service.peers = peers;
         self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
+        self.service.window = ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes);
         Ok(self)
     }
 
     /// The memory budget every stream's requests share (to watch what it holds).
     pub fn memory_budget(&self) -> MemoryBudget {
         self.service.budget.clone()
+    }
+
+    /// The window of recent results resent requests are answered from (to watch its hits).
+    pub fn result_window(&self) -> ResultWindow {
+        self.service.window.clone()
     }
 
     /// Sets how training sessions run (checkpoint directory, concurrent sessions).

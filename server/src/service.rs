@@ -9,7 +9,7 @@ use bytes::Bytes;
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_server::SplitInference;
 use cleave_common::pb::{self, InferFrame, ResultFrame};
-use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA};
+use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA, HOST_SESSION_METADATA};
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{Direction, PayloadReceiver};
 use cleave_common::{Bundle, DeviceSpec};
@@ -26,6 +26,7 @@ use crate::error::RequestError;
 use crate::infer::InferContext;
 use crate::training::admission::Training;
 use crate::training::stream::TrainContext;
+use crate::window::{HostSession, ResultWindow};
 use crate::worker::{ProfileJob, Work};
 
 /// Timed passes when a `Profile` call asks for none.
@@ -45,6 +46,8 @@ pub(crate) struct Service {
     pub(crate) peers: PeerLimits,
     /// The memory every stream's requests share.
     pub(crate) budget: MemoryBudget,
+    /// Recent results, for requests resent after a broken connection.
+    pub(crate) window: ResultWindow,
     /// Cancelled when the server starts draining.
     pub(crate) draining: CancellationToken,
     /// One profile at a time.
@@ -77,6 +80,10 @@ impl SplitInference for Service {
         if self.draining.is_cancelled() {
             return Err(RequestError::Draining.into());
         }
+        let session = match request.metadata().get(HOST_SESSION_METADATA) {
+            None => None,
+            Some(value) => Some(HostSession::parse(value.to_str().unwrap_or(""))?),
+        };
         let ctx = InferContext {
             stage_count: self.bundle.stage_count(),
             receiver: Arc::new(Mutex::new(
@@ -91,6 +98,7 @@ impl SplitInference for Service {
             budget: self.budget.clone(),
             request_timeout: self.peers.request_timeout,
             draining: self.draining.clone(),
+            window: session.map(|s| (self.window.clone(), s)),
         };
         let out = crate::infer::serve_stream(request.into_inner(), ctx);
         Ok(Response::new(Box::pin(ReceiverStream::new(out))))

@@ -1,12 +1,13 @@
 //! Input sources (images, .npy, .safetensors) and the example configs.
 
 use std::path::Path;
+use std::time::Duration;
 
 use cleave_common::training::loss::LossKind;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::SplitSpec;
 use cleave_common::{Bundle, DeviceSpec};
-use cleave_host::config::{EdgeConfig, InputSource, TrainMode};
+use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience, RetryPolicy, TrainMode};
 use cleave_host::inputs::Inputs;
 use cleave_server::ServerConfig;
 use cleave_tests::bundle_dir;
@@ -167,6 +168,43 @@ fn config_errors_name_the_file_and_the_key() {
     let p = write("training.yaml", "listen: 127.0.0.1:0\nbundle: b\ntraining: {concurrent_sessions: true, checkpoint_dir: ck}\n");
     let training = ServerConfig::load(&p).unwrap().training;
     assert!(training.concurrent_sessions && training.checkpoint_dir == Some(dir.path().join("ck")));
+}
+
+#[test]
+fn the_hosts_deadlines_retries_and_fallback_are_keys_with_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let base = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let c = EdgeConfig::load(&write("defaults.yaml", base)).unwrap();
+    assert_eq!(c.resilience, Resilience::default());
+    assert_eq!((c.resilience.retry.max_attempts, c.resilience.fallback), (5, Fallback::None));
+    let keys = "connect_timeout: 2s\nrequest_timeout: 1500ms\nkeepalive_interval: 4s\nkeepalive_timeout: 3s\n\
+                retry: {max_attempts: 7, max_backoff: 9s}\nfallback: edge\n";
+    let c = EdgeConfig::load(&write("keys.yaml", &format!("{base}{keys}"))).unwrap();
+    let want = Resilience {
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_millis(1500),
+        keepalive_interval: Duration::from_secs(4),
+        keepalive_timeout: Duration::from_secs(3),
+        retry: RetryPolicy { max_attempts: 7, max_backoff: Duration::from_secs(9) },
+        fallback: Fallback::Edge,
+    };
+    assert_eq!(c.resilience, want);
+    for (yaml, key) in [
+        ("request_timeout: 0s", "`request_timeout`: must be positive"),
+        ("connect_timeout: 0s", "`connect_timeout`: must be positive"),
+        ("retry: {max_attempts: 0}", "`retry.max_attempts`: must be at least 1"),
+        ("retry: {max_backoff: 0s}", "`retry.max_backoff`: must be positive"),
+        ("fallback: cloud", "`fallback`: \"cloud\": expected `none` or `edge`"),
+        ("retry: {tries: 3}", "unknown field `tries`"),
+    ] {
+        let err = EdgeConfig::load(&write("bad.yaml", &format!("{base}{yaml}\n"))).unwrap_err().to_string();
+        assert!(err.contains(key), "{yaml}: {err}");
+    }
 }
 
 #[test]

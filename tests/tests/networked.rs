@@ -28,7 +28,8 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
-        requests,
+        ids: (0..requests).collect(),
+        resilience: Default::default(),
         in_flight: 3,
         inputs: Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap(),
         codec: Codec::RAW,
@@ -94,7 +95,8 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
             bundle: bundle.clone(),
             split: Splits::RoundRobin(schedule.clone()),
             device: DeviceSpec::Cpu,
-            requests: 10,
+            ids: (0..10).collect(),
+            resilience: Default::default(),
             in_flight: 2,
             inputs: Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 3).unwrap(),
             codec: Codec::RAW,
@@ -292,7 +294,9 @@ fn large_boundaries_are_split_into_frames_and_reassembled() {
 #[test]
 fn shutdown_answers_the_requests_received_then_ends_the_stream() {
     // The server stops reading when it drains: what it received is answered (exactly, in
-    // order), the stream then ends, and the server stops while the host still has requests.
+    // order), the stream then ends, and the server stops while the host still has requests:
+    // the host tries to reconnect `retry.max_attempts` times, then gives every request it
+    // sent and had no answer for an error (those it never sent get none).
     let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
     let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
     runtime().block_on(async {
@@ -311,7 +315,7 @@ fn shutdown_answers_the_requests_received_then_ends_the_stream() {
             match output {
                 Ok(output) => assert!(i < answered && output.bit_identical(&local(&bundle, &whole, 8, 5, id)), "request {id} is answered exactly"),
                 // Sent but never read by the draining server: an error, never a wrong result.
-                Err(e) => assert!(i >= answered && e.contains("the stream ended"), "request {id}: {e}"),
+                Err(e) => assert!(i >= answered && e.contains("could not be reached in 5 attempts"), "request {id}: {e}"),
             }
         }
     });

@@ -94,7 +94,7 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     std::fs::write(&config, yaml).unwrap();
     let config = EdgeConfig::load(&config).unwrap();
     assert_eq!(config.split, cleave_common::SplitSpec::Auto);
-    let opts = cleave_host::RunOptions { loopback: true, split: None, output: None };
+    let opts = cleave_host::RunOptions { loopback: true, ..Default::default() };
     let summary = tokio::runtime::Runtime::new().unwrap().block_on(cleave_host::run(config, opts)).unwrap();
     assert_eq!((summary.requests, summary.errors), (12, 0));
     let bundle = cleave_common::Bundle::open(bundle_dir("digits")).unwrap();

@@ -4,7 +4,7 @@
 //! Adam, on the digits CNN and on a residual model with batch norm and dropout whose cut
 //! carries two tensors, in the split and the U-shaped (labels stay on the edge) variants.
 //! Also: resuming from checkpoints, trained weights written back into a bundle, one session
-//! per bundle, and the errors of a misused session.
+//! per bundle, the errors of a misused session, and checkpoint namespaces and quotas.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -86,7 +86,7 @@ impl<'a> Run<'a> {
         let path = out.join("edge.yaml");
         std::fs::write(&path, edit(yaml)).unwrap();
         let config = EdgeConfig::load(&path)?;
-        let opts = RunOptions { loopback: self.mode != "monolithic", split: None, output: None };
+        let opts = RunOptions { loopback: self.mode != "monolithic", split: None, output: None, ..RunOptions::default() };
         Ok(runtime().block_on(cleave_host::training::run(config, opts))?)
     }
 }
@@ -112,13 +112,20 @@ fn bn_dropout_data() -> (PathBuf, PathBuf) {
     (dir.path().join("train.safetensors"), dir.path().join("test.safetensors"))
 }
 
+/// The server's checkpoint `name` of a run's output: in the one namespace holding it.
+fn server_checkpoint(out: &Path, name: &str) -> Option<PathBuf> {
+    let namespaces = std::fs::read_dir(out.join("checkpoints/server")).ok()?;
+    let found: Vec<PathBuf> = namespaces.map(|ns| ns.unwrap().path().join(format!("{name}.safetensors"))).filter(|p| p.is_file()).collect();
+    assert!(found.len() <= 1, "{name} in several namespaces: {found:?}");
+    found.into_iter().next()
+}
+
 /// The parameters and buffers after `step` steps: the host's checkpoint, plus the server's
 /// for a split run.
 fn trained_state(out: &Path, step: u64) -> HashMap<String, Tensor> {
     let name = checkpoint_name(step);
     let mut state = checkpoint_state(&out.join("checkpoints").join(&name).join(HOST_CHECKPOINT)).unwrap();
-    let server = out.join("checkpoints/server").join(format!("{name}.safetensors"));
-    if server.is_file() {
+    if let Some(server) = server_checkpoint(out, &name) {
         let theirs = checkpoint_state(&server).unwrap();
         for key in theirs.keys().filter(|k| !k.starts_with("optim.")) {
             assert!(!state.contains_key(key), "{key} is in both sides' checkpoints");
@@ -214,6 +221,8 @@ fn resuming_from_checkpoints_gives_the_uninterrupted_parameters() {
     Run { max_steps: 10, ..Run::new("digits", "split", 7, ADAM) }.train(&interrupted);
     let resumed = Run { resume: Some(checkpoint_name(10)), ..Run::new("digits", "split", 7, ADAM) }.train(&interrupted);
     assert_eq!(resumed.resumed_from_step, Some(10));
+    // The server's side continued in the namespace it resumed from.
+    assert_eq!(std::fs::read_dir(interrupted.join("checkpoints/server")).unwrap().count(), 1, "one namespace");
     assert_eq!(resumed.total_steps, STEPS);
     let whole = checkpoint_state(&tmp.path().join("whole/checkpoints/step-20").join(HOST_CHECKPOINT)).unwrap();
     let again = checkpoint_state(&interrupted.join("checkpoints/step-20").join(HOST_CHECKPOINT)).unwrap();
@@ -413,7 +422,8 @@ fn checkpoint_names_are_file_names() {
     runtime().block_on(async {
         let server =
             LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
-        let (mut stream, _) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let namespace = opened.opened.unwrap().namespace;
         for (id, name) in [(1, "../elsewhere"), (2, ".hidden"), (3, "a/b"), (4, "")] {
             stream
                 .0
@@ -428,8 +438,9 @@ fn checkpoint_names_are_file_names() {
         stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: 5, name: "ok-1".into() })) }).await.unwrap();
         let reply = stream.1.next().await.unwrap().unwrap();
         assert_eq!(reply.saved.map(|s| s.step), Some(0), "{:?}", reply.error);
-        assert!(dir.path().join("ok-1.safetensors").is_file());
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "nothing written outside the name");
+        assert!(dir.path().join(&namespace).join("ok-1.safetensors").is_file());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "nothing written outside the namespace");
+        assert_eq!(std::fs::read_dir(dir.path().join(&namespace)).unwrap().count(), 1, "nothing written outside the name");
     });
 }
 
@@ -545,4 +556,179 @@ fn a_training_payload_that_does_not_fit_its_session_s_cuts_is_refused_before_its
         assert!(last.error.is_none() && last.loss.is_some(), "{last:?}");
         server.shutdown().await.unwrap();
     });
+}
+
+/// A server training the digits bundle with checkpoints in `dir`, with `options`' quotas.
+async fn checkpointing_server(bundle: &Bundle, dir: &Path, options: TrainingOptions) -> LoopbackServer {
+    let options = TrainingOptions { checkpoint_dir: Some(dir.to_path_buf()), ..options };
+    LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap()
+}
+
+/// Asks the session to save checkpoint `name`; returns the reply.
+async fn save(stream: &mut TrainStream, id: u64, name: &str) -> pb::TrainReply {
+    let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.into() })) };
+    stream.0.send(frame).await.unwrap();
+    let reply = stream.1.next().await.unwrap().unwrap();
+    assert_eq!(reply.request_id, id);
+    reply
+}
+
+/// One training step of a digits session over [7, 12); panics unless it trained.
+async fn train_step(stream: &mut TrainStream, id: u64) {
+    use cleave_common::{Boundary, Value};
+    let features = Tensor::rand([2, 32, 4, 4], (Kind::Float, tch::Device::Cpu));
+    let targets = Tensor::from_slice(&[3i64, 4]);
+    let step = Boundary { values: vec![("features_6".into(), Value::Tensor(features)), ("@targets".into(), Value::Tensor(targets))] };
+    let replies = call(stream, id, pb::Phase::Forward, (7, Direction::Request), &step).await;
+    let last = replies.last().unwrap();
+    assert!(last.error.is_none() && last.loss.is_some(), "{last:?}");
+}
+
+/// Opens a session, retrying while the one before it is still closing.
+async fn open_when_free(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (TrainStream, pb::SessionOpened) {
+    for _ in 0..100 {
+        let (stream, reply) = open_session(url, bundle, open.clone()).await;
+        if let Some(opened) = reply.opened {
+            return (stream, opened);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("no session opened");
+}
+
+#[test]
+fn a_session_cannot_overwrite_another_session_s_checkpoints() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    runtime().block_on(async {
+        let options = TrainingOptions { concurrent_sessions: true, ..TrainingOptions::default() };
+        let server = checkpointing_server(&bundle, dir.path(), options).await;
+        let (mut a, opened_a) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let ns_a = opened_a.opened.unwrap().namespace;
+        train_step(&mut a, 1).await;
+        assert!(save(&mut a, 2, "step-1").await.saved.is_some());
+        let theirs = dir.path().join(&ns_a).join("step-1.safetensors");
+        let before = std::fs::read(&theirs).unwrap();
+
+        // A second session saves the same name into its own namespace.
+        let (mut b, opened_b) = open_session(&server.url, &bundle, pb::OpenSession { seed: 2, ..open_digits(7, 12, "cross-entropy") }).await;
+        let ns_b = opened_b.opened.unwrap().namespace;
+        assert_ne!(ns_a, ns_b, "two sessions never share a namespace");
+        train_step(&mut b, 1).await;
+        assert!(save(&mut b, 2, "step-1").await.saved.is_some());
+        assert!(dir.path().join(&ns_b).join("step-1.safetensors").is_file());
+        assert_eq!(std::fs::read(&theirs).unwrap(), before, "the first session's checkpoint is untouched");
+        // A name cannot reach into another namespace.
+        let (code, message) = error_of(&save(&mut b, 3, &format!("../{ns_a}/step-1")).await);
+        assert_eq!(code, tonic::Code::InvalidArgument, "{message}");
+
+        // Nor can a third session take the first one's namespace while it is open ...
+        let resume = pb::OpenSession { resume: format!("{ns_a}/step-1"), ..open_digits(7, 12, "cross-entropy") };
+        let (_c, refused) = open_session(&server.url, &bundle, resume.clone()).await;
+        let (code, message) = error_of(&refused);
+        assert_eq!(code, tonic::Code::FailedPrecondition, "{message}");
+        assert!(message.contains(&ns_a) && message.contains("held by session"), "{message}");
+        assert_eq!(std::fs::read(&theirs).unwrap(), before);
+        // ... only continue it, by resuming, once that session has closed.
+        drop(a);
+        let (_c, opened_c) = open_when_free(&server.url, &bundle, resume).await;
+        assert_eq!((opened_c.namespace.as_str(), opened_c.step), (ns_a.as_str(), 1));
+    });
+}
+
+#[test]
+fn a_session_resumes_from_its_namespace_and_saves_there() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    runtime().block_on(async {
+        let server = checkpointing_server(&bundle, dir.path(), TrainingOptions::default()).await;
+        let (mut first, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let namespace = opened.opened.unwrap().namespace;
+        for id in 1..=2 {
+            train_step(&mut first, id).await;
+        }
+        assert_eq!(save(&mut first, 3, "step-2").await.saved.map(|s| s.step), Some(2));
+        drop(first);
+
+        // A resume names the namespace: a bare name is refused before anything loads.
+        let (_refused, reply) =
+            open_session(&server.url, &bundle, pb::OpenSession { resume: "step-2".into(), ..open_digits(7, 12, "cross-entropy") }).await;
+        let (code, message) = error_of(&reply);
+        assert_eq!(code, tonic::Code::InvalidArgument, "{message}");
+        assert!(message.contains("NAMESPACE/NAME"), "{message}");
+
+        let resume = pb::OpenSession { resume: format!("{namespace}/step-2"), ..open_digits(7, 12, "cross-entropy") };
+        let (mut second, opened) = open_when_free(&server.url, &bundle, resume).await;
+        assert_eq!((opened.namespace.as_str(), opened.step), (namespace.as_str(), 2));
+        train_step(&mut second, 1).await;
+        assert_eq!(save(&mut second, 2, "step-3").await.saved.map(|s| s.step), Some(3));
+        let mut files: Vec<String> =
+            std::fs::read_dir(dir.path().join(&namespace)).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        files.sort();
+        assert_eq!(files, ["step-2.safetensors", "step-3.safetensors"]);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no other namespace");
+    });
+}
+
+#[test]
+fn the_checkpoint_count_quota_refuses_one_more_and_the_session_goes_on() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    runtime().block_on(async {
+        let server = checkpointing_server(&bundle, dir.path(), TrainingOptions { max_checkpoints: 2, ..TrainingOptions::default() }).await;
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let namespace = dir.path().join(opened.opened.unwrap().namespace);
+        assert!(save(&mut stream, 1, "a").await.saved.is_some());
+        assert!(save(&mut stream, 2, "b").await.saved.is_some());
+        let (code, message) = error_of(&save(&mut stream, 3, "c").await);
+        assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+        assert!(message.contains("`training.max_checkpoints` (2)") && message.contains("holds 2 checkpoints"), "{message}");
+        assert!(!namespace.join("c.safetensors").exists());
+        // The session goes on: it trains, and replacing a checkpoint counts once.
+        train_step(&mut stream, 4).await;
+        assert_eq!(save(&mut stream, 5, "a").await.saved.map(|s| s.step), Some(1));
+        assert_eq!(std::fs::read_dir(&namespace).unwrap().count(), 2, "a and b, nothing half written");
+    });
+}
+
+#[test]
+fn the_checkpoint_byte_quota_refuses_a_save_that_would_go_over() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    // The size of one checkpoint of this session (SGD without momentum keeps no state).
+    let probe = tempfile::tempdir().unwrap();
+    let size = runtime().block_on(async {
+        let server = checkpointing_server(&bundle, probe.path(), TrainingOptions::default()).await;
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        assert!(save(&mut stream, 1, "probe").await.saved.is_some());
+        std::fs::metadata(probe.path().join(opened.opened.unwrap().namespace).join("probe.safetensors")).unwrap().len()
+    });
+    for (quota, refused) in [(size - 1, true), (size, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        runtime().block_on(async {
+            let options = TrainingOptions { max_checkpoint_bytes: quota, ..TrainingOptions::default() };
+            let server = checkpointing_server(&bundle, dir.path(), options).await;
+            let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+            let namespace = dir.path().join(opened.opened.unwrap().namespace);
+            let reply = save(&mut stream, 1, "first").await;
+            if refused {
+                // Its tensors fit, its file (with its header) does not: refused once written,
+                // and the temporary file is gone.
+                let (code, message) = error_of(&reply);
+                assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+                assert!(message.contains(&format!("`training.max_checkpoint_bytes` ({quota})")) && message.contains(&size.to_string()), "{message}");
+                assert!(std::fs::read_dir(&namespace).map_or(true, |mut d| d.next().is_none()), "nothing left on disk");
+                train_step(&mut stream, 2).await;
+                return;
+            }
+            assert!(reply.saved.is_some(), "{reply:?}");
+            // One more checkpoint would go over: refused before anything is written.
+            let (code, message) = error_of(&save(&mut stream, 2, "second").await);
+            assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+            assert!(message.contains("would hold at least") && message.contains(&format!("other checkpoints hold {size}")), "{message}");
+            // Replacing the first one fits, and the session goes on.
+            train_step(&mut stream, 3).await;
+            assert_eq!(save(&mut stream, 4, "first").await.saved.map(|s| s.step), Some(1));
+            assert_eq!(std::fs::read_dir(&namespace).unwrap().count(), 1);
+        });
+    }
 }

@@ -261,6 +261,11 @@ impl IncomingPayload {
         self.codec
     }
 
+    /// The key the payload is sealed with, if it is.
+    pub fn key_id(&self) -> Option<u32> {
+        self.seal.as_ref().map(|s| s.key_id)
+    }
+
     /// Exactly how many data bytes must follow (checked against the codec's bounds).
     pub fn wire_len(&self) -> u64 {
         self.header.wire_len

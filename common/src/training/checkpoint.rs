@@ -14,6 +14,10 @@ use super::{TrainError, TrainableStages};
 /// The metadata key holding [`CheckpointMeta`] as JSON.
 pub const META_KEY: &str = "cleave.checkpoint";
 
+/// Ends the name of the temporary file a checkpoint is written to before it is renamed
+/// into place (`NAME.safetensors.partial`): one left behind by a crash is never a checkpoint.
+pub const TEMPORARY_SUFFIX: &str = ".partial";
+
 /// What a checkpoint is of.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointMeta {
@@ -39,6 +43,52 @@ fn fail(path: &Path, message: impl Into<String>) -> TrainError {
 /// Writes the state of `parts` and `optimizer` to `path` (through a temporary file renamed
 /// into place, so a crash never leaves half a checkpoint).
 pub fn save(path: &Path, meta: &CheckpointMeta, parts: &[&TrainableStages], optimizer: &Optimizer) -> Result<(), TrainError> {
+    write(path, meta, parts, optimizer)?.commit()
+}
+
+/// The tensor bytes a checkpoint of `parts` and `optimizer` holds: its file is this plus a
+/// header of a few KiB. Known before anything is written, so that a quota can refuse first.
+pub fn tensor_bytes(parts: &[&TrainableStages], optimizer: &Optimizer) -> u64 {
+    let tensors = parts.iter().flat_map(|p| p.state()).chain(optimizer.state_tensors());
+    tensors.map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum()
+}
+
+/// A checkpoint written to a temporary file beside its path, not yet in place: [`Self::commit`]
+/// renames it there; dropping it removes the temporary file.
+#[derive(Debug)]
+pub struct WrittenCheckpoint {
+    path: PathBuf,
+    temporary: PathBuf,
+    bytes: u64,
+    committed: bool,
+}
+
+impl WrittenCheckpoint {
+    /// The file's size.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Renames the file into place (replacing a checkpoint of the same name).
+    pub fn commit(mut self) -> Result<(), TrainError> {
+        std::fs::rename(&self.temporary, &self.path)
+            .map_err(|e| fail(&self.path, format!("cannot rename {} into place: {e}", self.temporary.display())))?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for WrittenCheckpoint {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.temporary);
+        }
+    }
+}
+
+/// Writes the state of `parts` and `optimizer` to a temporary file beside `path` (its name
+/// with [`TEMPORARY_SUFFIX`] added), flushed to disk; the caller checks its size and commits it.
+pub fn write(path: &Path, meta: &CheckpointMeta, parts: &[&TrainableStages], optimizer: &Optimizer) -> Result<WrittenCheckpoint, TrainError> {
     let mut tensors: Vec<(String, Tensor)> = parts.iter().flat_map(|p| p.state()).collect();
     tensors.extend(optimizer.state_tensors());
     let mut encoded = Vec::with_capacity(tensors.len());
@@ -59,14 +109,20 @@ pub fn save(path: &Path, meta: &CheckpointMeta, parts: &[&TrainableStages], opti
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| fail(path, format!("cannot create {}: {e}", dir.display())))?;
     }
-    let tmp = temporary_beside(path);
-    safetensors::serialize_to_file(views, Some(HashMap::from([(META_KEY.to_string(), json)])), &tmp).map_err(|e| fail(path, e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| fail(path, format!("cannot rename {} into place: {e}", tmp.display())))
+    // From here on, dropping `written` removes what was written.
+    let mut written = WrittenCheckpoint { path: path.to_path_buf(), temporary: temporary_beside(path), bytes: 0, committed: false };
+    safetensors::serialize_to_file(views, Some(HashMap::from([(META_KEY.to_string(), json)])), &written.temporary)
+        .map_err(|e| fail(path, e.to_string()))?;
+    // On disk before it is renamed: a crash after the rename finds the whole file.
+    let file = std::fs::File::open(&written.temporary).and_then(|f| f.sync_all().map(|()| f));
+    let file = file.map_err(|e| fail(path, format!("cannot flush {}: {e}", written.temporary.display())))?;
+    written.bytes = file.metadata().map_err(|e| fail(path, format!("cannot read the size of {}: {e}", written.temporary.display())))?.len();
+    Ok(written)
 }
 
 fn temporary_beside(path: &Path) -> PathBuf {
     let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(".partial");
+    name.push(TEMPORARY_SUFFIX);
     path.with_file_name(name)
 }
 

@@ -82,7 +82,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
     let batch = config.batch_size;
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-    let mut session = connect(&url, &bundle, &Link::secured(&config.security)).await?;
+    let mut session = connect(&url, &bundle, &Link::of(&config)).await?;
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
 
     let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats).await?;
@@ -127,7 +127,8 @@ async fn measure_cuts(config: &EdgeConfig, session: &mut EdgeSession, bundle: &B
         bundle: bundle.clone(),
         split: Splits::RoundRobin(cuts.to_vec()),
         device: config.device,
-        requests: (rounds + 1) * cuts.len() as u64,
+        ids: (0..(rounds + 1) * cuts.len() as u64).collect(),
+        resilience: config.resilience,
         in_flight: 1,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, config.batch_size)?,
         codec: config.codec,

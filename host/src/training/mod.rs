@@ -10,7 +10,8 @@
 //!   seeds: the reference split training must equal.
 //!
 //! After every epoch the held-out split is evaluated (split inference over the same session,
-//! in eval mode) and a checkpoint is written on both sides; the output directory gets
+//! in eval mode) and a checkpoint is written on both sides (the host's names the server's
+//! checkpoint namespace, so that a resume finds both halves); the output directory gets
 //! `metrics.csv` and `summary.json` ([`report`]), `training.svg` (`plots::training`) and
 //! `steps.csv` ([`write_report`] and the run).
 
@@ -43,6 +44,10 @@ pub use report::{EpochRecord, TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINI
 
 /// The host's checkpoint file inside a checkpoint directory (`checkpoints/step-N/`).
 pub const HOST_CHECKPOINT: &str = "host.safetensors";
+
+/// The key in a host checkpoint's metadata (`extra`) naming the server's checkpoint namespace
+/// that holds the server's side of the same step: a resume names `NAMESPACE/step-N`.
+pub const SERVER_NAMESPACE_KEY: &str = "server_namespace";
 
 /// The trained bundle's directory in the output directory (`train.write_bundle: true`).
 pub const TRAINED_BUNDLE: &str = "bundle";
@@ -113,7 +118,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     let loopback = if remote && opts.loopback { Some(crate::loopback::for_training(&config, &server_checkpoints).await?) } else { None };
 
     // The edge's stages load on a blocking thread: TorchScript loading takes a while.
-    let (prefix, tail_stages, optimizer, position, resumed) = {
+    let (prefix, tail_stages, optimizer, position, resumed, server_resume) = {
         let (bundle, device, seed) = (bundle.clone(), config.device, train.seed);
         let train = train.clone();
         let checkpoints = checkpoints.clone();
@@ -123,6 +128,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             let mut optimizer = Optimizer::new(train.optimizer.clone());
             let mut position = Position { epoch: 0, batch: 0 };
             let mut resumed = None;
+            let mut server_resume = String::new();
             if let Some(name) = &train.resume {
                 let path = checkpoints.join(name).join(HOST_CHECKPOINT);
                 let parts: Vec<&TrainableStages> = prefix.iter().chain(tail_stages.iter()).collect();
@@ -134,8 +140,16 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
                 position = serde_json::from_value(meta.extra["position"].clone())
                     .map_err(|e| HostError::File { path: path.clone(), message: format!("no data position: {e}") })?;
                 resumed = Some(meta.step);
+                if remote {
+                    // The server's side of this step is in the namespace its session had.
+                    let namespace = meta.extra[SERVER_NAMESPACE_KEY].as_str().filter(|n| !n.is_empty()).ok_or_else(|| HostError::File {
+                        path: path.clone(),
+                        message: format!("it names no server checkpoint namespace (`{SERVER_NAMESPACE_KEY}`): it is not of a split run"),
+                    })?;
+                    server_resume = format!("{namespace}/{name}");
+                }
             }
-            Ok((prefix, tail_stages, optimizer, position, resumed))
+            Ok((prefix, tail_stages, optimizer, position, resumed, server_resume))
         })
         .await
         .map_err(|e| HostError::Invalid(format!("loading the edge's stages: {e}")))??
@@ -143,9 +157,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     let step = resumed.unwrap_or(0);
 
     let mut session = None;
+    let mut server_namespace = String::new();
     let link = if remote {
         let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-        let mut s = connect(&url, &bundle, &Link::secured(&config.security)).await?;
+        let mut s = connect(&url, &bundle, &Link::of(&config)).await?;
         s.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
         let open = pb::OpenSession {
             start: split as u32,
@@ -153,7 +168,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             optimizer: Some(pb::Optimizer::from(&train.optimizer)),
             loss: if tail == n { train.loss.name().to_string() } else { String::new() },
             seed: train.seed,
-            resume: train.resume.clone().unwrap_or_default(),
+            resume: server_resume,
         };
         let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
         let (link, opened) = TrainLink::open(&mut s, request).await?;
@@ -174,6 +189,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             opened.session_id,
             opened.parameters
         );
+        server_namespace = opened.namespace;
         session = Some(s);
         Some(link)
     } else {
@@ -191,6 +207,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         step,
         position,
         checkpoints: checkpoints.clone(),
+        server_namespace: server_namespace.clone(),
         split,
         tail_cut: tail,
     };
@@ -231,7 +248,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         let dir = output.join(TRAINED_BUNDLE);
         let mut files = vec![outcome.last_checkpoint.join(HOST_CHECKPOINT)];
         if remote {
-            files.push(server_checkpoints.join(format!("{}.safetensors", checkpoint_name(outcome.step))));
+            files.push(server_checkpoints.join(&server_namespace).join(format!("{}.safetensors", checkpoint_name(outcome.step))));
         }
         // Loading the stages and hashing the new bundle's files: on the blocking pool.
         let (trained, target) = (bundle.clone(), dir.clone());
@@ -307,6 +324,8 @@ struct Trainer {
     step: u64,
     position: Position,
     checkpoints: PathBuf,
+    /// The server's checkpoint namespace (empty when monolithic), kept in each host checkpoint.
+    server_namespace: String,
     split: usize,
     tail_cut: usize,
 }
@@ -503,6 +522,7 @@ impl Trainer {
                 "mode": self.train.mode.name(),
                 "split": self.split,
                 "tail": self.tail_cut,
+                SERVER_NAMESPACE_KEY: self.server_namespace,
             }),
         };
         checkpoint::save(&dir.join(HOST_CHECKPOINT), &meta, &parts, &self.optimizer)?;

@@ -1,5 +1,6 @@
 //! Who may train: an `OpenSession` checked against the bundle (a usable range, an
-//! optimizer, a loss exactly when the server holds the last stage, a checkpoint name), and
+//! optimizer, a loss exactly when the server holds the last stage, a checkpoint to resume
+//! from named `NAMESPACE/NAME`), and
 //! the sessions open now. By default a bundle has at most one session at a time, so two
 //! hosts cannot train the same weights unknowingly; `training.concurrent_sessions` lets each
 //! train its own copy.
@@ -14,7 +15,8 @@ use cleave_common::training::optim::OptimizerConfig;
 use cleave_common::training::TrainError;
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 
-use super::session::{checkpoint_path, SessionSetup};
+use super::checkpoints::{CheckpointRef, CheckpointStore};
+use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
 use crate::error::RequestError;
 
@@ -23,6 +25,8 @@ use crate::error::RequestError;
 pub(crate) struct Training {
     pub(crate) options: TrainingOptions,
     sessions: Arc<Sessions>,
+    /// The checkpoint directory's namespaces (none without `training.checkpoint_dir`).
+    checkpoints: Option<CheckpointStore>,
 }
 
 #[derive(Debug, Default)]
@@ -46,7 +50,8 @@ impl Drop for SessionSlot {
 
 impl Training {
     pub(crate) fn new(options: TrainingOptions) -> Self {
-        Self { options, sessions: Arc::default() }
+        let checkpoints = CheckpointStore::new(&options);
+        Self { options, sessions: Arc::default(), checkpoints }
     }
 
     /// Takes a place for a new session on `bundle`, or says why not.
@@ -97,8 +102,18 @@ impl Training {
         };
         let resume = match open.resume.as_str() {
             "" => None,
-            name => Some(checkpoint_path(self.options.checkpoint_dir.as_ref(), name)?),
+            _ if self.checkpoints.is_none() => return Err(no_checkpoint_dir()),
+            text => Some(CheckpointRef::parse(text)?),
         };
-        Ok(SessionSetup { bundle: bundle.clone(), range: StageRange::new(start, end), device, optimizer, loss, seed: open.seed, resume })
+        Ok(SessionSetup {
+            bundle: bundle.clone(),
+            range: StageRange::new(start, end),
+            device,
+            optimizer,
+            loss,
+            seed: open.seed,
+            resume,
+            checkpoints: self.checkpoints.clone(),
+        })
     }
 }

@@ -6,8 +6,10 @@
 //! state is per thread, and the inference worker keeps serving the exported weights
 //! meanwhile), with the session's optimizer and, when `end` is the last cut, its loss. Every
 //! later call is answered in order with exactly one reply or one error, and a failed call
-//! leaves the session open ([`stream`]).
+//! leaves the session open ([`stream`]). Checkpoints go into a namespace the session holds
+//! alone, within a count and a byte quota ([`checkpoints`]).
 
 pub(crate) mod admission;
+pub(crate) mod checkpoints;
 pub(crate) mod session;
 pub(crate) mod stream;

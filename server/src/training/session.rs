@@ -3,7 +3,6 @@
 //! (forward, U-shaped backward, evaluation, checkpoint). The step math is the one the edge
 //! runs too (`cleave_common::training::step`).
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
@@ -15,6 +14,7 @@ use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
+use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
 use crate::error::RequestError;
 
 /// A validated `OpenSession`: what the session thread loads.
@@ -25,22 +25,15 @@ pub(crate) struct SessionSetup {
     pub(crate) optimizer: OptimizerConfig,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
-    pub(crate) resume: Option<PathBuf>,
+    /// The checkpoint to resume from; the session continues in its namespace.
+    pub(crate) resume: Option<CheckpointRef>,
+    /// Where the session keeps its checkpoints; none: it cannot save.
+    pub(crate) checkpoints: Option<CheckpointStore>,
 }
 
-/// Checks a checkpoint name: a file name, never a path.
-pub(crate) fn checkpoint_path(dir: Option<&PathBuf>, name: &str) -> Result<PathBuf, RequestError> {
-    let dir = dir.ok_or_else(|| RequestError::Session("this server has no checkpoint directory (`training.checkpoint_dir`)".into()))?;
-    let valid = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with('.')
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if !valid {
-        return Err(RequestError::Training(TrainError::Invalid(format!(
-            "checkpoint name {name:?}: use letters, digits, '-', '_' and '.', not starting with '.'"
-        ))));
-    }
-    Ok(dir.join(format!("{name}.safetensors")))
+/// The refusal of a checkpoint call on a server without a checkpoint directory.
+pub(crate) fn no_checkpoint_dir() -> RequestError {
+    RequestError::Session("this server has no checkpoint directory (`training.checkpoint_dir`)".into())
 }
 
 /// A call for the session thread.
@@ -51,8 +44,8 @@ pub(crate) enum Call {
     Backward { grads: Boundary },
     /// An evaluation batch.
     Evaluate { input: Boundary },
-    /// Write a checkpoint.
-    Save { path: PathBuf, name: String },
+    /// Write a checkpoint into the session's namespace.
+    Save { name: String },
 }
 
 /// The session thread's answer.
@@ -77,6 +70,8 @@ pub(crate) struct Opened {
     pub(crate) step: u64,
     pub(crate) parameters: u64,
     pub(crate) device: String,
+    /// The session's checkpoint namespace (empty without a checkpoint directory).
+    pub(crate) namespace: String,
 }
 
 /// U-shaped: a step whose backward has not come yet.
@@ -96,33 +91,43 @@ struct Session {
     step: u64,
     /// U-shaped: the step whose backward has not come yet.
     pending: Option<PendingStep>,
+    /// Where it saves, held while the session lives.
+    namespace: Option<Namespace>,
 }
 
 impl Session {
-    fn open(setup: SessionSetup) -> Result<Self, TrainError> {
+    /// Takes the session's checkpoint namespace (before loading anything, so a taken one is
+    /// refused at once), loads its stages and restores the checkpoint it resumes from.
+    fn open(setup: SessionSetup, id: &str) -> Result<Self, RequestError> {
+        let namespace = match (&setup.checkpoints, &setup.resume) {
+            (Some(store), resume) => Some(store.claim(id, resume.as_ref().map(|r| r.namespace.as_str()))?),
+            (None, Some(_)) => return Err(no_checkpoint_dir()),
+            (None, None) => None,
+        };
         let stages = TrainableStages::load(&setup.bundle, setup.range, setup.device, setup.seed)?;
         let mut optimizer = Optimizer::new(setup.optimizer);
         let mut step = 0;
-        if let Some(path) = &setup.resume {
-            let meta = checkpoint::restore(path, &[&stages], &mut optimizer)?;
+        if let (Some(resume), Some(namespace)) = (&setup.resume, &namespace) {
+            let path = namespace.path(&resume.name)?;
+            let meta = checkpoint::restore(&path, &[&stages], &mut optimizer)?;
             if meta.seed != setup.seed {
-                return Err(TrainError::Checkpoint {
-                    path: path.clone(),
+                return Err(RequestError::Training(TrainError::Checkpoint {
+                    path,
                     message: format!("it was trained with seed {}, this session has seed {}: resume with the same seed", meta.seed, setup.seed),
-                });
+                }));
             }
             step = meta.step;
         }
-        Ok(Self { stages, optimizer, loss: setup.loss, seed: setup.seed, step, pending: None })
+        Ok(Self { stages, optimizer, loss: setup.loss, seed: setup.seed, step, pending: None, namespace })
     }
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
     /// optimizer step overlaps with sending the gradient back.
     /// `reply` is taken when answered; a caller that catches a panic answers it if not.
     fn handle(&mut self, call: Call, started: Instant, reply: &mut Option<Reply>) {
-        let mut answer = |r: Result<Answer, TrainError>| {
+        let mut answer = |r: Result<Answer, RequestError>| {
             if let Some(reply) = reply.take() {
-                let _ = reply.send(r.map(|a| (a, started.elapsed())).map_err(RequestError::from));
+                let _ = reply.send(r.map(|a| (a, started.elapsed())));
             }
         };
         match call {
@@ -132,17 +137,17 @@ impl Session {
                     self.finish_step(param_grads);
                 }
                 Ok((answer_now, None)) => answer(Ok(answer_now)),
-                Err(e) => answer(Err(e)),
+                Err(e) => answer(Err(e.into())),
             },
             Call::Backward { grads } => match self.backward(&grads) {
                 Ok((answer_now, param_grads)) => {
                     answer(Ok(answer_now));
                     self.finish_step(param_grads);
                 }
-                Err(e) => answer(Err(e)),
+                Err(e) => answer(Err(e.into())),
             },
-            Call::Evaluate { input } => answer(self.stages.evaluate(&input).map(|out| Answer::Output(out.detached()))),
-            Call::Save { path, name } => {
+            Call::Evaluate { input } => answer(self.stages.evaluate(&input).map(|out| Answer::Output(out.detached())).map_err(RequestError::from)),
+            Call::Save { name } => {
                 let meta = CheckpointMeta {
                     bundle_id: self.stages.bundle().id().to_string(),
                     ranges: vec![[self.stages.range().start, self.stages.range().end]],
@@ -151,7 +156,14 @@ impl Session {
                     seed: self.seed,
                     extra: Default::default(),
                 };
-                answer(checkpoint::save(&path, &meta, &[&self.stages], &self.optimizer).map(|()| Answer::Saved { name, step: self.step }))
+                let saved = match &self.namespace {
+                    Some(namespace) => namespace.save(&name, &meta, &[&self.stages], &self.optimizer),
+                    None => Err(no_checkpoint_dir()),
+                };
+                if let Err(e) = &saved {
+                    tracing::info!(namespace = self.namespace.as_ref().map_or("", |n| n.name()), checkpoint = %name, error = %e, "checkpoint refused");
+                }
+                answer(saved.map(|_bytes| Answer::Saved { name, step: self.step }))
             }
         }
     }
@@ -205,18 +217,20 @@ pub(crate) struct SessionHandle {
 }
 
 impl SessionHandle {
-    /// Loads the session on its own thread; returns once it is ready (or failed to load).
-    pub(crate) async fn spawn(setup: SessionSetup) -> Result<(Self, Opened), RequestError> {
+    /// Loads session `id` on its own thread; returns once it is ready (or failed to load).
+    pub(crate) async fn spawn(setup: SessionSetup, id: &str) -> Result<(Self, Opened), RequestError> {
         // Calls come one at a time per stream; the channel only hands them over.
         let (tx, mut rx) = mpsc::channel::<CallJob>(2);
         let (opened_tx, opened_rx) = oneshot::channel();
+        let id = id.to_string();
         std::thread::Builder::new()
             .name("cleave-train".into())
             .spawn(move || {
-                let mut session = match Session::open(setup) {
+                let mut session = match Session::open(setup, &id) {
                     Ok(s) => {
                         let device = cleave_common::device::device_name(s.stages.device());
-                        let _ = opened_tx.send(Ok(Opened { step: s.step, parameters: s.stages.parameter_count(), device }));
+                        let namespace = s.namespace.as_ref().map(|n| n.name().to_string()).unwrap_or_default();
+                        let _ = opened_tx.send(Ok(Opened { step: s.step, parameters: s.stages.parameter_count(), device, namespace }));
                         s
                     }
                     Err(e) => {

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::admission::Training;
-use super::session::{checkpoint_path, Answer, Call, SessionHandle};
+use super::session::{Answer, Call, SessionHandle};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, RequestError};
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
@@ -67,7 +67,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
     let opened = async {
         let setup = ctx.training.setup(&ctx.bundle, ctx.device, &open)?;
         let slot = ctx.training.admit(&ctx.bundle)?;
-        let (session, opened) = SessionHandle::spawn(setup).await?;
+        let (session, opened) = SessionHandle::spawn(setup, &slot.id).await?;
         Ok::<_, RequestError>((slot, session, opened))
     }
     .await;
@@ -79,8 +79,17 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
             return;
         }
     };
-    tracing::info!(session = %slot.id, start = open.start, end = open.end, step = opened.step, device = %opened.device, "training session open");
-    let reply = pb::SessionOpened { session_id: slot.id.clone(), step: opened.step, parameters: opened.parameters, device: opened.device };
+    tracing::info!(
+        session = %slot.id, start = open.start, end = open.end, step = opened.step, device = %opened.device, namespace = %opened.namespace,
+        "training session open"
+    );
+    let reply = pb::SessionOpened {
+        session_id: slot.id.clone(),
+        step: opened.step,
+        parameters: opened.parameters,
+        device: opened.device,
+        namespace: opened.namespace,
+    };
     if out.send(Ok(TrainReply { opened: Some(reply), last: true, ..Default::default() })).await.is_err() {
         return;
     }
@@ -126,11 +135,8 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         };
         let replies = match frame.kind {
             Some(train_frame::Kind::Save(save)) => {
-                let answer = match checkpoint_path(ctx.training.options.checkpoint_dir.as_ref(), &save.name) {
-                    Ok(path) => session.call(Call::Save { path, name: save.name }).await,
-                    Err(e) => Err(e),
-                };
-                vec![match answer {
+                // The session thread checks the name and the quotas, and writes.
+                vec![match session.call(Call::Save { name: save.name }).await {
                     Ok((Answer::Saved { name, step }, _)) => {
                         TrainReply { request_id: save.request_id, last: true, saved: Some(pb::CheckpointSaved { name, step }), ..Default::default() }
                     }

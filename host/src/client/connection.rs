@@ -1,0 +1,115 @@
+//! One connection's `Infer` stream: the frames going out, the results coming back and
+//! reassembled. A stream is opened per connection (with a fresh result receiver: the
+//! server seals each stream's results under a new nonce prefix) and dropped whole when the
+//! connection breaks, stalls or carries garbage.
+
+use std::time::{Duration, Instant};
+
+use cleave_common::pb::{self, InferFrame};
+use cleave_common::protocol::HOST_SESSION_METADATA;
+use cleave_common::wire::{CodecPolicy, Direction, FrameAssembler, KeyRing, PayloadReceiver};
+use cleave_common::Boundary;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use super::{ms, ServerTimes};
+use crate::error::{HostError, Result};
+use crate::session::EdgeSession;
+
+/// A live `Infer` stream.
+pub(super) struct Connection {
+    frames: mpsc::UnboundedSender<InferFrame>,
+    inbound: tonic::Streaming<pb::ResultFrame>,
+    results: ResultAssembler,
+}
+
+/// A whole answer from the server.
+pub(super) struct Answer {
+    pub(super) id: u64,
+    /// The boundary at the last cut, or the server's error.
+    pub(super) output: Result<Boundary, String>,
+    /// The status code of an error answer.
+    pub(super) code: Option<tonic::Code>,
+    pub(super) decode_ms: f64,
+    pub(super) server: Option<ServerTimes>,
+}
+
+impl Connection {
+    /// Opens the stream on a connected session, within `timeout`. Requests carry the host's
+    /// session id, so that the server answers one it already computed from its window.
+    pub(super) async fn open(session: &EdgeSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self> {
+        let (frames, rx) = mpsc::unbounded_channel();
+        let mut request = session.stream_request(UnboundedReceiverStream::new(rx));
+        request.metadata_mut().insert(HOST_SESSION_METADATA, host_session.parse().expect("a hex session id is a valid header value"));
+        let mut client = session.client.clone();
+        let opened = tokio::time::timeout(timeout, client.infer(request))
+            .await
+            .map_err(|_| HostError::Connect { url: session.url.clone(), reason: format!("the Infer stream did not open within {timeout:?}") })?
+            .map_err(|s| HostError::rpc("Infer", &s))?;
+        // Results must come back sealed when requests go sealed: a stripped seal is refused.
+        let policy = CodecPolicy { require_encryption: sealed, ..CodecPolicy::default() };
+        let results = ResultAssembler {
+            receiver: PayloadReceiver::new(Direction::Result, session.max_payload_bytes(), policy, ring),
+            frames: FrameAssembler::default(),
+        };
+        Ok(Self { frames, inbound: opened.into_inner(), results })
+    }
+
+    /// Queues a request's frames (the stream takes them as fast as the server reads them; at
+    /// most `in_flight` requests are ever queued). False when the stream is gone.
+    pub(super) fn send(&self, frames: &[InferFrame]) -> bool {
+        frames.iter().all(|f| self.frames.send(f.clone()).is_ok())
+    }
+
+    /// The next whole answer; an error when the stream ended, failed or broke the framing
+    /// (the connection is then of no more use). Cancel-safe: frames of an answer part-way in
+    /// stay in the assembler.
+    pub(super) async fn next_answer(&mut self) -> Result<Answer, String> {
+        loop {
+            let frame = match self.inbound.next().await {
+                None => return Err("the server ended the stream".into()),
+                Some(Err(status)) => return Err(format!("the stream failed: {:?}: {}", status.code(), status.message())),
+                Some(Ok(frame)) => frame,
+            };
+            if let Some(answer) = self.results.push(frame)? {
+                return Ok(answer);
+            }
+        }
+    }
+}
+
+/// Reassembles result payloads from their frames.
+struct ResultAssembler {
+    receiver: PayloadReceiver,
+    frames: FrameAssembler,
+}
+
+impl ResultAssembler {
+    /// Takes one result frame; returns the answer once its last frame is in. A result that
+    /// cannot be reassembled is an error: the server broke the framing.
+    fn push(&mut self, frame: pb::ResultFrame) -> Result<Option<Answer>, String> {
+        let id = frame.request_id;
+        if let Some(err) = &frame.error {
+            self.frames.abandon();
+            let code = tonic::Code::from(err.code);
+            let output = Err(format!("{code:?}: {}", err.message));
+            return Ok(Some(Answer { id, output, code: Some(code), decode_ms: 0.0, server: None }));
+        }
+        let receiver = &self.receiver;
+        let assembly = match self.frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ()))) {
+            Ok(None) => return Ok(None),
+            Ok(Some((assembly, ()))) => assembly,
+            Err((id, e)) => return Err(format!("the result of request {id} cannot be reassembled: {e}")),
+        };
+        let t = Instant::now();
+        let output = self.receiver.finish(assembly).map(|r| r.boundary).map_err(|e| format!("result: {e}"));
+        let server = frame.timings.map(|t| ServerTimes {
+            queue_ms: t.queue_us as f64 / 1e3,
+            decode_ms: t.decode_us as f64 / 1e3,
+            compute_ms: t.compute_us as f64 / 1e3,
+            encode_ms: t.encode_us as f64 / 1e3,
+        });
+        Ok(Some(Answer { id, output, code: None, decode_ms: ms(t), server }))
+    }
+}

@@ -1,0 +1,558 @@
+//! The streaming client: runs the prefix of each request on its own thread ([`prefix`]),
+//! streams the boundaries to the server and collects the results, with up to `in_flight`
+//! requests travelling at once (the prefix of request i+1 runs while request i is on the
+//! wire or on the server).
+//!
+//! Servers fail, stall and restart; the client keeps every request until it has its one
+//! outcome:
+//! - A connection that ends, fails, carries garbage, answers UNAVAILABLE (a server
+//!   draining) or leaves a request unanswered past `request_timeout` is dropped whole.
+//! - The client reconnects after exponential backoff with jitter (`retry:`) and resends
+//!   every request not yet answered, as it was encoded, in order. Requests carry the host's
+//!   session id: one the server computed before is answered from its window of recent
+//!   results rather than computed again.
+//! - An id gets exactly one outcome: an answer for an id already answered is dropped (and
+//!   counted). A request sent `retry.max_attempts` times, and every request once
+//!   `retry.max_attempts` connection attempts in a row fail, gets an error, unless
+//!   `fallback: edge` runs it on the edge instead.
+
+mod connection;
+mod prefix;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use backon::BackoffBuilder;
+use cleave_common::wire::{Codec, Key, KeyRing, PayloadSender};
+use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
+use tokio::sync::mpsc;
+
+use self::connection::{Answer, Connection};
+use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
+use crate::config::{Fallback, Resilience};
+use crate::error::{HostError, Result};
+use crate::inputs::Inputs;
+use crate::session::{connect, EdgeSession};
+
+/// The first wait before reconnecting; it doubles up to `retry.max_backoff`.
+const FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// What to send.
+pub struct StreamPlan {
+    /// The bundle (the server must serve the same id).
+    pub bundle: Bundle,
+    /// The cut each request is split at.
+    pub split: Splits,
+    /// Where the prefix runs.
+    pub device: DeviceSpec,
+    /// The ids of the requests to send, in order (request `i` takes the inputs' batch `i`; a
+    /// resumed run leaves out those already answered).
+    pub ids: Vec<u64>,
+    /// Requests in flight at once.
+    pub in_flight: usize,
+    /// Where the input batches come from.
+    pub inputs: Inputs,
+    /// How boundaries are encoded (results come back the same way).
+    pub codec: Codec,
+    /// The key payloads are sealed with, if any.
+    pub key: Option<(u32, Key)>,
+    /// Deadlines, reconnects and fallback.
+    pub resilience: Resilience,
+}
+
+/// Which cut each request is split at. A request split at the last cut runs wholly on the
+/// edge and never crosses the network.
+#[derive(Debug, Clone)]
+pub enum Splits {
+    /// Always this cut.
+    Fixed(usize),
+    /// Read when each request's prefix starts (`split: auto`: the planner moves it between
+    /// requests on the same stream).
+    Moving(Arc<AtomicUsize>),
+    /// Request `i` at `cuts[i % cuts.len()]` (`host plan --measure`: every cut under the
+    /// same conditions, interleaved).
+    RoundRobin(Vec<usize>),
+}
+
+impl Splits {
+    /// The cut of request `id`.
+    pub fn for_request(&self, id: u64) -> usize {
+        match self {
+            Splits::Fixed(cut) => *cut,
+            Splits::Moving(cut) => cut.load(Ordering::Relaxed),
+            Splits::RoundRobin(cuts) => cuts[(id % cuts.len().max(1) as u64) as usize],
+        }
+    }
+
+    /// The stages the edge must hold.
+    pub(crate) fn edge_stages(&self, bundle: &Bundle) -> StageRange {
+        match self {
+            Splits::Fixed(cut) => StageRange::prefix(*cut),
+            Splits::Moving(_) => StageRange::all(bundle),
+            Splits::RoundRobin(cuts) => StageRange::prefix(cuts.iter().copied().max().unwrap_or(0)),
+        }
+    }
+}
+
+/// The server's own timings for one request, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ServerTimes {
+    /// Waiting for the compute worker.
+    pub queue_ms: f64,
+    /// Decoding the boundary.
+    pub decode_ms: f64,
+    /// Running the suffix.
+    pub compute_ms: f64,
+    /// Encoding the result.
+    pub encode_ms: f64,
+}
+
+impl ServerTimes {
+    /// Everything the server spent.
+    pub fn total_ms(&self) -> f64 {
+        self.queue_ms + self.decode_ms + self.compute_ms + self.encode_ms
+    }
+}
+
+/// Measurements of one request.
+#[derive(Debug, Clone, Default)]
+pub struct RequestMetrics {
+    /// The cut this request was split at.
+    pub split: usize,
+    /// Running stages [0, split).
+    pub prefix_ms: f64,
+    /// Encoding the boundary.
+    pub encode_ms: f64,
+    /// Tensor bytes of the boundary.
+    pub bytes_raw: u64,
+    /// Bytes of the frames on the wire.
+    pub bytes_wire: u64,
+    /// From handing the first frame to gRPC until the last result frame arrived.
+    pub round_trip_ms: f64,
+    /// The server's timings.
+    pub server: ServerTimes,
+    /// Decoding the result.
+    pub decode_ms: f64,
+    /// From making the input to having the output.
+    pub e2e_ms: f64,
+    /// Who ran the suffix.
+    pub served_by: ServedBy,
+    /// Running the suffix on the edge (`fallback: edge`), ms.
+    pub suffix_on_edge_ms: f64,
+    /// Times the request was sent to a server.
+    pub attempts: u32,
+}
+
+/// Who ran a request's suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServedBy {
+    /// The server.
+    #[default]
+    Server,
+    /// The edge: the request was split at the last cut, or no server answered it
+    /// (`fallback: edge`).
+    Edge,
+}
+
+impl ServedBy {
+    /// `server` or `edge`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Server => "server",
+            Self::Edge => "edge",
+        }
+    }
+}
+
+/// What became of a run's requests (`summary.json`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StreamCounts {
+    /// Requests sent to a server at least once.
+    pub sent: u64,
+    /// Requests answered with a result, by a server or the edge.
+    pub answered: u64,
+    /// Sends beyond a request's first (after a broken or stalled connection).
+    pub retried: u64,
+    /// Requests whose one outcome is an error.
+    pub failed: u64,
+    /// Requests never sent: the run stopped before their turn.
+    pub never_sent: u64,
+    /// Requests answered on the edge (split at the last cut, or `fallback: edge`).
+    pub served_by_edge: u64,
+    /// Connections opened after the first.
+    pub reconnects: u64,
+    /// Answers for a request that already had its outcome, dropped.
+    pub duplicates_dropped: u64,
+}
+
+/// The answer to one request.
+pub struct RequestOutcome {
+    /// The request id.
+    pub request_id: u64,
+    /// Its measurements.
+    pub metrics: RequestMetrics,
+    /// The boundary at the last cut, or the error.
+    pub output: Result<Boundary, String>,
+}
+
+/// Sends every request and calls `on_outcome` exactly once per request id, in the order the
+/// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's
+/// message limit and accepted up to its payload limit. `session` ends as the last connection.
+pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
+    let key_id = plan.key.as_ref().map(|(id, _)| *id);
+    session.check_accepts(&plan.codec, key_id)?;
+    if plan.in_flight == 0 {
+        return Err(HostError::Invalid("in_flight must be at least 1: no request could be sent".into()));
+    }
+    let ring = KeyRing::new(plan.key.clone()).expect("one key");
+    // One sender for the whole run: a request resent on a new connection goes as it was
+    // sealed, and new ones continue its nonce counter.
+    let sender = match key_id {
+        Some(id) => PayloadSender::sealed(&ring, id)?,
+        None => PayloadSender::plain(),
+    };
+    let (asks, asks_rx) = std::sync::mpsc::channel();
+    for _ in 0..plan.in_flight {
+        asks.send(ToPrefix::Go).expect("the receiver is here");
+    }
+    let (produced_tx, produced) = mpsc::unbounded_channel();
+    let on_edge = Arc::new(AtomicBool::new(false));
+    let run = Run {
+        total: plan.ids.len(),
+        resilience: plan.resilience,
+        bundle: plan.bundle.clone(),
+        codec: plan.codec,
+        key_id,
+        ring,
+        host_session: format!("{:032x}", rand::random::<u128>()),
+        unanswered: BTreeMap::new(),
+        at_edge: HashSet::new(),
+        outcomes: HashSet::new(),
+        counts: StreamCounts::default(),
+        asks,
+        on_edge: Arc::clone(&on_edge),
+        on_outcome,
+    };
+    let chunk_bytes = session.chunk_bytes();
+    let channels = PrefixChannels { asks: asks_rx, produced: produced_tx, on_edge };
+    let producer = std::thread::Builder::new()
+        .name("cleave-prefix".into())
+        .spawn(move || run_prefixes(plan, sender, chunk_bytes, channels))
+        .map_err(|e| HostError::Invalid(format!("cannot start the prefix thread: {e}")))?;
+    let counts = run.stream(session, produced).await;
+    let produced = producer.join().map_err(|_| HostError::Invalid("the prefix thread panicked".into()))?;
+    produced?;
+    let counts = counts?;
+    if counts.never_sent > 0 || counts.failed > 0 {
+        tracing::warn!(failed = counts.failed, never_sent = counts.never_sent, "not every request was answered");
+    }
+    Ok(counts)
+}
+
+/// A request sent (or waiting for a connection) and not answered yet.
+struct Unanswered {
+    prepared: Prepared,
+    /// When it was last sent; none while it waits for a connection.
+    sent_at: Option<Instant>,
+}
+
+/// The streaming loop's state: every request between its prefix and its outcome.
+struct Run<F> {
+    total: usize,
+    resilience: Resilience,
+    bundle: Bundle,
+    codec: Codec,
+    key_id: Option<u32>,
+    ring: KeyRing,
+    /// Random per run: the server's window of recent results is keyed by it.
+    host_session: String,
+    /// By id: resent in order, so that sealed payloads keep increasing nonces on a stream.
+    unanswered: BTreeMap<u64, Unanswered>,
+    /// Handed to the prefix thread to finish on the edge.
+    at_edge: HashSet<u64>,
+    /// Ids with their outcome.
+    outcomes: HashSet<u64>,
+    counts: StreamCounts,
+    asks: std::sync::mpsc::Sender<ToPrefix>,
+    on_edge: Arc<AtomicBool>,
+    on_outcome: F,
+}
+
+/// Reconnecting: attempts in a row that failed, and when the next one starts.
+struct Reconnect {
+    attempts: u32,
+    at: Option<tokio::time::Instant>,
+    backoff: backon::ExponentialBackoff,
+}
+
+type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(EdgeSession, Connection)>> + Send>>;
+
+impl<F: FnMut(RequestOutcome)> Run<F> {
+    async fn stream(mut self, session: &mut EdgeSession, mut produced: mpsc::UnboundedReceiver<Produced>) -> Result<StreamCounts> {
+        let mut conn: Option<Connection> = None;
+        let mut reconnect = self.fresh_reconnect();
+        let mut connecting: Option<Connecting> = None;
+        // The first stream opens on the caller's connection.
+        let mut first = Some(session.clone());
+        let mut produced_open = true;
+        let mut opened_before = false;
+        let timeout = self.resilience.request_timeout;
+        loop {
+            if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty() && self.at_edge.is_empty()) {
+                break;
+            }
+            let now = tokio::time::Instant::now();
+            if conn.is_none() && connecting.is_none() && reconnect.at.is_some_and(|at| at <= now) {
+                reconnect.at = None;
+                connecting = Some(self.connect(first.take(), session));
+            }
+            let stalled_at =
+                conn.as_ref().and(self.unanswered.values().filter_map(|u| u.sent_at).min()).map(|t| tokio::time::Instant::from_std(t) + timeout);
+            let retry_at = if conn.is_none() && connecting.is_none() { reconnect.at } else { None };
+            tokio::select! {
+                p = produced.recv(), if produced_open => match p {
+                    None => produced_open = false,
+                    Some(Produced::Local(outcome)) => self.record(outcome),
+                    Some(Produced::Remote(p)) => self.take(p, conn.as_ref()),
+                },
+                answer = next_answer(&mut conn) => {
+                    if let Err(reason) = answer.and_then(|a| self.answered(a)) {
+                        conn = None;
+                        self.lost(&reason, &mut reconnect);
+                    }
+                }
+                () = sleep_until(stalled_at) => {
+                    conn = None;
+                    self.lost(&format!("a request had no answer within {timeout:?} (`request_timeout`)"), &mut reconnect);
+                }
+                opened = opening(&mut connecting) => {
+                    connecting = None;
+                    match opened {
+                        Ok((s, c)) => {
+                            if opened_before {
+                                self.counts.reconnects += 1;
+                                tracing::info!(url = %s.url, unanswered = self.unanswered.len(), "reconnected: resending what was not answered");
+                            }
+                            opened_before = true;
+                            *session = s;
+                            reconnect = self.fresh_reconnect();
+                            self.on_edge.store(false, Ordering::Relaxed);
+                            self.resend(&c);
+                            conn = Some(c);
+                        }
+                        Err(e) => {
+                            if self.connect_failed(&e, &mut reconnect) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                () = sleep_until(retry_at) => {}
+            }
+        }
+        self.counts.never_sent = (self.total - self.outcomes.len()) as u64;
+        Ok(self.counts)
+    }
+}
+
+impl<F: FnMut(RequestOutcome)> Run<F> {
+    /// Backoff from the start: the first attempt at once, then from 100 ms doubling with
+    /// jitter up to `retry.max_backoff`.
+    fn fresh_reconnect(&self) -> Reconnect {
+        let max = self.resilience.retry.max_backoff;
+        let backoff = backon::ExponentialBuilder::default()
+            .with_min_delay(FIRST_BACKOFF.min(max))
+            .with_max_delay(max)
+            .with_jitter()
+            .without_max_times()
+            .build();
+        Reconnect { attempts: 0, at: Some(tokio::time::Instant::now()), backoff }
+    }
+
+    /// Opens a stream: on `first` (the caller's connection) or on a new connection to the
+    /// same server, which must serve the same bundle and accept the same payloads.
+    fn connect(&self, first: Option<EdgeSession>, last: &EdgeSession) -> Connecting {
+        let (url, link, bundle) = (last.url.clone(), last.link.clone(), self.bundle.clone());
+        let (codec, key_id, ring, host_session) = (self.codec, self.key_id, self.ring.clone(), self.host_session.clone());
+        let timeout = self.resilience.connect_timeout;
+        Box::pin(async move {
+            let session = match first {
+                Some(s) => s,
+                None => connect(&url, &bundle, &link).await?,
+            };
+            session.check_accepts(&codec, key_id)?;
+            let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), timeout).await?;
+            Ok((session, conn))
+        })
+    }
+
+    /// Records a request's one outcome and lets the prefix thread start another.
+    fn record(&mut self, outcome: RequestOutcome) {
+        let id = outcome.request_id;
+        self.at_edge.remove(&id);
+        if !self.outcomes.insert(id) {
+            self.counts.duplicates_dropped += 1;
+            tracing::warn!(request_id = id, "a second outcome for a request that has one: dropped");
+            return;
+        }
+        match &outcome.output {
+            Ok(_) => self.counts.answered += 1,
+            Err(_) => self.counts.failed += 1,
+        }
+        if outcome.output.is_ok() && outcome.metrics.served_by == ServedBy::Edge {
+            self.counts.served_by_edge += 1;
+        }
+        let _ = self.asks.send(ToPrefix::Go);
+        (self.on_outcome)(outcome);
+    }
+
+    /// A request fresh from the prefix thread: sent at once when connected; with no
+    /// connection, kept for the next one, or finished on the edge with `fallback: edge`.
+    fn take(&mut self, prepared: Prepared, conn: Option<&Connection>) {
+        let mut u = Unanswered { prepared, sent_at: None };
+        match conn {
+            Some(c) => self.send(&mut u, c),
+            None if self.on_edge.load(Ordering::Relaxed) => return self.finish_on_edge(u),
+            None => {}
+        }
+        self.unanswered.insert(u.prepared.id, u);
+    }
+
+    fn send(&mut self, u: &mut Unanswered, conn: &Connection) {
+        if u.prepared.metrics.attempts == 0 {
+            self.counts.sent += 1;
+        } else {
+            self.counts.retried += 1;
+        }
+        u.prepared.metrics.attempts += 1;
+        u.sent_at = Some(Instant::now());
+        // A stream that is gone shows on its inbound side, which ends.
+        conn.send(&u.prepared.frames);
+    }
+
+    /// Takes a whole answer; an error when the connection is of no more use (it answered
+    /// UNAVAILABLE: the server is draining; or an id it was never sent).
+    fn answered(&mut self, a: Answer) -> Result<(), String> {
+        let Some(u) = self.unanswered.remove(&a.id) else {
+            if self.outcomes.contains(&a.id) || self.at_edge.contains(&a.id) {
+                self.counts.duplicates_dropped += 1;
+                tracing::warn!(request_id = a.id, "an answer for a request that has its outcome: dropped");
+                return Ok(());
+            }
+            return Err(format!("the server answered request {}, which this connection never sent", a.id));
+        };
+        if a.code == Some(tonic::Code::Unavailable) {
+            let reason = a.output.err().unwrap_or_default();
+            self.unanswered.insert(a.id, u);
+            return Err(format!("the server cannot take requests now: {reason}"));
+        }
+        let mut metrics = u.prepared.metrics;
+        metrics.round_trip_ms = u.sent_at.map_or(0.0, ms);
+        metrics.decode_ms = a.decode_ms;
+        metrics.server = a.server.unwrap_or_default();
+        metrics.e2e_ms = ms(u.prepared.started);
+        self.record(RequestOutcome { request_id: a.id, metrics, output: a.output });
+        Ok(())
+    }
+
+    /// The connection is gone: what it had not answered waits for the next one, which is
+    /// tried at once.
+    fn lost(&mut self, reason: &str, reconnect: &mut Reconnect) {
+        tracing::warn!(unanswered = self.unanswered.len(), "connection dropped: {reason}");
+        for u in self.unanswered.values_mut() {
+            u.sent_at = None;
+        }
+        *reconnect = self.fresh_reconnect();
+    }
+
+    /// Resends, in id order, every request not answered on a connection just opened; one
+    /// already sent `retry.max_attempts` times gets its outcome instead.
+    fn resend(&mut self, conn: &Connection) {
+        let max = self.resilience.retry.max_attempts;
+        let ids: Vec<u64> = self.unanswered.keys().copied().collect();
+        for id in ids {
+            let mut u = self.unanswered.remove(&id).expect("listed");
+            if u.prepared.metrics.attempts >= max {
+                let reason = format!("no answer after {max} sends (`retry.max_attempts`)");
+                self.give_up(u, &reason);
+                continue;
+            }
+            self.send(&mut u, conn);
+            self.unanswered.insert(id, u);
+        }
+    }
+
+    /// A connection attempt failed. With `fallback: edge` every waiting request goes to the
+    /// edge (and new ones run there) while attempts go on; otherwise the run gives up after
+    /// `retry.max_attempts` in a row: true when it does.
+    fn connect_failed(&mut self, error: &HostError, reconnect: &mut Reconnect) -> bool {
+        reconnect.attempts += 1;
+        let max = self.resilience.retry.max_attempts;
+        tracing::warn!(attempt = reconnect.attempts, of = max, %error, "cannot reach the server");
+        if self.resilience.fallback == Fallback::Edge {
+            self.on_edge.store(true, Ordering::Relaxed);
+            for (_, u) in std::mem::take(&mut self.unanswered) {
+                self.finish_on_edge(u);
+            }
+        } else if reconnect.attempts >= max {
+            let reason = format!("the server could not be reached in {max} attempts (`retry.max_attempts`): {error}");
+            for (_, u) in std::mem::take(&mut self.unanswered) {
+                self.give_up(u, &reason);
+            }
+            return true;
+        }
+        let wait = reconnect.backoff.next().unwrap_or(self.resilience.retry.max_backoff);
+        reconnect.at = Some(tokio::time::Instant::now() + wait);
+        false
+    }
+
+    /// Hands a request to the prefix thread, which runs its suffix on the edge.
+    fn finish_on_edge(&mut self, u: Unanswered) {
+        self.at_edge.insert(u.prepared.id);
+        if let Err(std::sync::mpsc::SendError(ToPrefix::Finish(p))) = self.asks.send(ToPrefix::Finish(u.prepared)) {
+            self.at_edge.remove(&p.id);
+            let reason = "the prefix thread stopped before it could finish this request on the edge";
+            self.give_up(Unanswered { prepared: p, sent_at: None }, reason);
+        }
+    }
+
+    /// A request no server answered: finished on the edge with `fallback: edge`, otherwise
+    /// an error outcome.
+    fn give_up(&mut self, u: Unanswered, reason: &str) {
+        if self.resilience.fallback == Fallback::Edge {
+            return self.finish_on_edge(u);
+        }
+        let metrics = RequestMetrics { e2e_ms: ms(u.prepared.started), ..u.prepared.metrics };
+        self.record(RequestOutcome { request_id: u.prepared.id, metrics, output: Err(format!("Unavailable: {reason}")) });
+    }
+}
+
+/// The next answer on the connection, if there is one (never resolves otherwise).
+async fn next_answer(conn: &mut Option<Connection>) -> Result<Answer, String> {
+    match conn {
+        Some(c) => c.next_answer().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The connection being opened, if one is (never resolves otherwise).
+async fn opening(connecting: &mut Option<Connecting>) -> Result<(EdgeSession, Connection)> {
+    match connecting {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}

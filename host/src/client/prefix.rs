@@ -1,0 +1,117 @@
+//! The prefix thread: it owns the edge's stages (libtorch modules are not `Sync`), runs each
+//! request's prefix and encodes its boundary, one request per go-ahead from the streaming
+//! loop (so at most `in_flight` are between their prefix and their outcome). With
+//! `fallback: edge` it holds every stage: while no server answers, new requests run wholly
+//! here, and requests already encoded come back to have their suffix run here.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cleave_common::pb::InferFrame;
+use cleave_common::wire::{frame_parts, Direction, PayloadMeta, PayloadSender};
+use cleave_common::{Boundary, LoadedStages, StageRange};
+use prost::Message;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{ms, RequestMetrics, RequestOutcome, ServedBy, StreamPlan};
+use crate::config::Fallback;
+use crate::error::Result;
+
+/// What the streaming loop asks of the prefix thread.
+pub(super) enum ToPrefix {
+    /// One more request may start.
+    Go,
+    /// Run the rest of a request on the edge: no server answered it.
+    Finish(Prepared),
+}
+
+/// What the prefix thread hands the streaming loop.
+pub(super) enum Produced {
+    /// A request encoded for the server.
+    Remote(Prepared),
+    /// A request answered on the edge.
+    Local(RequestOutcome),
+}
+
+/// A request encoded for the server, kept until answered so that it can be resent as it is
+/// (or finished on the edge).
+pub(super) struct Prepared {
+    pub(super) id: u64,
+    pub(super) frames: Vec<InferFrame>,
+    pub(super) metrics: RequestMetrics,
+    pub(super) started: Instant,
+    /// The boundary itself, with `fallback: edge`.
+    pub(super) boundary: Option<Boundary>,
+}
+
+/// The prefix thread's ends of its channels.
+pub(super) struct PrefixChannels {
+    pub(super) asks: Receiver<ToPrefix>,
+    pub(super) produced: UnboundedSender<Produced>,
+    /// Set while no server answers (with `fallback: edge`): new requests run wholly here.
+    pub(super) on_edge: Arc<AtomicBool>,
+}
+
+pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, ch: PrefixChannels) -> Result<()> {
+    let fallback = plan.resilience.fallback == Fallback::Edge;
+    let edge_stages = if fallback { StageRange::all(&plan.bundle) } else { plan.split.edge_stages(&plan.bundle) };
+    let stages = LoadedStages::load(&plan.bundle, edge_stages, plan.device)?;
+    // TorchScript optimises a module over its first runs, which take several times longer:
+    // two passes before the first request keep that out of every request's latency.
+    if let (false, Some(&first)) = (edge_stages.is_empty(), plan.ids.first()) {
+        let input = plan.inputs.batch(first);
+        for _ in 0..2 {
+            stages.run(edge_stages, &input)?;
+        }
+    }
+    let last_cut = plan.bundle.stage_count();
+    let mut ids = plan.ids.iter().copied();
+    // Ends when the streaming loop hangs up: every request has its outcome, or the run stopped.
+    while let Ok(ask) = ch.asks.recv() {
+        let outcome = match ask {
+            ToPrefix::Finish(p) => {
+                let boundary = p.boundary.expect("requests keep their boundary with `fallback: edge`");
+                let t = Instant::now();
+                let output = stages.run(StageRange::new(p.metrics.split, last_cut), &boundary).map_err(|e| format!("on the edge: {e}"));
+                let metrics = RequestMetrics { served_by: ServedBy::Edge, suffix_on_edge_ms: ms(t), e2e_ms: ms(p.started), ..p.metrics };
+                Produced::Local(RequestOutcome { request_id: p.id, metrics, output })
+            }
+            ToPrefix::Go => {
+                let Some(id) = ids.next() else { continue };
+                let split = if ch.on_edge.load(Ordering::Relaxed) { last_cut } else { plan.split.for_request(id) };
+                let started = Instant::now();
+                let input = plan.inputs.batch(id);
+                let t = Instant::now();
+                let boundary = stages.run(StageRange::prefix(split), &input)?;
+                let prefix_ms = ms(t);
+                if split == last_cut {
+                    let metrics = RequestMetrics { split, prefix_ms, e2e_ms: ms(started), served_by: ServedBy::Edge, ..Default::default() };
+                    Produced::Local(RequestOutcome { request_id: id, metrics, output: Ok(boundary) })
+                } else {
+                    let t = Instant::now();
+                    let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
+                    let encoded = sender.encode(meta, &plan.codec, &boundary)?;
+                    let frames: Vec<InferFrame> = frame_parts(encoded.envelope, &encoded.data, chunk_bytes)
+                        .into_iter()
+                        .map(|part| InferFrame { request_id: id, header: part.header, data: part.data, last: part.last })
+                        .collect();
+                    let metrics = RequestMetrics {
+                        split,
+                        prefix_ms,
+                        encode_ms: ms(t),
+                        bytes_raw: encoded.raw_bytes,
+                        bytes_wire: frames.iter().map(|f| f.encoded_len() as u64).sum(),
+                        ..Default::default()
+                    };
+                    Produced::Remote(Prepared { id, frames, metrics, started, boundary: fallback.then_some(boundary) })
+                }
+            }
+        };
+        if ch.produced.send(outcome).is_err() {
+            break; // The streaming loop stopped.
+        }
+    }
+    Ok(())
+}

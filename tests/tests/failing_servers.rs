@@ -1,0 +1,523 @@
+//! A host against servers that fail: fake servers that end the stream part-way, reset it,
+//! send garbage or say nothing; a real server stopped and restarted in this process; the
+//! server's window of recent results; `fallback: edge`; and an output directory that holds an
+//! earlier run. Whatever the server does, the host ends, and every request id gets exactly
+//! one outcome.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cleave_common::config::Limits;
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceServer};
+use cleave_common::pb::{self, InferFrame, ResultFrame};
+use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA, HOST_SESSION_METADATA};
+use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
+use cleave_host::client::{stream_requests, RequestOutcome, ServedBy, Splits, StreamCounts, StreamPlan};
+use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience, RetryPolicy};
+use cleave_host::inputs::Inputs;
+use cleave_host::report::OutputMode;
+use cleave_host::session::{connect, connect_retrying, Link};
+use cleave_host::LoopbackServer;
+use cleave_server::{PeerLimits, PreparedServer};
+use cleave_tests::bundle_dir;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// Short deadlines, so that a failing server costs the tests little.
+fn quick(max_attempts: u32, fallback: Fallback) -> Resilience {
+    Resilience {
+        connect_timeout: Duration::from_millis(500),
+        request_timeout: Duration::from_millis(600),
+        retry: RetryPolicy { max_attempts, max_backoff: Duration::from_millis(50) },
+        fallback,
+        ..Resilience::default()
+    }
+}
+
+fn plan(bundle: &Bundle, split: usize, requests: u64, resilience: Resilience) -> StreamPlan {
+    StreamPlan {
+        bundle: bundle.clone(),
+        split: Splits::Fixed(split),
+        device: DeviceSpec::Cpu,
+        ids: (0..requests).collect(),
+        in_flight: 4,
+        inputs: Inputs::new(&InputSource::Synthetic { seed: 3 }, bundle, 2).unwrap(),
+        codec: Codec::RAW,
+        key: None,
+        resilience,
+    }
+}
+
+/// Streams `plan` on `session` and returns every outcome by id, checking there is exactly one
+/// per id. A run that does not end within a minute is a deadlock.
+async fn run_plan(session: &mut cleave_host::session::EdgeSession, plan: StreamPlan) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
+    let mut outcomes = HashMap::new();
+    let streamed = stream_requests(session, plan, |o| assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id"));
+    let counts = tokio::time::timeout(Duration::from_secs(60), streamed).await.expect("the host ended (no deadlock)").unwrap();
+    (outcomes, counts)
+}
+
+// ---- Fake servers ---------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+enum Misbehaviour {
+    /// Answers this many requests on each stream, then ends it cleanly.
+    EndAfter(usize),
+    /// Answers this many, then fails the stream.
+    ResetAfter(usize),
+    /// Answers with bytes that are no result.
+    Garbage,
+    /// Reads everything and answers nothing.
+    Silent,
+}
+
+struct Fake {
+    info: pb::InfoReply,
+    how: Misbehaviour,
+    streams: Arc<AtomicUsize>,
+}
+
+/// A result that names its request: a tensor holding the id.
+fn answer_for(id: u64) -> Vec<ResultFrame> {
+    let b = Boundary { values: vec![("y".into(), Value::Tensor(tch::Tensor::from_slice(&[id as f32])))] };
+    let meta = PayloadMeta { request_id: id, split: 3, direction: Direction::Result };
+    let e = PayloadSender::plain().encode(meta, &Codec::RAW, &b).unwrap();
+    frame_parts(e.envelope, &e.data, 1 << 20)
+        .into_iter()
+        .map(|p| ResultFrame { request_id: id, header: p.header, data: p.data, last: p.last, ..Default::default() })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl SplitInference for Fake {
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    type InferStream = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
+
+    async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<Self::InferStream>, Status> {
+        self.streams.fetch_add(1, Ordering::SeqCst);
+        let (how, mut inbound) = (self.how, request.into_inner());
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut answered = 0;
+            while let Some(Ok(frame)) = inbound.next().await {
+                if !frame.last {
+                    continue;
+                }
+                let id = frame.request_id;
+                match how {
+                    Misbehaviour::EndAfter(n) if answered == n => return,
+                    Misbehaviour::ResetAfter(n) if answered == n => {
+                        let _ = tx.send(Err(Status::internal("the fake server resets the stream"))).await;
+                        return;
+                    }
+                    Misbehaviour::Garbage => {
+                        let garbage = ResultFrame {
+                            request_id: id,
+                            header: Bytes::from_static(&[0xff; 9]),
+                            data: Bytes::from_static(b"??"),
+                            last: true,
+                            ..Default::default()
+                        };
+                        let _ = tx.send(Ok(garbage)).await;
+                    }
+                    Misbehaviour::Silent => {}
+                    _ => {
+                        for f in answer_for(id) {
+                            let _ = tx.send(Ok(f)).await;
+                        }
+                        answered += 1;
+                    }
+                }
+            }
+            // Silent: hold the stream open until the host drops it.
+            tx.closed().await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
+
+    async fn train(&self, _: Request<Streaming<pb::TrainFrame>>) -> Result<Response<Self::TrainStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn profile(&self, _: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn echo(&self, _: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+/// A fake server for `bundle` on 127.0.0.1; its URL and how many streams it was opened.
+async fn serve_fake(bundle: &Bundle, how: Misbehaviour) -> (String, Arc<AtomicUsize>) {
+    let info = ServerInfo {
+        server_version: "fake".into(),
+        bundle_id: bundle.id().into(),
+        model_source: bundle.manifest().model.source.clone(),
+        stage_count: bundle.stage_count(),
+        device: "cpu".into(),
+        limits: Limits::default(),
+        max_batch: bundle.manifest().batch.max as u32,
+        policy: CodecPolicy::default(),
+        key_ids: Vec::new(),
+    };
+    let streams = Arc::new(AtomicUsize::new(0));
+    let fake = Fake { info: pb::InfoReply::from(&info), how, streams: Arc::clone(&streams) };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder().add_service(SplitInferenceServer::new(fake)).serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    (url, streams)
+}
+
+fn answered_id(o: &RequestOutcome) -> f32 {
+    let y = o.output.as_ref().expect("answered").values[0].1.as_tensor().unwrap().shallow_clone();
+    y.double_value(&[0]) as f32
+}
+
+#[test]
+fn a_server_that_ends_the_stream_part_way_has_every_request_resent_and_answered_once() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (url, streams) = serve_fake(&bundle, Misbehaviour::EndAfter(3)).await;
+        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 20, quick(5, Fallback::None))).await;
+        assert_eq!(outcomes.len(), 20);
+        for (id, o) in &outcomes {
+            assert_eq!(answered_id(o), *id as f32, "request {id} got another request's answer");
+        }
+        assert_eq!((counts.sent, counts.answered, counts.failed, counts.never_sent), (20, 20, 0, 0));
+        assert!(counts.reconnects >= 6 && streams.load(Ordering::SeqCst) >= 7, "{counts:?}");
+        assert!(counts.retried > 0, "requests in flight when a stream ended were resent: {counts:?}");
+    });
+}
+
+#[test]
+fn a_server_that_resets_the_stream_has_every_request_resent_and_answered_once() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (url, _) = serve_fake(&bundle, Misbehaviour::ResetAfter(2)).await;
+        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 12, quick(5, Fallback::None))).await;
+        assert!(outcomes.iter().all(|(id, o)| answered_id(o) == *id as f32));
+        assert_eq!((counts.answered, counts.failed, counts.never_sent), (12, 0, 0), "{counts:?}");
+        assert!(counts.reconnects >= 5, "{counts:?}");
+    });
+}
+
+#[test]
+fn a_server_that_sends_garbage_gets_each_request_at_most_max_attempts_times_then_an_error() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (url, _) = serve_fake(&bundle, Misbehaviour::Garbage).await;
+        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 6, quick(3, Fallback::None))).await;
+        assert_eq!(outcomes.len(), 6);
+        for o in outcomes.values() {
+            let e = o.output.as_ref().expect_err("garbage is no answer");
+            assert!(e.contains("no answer after 3 sends") && e.contains("retry.max_attempts"), "{e}");
+            assert_eq!(o.metrics.attempts, 3);
+        }
+        assert_eq!((counts.sent, counts.answered, counts.failed, counts.retried), (6, 0, 6, 12), "{counts:?}");
+    });
+}
+
+#[test]
+fn a_silent_server_gives_errors_after_the_request_deadline_never_a_hang() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (url, streams) = serve_fake(&bundle, Misbehaviour::Silent).await;
+        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 5, quick(2, Fallback::None))).await;
+        assert_eq!((outcomes.len() as u64, counts.failed, counts.retried), (5, 5, 5), "{counts:?}");
+        assert!(outcomes.values().all(|o| o.output.as_ref().is_err_and(|e| e.contains("no answer after 2 sends"))));
+        assert!(streams.load(Ordering::SeqCst) >= 2);
+    });
+}
+
+#[test]
+fn a_server_that_accepts_and_never_speaks_is_refused_after_the_connect_timeout() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        // A socket that accepts (the kernel does) and never answers: a stopped process.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let link = Link { connect_timeout: Duration::from_millis(300), ..Link::plain() };
+        let retry = RetryPolicy { max_attempts: 2, max_backoff: Duration::from_millis(50) };
+        let err = tokio::time::timeout(Duration::from_secs(30), connect_retrying(&url, &bundle, &link, &retry)).await.expect("no hang").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("connect_timeout") && msg.contains("2 attempts"), "{msg}");
+        drop(listener);
+    });
+}
+
+// ---- A real server, stopped and restarted ---------------------------------------------
+
+/// A server on `addr` (`127.0.0.1:0`: any port) that drains quickly when stopped.
+async fn real_server(bundle: &Bundle, addr: &str, peers: PeerLimits) -> LoopbackServer {
+    let dir = bundle.dir().to_path_buf();
+    let prepared = tokio::task::spawn_blocking(move || {
+        PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_peer_limits(peers).unwrap()
+    })
+    .await
+    .unwrap();
+    LoopbackServer::serve_at(prepared, addr).await.unwrap()
+}
+
+fn quick_drain() -> PeerLimits {
+    PeerLimits { drain_timeout: Duration::from_millis(100), ..PeerLimits::default() }
+}
+
+/// The whole model on the edge: what every answer must equal.
+fn local_outputs(bundle: &Bundle, requests: u64) -> Vec<Boundary> {
+    let whole = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu).unwrap();
+    let inputs = Inputs::new(&InputSource::Synthetic { seed: 3 }, bundle, 2).unwrap();
+    (0..requests).map(|id| whole.run(StageRange::all(bundle), &inputs.batch(id)).unwrap()).collect()
+}
+
+/// Runs `requests` against `url` while a chaos task (told each outcome as it comes) stops and
+/// starts servers; `pace` per outcome (a slow consumer) keeps the run going while it does.
+async fn run_with(
+    url: &str,
+    bundle: &Bundle,
+    requests: u64,
+    resilience: Resilience,
+    outcome_seen: mpsc::UnboundedSender<u64>,
+    pace: Duration,
+) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
+    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
+    let mut p = plan(bundle, 4, requests, resilience);
+    p.in_flight = 2;
+    let mut outcomes = HashMap::new();
+    let streamed = stream_requests(&mut session, p, |o| {
+        let _ = outcome_seen.send(o.request_id);
+        std::thread::sleep(pace);
+        assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id");
+    });
+    let counts = tokio::time::timeout(Duration::from_secs(120), streamed).await.expect("no deadlock").unwrap();
+    (outcomes, counts)
+}
+
+#[test]
+fn a_server_stopped_and_restarted_mid_run_answers_every_request_exactly_once_and_bit_identically() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let requests = 60;
+    let want = local_outputs(&bundle, requests);
+    runtime().block_on(async {
+        let first = real_server(&bundle, "127.0.0.1:0", quick_drain()).await;
+        let (url, addr) = (first.url.clone(), first.url.trim_start_matches("http://").to_string());
+        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        let chaos = {
+            let bundle = bundle.clone();
+            tokio::spawn(async move {
+                for _ in 0..10 {
+                    seen.recv().await;
+                }
+                first.shutdown().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let second = real_server(&bundle, &addr, quick_drain()).await;
+                while seen.recv().await.is_some() {}
+                second
+            })
+        };
+        let (outcomes, counts) = run_with(&url, &bundle, requests, quick(10, Fallback::None), seen_tx, Duration::ZERO).await;
+        let _second = chaos.await.unwrap();
+        assert_eq!(outcomes.len() as u64, requests);
+        for (id, o) in &outcomes {
+            let got = o.output.as_ref().unwrap_or_else(|e| panic!("request {id}: {e}"));
+            assert!(got.bit_identical(&want[*id as usize]), "request {id} differs from the whole model run locally");
+            assert_eq!(o.metrics.served_by, ServedBy::Server);
+        }
+        assert_eq!((counts.answered, counts.failed, counts.never_sent, counts.duplicates_dropped), (requests, 0, 0, 0), "{counts:?}");
+        assert!(counts.reconnects >= 1, "{counts:?}");
+    });
+}
+
+#[test]
+fn with_fallback_edge_requests_run_on_the_edge_while_no_server_answers_and_return_to_the_split_after() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let requests = 120;
+    let want = local_outputs(&bundle, requests);
+    runtime().block_on(async {
+        let first = real_server(&bundle, "127.0.0.1:0", quick_drain()).await;
+        let (url, addr) = (first.url.clone(), first.url.trim_start_matches("http://").to_string());
+        let dir = bundle.dir().to_path_buf();
+        let second = tokio::task::spawn_blocking(move || {
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_peer_limits(quick_drain()).unwrap()
+        })
+        .await
+        .unwrap();
+        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        let chaos = tokio::spawn(async move {
+            for _ in 0..10 {
+                seen.recv().await;
+            }
+            first.shutdown().await.unwrap();
+            // Down long enough for requests to fall back to the edge.
+            for _ in 0..20 {
+                seen.recv().await;
+            }
+            let second = LoopbackServer::serve_at(second, &addr).await.unwrap();
+            while seen.recv().await.is_some() {}
+            second
+        });
+        let (outcomes, counts) = run_with(&url, &bundle, requests, quick(3, Fallback::Edge), seen_tx, Duration::from_millis(5)).await;
+        let _second = chaos.await.unwrap();
+        assert_eq!(outcomes.len() as u64, requests);
+        for (id, o) in &outcomes {
+            let got = o.output.as_ref().unwrap_or_else(|e| panic!("request {id}: {e}"));
+            assert!(got.bit_identical(&want[*id as usize]), "request {id} ({:?}) differs from the whole model", o.metrics.served_by);
+        }
+        let on_edge: Vec<u64> = outcomes.values().filter(|o| o.metrics.served_by == ServedBy::Edge).map(|o| o.request_id).collect();
+        let last_on_edge = *on_edge.iter().max().expect("some requests ran on the edge");
+        assert!(
+            outcomes.values().any(|o| o.metrics.served_by == ServedBy::Server && o.request_id > last_on_edge),
+            "the run went back to the split once the server was back"
+        );
+        assert_eq!((counts.answered, counts.failed, counts.served_by_edge), (requests, 0, on_edge.len() as u64), "{counts:?}");
+    });
+}
+
+// ---- The server's window of recent results --------------------------------------------
+
+/// Sends request `id` on a new stream under `session` and returns its decoded answer.
+async fn ask(url: &str, bundle: &Bundle, session: &str, id: u64, input: &Boundary) -> Boundary {
+    let mut client = SplitInferenceClient::connect(url.to_string()).await.unwrap();
+    let meta = PayloadMeta { request_id: id, split: 0, direction: Direction::Request };
+    let e = PayloadSender::plain().encode(meta, &Codec::RAW, input).unwrap();
+    let frames: Vec<InferFrame> = frame_parts(e.envelope, &e.data, 1 << 20)
+        .into_iter()
+        .map(|p| InferFrame { request_id: id, header: p.header, data: p.data, last: p.last })
+        .collect();
+    let mut request = Request::new(tokio_stream::iter(frames));
+    request.metadata_mut().insert(BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    request.metadata_mut().insert(HOST_SESSION_METADATA, session.parse().unwrap());
+    let mut results = client.infer(request).await.unwrap().into_inner();
+    let mut rx = PayloadReceiver::new(Direction::Result, 1 << 30, CodecPolicy::default(), &KeyRing::default());
+    let mut assembler = cleave_common::wire::FrameAssembler::default();
+    while let Some(frame) = results.next().await {
+        let frame = frame.unwrap();
+        assert!(frame.error.is_none(), "{:?}", frame.error);
+        if let Some((done, ())) = assembler.push(&frame, |f| rx.start(f.request_id, &f.header).map(|a| (a, ()))).map_err(|(_, e)| e).unwrap() {
+            return rx.finish(done).unwrap().boundary;
+        }
+    }
+    panic!("no answer to request {id}");
+}
+
+#[test]
+fn a_request_resent_under_its_session_is_answered_from_the_window_and_the_window_is_bounded() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let inputs = Inputs::new(&InputSource::Synthetic { seed: 9 }, &bundle, 2).unwrap();
+    runtime().block_on(async {
+        let peers = PeerLimits { dedup_window_requests: 2, ..PeerLimits::default() };
+        let dir = bundle.dir().to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || {
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_peer_limits(peers).unwrap()
+        })
+        .await
+        .unwrap();
+        let window = prepared.result_window();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let first = ask(&server.url, &bundle, "host-a", 7, &inputs.batch(7)).await;
+        assert_eq!((window.hits(), window.len()), (0, 1));
+        // Resent on a new stream (its connection broke): from the window, the same answer.
+        let again = ask(&server.url, &bundle, "host-a", 7, &inputs.batch(7)).await;
+        assert!(again.bit_identical(&first));
+        assert_eq!(window.hits(), 1);
+        // Another host's request 7 is its own: computed, on its own input.
+        let other = ask(&server.url, &bundle, "host-b", 7, &inputs.batch(8)).await;
+        assert_eq!(window.hits(), 1);
+        assert!(!other.bit_identical(&first));
+        // Two results at most: host-a's request 7 was the least recently used and is gone.
+        ask(&server.url, &bundle, "host-a", 8, &inputs.batch(8)).await;
+        assert_eq!(window.len(), 2);
+        ask(&server.url, &bundle, "host-a", 7, &inputs.batch(7)).await;
+        assert_eq!(window.hits(), 1, "an evicted result is computed again");
+    });
+}
+
+// ---- Output directories ----------------------------------------------------------------
+
+fn edge_config(dir: &std::path::Path, requests: u64) -> EdgeConfig {
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 4\ndevice: cpu\nbatch_size: 2\nrequests: {requests}\nin_flight: 2\n\
+         input: {{kind: synthetic, seed: 3}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("digits").display(),
+        dir.join("out").display()
+    );
+    let path = dir.join("edge.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    EdgeConfig::load(&path).unwrap()
+}
+
+fn prediction_ids(out: &std::path::Path) -> Vec<u64> {
+    std::fs::read_to_string(out.join("predictions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["request_id"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn an_earlier_run_is_refused_unless_forced_and_resume_sends_only_what_has_no_outcome() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let rt = runtime();
+    let run = |requests, output_mode| {
+        let opts = cleave_host::RunOptions { loopback: true, output_mode, ..Default::default() };
+        rt.block_on(cleave_host::run(edge_config(tmp.path(), requests), opts))
+    };
+    let first = run(6, OutputMode::Fresh).unwrap();
+    assert_eq!((first.counts.sent, first.counts.answered, first.resumed), (6, 6, 0));
+    let before = std::fs::read_to_string(out.join("predictions.jsonl")).unwrap();
+
+    let err = run(6, OutputMode::Fresh).unwrap_err().to_string();
+    assert!(err.contains("holds an earlier run") && err.contains("--force") && err.contains("--resume"), "{err}");
+    assert_eq!(std::fs::read_to_string(out.join("predictions.jsonl")).unwrap(), before, "nothing was overwritten");
+
+    // A run killed part-way: whole lines for requests 0-3, half a line for 4, and metrics
+    // for 0-2 only. Resuming keeps 0-2 and sends the rest.
+    let lines: Vec<&str> = before.lines().collect();
+    let mut by_id: Vec<(u64, &str)> =
+        lines.iter().map(|l| (serde_json::from_str::<serde_json::Value>(l).unwrap()["request_id"].as_u64().unwrap(), *l)).collect();
+    by_id.sort();
+    let mut torn: String = by_id[..4].iter().map(|(_, l)| format!("{l}\n")).collect();
+    torn.push_str(&by_id[4].1[..10]);
+    std::fs::write(out.join("predictions.jsonl"), torn).unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
+    let mut rows: Vec<&str> = metrics.lines().skip(1).collect();
+    rows.sort_by_key(|r| r.split(',').next().unwrap().parse::<u64>().unwrap());
+    let kept: String = std::iter::once(metrics.lines().next().unwrap()).chain(rows[..3].iter().copied()).map(|l| format!("{l}\n")).collect();
+    std::fs::write(out.join("metrics.csv"), kept).unwrap();
+
+    let resumed = run(8, OutputMode::Resume).unwrap();
+    assert_eq!((resumed.resumed, resumed.counts.sent, resumed.counts.answered, resumed.requests), (3, 5, 5, 8));
+    let mut ids = prediction_ids(&out);
+    ids.sort();
+    assert_eq!(ids, (0..8).collect::<Vec<_>>(), "each request once");
+    let metric_rows = std::fs::read_to_string(out.join("metrics.csv")).unwrap().lines().count();
+    assert_eq!(metric_rows, 1 + 8);
+
+    let forced = run(2, OutputMode::Force).unwrap();
+    assert_eq!((forced.requests, forced.resumed), (2, 0));
+    assert_eq!(prediction_ids(&out).len(), 2);
+}
