@@ -140,7 +140,8 @@ impl Default for PeerLimits {
             max_connections: 256,
             max_streams_per_connection: 32,
             max_requests_per_stream: 32,
-            memory_budget_bytes: 2 << 30,
+            // Holds the largest request of the default limits (1 GiB) as received and decoded.
+            memory_budget_bytes: 9 << 28,
             budget_wait: Duration::from_secs(2),
             request_timeout: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(300),
@@ -155,13 +156,21 @@ impl Default for PeerLimits {
     }
 }
 
+/// What the largest request holds: its tensors as decoded, and its data as received, which
+/// the codec lets be larger than the tensors (an lz4 block of incompressible bytes takes up
+/// to 110% of them, plus a few bytes per tensor and a seal's tag: 1 MiB covers those).
+fn largest_request_bytes(limits: &Limits) -> u64 {
+    let p = limits.max_payload_bytes;
+    p.saturating_add(p.saturating_add(p / 10)).saturating_add(1 << 20)
+}
+
 impl PeerLimits {
     /// The defaults, with the memory budget and the `Echo` allowance raised where `limits`
     /// allow larger requests or messages than they hold.
     pub fn fitting(limits: &Limits) -> Self {
         let d = Self::default();
         Self {
-            memory_budget_bytes: d.memory_budget_bytes.max(limits.max_payload_bytes.saturating_mul(2)),
+            memory_budget_bytes: d.memory_budget_bytes.max(largest_request_bytes(limits)),
             max_echo_bytes_per_connection: d.max_echo_bytes_per_connection.max(limits.max_message_bytes),
             ..d
         }
@@ -183,12 +192,11 @@ impl PeerLimits {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err((key, "must be positive".into()));
         }
-        // The largest request holds its data as received and as decoded: one must fit.
-        let largest = limits.max_payload_bytes.saturating_mul(2);
+        let largest = largest_request_bytes(limits);
         if self.memory_budget_bytes < largest {
             return Err((
                 "limits.memory_budget_bytes",
-                format!("must hold the largest request as received and decoded: at least 2 x limits.max_payload_bytes = {largest}"),
+                format!("must hold the largest request as received and decoded: at least 2.1 x limits.max_payload_bytes + 1 MiB = {largest}"),
             ));
         }
         if self.max_echo_bytes_per_connection < limits.max_message_bytes {
@@ -408,6 +416,30 @@ mod tests {
     }
 
     #[test]
+    fn the_budget_holds_the_largest_request_of_every_codec() {
+        use cleave_common::wire::{Direction, PayloadMeta, PayloadReceiver, PayloadSender};
+        use cleave_common::{Boundary, Value};
+        assert_eq!(PeerLimits::fitting(&Limits::default()), PeerLimits::default());
+        assert!(PeerLimits::default().validate(&Limits::default()).is_ok());
+        // Tensors of exactly the payload limit that do not compress: lz4 carries them in more
+        // bytes than they take, so the request holds more than twice the limit.
+        let limits = Limits { max_payload_bytes: 1 << 20, ..Limits::default() };
+        let t = tch::Tensor::randint(i64::from(i32::MAX), [1 << 18], (tch::Kind::Int, tch::Device::Cpu));
+        let boundary = Boundary { values: vec![("x".into(), Value::Tensor(t))] };
+        let floor = largest_request_bytes(&limits);
+        for codec in ["raw", "lz4", "zstd", "shuffle+lz4", "shuffle+zstd-19"] {
+            let meta = PayloadMeta { request_id: 1, split: 0, direction: Direction::Request };
+            let e = PayloadSender::plain().encode(meta, &codec.parse().unwrap(), &boundary).unwrap();
+            let rx = PayloadReceiver::new(Direction::Request, limits.max_payload_bytes, CodecPolicy::default(), &KeyRing::default());
+            let held = rx.start(1, &e.envelope).unwrap().held_bytes();
+            assert!(held <= floor, "{codec}: {held} bytes held, the smallest budget allowed is {floor}");
+            if codec == "lz4" {
+                assert!(held > 2 * limits.max_payload_bytes, "lz4 of incompressible bytes is larger than them: {held}");
+            }
+        }
+    }
+
+    #[test]
     fn another_machine_is_served_only_with_tls_and_a_token_or_insecure_written() {
         let err = load("listen: 0.0.0.0:50051\n").unwrap_err();
         assert!(
@@ -452,7 +484,7 @@ mod tests {
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
-            ("limits: {memory_budget_bytes: 1048576}", "limits.memory_budget_bytes", "at least 2 x limits.max_payload_bytes"),
+            ("limits: {memory_budget_bytes: 2147483648}", "limits.memory_budget_bytes", "at least 2.1 x limits.max_payload_bytes + 1 MiB"),
             ("limits: {max_echo_bytes_per_connection: 1024}", "limits.max_echo_bytes_per_connection", "at least limits.max_message_bytes"),
             ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
         ] {
