@@ -75,8 +75,7 @@ fn main() -> anyhow::Result<()> {
         for mode in ["monolithic", "split"] {
             let out = tmp.path().join(format!("{mode}-{round}"));
             let config = write_config(&args, tmp.path(), &out, mode)?;
-            let summary =
-                runtime.block_on(cleave_host::training::run(config, RunOptions { loopback: mode == "split", ..Default::default() }))?;
+            let summary = runtime.block_on(cleave_host::training::run(config, RunOptions { loopback: mode == "split", ..Default::default() }))?;
             let _ = summary;
             let steps = read_step_ms(&out)?;
             let step_median =

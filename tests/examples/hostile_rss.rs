@@ -1,0 +1,295 @@
+//! The server's resident memory under hostile peers, measured on a separate `server`
+//! process (`make hostile-rss`; not part of `make test`). It starts `server` on 127.0.0.1
+//! with a memory budget, takes its idle RSS, then samples `/proc/PID/status` every 5 ms
+//! while:
+//!
+//! 1. 20 streams, each on its own connection, declare a 64 MiB request at the bundle's cut
+//!    with the most bytes per sample (raw), send half of it and stall;
+//! 2. three streams send a zstd frame of 1 GiB of zeros, declared as one request (refused
+//!    at the envelope: no cut allows it);
+//! 3. three streams send the largest request the cut allows (its batch maximum), zeros
+//!    compressed with zstd: decompressed, run and answered.
+//!
+//! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%.
+//!
+//!     cargo run --release -p cleave-tests --example hostile_rss -- [--bundle bundles/resnet18] [--budget-mib 2048]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::{InferFrame, ResultFrame};
+use cleave_common::protocol::BUNDLE_ID_METADATA;
+use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+const MIB: u64 = 1 << 20;
+const FRAME: usize = 4 << 20;
+
+struct Args {
+    bundle: PathBuf,
+    budget_mib: u64,
+    server_bin: PathBuf,
+    port: u16,
+}
+
+fn args() -> Args {
+    let mut a = Args { bundle: "bundles/resnet18".into(), budget_mib: 2048, server_bin: "target/release/server".into(), port: 50393 };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--bundle" => a.bundle = value.into(),
+            "--budget-mib" => a.budget_mib = value.parse().expect("--budget-mib: a number"),
+            "--server-bin" => a.server_bin = value.into(),
+            "--port" => a.port = value.parse().expect("--port: a number"),
+            other => panic!("unknown option {other} (--bundle, --budget-mib, --server-bin, --port)"),
+        }
+    }
+    a
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok()).unwrap_or(0)
+        * 1024
+}
+
+/// The peak RSS of `pid` since the last `take`.
+struct Sampler {
+    peak: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Sampler {
+    fn start(pid: u32) -> Self {
+        let (peak, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+        let (p, s) = (Arc::clone(&peak), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                p.fetch_max(rss_bytes(pid), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        Self { peak, stop }
+    }
+
+    fn take(&self) -> u64 {
+        self.peak.swap(0, Ordering::Relaxed)
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Zeros shaped like `boundary` with `batch` as the first dimension of every tensor.
+fn zeros_at_batch(boundary: &Boundary, batch: i64) -> Boundary {
+    let zeros = |v: &Value| match v {
+        Value::Tensor(t) => {
+            let mut shape = t.size();
+            shape[0] = batch;
+            Value::Tensor(tch::Tensor::zeros(shape, (t.kind(), tch::Device::Cpu)))
+        }
+        other => panic!("this bench takes cuts of tensors only, not {other:?}"),
+    };
+    Boundary { values: boundary.values.iter().map(|(n, v)| (n.clone(), zeros(v))).collect() }
+}
+
+/// An `Infer` stream on its own connection; the answers come back through the returned channel.
+async fn open(url: &str, bundle: &Bundle) -> (mpsc::Sender<InferFrame>, tonic::Streaming<ResultFrame>) {
+    let mut client = SplitInferenceClient::connect(url.to_string()).await.unwrap().max_decoding_message_size(64 << 20);
+    let (tx, rx) = mpsc::channel(4);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    (tx, client.infer(request).await.unwrap().into_inner())
+}
+
+/// Sends `envelope` and the first `send` bytes of `data`, marked last when it is all of it.
+async fn send(tx: &mpsc::Sender<InferFrame>, id: u64, envelope: Bytes, data: &Bytes, send: usize) {
+    let mut header = envelope;
+    let mut offset = 0;
+    loop {
+        let end = (offset + FRAME).min(send);
+        let frame = InferFrame { request_id: id, header: std::mem::take(&mut header), data: data.slice(offset..end), last: end == data.len() };
+        if tx.send(frame).await.is_err() {
+            return;
+        }
+        offset = end;
+        if offset >= send {
+            return;
+        }
+    }
+}
+
+/// The first answer on a stream: its error code, or OK.
+async fn answer(results: &mut tonic::Streaming<ResultFrame>) -> String {
+    while let Some(frame) = results.next().await {
+        match frame {
+            Ok(f) if f.last => return f.error.map_or("OK".into(), |e| format!("{:?}", tonic::Code::from(e.code))),
+            Ok(_) => {}
+            Err(status) => return format!("stream {:?}", status.code()),
+        }
+    }
+    "stream ended".into()
+}
+
+fn verdict(peak: u64, idle: u64, budget: u64) -> String {
+    let over = peak.saturating_sub(idle);
+    let bound = budget + budget / 10;
+    format!(
+        "peak RSS {} MiB, +{} MiB over idle; budget + 10% = {} MiB: {}",
+        peak / MIB,
+        over / MIB,
+        bound / MIB,
+        if over <= bound { "within" } else { "OVER" }
+    )
+}
+
+fn main() {
+    let a = args();
+    let bundle = Bundle::open(&a.bundle).unwrap_or_else(|e| panic!("{e} (make demo writes bundles/resnet18)"));
+    let budget = a.budget_mib * MIB;
+    // The cut with the most bytes per sample, and the boundary's shape there.
+    let cut = bundle.manifest().cuts.iter().filter(|c| c.usable && c.index > 0).max_by_key(|c| c.bytes_per_sample).expect("a usable cut").index;
+    let per_sample = bundle.cut(cut).bytes_per_sample;
+    let max_batch = bundle.manifest().batch.max;
+    let prefix = LoadedStages::load(&bundle, StageRange::prefix(cut), DeviceSpec::Cpu).unwrap();
+    let inputs = cleave_host::inputs::Inputs::new(&cleave_host::config::InputSource::Synthetic { seed: 0 }, &bundle, 1).unwrap();
+    let sample = prefix.run(StageRange::prefix(cut), &inputs.batch(0)).unwrap();
+    drop(prefix);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("server.yaml");
+    // The largest payload the budget holds (as received, up to 110% with lz4, and decoded).
+    let max_payload = (budget - 2 * MIB) * 10 / 21;
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\nlimits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}}}\n",
+            a.port,
+            std::fs::canonicalize(&a.bundle).unwrap().display()
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let mut server: Child = Command::new(&a.server_bin)
+        .arg("--config")
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("target/release/server (make build)");
+    let url = format!("http://127.0.0.1:{}", a.port);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let waited = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", a.port)).is_err() {
+        if let Ok(Some(status)) = server.try_wait() {
+            panic!("the server exited ({status}): {}", std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default());
+        }
+        assert!(waited.elapsed() < Duration::from_secs(120), "the server did not listen");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let pid = server.id();
+    let idle = rss_bytes(pid);
+    println!(
+        "hostile-rss: {} cut {cut} ({} per sample, batch max {max_batch}); budget {} MiB; idle RSS {} MiB",
+        bundle.manifest().model.source,
+        per_sample,
+        budget / MIB,
+        idle / MIB
+    );
+    let sampler = Sampler::start(pid);
+
+    rt.block_on(async {
+        // 1. 20 streams declare 64 MiB each, send half and stall.
+        let batch = (64 * MIB).div_ceil(per_sample).min(max_batch as u64) as i64;
+        let big = zeros_at_batch(&sample, batch);
+        let e = PayloadSender::plain()
+            .encode(PayloadMeta { request_id: 1, split: cut as u32, direction: Direction::Request }, &Codec::RAW, &big)
+            .unwrap();
+        sampler.take();
+        let mut streams = Vec::new();
+        for _ in 0..20 {
+            let (tx, results) = open(&url, &bundle).await;
+            send(&tx, 1, e.envelope.clone(), &e.data, e.data.len() / 2).await;
+            streams.push((tx, results));
+        }
+        // The budget's wait (2 s) has passed for those that did not fit.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let mut refused = 0;
+        for (_, results) in &mut streams {
+            if let Ok(a) = tokio::time::timeout(Duration::from_millis(50), answer(results)).await {
+                refused += usize::from(a == "ResourceExhausted");
+            }
+        }
+        println!(
+            "20 stalled streams, {} MiB declared each (batch {batch}), half sent: {refused} refused RESOURCE_EXHAUSTED; {}",
+            e.data.len() as u64 / MIB,
+            verdict(sampler.take().max(idle), idle, budget)
+        );
+        drop(streams);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+
+        // 2. Three zstd frames of 1 GiB of zeros, each declared as one request.
+        let gib_batch = (1u64 << 30).div_ceil(per_sample) as i64;
+        let bomb = zeros_at_batch(&sample, gib_batch);
+        let zstd: Codec = "zstd".parse().unwrap();
+        let e = PayloadSender::plain().encode(PayloadMeta { request_id: 2, split: cut as u32, direction: Direction::Request }, &zstd, &bomb).unwrap();
+        drop(bomb);
+        sampler.take();
+        let mut codes = Vec::new();
+        let mut opened = Vec::new();
+        for _ in 0..3 {
+            let (tx, results) = open(&url, &bundle).await;
+            send(&tx, 2, e.envelope.clone(), &e.data, e.data.len()).await;
+            opened.push((tx, results));
+        }
+        for (_, results) in &mut opened {
+            codes.push(answer(results).await);
+        }
+        println!(
+            "3 zstd bombs of 1 GiB (batch {gib_batch}, {} KiB on the wire each): answered {codes:?}; {}",
+            e.data.len() / 1024,
+            verdict(sampler.take().max(idle), idle, budget)
+        );
+        drop(opened);
+
+        // 3. Three zstd frames of zeros as large as the cut allows: decompressed and run.
+        let largest = zeros_at_batch(&sample, max_batch);
+        let e =
+            PayloadSender::plain().encode(PayloadMeta { request_id: 3, split: cut as u32, direction: Direction::Request }, &zstd, &largest).unwrap();
+        drop(largest);
+        sampler.take();
+        let mut codes = Vec::new();
+        let mut opened = Vec::new();
+        for _ in 0..3 {
+            let (tx, results) = open(&url, &bundle).await;
+            send(&tx, 3, e.envelope.clone(), &e.data, e.data.len()).await;
+            opened.push((tx, results));
+        }
+        for (_, results) in &mut opened {
+            codes.push(answer(results).await);
+        }
+        println!(
+            "3 zstd frames of zeros at the batch maximum ({} MiB declared each, {} KiB on the wire): answered {codes:?}; {} \
+             (the budget holds request bytes; the suffix's activations at the batch maximum come on top)",
+            (max_batch as u64 * per_sample) / MIB,
+            e.data.len() / 1024,
+            verdict(sampler.take().max(idle), idle, budget)
+        );
+    });
+    drop(sampler);
+    let _ = server.kill();
+    let _ = server.wait();
+}
