@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::{ms, ServerTimes};
+use super::request::{ms, ServerTimes};
 use crate::error::{HostError, Result};
 use crate::session::EdgeSession;
 

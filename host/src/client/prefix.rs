@@ -15,7 +15,7 @@ use cleave_common::{Boundary, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{ms, RequestMetrics, RequestOutcome, ServedBy, StreamPlan};
+use super::request::{ms, RequestMetrics, RequestOutcome, ServedBy, StreamPlan};
 use crate::config::Fallback;
 use crate::error::Result;
 

@@ -1,0 +1,176 @@
+//! What a request is to the streaming client: the plan of a run (`StreamPlan`, `Splits`), a
+//! request's measurements and its one outcome, and what became of a run's requests.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cleave_common::wire::{Codec, Key};
+use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
+
+use crate::config::Resilience;
+use crate::inputs::Inputs;
+
+/// What to send.
+pub struct StreamPlan {
+    /// The bundle (the server must serve the same id).
+    pub bundle: Bundle,
+    /// The cut each request is split at.
+    pub split: Splits,
+    /// Where the prefix runs.
+    pub device: DeviceSpec,
+    /// The ids of the requests to send, in order (request `i` takes the inputs' batch `i`; a
+    /// resumed run leaves out those already answered).
+    pub ids: Vec<u64>,
+    /// Requests in flight at once.
+    pub in_flight: usize,
+    /// Where the input batches come from.
+    pub inputs: Inputs,
+    /// How boundaries are encoded (results come back the same way).
+    pub codec: Codec,
+    /// The key payloads are sealed with, if any.
+    pub key: Option<(u32, Key)>,
+    /// Deadlines, reconnects and fallback.
+    pub resilience: Resilience,
+}
+
+/// Which cut each request is split at. A request split at the last cut runs wholly on the
+/// edge and never crosses the network.
+#[derive(Debug, Clone)]
+pub enum Splits {
+    /// Always this cut.
+    Fixed(usize),
+    /// Read when each request's prefix starts (`split: auto`: the planner moves it between
+    /// requests on the same stream).
+    Moving(Arc<AtomicUsize>),
+    /// Request `i` at `cuts[i % cuts.len()]` (`host plan --measure`: every cut under the
+    /// same conditions, interleaved).
+    RoundRobin(Vec<usize>),
+}
+
+impl Splits {
+    /// The cut of request `id`.
+    pub fn for_request(&self, id: u64) -> usize {
+        match self {
+            Splits::Fixed(cut) => *cut,
+            Splits::Moving(cut) => cut.load(Ordering::Relaxed),
+            Splits::RoundRobin(cuts) => cuts[(id % cuts.len().max(1) as u64) as usize],
+        }
+    }
+
+    /// The stages the edge must hold.
+    pub(crate) fn edge_stages(&self, bundle: &Bundle) -> StageRange {
+        match self {
+            Splits::Fixed(cut) => StageRange::prefix(*cut),
+            Splits::Moving(_) => StageRange::all(bundle),
+            Splits::RoundRobin(cuts) => StageRange::prefix(cuts.iter().copied().max().unwrap_or(0)),
+        }
+    }
+}
+
+/// The server's own timings for one request, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ServerTimes {
+    /// Waiting for the compute worker.
+    pub queue_ms: f64,
+    /// Decoding the boundary.
+    pub decode_ms: f64,
+    /// Running the suffix.
+    pub compute_ms: f64,
+    /// Encoding the result.
+    pub encode_ms: f64,
+}
+
+impl ServerTimes {
+    /// Everything the server spent.
+    pub fn total_ms(&self) -> f64 {
+        self.queue_ms + self.decode_ms + self.compute_ms + self.encode_ms
+    }
+}
+
+/// Measurements of one request.
+#[derive(Debug, Clone, Default)]
+pub struct RequestMetrics {
+    /// The cut this request was split at.
+    pub split: usize,
+    /// Running stages [0, split).
+    pub prefix_ms: f64,
+    /// Encoding the boundary.
+    pub encode_ms: f64,
+    /// Tensor bytes of the boundary.
+    pub bytes_raw: u64,
+    /// Bytes of the frames on the wire.
+    pub bytes_wire: u64,
+    /// From handing the first frame to gRPC until the last result frame arrived.
+    pub round_trip_ms: f64,
+    /// The server's timings.
+    pub server: ServerTimes,
+    /// Decoding the result.
+    pub decode_ms: f64,
+    /// From making the input to having the output.
+    pub e2e_ms: f64,
+    /// Who ran the suffix.
+    pub served_by: ServedBy,
+    /// Running the suffix on the edge (`fallback: edge`), ms.
+    pub suffix_on_edge_ms: f64,
+    /// Times the request was sent to a server.
+    pub attempts: u32,
+}
+
+/// Who ran a request's suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServedBy {
+    /// The server.
+    #[default]
+    Server,
+    /// The edge: the request was split at the last cut, or no server answered it
+    /// (`fallback: edge`).
+    Edge,
+}
+
+impl ServedBy {
+    /// `server` or `edge`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Server => "server",
+            Self::Edge => "edge",
+        }
+    }
+}
+
+/// What became of a run's requests (`summary.json`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StreamCounts {
+    /// Requests sent to a server at least once.
+    pub sent: u64,
+    /// Requests answered with a result, by a server or the edge.
+    pub answered: u64,
+    /// Sends beyond a request's first (after a broken or stalled connection).
+    pub retried: u64,
+    /// Requests whose one outcome is an error.
+    pub failed: u64,
+    /// Requests never sent: the run stopped before their turn.
+    pub never_sent: u64,
+    /// Requests answered on the edge (split at the last cut, or `fallback: edge`).
+    pub served_by_edge: u64,
+    /// Connections opened after the first.
+    pub reconnects: u64,
+    /// Answers for a request that already had its outcome, dropped.
+    pub duplicates_dropped: u64,
+}
+
+/// The answer to one request.
+pub struct RequestOutcome {
+    /// The request id.
+    pub request_id: u64,
+    /// Its measurements.
+    pub metrics: RequestMetrics,
+    /// The boundary at the last cut, or the error.
+    pub output: Result<Boundary, String>,
+}
+
+/// Milliseconds since `since`.
+pub(super) fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
