@@ -152,7 +152,8 @@ impl Default for Resilience {
 
 /// `retry:` in edge.yaml: reconnect after exponential backoff with jitter, from 100 ms up to
 /// `max_backoff`; a request is sent at most `max_attempts` times, and the run gives up after
-/// `max_attempts` connection attempts in a row fail.
+/// `max_attempts` connection attempts in a row fail or answer nothing (with the defaults, a
+/// server down for about 20 s or more).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     /// Sends of one request, and connection attempts in a row, before giving up.
@@ -163,7 +164,7 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { max_attempts: 5, max_backoff: Duration::from_secs(5) }
+        Self { max_attempts: 10, max_backoff: Duration::from_secs(5) }
     }
 }
 

@@ -98,7 +98,8 @@ pub enum OutputMode {
     Fresh,
     /// Replace it (`--force`).
     Force,
-    /// Continue it (`--resume`): requests it answered are kept and not sent again.
+    /// Continue it (`--resume`): requests it answered with a result are kept and not sent
+    /// again; those that failed or have no outcome are sent.
     Resume,
 }
 
@@ -224,9 +225,10 @@ impl ReportWriter {
     }
 }
 
-/// Continues a run: keeps the requests both `predictions.jsonl` and `metrics.csv` have a
-/// whole line for (a run killed part-way may have written one and not the other, or half a
-/// line), rewrites both files with only those, and returns their outcomes.
+/// Continues a run: keeps the requests answered with a result that both `predictions.jsonl`
+/// and `metrics.csv` have a whole line for (a run killed part-way may have written one and
+/// not the other, or half a line), rewrites both files with only those, and returns their
+/// outcomes. A request that failed is sent again.
 fn keep_answered(dir: &Path) -> Result<Vec<(u64, RequestMetrics, bool)>> {
     let read =
         |name: &str| std::fs::read_to_string(dir.join(name)).map_err(|error| HostError::Io { action: "cannot read", path: dir.join(name), error });
@@ -253,8 +255,9 @@ fn keep_answered(dir: &Path) -> Result<Vec<(u64, RequestMetrics, bool)>> {
     let mut kept = Vec::new();
     for row in rows {
         let (id, metrics, ok) = parse_metrics_row(row).ok_or_else(|| cannot("metrics.csv", format!("a row that does not parse: {row}")))?;
-        if let Some(line) = lines.remove(&id) {
-            kept.push((line, row.clone(), (id, metrics, ok)));
+        match lines.remove(&id) {
+            Some(line) if ok => kept.push((line, row.clone(), (id, metrics, ok))),
+            _ => {}
         }
     }
     let rewrite = |name: &str, lines: Vec<&str>| -> Result<()> {

@@ -86,6 +86,8 @@ where
 struct Held {
     _slot: OwnedSemaphorePermit,
     _bytes: Option<Reservation>,
+    /// The request's envelope: its result is kept in the window under it.
+    envelope: bytes::Bytes,
 }
 
 /// A request waiting for its answer, in arrival order.
@@ -233,16 +235,16 @@ async fn start_request(
     slot: OwnedSemaphorePermit,
 ) -> Result<Started, RequestError> {
     let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(frame.request_id, &frame.header)?;
-    if let Some(output) = ctx.window.as_ref().and_then(|(window, session)| window.recall(session, frame.request_id)) {
+    if let Some(output) = ctx.window.as_ref().and_then(|(window, session)| window.recall(session, frame.request_id, &frame.header)) {
         tracing::debug!(request_id = frame.request_id, "a resent request answered from the window of recent results");
         let (tx, answer) = oneshot::channel();
         let _ = tx.send(Ok(JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }));
-        let held = Some(Held { _slot: slot, _bytes: None });
+        let held = Some(Held { _slot: slot, _bytes: None, envelope: bytes::Bytes::new() });
         let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
         return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, _held: held }));
     }
     let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
-    Ok(Started::New(assembly, Held { _slot: slot, _bytes: Some(bytes) }))
+    Ok(Started::New(assembly, Held { _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
 }
 
 /// Decodes a complete request and hands it to the compute worker; returns it as pending.
@@ -265,12 +267,12 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
                 if ctx.worker.send(Work::Run(job)).await.is_err() {
                     let _ = tx.send(Err(RequestError::Unavailable));
                 } else {
-                    let window = ctx.window.clone();
+                    let (window, envelope) = (ctx.window.clone(), held.envelope.clone());
                     tokio::spawn(async move {
                         let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
                         // Kept even when this stream is gone by now: its host will resend it.
                         if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
-                            window.keep(&session, id, output);
+                            window.keep(&session, id, &envelope, output);
                         }
                         let _ = tx.send(answer);
                     });

@@ -1,13 +1,18 @@
 //! The window of recent results: a host that lost its connection resends every request it
 //! has no answer for, and one the server already computed is answered from here instead of
 //! computed again. Results are keyed by the host's session id (the `cleave-host-session`
-//! metadata of its `Infer` streams) and the request id, and the window is bounded in both
-//! results and bytes (`limits.dedup_window_requests`, `limits.dedup_window_bytes`): the
-//! least recently used go first.
+//! metadata of its `Infer` streams) and the request id, and a result is given only to a
+//! request whose envelope is byte for byte the one it was computed for: a resend is sent as
+//! it was encoded, and a sealed envelope (its nonce, its authenticated header) cannot be
+//! made without the key, so a peer that knows a session id can neither plant a result for
+//! that host nor take one (a recalled result is sealed for the key the asking envelope
+//! names). The window is bounded in both results and bytes (`limits.dedup_window_requests`,
+//! `limits.dedup_window_bytes`, envelopes included): the least recently used go first.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use bytes::Bytes;
 use cleave_common::Boundary;
 use lru::LruCache;
 
@@ -49,8 +54,20 @@ struct Inner {
 }
 
 struct Held {
-    results: LruCache<(HostSession, u64), Boundary>,
+    results: LruCache<(HostSession, u64), Kept>,
     bytes: u64,
+}
+
+/// A result and the envelope of the request it answers.
+struct Kept {
+    envelope: Bytes,
+    output: Boundary,
+}
+
+impl Kept {
+    fn bytes(&self) -> u64 {
+        (self.output.tensor_bytes() + self.envelope.len()) as u64
+    }
 }
 
 impl ResultWindow {
@@ -61,27 +78,30 @@ impl ResultWindow {
         Self { inner: Arc::new(Inner { results: Mutex::new(held), max_results, max_bytes, hits: AtomicU64::new(0) }) }
     }
 
-    /// Keeps a computed result, dropping the least recently used to stay within the bounds.
-    /// A result larger than the whole window is not kept.
-    pub(crate) fn keep(&self, session: &HostSession, request_id: u64, output: &Boundary) {
-        let bytes = output.tensor_bytes() as u64;
+    /// Keeps the result of the request `envelope` started, dropping the least recently used
+    /// to stay within the bounds. A result larger than the whole window is not kept.
+    pub(crate) fn keep(&self, session: &HostSession, request_id: u64, envelope: &Bytes, output: &Boundary) {
+        let kept = Kept { envelope: envelope.clone(), output: output.shallow_clone() };
+        let bytes = kept.bytes();
         if self.inner.max_results == 0 || bytes > self.inner.max_bytes {
             return;
         }
         let mut held = self.lock();
-        if let Some(old) = held.results.put((session.clone(), request_id), output.shallow_clone()) {
-            held.bytes -= old.tensor_bytes() as u64;
+        if let Some(old) = held.results.put((session.clone(), request_id), kept) {
+            held.bytes -= old.bytes();
         }
         held.bytes += bytes;
         while held.results.len() > self.inner.max_results || held.bytes > self.inner.max_bytes {
             let Some((_, dropped)) = held.results.pop_lru() else { break };
-            held.bytes -= dropped.tensor_bytes() as u64;
+            held.bytes -= dropped.bytes();
         }
     }
 
-    /// The result of a request this session sent before, if the window still holds it.
-    pub(crate) fn recall(&self, session: &HostSession, request_id: u64) -> Option<Boundary> {
-        let found = self.lock().results.get(&(session.clone(), request_id)).map(Boundary::shallow_clone);
+    /// The result of a request this session sent before with this very envelope, if the
+    /// window still holds it.
+    pub(crate) fn recall(&self, session: &HostSession, request_id: u64, envelope: &[u8]) -> Option<Boundary> {
+        let found =
+            self.lock().results.get(&(session.clone(), request_id)).filter(|k| k.envelope.as_ref() == envelope).map(|k| k.output.shallow_clone());
         if found.is_some() {
             self.inner.hits.fetch_add(1, Ordering::Relaxed);
         }
@@ -103,7 +123,7 @@ impl ResultWindow {
         self.len() == 0
     }
 
-    /// Tensor bytes held now.
+    /// Bytes held now (results' tensors and their requests' envelopes).
     pub fn bytes(&self) -> u64 {
         self.lock().bytes
     }
@@ -124,18 +144,23 @@ mod tests {
         Boundary { values: vec![("y".into(), Value::Tensor(Tensor::arange(values, (Kind::Float, Device::Cpu))))] }
     }
 
+    fn env(bytes: &'static [u8]) -> Bytes {
+        Bytes::from_static(bytes)
+    }
+
     fn session(id: &str) -> HostSession {
         HostSession::parse(id).unwrap()
     }
 
     #[test]
-    fn a_kept_result_is_recalled_by_its_session_and_id_only() {
+    fn a_kept_result_is_recalled_by_its_session_id_and_envelope_only() {
         let window = ResultWindow::new(8, 1 << 20);
-        window.keep(&session("a"), 1, &result(4));
-        let recalled = window.recall(&session("a"), 1).expect("kept");
+        window.keep(&session("a"), 1, &env(b"e1"), &result(4));
+        let recalled = window.recall(&session("a"), 1, b"e1").expect("kept");
         assert!(recalled.values[0].1.as_tensor().unwrap().equal(&Tensor::arange(4, (Kind::Float, Device::Cpu))));
-        assert!(window.recall(&session("b"), 1).is_none());
-        assert!(window.recall(&session("a"), 2).is_none());
+        assert!(window.recall(&session("b"), 1, b"e1").is_none());
+        assert!(window.recall(&session("a"), 2, b"e1").is_none());
+        assert!(window.recall(&session("a"), 1, b"another request under the same id").is_none());
         assert_eq!(window.hits(), 1);
     }
 
@@ -143,21 +168,21 @@ mod tests {
     fn the_window_is_bounded_in_results_and_in_bytes() {
         let window = ResultWindow::new(2, 1 << 20);
         for id in 0..3 {
-            window.keep(&session("a"), id, &result(4));
+            window.keep(&session("a"), id, &env(b"e"), &result(4));
         }
         assert_eq!(window.len(), 2);
-        assert!(window.recall(&session("a"), 0).is_none(), "the oldest went first");
-        assert_eq!(window.bytes(), 2 * 16);
+        assert!(window.recall(&session("a"), 0, b"e").is_none(), "the oldest went first");
+        assert_eq!(window.bytes(), 2 * (16 + 1));
 
         let window = ResultWindow::new(100, 40);
         for id in 0..3 {
-            window.keep(&session("a"), id, &result(4)); // 16 bytes each.
+            window.keep(&session("a"), id, &env(b"e"), &result(4)); // 17 bytes each.
         }
-        assert_eq!((window.len(), window.bytes()), (2, 32));
-        window.keep(&session("a"), 9, &result(11)); // 44 bytes: larger than the window.
-        assert!(window.recall(&session("a"), 9).is_none());
+        assert_eq!((window.len(), window.bytes()), (2, 34));
+        window.keep(&session("a"), 9, &env(b"e"), &result(10)); // 41 bytes: larger than the window.
+        assert!(window.recall(&session("a"), 9, b"e").is_none());
         let off = ResultWindow::new(0, 1 << 20);
-        off.keep(&session("a"), 1, &result(1));
+        off.keep(&session("a"), 1, &env(b"e"), &result(1));
         assert!(off.is_empty());
     }
 

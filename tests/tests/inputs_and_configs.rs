@@ -181,7 +181,7 @@ fn the_hosts_deadlines_retries_and_fallback_are_keys_with_defaults() {
     let base = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
     let c = EdgeConfig::load(&write("defaults.yaml", base)).unwrap();
     assert_eq!(c.resilience, Resilience::default());
-    assert_eq!((c.resilience.retry.max_attempts, c.resilience.fallback), (5, Fallback::None));
+    assert_eq!((c.resilience.retry.max_attempts, c.resilience.fallback), (10, Fallback::None));
     let keys = "connect_timeout: 2s\nrequest_timeout: 1500ms\nkeepalive_interval: 4s\nkeepalive_timeout: 3s\n\
                 retry: {max_attempts: 7, max_backoff: 9s}\nfallback: edge\n";
     let c = EdgeConfig::load(&write("keys.yaml", &format!("{base}{keys}"))).unwrap();

@@ -2,6 +2,7 @@
 //! The host's outputs must be exactly equal to running the whole bundle locally.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use cleave_common::config::Limits;
@@ -10,7 +11,7 @@ use cleave_common::pb::{self, InferFrame};
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
-use cleave_host::config::InputSource;
+use cleave_host::config::{InputSource, Resilience, RetryPolicy};
 use cleave_host::inputs::Inputs;
 use cleave_host::session::{connect, Link};
 use cleave_host::LoopbackServer;
@@ -29,7 +30,8 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
         ids: (0..requests).collect(),
-        resilience: Default::default(),
+        // A server that goes away is given up quickly (the shutdown test).
+        resilience: Resilience { retry: RetryPolicy { max_attempts: 3, max_backoff: Duration::from_millis(200) }, ..Resilience::default() },
         in_flight: 3,
         inputs: Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap(),
         codec: Codec::RAW,
@@ -295,7 +297,7 @@ fn large_boundaries_are_split_into_frames_and_reassembled() {
 fn shutdown_answers_the_requests_received_then_ends_the_stream() {
     // The server stops reading when it drains: what it received is answered (exactly, in
     // order), the stream then ends, and the server stops while the host still has requests:
-    // the host tries to reconnect `retry.max_attempts` times, then gives every request it
+    // the host tries to reconnect `retry.max_attempts` (3) times, then gives every request it
     // sent and had no answer for an error (those it never sent get none).
     let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
     let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
@@ -315,7 +317,7 @@ fn shutdown_answers_the_requests_received_then_ends_the_stream() {
             match output {
                 Ok(output) => assert!(i < answered && output.bit_identical(&local(&bundle, &whole, 8, 5, id)), "request {id} is answered exactly"),
                 // Sent but never read by the draining server: an error, never a wrong result.
-                Err(e) => assert!(i >= answered && e.contains("could not be reached in 5 attempts"), "request {id}: {e}"),
+                Err(e) => assert!(i >= answered && e.contains("in 3 attempts in a row"), "request {id}: {e}"),
             }
         }
     });

@@ -51,6 +51,10 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
     if plan.in_flight == 0 {
         return Err(HostError::Invalid("in_flight must be at least 1: no request could be sent".into()));
     }
+    // Resends go in id order, which must be the order requests were sealed in.
+    if plan.ids.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(HostError::Invalid("request ids must be strictly increasing".into()));
+    }
     let ring = KeyRing::new(plan.key.clone()).expect("one key");
     // One sender for the whole run: a request resent on a new connection goes as it was
     // sealed, and new ones continue its nonce counter.
@@ -137,12 +141,16 @@ type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Edg
 impl<F: FnMut(RequestOutcome)> Run<F> {
     async fn stream(mut self, session: &mut EdgeSession, mut produced: mpsc::UnboundedReceiver<Produced>) -> Result<StreamCounts> {
         let mut conn: Option<Connection> = None;
-        let mut reconnect = self.fresh_reconnect();
+        let mut reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));
         let mut connecting: Option<Connecting> = None;
         // The first stream opens on the caller's connection.
         let mut first = Some(session.clone());
         let mut produced_open = true;
         let mut opened_before = false;
+        // The connection's last sign of life: it opened, or it answered. The server answers
+        // a stream's requests in order, so while answers come nothing is stalled.
+        let mut progress = Instant::now();
+        let mut answered_on_conn = false;
         let timeout = self.resilience.request_timeout;
         loop {
             if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty() && self.at_edge.is_empty()) {
@@ -153,24 +161,41 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                 reconnect.at = None;
                 connecting = Some(self.connect(first.take(), session));
             }
-            let stalled_at =
-                conn.as_ref().and(self.unanswered.values().filter_map(|u| u.sent_at).min()).map(|t| tokio::time::Instant::from_std(t) + timeout);
+            let oldest = conn.as_ref().and(self.unanswered.values().filter_map(|u| u.sent_at).min());
+            let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t.max(progress)) + timeout);
             let retry_at = if conn.is_none() && connecting.is_none() { reconnect.at } else { None };
             tokio::select! {
                 p = produced.recv(), if produced_open => match p {
-                    None => produced_open = false,
+                    None => {
+                        produced_open = false;
+                        self.prefix_thread_gone();
+                    }
                     Some(Produced::Local(outcome)) => self.record(outcome),
                     Some(Produced::Remote(p)) => self.take(p, conn.as_ref()),
                 },
                 answer = next_answer(&mut conn) => {
-                    if let Err(reason) = answer.and_then(|a| self.answered(a)) {
-                        conn = None;
-                        self.lost(&reason, &mut reconnect);
+                    match answer.and_then(|a| self.answered(a)) {
+                        Ok(()) => {
+                            progress = Instant::now();
+                            if !answered_on_conn {
+                                answered_on_conn = true;
+                                reconnect = self.fresh_reconnect(None);
+                            }
+                        }
+                        Err(reason) => {
+                            conn = None;
+                            if self.lost(&reason, answered_on_conn, &mut reconnect, session) {
+                                break;
+                            }
+                        }
                     }
                 }
                 () = sleep_until(stalled_at) => {
                     conn = None;
-                    self.lost(&format!("a request had no answer within {timeout:?} (`request_timeout`)"), &mut reconnect);
+                    let reason = format!("no answer within {timeout:?} (`request_timeout`)");
+                    if self.lost(&reason, answered_on_conn, &mut reconnect, session) {
+                        break;
+                    }
                 }
                 opened = opening(&mut connecting) => {
                     connecting = None;
@@ -182,7 +207,8 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                             }
                             opened_before = true;
                             *session = s;
-                            reconnect = self.fresh_reconnect();
+                            // The backoff goes on until the connection answers something.
+                            (progress, answered_on_conn) = (Instant::now(), false);
                             self.on_edge.store(false, Ordering::Relaxed);
                             self.resend(&c);
                             conn = Some(c);
@@ -203,9 +229,9 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 }
 
 impl<F: FnMut(RequestOutcome)> Run<F> {
-    /// Backoff from the start: the first attempt at once, then from 100 ms doubling with
-    /// jitter up to `retry.max_backoff`.
-    fn fresh_reconnect(&self) -> Reconnect {
+    /// Backoff from the start (the next attempt `at`), then from 100 ms doubling with jitter
+    /// up to `retry.max_backoff`.
+    fn fresh_reconnect(&self, at: Option<tokio::time::Instant>) -> Reconnect {
         let max = self.resilience.retry.max_backoff;
         let backoff = backon::ExponentialBuilder::default()
             .with_min_delay(FIRST_BACKOFF.min(max))
@@ -213,7 +239,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             .with_jitter()
             .without_max_times()
             .build();
-        Reconnect { attempts: 0, at: Some(tokio::time::Instant::now()), backoff }
+        Reconnect { attempts: 0, at, backoff }
     }
 
     /// Opens a stream: on `first` (the caller's connection) or on a new connection to the
@@ -302,14 +328,30 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         Ok(())
     }
 
-    /// The connection is gone: what it had not answered waits for the next one, which is
-    /// tried at once.
-    fn lost(&mut self, reason: &str, reconnect: &mut Reconnect) {
+    /// The connection is gone: what it had not answered waits for the next one. After a
+    /// connection that answered, the next is tried at once; one that answered nothing counts
+    /// as a failed attempt (backoff, fallback, giving up: true when the run gives up).
+    fn lost(&mut self, reason: &str, answered: bool, reconnect: &mut Reconnect, session: &EdgeSession) -> bool {
         tracing::warn!(unanswered = self.unanswered.len(), "connection dropped: {reason}");
         for u in self.unanswered.values_mut() {
             u.sent_at = None;
         }
-        *reconnect = self.fresh_reconnect();
+        if answered {
+            *reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));
+            return false;
+        }
+        let error = HostError::Connect { url: session.url.clone(), reason: format!("the connection answered nothing: {reason}") };
+        self.connect_failed(&error, reconnect)
+    }
+
+    /// The prefix thread stopped (it failed, or every request is out): requests handed to it
+    /// to finish on the edge will not be.
+    fn prefix_thread_gone(&mut self) {
+        let ids: Vec<u64> = self.at_edge.drain().collect();
+        for id in ids {
+            let output = Err("the edge could not finish this request: the prefix thread stopped".to_string());
+            self.record(RequestOutcome { request_id: id, metrics: RequestMetrics::default(), output });
+        }
     }
 
     /// Resends, in id order, every request not answered on a connection just opened; one
@@ -342,7 +384,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                 self.finish_on_edge(u);
             }
         } else if reconnect.attempts >= max {
-            let reason = format!("the server could not be reached in {max} attempts (`retry.max_attempts`): {error}");
+            let reason = format!("no connection to the server answered in {max} attempts in a row (`retry.max_attempts`): {error}");
             for (_, u) in std::mem::take(&mut self.unanswered) {
                 self.give_up(u, &reason);
             }
@@ -358,8 +400,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         self.at_edge.insert(u.prepared.id);
         if let Err(std::sync::mpsc::SendError(ToPrefix::Finish(p))) = self.asks.send(ToPrefix::Finish(u.prepared)) {
             self.at_edge.remove(&p.id);
-            let reason = "the prefix thread stopped before it could finish this request on the edge";
-            self.give_up(Unanswered { prepared: p, sent_at: None }, reason);
+            self.fail(p, "the prefix thread stopped before it could finish this request on the edge");
         }
     }
 
@@ -369,8 +410,13 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         if self.resilience.fallback == Fallback::Edge {
             return self.finish_on_edge(u);
         }
-        let metrics = RequestMetrics { e2e_ms: ms(u.prepared.started), ..u.prepared.metrics };
-        self.record(RequestOutcome { request_id: u.prepared.id, metrics, output: Err(format!("Unavailable: {reason}")) });
+        self.fail(u.prepared, reason);
+    }
+
+    /// Records an error outcome for a request.
+    fn fail(&mut self, p: Prepared, reason: &str) {
+        let metrics = RequestMetrics { e2e_ms: ms(p.started), ..p.metrics };
+        self.record(RequestOutcome { request_id: p.id, metrics, output: Err(format!("Unavailable: {reason}")) });
     }
 }
 
