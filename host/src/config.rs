@@ -162,6 +162,20 @@ pub struct RetryPolicy {
     pub max_backoff: Duration,
 }
 
+impl RetryPolicy {
+    /// The waits between connection attempts: from 100 ms, doubling with jitter, up to
+    /// `max_backoff`, without end.
+    pub fn backoff(&self) -> backon::ExponentialBackoff {
+        use backon::BackoffBuilder;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100).min(self.max_backoff))
+            .with_max_delay(self.max_backoff)
+            .with_jitter()
+            .without_max_times()
+            .build()
+    }
+}
+
 impl Default for RetryPolicy {
     fn default() -> Self {
         Self { max_attempts: 10, max_backoff: Duration::from_secs(5) }

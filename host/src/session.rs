@@ -16,8 +16,6 @@ use cleave_common::Bundle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
-use backon::BackoffBuilder;
-
 use crate::config::{EdgeConfig, Resilience, RetryPolicy};
 use crate::error::{HostError, Result};
 
@@ -160,12 +158,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
 /// between attempts (a host started while its server is down, or restarting, waits for it).
 /// A server that answers and refuses this host (another bundle, say) is not tried again.
 pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
-    let mut backoff = backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100).min(retry.max_backoff))
-        .with_max_delay(retry.max_backoff)
-        .with_jitter()
-        .without_max_times()
-        .build();
+    let mut backoff = retry.backoff();
     let mut attempt = 1;
     loop {
         match connect(url, bundle, link).await {

@@ -143,6 +143,21 @@ async fn answer(results: &mut tonic::Streaming<ResultFrame>) -> String {
     "stream ended".into()
 }
 
+/// Sends the whole payload `e` as request `id` on three streams at once; their answers.
+async fn three_at_once(url: &str, bundle: &Bundle, id: u64, e: &cleave_common::wire::EncodedPayload) -> Vec<String> {
+    let mut opened = Vec::new();
+    for _ in 0..3 {
+        let (tx, results) = open(url, bundle).await;
+        send(&tx, id, e.envelope.clone(), &e.data, e.data.len()).await;
+        opened.push((tx, results));
+    }
+    let mut codes = Vec::new();
+    for (_, results) in &mut opened {
+        codes.push(answer(results).await);
+    }
+    codes
+}
+
 fn verdict(peak: u64, idle: u64, budget: u64) -> String {
     let over = peak.saturating_sub(idle);
     let bound = budget + budget / 10;
@@ -248,22 +263,12 @@ fn main() {
         let e = PayloadSender::plain().encode(PayloadMeta { request_id: 2, split: cut as u32, direction: Direction::Request }, &zstd, &bomb).unwrap();
         drop(bomb);
         sampler.take();
-        let mut codes = Vec::new();
-        let mut opened = Vec::new();
-        for _ in 0..3 {
-            let (tx, results) = open(&url, &bundle).await;
-            send(&tx, 2, e.envelope.clone(), &e.data, e.data.len()).await;
-            opened.push((tx, results));
-        }
-        for (_, results) in &mut opened {
-            codes.push(answer(results).await);
-        }
+        let codes = three_at_once(&url, &bundle, 2, &e).await;
         println!(
             "3 zstd bombs of 1 GiB (batch {gib_batch}, {} KiB on the wire each): answered {codes:?}; {}",
             e.data.len() / 1024,
             verdict(sampler.take().max(idle), idle, budget)
         );
-        drop(opened);
 
         // 3. Three zstd frames of zeros as large as the cut allows: decompressed and run.
         let largest = zeros_at_batch(&sample, max_batch);
@@ -271,16 +276,7 @@ fn main() {
             PayloadSender::plain().encode(PayloadMeta { request_id: 3, split: cut as u32, direction: Direction::Request }, &zstd, &largest).unwrap();
         drop(largest);
         sampler.take();
-        let mut codes = Vec::new();
-        let mut opened = Vec::new();
-        for _ in 0..3 {
-            let (tx, results) = open(&url, &bundle).await;
-            send(&tx, 3, e.envelope.clone(), &e.data, e.data.len()).await;
-            opened.push((tx, results));
-        }
-        for (_, results) in &mut opened {
-            codes.push(answer(results).await);
-        }
+        let codes = three_at_once(&url, &bundle, 3, &e).await;
         println!(
             "3 zstd frames of zeros at the batch maximum ({} MiB declared each, {} KiB on the wire): answered {codes:?}; {} \
              (the budget holds request bytes; the suffix's activations at the batch maximum come on top)",

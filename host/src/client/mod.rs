@@ -25,7 +25,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use backon::BackoffBuilder;
 use cleave_common::wire::{Codec, KeyRing, PayloadSender};
 use cleave_common::Bundle;
 use tokio::sync::mpsc;
@@ -38,9 +37,6 @@ use self::request::ms;
 use crate::config::{Fallback, Resilience};
 use crate::error::{HostError, Result};
 use crate::session::{connect, EdgeSession};
-
-/// The first wait before reconnecting; it doubles up to `retry.max_backoff`.
-const FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
 /// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's
@@ -232,14 +228,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// Backoff from the start (the next attempt `at`), then from 100 ms doubling with jitter
     /// up to `retry.max_backoff`.
     fn fresh_reconnect(&self, at: Option<tokio::time::Instant>) -> Reconnect {
-        let max = self.resilience.retry.max_backoff;
-        let backoff = backon::ExponentialBuilder::default()
-            .with_min_delay(FIRST_BACKOFF.min(max))
-            .with_max_delay(max)
-            .with_jitter()
-            .without_max_times()
-            .build();
-        Reconnect { attempts: 0, at, backoff }
+        Reconnect { attempts: 0, at, backoff: self.resilience.retry.backoff() }
     }
 
     /// Opens a stream: on `first` (the caller's connection) or on a new connection to the
