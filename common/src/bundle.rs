@@ -15,7 +15,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{DType, NamedSpec, TensorSpec, ValueSpec};
+use crate::spec::{DType, Dim, NamedSpec, TensorSpec, ValueSpec};
 use crate::value::{Boundary, Value};
 
 /// The bundle format this build reads.
@@ -143,6 +143,23 @@ impl CutInfo {
     pub fn tensors(&self) -> Vec<(String, &TensorSpec)> {
         self.values.iter().flat_map(|v| v.spec.tensor_leaves(&v.name)).collect()
     }
+
+    /// Whether requests here can be concatenated into one batch and split back: every value
+    /// is a tensor (or a container of tensors) whose first dimension is the batch `B` and no
+    /// other dimension depends on it. A plain value (a size, say) might be the batch size.
+    pub fn batch_first(&self) -> bool {
+        fn tree(spec: &ValueSpec) -> bool {
+            match spec {
+                ValueSpec::Tensor(t) => {
+                    t.shape.first() == Some(&Dim::Batch(1)) && !t.shape[1..].iter().any(|d| matches!(d, Dim::Batch(_) | Dim::Dynamic))
+                }
+                ValueSpec::Tuple { items } | ValueSpec::List { items } => !items.is_empty() && items.iter().all(tree),
+                ValueSpec::Dict { items } => !items.is_empty() && items.iter().all(|i| tree(&i.value)),
+                _ => false,
+            }
+        }
+        !self.values.is_empty() && self.values.iter().all(|v| tree(&v.spec))
+    }
 }
 
 /// One stage of the chain.
@@ -202,6 +219,9 @@ pub struct SplitPoint {
     pub edge_cost_share: f64,
     /// Whether it can be used across the network (and why not).
     pub usable: Result<(), String>,
+    /// Whether a server merges requests entering here into batches (see
+    /// [`Bundle::batchable_cuts`]).
+    pub batchable: bool,
 }
 
 /// Where the host splits the model.
@@ -324,6 +344,7 @@ impl Bundle {
         let stages = &self.manifest.stages;
         let total_params: u64 = stages.iter().map(|s| s.parameters).sum();
         let total_flops: u64 = stages.iter().map(|s| s.flops_per_sample).sum();
+        let batchable = self.batchable_cuts();
         self.manifest
             .cuts
             .iter()
@@ -340,9 +361,20 @@ impl Bundle {
                     params_after: total_params - params_before,
                     edge_cost_share: if total_flops == 0 { 0.0 } else { flops_before as f64 / total_flops as f64 },
                     usable: if cut.usable { Ok(()) } else { Err(cut.reason.clone().unwrap_or_default()) },
+                    batchable: batchable.contains(&cut.index),
                 }
             })
             .collect()
+    }
+
+    /// The usable cuts at which requests from several hosts can be merged into one batch
+    /// and their results split back: the cut and the last one are
+    /// [`batch_first`](CutInfo::batch_first).
+    pub fn batchable_cuts(&self) -> Vec<usize> {
+        if !self.cut(self.stage_count()).batch_first() {
+            return Vec::new();
+        }
+        self.manifest.cuts.iter().filter(|c| c.usable && c.batch_first()).map(|c| c.index).collect()
     }
 
     /// The cut a split spec names: an index, the cut after a module (`after:layer2.1`, the
@@ -608,5 +640,27 @@ mod tests {
         assert_eq!("40%".parse::<SplitSpec>().unwrap(), SplitSpec::CostPercent(40.0));
         assert!("140%".parse::<SplitSpec>().unwrap_err().contains("between 0% and 100%"));
         assert!("middle".parse::<SplitSpec>().unwrap_err().contains("not a cut index"));
+    }
+
+    #[test]
+    fn only_cuts_of_batch_first_tensors_merge() {
+        let cut = |values: &str| -> CutInfo {
+            serde_json::from_str(&format!(r#"{{"index":1,"name":"c","values":{values},"bytes_per_sample":4,"usable":true}}"#)).unwrap()
+        };
+        let tensor = |shape: &str| format!(r#"{{"type":"tensor","dtype":"float32","shape":{shape}}}"#);
+        let named = |spec: String| format!(r#"{{"name":"v","spec":{spec}}}"#);
+        assert!(cut(&format!("[{}]", named(tensor(r#"["B",3]"#)))).batch_first());
+        assert!(cut(&format!(r#"[{}]"#, named(format!(r#"{{"type":"tuple","items":[{},{}]}}"#, tensor(r#"["B"]"#), tensor(r#"["B",2,2]"#))))).batch_first());
+        for not in [
+            format!("[{}]", named(tensor(r#"[1,"B"]"#))),
+            format!("[{}]", named(tensor(r#"["2*B",3]"#))),
+            format!("[{}]", named(tensor(r#"["B","B"]"#))),
+            format!("[{}]", named(tensor(r#"["B","?"]"#))),
+            format!("[{}]", named(tensor("[]"))),
+            format!(r#"[{}, {}]"#, named(tensor(r#"["B"]"#)), named(r#"{"type":"int"}"#.into())),
+            "[]".into(),
+        ] {
+            assert!(!cut(&not).batch_first(), "{not}");
+        }
     }
 }

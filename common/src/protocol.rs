@@ -45,7 +45,20 @@ pub enum ProtocolError {
 pub struct ServerInfo {
     /// The server's build.
     pub server_version: String,
-    /// The id of the bundle it serves.
+    /// Every model it serves (at least one), each selected by its bundle id.
+    pub models: Vec<ServedModel>,
+    /// The limits it enforces; a host frames and accepts messages by them.
+    pub limits: Limits,
+    /// The codecs it accepts and whether payloads must be sealed.
+    pub policy: CodecPolicy,
+    /// The key ids it holds.
+    pub key_ids: Vec<u32>,
+}
+
+/// One model a server serves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServedModel {
+    /// The id of its bundle (hosts select the model by it).
     pub bundle_id: String,
     /// Where that bundle's model came from.
     pub model_source: String,
@@ -53,21 +66,64 @@ pub struct ServerInfo {
     pub stage_count: usize,
     /// The device its stages run on (`cpu`, `cuda:0`).
     pub device: String,
-    /// The limits it enforces; a host frames and accepts messages by them.
-    pub limits: Limits,
-    /// The largest batch the bundle takes.
+    /// The largest batch one request may carry (the bundle's).
     pub max_batch: u32,
-    /// The codecs it accepts and whether payloads must be sealed.
-    pub policy: CodecPolicy,
-    /// The key ids it holds.
-    pub key_ids: Vec<u32>,
+    /// The latency target the server schedules it by.
+    pub slo_ms: Option<u32>,
+    /// Samples the server merges into one batch across requests (1: none merged).
+    pub batch_limit: u32,
+    /// The cuts at which its requests are merged into batches.
+    pub batchable_cuts: Vec<usize>,
+}
+
+impl ServerInfo {
+    /// The model with bundle id `id`.
+    pub fn model(&self, id: &str) -> Option<&ServedModel> {
+        self.models.iter().find(|m| m.bundle_id == id)
+    }
+
+    /// The bundle ids served, for messages.
+    pub fn model_ids(&self) -> Vec<&str> {
+        self.models.iter().map(|m| m.bundle_id.as_str()).collect()
+    }
+}
+
+impl From<pb::ModelInfo> for ServedModel {
+    fn from(m: pb::ModelInfo) -> Self {
+        Self {
+            bundle_id: m.bundle_id,
+            model_source: m.model_source,
+            stage_count: m.stage_count as usize,
+            device: m.device,
+            max_batch: m.max_batch,
+            slo_ms: (m.slo_ms > 0).then_some(m.slo_ms),
+            batch_limit: m.batch_limit.max(1),
+            batchable_cuts: m.batchable_cuts.into_iter().map(|c| c as usize).collect(),
+        }
+    }
+}
+
+impl From<&ServedModel> for pb::ModelInfo {
+    fn from(m: &ServedModel) -> Self {
+        Self {
+            bundle_id: m.bundle_id.clone(),
+            model_source: m.model_source.clone(),
+            stage_count: m.stage_count as u32,
+            device: m.device.clone(),
+            max_batch: m.max_batch,
+            slo_ms: m.slo_ms.unwrap_or(0),
+            batch_limit: m.batch_limit,
+            batchable_cuts: m.batchable_cuts.iter().map(|&c| c as u32).collect(),
+        }
+    }
 }
 
 impl TryFrom<pb::InfoReply> for ServerInfo {
     type Error = ProtocolError;
 
     /// Checks the protocol version first, then that the limits are ones a server could
-    /// enforce (the host sizes its frames and buffers by them).
+    /// enforce (the host sizes its frames and buffers by them) and that it names its models.
+    /// A server from before `models` describes its one model in the top-level fields.
     fn try_from(info: pb::InfoReply) -> Result<Self, ProtocolError> {
         if info.protocol_version != PROTOCOL_VERSION {
             return Err(ProtocolError::VersionMismatch { host: PROTOCOL_VERSION, server: info.protocol_version });
@@ -81,34 +137,47 @@ impl TryFrom<pb::InfoReply> for ServerInfo {
             compressions: codecs.compressions,
             require_encryption: codecs.encryption_required,
         };
-        Ok(Self {
-            server_version: info.server_version,
-            bundle_id: info.bundle_id,
-            model_source: info.model_source,
-            stage_count: info.stage_count as usize,
-            device: info.device,
-            limits,
-            max_batch: l.max_batch,
-            policy,
-            key_ids: codecs.key_ids,
-        })
+        let models: Vec<ServedModel> = if info.models.is_empty() {
+            vec![ServedModel {
+                bundle_id: info.bundle_id,
+                model_source: info.model_source,
+                stage_count: info.stage_count as usize,
+                device: info.device,
+                max_batch: l.max_batch,
+                slo_ms: None,
+                batch_limit: 1,
+                batchable_cuts: Vec::new(),
+            }]
+        } else {
+            info.models.into_iter().map(ServedModel::from).collect()
+        };
+        for (i, m) in models.iter().enumerate() {
+            if m.bundle_id.is_empty() {
+                return Err(ProtocolError::InvalidInfo(format!("model {i} has no bundle id")));
+            }
+            if models[..i].iter().any(|other| other.bundle_id == m.bundle_id) {
+                return Err(ProtocolError::InvalidInfo(format!("bundle id {} is listed twice", m.bundle_id)));
+            }
+        }
+        Ok(Self { server_version: info.server_version, models, limits, policy, key_ids: codecs.key_ids })
     }
 }
 
 impl From<&ServerInfo> for pb::InfoReply {
     fn from(info: &ServerInfo) -> Self {
+        let first = info.models.first();
         pb::InfoReply {
             protocol_version: PROTOCOL_VERSION,
             server_version: info.server_version.clone(),
-            bundle_id: info.bundle_id.clone(),
-            model_source: info.model_source.clone(),
-            stage_count: info.stage_count as u32,
-            device: info.device.clone(),
+            bundle_id: first.map(|m| m.bundle_id.clone()).unwrap_or_default(),
+            model_source: first.map(|m| m.model_source.clone()).unwrap_or_default(),
+            stage_count: first.map_or(0, |m| m.stage_count as u32),
+            device: first.map(|m| m.device.clone()).unwrap_or_default(),
             limits: Some(pb::Limits {
                 max_message_bytes: info.limits.max_message_bytes,
                 max_payload_bytes: info.limits.max_payload_bytes,
                 queue_depth: info.limits.queue_depth,
-                max_batch: info.max_batch,
+                max_batch: first.map_or(0, |m| m.max_batch),
             }),
             codecs: Some(pb::CodecSupport {
                 precisions: info.policy.precisions.iter().map(|p| p.name().to_string()).collect(),
@@ -116,6 +185,7 @@ impl From<&ServerInfo> for pb::InfoReply {
                 encryption_required: info.policy.require_encryption,
                 key_ids: info.key_ids.clone(),
             }),
+            models: info.models.iter().map(pb::ModelInfo::from).collect(),
         }
     }
 }
@@ -178,14 +248,20 @@ mod tests {
     use super::*;
 
     fn info() -> pb::InfoReply {
-        let info = ServerInfo {
-            server_version: "0.1.0".into(),
-            bundle_id: "abc".into(),
+        let model = |id: &str| ServedModel {
+            bundle_id: id.into(),
             model_source: "m".into(),
             stage_count: 4,
             device: "cpu".into(),
-            limits: Limits { max_message_bytes: 32 << 20, ..Limits::default() },
             max_batch: 8,
+            slo_ms: Some(20),
+            batch_limit: 4,
+            batchable_cuts: vec![0, 2, 4],
+        };
+        let info = ServerInfo {
+            server_version: "0.1.0".into(),
+            models: vec![model("abc"), ServedModel { slo_ms: None, ..model("def") }],
+            limits: Limits { max_message_bytes: 32 << 20, ..Limits::default() },
             policy: CodecPolicy::default(),
             key_ids: vec![3],
         };
@@ -198,6 +274,25 @@ mod tests {
         assert_eq!(back.limits.max_message_bytes, 32 << 20);
         assert_eq!(back.policy, CodecPolicy::default());
         assert_eq!(pb::InfoReply::from(&back), info());
+        assert_eq!(back.model_ids(), ["abc", "def"]);
+        assert_eq!((back.model("def").unwrap().slo_ms, back.model("abc").unwrap().batchable_cuts.len()), (None, 3));
+    }
+
+    #[test]
+    fn a_server_of_one_model_from_before_the_list_is_read_from_the_top_level_fields() {
+        let old = pb::InfoReply { models: Vec::new(), ..info() };
+        let back = ServerInfo::try_from(old).unwrap();
+        assert_eq!(back.model_ids(), ["abc"]);
+        assert_eq!((back.models[0].max_batch, back.models[0].batch_limit, back.models[0].stage_count), (8, 1, 4));
+    }
+
+    #[test]
+    fn a_model_list_without_ids_or_with_one_twice_is_refused() {
+        let mut reply = info();
+        reply.models[1].bundle_id = "abc".into();
+        assert!(ServerInfo::try_from(reply.clone()).unwrap_err().to_string().contains("bundle id abc is listed twice"));
+        reply.models[1].bundle_id = String::new();
+        assert!(ServerInfo::try_from(reply).unwrap_err().to_string().contains("model 1 has no bundle id"));
     }
 
     #[test]

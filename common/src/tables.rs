@@ -59,9 +59,11 @@ fn align_right(table: &mut Table, columns: &[usize]) {
     }
 }
 
-/// Every split point: what crosses it, how big it is, how the parameters and cost divide.
+/// Every split point: what crosses it, how big it is, how the parameters and cost divide,
+/// and whether a server merges requests entering there into batches.
 pub fn split_table(bundle: &Bundle) -> Table {
-    let mut table = new_table(&["cut", "name", "live tensors", "bytes/sample", "params edge", "params server", "edge cost", "usable"]);
+    let mut table =
+        new_table(&["cut", "name", "live tensors", "bytes/sample", "params edge", "params server", "edge cost", "usable", "batchable"]);
     for p in bundle.split_points() {
         let mut live = p.tensors.join("\n");
         if p.plain_values > 0 {
@@ -79,6 +81,7 @@ pub fn split_table(bundle: &Bundle) -> Table {
                 Ok(()) => "yes".into(),
                 Err(reason) => format!("no: {reason}"),
             },
+            if p.batchable { "yes" } else { "no" }.into(),
         ]);
     }
     align_right(&mut table, &[0, 3, 4, 5, 6]);

@@ -125,6 +125,77 @@ impl Value {
         }
     }
 
+    fn cat_batches(items: &[&Value], path: &str) -> std::result::Result<Value, String> {
+        let mismatch = || format!("the boundaries to merge differ at {path}");
+        let children = |get: &dyn Fn(&Value) -> Option<&Vec<Value>>| -> std::result::Result<Vec<Value>, String> {
+            let lists = items.iter().map(|v| get(v).ok_or_else(mismatch)).collect::<std::result::Result<Vec<_>, _>>()?;
+            let n = lists[0].len();
+            if lists.iter().any(|l| l.len() != n) {
+                return Err(mismatch());
+            }
+            (0..n).map(|i| Value::cat_batches(&lists.iter().map(|l| &l[i]).collect::<Vec<_>>(), &format!("{path}.{i}"))).collect()
+        };
+        match items[0] {
+            Value::Tensor(_) => {
+                let tensors = items.iter().map(|v| v.as_tensor().ok_or_else(mismatch)).collect::<std::result::Result<Vec<_>, _>>()?;
+                if tensors.iter().any(|t| t.dim() == 0) {
+                    return Err(format!("{path} has no batch dimension"));
+                }
+                Ok(Value::Tensor(Tensor::cat(&tensors, 0)))
+            }
+            Value::Tuple(_) => Ok(Value::Tuple(children(&|v| if let Value::Tuple(x) = v { Some(x) } else { None })?)),
+            Value::List(_) => Ok(Value::List(children(&|v| if let Value::List(x) = v { Some(x) } else { None })?)),
+            Value::Dict(first) => {
+                let keys: Vec<&String> = first.iter().map(|(k, _)| k).collect();
+                let mut merged = Vec::with_capacity(keys.len());
+                for (i, key) in keys.iter().enumerate() {
+                    let column = items
+                        .iter()
+                        .map(|v| match v {
+                            Value::Dict(d) if d.get(i).is_some_and(|(k, _)| k == *key) => Ok(&d[i].1),
+                            _ => Err(mismatch()),
+                        })
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    merged.push(((*key).clone(), Value::cat_batches(&column, &format!("{path}.{key}"))?));
+                }
+                Ok(Value::Dict(merged))
+            }
+            other => Err(format!("{path} is {}, not a tensor: it cannot be merged into a batch", other.describe())),
+        }
+    }
+
+    fn split_batches(&self, sizes: &[i64], path: &str) -> std::result::Result<Vec<Value>, String> {
+        let transpose = |items: Vec<Vec<Value>>| -> Vec<Vec<Value>> {
+            let mut parts: Vec<Vec<Value>> = sizes.iter().map(|_| Vec::with_capacity(items.len())).collect();
+            for item in items {
+                for (part, v) in parts.iter_mut().zip(item) {
+                    part.push(v);
+                }
+            }
+            parts
+        };
+        match self {
+            Value::Tensor(t) => {
+                let rows: i64 = sizes.iter().sum();
+                if t.dim() == 0 || t.size()[0] != rows {
+                    return Err(format!("{path} has shape {:?}, not {rows} rows to split", t.size()));
+                }
+                Ok(t.split_with_sizes(sizes, 0).into_iter().map(Value::Tensor).collect())
+            }
+            Value::Tuple(items) | Value::List(items) => {
+                let split = items.iter().enumerate().map(|(i, v)| v.split_batches(sizes, &format!("{path}.{i}"))).collect::<std::result::Result<Vec<_>, _>>()?;
+                let wrap = |vs: Vec<Value>| if matches!(self, Value::Tuple(_)) { Value::Tuple(vs) } else { Value::List(vs) };
+                Ok(transpose(split).into_iter().map(wrap).collect())
+            }
+            Value::Dict(items) => {
+                let split = items.iter().map(|(k, v)| v.split_batches(sizes, &format!("{path}.{k}"))).collect::<std::result::Result<Vec<_>, _>>()?;
+                let keys: Vec<String> = items.iter().map(|(k, _)| k.clone()).collect();
+                Ok(transpose(split).into_iter().map(|vs| Value::Dict(keys.iter().cloned().zip(vs).collect())).collect())
+            }
+            other => Err(format!("{path} is {}, not a tensor: it cannot be split by request", other.describe())),
+        }
+    }
+
     /// The tensors inside, named `name`, `name.0`, `name.key` (the wire names).
     pub fn tensor_leaves<'a>(&'a self, name: &str, out: &mut Vec<(String, &'a Tensor)>) {
         match self {
@@ -274,6 +345,42 @@ impl Boundary {
         Boundary { values: self.values.iter().map(|(n, v)| (n.clone(), v.map_tensors(&Tensor::detach))).collect() }
     }
 
+    /// Boundaries of several requests at one cut merged into one batch: every tensor
+    /// concatenated along its first dimension, in order. The parts must have the same names
+    /// and trees of tensors only (a cut that is
+    /// [`batch_first`](crate::bundle::CutInfo::batch_first)).
+    pub fn cat_batches(parts: &[Boundary]) -> std::result::Result<Boundary, String> {
+        let first = parts.first().ok_or("no boundary to merge")?;
+        let values = first
+            .values
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| {
+                let items = parts
+                    .iter()
+                    .map(|p| match p.values.get(i) {
+                        Some((n, v)) if n == name => Ok(v),
+                        _ => Err(format!("the boundaries to merge differ at value {name}")),
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Ok((name.clone(), Value::cat_batches(&items, name)?))
+            })
+            .collect::<std::result::Result<_, String>>()?;
+        Ok(Boundary { values })
+    }
+
+    /// The inverse of [`Boundary::cat_batches`]: the first `sizes[0]` rows of every tensor,
+    /// then the next `sizes[1]`, and so on (views of this boundary's tensors).
+    pub fn split_batches(&self, sizes: &[i64]) -> std::result::Result<Vec<Boundary>, String> {
+        let mut parts: Vec<Boundary> = sizes.iter().map(|_| Boundary { values: Vec::with_capacity(self.values.len()) }).collect();
+        for (name, value) in &self.values {
+            for (part, v) in parts.iter_mut().zip(value.split_batches(sizes, name)?) {
+                part.values.push((name.clone(), v));
+            }
+        }
+        Ok(parts)
+    }
+
     /// Total bytes of the tensors inside.
     pub fn tensor_bytes(&self) -> usize {
         self.tensors().iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
@@ -316,5 +423,46 @@ impl Boundary {
             worst = worst.max(if err.is_nan() { f64::INFINITY } else { err / scale });
         }
         worst
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(rows: i64, offset: f64) -> Boundary {
+        let t = |cols: i64| Tensor::arange(rows * cols, (tch::Kind::Float, tch::Device::Cpu)).reshape([rows, cols]) + offset;
+        Boundary {
+            values: vec![
+                ("x".into(), Value::Tensor(t(3))),
+                ("pair".into(), Value::Tuple(vec![Value::Tensor(t(2)), Value::Dict(vec![("k".into(), Value::Tensor(t(1)))])])),
+            ],
+        }
+    }
+
+    #[test]
+    fn merged_batches_split_back_into_the_requests_exactly() {
+        let parts = [request(1, 0.0), request(3, 100.0), request(2, -7.5)];
+        let merged = Boundary::cat_batches(&parts).unwrap();
+        assert_eq!(merged.tensors().iter().map(|(n, t)| (n.clone(), t.size())).collect::<Vec<_>>(), [
+            ("x".to_string(), vec![6, 3]),
+            ("pair.0".to_string(), vec![6, 2]),
+            ("pair.1.k".to_string(), vec![6, 1])
+        ]);
+        let back = merged.split_batches(&[1, 3, 2]).unwrap();
+        assert_eq!(back.len(), 3);
+        for (got, want) in back.iter().zip(&parts) {
+            assert!(got.bit_identical(want));
+        }
+    }
+
+    #[test]
+    fn what_cannot_be_merged_or_split_is_named() {
+        let plain = Boundary { values: vec![("n".into(), Value::Int(3))] };
+        assert!(Boundary::cat_batches(&[plain.shallow_clone(), plain]).unwrap_err().contains("n is int, not a tensor"));
+        let other = Boundary { values: vec![("y".into(), Value::Tensor(Tensor::zeros([1, 3], (tch::Kind::Float, tch::Device::Cpu))))] };
+        assert!(Boundary::cat_batches(&[request(1, 0.0), other]).unwrap_err().contains("differ at value x"));
+        assert!(request(2, 0.0).split_batches(&[1, 2]).unwrap_err().contains("not 3 rows"));
+        assert!(Boundary::cat_batches(&[]).is_err());
     }
 }

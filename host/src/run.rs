@@ -83,7 +83,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         device_name(config.device.resolve()?),
         url,
         bundle.stage_count(),
-        session.server.device
+        session.model.device
     );
     let ids: Vec<u64> = (0..config.requests).filter(|id| !done.contains(id)).collect();
     let progress = indicatif::ProgressBar::new(ids.len() as u64);
@@ -137,7 +137,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         bundle_id: bundle.id().to_string(),
         server: url,
         edge_device: device_name(config.device.resolve()?),
-        server_device: session.server.device.clone(),
+        server_device: session.model.device.clone(),
         split,
         split_name: bundle.cut(split).name.clone(),
         batch_size: config.batch_size,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use cleave_common::pb;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
-use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA};
+use cleave_common::protocol::{ServedModel, ServerInfo, BUNDLE_ID_METADATA};
 use cleave_common::security::{ClientTls, EdgeSecurity, Token};
 use cleave_common::wire::{chunk_bytes_for, Codec};
 use cleave_common::Bundle;
@@ -81,6 +81,8 @@ pub struct EdgeSession {
     pub client: Client,
     /// What the server said of itself.
     pub server: ServerInfo,
+    /// The model of this host's bundle among those it serves.
+    pub model: ServedModel,
     /// Its URL.
     pub url: String,
     /// How it was reached (to reach it again).
@@ -140,18 +142,18 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         code => connect_error(format!("Info: {code:?}: {}", s.message())),
     })?;
     let server = ServerInfo::try_from(reply.into_inner()).map_err(|e| HostError::Refused(format!("{url}: {e}")))?;
-    if server.bundle_id != bundle.id() {
+    let Some(model) = server.model(bundle.id()).cloned() else {
+        let served: Vec<String> = server.models.iter().map(|m| format!("{} ({})", m.bundle_id, m.model_source)).collect();
         return Err(HostError::Refused(format!(
-            "bundle mismatch: this host has {} ({}), the server at {url} serves {} ({})",
+            "bundle mismatch: this host has {} ({}), the server at {url} serves {}",
             bundle.id(),
             bundle.manifest().model.source,
-            server.bundle_id,
-            server.model_source
+            served.join(", ")
         )));
-    }
+    };
     let max_message = server.limits.max_message_bytes as usize;
     let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
-    Ok(EdgeSession { client, server, url: url.to_string(), link: link.clone() })
+    Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone() })
 }
 
 /// [`connect`], tried up to `retry.max_attempts` times with exponential backoff and jitter
@@ -194,10 +196,10 @@ impl EdgeSession {
         self.server.limits.max_payload_bytes
     }
 
-    /// A streaming call's request, carrying the bundle id the server checks.
-    pub fn stream_request<T>(&self, stream: T) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(stream);
-        let id = self.server.bundle_id.parse().expect("a bundle id (hex) is a valid header value");
+    /// A call's request, carrying the bundle id that selects this host's model on the server.
+    pub fn model_request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        let id = self.model.bundle_id.parse().expect("a bundle id (hex) is a valid header value");
         request.metadata_mut().insert(BUNDLE_ID_METADATA, id);
         request
     }

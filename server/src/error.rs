@@ -40,9 +40,12 @@ pub(crate) enum RequestError {
     /// The bundle is already being trained and the server keeps one session per bundle.
     #[error("{0}")]
     AlreadyTraining(String),
-    /// The stream's host has another bundle than this server serves.
-    #[error("bundle mismatch: the host has bundle {host}, this server serves {server}")]
-    BundleMismatch { host: String, server: String },
+    /// The call names a bundle id this server does not serve (or none, where it must).
+    #[error("bundle mismatch: the host has bundle {host}, this server serves {}", served.join(", "))]
+    UnknownModel { host: String, served: Vec<String> },
+    /// Requests merged into one batch could not be concatenated or split back.
+    #[error("batching: {0}")]
+    Batching(String),
     /// A `Profile` or `Echo` call asks for something the server does not give.
     #[error("{0}")]
     BadCall(String),
@@ -99,7 +102,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         )) => Code::Unauthenticated,
         RequestError::Wire(WireError::Codec(C::CodecRefused { .. })) => Code::FailedPrecondition,
         RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } | RequestError::BadCall(_) => Code::InvalidArgument,
-        RequestError::Encode(_) | RequestError::Profile(_) => Code::Internal,
+        RequestError::Encode(_) | RequestError::Profile(_) | RequestError::Batching(_) => Code::Internal,
         RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
         RequestError::Bundle(_) => Code::Internal,
         RequestError::Unavailable => Code::Unavailable,
@@ -111,7 +114,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             TrainError::NotTrainable(_) | TrainError::Checkpoint { .. } => Code::FailedPrecondition,
             TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
         },
-        RequestError::Session(_) | RequestError::AlreadyTraining(_) | RequestError::BundleMismatch { .. } => Code::FailedPrecondition,
+        RequestError::Session(_) | RequestError::AlreadyTraining(_) | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
         RequestError::Unauthenticated(_) => Code::Unauthenticated,
         RequestError::OverBudget(_) | RequestError::Busy(_) => Code::ResourceExhausted,
         RequestError::Stalled(_) => Code::DeadlineExceeded,
@@ -180,6 +183,24 @@ pub enum ServerError {
     /// Development secrets cannot be written.
     #[error("dev secrets: {0}")]
     DevSecrets(String),
+    /// Two entries of `models:` are the same bundle (hosts select a model by its id).
+    #[error("models: {first} and {second} are both bundle {id}: each model is served once")]
+    DuplicateModel {
+        /// The bundle id.
+        id: String,
+        /// The first entry's bundle path.
+        first: String,
+        /// The second's.
+        second: String,
+    },
+    /// The metrics endpoint cannot be served.
+    #[error("metrics on {addr}: {error}")]
+    Metrics {
+        /// The address.
+        addr: String,
+        /// Why.
+        error: std::io::Error,
+    },
 }
 
 #[cfg(test)]

@@ -16,17 +16,19 @@ use std::time::{Duration, Instant};
 
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::security::ServerSecurity;
-use cleave_common::wire::{frame_parts, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly};
+use cleave_common::wire::{frame_parts, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly, Received};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use crate::budget::{MemoryBudget, Reservation};
-use crate::error::{error_frame, RequestError};
+use crate::error::{error_frame, status_code, RequestError};
+use crate::metrics::{Answered, Metrics};
+use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
+use crate::scheduler::{InferJob, JobResult};
 use crate::window::{HostSession, ResultWindow};
-use crate::worker::{Job, JobResult, Work};
 
 /// Result frames a stream buffers for its host: with one answer being encoded, what a host
 /// that does not read can make the server hold.
@@ -34,12 +36,11 @@ const OUT_FRAMES: usize = 4;
 
 /// What one `Infer` stream needs.
 pub(crate) struct InferContext {
-    /// Stages in the bundle (a split must be at most this).
-    pub(crate) stage_count: usize,
+    /// The model the stream's host runs (its device's scheduler runs the suffixes).
+    pub(crate) model: Arc<Model>,
     /// Opens and decodes the stream's requests (shared with the blocking pool).
     pub(crate) receiver: Arc<Mutex<PayloadReceiver>>,
-    /// The compute worker's queue.
-    pub(crate) worker: mpsc::Sender<Work>,
+    pub(crate) metrics: Metrics,
     /// Keys the results are sealed with.
     pub(crate) security: Arc<ServerSecurity>,
     /// The largest result (tensor bytes) sent back.
@@ -66,7 +67,15 @@ where
     let (out, out_rx) = mpsc::channel(OUT_FRAMES);
     let (pending_tx, pending_rx) = mpsc::channel::<Pending>(ctx.max_requests);
     let encoder = ResultEncoder::new(Arc::clone(&ctx.security), ctx.max_payload_bytes);
-    tokio::spawn(respond(pending_rx, out.clone(), encoder, ctx.chunk_bytes, ctx.request_timeout));
+    let responder = Responder {
+        out: out.clone(),
+        encoder: Arc::new(Mutex::new(encoder)),
+        chunk_bytes: ctx.chunk_bytes,
+        timeout: ctx.request_timeout,
+        model: Arc::clone(&ctx.model),
+        metrics: ctx.metrics.clone(),
+    };
+    tokio::spawn(responder.respond(pending_rx));
     let reader = tokio::spawn(read_requests(inbound, ctx, pending_tx));
     // A panic in the reader (a bug) ends the stream with INTERNAL rather than silently.
     tokio::spawn(async move {
@@ -84,6 +93,8 @@ where
 /// What a request holds from its first frame to its answer: its place among the stream's
 /// requests and its bytes in the memory budget.
 struct Held {
+    /// When its first frame came.
+    since: Instant,
     _slot: OwnedSemaphorePermit,
     _bytes: Option<Reservation>,
     /// The request's envelope: its result is kept in the window under it.
@@ -103,6 +114,11 @@ struct Pending {
 }
 
 impl Pending {
+    /// When its first frame came (now, for a request refused before it had one).
+    fn since(&self) -> Instant {
+        self._held.as_ref().map_or_else(Instant::now, |h| h.since)
+    }
+
     /// A request answered at once (with an error, before it reached the worker).
     fn answered(request_id: u64, answer: Result<JobResult, RequestError>) -> Self {
         let (tx, rx) = oneshot::channel();
@@ -161,7 +177,10 @@ where
             },
         };
         let frame = match next {
-            Next::Frame(frame) => frame,
+            Next::Frame(frame) => {
+                ctx.metrics.received(ctx.model.bundle.id(), (frame.header.len() + frame.data.len()) as u64);
+                frame
+            }
             Next::End => return,
             Next::Stalled | Next::Draining => {
                 let draining = matches!(next, Next::Draining);
@@ -234,103 +253,134 @@ async fn start_request(
     frame: &InferFrame,
     slot: OwnedSemaphorePermit,
 ) -> Result<Started, RequestError> {
+    let since = Instant::now();
     let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(frame.request_id, &frame.header)?;
     if let Some(output) = ctx.window.as_ref().and_then(|(window, session)| window.recall(session, frame.request_id, &frame.header)) {
         tracing::debug!(request_id = frame.request_id, "a resent request answered from the window of recent results");
         let (tx, answer) = oneshot::channel();
         let _ = tx.send(Ok(JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }));
-        let held = Some(Held { _slot: slot, _bytes: None, envelope: bytes::Bytes::new() });
+        let held = Some(Held { since, _slot: slot, _bytes: None, envelope: bytes::Bytes::new() });
         let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
         return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, _held: held }));
     }
     let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
-    Ok(Started::New(assembly, Held { _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
+    Ok(Started::New(assembly, Held { since, _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
 }
 
-/// Decodes a complete request and hands it to the compute worker; returns it as pending.
+/// Decodes a complete request, checks it against its cut and hands it to its device's
+/// scheduler; returns it as pending.
 async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContext, assembly: Reassembly, held: Held) -> Pending {
     let (id, split) = (assembly.request_id, assembly.split());
-    let decoded = decode_blocking(receiver, assembly).await;
     let (tx, rx) = oneshot::channel();
     let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
-    match decoded {
+    let submitted = match decode_blocking(receiver, assembly).await {
+        Err(e) => Err(e),
+        Ok((r, took)) => {
+            (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
+            submit(ctx, r).await
+        }
+    };
+    match submitted {
         Err(e) => {
             let _ = tx.send(Err(e));
         }
-        Ok((r, took)) => {
-            (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
-            if r.split as usize > ctx.stage_count {
-                let _ = tx.send(Err(RequestError::SplitOutOfRange { split: r.split, cuts: ctx.stage_count }));
-            } else {
-                let (job_tx, job_rx) = oneshot::channel();
-                let job = Job { split: r.split as usize, input: r.boundary, queued_at: Instant::now(), reply: job_tx };
-                if ctx.worker.send(Work::Run(job)).await.is_err() {
-                    let _ = tx.send(Err(RequestError::Unavailable));
-                } else {
-                    let (window, envelope) = (ctx.window.clone(), held.envelope.clone());
-                    tokio::spawn(async move {
-                        let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
-                        // Kept even when this stream is gone by now: its host will resend it.
-                        if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
-                            window.keep(&session, id, &envelope, output);
-                        }
-                        let _ = tx.send(answer);
-                    });
+        Ok(job_rx) => {
+            let (window, envelope) = (ctx.window.clone(), held.envelope.clone());
+            tokio::spawn(async move {
+                let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
+                // Kept even when this stream is gone by now: its host will resend it.
+                if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
+                    window.keep(&session, id, &envelope, output);
                 }
-            }
+                let _ = tx.send(answer);
+            });
         }
     }
     Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, _held: Some(held) }
 }
 
-/// Answers the stream's requests in arrival order.
-async fn respond(
-    mut pending: mpsc::Receiver<Pending>,
+/// Checks a decoded request against its cut (its batch size comes from there) and queues
+/// it on its device's scheduler.
+async fn submit(ctx: &InferContext, r: Received) -> Result<oneshot::Receiver<JobResult>, RequestError> {
+    let cuts = ctx.model.bundle.stage_count();
+    if r.split as usize > cuts {
+        return Err(RequestError::SplitOutOfRange { split: r.split, cuts });
+    }
+    let samples = ctx.model.bundle.check_boundary(r.split as usize, &r.boundary)?;
+    let (reply, answer) = oneshot::channel();
+    ctx.model.scheduler.submit(InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, samples, reply }).await?;
+    Ok(answer)
+}
+
+/// What answers a stream's requests.
+struct Responder {
     out: mpsc::Sender<Result<ResultFrame, Status>>,
-    encoder: ResultEncoder,
+    encoder: Arc<Mutex<ResultEncoder>>,
     chunk_bytes: usize,
+    /// How long an answer waits for its host to take it.
     timeout: Duration,
-) {
-    let encoder = Arc::new(Mutex::new(encoder));
-    while let Some(mut p) = pending.recv().await {
-        let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
-        let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id, direction: Direction::Result };
-        let encoded = match answer.and_then(|r| Ok((r.output?, r.queue, r.compute))) {
-            Ok((output, queue, compute)) => encode_blocking(&encoder, spec, output).await.map(|(e, took)| (e, queue, compute, took)),
-            Err(e) => Err(e),
-        };
-        let frames = match encoded {
-            Ok((encoded, queue, compute, encode)) => {
-                let timings = pb::ServerTimings {
-                    queue_us: queue.as_micros() as u64,
-                    decode_us: p.decode_us,
-                    compute_us: compute.as_micros() as u64,
-                    encode_us: encode.as_micros() as u64,
-                };
-                frame_parts(encoded.envelope, &encoded.data, chunk_bytes)
-                    .into_iter()
-                    .map(|part| ResultFrame {
-                        request_id: p.request_id,
-                        header: part.header,
-                        data: part.data,
-                        last: part.last,
-                        timings: part.last.then_some(timings),
-                        error: None,
-                    })
-                    .collect()
-            }
-            Err(e) => {
-                tracing::info!(request_id = p.request_id, error = %e, "request refused");
-                vec![ResultFrame { request_id: p.request_id, last: true, error: Some(error_frame(&e)), ..Default::default() }]
-            }
-        };
-        for frame in frames {
-            match out.send_timeout(Ok(frame), timeout).await {
-                Ok(()) => {}
-                Err(mpsc::error::SendTimeoutError::Closed(_)) => return, // The host is gone: stop working for it.
-                Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
-                    tracing::info!(request_id = p.request_id, "the host took no answer for {timeout:?} (`limits.request_timeout`): the stream ends");
-                    return;
+    model: Arc<Model>,
+    metrics: Metrics,
+}
+
+impl Responder {
+    /// Answers the stream's requests in arrival order.
+    async fn respond(self, mut pending: mpsc::Receiver<Pending>) {
+        let _open = self.metrics.stream_open("infer");
+        while let Some(mut p) = pending.recv().await {
+            let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
+            let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id, direction: Direction::Result };
+            let (mut queue, mut compute) = (Duration::ZERO, Duration::ZERO);
+            let encoded = match answer.and_then(|r| {
+                (queue, compute) = (r.queue, r.compute);
+                r.output
+            }) {
+                Ok(output) => encode_blocking(&self.encoder, spec, output).await,
+                Err(e) => Err(e),
+            };
+            let (frames, code) = match encoded {
+                Ok((encoded, encode)) => {
+                    let timings = pb::ServerTimings {
+                        queue_us: queue.as_micros() as u64,
+                        decode_us: p.decode_us,
+                        compute_us: compute.as_micros() as u64,
+                        encode_us: encode.as_micros() as u64,
+                    };
+                    let frames = frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes)
+                        .into_iter()
+                        .map(|part| ResultFrame {
+                            request_id: p.request_id,
+                            header: part.header,
+                            data: part.data,
+                            last: part.last,
+                            timings: part.last.then_some(timings),
+                            error: None,
+                        })
+                        .collect();
+                    (frames, tonic::Code::Ok)
+                }
+                Err(e) => {
+                    tracing::info!(request_id = p.request_id, error = %e, "request refused");
+                    (vec![ResultFrame { request_id: p.request_id, last: true, error: Some(error_frame(&e)), ..Default::default() }], status_code(&e))
+                }
+            };
+            self.metrics.answered(&Answered {
+                model: self.model.bundle.id(),
+                code,
+                queue,
+                compute,
+                total: p.since().elapsed(),
+                bytes_out: frames.iter().map(|f: &ResultFrame| (f.header.len() + f.data.len()) as u64).sum(),
+                slo: self.model.slo,
+            });
+            for frame in frames {
+                match self.out.send_timeout(Ok(frame), self.timeout).await {
+                    Ok(()) => {}
+                    Err(mpsc::error::SendTimeoutError::Closed(_)) => return, // The host is gone: stop working for it.
+                    Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
+                        tracing::info!(request_id = p.request_id, "the host took no answer for {:?} (`limits.request_timeout`): the stream ends", self.timeout);
+                        return;
+                    }
                 }
             }
         }

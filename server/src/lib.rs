@@ -1,18 +1,21 @@
 //! The GPU side of cleave.
 //!
-//! The server loads a whole bundle once, on its device, so that it can run the suffix
-//! `[s, N)` of any split point a host asks for.
+//! The server loads each model's whole bundle once, on its device, so that it can run the
+//! suffix `[s, N)` of any split point a host asks for; hosts select a model by bundle id.
 //!
-//! - [`PreparedServer::prepare`] checks the limits and loads the bundle before any port
-//!   is bound; [`PreparedServer::serve`] serves on a listener until `shutdown` resolves
+//! - [`PreparedServer::prepare_models`] checks the limits and loads the models before any
+//!   port is bound; [`PreparedServer::serve`] serves on a listener until `shutdown` resolves
 //!   (tests and `host --loopback` bind `127.0.0.1:0`).
-//! - [`config`]: `server.yaml`, raw then validated.
-//! - `service`: the tonic service; it checks the bundle id and the token and delegates.
+//! - [`config`]: `server.yaml`, raw then validated (models and scheduler in its `models`).
+//! - `models`: the models served, selected by the bundle id a call carries.
+//! - `service`: the tonic service; it selects the model and delegates.
 //! - `infer`: the `Infer` stream (reader and responder tasks).
 //! - `training`: the `Train` stream: `admission` (who may train), `session` (each session's
 //!   own thread, stages, optimizer and checkpoints), `stream` (calls answered in order).
 //! - `payloads`: decoding requests and encoding answers on the blocking pool.
-//! - `worker`: the compute thread that owns the stages.
+//! - `scheduler`: one thread per device that owns its models' stages and picks what runs
+//!   next: merged batches, profiles, training turns (`queue`: the rules).
+//! - [`metrics`]: Prometheus metrics and their endpoint.
 //! - `window`: recent results, so that a request resent after a broken connection is
 //!   answered without computing it again.
 //! - `error`: why a call failed, and the one map from errors to gRPC statuses.
@@ -25,11 +28,13 @@ mod connections;
 mod dev_secrets;
 mod error;
 mod infer;
+pub mod metrics;
+mod models;
 mod payloads;
+mod scheduler;
 mod service;
 mod training;
 mod window;
-mod worker;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -42,45 +47,55 @@ use cleave_common::pb::split_inference_server::SplitInferenceServer;
 use cleave_common::security::ServerSecurity;
 use cleave_common::tables::verify_table;
 use cleave_common::verify::verify_splits;
-use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
+use cleave_common::{Bundle, DeviceSpec};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 pub use budget::MemoryBudget;
-pub use config::{PeerLimits, ServerConfig, TrainingOptions};
+pub use config::{Batching, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets};
 pub use error::ServerError;
+pub use metrics::Metrics;
 pub use window::ResultWindow;
 
 /// How long a failed accept waits before the next one.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// A server whose bundle is loaded on its device, ready to serve.
+/// A server whose models are loaded on their devices, ready to serve.
 pub struct PreparedServer {
     service: service::Service,
+    /// Where Prometheus scrapes the metrics, when configured.
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl PreparedServer {
-    /// Opens the bundle, loads every stage on the device and starts the compute worker.
+    /// One model on `device`, unbatched, with the default scheduler.
     pub fn prepare(bundle_dir: &std::path::Path, device: DeviceSpec, limits: Limits, security: ServerSecurity) -> Result<Self, ServerError> {
-        let device_spec = device;
+        Self::prepare_models(&[ModelConfig::new(bundle_dir, device)], SchedulerConfig::default(), limits, security)
+    }
+
+    /// Opens every model's bundle, loads its stages on its device and starts one scheduler
+    /// per device.
+    pub fn prepare_models(models: &[ModelConfig], scheduler: SchedulerConfig, limits: Limits, security: ServerSecurity) -> Result<Self, ServerError> {
         limits.validate().map_err(|(key, message)| ServerError::Limits { key, message })?;
-        let bundle = Bundle::open(bundle_dir)?;
-        let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), device)?;
-        let device = device_name(stages.device());
-        tracing::info!(bundle = %bundle_dir.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
-        let worker = worker::spawn(stages, limits.queue_depth as usize);
         let peers = PeerLimits::fitting(&limits);
         peers.validate(&limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
+        let cuda: Vec<(String, u32)> = models
+            .iter()
+            .filter_map(|m| match m.device.resolve() {
+                Ok(tch::Device::Cuda(i)) => Some((device_name(tch::Device::Cuda(i)), i as u32)),
+                _ => None,
+            })
+            .collect();
+        let metrics = Metrics::new(cuda);
+        let models = models::Models::load(models, scheduler, limits.queue_depth as usize, &metrics)?;
         let service = service::Service {
-            bundle,
-            device,
+            models,
             limits,
             security: Arc::new(security),
-            worker,
-            device_spec,
+            metrics,
             training: training::admission::Training::new(TrainingOptions::default()),
             peers,
             budget: MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait),
@@ -88,7 +103,7 @@ impl PreparedServer {
             draining: CancellationToken::new(),
             profiling: Arc::new(tokio::sync::Semaphore::new(1)),
         };
-        Ok(Self { service })
+        Ok(Self { service, metrics_listen: None })
     }
 
     /// Sets what the server holds for its peers (connections, streams, memory, time).
@@ -118,14 +133,21 @@ impl PreparedServer {
 
     /// From a validated `server.yaml`.
     pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
-        Self::prepare(&config.bundle, config.device, config.limits, config.security.clone())?
+        let mut server = Self::prepare_models(&config.models, config.scheduler, config.limits, config.security.clone())?
             .with_training(config.training.clone())
-            .with_peer_limits(config.peers)
+            .with_peer_limits(config.peers)?;
+        server.metrics_listen = config.metrics_listen;
+        Ok(server)
     }
 
-    /// The device the stages run on.
-    pub fn device(&self) -> &str {
-        &self.service.device
+    /// The server's metrics (what `GET /metrics` renders).
+    pub fn metrics(&self) -> Metrics {
+        self.service.metrics.clone()
+    }
+
+    /// Each model served: bundle id and device, as `id on device`.
+    pub fn models(&self) -> Vec<String> {
+        self.service.models.all().iter().map(|m| format!("{} on {}", m.bundle.id(), m.device)).collect()
     }
 
     /// Whether it serves over TLS.
@@ -241,15 +263,21 @@ pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Serve(format!("loading the bundle: {e}")))??;
     let listen_error = |error| ServerError::Listen { addr: config.listen.to_string(), error };
     let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
+    if let Some(addr) = server.metrics_listen {
+        let metrics_error = |error| ServerError::Metrics { addr: addr.to_string(), error };
+        let metrics_listener = TcpListener::bind(addr).await.map_err(metrics_error)?;
+        println!("metrics on http://{}/metrics", metrics_listener.local_addr().map_err(metrics_error)?);
+        // Served until the process exits: a scrape during the drain still sees the server.
+        tokio::spawn(metrics::serve(metrics_listener, server.metrics(), std::future::pending()));
+    }
     if config.insecure && !config.listen.ip().is_loopback() && !server.uses_tls() {
         tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address: anyone on the path can read and alter boundaries; configure `tls`");
     }
     let s = &config.security;
     println!(
-        "serving {} on {} ({}; {}, {}, {})",
-        config.bundle.display(),
+        "serving {} on {} ({}, {}, {})",
+        server.models().join(", "),
         listener.local_addr().map_err(listen_error)?,
-        server.device(),
         if server.uses_tls() { "TLS" } else { "plaintext" },
         if s.token.is_some() { "bearer token required" } else { "no token" },
         match (s.keys.is_empty(), s.policy.require_encryption) {

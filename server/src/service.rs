@@ -1,6 +1,7 @@
-//! The tonic service: it checks what every call carries (the bundle id of a stream) and
-//! delegates: `Info` and the unary profiling calls here, `Infer` to [`crate::infer`], `Train`
-//! to [`crate::training`]. Every refusal is a [`RequestError`], turned into a status in one place.
+//! The tonic service: it selects the model every call names (by the bundle id it carries)
+//! and delegates: `Info` and the unary profiling calls here, `Infer` to [`crate::infer`],
+//! `Train` to [`crate::training`]. Every refusal is a [`RequestError`], turned into a status
+//! in one place.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -9,10 +10,9 @@ use bytes::Bytes;
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_server::SplitInference;
 use cleave_common::pb::{self, InferFrame, ResultFrame};
-use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA, HOST_SESSION_METADATA};
+use cleave_common::protocol::{ServerInfo, HOST_SESSION_METADATA};
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{Direction, PayloadReceiver};
-use cleave_common::{Bundle, DeviceSpec};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
@@ -24,23 +24,22 @@ use crate::config::PeerLimits;
 use crate::connections::{connection_of, echo_units, HeldUntilSent};
 use crate::error::RequestError;
 use crate::infer::InferContext;
+use crate::metrics::Metrics;
+use crate::models::Models;
+use crate::scheduler::ProfileJob;
 use crate::training::admission::Training;
 use crate::training::stream::TrainContext;
 use crate::window::{HostSession, ResultWindow};
-use crate::worker::{ProfileJob, Work};
 
 /// Timed passes when a `Profile` call asks for none.
 const DEFAULT_PROFILE_REPEATS: usize = 5;
 
 /// The service state shared by every stream.
 pub(crate) struct Service {
-    pub(crate) bundle: Bundle,
-    pub(crate) device: String,
+    pub(crate) models: Models,
     pub(crate) limits: Limits,
     pub(crate) security: Arc<ServerSecurity>,
-    pub(crate) worker: mpsc::Sender<Work>,
-    /// The device training sessions load their stages on.
-    pub(crate) device_spec: DeviceSpec,
+    pub(crate) metrics: Metrics,
     pub(crate) training: Training,
     /// What the server holds for its peers.
     pub(crate) peers: PeerLimits,
@@ -61,12 +60,8 @@ impl SplitInference for Service {
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
         let info = ServerInfo {
             server_version: env!("CARGO_PKG_VERSION").into(),
-            bundle_id: self.bundle.id().into(),
-            model_source: self.bundle.manifest().model.source.clone(),
-            stage_count: self.bundle.stage_count(),
-            device: self.device.clone(),
+            models: self.models.all().iter().map(|m| m.info()).collect(),
             limits: self.limits,
-            max_batch: self.bundle.manifest().batch.max as u32,
             policy: self.security.policy.clone(),
             key_ids: self.security.keys.ids(),
         };
@@ -76,7 +71,7 @@ impl SplitInference for Service {
     type InferStream = ResultStream;
 
     async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<ResultStream>, Status> {
-        self.check_bundle_id(request.metadata())?;
+        let model = self.models.select(request.metadata(), false)?;
         if self.draining.is_cancelled() {
             return Err(RequestError::Draining.into());
         }
@@ -85,12 +80,12 @@ impl SplitInference for Service {
             Some(value) => Some(HostSession::parse(value.to_str().unwrap_or(""))?),
         };
         let ctx = InferContext {
-            stage_count: self.bundle.stage_count(),
             receiver: Arc::new(Mutex::new(
                 PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys)
-                    .checked_against(&self.bundle),
+                    .checked_against(&model.bundle),
             )),
-            worker: self.worker.clone(),
+            model,
+            metrics: self.metrics.clone(),
             security: Arc::clone(&self.security),
             max_payload_bytes: self.limits.max_payload_bytes,
             chunk_bytes: self.limits.chunk_bytes(),
@@ -105,8 +100,9 @@ impl SplitInference for Service {
     }
 
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
+        let model = self.models.select(request.metadata(), true)?;
         let r = request.into_inner();
-        let batch = self.bundle.manifest().batch;
+        let batch = model.bundle.manifest().batch;
         let size = i64::from(r.batch_size);
         if size < batch.min || size > batch.max {
             return Err(RequestError::BadCall(format!("batch size {size} is outside the bundle's range {}..={}", batch.min, batch.max)).into());
@@ -117,15 +113,15 @@ impl SplitInference for Service {
             n if n > max => return Err(RequestError::BadCall(format!("{n} repeats: at most {max} (`limits.max_profile_repeats`)")).into()),
             n => n as usize,
         };
-        // One at a time: a profile holds the compute worker between the requests it lets by.
+        // One at a time: a profile holds its device between the requests it lets by.
         let _profiling = Arc::clone(&self.profiling)
             .try_acquire_owned()
             .map_err(|_| RequestError::Busy("another Profile is running: this server runs one at a time, try again".into()))?;
         // Dropping this handler (its caller went away) drops `rx`; the worker sees it and stops.
         let (tx, rx) = oneshot::channel();
-        self.worker.send(Work::Profile(ProfileJob { batch: size, repeats, reply: tx })).await.map_err(|_| RequestError::Unavailable)?;
+        model.scheduler.profile(ProfileJob { model: model.index, batch: size, repeats, reply: tx }).await?;
         let stage_ms = rx.await.map_err(|_| RequestError::Unavailable)??.ok_or(RequestError::Unavailable)?;
-        Ok(Response::new(pb::ProfileReply { device: self.device.clone(), batch_size: r.batch_size, stage_ms }))
+        Ok(Response::new(pb::ProfileReply { device: model.device.clone(), batch_size: r.batch_size, stage_ms }))
     }
 
     async fn echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
@@ -161,14 +157,14 @@ impl SplitInference for Service {
     type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
 
     async fn train(&self, request: Request<Streaming<pb::TrainFrame>>) -> Result<Response<Self::TrainStream>, Status> {
-        self.check_bundle_id(request.metadata())?;
+        let model = self.models.select(request.metadata(), false)?;
         if self.draining.is_cancelled() {
             return Err(RequestError::Draining.into());
         }
         let (out_tx, out_rx) = mpsc::channel(16);
         let ctx = TrainContext {
-            bundle: self.bundle.clone(),
-            device: self.device_spec,
+            model,
+            metrics: self.metrics.clone(),
             limits: self.limits,
             security: Arc::clone(&self.security),
             training: self.training.clone(),
@@ -178,18 +174,6 @@ impl SplitInference for Service {
         };
         tokio::spawn(crate::training::stream::serve_stream(request.into_inner(), ctx, out_tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
-    }
-}
-
-impl Service {
-    /// Refuses a stream whose host has another bundle than this server serves.
-    fn check_bundle_id(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), RequestError> {
-        let theirs = metadata.get(BUNDLE_ID_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
-        if theirs != self.bundle.id() {
-            let host = if theirs.is_empty() { "(none given)".to_string() } else { theirs.to_string() };
-            return Err(RequestError::BundleMismatch { host, server: self.bundle.id().to_string() });
-        }
-        Ok(())
     }
 }
 

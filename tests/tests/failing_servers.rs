@@ -15,7 +15,7 @@ use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceServer};
 use cleave_common::pb::{self, InferFrame, ResultFrame};
-use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA, HOST_SESSION_METADATA};
+use cleave_common::protocol::{ServedModel, ServerInfo, BUNDLE_ID_METADATA, HOST_SESSION_METADATA};
 use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::client::{stream_requests, RequestOutcome, ServedBy, Splits, StreamCounts, StreamPlan};
@@ -169,12 +169,17 @@ impl SplitInference for Fake {
 async fn serve_fake(bundle: &Bundle, how: Misbehaviour) -> (String, Arc<AtomicUsize>) {
     let info = ServerInfo {
         server_version: "fake".into(),
-        bundle_id: bundle.id().into(),
-        model_source: bundle.manifest().model.source.clone(),
-        stage_count: bundle.stage_count(),
-        device: "cpu".into(),
+        models: vec![ServedModel {
+            bundle_id: bundle.id().into(),
+            model_source: bundle.manifest().model.source.clone(),
+            stage_count: bundle.stage_count(),
+            device: "cpu".into(),
+            max_batch: bundle.manifest().batch.max as u32,
+            slo_ms: None,
+            batch_limit: 1,
+            batchable_cuts: Vec::new(),
+        }],
         limits: Limits::default(),
-        max_batch: bundle.manifest().batch.max as u32,
         policy: CodecPolicy::default(),
         key_ids: Vec::new(),
     };

@@ -97,7 +97,7 @@ fn every_example_config_parses() {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         if name.starts_with("server") {
             let c = ServerConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
-            assert!(c.bundle.ends_with("bundles/resnet18"));
+            assert!(c.models[0].bundle.ends_with("bundles/resnet18"), "{name}");
             seen += 1;
         } else if name.ends_with(".yaml") {
             EdgeConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));

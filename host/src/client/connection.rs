@@ -18,19 +18,19 @@ use crate::error::{HostError, Result};
 use crate::session::EdgeSession;
 
 /// A live `Infer` stream.
-pub(super) struct Connection {
+pub(crate) struct Connection {
     frames: mpsc::UnboundedSender<InferFrame>,
     inbound: tonic::Streaming<pb::ResultFrame>,
     results: ResultAssembler,
 }
 
 /// A whole answer from the server.
-pub(super) struct Answer {
-    pub(super) id: u64,
+pub(crate) struct Answer {
+    pub(crate) id: u64,
     /// The boundary at the last cut, or the server's error.
-    pub(super) output: Result<Boundary, String>,
+    pub(crate) output: Result<Boundary, String>,
     /// The status code of an error answer.
-    pub(super) code: Option<tonic::Code>,
+    pub(crate) code: Option<tonic::Code>,
     pub(super) decode_ms: f64,
     pub(super) server: Option<ServerTimes>,
 }
@@ -38,9 +38,9 @@ pub(super) struct Answer {
 impl Connection {
     /// Opens the stream on a connected session, within `timeout`. Requests carry the host's
     /// session id, so that the server answers one it already computed from its window.
-    pub(super) async fn open(session: &EdgeSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self> {
+    pub(crate) async fn open(session: &EdgeSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self> {
         let (frames, rx) = mpsc::unbounded_channel();
-        let mut request = session.stream_request(UnboundedReceiverStream::new(rx));
+        let mut request = session.model_request(UnboundedReceiverStream::new(rx));
         request.metadata_mut().insert(HOST_SESSION_METADATA, host_session.parse().expect("a hex session id is a valid header value"));
         let mut client = session.client.clone();
         let opened = tokio::time::timeout(timeout, client.infer(request))
@@ -58,14 +58,14 @@ impl Connection {
 
     /// Queues a request's frames (the stream takes them as fast as the server reads them; at
     /// most `in_flight` requests are ever queued). False when the stream is gone.
-    pub(super) fn send(&self, frames: &[InferFrame]) -> bool {
+    pub(crate) fn send(&self, frames: &[InferFrame]) -> bool {
         frames.iter().all(|f| self.frames.send(f.clone()).is_ok())
     }
 
     /// The next whole answer; an error when the stream ended, failed or broke the framing
     /// (the connection is then of no more use). Cancel-safe: frames of an answer part-way in
     /// stay in the assembler.
-    pub(super) async fn next_answer(&mut self) -> Result<Answer, String> {
+    pub(crate) async fn next_answer(&mut self) -> Result<Answer, String> {
         loop {
             let frame = match self.inbound.next().await {
                 None => return Err("the server ended the stream".into()),

@@ -103,7 +103,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
         server.shutdown().await?;
     }
     let report = PlanReport { profiles, predictions, measured_ms, measured, objective: opts.objective, best: chosen };
-    print_plan(&bundle, &report, &session.server.device, batch, &config.codec);
+    print_plan(&bundle, &report, &session.model.device, batch, &config.codec);
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     std::fs::create_dir_all(&output).map_err(|error| HostError::Io { action: "cannot create", path: output.clone(), error })?;
     let json = serde_json::to_string_pretty(&report).map_err(|e| HostError::Invalid(format!("the plan as JSON: {e}")))?;

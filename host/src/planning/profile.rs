@@ -25,9 +25,11 @@ pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSess
             .await
             .map_err(|e| HostError::Invalid(format!("profiling the edge: {e}")))??
     };
+    let request = session.model_request(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: repeats as u32 });
     let server = session
         .client
-        .profile(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: repeats as u32 })
+        .clone()
+        .profile(request)
         .await
         .map_err(|s| HostError::rpc("Profile", &s))?
         .into_inner();

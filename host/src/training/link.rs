@@ -59,9 +59,9 @@ impl TrainLink {
     /// before it answers.
     pub(crate) async fn open(session: &mut EdgeSession, request: SessionRequest) -> Result<(Self, pb::SessionOpened)> {
         let (frames, rx) = mpsc::channel::<TrainFrame>(64);
-        let call = session.stream_request(ReceiverStream::new(rx));
+        let call = session.model_request(ReceiverStream::new(rx));
         let (start, end) = (request.open.start, request.open.end);
-        let server_has_loss = end as usize == session.server.stage_count;
+        let server_has_loss = end as usize == session.model.stage_count;
         frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(request.open)) }).await.map_err(|_| closed())?;
         let mut replies = session.client.train(call).await.map_err(|s| HostError::rpc("Train", &s))?.into_inner();
         let first = next_reply(&mut replies).await?;

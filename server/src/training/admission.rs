@@ -19,6 +19,7 @@ use super::checkpoints::{CheckpointRef, CheckpointStore};
 use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
 use crate::error::RequestError;
+use crate::scheduler::DeviceScheduler;
 
 /// The training side of the service: options and the sessions open now.
 #[derive(Debug, Clone, Default)]
@@ -31,7 +32,8 @@ pub(crate) struct Training {
 
 #[derive(Debug, Default)]
 struct Sessions {
-    open: Mutex<Vec<(String, Instant)>>,
+    /// Each open session's id, bundle id and start.
+    open: Mutex<Vec<(String, String, Instant)>>,
     next: AtomicU64,
 }
 
@@ -43,7 +45,7 @@ pub(crate) struct SessionSlot {
 
 impl Drop for SessionSlot {
     fn drop(&mut self) {
-        self.sessions.open.lock().unwrap_or_else(|p| p.into_inner()).retain(|(id, _)| id != &self.id);
+        self.sessions.open.lock().unwrap_or_else(|p| p.into_inner()).retain(|(id, _, _)| id != &self.id);
         tracing::info!(session = %self.id, "training session closed");
     }
 }
@@ -63,7 +65,8 @@ impl Training {
                 open.len()
             )));
         }
-        if let Some((id, since)) = open.first().filter(|_| !self.options.concurrent_sessions) {
+        let same_bundle = open.iter().find(|(_, b, _)| b == bundle.id());
+        if let Some((id, _, since)) = same_bundle.filter(|_| !self.options.concurrent_sessions) {
             return Err(RequestError::AlreadyTraining(format!(
                 "bundle {} is already being trained (session {id}, open for {} s); this server allows one training session per \
                  bundle: close that one, or set `training.concurrent_sessions: true` in server.yaml to train separate copies",
@@ -72,12 +75,13 @@ impl Training {
             )));
         }
         let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
-        open.push((id.clone(), Instant::now()));
+        open.push((id.clone(), bundle.id().to_string(), Instant::now()));
         Ok(SessionSlot { sessions: Arc::clone(&self.sessions), id })
     }
 
-    /// Checks an `OpenSession` against `bundle`; the session then loads on `device`.
-    pub(crate) fn setup(&self, bundle: &Bundle, device: DeviceSpec, open: &pb::OpenSession) -> Result<SessionSetup, RequestError> {
+    /// Checks an `OpenSession` against `bundle`; the session then loads on `device` and runs
+    /// each call in a turn of that device's scheduler.
+    pub(crate) fn setup(&self, bundle: &Bundle, device: DeviceSpec, turns: DeviceScheduler, open: &pb::OpenSession) -> Result<SessionSetup, RequestError> {
         let n = bundle.stage_count();
         let (start, end) = (open.start as usize, open.end as usize);
         let invalid = |m: String| RequestError::Training(TrainError::Invalid(m));
@@ -109,6 +113,7 @@ impl Training {
             bundle: bundle.clone(),
             range: StageRange::new(start, end),
             device,
+            turns,
             optimizer,
             loss,
             seed: open.seed,

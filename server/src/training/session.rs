@@ -16,12 +16,15 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
 use crate::error::RequestError;
+use crate::scheduler::DeviceScheduler;
 
 /// A validated `OpenSession`: what the session thread loads.
 pub(crate) struct SessionSetup {
     pub(crate) bundle: Bundle,
     pub(crate) range: StageRange,
     pub(crate) device: DeviceSpec,
+    /// The scheduler of that device: each call runs in a turn it grants.
+    pub(crate) turns: DeviceScheduler,
     pub(crate) optimizer: OptimizerConfig,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
@@ -223,6 +226,7 @@ impl SessionHandle {
         let (tx, mut rx) = mpsc::channel::<CallJob>(2);
         let (opened_tx, opened_rx) = oneshot::channel();
         let id = id.to_string();
+        let turns = setup.turns.clone();
         std::thread::Builder::new()
             .name("cleave-train".into())
             .spawn(move || {
@@ -239,6 +243,15 @@ impl SessionHandle {
                     }
                 };
                 while let Some(job) = rx.blocking_recv() {
+                    // The device runs this call between inference batches; it is given back
+                    // when the call is done (the optimizer step included).
+                    let _turn = match turns.turn() {
+                        Ok(turn) => turn,
+                        Err(e) => {
+                            let _ = job.reply.send(Err(e));
+                            continue;
+                        }
+                    };
                     let mut reply = Some(job.reply);
                     let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.handle(job.call, Instant::now(), &mut reply)));
                     if let Err(panic) = handled {

@@ -11,7 +11,7 @@ use cleave_common::pb::{self, train_frame, Phase, TrainReply};
 use cleave_common::security::ServerSecurity;
 use cleave_common::training::{take_targets, TARGETS_VALUE};
 use cleave_common::wire::{frame_parts, Direction, FrameAssembler, PayloadReceiver, Reassembly};
-use cleave_common::{Bundle, CutTensors, DeviceSpec};
+use cleave_common::CutTensors;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -21,12 +21,15 @@ use super::admission::Training;
 use super::session::{Answer, Call, SessionHandle};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, RequestError};
+use crate::metrics::Metrics;
+use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
 
 /// What one `Train` stream needs.
 pub(crate) struct TrainContext {
-    pub(crate) bundle: Bundle,
-    pub(crate) device: DeviceSpec,
+    /// The model the session trains a copy of.
+    pub(crate) model: Arc<Model>,
+    pub(crate) metrics: Metrics,
     pub(crate) limits: Limits,
     pub(crate) security: Arc<ServerSecurity>,
     pub(crate) training: Training,
@@ -65,8 +68,8 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         _ => return,
     };
     let opened = async {
-        let setup = ctx.training.setup(&ctx.bundle, ctx.device, &open)?;
-        let slot = ctx.training.admit(&ctx.bundle)?;
+        let setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), &open)?;
+        let slot = ctx.training.admit(&ctx.model.bundle)?;
         let (session, opened) = SessionHandle::spawn(setup, &slot.id).await?;
         Ok::<_, RequestError>((slot, session, opened))
     }
@@ -93,6 +96,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
     if out.send(Ok(TrainReply { opened: Some(reply), last: true, ..Default::default() })).await.is_err() {
         return;
     }
+    let _open = (ctx.metrics.stream_open("train"), ctx.metrics.session_open());
     let mut stream = CallStream::new(&ctx, open.start, open.end);
     // When the payload part-way in must be complete.
     let mut deadline: Option<tokio::time::Instant> = None;
@@ -108,7 +112,12 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
             },
         };
         let frame = match next {
-            Next::Frame(frame) => frame,
+            Next::Frame(frame) => {
+                if let Some(train_frame::Kind::Payload(p)) = &frame.kind {
+                    ctx.metrics.received(ctx.model.bundle.id(), (p.header.len() + p.data.len()) as u64);
+                }
+                frame
+            }
             Next::End => break,
             Next::Stalled => {
                 deadline = None;
@@ -164,6 +173,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
             None => vec![error_reply(0, &RequestError::Session("an empty frame".into()))],
         };
         for r in replies {
+            ctx.metrics.sent(ctx.model.bundle.id(), (r.header.len() + r.data.len()) as u64);
             if out.send(Ok(r)).await.is_err() {
                 return; // The host is gone; dropping the session's handle ends its thread.
             }
@@ -194,9 +204,9 @@ impl CallStream {
         // at its end (its floating-point tensors).
         let receiver = |d, cut: u32, rule| {
             let receiver = PayloadReceiver::new(d, ctx.limits.max_payload_bytes, ctx.security.policy.clone(), &ctx.security.keys);
-            Arc::new(Mutex::new(receiver.checked_at(&ctx.bundle, cut as usize, rule)))
+            Arc::new(Mutex::new(receiver.checked_at(&ctx.model.bundle, cut as usize, rule)))
         };
-        let holds_loss = end as usize == ctx.bundle.stage_count();
+        let holds_loss = end as usize == ctx.model.bundle.stage_count();
         let boundaries = if holds_loss { CutTensors::AllAndMaybe(TARGETS_VALUE) } else { CutTensors::All };
         Self {
             start,

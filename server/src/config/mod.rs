@@ -1,5 +1,8 @@
 //! `server.yaml`: read raw (unknown keys refused), then validated into a [`ServerConfig`]
-//! with typed values; every error names the file, the key and what was expected.
+//! with typed values; every error names the file, the key and what was expected. The models
+//! served and the scheduler are in [`models`].
+
+mod models;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -7,18 +10,34 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use cleave_common::config::{auto_device, ConfigError, ConfigFile, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::config::{ConfigError, ConfigFile, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
-use cleave_common::DeviceSpec;
+
+pub use models::{Batching, ModelConfig, Policy, SchedulerConfig};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawServerConfig {
     listen: String,
-    bundle: PathBuf,
-    #[serde(default = "auto_device")]
-    device: String,
+    /// One model: `bundle:` and, beside it, `device`, `batching`, `slo_ms`, `priority`.
+    #[serde(default)]
+    bundle: Option<PathBuf>,
+    #[serde(default)]
+    device: Option<String>,
+    #[serde(default)]
+    batching: Option<models::RawBatching>,
+    #[serde(default)]
+    slo_ms: Option<u64>,
+    #[serde(default)]
+    priority: Option<f64>,
+    /// Several models, each with those keys.
+    #[serde(default)]
+    models: Option<Vec<models::RawModel>>,
+    #[serde(default)]
+    scheduler: Option<serde_yaml::Value>,
+    #[serde(default)]
+    metrics_listen: Option<String>,
     #[serde(default)]
     limits: RawServerLimits,
     #[serde(default)]
@@ -296,10 +315,12 @@ struct RawKey {
 pub struct ServerConfig {
     /// Address to listen on.
     pub listen: SocketAddr,
-    /// Bundle directory (relative paths are relative to the config file).
-    pub bundle: PathBuf,
-    /// Where the stages run.
-    pub device: DeviceSpec,
+    /// The models served (bundle paths relative to the config file), at least one.
+    pub models: Vec<ModelConfig>,
+    /// How each device's scheduler orders its work.
+    pub scheduler: SchedulerConfig,
+    /// Where Prometheus scrapes the metrics (`GET /metrics`); none: not served.
+    pub metrics_listen: Option<SocketAddr>,
     /// What a request may carry.
     pub limits: Limits,
     /// What the server holds for its peers.
@@ -333,7 +354,17 @@ impl ServerConfig {
                 format!("{listen} is reachable from other machines: configure {missing}, or write `insecure: true` to serve it as it is"),
             ));
         }
-        let device = file.device("device", &raw.device)?;
+        let models = served_models(&file, &mut raw)?;
+        let scheduler = match &raw.scheduler {
+            None => SchedulerConfig::default(),
+            Some(value) => SchedulerConfig::from_yaml(&file, value)?,
+        };
+        let metrics_listen = match &raw.metrics_listen {
+            None => None,
+            Some(text) => {
+                Some(text.parse().map_err(|_| file.invalid("metrics_listen", format!("{text:?} is not an address like 127.0.0.1:9464")))?)
+            }
+        };
         let (limits, peers) = raw.limits.split();
         let limits = file.limits("", limits)?;
         peers.validate(&limits).map_err(|(key, message)| file.invalid(key, message))?;
@@ -361,7 +392,35 @@ impl ServerConfig {
         if training.max_checkpoint_bytes == 0 {
             return Err(file.invalid("training.max_checkpoint_bytes", "must be positive"));
         }
-        Ok(Self { listen, bundle: file.resolve(&raw.bundle), device, limits, peers, security, training, insecure: raw.insecure })
+        Ok(Self { listen, models, scheduler, metrics_listen, limits, peers, security, training, insecure: raw.insecure })
+    }
+}
+
+/// The `bundle:` form (one model, its keys at the top level) or the `models:` list; not both.
+fn served_models(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<Vec<ModelConfig>, ConfigError> {
+    match (raw.bundle.take(), raw.models.take()) {
+        (Some(bundle), None) => {
+            let model = models::RawModel {
+                bundle,
+                device: raw.device.take(),
+                batching: raw.batching.take(),
+                slo_ms: raw.slo_ms.take(),
+                priority: raw.priority.take(),
+            };
+            Ok(vec![ModelConfig::from_raw(file, "", model)?])
+        }
+        (None, Some(list)) => {
+            let stray = [("device", raw.device.is_some()), ("batching", raw.batching.is_some()), ("slo_ms", raw.slo_ms.is_some()), ("priority", raw.priority.is_some())];
+            if let Some((key, _)) = stray.iter().find(|(_, set)| *set) {
+                return Err(file.invalid(key, "with `models:`, write it in each model's entry"));
+            }
+            if list.is_empty() {
+                return Err(file.invalid("models", "list at least one model: - {bundle: path, device: cuda:0}"));
+            }
+            list.into_iter().enumerate().map(|(i, m)| ModelConfig::from_raw(file, &format!("models[{i}]"), m)).collect()
+        }
+        (Some(_), Some(_)) => Err(file.invalid("models", "write either `bundle:` (one model) or `models:` (a list), not both")),
+        (None, None) => Err(file.invalid("bundle", "missing: write `bundle:` (one model) or `models:` (a list of them)")),
     }
 }
 
@@ -406,6 +465,8 @@ fn server_security(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<S
 
 #[cfg(test)]
 mod tests {
+    use cleave_common::DeviceSpec;
+
     use super::*;
 
     fn load(yaml: &str) -> Result<ServerConfig, String> {
@@ -511,5 +572,66 @@ mod tests {
         }
         let err = load("listen: 127.0.0.1:1\ntraining: {max_checkpoint_bytes: lots}\n").unwrap_err();
         assert!(err.contains("max_checkpoint_bytes"), "{err}");
+    }
+
+    #[test]
+    fn one_bundle_or_a_list_of_models_each_with_its_batching_target_and_priority() {
+        let one = load("listen: 127.0.0.1:1\ndevice: cpu\nbatching: {max_batch: 8}\nslo_ms: 40\n").unwrap();
+        assert_eq!(one.models.len(), 1);
+        let m = &one.models[0];
+        assert!(m.bundle.ends_with("b"));
+        assert_eq!((m.device, m.batching.max_batch, m.batching.max_wait, m.batching.merge_cuts), (DeviceSpec::Cpu, 8, Duration::ZERO, true));
+        assert_eq!((m.slo, m.priority), (Some(Duration::from_millis(40)), 1.0));
+        assert_eq!(one.scheduler, SchedulerConfig::default());
+        assert_eq!(one.metrics_listen, None);
+        // Defaults: no batching (bit-identical results), no target.
+        let plain = &load("listen: 127.0.0.1:1\n").unwrap().models[0];
+        assert_eq!((plain.batching, plain.slo), (Batching::default(), None));
+        assert_eq!(Batching::default().max_batch, 1);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.yaml");
+        std::fs::write(
+            &path,
+            "listen: 127.0.0.1:1\nmodels:\n  - {bundle: a, device: cpu, batching: {max_batch: 16, max_wait_ms: 5, merge_cuts: false}, slo_ms: 50, priority: 2}\n  \
+             - {bundle: b}\nscheduler: {policy: edf, max_age_ms: 500}\nmetrics_listen: 127.0.0.1:9464\n",
+        )
+        .unwrap();
+        let many = ServerConfig::load(&path).unwrap();
+        assert_eq!(many.models.len(), 2);
+        assert_eq!(many.models[0].bundle, dir.path().join("a"));
+        assert_eq!(many.models[0].batching, Batching { max_batch: 16, max_wait: Duration::from_millis(5), merge_cuts: false });
+        assert_eq!((many.models[0].slo, many.models[0].priority), (Some(Duration::from_millis(50)), 2.0));
+        assert_eq!(many.scheduler, SchedulerConfig { policy: Policy::Edf, max_age: Duration::from_millis(500) });
+        assert_eq!(many.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(load("listen: 127.0.0.1:1\nscheduler: edf\n").unwrap().scheduler.policy, Policy::Edf);
+    }
+
+    #[test]
+    fn bad_model_and_scheduler_keys_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.yaml");
+        let load_raw = |yaml: &str| {
+            std::fs::write(&path, format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap();
+            ServerConfig::load(&path).map_err(|e| e.to_string())
+        };
+        for (yaml, key, says) in [
+            ("bundle: b\nmodels: [{bundle: c}]", "models", "not both"),
+            ("", "bundle", "`models:`"),
+            ("models: []", "models", "at least one"),
+            ("models: [{bundle: c}]\nslo_ms: 5", "slo_ms", "each model's entry"),
+            ("models: [{bundle: c, batching: {max_batch: 0}}]", "models[0].batching.max_batch", "at least 1"),
+            ("models: [{bundle: c, batching: {max_wait_ms: 60000}}]", "models[0].batching.max_wait_ms", "at most 10000"),
+            ("models: [{bundle: c}, {bundle: d, priority: 0}]", "models[1].priority", "positive"),
+            ("bundle: b\nslo_ms: 0", "slo_ms", "positive"),
+            ("bundle: b\nscheduler: lifo", "scheduler", "fifo or edf"),
+            ("bundle: b\nscheduler: {policy: edf, max_age_ms: 0}", "scheduler.max_age_ms", "positive"),
+            ("bundle: b\nscheduler: {policy: edf, age: 3}", "scheduler", "unknown key"),
+            ("bundle: b\nmetrics_listen: anywhere", "metrics_listen", "not an address"),
+        ] {
+            let err = load_raw(yaml).unwrap_err();
+            assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");
+        }
+        assert!(load_raw("models: [{bundle: c, batch: 3}]").unwrap_err().contains("unknown field `batch`"));
     }
 }

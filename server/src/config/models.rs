@@ -1,0 +1,171 @@
+//! The models a server serves (`bundle:` for one, `models:` for several) and how its
+//! devices' schedulers order their work (`scheduler:`), read raw and validated.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use cleave_common::config::{ConfigError, ConfigFile};
+use cleave_common::DeviceSpec;
+
+/// One entry of `models:` (or the top-level `bundle:` form).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawModel {
+    pub(super) bundle: PathBuf,
+    #[serde(default)]
+    pub(super) device: Option<String>,
+    #[serde(default)]
+    pub(super) batching: Option<RawBatching>,
+    #[serde(default)]
+    pub(super) slo_ms: Option<u64>,
+    #[serde(default)]
+    pub(super) priority: Option<f64>,
+}
+
+/// `batching:` of a model.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBatching {
+    #[serde(default)]
+    max_batch: Option<u32>,
+    #[serde(default)]
+    max_wait_ms: Option<u64>,
+    #[serde(default)]
+    merge_cuts: Option<bool>,
+}
+
+/// How requests of one model are merged into batches across hosts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Samples in one merged batch (at most the bundle's largest batch); 1: each request
+    /// runs alone, results bit-identical to running it by itself.
+    pub max_batch: u32,
+    /// How long a request may wait for others to fill its batch (0: only those already
+    /// waiting are merged).
+    pub max_wait: Duration,
+    /// Requests that entered at an earlier cut run up to the first later cut where others
+    /// wait, and join them there.
+    pub merge_cuts: bool,
+}
+
+impl Default for Batching {
+    /// Off, as in Triton: merged batches change results by float rounding, so a model gets
+    /// them only when its config asks.
+    fn default() -> Self {
+        Self { max_batch: 1, max_wait: Duration::ZERO, merge_cuts: true }
+    }
+}
+
+/// The longest `batching.max_wait_ms`: a wait is a latency every request may pay.
+const MAX_WAIT_MS: u64 = 10_000;
+
+/// One model a server serves, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// The bundle directory.
+    pub bundle: PathBuf,
+    /// Where its stages run; models on one device share that device's scheduler.
+    pub device: DeviceSpec,
+    /// How its requests are merged.
+    pub batching: Batching,
+    /// Its latency target: `edf` schedules by it and requests slower than it count as misses.
+    pub slo: Option<Duration>,
+    /// Weight of its deadlines under `edf` (higher: sooner); positive.
+    pub priority: f64,
+}
+
+impl ModelConfig {
+    /// A model on `device` with no batching, no target and priority 1.
+    pub fn new(bundle: impl Into<PathBuf>, device: DeviceSpec) -> Self {
+        Self { bundle: bundle.into(), device, batching: Batching::default(), slo: None, priority: 1.0 }
+    }
+
+    /// Validates a raw entry; `key` is where it sits (`models[1]`, or empty at the top level).
+    pub(super) fn from_raw(file: &ConfigFile<'_>, key: &str, raw: RawModel) -> Result<Self, ConfigError> {
+        let at = |k: &str| if key.is_empty() { k.to_string() } else { format!("{key}.{k}") };
+        let device = file.device(&at("device"), raw.device.as_deref().unwrap_or("auto"))?;
+        let d = Batching::default();
+        let batching = match raw.batching {
+            None => d,
+            Some(b) => Batching {
+                max_batch: b.max_batch.unwrap_or(d.max_batch),
+                max_wait: Duration::from_millis(b.max_wait_ms.unwrap_or(0)),
+                merge_cuts: b.merge_cuts.unwrap_or(d.merge_cuts),
+            },
+        };
+        if batching.max_batch == 0 {
+            return Err(file.invalid(&at("batching.max_batch"), "must be at least 1 (1: no batching)"));
+        }
+        if batching.max_wait > Duration::from_millis(MAX_WAIT_MS) {
+            return Err(file.invalid(&at("batching.max_wait_ms"), format!("must be at most {MAX_WAIT_MS}")));
+        }
+        if raw.slo_ms == Some(0) {
+            return Err(file.invalid(&at("slo_ms"), "must be positive (leave it out for no target)"));
+        }
+        let priority = raw.priority.unwrap_or(1.0);
+        if !(priority.is_finite() && priority > 0.0) {
+            return Err(file.invalid(&at("priority"), "must be a positive number"));
+        }
+        Ok(Self { bundle: file.resolve(&raw.bundle), device, batching, slo: raw.slo_ms.map(Duration::from_millis), priority })
+    }
+}
+
+/// What a device's scheduler runs first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// In arrival order.
+    Fifo,
+    /// Earliest deadline first: a request's deadline is its arrival plus its model's
+    /// `slo_ms` divided by its `priority`.
+    Edf,
+}
+
+/// `scheduler:` in server.yaml: `fifo`, `edf`, or `{policy: edf, max_age_ms: 2000}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// The order.
+    pub policy: Policy,
+    /// How long a training step, or a request of a model without `slo_ms`, yields to work
+    /// that arrived after it: its place is its arrival plus this, so it always runs in the
+    /// end however busy the device is (its priority rises as it ages).
+    pub max_age: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self { policy: Policy::Fifo, max_age: Duration::from_secs(2) }
+    }
+}
+
+impl SchedulerConfig {
+    /// From the YAML value of `scheduler:` (a policy name, or a mapping).
+    pub(super) fn from_yaml(file: &ConfigFile<'_>, value: &serde_yaml::Value) -> Result<Self, ConfigError> {
+        let policy = |name: &str, key: &str| match name {
+            "fifo" => Ok(Policy::Fifo),
+            "edf" => Ok(Policy::Edf),
+            other => Err(file.invalid(key, format!("{other:?} is not a scheduler: fifo or edf"))),
+        };
+        let d = Self::default();
+        match value {
+            serde_yaml::Value::String(name) => Ok(Self { policy: policy(name, "scheduler")?, ..d }),
+            serde_yaml::Value::Mapping(map) => {
+                let mut config = d;
+                for (k, v) in map {
+                    match (k.as_str().unwrap_or("?"), v) {
+                        ("policy", serde_yaml::Value::String(name)) => config.policy = policy(name, "scheduler.policy")?,
+                        ("policy", _) => return Err(file.invalid("scheduler.policy", "must be fifo or edf")),
+                        ("max_age_ms", v) => match v.as_u64() {
+                            Some(ms) if ms > 0 => config.max_age = Duration::from_millis(ms),
+                            _ => return Err(file.invalid("scheduler.max_age_ms", "must be a positive number of milliseconds")),
+                        },
+                        (k, _) => return Err(file.invalid("scheduler", format!("unknown key {k:?}: policy or max_age_ms"))),
+                    }
+                }
+                Ok(config)
+            }
+            _ => Err(file.invalid("scheduler", "must be fifo, edf, or a mapping {policy, max_age_ms}")),
+        }
+    }
+}

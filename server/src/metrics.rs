@@ -1,0 +1,249 @@
+//! What the server counts, for Prometheus: `GET /metrics` on `metrics_listen`, in the
+//! OpenMetrics text format (which Prometheus reads), through the `prometheus-client` crate.
+//!
+//! Per model (label `model`, the bundle id): requests answered by gRPC code, queue depth,
+//! merged batch sizes, requests merged at a later cut, queue / compute / total durations,
+//! bytes in and out, latency-target misses. Per server: open streams by kind and open training sessions. Per CUDA device:
+//! the memory this process holds there, read from NVML when a scrape comes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabel {
+    model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabels {
+    model: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabel {
+    device: String,
+}
+
+type Histograms = Family<ModelLabel, Histogram, fn() -> Histogram>;
+
+fn seconds() -> Histogram {
+    // 0.1 ms to about 26 s.
+    Histogram::new(exponential_buckets(1e-4, 2.0, 19))
+}
+
+fn samples() -> Histogram {
+    // 1, 2, 4 ... 256 samples.
+    Histogram::new(exponential_buckets(1.0, 2.0, 9))
+}
+
+/// The server's metrics; cheap to clone (every clone counts into the same registry).
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    requests: Family<CodeLabels, Counter>,
+    queue_depth: Family<ModelLabel, Gauge>,
+    batch_samples: Histograms,
+    queue_seconds: Histograms,
+    compute_seconds: Histograms,
+    total_seconds: Histograms,
+    bytes_in: Family<ModelLabel, Counter>,
+    bytes_out: Family<ModelLabel, Counter>,
+    slo_misses: Family<ModelLabel, Counter>,
+    cut_merges: Family<ModelLabel, Counter>,
+    open_streams: Family<KindLabel, Gauge>,
+    training_sessions: Gauge,
+    device_memory: Family<DeviceLabel, Gauge>,
+    cuda_devices: Vec<(String, u32)>,
+}
+
+/// One answered request, as the metrics see it.
+pub(crate) struct Answered<'a> {
+    pub(crate) model: &'a str,
+    /// The gRPC code it was answered with (`OK` for a result).
+    pub(crate) code: tonic::Code,
+    pub(crate) queue: Duration,
+    pub(crate) compute: Duration,
+    /// From its first frame to its answer being framed.
+    pub(crate) total: Duration,
+    pub(crate) bytes_out: u64,
+    pub(crate) slo: Option<Duration>,
+}
+
+impl Metrics {
+    /// A registry with every family; `cuda_devices` are the (name, index) of the CUDA devices
+    /// models run on (their memory is read at each scrape).
+    pub fn new(cuda_devices: Vec<(String, u32)>) -> Self {
+        let mut registry = Registry::with_prefix("cleave");
+        let requests = Family::<CodeLabels, Counter>::default();
+        registry.register("requests", "Requests answered, by model and gRPC code", requests.clone());
+        let queue_depth = Family::<ModelLabel, Gauge>::default();
+        registry.register("queue_depth", "Requests waiting for their device, by model", queue_depth.clone());
+        let batch_samples: Histograms = Family::new_with_constructor(samples);
+        registry.register("batch_samples", "Samples in each batch a device ran, by model", batch_samples.clone());
+        let queue_seconds: Histograms = Family::new_with_constructor(seconds);
+        registry.register("queue_seconds", "Time a request waited for its device", queue_seconds.clone());
+        let compute_seconds: Histograms = Family::new_with_constructor(seconds);
+        registry.register("compute_seconds", "Time the device ran a request's batches", compute_seconds.clone());
+        let total_seconds: Histograms = Family::new_with_constructor(seconds);
+        registry.register("request_seconds", "Time from a request's first frame to its answer", total_seconds.clone());
+        let bytes_in = Family::<ModelLabel, Counter>::default();
+        registry.register("received_bytes", "Payload bytes received (requests and training calls)", bytes_in.clone());
+        let bytes_out = Family::<ModelLabel, Counter>::default();
+        registry.register("sent_bytes", "Payload bytes sent (results and training answers)", bytes_out.clone());
+        let slo_misses = Family::<ModelLabel, Counter>::default();
+        registry.register("slo_misses", "Requests answered later than their model's slo_ms", slo_misses.clone());
+        let cut_merges = Family::<ModelLabel, Counter>::default();
+        registry.register("cut_merges", "Requests run up to a later cut to join the requests waiting there", cut_merges.clone());
+        let open_streams = Family::<KindLabel, Gauge>::default();
+        registry.register("open_streams", "Infer and Train streams open", open_streams.clone());
+        let training_sessions = Gauge::default();
+        registry.register("training_sessions", "Training sessions open", training_sessions.clone());
+        let device_memory = Family::<DeviceLabel, Gauge>::default();
+        registry.register("device_memory_used_bytes", "CUDA memory this process holds, by device", device_memory.clone());
+        let inner = Inner {
+            registry,
+            requests,
+            queue_depth,
+            batch_samples,
+            queue_seconds,
+            compute_seconds,
+            total_seconds,
+            bytes_in,
+            bytes_out,
+            slo_misses,
+            cut_merges,
+            open_streams,
+            training_sessions,
+            device_memory,
+            cuda_devices,
+        };
+        Self { inner: Arc::new(inner) }
+    }
+
+    fn model(model: &str) -> ModelLabel {
+        ModelLabel { model: model.to_string() }
+    }
+
+    /// A request reached its device's queue (`+1`) or started running (`-1`).
+    pub(crate) fn queued(&self, model: &str, delta: i64) {
+        self.inner.queue_depth.get_or_create(&Self::model(model)).inc_by(delta);
+    }
+
+    /// A device ran a batch of `samples`.
+    pub(crate) fn batch(&self, model: &str, samples: i64) {
+        self.inner.batch_samples.get_or_create(&Self::model(model)).observe(samples as f64);
+    }
+
+    /// `requests` of `model` ran up to a later cut to join those waiting there.
+    pub(crate) fn cut_merges(&self, model: &str, requests: usize) {
+        self.inner.cut_merges.get_or_create(&Self::model(model)).inc_by(requests as u64);
+    }
+
+    /// Payload bytes received for `model`.
+    pub(crate) fn received(&self, model: &str, bytes: u64) {
+        self.inner.bytes_in.get_or_create(&Self::model(model)).inc_by(bytes);
+    }
+
+    /// Payload bytes sent for `model` outside an [`Answered`] request (training answers).
+    pub(crate) fn sent(&self, model: &str, bytes: u64) {
+        self.inner.bytes_out.get_or_create(&Self::model(model)).inc_by(bytes);
+    }
+
+    /// A request answered, with a result or an error.
+    pub(crate) fn answered(&self, a: &Answered<'_>) {
+        let m = Self::model(a.model);
+        let code = format!("{:?}", a.code);
+        self.inner.requests.get_or_create(&CodeLabels { model: a.model.to_string(), code }).inc();
+        self.inner.bytes_out.get_or_create(&m).inc_by(a.bytes_out);
+        self.inner.total_seconds.get_or_create(&m).observe(a.total.as_secs_f64());
+        if a.code == tonic::Code::Ok {
+            self.inner.queue_seconds.get_or_create(&m).observe(a.queue.as_secs_f64());
+            self.inner.compute_seconds.get_or_create(&m).observe(a.compute.as_secs_f64());
+        }
+        if a.slo.is_some_and(|slo| a.total > slo) {
+            self.inner.slo_misses.get_or_create(&m).inc();
+        }
+    }
+
+    /// A stream of `kind` (`infer`, `train`) opened; closed when the guard drops.
+    pub(crate) fn stream_open(&self, kind: &str) -> OpenGuard {
+        let gauge = self.inner.open_streams.get_or_create(&KindLabel { kind: kind.to_string() }).clone();
+        gauge.inc();
+        OpenGuard(gauge)
+    }
+
+    /// A training session opened; closed when the guard drops.
+    pub(crate) fn session_open(&self) -> OpenGuard {
+        let gauge = self.inner.training_sessions.clone();
+        gauge.inc();
+        OpenGuard(gauge)
+    }
+
+    /// Every metric in the OpenMetrics text format (device memory read now).
+    pub fn render(&self) -> String {
+        for (name, index) in &self.inner.cuda_devices {
+            if let Some(bytes) = cuda_memory_used(*index) {
+                self.inner.device_memory.get_or_create(&DeviceLabel { device: name.clone() }).set(bytes as i64);
+            }
+        }
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.inner.registry);
+        text
+    }
+}
+
+/// Keeps a gauge up by one while it lives.
+pub(crate) struct OpenGuard(Gauge);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// The memory this process holds on CUDA device `index`, from NVML (the driver's library,
+/// loaded at run time: none on a machine without the driver).
+fn cuda_memory_used(index: u32) -> Option<u64> {
+    use nvml_wrapper::enums::device::UsedGpuMemory;
+    static NVML: std::sync::OnceLock<Option<nvml_wrapper::Nvml>> = std::sync::OnceLock::new();
+    let nvml = NVML.get_or_init(|| nvml_wrapper::Nvml::init().map_err(|e| tracing::warn!(error = %e, "NVML is unavailable: no device memory metric")).ok());
+    let device = nvml.as_ref()?.device_by_index(index).ok()?;
+    let pid = std::process::id();
+    let ours = device.running_compute_processes().ok()?.into_iter().find(|p| p.pid == pid)?;
+    match ours.used_gpu_memory {
+        UsedGpuMemory::Used(bytes) => Some(bytes),
+        UsedGpuMemory::Unavailable => None,
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+pub async fn serve(listener: TcpListener, metrics: Metrics, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    use axum::http::header::CONTENT_TYPE;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let metrics = metrics.clone();
+            async move { ([(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics.render()) }
+        }),
+    );
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,114 @@
+//! The models a server serves, each selected by its bundle id: bundles opened, stages loaded
+//! on their devices, and one scheduler per device shared by the models placed there.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cleave_common::device::device_name;
+use cleave_common::protocol::{ServedModel, BUNDLE_ID_METADATA};
+use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
+
+use crate::config::{ModelConfig, SchedulerConfig};
+use crate::error::{RequestError, ServerError};
+use crate::metrics::Metrics;
+use crate::scheduler::{DeviceModel, DeviceScheduler};
+
+/// One model served.
+pub(crate) struct Model {
+    pub(crate) bundle: Bundle,
+    /// The device its stages run on, resolved (`cpu`, `cuda:0`).
+    pub(crate) device: String,
+    /// As configured (training sessions load their own copy there).
+    pub(crate) device_spec: DeviceSpec,
+    pub(crate) slo: Option<Duration>,
+    /// Its index among its device's models.
+    pub(crate) index: usize,
+    /// Its device's scheduler.
+    pub(crate) scheduler: DeviceScheduler,
+    /// Samples one merged batch holds.
+    pub(crate) batch_limit: u32,
+}
+
+impl Model {
+    /// What `Info` says of it.
+    pub(crate) fn info(&self) -> ServedModel {
+        let manifest = self.bundle.manifest();
+        ServedModel {
+            bundle_id: self.bundle.id().to_string(),
+            model_source: manifest.model.source.clone(),
+            stage_count: self.bundle.stage_count(),
+            device: self.device.clone(),
+            max_batch: manifest.batch.max as u32,
+            slo_ms: self.slo.map(|d| d.as_millis().min(u128::from(u32::MAX)) as u32),
+            batch_limit: self.batch_limit,
+            batchable_cuts: if self.batch_limit > 1 { self.bundle.batchable_cuts() } else { Vec::new() },
+        }
+    }
+}
+
+/// Every model served, in the config's order.
+#[derive(Clone)]
+pub(crate) struct Models {
+    list: Arc<Vec<Arc<Model>>>,
+}
+
+impl Models {
+    /// Opens every bundle, loads its stages on its device and starts one scheduler per
+    /// device. Two entries of one bundle are refused.
+    pub(crate) fn load(configs: &[ModelConfig], scheduler: SchedulerConfig, depth: usize, metrics: &Metrics) -> Result<Self, ServerError> {
+        let mut models: Vec<(&ModelConfig, Bundle, String)> = Vec::with_capacity(configs.len());
+        let mut by_device: BTreeMap<String, Vec<(usize, DeviceModel)>> = BTreeMap::new();
+        for (position, config) in configs.iter().enumerate() {
+            let bundle = Bundle::open(&config.bundle)?;
+            if let Some((first, _, _)) = models.iter().find(|(_, b, _)| b.id() == bundle.id()) {
+                return Err(ServerError::DuplicateModel {
+                    id: bundle.id().to_string(),
+                    first: first.bundle.display().to_string(),
+                    second: config.bundle.display().to_string(),
+                });
+            }
+            let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), config.device)?;
+            let device = device_name(stages.device());
+            tracing::info!(bundle = %config.bundle.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
+            by_device.entry(device.clone()).or_default().push((position, DeviceModel::new(stages, config.batching, config.slo, config.priority)));
+            models.push((config, bundle, device));
+        }
+        let mut placed: Vec<Option<(usize, DeviceScheduler)>> = vec![None; models.len()];
+        for (device, on_device) in by_device {
+            let (positions, device_models): (Vec<usize>, Vec<DeviceModel>) = on_device.into_iter().unzip();
+            let handle = DeviceScheduler::spawn(&device, device_models, scheduler, depth, metrics.clone());
+            for (index, position) in positions.into_iter().enumerate() {
+                placed[position] = Some((index, handle.clone()));
+            }
+        }
+        let list = models
+            .into_iter()
+            .zip(placed)
+            .map(|((config, bundle, device), slot)| {
+                let (index, scheduler) = slot.expect("every model is placed on its device");
+                let batch_limit = i64::from(config.batching.max_batch).min(bundle.manifest().batch.max).max(1) as u32;
+                Arc::new(Model { bundle, device, device_spec: config.device, slo: config.slo, index, scheduler, batch_limit })
+            })
+            .collect();
+        Ok(Self { list: Arc::new(list) })
+    }
+
+    /// Every model, in the config's order.
+    pub(crate) fn all(&self) -> &[Arc<Model>] {
+        &self.list
+    }
+
+    /// The model a call's `cleave-bundle-id` names. Without one, the only model when there is
+    /// one and `optional`; otherwise refused, naming the ids served.
+    pub(crate) fn select(&self, metadata: &tonic::metadata::MetadataMap, optional: bool) -> Result<Arc<Model>, RequestError> {
+        let theirs = metadata.get(BUNDLE_ID_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if theirs.is_empty() && optional && self.list.len() == 1 {
+            return Ok(Arc::clone(&self.list[0]));
+        }
+        self.list.iter().find(|m| m.bundle.id() == theirs).cloned().ok_or_else(|| RequestError::UnknownModel {
+            host: if theirs.is_empty() { "(none given)".to_string() } else { theirs.chars().take(80).collect() },
+            served: self.list.iter().map(|m| m.bundle.id().to_string()).collect(),
+        })
+    }
+}

@@ -1,0 +1,411 @@
+//! One scheduler per device: a thread that owns the stages of every model loaded there and
+//! decides what runs next ([`queue`]): inference batches, profiles, and training steps.
+//!
+//! libtorch modules are not `Sync` and autograd mode is per thread, so compute never runs on
+//! the async runtime. Streams hand requests over a bounded channel (backpressure) and get
+//! each answer through a oneshot channel; at most `limits.queue_depth` requests wait in the
+//! scheduler's queue, as many more in the channel.
+//!
+//! Batching: requests of one model at one batchable cut are concatenated along the batch
+//! dimension, run together and split back. A batch that entered at cut `a` runs only up to
+//! the first later cut `b` where other requests of its model wait, and joins them there
+//! (`batching.merge_cuts`). A merged batch that fails is run again request by request, so
+//! one bad request fails alone.
+//!
+//! Training sessions run on threads of their own, with their own copy of the stages; before
+//! each step a session asks for a [`Turn`], which the scheduler grants between inference
+//! batches at the lowest priority (its key is its arrival plus `scheduler.max_age`).
+//!
+//! A panic while running a batch or a profile is caught: those requests are answered
+//! INTERNAL and the scheduler goes on.
+
+mod queue;
+
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use cleave_common::{Boundary, LoadedStages, StageRange};
+use tokio::sync::oneshot;
+
+use crate::config::{Batching, Policy, SchedulerConfig};
+use crate::error::{catch_panic, RequestError};
+use crate::metrics::Metrics;
+use queue::{Entry, Pick, Queue};
+
+/// A model's stages on a device and how the scheduler treats its requests.
+pub(crate) struct DeviceModel {
+    /// The label its metrics carry (the bundle id).
+    label: String,
+    stages: LoadedStages,
+    batching: Batching,
+    slo: Option<Duration>,
+    priority: f64,
+    /// By cut: whether requests entering there merge ([`cleave_common::Bundle::batchable_cuts`]).
+    batchable: Vec<bool>,
+}
+
+impl DeviceModel {
+    pub(crate) fn new(stages: LoadedStages, batching: Batching, slo: Option<Duration>, priority: f64) -> Self {
+        let bundle = stages.bundle();
+        let mut batchable = vec![false; bundle.stage_count() + 1];
+        for cut in bundle.batchable_cuts() {
+            batchable[cut] = true;
+        }
+        Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable }
+    }
+
+    /// Samples one batch may hold: the configured limit within the bundle's largest batch.
+    fn batch_limit(&self) -> i64 {
+        i64::from(self.batching.max_batch).min(self.stages.bundle().manifest().batch.max)
+    }
+}
+
+/// One suffix to run.
+pub(crate) struct InferJob {
+    /// The model's index on its device.
+    pub(crate) model: usize,
+    /// The cut the boundary is at.
+    pub(crate) split: usize,
+    /// The boundary at that cut, checked against the manifest.
+    pub(crate) input: Boundary,
+    /// Its batch size.
+    pub(crate) samples: i64,
+    /// Where the answer goes.
+    pub(crate) reply: oneshot::Sender<JobResult>,
+}
+
+/// The answer to a job.
+pub(crate) struct JobResult {
+    /// The boundary at the last cut, or why not.
+    pub(crate) output: Result<Boundary, RequestError>,
+    /// Time spent waiting for the device.
+    pub(crate) queue: Duration,
+    /// Time the device spent running the batches it was part of.
+    pub(crate) compute: Duration,
+}
+
+/// Times every stage of a model at a batch size (the planner's server profile).
+pub(crate) struct ProfileJob {
+    pub(crate) model: usize,
+    pub(crate) batch: i64,
+    pub(crate) repeats: usize,
+    /// Each stage's median ms; `None` when the caller went away and the profile stopped.
+    pub(crate) reply: oneshot::Sender<Result<Option<Vec<f64>>, RequestError>>,
+}
+
+/// A training session's request for the device; granted with the sender the session drops
+/// to give the device back.
+pub(crate) struct TurnRequest {
+    grant: std_mpsc::Sender<std_mpsc::Sender<()>>,
+}
+
+/// What a device's scheduler receives.
+pub(crate) enum Work {
+    Infer(InferJob, Instant),
+    Profile(ProfileJob),
+    Turn(TurnRequest, Instant),
+}
+
+/// The device is a training session's until this drops.
+pub(crate) struct Turn {
+    _release: std_mpsc::Sender<()>,
+}
+
+/// The handle streams and sessions use to reach a device's scheduler.
+#[derive(Clone)]
+pub(crate) struct DeviceScheduler {
+    work: flume::Sender<Work>,
+}
+
+impl DeviceScheduler {
+    /// Starts the scheduler thread of one device with its models; it ends when every handle
+    /// is dropped and its queue is empty.
+    pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, config: SchedulerConfig, depth: usize, metrics: Metrics) -> Self {
+        let (work, rx) = flume::bounded(depth.max(1));
+        let worker = Worker { models, config, depth: depth.max(1), metrics };
+        std::thread::Builder::new()
+            .name(format!("cleave-{device}"))
+            .spawn(move || worker.run(&rx))
+            .expect("spawn a device scheduler thread");
+        Self { work }
+    }
+
+    /// Queues a suffix (waiting while the queue is full).
+    pub(crate) async fn submit(&self, job: InferJob) -> Result<(), RequestError> {
+        self.work.send_async(Work::Infer(job, Instant::now())).await.map_err(|_| RequestError::Unavailable)
+    }
+
+    /// Queues a profile.
+    pub(crate) async fn profile(&self, job: ProfileJob) -> Result<(), RequestError> {
+        self.work.send_async(Work::Profile(job)).await.map_err(|_| RequestError::Unavailable)
+    }
+
+    /// Blocks the calling thread (a training session's) until the device is its own.
+    pub(crate) fn turn(&self) -> Result<Turn, RequestError> {
+        let (grant, granted) = std_mpsc::channel();
+        self.work.send(Work::Turn(TurnRequest { grant }, Instant::now())).map_err(|_| RequestError::Unavailable)?;
+        let release = granted.recv().map_err(|_| RequestError::Unavailable)?;
+        Ok(Turn { _release: release })
+    }
+}
+
+/// A request waiting in the queue, maybe part-way through its stages.
+struct Waiting {
+    model: usize,
+    /// The cut its boundary is at now.
+    cut: usize,
+    input: Boundary,
+    samples: i64,
+    arrived: Instant,
+    /// When it first ran (its queue time ends there).
+    started: Option<Instant>,
+    compute: Duration,
+    reply: oneshot::Sender<JobResult>,
+}
+
+enum Item {
+    Request(Waiting),
+    Turn(TurnRequest),
+}
+
+struct Worker {
+    models: Vec<DeviceModel>,
+    config: SchedulerConfig,
+    depth: usize,
+    metrics: Metrics,
+}
+
+impl Worker {
+    fn run(&self, rx: &flume::Receiver<Work>) {
+        let mut queue = Queue::default();
+        loop {
+            self.intake(&mut queue, rx);
+            match queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |_| true) {
+                Pick::Run(entries) => self.execute(&mut queue, entries),
+                Pick::WaitUntil(at) if queue.len() < self.depth => match rx.recv_deadline(at) {
+                    Ok(work) => self.accept(&mut queue, rx, work),
+                    Err(flume::RecvTimeoutError::Timeout) => {}
+                    Err(flume::RecvTimeoutError::Disconnected) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
+                },
+                Pick::WaitUntil(at) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
+                Pick::Idle => match rx.recv() {
+                    Ok(work) => self.accept(&mut queue, rx, work),
+                    Err(_) => return,
+                },
+            }
+        }
+    }
+
+    /// Takes what has arrived, while the queue has room.
+    fn intake(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>) {
+        while queue.len() < self.depth {
+            match rx.try_recv() {
+                Ok(work) => self.accept(queue, rx, work),
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn accept(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, work: Work) {
+        match work {
+            Work::Infer(job, arrived) => {
+                self.metrics.queued(&self.models[job.model].label, 1);
+                let waiting = Waiting {
+                    model: job.model,
+                    cut: job.split,
+                    input: job.input,
+                    samples: job.samples,
+                    arrived,
+                    started: None,
+                    compute: Duration::ZERO,
+                    reply: job.reply,
+                };
+                queue.push(self.entry(waiting, arrived + self.models[job.model].batching.max_wait));
+            }
+            Work::Turn(turn, arrived) => {
+                let key = arrived + self.config.max_age;
+                queue.push(Entry { group: None, samples: 0, key, ready_at: arrived, item: Item::Turn(turn) });
+            }
+            Work::Profile(job) => self.profile(queue, rx, job),
+        }
+    }
+
+    /// A request's place: its key by the policy, its group when its cut merges.
+    fn entry(&self, w: Waiting, ready_at: Instant) -> Entry<Item> {
+        let model = &self.models[w.model];
+        let key = request_key(&self.config, w.arrived, model.slo, model.priority);
+        let merges = model.batch_limit() > 1 && model.batchable[w.cut];
+        Entry { group: merges.then_some((w.model, w.cut)), samples: w.samples, key, ready_at, item: Item::Request(w) }
+    }
+
+    fn execute(&self, queue: &mut Queue<Item>, entries: Vec<Entry<Item>>) {
+        let mut requests = Vec::with_capacity(entries.len());
+        for entry in entries {
+            match entry.item {
+                Item::Request(w) => requests.push(w),
+                Item::Turn(turn) => grant(turn),
+            }
+        }
+        if requests.is_empty() {
+            return;
+        }
+        let (m, from) = (requests[0].model, requests[0].cut);
+        let model = &self.models[m];
+        let last = model.stages.bundle().stage_count();
+        let to = if model.batching.merge_cuts && model.batch_limit() > 1 {
+            queue.next_cut_waiting(m, from).unwrap_or(last)
+        } else {
+            last
+        };
+        let started = Instant::now();
+        for w in &mut requests {
+            if w.started.is_none() {
+                w.started = Some(started);
+                self.metrics.queued(&model.label, -1);
+            }
+        }
+        let sizes: Vec<i64> = requests.iter().map(|w| w.samples).collect();
+        self.metrics.batch(&model.label, sizes.iter().sum());
+        let range = StageRange::new(from, to);
+        let outputs = catch_panic(&format!("running stages {range}"), || {
+            if requests.len() == 1 {
+                return Ok(vec![model.stages.run(range, &requests[0].input)?]);
+            }
+            let inputs: Vec<Boundary> = requests.iter().map(|w| w.input.shallow_clone()).collect();
+            let merged = Boundary::cat_batches(&inputs).map_err(RequestError::Batching)?;
+            model.stages.run(range, &merged)?.split_batches(&sizes).map_err(RequestError::Batching)
+        });
+        let took = started.elapsed();
+        match outputs {
+            Ok(parts) => {
+                if to < last {
+                    self.metrics.cut_merges(&model.label, parts.len());
+                }
+                for (mut w, part) in requests.into_iter().zip(parts) {
+                    w.compute += took;
+                    if to == last {
+                        answer(w, Ok(part));
+                    } else {
+                        w.cut = to;
+                        w.input = part;
+                        queue.push(self.entry(w, started));
+                    }
+                }
+            }
+            Err(e) if requests.len() > 1 => {
+                tracing::warn!(error = %e, requests = requests.len(), "a merged batch failed: running its requests one by one");
+                for mut w in requests {
+                    w.compute += took;
+                    self.run_alone(w);
+                }
+            }
+            Err(e) => {
+                if let Some(mut w) = requests.pop() {
+                    w.compute += took;
+                    answer(w, Err(e));
+                }
+            }
+        }
+    }
+
+    /// Runs one request to the last cut by itself.
+    fn run_alone(&self, mut w: Waiting) {
+        let model = &self.models[w.model];
+        let started = Instant::now();
+        let range = StageRange::suffix(model.stages.bundle(), w.cut);
+        let output = catch_panic(&format!("running stages {range}"), || Ok(model.stages.run(range, &w.input)?));
+        w.compute += started.elapsed();
+        answer(w, output);
+    }
+
+    /// Times a model's stages, running the requests that are ready before each stage (so
+    /// that they wait at most one stage behind a profile); training turns wait for its end.
+    fn profile(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, job: ProfileJob) {
+        let stages = &self.models[job.model].stages;
+        let answer = catch_panic("profiling the stages", || {
+            let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, job.batch)?;
+            let between_stages = || {
+                while queue.len() < self.depth {
+                    match rx.try_recv() {
+                        Ok(Work::Profile(other)) => {
+                            let busy = RequestError::Busy("another profile is running on this device: profiles run one at a time".into());
+                            let _ = other.reply.send(Err(busy));
+                        }
+                        Ok(work) => self.accept(queue, rx, work),
+                        Err(_) => break,
+                    }
+                }
+                while let Pick::Run(entries) = queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |e| matches!(e.item, Item::Request(_))) {
+                    self.execute(queue, entries);
+                }
+                !job.reply.is_closed()
+            };
+            stages.profile_between(&input, job.repeats, |_, _| {}, between_stages).map_err(RequestError::Profile)
+        });
+        if let Ok(None) = answer {
+            tracing::info!("a profile stopped: its caller went away");
+        }
+        let _ = job.reply.send(answer);
+    }
+}
+
+/// When a request would like to run by: its arrival (`fifo`); its arrival plus its model's
+/// `slo_ms / priority` (`edf`), or plus `max_age` for a model without a target, which is
+/// also a training turn's place under either policy.
+fn request_key(config: &SchedulerConfig, arrived: Instant, slo: Option<Duration>, priority: f64) -> Instant {
+    match (config.policy, slo) {
+        (Policy::Fifo, _) => arrived,
+        (Policy::Edf, Some(slo)) => arrived + slo.div_f64(priority),
+        (Policy::Edf, None) => arrived + config.max_age,
+    }
+}
+
+fn answer(w: Waiting, output: Result<Boundary, RequestError>) {
+    let queue = w.started.map_or(Duration::ZERO, |s| s.duration_since(w.arrived));
+    // The receiver may be gone (its stream ended); the result is then dropped.
+    let _ = w.reply.send(JobResult { output, queue, compute: w.compute });
+}
+
+/// Gives the device to a training session until it drops its [`Turn`].
+fn grant(turn: TurnRequest) {
+    let (release, released) = std_mpsc::channel::<()>();
+    if turn.grant.send(release).is_ok() {
+        // Ends when the session drops its turn (the only sender).
+        let _ = released.recv();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_follow_the_policy_and_training_yields_for_at_most_max_age() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let fifo = SchedulerConfig { policy: Policy::Fifo, max_age: ms(2000) };
+        let edf = SchedulerConfig { policy: Policy::Edf, ..fifo };
+        assert_eq!(request_key(&fifo, t0, Some(ms(50)), 4.0), t0);
+        assert_eq!(request_key(&edf, t0, Some(ms(50)), 1.0), t0 + ms(50));
+        assert_eq!(request_key(&edf, t0, Some(ms(50)), 2.0), t0 + ms(25));
+        assert_eq!(request_key(&edf, t0, None, 1.0), t0 + ms(2000));
+
+        // A training turn queued at t0 has key t0 + max_age: requests keep arriving every
+        // 10 ms (edf, 50 ms target) and run first only while their deadlines come before it.
+        let mut queue = Queue::default();
+        queue.push(Entry { group: None, samples: 0, key: t0 + edf.max_age, ready_at: t0, item: "turn" });
+        let mut ran_before_turn = 0;
+        for i in 0..1000u64 {
+            let arrived = t0 + ms(10 * i);
+            queue.push(Entry { group: None, samples: 1, key: request_key(&edf, arrived, Some(ms(50)), 1.0), ready_at: arrived, item: "request" });
+            let Pick::Run(entries) = queue.pick(arrived, |_| 1, |_| true) else { panic!("something is always ready") };
+            if entries[0].item == "turn" {
+                break;
+            }
+            ran_before_turn += 1;
+        }
+        // Requests arriving before t0 + 1950 ms have deadlines before the turn's key (0, 10
+        // ... 1940 ms: 195 of them); the one at 1950 ms ties and the turn, queued first, runs.
+        assert_eq!(ran_before_turn, 195);
+    }
+}
