@@ -4,8 +4,8 @@
 //! spec in the bundle), then either answered from the window of recent results (a resent
 //! request, its frames skipped) or its bytes are reserved in the memory budget; a stalled
 //! request is given up; a complete payload is finished into tensors, its split checked against the
-//! stage count, and its boundary checked against its cut as the compute worker does before
-//! running a stage. The input format is `cleave_common_fuzz::decode`'s.
+//! stage count, and its boundary checked against its cut as the server does before
+//! queueing it for its device. The input format is `cleave_common_fuzz::decode`'s.
 //!
 //! Besides "no panic", the target checks, against a reading of its own:
 //! - the envelope the receiver accepts declares exactly the tensors of the cut it names,
@@ -238,7 +238,7 @@ impl Framing {
 }
 
 /// What a finished payload must be: what its envelope declared, in the cut's range; when
-/// the worker's check of its boundary passes, the cut's values at one batch size.
+/// the server's check of its boundary passes, the cut's values at one batch size.
 fn check_received(f: &Fixture, declared: &Declared, received: &Received) {
     assert_eq!((received.request_id, received.split as usize), (declared.request_id, declared.split));
     let leaves = received.boundary.tensors();
@@ -251,7 +251,7 @@ fn check_received(f: &Fixture, declared: &Declared, received: &Received) {
     want.sort();
     assert_eq!(got, want, "the tensors decoded are not the tensors declared");
     assert_eq!(received.boundary.tensor_bytes() as u64, declared.raw_len);
-    // The server answers a split past the last cut before the worker sees it; the cut check
+    // The server answers a split past the last cut before it checks the boundary; the cut check
     // at the first frame has refused those already.
     assert!(declared.split <= f.bundle.stage_count());
     let Ok(batch) = f.bundle.check_boundary(declared.split, &received.boundary) else { return };
@@ -308,7 +308,7 @@ fuzz_target!(|input: &[u8]| {
             (Ok(None), Outcome::Pending) => {}
             (Ok(Some((assembly, declared))), Outcome::Complete { request_id, pushed }) => {
                 assert_eq!((assembly.request_id, declared.request_id), (request_id, request_id));
-                // The server finishes it on its blocking pool, then hands it to the worker.
+                // The server finishes it on its blocking pool, then checks it and queues it.
                 match rx.finish(assembly) {
                     Ok(received) => {
                         assert_eq!(pushed, declared.wire_len, "a payload decoded from other than its declared bytes");
