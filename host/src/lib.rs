@@ -7,6 +7,8 @@
 //! - [`client`]: the streaming client (prefix thread, in-flight window, result reassembly).
 //! - [`planning`]: the split planner, `host plan` (profiles of the edge, the server and the
 //!   link), `split: auto` while running, and the stage graph.
+//! - [`load`]: `host load`, a load generator: many edges' streams from one process against
+//!   one or more models, closed or open loop; a table, `load.json`, `latency.csv`, a plot.
 //! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
 //!   U-shaped or monolithic training, evaluation, checkpoints, report files.
 //! - [`report`]: a run's `predictions.jsonl`, `metrics.csv`, `summary.json` and table.
@@ -24,6 +26,7 @@ pub mod error;
 pub mod files;
 mod images;
 pub mod inputs;
+pub mod load;
 #[cfg(feature = "loopback")]
 pub mod loopback;
 #[cfg(not(feature = "loopback"))]

@@ -2,10 +2,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, TrainMode};
+use cleave_host::load::{LoadMode, LoadOptions, Ratio};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
 use cleave_host::report::OutputMode;
@@ -81,6 +83,48 @@ enum Command {
         #[arg(long)]
         output: Option<PathBuf>,
     },
+    /// Load the server(s): N edges' streams from this process, closed loop or at a Poisson
+    /// rate, for a duration; a table per model, load.json, latency.csv and latency.svg. The
+    /// last line printed is `load: R req/s, p50 X ms, p99 Y ms, errors E`. Errors in the
+    /// requests are results: the exit status is 0 whenever the run completes.
+    #[command(group(clap::ArgGroup::new("mode").required(true).args(["rate", "closed"])))]
+    Load {
+        /// edge.yaml of a model (server, bundle, split, batch size, codec, security); repeat
+        /// the flag for a task mix of several models.
+        #[arg(long = "config", required = true)]
+        configs: Vec<PathBuf>,
+        /// Edges in all, each with its own connection and stream.
+        #[arg(long)]
+        edges: usize,
+        /// Open loop: requests per second of all edges together, Poisson arrivals.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Closed loop: each edge sends its next request when the previous one is answered.
+        #[arg(long)]
+        closed: bool,
+        /// How long requests are sent (30s, 2m); then answers are waited for up to 5 s more.
+        #[arg(long, value_parser = parse_duration)]
+        duration: Duration,
+        /// Shares of the edges per --config, like 3:1 (default: equal shares).
+        #[arg(long)]
+        ratio: Option<Ratio>,
+        /// Cuts each model's edges split at, round-robin, like 3,7 (default: each config's split).
+        #[arg(long, value_delimiter = ',')]
+        splits: Vec<usize>,
+        /// Output directory.
+        #[arg(long, default_value = "results/load")]
+        output: PathBuf,
+        /// Seed of the open loop's arrivals.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Replace an earlier load run's files in the output directory.
+        #[arg(long)]
+        force: bool,
+        /// Requests one open-loop edge may have unanswered; one due beyond that is dropped
+        /// and counted as an error.
+        #[arg(long, default_value_t = cleave_host::load::DEFAULT_IN_FLIGHT_CAP)]
+        in_flight_cap: usize,
+    },
     /// Write a copy of a bundle with the trained weights of checkpoints (the host's and the
     /// server's `step-N` files), ready for split inference.
     ExportTrained {
@@ -108,6 +152,10 @@ fn main() -> ExitCode {
             plan(config, PlanOptions { loopback, objective, repeats, measure, output })
         }
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
+        Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
+            let mode = rate.map_or(LoadMode::Closed, |rate| LoadMode::Open { rate });
+            load(&configs, LoadOptions { edges, mode, duration, ratio, splits, output, seed, force, in_flight_cap, ..LoadOptions::default() })
+        }
         None => run(
             cli.config.expect("clap requires --config or a subcommand"),
             RunOptions {
@@ -152,6 +200,17 @@ fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(&path)?;
     tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
     Ok(true)
+}
+
+fn load(paths: &[PathBuf], opts: LoadOptions) -> anyhow::Result<bool> {
+    let configs = paths.iter().map(|p| EdgeConfig::load(p)).collect::<Result<Vec<_>, _>>()?;
+    tokio::runtime::Runtime::new()?.block_on(cleave_host::load::run(configs, opts))?;
+    Ok(true)
+}
+
+/// A duration like `30s`, `2m` or `1m30s`.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime_serde::re::humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (expected a duration like 30s or 2m)"))
 }
 
 fn export_trained(bundle: &std::path::Path, checkpoints: &[PathBuf], out: &std::path::Path) -> anyhow::Result<bool> {

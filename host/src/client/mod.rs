@@ -16,7 +16,7 @@
 //!   `retry.max_attempts` connection attempts in a row fail, gets an error, unless
 //!   `fallback: edge` runs it on the edge instead.
 
-mod connection;
+pub(crate) mod connection;
 mod prefix;
 mod request;
 

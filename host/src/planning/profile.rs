@@ -26,13 +26,7 @@ pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSess
             .map_err(|e| HostError::Invalid(format!("profiling the edge: {e}")))??
     };
     let request = session.model_request(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: repeats as u32 });
-    let server = session
-        .client
-        .clone()
-        .profile(request)
-        .await
-        .map_err(|s| HostError::rpc("Profile", &s))?
-        .into_inner();
+    let server = session.client.clone().profile(request).await.map_err(|s| HostError::rpc("Profile", &s))?.into_inner();
     let link = probe_link(session).await?;
     let n = bundle.stage_count();
     Ok(Profiles {

@@ -1,12 +1,13 @@
 //! Plots, as SVG files: shared chart helpers here, a run's plots in [`run`] (latency
 //! breakdown per cut, latency CDF, predicted against measured), a training run's in
-//! [`training`] (loss and accuracy per epoch).
+//! [`training`] (loss and accuracy per epoch), a load run's in [`load`] (latency over time).
 //!
 //! The text is written as SVG `<text>` elements laid out with plotters' built-in size
 //! estimate, so no font needs to be installed; each plot is drawn in memory and then
 //! written, so that every error names the file. Plots need no libtorch: the callers measure,
 //! these modules only draw.
 
+pub mod load;
 pub mod run;
 pub mod training;
 

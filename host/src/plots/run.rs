@@ -64,8 +64,8 @@ const SEGMENTS: [(&str, RGBColor); 5] = [
     ("decode", RGBColor(148, 103, 189)),
 ];
 
-/// Line colours of the CDF's series, reused in order past the tenth.
-const SERIES_COLORS: [RGBColor; 10] = [
+/// Line colours of the CDF's series (and of other plots' series), reused in order past the tenth.
+pub(crate) const SERIES_COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

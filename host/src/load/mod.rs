@@ -1,0 +1,608 @@
+//! `host load`: a load generator. N edges in one process, each with its own connection and
+//! `Infer` stream, send requests to the servers named in one or more edge configs (a task mix
+//! of models, shared out by `--ratio`), closed loop or open loop (Poisson arrivals), for a
+//! fixed duration; then a table per model, `load.json`, `latency.csv` and `latency.svg`.
+//!
+//! It measures the server, not the edge: each model's prefix runs once per cut at start (on
+//! synthetic inputs, on the config's device), and every request re-encodes that boundary with
+//! its edge's own payload sender (plain or sealed, the config's codec) under a fresh request
+//! id, on the blocking pool. Results are reassembled and decoded, as a host does, so a
+//! result that does not decode is an error.
+//!
+//! Latency runs from a request's scheduled time in an open loop (a request the generator
+//! sends late still counts its wait: no coordinated omission) and from its send in a closed
+//! one, to its whole answer. An open-loop edge holds at most `in_flight_cap` requests; one
+//! due beyond that is dropped and counted (`dropped_in_flight_cap`). Requests unanswered
+//! `grace` after the end count as `unanswered`; an edge whose stream breaks stops, and what
+//! it had sent and what would have followed count as `stream_lost` (no reconnects: a load
+//! run reports what the server did).
+//!
+//! - [`arrivals`]: when each edge sends (closed loop, seeded Poisson arrivals).
+//! - [`mix`]: which model and cut each edge streams (`--ratio`, `--splits`).
+//! - [`report`]: records, statistics, `load.json`, `latency.csv`, the table and the last line.
+
+pub mod arrivals;
+pub mod mix;
+pub mod report;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use cleave_common::bundle::SplitSpec;
+use cleave_common::pb::InferFrame;
+use cleave_common::protocol::ServedModel;
+use cleave_common::value::synthetic_inputs;
+use cleave_common::wire::{frame_parts, Codec, Direction, EncodedPayload, PayloadMeta, PayloadSender, WireError};
+use cleave_common::{Boundary, Bundle, LoadedStages, StageRange};
+use tokio::task::{JoinError, JoinHandle};
+
+pub use self::arrivals::LoadMode;
+pub use self::mix::Ratio;
+
+use self::arrivals::Arrivals;
+use self::mix::{apportion, assign_edges, EdgeSlot};
+use self::report::{prepare_output, write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport};
+use crate::client::connection::{Answer, Connection};
+use crate::config::EdgeConfig;
+use crate::error::{HostError, Result};
+use crate::files::open_bundle;
+use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
+use crate::session::{connect, Link};
+
+/// Requests an open-loop edge may have unanswered at once, by default.
+pub const DEFAULT_IN_FLIGHT_CAP: usize = 64;
+
+/// How long requests still unanswered at the end are waited for, by default.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
+
+/// What `host load` is asked to do (the configs come separately).
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Edges in all, each with its own connection and stream.
+    pub edges: usize,
+    /// Closed or open loop.
+    pub mode: LoadMode,
+    /// How long requests are sent.
+    pub duration: Duration,
+    /// The share of the edges each config gets (none: equal shares).
+    pub ratio: Option<Ratio>,
+    /// Cuts each model's edges split at, round-robin (empty: the config's `split`).
+    pub splits: Vec<usize>,
+    /// Where `load.json`, `latency.csv` and `latency.svg` go.
+    pub output: PathBuf,
+    /// Seeds the open loop's arrivals.
+    pub seed: u64,
+    /// Replace an earlier load run's files in `output`.
+    pub force: bool,
+    /// Requests an open-loop edge may have unanswered at once.
+    pub in_flight_cap: usize,
+    /// How long requests still unanswered at the end are waited for.
+    pub grace: Duration,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            edges: 1,
+            mode: LoadMode::Closed,
+            duration: Duration::from_secs(10),
+            ratio: None,
+            splits: Vec::new(),
+            output: PathBuf::from("results/load"),
+            seed: 0,
+            force: false,
+            in_flight_cap: DEFAULT_IN_FLIGHT_CAP,
+            grace: DEFAULT_GRACE,
+        }
+    }
+}
+
+/// One config of the run, its bundle open.
+struct Model {
+    config: EdgeConfig,
+    bundle: Bundle,
+    /// The cuts its edges split at.
+    cuts: Vec<usize>,
+}
+
+/// Runs the load and writes its files; prints the table and, last, the line benches parse
+/// ([`LoadReport::summary_line`]). Errors in the requests are results, not errors of the run.
+pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadReport> {
+    check_options(&configs, &opts)?;
+    prepare_output(&opts.output, opts.force)?;
+    let mut models = Vec::with_capacity(configs.len());
+    for config in configs {
+        let bundle = open_bundle(&config.bundle).await?;
+        let cuts = cuts_of(&config, &bundle, &opts.splits)?;
+        models.push(Model { config, bundle, cuts });
+    }
+    let weights = opts.ratio.as_ref().map_or_else(|| vec![1; models.len()], |r| r.0.clone());
+    let counts = apportion(&weights, opts.edges);
+    if let Some(m) = counts.iter().position(|&c| c == 0) {
+        return Err(HostError::Invalid(format!(
+            "{} edges shared {} leave config {} ({}) without an edge: give more --edges",
+            opts.edges,
+            opts.ratio.as_ref().map_or("equally".to_string(), |r| format!("by --ratio {r}")),
+            m + 1,
+            models[m].config.bundle.display()
+        )));
+    }
+    let slots = assign_edges(&counts, &models.iter().map(|m| m.cuts.clone()).collect::<Vec<_>>());
+    let mut prefixes = Vec::with_capacity(models.len());
+    for model in &models {
+        prefixes.push(edge_prefixes(model).await?);
+    }
+    let mut served: Vec<Option<ServedModel>> = vec![None; models.len()];
+    let mut edges = Vec::with_capacity(slots.len());
+    for slot in &slots {
+        let model = &models[slot.model];
+        let boundary = prefixes[slot.model].iter().find(|(cut, _)| *cut == slot.split).map(|(_, b)| b.shallow_clone()).expect("a prefix per cut");
+        let (edge, info) =
+            Edge::open(*slot, model, boundary, &opts).await.map_err(|e| e.during(format!("edge {} ({})", slot.edge, model.config.server)))?;
+        served[slot.model].get_or_insert(info);
+        edges.push(edge);
+    }
+    print_start(&models, &counts, &served, &opts);
+
+    let clock = Clock { start: Instant::now(), duration: opts.duration, grace: opts.grace };
+    let tasks: Vec<JoinHandle<Vec<RequestRecord>>> = edges.into_iter().map(|edge| tokio::spawn(edge.run(clock))).collect();
+    let mut records = Vec::new();
+    for task in tasks {
+        records.extend(task.await.map_err(|e| HostError::Invalid(format!("an edge's task failed: {e}")))?);
+    }
+    // Requests were due over the whole duration: a last answer that came early does not
+    // shorten the denominator of the throughputs.
+    let wall_s = clock.start.elapsed().max(opts.duration).as_secs_f64();
+    records.sort_by(|a, b| a.t_s.total_cmp(&b.t_s).then(a.edge.cmp(&b.edge)));
+
+    let slo_of = |m: usize| served.get(m).and_then(|s| s.as_ref()).and_then(|s| s.slo_ms);
+    let model_reports: Vec<ModelReport> = models
+        .iter()
+        .enumerate()
+        .map(|(i, model)| {
+            let info = served[i].as_ref().expect("every model has an edge");
+            let of_model = || records.iter().filter(move |r| r.model == i);
+            let mut cuts = model.cuts.clone();
+            cuts.sort_unstable();
+            cuts.dedup();
+            let by_split = if cuts.len() > 1 {
+                cuts.iter()
+                    .map(|&cut| SplitReport {
+                        split: cut,
+                        edges: slots.iter().filter(|s| s.model == i && s.split == cut).count(),
+                        stats: LoadStats::of(of_model().filter(|r| r.split == cut), wall_s, slo_of),
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            ModelReport {
+                name: model_name(&info.model_source, &info.bundle_id),
+                bundle_id: info.bundle_id.clone(),
+                model_source: info.model_source.clone(),
+                server: model.config.server.clone(),
+                edges: counts[i],
+                splits: cuts,
+                batch_size: model.config.batch_size,
+                codec: model.config.codec.to_string(),
+                stats: LoadStats::of(of_model(), wall_s, slo_of),
+                by_split,
+            }
+        })
+        .collect();
+    let report = LoadReport {
+        mode: opts.mode.name(),
+        rate: opts.mode.rate(),
+        duration_s: opts.duration.as_secs_f64(),
+        wall_s,
+        edges: slots.len(),
+        seed: opts.seed,
+        in_flight_cap: opts.in_flight_cap,
+        overall: LoadStats::of(&records, wall_s, slo_of),
+        models: model_reports,
+    };
+
+    write_latency_csv(&opts.output.join("latency.csv"), &records, &report.models)?;
+    let series: Vec<(String, TimedLatencies)> = report
+        .models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.name.clone(), records.iter().filter(|r| r.model == i && r.ok()).filter_map(|r| Some((r.t_s, r.latency_ms?))).collect()))
+        .collect();
+    if report.overall.answered > 0 {
+        plot_latency_over_time(&opts.output.join(LATENCY_OVER_TIME), "latency over time (p50, p99 per second)", &series)?;
+    } else {
+        println!("no request was answered: no {LATENCY_OVER_TIME}");
+    }
+    // Written last: a load.json means the run finished and its other files are whole.
+    write_json(&opts.output.join("load.json"), &report)?;
+    println!("{}", report.table());
+    println!("results in {}", opts.output.display());
+    println!("{}", report.summary_line());
+    Ok(report)
+}
+
+/// Refuses options and configs a load run cannot work with, before anything is opened.
+fn check_options(configs: &[EdgeConfig], opts: &LoadOptions) -> Result<()> {
+    let invalid = |message: String| Err(HostError::Invalid(message));
+    if configs.is_empty() {
+        return invalid("a load run needs at least one --config".into());
+    }
+    if let Some(c) = configs.iter().find(|c| c.train.is_some()) {
+        return invalid(format!("{}: a training config (`train:`) cannot be load-tested: give an inference config", c.bundle.display()));
+    }
+    if opts.edges == 0 {
+        return invalid("--edges must be at least 1".into());
+    }
+    if opts.duration.is_zero() {
+        return invalid("--duration must be positive".into());
+    }
+    if opts.in_flight_cap == 0 {
+        return invalid("the in-flight cap must be at least 1".into());
+    }
+    if let LoadMode::Open { rate } = opts.mode {
+        arrivals::PoissonArrivals::new(rate, 0).map_err(|e| HostError::Invalid(format!("--rate: {e}")))?;
+    }
+    if let Some(ratio) = &opts.ratio {
+        if ratio.0.len() != configs.len() {
+            return invalid(format!("--ratio {ratio} has {} weights for {} configs: give one weight per --config", ratio.0.len(), configs.len()));
+        }
+    }
+    Ok(())
+}
+
+/// The cuts a model's edges split at: `--splits`, or the config's fixed `split`. Each must
+/// leave the server a stage to run.
+fn cuts_of(config: &EdgeConfig, bundle: &Bundle, splits: &[usize]) -> Result<Vec<usize>> {
+    let source = &bundle.manifest().model.source;
+    let cuts = if splits.is_empty() {
+        if config.split == SplitSpec::Auto {
+            return Err(HostError::Invalid(format!(
+                "{source}: its config has `split: auto`, which moves the cut while running, and a load run needs fixed cuts: \
+                 set a cut in its `split` or give --splits"
+            )));
+        }
+        vec![bundle.resolve_split(&config.split)?]
+    } else {
+        splits.to_vec()
+    };
+    let n = bundle.stage_count();
+    if let Some(cut) = cuts.iter().find(|&&cut| cut >= n) {
+        return Err(HostError::Invalid(format!(
+            "{source} has {n} stages: cut {cut} leaves the server nothing to run (a load run needs cuts from 0 to {})",
+            n - 1
+        )));
+    }
+    Ok(cuts)
+}
+
+/// How tables and `latency.csv` name a model: its source and the start of its bundle id.
+fn model_name(source: &str, bundle_id: &str) -> String {
+    format!("{source} ({})", &bundle_id[..bundle_id.len().min(8)])
+}
+
+/// The boundary at each of a model's cuts, computed once on the config's device from
+/// synthetic inputs of the config's batch size, and kept on the CPU.
+async fn edge_prefixes(model: &Model) -> Result<Vec<(usize, Boundary)>> {
+    let (bundle, cuts, device, batch) = (model.bundle.clone(), model.cuts.clone(), model.config.device, model.config.batch_size);
+    tokio::task::spawn_blocking(move || -> Result<Vec<(usize, Boundary)>> {
+        let deepest = cuts.iter().copied().max().unwrap_or(0);
+        let stages = LoadedStages::load(&bundle, StageRange::prefix(deepest), device)?;
+        let inputs = synthetic_inputs(&bundle.manifest().inputs, batch)?;
+        let mut out = Vec::with_capacity(cuts.len());
+        for cut in cuts {
+            if out.iter().all(|(c, _)| *c != cut) {
+                out.push((cut, stages.run(StageRange::prefix(cut), &inputs)?.to_device(tch::Device::Cpu)));
+            }
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|e| HostError::Invalid(format!("running the prefixes: {e}")))?
+}
+
+fn print_start(models: &[Model], counts: &[usize], served: &[Option<ServedModel>], opts: &LoadOptions) {
+    let mode = match opts.mode {
+        LoadMode::Closed => "closed loop".to_string(),
+        LoadMode::Open { rate } => {
+            format!("open loop at {rate} req/s (Poisson, seed {}, at most {} in flight per edge)", opts.seed, opts.in_flight_cap)
+        }
+    };
+    println!("host load: {} edges, {mode}, for {:?}", opts.edges, opts.duration);
+    for ((model, count), info) in models.iter().zip(counts).zip(served) {
+        let info = info.as_ref().expect("every model has an edge");
+        let cuts: Vec<String> = model.cuts.iter().map(usize::to_string).collect();
+        println!(
+            "  {}: {count} edges at cut {}, batch {}, codec {}, to {} (device {}, SLO {})",
+            model_name(&info.model_source, &info.bundle_id),
+            cuts.join(","),
+            model.config.batch_size,
+            model.config.codec,
+            model.config.server,
+            info.device,
+            info.slo_ms.map_or("none".to_string(), |ms| format!("{ms} ms"))
+        );
+    }
+}
+
+/// The run's clock: when it started, how long requests are sent, how long answers are
+/// waited for after that.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    start: Instant,
+    duration: Duration,
+    grace: Duration,
+}
+
+/// What encodes an edge's requests: its payload sender (one per stream, so sealed nonces
+/// only grow) and its copy of the boundary. Handed to the blocking pool and back for each
+/// request, so one request is encoded at a time, in order.
+struct Encoder {
+    sender: PayloadSender,
+    boundary: Boundary,
+}
+
+/// A request being encoded on the blocking pool.
+type Encoding = JoinHandle<(Encoder, Result<EncodedPayload, WireError>)>;
+
+/// A request due and not yet sent: its id and its scheduled time since the start.
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    id: u64,
+    at: Duration,
+}
+
+/// Where a sent request's latency starts: since the run's start, and as an instant.
+#[derive(Debug, Clone, Copy)]
+struct Origin {
+    since_start: Duration,
+    at: Instant,
+}
+
+/// Generator-side error codes (see [`RequestRecord::error`]).
+const DROPPED: &str = "dropped_in_flight_cap";
+const UNDECODABLE: &str = "undecodable";
+const STREAM_LOST: &str = "stream_lost";
+const UNANSWERED: &str = "unanswered";
+const ENCODE_FAILED: &str = "encode_failed";
+
+/// One edge: its connection and stream, its encoder and its schedule.
+struct Edge {
+    slot: EdgeSlot,
+    /// None once the stream broke.
+    conn: Option<Connection>,
+    /// None while a request is being encoded (or after the encoder panicked).
+    encoder: Option<Encoder>,
+    codec: Codec,
+    chunk_bytes: usize,
+    arrivals: Arrivals,
+    closed: bool,
+    cap: usize,
+    records: Vec<RequestRecord>,
+}
+
+impl Edge {
+    /// Connects (its own connection, `Info` checked), checks that the server accepts the
+    /// config's codec and key, and opens the edge's `Infer` stream.
+    async fn open(slot: EdgeSlot, model: &Model, boundary: Boundary, opts: &LoadOptions) -> Result<(Self, ServedModel)> {
+        let config = &model.config;
+        let session = connect(&config.server, &model.bundle, &Link::of(config)).await?;
+        let key_id = config.security.key.as_ref().map(|(id, _)| *id);
+        session.check_accepts(&config.codec, key_id)?;
+        let ring = config.security.ring();
+        let sender = match key_id {
+            Some(id) => PayloadSender::sealed(&ring, id)?,
+            None => PayloadSender::plain(),
+        };
+        // A session id of its own: the server's window of recent results is keyed by it, and
+        // edges number their requests alike.
+        let host_session = format!("{:032x}", rand::random::<u128>());
+        let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), config.resilience.connect_timeout).await?;
+        let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(HostError::Invalid)?;
+        let edge = Self {
+            slot,
+            conn: Some(conn),
+            encoder: Some(Encoder { sender, boundary }),
+            codec: config.codec,
+            chunk_bytes: session.chunk_bytes(),
+            closed: opts.mode == LoadMode::Closed,
+            arrivals,
+            cap: if opts.mode == LoadMode::Closed { 1 } else { opts.in_flight_cap },
+            records: Vec::new(),
+        };
+        Ok((edge, session.model))
+    }
+
+    /// Sends on schedule until the clock's end, waits for the answers up to its grace, and
+    /// returns a record per request.
+    async fn run(mut self, clock: Clock) -> Vec<RequestRecord> {
+        let before_end = |t: Duration| (t < clock.duration).then_some(t);
+        let mut next_at = before_end(self.arrivals.first());
+        let mut due: VecDeque<Due> = VecDeque::new();
+        let mut encoding: Option<(Due, Encoding)> = None;
+        let mut in_flight: HashMap<u64, Origin> = HashMap::new();
+        let mut next_id = 0u64;
+        let give_up_at = clock.start + clock.duration + clock.grace;
+        loop {
+            let now = Instant::now();
+            // Every arrival due by now, late ones included (a timer fires late at high rates).
+            while let Some(at) = next_at.filter(|at| clock.start + *at <= now) {
+                next_at = self.arrivals.after_arrival(at).and_then(before_end);
+                let d = Due { id: next_id, at };
+                next_id += 1;
+                if self.conn.is_none() {
+                    self.record(d.at, None, Some(STREAM_LOST));
+                } else if in_flight.len() + due.len() + usize::from(encoding.is_some()) >= self.cap {
+                    self.record(d.at, None, Some(DROPPED));
+                } else {
+                    due.push_back(d);
+                }
+            }
+            if encoding.is_none() && self.conn.is_some() && self.encoder.is_some() {
+                if let Some(d) = due.pop_front() {
+                    let encoder = self.encoder.take().expect("checked");
+                    encoding = Some((d, self.encode(encoder, d.id)));
+                }
+            }
+            if next_at.is_none() && due.is_empty() && encoding.is_none() && in_flight.is_empty() {
+                break;
+            }
+            if now >= give_up_at {
+                let left = due.iter().map(|d| d.at).chain(encoding.iter().map(|(d, _)| d.at)).chain(in_flight.values().map(|o| o.since_start));
+                for at in left.collect::<Vec<_>>() {
+                    self.record(at, None, Some(UNANSWERED));
+                }
+                break;
+            }
+            let next_arrival = next_at.map(|at| clock.start + at);
+            tokio::select! {
+                answer = next_answer(&mut self.conn) => match answer {
+                    Ok(answer) => {
+                        let answered = Instant::now();
+                        if self.answered(answer, answered, &mut in_flight) && self.closed {
+                            next_at = self.arrivals.after_answer(answered - clock.start).and_then(before_end);
+                        }
+                    }
+                    Err(reason) => {
+                        tracing::warn!(edge = self.slot.edge, %reason, "the stream broke: this edge stops");
+                        self.conn = None;
+                        let lost = due.drain(..).map(|d| d.at).chain(in_flight.drain().map(|(_, o)| o.since_start)).collect::<Vec<_>>();
+                        for at in lost {
+                            self.record(at, None, Some(STREAM_LOST));
+                        }
+                    }
+                },
+                encoded = finished(&mut encoding) => {
+                    let (d, _) = encoding.take().expect("a request was being encoded");
+                    self.encoded(d, encoded, clock, &mut in_flight);
+                }
+                () = sleep_until(next_arrival) => {}
+                () = tokio::time::sleep_until(give_up_at.into()) => {}
+            }
+        }
+        self.records
+    }
+
+    /// Encodes request `id` on the blocking pool.
+    fn encode(&self, mut encoder: Encoder, id: u64) -> Encoding {
+        let (codec, split) = (self.codec, self.slot.split as u32);
+        tokio::task::spawn_blocking(move || {
+            let meta = PayloadMeta { request_id: id, split, direction: Direction::Request };
+            let encoded = encoder.sender.encode(meta, &codec, &encoder.boundary);
+            (encoder, encoded)
+        })
+    }
+
+    /// A request's payload is ready: its frames go on the stream.
+    fn encoded(
+        &mut self,
+        d: Due,
+        encoded: std::result::Result<(Encoder, Result<EncodedPayload, WireError>), JoinError>,
+        clock: Clock,
+        in_flight: &mut HashMap<u64, Origin>,
+    ) {
+        let payload = match encoded {
+            Ok((encoder, payload)) => {
+                self.encoder = Some(encoder);
+                payload
+            }
+            Err(e) => {
+                // The encoder went with the task: this edge can send no more.
+                tracing::warn!(edge = self.slot.edge, error = %e, "encoding panicked: this edge stops");
+                self.conn = None;
+                self.record(d.at, None, Some(ENCODE_FAILED));
+                return;
+            }
+        };
+        let payload = match payload {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(edge = self.slot.edge, error = %e, "a request cannot be encoded");
+                return self.record(d.at, None, Some(ENCODE_FAILED));
+            }
+        };
+        let Some(conn) = &self.conn else {
+            return self.record(d.at, None, Some(STREAM_LOST));
+        };
+        let frames: Vec<InferFrame> = frame_parts(payload.envelope, &payload.data, self.chunk_bytes)
+            .into_iter()
+            .map(|part| InferFrame { request_id: d.id, header: part.header, data: part.data, last: part.last })
+            .collect();
+        let sent = Instant::now();
+        // A stream that is gone shows on its inbound side, which ends.
+        conn.send(&frames);
+        let origin =
+            if self.closed { Origin { since_start: sent - clock.start, at: sent } } else { Origin { since_start: d.at, at: clock.start + d.at } };
+        in_flight.insert(d.id, origin);
+    }
+
+    /// A whole answer, recorded against its request: false for an id this edge is not
+    /// waiting for.
+    fn answered(&mut self, answer: Answer, at: Instant, in_flight: &mut HashMap<u64, Origin>) -> bool {
+        let Some(origin) = in_flight.remove(&answer.id) else {
+            tracing::warn!(edge = self.slot.edge, request_id = answer.id, "an answer for a request not waiting: ignored");
+            return false;
+        };
+        let error = match (&answer.output, answer.code) {
+            (Ok(_), _) => None,
+            (Err(_), Some(code)) => Some(format!("{code:?}")),
+            (Err(_), None) => Some(UNDECODABLE.to_string()),
+        };
+        let latency_ms = (at - origin.at).as_secs_f64() * 1e3;
+        self.records.push(RequestRecord {
+            t_s: origin.since_start.as_secs_f64(),
+            model: self.slot.model,
+            edge: self.slot.edge,
+            split: self.slot.split,
+            latency_ms: Some(latency_ms),
+            error,
+        });
+        true
+    }
+
+    fn record(&mut self, since_start: Duration, latency_ms: Option<f64>, error: Option<&str>) {
+        self.records.push(RequestRecord {
+            t_s: since_start.as_secs_f64(),
+            model: self.slot.model,
+            edge: self.slot.edge,
+            split: self.slot.split,
+            latency_ms,
+            error: error.map(String::from),
+        });
+    }
+}
+
+/// The next answer on the stream, if there is one (never resolves otherwise).
+async fn next_answer(conn: &mut Option<Connection>) -> std::result::Result<Answer, String> {
+    match conn {
+        Some(c) => c.next_answer().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The request being encoded, once it is (never resolves when none is).
+async fn finished(encoding: &mut Option<(Due, Encoding)>) -> std::result::Result<(Encoder, Result<EncodedPayload, WireError>), JoinError> {
+    match encoding {
+        Some((_, task)) => task.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_names_take_the_start_of_the_bundle_id() {
+        assert_eq!(model_name("torchvision:resnet18", "0123456789abcdef"), "torchvision:resnet18 (01234567)");
+        assert_eq!(model_name("m", "abc"), "m (abc)");
+    }
+}
