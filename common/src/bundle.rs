@@ -650,7 +650,8 @@ mod tests {
         let tensor = |shape: &str| format!(r#"{{"type":"tensor","dtype":"float32","shape":{shape}}}"#);
         let named = |spec: String| format!(r#"{{"name":"v","spec":{spec}}}"#);
         assert!(cut(&format!("[{}]", named(tensor(r#"["B",3]"#)))).batch_first());
-        assert!(cut(&format!(r#"[{}]"#, named(format!(r#"{{"type":"tuple","items":[{},{}]}}"#, tensor(r#"["B"]"#), tensor(r#"["B",2,2]"#))))).batch_first());
+        assert!(cut(&format!(r#"[{}]"#, named(format!(r#"{{"type":"tuple","items":[{},{}]}}"#, tensor(r#"["B"]"#), tensor(r#"["B",2,2]"#)))))
+            .batch_first());
         for not in [
             format!("[{}]", named(tensor(r#"[1,"B"]"#))),
             format!("[{}]", named(tensor(r#"["2*B",3]"#))),

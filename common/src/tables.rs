@@ -62,8 +62,7 @@ fn align_right(table: &mut Table, columns: &[usize]) {
 /// Every split point: what crosses it, how big it is, how the parameters and cost divide,
 /// and whether a server merges requests entering there into batches.
 pub fn split_table(bundle: &Bundle) -> Table {
-    let mut table =
-        new_table(&["cut", "name", "live tensors", "bytes/sample", "params edge", "params server", "edge cost", "usable", "batchable"]);
+    let mut table = new_table(&["cut", "name", "live tensors", "bytes/sample", "params edge", "params server", "edge cost", "usable", "batchable"]);
     for p in bundle.split_points() {
         let mut live = p.tensors.join("\n");
         if p.plain_values > 0 {

@@ -183,7 +183,11 @@ impl Value {
                 Ok(t.split_with_sizes(sizes, 0).into_iter().map(Value::Tensor).collect())
             }
             Value::Tuple(items) | Value::List(items) => {
-                let split = items.iter().enumerate().map(|(i, v)| v.split_batches(sizes, &format!("{path}.{i}"))).collect::<std::result::Result<Vec<_>, _>>()?;
+                let split = items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v.split_batches(sizes, &format!("{path}.{i}")))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
                 let wrap = |vs: Vec<Value>| if matches!(self, Value::Tuple(_)) { Value::Tuple(vs) } else { Value::List(vs) };
                 Ok(transpose(split).into_iter().map(wrap).collect())
             }
@@ -444,11 +448,10 @@ mod tests {
     fn merged_batches_split_back_into_the_requests_exactly() {
         let parts = [request(1, 0.0), request(3, 100.0), request(2, -7.5)];
         let merged = Boundary::cat_batches(&parts).unwrap();
-        assert_eq!(merged.tensors().iter().map(|(n, t)| (n.clone(), t.size())).collect::<Vec<_>>(), [
-            ("x".to_string(), vec![6, 3]),
-            ("pair.0".to_string(), vec![6, 2]),
-            ("pair.1.k".to_string(), vec![6, 1])
-        ]);
+        assert_eq!(
+            merged.tensors().iter().map(|(n, t)| (n.clone(), t.size())).collect::<Vec<_>>(),
+            [("x".to_string(), vec![6, 3]), ("pair.0".to_string(), vec![6, 2]), ("pair.1.k".to_string(), vec![6, 1])]
+        );
         let back = merged.split_batches(&[1, 3, 2]).unwrap();
         assert_eq!(back.len(), 3);
         for (got, want) in back.iter().zip(&parts) {

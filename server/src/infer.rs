@@ -378,7 +378,11 @@ impl Responder {
                     Ok(()) => {}
                     Err(mpsc::error::SendTimeoutError::Closed(_)) => return, // The host is gone: stop working for it.
                     Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
-                        tracing::info!(request_id = p.request_id, "the host took no answer for {:?} (`limits.request_timeout`): the stream ends", self.timeout);
+                        tracing::info!(
+                            request_id = p.request_id,
+                            "the host took no answer for {:?} (`limits.request_timeout`): the stream ends",
+                            self.timeout
+                        );
                         return;
                     }
                 }

@@ -225,7 +225,8 @@ impl Drop for OpenGuard {
 fn cuda_memory_used(index: u32) -> Option<u64> {
     use nvml_wrapper::enums::device::UsedGpuMemory;
     static NVML: std::sync::OnceLock<Option<nvml_wrapper::Nvml>> = std::sync::OnceLock::new();
-    let nvml = NVML.get_or_init(|| nvml_wrapper::Nvml::init().map_err(|e| tracing::warn!(error = %e, "NVML is unavailable: no device memory metric")).ok());
+    let nvml =
+        NVML.get_or_init(|| nvml_wrapper::Nvml::init().map_err(|e| tracing::warn!(error = %e, "NVML is unavailable: no device memory metric")).ok());
     let device = nvml.as_ref()?.device_by_index(index).ok()?;
     let pid = std::process::id();
     let ours = device.running_compute_processes().ok()?.into_iter().find(|p| p.pid == pid)?;

@@ -61,7 +61,9 @@ async fn stream(url: String, bundle_id: String, requests: Vec<(u64, usize, Bound
             answers.insert(frame.request_id, Err((tonic::Code::from(e.code), e.message.clone())));
             continue;
         }
-        let done = frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ()))).map_err(|(_, e): (u64, cleave_common::wire::WireError)| e);
+        let done = frames
+            .push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ())))
+            .map_err(|(_, e): (u64, cleave_common::wire::WireError)| e);
         if let Some((assembly, ())) = done.unwrap() {
             answers.insert(frame.request_id, Ok(receiver.finish(assembly).unwrap().boundary));
         }
@@ -71,9 +73,10 @@ async fn stream(url: String, bundle_id: String, requests: Vec<(u64, usize, Bound
 
 /// A server of `models` on 127.0.0.1.
 async fn serve(models: Vec<ModelConfig>, scheduler: SchedulerConfig) -> (LoopbackServer, cleave_server::Metrics) {
-    let prepared = tokio::task::spawn_blocking(move || PreparedServer::prepare_models(&models, scheduler, Limits::default(), Default::default()).unwrap())
-        .await
-        .unwrap();
+    let prepared =
+        tokio::task::spawn_blocking(move || PreparedServer::prepare_models(&models, scheduler, Limits::default(), Default::default()).unwrap())
+            .await
+            .unwrap();
     let metrics = prepared.metrics();
     (LoopbackServer::serve(prepared).await.unwrap(), metrics)
 }
@@ -210,9 +213,12 @@ fn metrics_are_served_over_http_and_count_by_model_and_code() {
         tokio::spawn(cleave_server::metrics::serve(listener, metrics, std::future::pending()));
         let (reference, _) = digits.reference(3).unwrap();
         // Two good requests and one at a cut that does not exist.
-        let answers =
-            stream(server.url.clone(), digits.id().to_string(), vec![(1, 0, reference.shallow_clone()), (2, 0, reference.shallow_clone()), (3, 99, reference)])
-                .await;
+        let answers = stream(
+            server.url.clone(),
+            digits.id().to_string(),
+            vec![(1, 0, reference.shallow_clone()), (2, 0, reference.shallow_clone()), (3, 99, reference)],
+        )
+        .await;
         assert_eq!(answers[&3].as_ref().unwrap_err().0, tonic::Code::InvalidArgument);
 
         // GET /metrics, as Prometheus scrapes it.

@@ -361,9 +361,7 @@ impl ServerConfig {
         };
         let metrics_listen = match &raw.metrics_listen {
             None => None,
-            Some(text) => {
-                Some(text.parse().map_err(|_| file.invalid("metrics_listen", format!("{text:?} is not an address like 127.0.0.1:9464")))?)
-            }
+            Some(text) => Some(text.parse().map_err(|_| file.invalid("metrics_listen", format!("{text:?} is not an address like 127.0.0.1:9464")))?),
         };
         let (limits, peers) = raw.limits.split();
         let limits = file.limits("", limits)?;
@@ -410,7 +408,12 @@ fn served_models(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<Vec
             Ok(vec![ModelConfig::from_raw(file, "", model)?])
         }
         (None, Some(list)) => {
-            let stray = [("device", raw.device.is_some()), ("batching", raw.batching.is_some()), ("slo_ms", raw.slo_ms.is_some()), ("priority", raw.priority.is_some())];
+            let stray = [
+                ("device", raw.device.is_some()),
+                ("batching", raw.batching.is_some()),
+                ("slo_ms", raw.slo_ms.is_some()),
+                ("priority", raw.priority.is_some()),
+            ];
             if let Some((key, _)) = stray.iter().find(|(_, set)| *set) {
                 return Err(file.invalid(key, "with `models:`, write it in each model's entry"));
             }

@@ -123,10 +123,7 @@ impl DeviceScheduler {
     pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, config: SchedulerConfig, depth: usize, metrics: Metrics) -> Self {
         let (work, rx) = flume::bounded(depth.max(1));
         let worker = Worker { models, config, depth: depth.max(1), metrics };
-        std::thread::Builder::new()
-            .name(format!("cleave-{device}"))
-            .spawn(move || worker.run(&rx))
-            .expect("spawn a device scheduler thread");
+        std::thread::Builder::new().name(format!("cleave-{device}")).spawn(move || worker.run(&rx)).expect("spawn a device scheduler thread");
         Self { work }
     }
 
@@ -252,11 +249,7 @@ impl Worker {
         let (m, from) = (requests[0].model, requests[0].cut);
         let model = &self.models[m];
         let last = model.stages.bundle().stage_count();
-        let to = if model.batching.merge_cuts && model.batch_limit() > 1 {
-            queue.next_cut_waiting(m, from).unwrap_or(last)
-        } else {
-            last
-        };
+        let to = if model.batching.merge_cuts && model.batch_limit() > 1 { queue.next_cut_waiting(m, from).unwrap_or(last) } else { last };
         let started = Instant::now();
         for w in &mut requests {
             if w.started.is_none() {

@@ -81,7 +81,13 @@ impl Training {
 
     /// Checks an `OpenSession` against `bundle`; the session then loads on `device` and runs
     /// each call in a turn of that device's scheduler.
-    pub(crate) fn setup(&self, bundle: &Bundle, device: DeviceSpec, turns: DeviceScheduler, open: &pb::OpenSession) -> Result<SessionSetup, RequestError> {
+    pub(crate) fn setup(
+        &self,
+        bundle: &Bundle,
+        device: DeviceSpec,
+        turns: DeviceScheduler,
+        open: &pb::OpenSession,
+    ) -> Result<SessionSetup, RequestError> {
         let n = bundle.stage_count();
         let (start, end) = (open.start as usize, open.end as usize);
         let invalid = |m: String| RequestError::Training(TrainError::Invalid(m));
