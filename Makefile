@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep chaos hostile-rss clean
+.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep chaos hostile-rss bench-serving clean
 
 setup: build
 
@@ -137,6 +137,11 @@ chaos: build $(TEST_BUNDLES)/.stamp
 # The server's RSS while peers stall 64 MiB requests and send zstd bombs (bench/README.md).
 hostile-rss: build $(DEMO_BUNDLE)/manifest.json
 	cargo run --release -q -p cleave-tests --example hostile_rss -- --bundle $(DEMO_BUNDLE)
+
+# One server, many edges and models, measured with `host load`: batching, edf against fifo,
+# merging across cuts (bench/README.md).
+bench-serving: build $(TEST_BUNDLES)/.stamp $(DEMO_BUNDLE)/manifest.json digits-cnn
+	bench/serving
 
 link-sweep: build $(LINK_SWEEP_BUNDLE)/manifest.json
 	bench/link-sweep --bundle $(LINK_SWEEP_BUNDLE)
