@@ -87,7 +87,7 @@ impl Models {
             .zip(placed)
             .map(|((config, bundle, device), slot)| {
                 let (index, scheduler) = slot.expect("every model is placed on its device");
-                let batch_limit = i64::from(config.batching.max_batch).min(bundle.manifest().batch.max).max(1) as u32;
+                let batch_limit = config.batching.limit(&bundle);
                 Arc::new(Model { bundle, device, device_spec: config.device, slo: config.slo, index, scheduler, batch_limit })
             })
             .collect();

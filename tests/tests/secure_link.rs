@@ -270,7 +270,13 @@ fn the_handshake_refuses_a_codec_or_key_the_server_does_not_accept_naming_what_i
         key_ids: vec![1, 2],
     };
     let limits = pb::Limits { max_message_bytes: 8 << 20, max_payload_bytes: 1 << 30, queue_depth: 64, max_batch: 8 };
-    let reply = pb::InfoReply { protocol_version: PROTOCOL_VERSION, bundle_id: "abc".into(), codecs: Some(support), limits: Some(limits), ..Default::default() };
+    let reply = pb::InfoReply {
+        protocol_version: PROTOCOL_VERSION,
+        bundle_id: "abc".into(),
+        codecs: Some(support),
+        limits: Some(limits),
+        ..Default::default()
+    };
     let info = ServerInfo::try_from(reply).unwrap();
     let check = |codec: &str, key: Option<u32>| check_server_accepts(&info, &codec.parse().unwrap(), key).map_err(|e| e.to_string());
     assert!(check("fp16+shuffle+lz4", Some(2)).is_ok());

@@ -58,6 +58,14 @@ impl Default for Batching {
     }
 }
 
+impl Batching {
+    /// Samples one merged batch of `bundle` may hold: `max_batch` within the bundle's
+    /// largest batch.
+    pub fn limit(&self, bundle: &cleave_common::Bundle) -> u32 {
+        i64::from(self.max_batch).min(bundle.manifest().batch.max).max(1) as u32
+    }
+}
+
 /// The longest `batching.max_wait_ms`: a wait is a latency every request may pay.
 const MAX_WAIT_MS: u64 = 10_000;
 

@@ -54,9 +54,8 @@ impl DeviceModel {
         Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable }
     }
 
-    /// Samples one batch may hold: the configured limit within the bundle's largest batch.
     fn batch_limit(&self) -> i64 {
-        i64::from(self.batching.max_batch).min(self.stages.bundle().manifest().batch.max)
+        i64::from(self.batching.limit(self.stages.bundle()))
     }
 }
 
@@ -176,34 +175,35 @@ impl Worker {
     fn run(&self, rx: &flume::Receiver<Work>) {
         let mut queue = Queue::default();
         loop {
-            self.intake(&mut queue, rx);
+            self.intake(&mut queue, rx, false);
             match queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |_| true) {
                 Pick::Run(entries) => self.execute(&mut queue, entries),
                 Pick::WaitUntil(at) if queue.len() < self.depth => match rx.recv_deadline(at) {
-                    Ok(work) => self.accept(&mut queue, rx, work),
+                    Ok(work) => self.accept(&mut queue, rx, work, false),
                     Err(flume::RecvTimeoutError::Timeout) => {}
                     Err(flume::RecvTimeoutError::Disconnected) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
                 },
                 Pick::WaitUntil(at) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
                 Pick::Idle => match rx.recv() {
-                    Ok(work) => self.accept(&mut queue, rx, work),
+                    Ok(work) => self.accept(&mut queue, rx, work, false),
                     Err(_) => return,
                 },
             }
         }
     }
 
-    /// Takes what has arrived, while the queue has room.
-    fn intake(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>) {
+    /// Takes what has arrived, while the queue has room (`in_profile`: between the stages of
+    /// a profile, which refuses another).
+    fn intake(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, in_profile: bool) {
         while queue.len() < self.depth {
             match rx.try_recv() {
-                Ok(work) => self.accept(queue, rx, work),
+                Ok(work) => self.accept(queue, rx, work, in_profile),
                 Err(_) => return,
             }
         }
     }
 
-    fn accept(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, work: Work) {
+    fn accept(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, work: Work, in_profile: bool) {
         match work {
             Work::Infer(job, arrived) => {
                 self.metrics.queued(&self.models[job.model].label, 1);
@@ -222,6 +222,10 @@ impl Worker {
             Work::Turn(turn, arrived) => {
                 let key = arrived + self.config.max_age;
                 queue.push(Entry { group: None, samples: 0, key, ready_at: arrived, item: Item::Turn(turn) });
+            }
+            Work::Profile(other) if in_profile => {
+                let busy = RequestError::Busy("another profile is running on this device: profiles run one at a time".into());
+                let _ = other.reply.send(Err(busy));
             }
             Work::Profile(job) => self.profile(queue, rx, job),
         }
@@ -318,16 +322,7 @@ impl Worker {
         let answer = catch_panic("profiling the stages", || {
             let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, job.batch)?;
             let between_stages = || {
-                while queue.len() < self.depth {
-                    match rx.try_recv() {
-                        Ok(Work::Profile(other)) => {
-                            let busy = RequestError::Busy("another profile is running on this device: profiles run one at a time".into());
-                            let _ = other.reply.send(Err(busy));
-                        }
-                        Ok(work) => self.accept(queue, rx, work),
-                        Err(_) => break,
-                    }
-                }
+                self.intake(queue, rx, true);
                 while let Pick::Run(entries) = queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |e| matches!(e.item, Item::Request(_))) {
                     self.execute(queue, entries);
                 }
