@@ -110,20 +110,21 @@ struct Pending {
     codec: Codec,
     key_id: Option<u32>,
     answer: oneshot::Receiver<Result<JobResult, RequestError>>,
-    _held: Option<Held>,
+    /// What it holds until answered (none for one refused before its first frame was read).
+    held: Option<Held>,
 }
 
 impl Pending {
     /// When its first frame came (now, for a request refused before it had one).
     fn since(&self) -> Instant {
-        self._held.as_ref().map_or_else(Instant::now, |h| h.since)
+        self.held.as_ref().map_or_else(Instant::now, |h| h.since)
     }
 
     /// A request answered at once (with an error, before it reached the worker).
     fn answered(request_id: u64, answer: Result<JobResult, RequestError>) -> Self {
         let (tx, rx) = oneshot::channel();
         let _ = tx.send(answer);
-        Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx, _held: None }
+        Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx, held: None }
     }
 }
 
@@ -261,7 +262,7 @@ async fn start_request(
         let _ = tx.send(Ok(JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }));
         let held = Some(Held { since, _slot: slot, _bytes: None, envelope: bytes::Bytes::new() });
         let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
-        return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, _held: held }));
+        return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held }));
     }
     let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
     Ok(Started::New(assembly, Held { since, _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
@@ -296,7 +297,7 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
             });
         }
     }
-    Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, _held: Some(held) }
+    Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, held: Some(held) }
 }
 
 /// Checks a decoded request against its cut (its batch size comes from there) and queues

@@ -82,13 +82,16 @@ impl PreparedServer {
         limits.validate().map_err(|(key, message)| ServerError::Limits { key, message })?;
         let peers = PeerLimits::fitting(&limits);
         peers.validate(&limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
-        let cuda: Vec<(String, u32)> = models
+        // Each CUDA device once, however many models it holds (its memory is read per scrape).
+        let mut cuda: Vec<(String, u32)> = models
             .iter()
             .filter_map(|m| match m.device.resolve() {
                 Ok(tch::Device::Cuda(i)) => Some((device_name(tch::Device::Cuda(i)), i as u32)),
                 _ => None,
             })
             .collect();
+        cuda.sort_unstable();
+        cuda.dedup();
         let metrics = Metrics::new(cuda);
         let models = models::Models::load(models, scheduler, limits.queue_depth as usize, &metrics)?;
         let service = service::Service {
