@@ -5,7 +5,9 @@ Layout of a bundle directory:
     manifest.json              format version, model, inputs/output, cuts, stages, file hashes
     stage_000.pt ...           one TorchScript module per stage: `forward`, and `cleave_buffers`
                                (its buffers as (name, tensor) pairs, for callers without a buffers API)
-    reference_b1.safetensors   reference inputs (`input.NAME`) and outputs (`output.NAME`)
+    reference_b1.safetensors   reference inputs (`input.NAME`) and outputs (`output.NAME`);
+                               with a dynamic sequence one per batch and sequence length,
+                               `reference_b1_s8.safetensors`
 
 The bundle is written to a temporary directory next to the target and renamed into place
 only once every stage has been validated, so a failed export never leaves half a bundle.
@@ -28,11 +30,12 @@ from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode
 
 import cleave_export
-from cleave_export import ExportError
-from cleave_export.partition import Partition, parse_granularity, partition, stage_module
-from cleave_export.sources import load_source
-from cleave_export.specs import bytes_per_sample, check_value, flatten_tensors, tensor_leaves
-from cleave_export.tracing import record_values, trace
+from cleave_export import ExportError, first_line
+from cleave_export.exported import trace_with_export
+from cleave_export.partition import GRANULARITY_DEPTH, Partition, parse_granularity, partition, stage_module
+from cleave_export.sources import ModelSource, load_source
+from cleave_export.specs import Probe, bytes_per_sample, check_value, flatten_tensors, tensor_leaves
+from cleave_export.tracing import TraceError, record_values, trace
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,11 @@ class ExportOptions:
     seed: int = 0
     reference_batches: tuple[int, ...] = (1, 3)
     force: bool = False
+    seq: tuple[int, int] | None = None
+    """`--dynamic-seq MIN MAX`: the sequence lengths the bundle takes (a text model's default
+    when None)."""
+    hf_config: dict = field(default_factory=dict)
+    """`--hf-config`: config fields of an `hf:CLASS` model."""
 
 
 @dataclass
@@ -62,6 +70,7 @@ class ExportReport:
     manifest: dict
     timings: dict[str, float] = field(default_factory=dict)
     validated_batches: list[int] = field(default_factory=list)
+    validated_seqs: list[int] = field(default_factory=list)
 
 
 def export_bundle(opts: ExportOptions) -> ExportReport:
@@ -77,26 +86,25 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     if opts.out.exists() and not opts.force:
         raise ExportError(f"{opts.out} already exists; pass --force to replace it")
 
-    src = load_source(opts.source, opts.input_shape, opts.seed)
+    src = load_source(opts.source, opts.input_shape, opts.seed, opts.hf_config)
     model = src.model
+    seq_range = opts.seq or src.sequence
+    if seq_range is not None and not 1 <= seq_range[0] <= seq_range[1]:
+        raise ExportError(f"--dynamic-seq {seq_range[0]} {seq_range[1]}: need 1 <= MIN <= MAX")
 
-    def inputs_at(batch: int) -> tuple:
-        torch.manual_seed(opts.seed * 7919 + batch)
-        return src.make_inputs(batch)
+    def inputs_at(batch: int, seq: int | None) -> tuple:
+        torch.manual_seed(opts.seed * 7919 + batch + (seq or 0) * 104729)
+        return src.make_inputs(batch, seq)
 
-    # Two batch sizes tell which dimensions are the batch (symbolic shapes).
-    b_small = min(max(opts.batch_min, 2), opts.batch_max)
-    if b_small == opts.batch_max > opts.batch_min:
-        b_small -= 1  # --dynamic-batch 1 2: probe at 1 and 2, or every dimension would look fixed
-    b_large = b_small + 1 if b_small < opts.batch_max else b_small
-    probe_small, probe_large = inputs_at(b_small), inputs_at(b_large)
+    # Probes tell the symbolic dimensions: another batch size shows B, another length S.
+    probes, ranges = _probes(opts.batch_min, opts.batch_max, seq_range)
+    probe_inputs = [inputs_at(p.batch, p.seq) for p in probes]
     # Fail early, with the model's own error, on inputs or batch sizes it does not take.
-    _call_model(model, probe_small, b_small)
-    _call_model(model, probe_large, b_large)
-    gm, kept_whole = trace(model, len(probe_small))
-    small = record_values(gm, probe_small)
-    large = record_values(gm, probe_large) if b_large != b_small else small
-    part = partition(gm, depth, small, large, b_small, b_large)
+    for p, inputs in zip(probes, probe_inputs):
+        _call_model(src, inputs, p)
+    gm, kept_whole, tracer = _trace(src, probe_inputs, ranges)
+    recorded = [record_values(gm, inputs) for inputs in probe_inputs]
+    part = partition(gm, depth, recorded, probes, model, descend=opts.granularity in GRANULARITY_DEPTH)
     timings["trace"] = time.perf_counter() - started
 
     # The temporary directory sits beside the target so that the final rename stays on one filesystem.
@@ -104,35 +112,37 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     tmp = Path(tempfile.mkdtemp(prefix=f".{opts.out.name}.", dir=opts.out.parent))
     try:
         t = time.perf_counter()
-        stage_gms = [stage_module(gm, s, part.cuts[i], part.cuts[i + 1], i) for i, s in enumerate(part.stages)]
-        compilers = [_compile(sgm, part, i, tmp / _stage_file(i), small) for i, sgm in enumerate(stage_gms)]
+        stage_gms = [stage_module(gm, part, i) for i in range(len(part.stages))]
+        compilers = [_compile(sgm, part, i, tmp / _stage_file(i), recorded[0]) for i, sgm in enumerate(stage_gms)]
         loaded = [torch.jit.load(str(tmp / _stage_file(i))).eval() for i in range(len(stage_gms))]
         timings["compile"] = time.perf_counter() - t
 
         t = time.perf_counter()
         batches = sorted({opts.batch_min, min(3, opts.batch_max), min(8, opts.batch_max), *opts.reference_batches})
         batches = [b for b in batches if opts.batch_min <= b <= opts.batch_max]
+        seqs = [None] if seq_range is None else sorted({min(max(seq_range[0], 8), seq_range[1]), seq_range[1]})
         references = {}
         for b in batches:
-            inputs = inputs_at(b)
-            expected = _validate(model, gm, loaded, part, inputs, b)
-            if b in opts.reference_batches:
-                references[b] = (inputs, expected)
+            for seq in seqs:
+                inputs = inputs_at(b, seq)
+                expected = _validate(src, gm, loaded, part, inputs, Probe(b, seq))
+                if b in opts.reference_batches:
+                    references[(b, seq)] = (inputs, expected)
         timings["validate"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        flops = _stage_flops(stage_gms, inputs_at(opts.batch_min), opts.batch_min)
+        flops = _stage_flops(stage_gms, probe_inputs[0], probes[0].batch)
         ref_entries = []
-        for b, (inputs, expected) in sorted(references.items()):
-            name = f"reference_b{b}.safetensors"
+        for (b, seq), (inputs, expected) in sorted(references.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            name = f"reference_b{b}.safetensors" if seq is None else f"reference_b{b}_s{seq}.safetensors"
             tensors = {}
             for value, x in zip(part.cuts[0].values, inputs):
                 tensors.update({f"input.{k}": v for k, v in flatten_tensors(value.name, x)})
             for value, x in zip(part.cuts[-1].values, expected):
                 tensors.update({f"output.{k}": v for k, v in flatten_tensors(value.name, x)})
             save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / name))
-            ref_entries.append({"batch_size": b, "file": name})
-        manifest = _manifest(opts, src, model, part, stage_gms, compilers, flops, kept_whole, ref_entries, tmp)
+            ref_entries.append({"batch_size": b, "file": name} | ({} if seq is None else {"seq_len": seq}))
+        manifest = _manifest(opts, src, part, stage_gms, compilers, flops, kept_whole, tracer, seq_range, ref_entries, tmp)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if opts.out.exists():
             shutil.rmtree(opts.out)
@@ -142,7 +152,45 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     timings["total"] = time.perf_counter() - started
-    return ExportReport(manifest, timings, batches)
+    return ExportReport(manifest, timings, batches, [q for q in seqs if q is not None])
+
+
+def _probes(batch_min: int, batch_max: int, seq_range: tuple[int, int] | None) -> tuple[list[Probe], dict]:
+    """The probes (a base point, then one with another batch size, then one with another
+    sequence length, each where the range allows) and the ranges of the symbols they show."""
+    b0 = min(max(batch_min, 2), batch_max)
+    if b0 == batch_max > batch_min:
+        b0 -= 1  # --dynamic-batch 1 2: probe at 1 and 2, or every dimension would look fixed
+    s0 = None if seq_range is None else min(max(seq_range[0], 5), seq_range[1])
+    probes, ranges = [Probe(b0, s0)], {}
+    if b0 < batch_max:
+        probes.append(Probe(b0 + 1, s0))
+        ranges["B"] = (batch_min, batch_max)
+    if seq_range is not None and seq_range[0] < seq_range[1]:
+        # Lengths other than the batch sizes, so that a size equal to both cannot be mistaken.
+        lengths = [s for s in (s0 + 3, s0 + 2, s0 + 1, s0 - 1, s0 - 2) if seq_range[0] <= s <= seq_range[1]]
+        s1 = next((s for s in lengths if s not in (b0, b0 + 1)), lengths[0])
+        probes.append(Probe(b0, s1))
+        ranges["S"] = seq_range
+    return probes, ranges
+
+
+def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
+    """(graph, modules kept whole, tracer name): torch.fx first (it keeps modules whole where it
+    cannot see inside them), torch.export where fx cannot trace the model's own forward."""
+    if src.tracer == "export":
+        return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+    try:
+        gm, kept_whole = trace(src.model, len(probe_inputs[0]))
+        return gm, kept_whole, "torch.fx"
+    except TraceError as fx_error:
+        if not fx_error.at_root:
+            raise
+        log.info("%s; trying torch.export", fx_error)
+        try:
+            return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+        except ExportError as e:
+            raise ExportError(f"{fx_error}, and {e}") from e
 
 
 def _stage_file(i: int) -> str:
@@ -197,15 +245,19 @@ def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: di
     return "script"
 
 
-def _call_model(model, inputs: tuple, batch: int):
+def _where(p: Probe) -> str:
+    return f"batch {p.batch}" if p.seq is None else f"batch {p.batch}, sequence length {p.seq}"
+
+
+def _call_model(src: ModelSource, inputs: tuple, at: Probe):
     try:
         with torch.no_grad():
-            return model(*inputs)
+            return src(inputs)
     except Exception as e:
+        hint = "--dynamic-batch N N" if at.seq is None else "--dynamic-batch N N or --dynamic-seq MIN MAX within the lengths it takes"
         raise ExportError(
-            f"the model fails on its example inputs at batch size {batch}: {type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''} "
-            "(a model that takes one batch size only is exported with --dynamic-batch N N)"
+            f"the model fails on its example inputs at {_where(at)}: {type(e).__name__}: {first_line(e)} "
+            f"(a model that takes one batch size only is exported with {hint})"
         ) from e
 
 
@@ -218,24 +270,25 @@ def _run_chain(stages: list, inputs: tuple) -> list[list]:
     return cuts
 
 
-def _validate(model, gm: fx.GraphModule, loaded: list, part: Partition, inputs: tuple, batch: int) -> list:
-    """Check the traced graph and the compiled chain against the model at one batch size."""
-    want = _call_model(model, inputs, batch)
+def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partition, inputs: tuple, at: Probe) -> list:
+    """Check the traced graph and the compiled chain against the model at one batch size (and
+    sequence length)."""
+    want = _call_model(src, inputs, at)
     with torch.no_grad():
         traced = gm(*inputs)
     err = _relative_error(traced, want)
     if err > TOLERANCE:
         raise ExportError(
-            f"torch.fx's trace of the model differs from the model at batch {batch} (relative error {err:.2e}); "
+            f"the trace of the model differs from the model at {_where(at)} (relative error {err:.2e}); "
             "its forward probably turns a batch-dependent value into a constant"
         )
     cut_values = _run_chain(loaded, inputs)
     for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
         for node, spec, v in zip(cut.values, cut.specs, values):
             try:
-                check_value(spec, v, batch, f"cut {k} value {node.name!r}")
+                check_value(spec, v, at.batch, f"cut {k} value {node.name!r}", at.seq)
             except ValueError as e:
-                raise ExportError(f"at batch {batch}: {e}") from e
+                raise ExportError(f"at {_where(at)}: {e}") from e
     by_name = {n.name: v for n, v in zip(part.cuts[-1].values, cut_values[-1])}
     err = _relative_error(_assemble(part.output_tree, by_name), want)
     if err > TOLERANCE:
@@ -244,10 +297,10 @@ def _validate(model, gm: fx.GraphModule, loaded: list, part: Partition, inputs: 
             for node, v in zip(cut.values, values):
                 if _relative_error(v, reference[node.name]) > TOLERANCE:
                     raise ExportError(
-                        f"at batch {batch}, stage {k - 1} ({part.stages[k - 1].name!r}) computes {node.name!r} "
+                        f"at {_where(at)}, stage {k - 1} ({part.stages[k - 1].name!r}) computes {node.name!r} "
                         f"differently from the model; output relative error {err:.2e}"
                     )
-        raise ExportError(f"at batch {batch} the stage chain's output differs from the model's (relative error {err:.2e})")
+        raise ExportError(f"at {_where(at)} the stage chain's output differs from the model's (relative error {err:.2e})")
     return cut_values[-1]
 
 
@@ -326,11 +379,13 @@ def _shared_parameters(stage_gms: list[fx.GraphModule]) -> list[dict]:
     return shared
 
 
-def _manifest(opts, src, model, part: Partition, stage_gms, compilers, flops, kept_whole, references, tmp: Path) -> dict:
+def _manifest(opts, src, part: Partition, stage_gms, compilers, flops, kept_whole, tracer, seq_range, references, tmp: Path) -> dict:
+    model = src.model
     stage_params = [sum(p.numel() for p in sgm.parameters()) for sgm in stage_gms]
     cuts = []
     for k, cut in enumerate(part.cuts):
-        per_sample, fixed, known = bytes_per_sample(cut.specs)
+        # With a dynamic sequence, bytes at the longest sequence (a receiver's bound).
+        per_sample, fixed, known = bytes_per_sample(cut.specs, seq_range and seq_range[1])
         entry = {
             "index": k,
             "name": cut.name,
@@ -376,14 +431,18 @@ def _manifest(opts, src, model, part: Partition, stage_gms, compilers, flops, ke
         "exporter": {
             "version": cleave_export.__version__,
             "torch": torch.__version__,
-            "tracer": "torch.fx",
+            "tracer": tracer,
             "granularity": opts.granularity,
             "kept_whole": kept_whole,
             "merged_cuts": part.merged,
             "shared_parameters": _shared_parameters(stage_gms),
         },
         "batch": {"min": opts.batch_min, "max": opts.batch_max},
-        "inputs": [{"name": n.name, "spec": s} for n, s in zip(part.cuts[0].values, part.cuts[0].specs)],
+        **({} if seq_range is None else {"sequence": {"min": seq_range[0], "max": seq_range[1]}}),
+        "inputs": [
+            {"name": n.name, "spec": s} | ({"range": src.input_ranges[n.name]} if n.name in src.input_ranges else {})
+            for n, s in zip(part.cuts[0].values, part.cuts[0].specs)
+        ],
         "output": part.output_tree,
         "cuts": cuts,
         "stages": stages,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
-from cleave_export import ExportError
+from cleave_export import ExportError, first_line
 from cleave_export.bundle import ExportOptions, export_bundle
+from cleave_export.huggingface import parse_config
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -29,16 +31,23 @@ def _batches(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of batch sizes like 1,3") from None
 
 
-def parse_args(argv: list[str]) -> ExportOptions:
+def parse_args(argv: list[str]) -> tuple[bool, ExportOptions]:
+    """(whether to print tracebacks, the export asked for)."""
     p = argparse.ArgumentParser(
         prog="python -m cleave_export",
         description="Export a PyTorch model as a cleave bundle: TorchScript stages split at every module boundary.",
     )
-    p.add_argument("source", help="torchvision:NAME (random init) or package.module:callable returning an nn.Module")
+    p.add_argument("source", help="torchvision:NAME (random init), hf:CLASS (a transformers model class built from "
+                                  "its config, random init) or package.module:callable returning an nn.Module")
     p.add_argument("--out", required=True, type=Path, help="bundle directory to write")
     p.add_argument("--input-shape", type=_shape, help="input shape without the batch, e.g. 3,224,224")
     p.add_argument("--dynamic-batch", nargs=2, type=int, metavar=("MIN", "MAX"), default=(1, 64),
                    help="batch sizes the bundle accepts (default 1 64)")
+    p.add_argument("--dynamic-seq", nargs=2, type=int, metavar=("MIN", "MAX"),
+                   help="sequence lengths the bundle accepts, for models taking token ids "
+                        "(default for transformers text models: 1 to the model's positions, at most 128)")
+    p.add_argument("--hf-config", default="", metavar="KEY=VALUE,...",
+                   help="config fields of an hf:CLASS model, e.g. num_hidden_layers=2,hidden_size=64")
     p.add_argument("--granularity", default="block",
                    help="where stages may be cut: top (top-level modules), block (one level deeper, default), "
                         "layer (two deeper), op (every operation) or a module depth")
@@ -47,9 +56,10 @@ def parse_args(argv: list[str]) -> ExportOptions:
                    help="batch sizes of the reference input/output pairs (default 1,3)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    p.add_argument("-v", "--verbose", action="store_true", help="on failure, print the traceback too")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
-    return ExportOptions(
+    return a.verbose, ExportOptions(
         source=a.source,
         out=a.out,
         input_shape=a.input_shape,
@@ -59,17 +69,38 @@ def parse_args(argv: list[str]) -> ExportOptions:
         seed=a.seed,
         reference_batches=a.reference_batches,
         force=a.force,
+        seq=tuple(a.dynamic_seq) if a.dynamic_seq else None,
+        hf_config=_hf_config(p, a.hf_config),
     )
+
+
+def _hf_config(parser: argparse.ArgumentParser, text: str) -> dict:
+    try:
+        return parse_config(text)
+    except ExportError as e:
+        parser.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
     # TorchScript warns about annotations inside torchvision modules; they do not affect the export.
     warnings.filterwarnings("ignore", message="The TorchScript type system")
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    verbose, opts = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         report = export_bundle(opts)
-    except ExportError as e:
-        print(f"cleave_export: error: {e}", file=sys.stderr)
+    except Exception as e:  # one line for people (the traceback with --verbose), exit code 2
+        if verbose:
+            traceback.print_exc()
+        if isinstance(e, ExportError):
+            # One line: a library may have appended its own notes to the message.
+            print(f"cleave_export: error: {first_line(e)}", file=sys.stderr)
+        else:  # a failure the exporter did not foresee: name it, and where it came from
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            print(
+                f"cleave_export: error: exporting {opts.source} failed unexpectedly in {Path(where.filename).name}:"
+                f"{where.lineno} ({where.name}): {type(e).__name__}: {first_line(e)}"
+                f"{'' if verbose else ' (run with --verbose for the traceback)'}",
+                file=sys.stderr,
+            )
         return 2
     m, t = report.manifest, report.timings
     usable = sum(c["usable"] for c in m["cuts"])
@@ -83,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  merged cut {reason}")
     print(
         f"  export time {t['total']:.2f} s (trace {t['trace']:.2f}, compile {t['compile']:.2f}, "
-        f"validate at batch {','.join(map(str, report.validated_batches))} {t['validate']:.2f}, write {t['write']:.2f})"
+        f"validate at batch {','.join(map(str, report.validated_batches))}"
+        f"{' and sequence length ' + ','.join(map(str, report.validated_seqs)) if report.validated_seqs else ''} "
+        f"{t['validate']:.2f}, write {t['write']:.2f})"
     )
     return 0

@@ -6,7 +6,13 @@ value defined at or before it that a later node (or the output) still uses, so a
 inside a residual block carries both the main path and the skip tensor. A candidate cut
 whose live values cannot be TorchScript stage inputs is merged away, with the reason kept.
 Parameters and buffers read with `get_attr` never cross a cut: each stage that needs one
-gets its own reference.
+gets its own reference. Sizes never cross a cut either: an integer computed from tensor
+sizes (the batch, the sequence length, a product of them for a reshape) is computed again
+in each stage that needs it, from a tensor of the stage's input with the same size at every
+probe, so a peer never sends a number the stage would reshape by.
+
+At the named granularities a group descends through module lists (and through a module that
+only holds one, like a transformer's encoder), so `block` cuts between transformer layers.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
+from torch import nn
 
 from cleave_export import ExportError
-from cleave_export.specs import Unrepresentable, torchscript_type, value_spec
+from cleave_export.specs import Probe, Unrepresentable, torchscript_type, value_spec
 from cleave_export.tracing import MODULE_PATH
 
 GRANULARITY_DEPTH = {"top": 1, "block": 2, "layer": 3, "op": None}
@@ -59,9 +67,11 @@ class Partition:
     output_tree: dict
     merged: list[str]
     """Candidate cuts that were merged away, each with its reason."""
+    sizes: "_SizeArithmetic | None" = None
+    """The integers computed from sizes, which each stage computes again."""
 
 
-def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], values: dict) -> str:
+def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], values: dict, blocks: "_Blocks") -> str:
     path = node.meta.get(MODULE_PATH, "")
     # Unpacking a call's tuple (or dict) result belongs to the call that produced it.
     if node.op == "call_function" and node.target is operator.getitem:
@@ -69,26 +79,52 @@ def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], value
         if isinstance(src, fx.Node) and src in keys and isinstance(values.get(src.name), (tuple, list, dict)):
             return keys[src]
     if node.op == "call_module":
-        # A module call is named by the module itself, truncated to the granularity's depth.
-        parts = str(node.target).split(".")
-        return ".".join(parts if depth is None else parts[:depth])
+        # A module call is named by the module it stands for (an exported graph's dropout
+        # module by the module it was recorded in), truncated to the granularity's depth.
+        parts = (path or str(node.target)).split(".")
+        return ".".join(parts if depth is None else blocks.prefix(parts, depth))
     if depth is None:
         return f"{path}:{node.name}" if path else node.name
     parts = path.split(".") if path else []
     if len(parts) >= depth:
-        return ".".join(parts[:depth])
-    return f"{path}:{node.name}" if path else node.name
+        return ".".join(blocks.prefix(parts, depth))
+    # The model's own operations are cut between one another; a module's, run together.
+    return f"{path}:ops" if path else node.name
+
+
+class _Blocks:
+    """Where a module path is cut at a depth: deeper through module lists, so that the layers
+    of a stack (`transformer.h.0`, `bert.encoder.layer.0`) are groups of their own."""
+
+    def __init__(self, model: nn.Module | None, descend: bool):
+        self.model = model if descend else None
+
+    def prefix(self, parts: list[str], depth: int) -> list[str]:
+        n = depth
+        while self.model is not None and n < len(parts) and self._holds_a_list(parts[:n]):
+            n += 1
+        return parts[:n]
+
+    def _holds_a_list(self, parts: list[str]) -> bool:
+        try:
+            module = self.model.get_submodule(".".join(parts))
+        except AttributeError:
+            return False
+        lists = (nn.ModuleList, nn.ModuleDict)
+        children = list(module.children())
+        return isinstance(module, lists) or (len(children) == 1 and isinstance(children[0], lists))
 
 
 def partition(
     gm: fx.GraphModule,
     depth: int | None,
-    small: dict[str, object],
-    large: dict[str, object],
-    b_small: int,
-    b_large: int,
+    recorded: list[dict[str, object]],
+    probes: list[Probe],
+    model: nn.Module | None = None,
+    descend: bool = False,
 ) -> Partition:
-    """Split `gm` into stages; `small`/`large` are every node's values at two batch sizes."""
+    """Split `gm` into stages; `recorded[i]` is every node's value at `probes[i]`. `model` (the
+    traced model, with its module types) and `descend` make groups descend through module lists."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -98,13 +134,15 @@ def partition(
 
     keys: dict[fx.Node, str] = {}
     groups: list[list[fx.Node]] = []
+    blocks = _Blocks(model, descend)
     for n in compute:
-        keys[n] = _group_key(n, depth, keys, small)
+        keys[n] = _group_key(n, depth, keys, recorded[0], blocks)
         if groups and keys[groups[-1][-1]] == keys[n]:
             groups[-1].append(n)
         else:
             groups.append([n])
 
+    sizes = _SizeArithmetic(compute, recorded)
     position = {n: i for i, n in enumerate(compute)}
     for i, p in enumerate(placeholders):
         position[p] = -1
@@ -116,12 +154,13 @@ def partition(
     last = {n: last_use(n) for n in placeholders + compute}
 
     def live_after(pos: int) -> list[fx.Node]:
-        return [n for n in placeholders + compute if position[n] <= pos < last[n]]
+        return [n for n in placeholders + compute if position[n] <= pos < last[n] and n not in sizes]
 
     def spec_of(n: fx.Node) -> dict:
-        return value_spec(small[n.name], large[n.name], b_small, b_large, f"value {n.name!r}")
+        return value_spec([r[n.name] for r in recorded], probes, f"value {n.name!r}")
 
-    # Keep a candidate cut only if every live value there can be a TorchScript stage input.
+    # Keep a candidate cut only if every live value there can be a TorchScript stage input
+    # and every size used after it can be computed again from its tensors.
     stages: list[Stage] = []
     cuts = [Cut("input", placeholders, [spec_of(p) for p in placeholders])]
     merged: list[str] = []
@@ -132,11 +171,15 @@ def partition(
         pending_keys.append(keys[group[0]])
         if gi == len(groups) - 1:
             break
-        values = live_after(position[group[-1]])
+        if all(n in sizes for n in group):
+            continue  # sizes alone: every stage computes them again anyway
+        pos = position[group[-1]]
+        values = live_after(pos)
         try:
             specs = [spec_of(v) for v in values]
             for s in specs:
                 torchscript_type(s)
+            sizes.check_available_after(pos, position, last, values)
         except Unrepresentable as e:
             merged.append(f"after {keys[group[0]]}: {e}")
             continue
@@ -155,7 +198,65 @@ def partition(
             if path and path not in seen:
                 seen.append(path)
         stage.modules = seen
-    return Partition(stages, cuts, _output_tree(output.args[0]), merged)
+    return Partition(stages, cuts, _output_tree(output.args[0]), merged, sizes)
+
+
+_SIZE_OPS = {torch.ops.aten.size, torch.ops.aten.sym_size, torch.ops.aten.sym_numel, torch.ops.aten.numel}
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod, operator.neg}
+
+
+class _SizeArithmetic:
+    """The integers a graph computes from tensor sizes, which stages compute again rather than
+    carry across a cut: a tensor's size, or arithmetic on such integers and constants."""
+
+    def __init__(self, compute: list[fx.Node], recorded: list[dict[str, object]]):
+        self.recorded = recorded
+        self.nodes: set[fx.Node] = set()
+        for n in compute:
+            if all(type(r[n.name]) is int for r in recorded) and (self.is_size(n) or self.is_arithmetic(n)):
+                self.nodes.add(n)
+
+    def __contains__(self, n: fx.Node) -> bool:
+        return n in self.nodes
+
+    def is_size(self, n: fx.Node) -> bool:
+        if n.op == "call_method" and n.target in ("size", "numel"):
+            return True
+        return n.op == "call_function" and n.target in _SIZE_OPS
+
+    def is_arithmetic(self, n: fx.Node) -> bool:
+        if n.op != "call_function" or n.target not in _ARITHMETIC or n.kwargs:
+            return False
+        return all(a in self.nodes if isinstance(a, fx.Node) else type(a) is int for a in n.args)
+
+    def values(self, n: fx.Node) -> list[int]:
+        return [r[n.name] for r in self.recorded]
+
+    def matching_dim(self, n: fx.Node, tensors: list[fx.Node]) -> tuple[fx.Node, int] | None:
+        """A tensor among `tensors` and a dimension of it equal to `n` at every probe."""
+        want = self.values(n)
+        for t in tensors:
+            if not all(isinstance(r.get(t.name), torch.Tensor) for r in self.recorded):
+                continue
+            for d in range(self.recorded[0][t.name].dim()):
+                if [r[t.name].shape[d] for r in self.recorded] == want:
+                    return t, d
+        return None
+
+    def computable(self, n: fx.Node, available: list[fx.Node]) -> bool:
+        """Whether `n` can be computed from the tensors in `available` (and constants)."""
+        if n in available:
+            return True
+        if self.is_arithmetic(n):
+            return all(self.computable(a, available) for a in n.args if isinstance(a, fx.Node))
+        return self.matching_dim(n, available) is not None
+
+    def check_available_after(self, pos: int, position: dict, last: dict, live: list[fx.Node]) -> None:
+        """Raise Unrepresentable unless every size defined up to `pos` and used after it can be
+        computed again from the tensors live there."""
+        for n in self.nodes:
+            if position[n] <= pos < last[n] and not self.computable(n, live):
+                raise Unrepresentable(f"the size {n.name!r} (values {self.values(n)}) is no dimension of a tensor live here")
 
 
 def _stage_name(keys: list[str]) -> str:
@@ -173,9 +274,10 @@ def _output_tree(arg) -> dict:
     raise ExportError(f"the model's output contains a constant {arg!r}; outputs must be computed tensors")
 
 
-def stage_module(gm: fx.GraphModule, stage: Stage, inputs: Cut, outputs: Cut, index: int) -> fx.GraphModule:
-    """A GraphModule running `stage`: positional inputs are the input cut's values, in order,
-    and it returns a tuple of the output cut's values, in order."""
+def stage_module(gm: fx.GraphModule, part: Partition, index: int) -> fx.GraphModule:
+    """A GraphModule running stage `index`: positional inputs are its input cut's values, in
+    order, and it returns a tuple of its output cut's values, in order."""
+    stage, inputs, outputs = part.stages[index], part.cuts[index], part.cuts[index + 1]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node, spec in zip(inputs.values, inputs.specs):
@@ -183,10 +285,23 @@ def stage_module(gm: fx.GraphModule, stage: Stage, inputs: Cut, outputs: Cut, in
 
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env:
-            if n.op != "get_attr":
+            if n.op == "get_attr":
+                env[n] = graph.node_copy(n)
+            elif part.sizes is not None and n in part.sizes:
+                env[n] = recompute_size(n)
+            else:
                 raise ExportError(f"stage {stage.name!r} needs {n.name!r}, which is not live at its input cut")
-            env[n] = graph.node_copy(n)
         return env[n]
+
+    def recompute_size(n: fx.Node) -> fx.Node:
+        # Arithmetic from its operands (sizes themselves); a size from its tensor when the stage
+        # has it, else from a tensor it has with the same size at every probe.
+        if part.sizes.is_arithmetic(n) or all(a in env for a in n.args if isinstance(a, fx.Node)):
+            return graph.node_copy(n, lookup)
+        match = part.sizes.matching_dim(n, list(env))
+        if match is None:
+            raise ExportError(f"stage {stage.name!r} needs the size {n.name!r}, which no tensor of its input has")
+        return graph.call_method("size", (env[match[0]], match[1]))
 
     for n in stage.nodes:
         env[n] = graph.node_copy(n, lookup)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
-from cleave_export import ExportError
+from cleave_export import ExportError, huggingface
 
-InputFactory = Callable[[int], tuple]
+InputFactory = Callable[[int, "int | None"], tuple]
 
 
 @dataclass
@@ -24,25 +24,50 @@ class ModelSource:
     source: str
     """The SOURCE string it came from, recorded in the manifest."""
     make_inputs: InputFactory
-    """Returns example inputs (a tuple of tensors) at a batch size, from torch's global RNG."""
+    """Returns example inputs (a tuple of tensors) at a batch size and sequence length (None
+    without a dynamic sequence), from torch's global RNG."""
     preprocess: dict | None
     """Image preprocessing the model expects (resize, crop, mean, std), when known."""
+    input_names: list[str] | None = None
+    """The forward arguments the inputs are passed as, by keyword; None: the first forward
+    parameters, by position."""
+    fixed_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments every call passes (a transformer's `use_cache=False`, ...)."""
+    input_ranges: dict[str, list[int]] = field(default_factory=dict)
+    """Inclusive value range of integer inputs (token ids below the vocabulary size)."""
+    sequence: tuple[int, int] | None = None
+    """The sequence lengths a text model takes when the user gives none."""
+    tracer: str = "fx"
+    """`fx` (torch.fx, falling back to torch.export) or `export` (torch.export only)."""
+
+    def __call__(self, inputs: tuple):
+        """The model run on `inputs`."""
+        if self.input_names is None:
+            return self.model(*inputs, **self.fixed_kwargs)
+        return self.model(**dict(zip(self.input_names, inputs)), **self.fixed_kwargs)
 
 
-def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int) -> ModelSource:
-    """Build the model named by `source` with a fixed seed (`torchvision:NAME` or `module:callable`)."""
+def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int, hf_config: dict | None = None) -> ModelSource:
+    """Build the model named by `source` with a fixed seed (`torchvision:NAME`, `hf:CLASS` or
+    `module:callable`)."""
     torch.manual_seed(seed)
+    if hf_config and not source.startswith("hf:"):
+        raise ExportError("--hf-config applies to `hf:CLASS` sources only")
     if source.startswith("torchvision:"):
         model, preprocess, default_shape = _torchvision_model(source.split(":", 1)[1])
         if input_shape is not None and tuple(input_shape) != default_shape:
             preprocess = None  # the preset's resize and crop describe other inputs than these
+    elif source.startswith("hf:"):
+        model, preprocess, default_shape = huggingface.build(source.split(":", 1)[1], hf_config or {}), None, None
     elif ":" in source:
         model, preprocess, default_shape = _callable_model(source), None, None
     else:
         raise ExportError(
-            f"SOURCE {source!r} is neither `torchvision:NAME` nor `package.module:callable`"
+            f"SOURCE {source!r} is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`"
         )
     model.eval()
+    if huggingface.is_transformers_model(model):
+        return ModelSource(model=model, source=source, **huggingface.feeding(model, source, input_shape))
     return ModelSource(
         model=model,
         source=source,
@@ -97,10 +122,18 @@ def _callable_model(source: str) -> nn.Module:
 
 def _input_factory(model: nn.Module, shape: tuple[int, ...] | None, source: str) -> InputFactory:
     # A model may describe its own inputs: `example_inputs(batch_size)` returning a tuple of
-    # tensors (needed for several inputs or integer inputs), or `input_shape` (one float input).
+    # tensors (needed for several inputs or integer inputs), or `example_inputs(batch_size,
+    # seq_len)` for a model exported with a dynamic sequence; or `input_shape` (one float input).
     if shape is None and callable(getattr(model, "example_inputs", None)):
-        def from_model(batch: int) -> tuple:
-            inputs = model.example_inputs(batch)
+        takes_seq = len(inspect.signature(model.example_inputs).parameters) >= 2
+
+        def from_model(batch: int, seq: int | None) -> tuple:
+            if seq is not None and not takes_seq:
+                raise ExportError(
+                    f"{source}: --dynamic-seq needs the model's example_inputs to take a sequence "
+                    "length: example_inputs(batch_size, seq_len)"
+                )
+            inputs = model.example_inputs(batch, seq) if seq is not None else model.example_inputs(batch)
             inputs = inputs if isinstance(inputs, tuple) else (inputs,)
             for i, t in enumerate(inputs):
                 if not isinstance(t, torch.Tensor):
@@ -117,7 +150,13 @@ def _input_factory(model: nn.Module, shape: tuple[int, ...] | None, source: str)
             "or give the model an `input_shape` attribute or an `example_inputs(batch_size)` method"
         )
     shape = tuple(int(d) for d in shape)
-    return lambda batch: (torch.randn(batch, *shape),)
+
+    def random_image(batch: int, seq: int | None) -> tuple:
+        if seq is not None:
+            raise ExportError(f"{source}: --dynamic-seq needs a model with example_inputs(batch_size, seq_len)")
+        return (torch.randn(batch, *shape),)
+
+    return random_image
 
 
 def forward_parameters(model: nn.Module) -> list[inspect.Parameter]:

@@ -3,13 +3,19 @@
 A spec is a JSON tree: `{"type": "tensor", "dtype": "float32", "shape": ["B", 64, 56, 56]}`
 for a tensor, `{"type": "int"}` (also float, bool, str, none) for plain values, and
 `{"type": "tuple" | "list", "items": [...]}` or `{"type": "dict", "items": [{"key", "value"}]}`
-for containers. A dimension is an integer, `"B"` (the batch size), `"k*B"`, or `"?"` when it
-depends on the data.
+for containers. A dimension is an integer, `"B"` (the batch size), `"k*B"`, `"S"` (the
+sequence length, in bundles exported with `--dynamic-seq`), `"k*S"`, or `"?"` when it depends
+on the data (or on the batch and the sequence together).
+
+Symbols are found by running the model at several *probes*: a base point, one with another
+batch size and, with a dynamic sequence, one with another sequence length. A dimension that
+follows one of them in proportion is that symbol.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -32,42 +38,59 @@ class Unrepresentable(Exception):
     """A value whose type cannot cross a cut (it cannot be a stage input in TorchScript)."""
 
 
-def symbolic_dim(small: int, large: int, b_small: int, b_large: int) -> int | str:
-    """A dimension seen at two batch sizes, as an integer, "B", "k*B" or "?"."""
-    if small == large:
-        return small
-    if small % b_small == 0 and small // b_small * b_large == large:
-        k = small // b_small
-        return "B" if k == 1 else f"{k}*B"
+@dataclass(frozen=True)
+class Probe:
+    """A point the model is run at to tell symbolic dimensions from fixed ones."""
+
+    batch: int
+    seq: int | None = None
+    """The sequence length, in bundles with a dynamic sequence."""
+
+    def unit(self, symbol: str) -> int | None:
+        return self.batch if symbol == "B" else self.seq
+
+
+def symbolic_dim(sizes: list[int], probes: list[Probe]) -> int | str:
+    """A dimension seen at every probe, as an integer, "B", "k*B", "S", "k*S" or "?"."""
+    if all(s == sizes[0] for s in sizes):
+        return sizes[0]
+    for symbol in ("B", "S"):
+        unit = probes[0].unit(symbol)
+        if not unit or sizes[0] % unit:
+            continue
+        k = sizes[0] // unit
+        if all(p.unit(symbol) is not None and k * p.unit(symbol) == s for p, s in zip(probes, sizes)):
+            return symbol if k == 1 else f"{k}*{symbol}"
     return "?"
 
 
-def value_spec(small, large, b_small: int, b_large: int, where: str) -> dict:
-    """The spec of a value recorded at two batch sizes (the same value twice when batch is fixed)."""
-    if isinstance(small, torch.Tensor):
-        if small.dtype not in DTYPE_NAMES:
-            raise Unrepresentable(f"{where} is a tensor of unsupported dtype {small.dtype}")
-        if small.dim() != large.dim():
-            raise Unrepresentable(f"{where} changes rank with the batch size")
-        shape = [symbolic_dim(a, b, b_small, b_large) for a, b in zip(small.shape, large.shape)]
-        return {"type": "tensor", "dtype": DTYPE_NAMES[small.dtype], "shape": shape}
-    if small is None:
+def value_spec(seen: list, probes: list[Probe], where: str) -> dict:
+    """The spec of a value recorded at every probe (`seen[i]` at `probes[i]`)."""
+    first = seen[0]
+    if isinstance(first, torch.Tensor):
+        if first.dtype not in DTYPE_NAMES:
+            raise Unrepresentable(f"{where} is a tensor of unsupported dtype {first.dtype}")
+        if any(v.dim() != first.dim() for v in seen):
+            raise Unrepresentable(f"{where} changes rank with the batch size or sequence length")
+        shape = [symbolic_dim([v.shape[d] for v in seen], probes) for d in range(first.dim())]
+        return {"type": "tensor", "dtype": DTYPE_NAMES[first.dtype], "shape": shape}
+    if first is None:
         return {"type": "none"}
     for py, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
-        if type(small) is py:
+        if type(first) is py:
             return {"type": name}
-    if isinstance(small, (tuple, list)):
-        if len(small) != len(large):
-            raise Unrepresentable(f"{where} changes length with the batch size")
-        kind = "tuple" if isinstance(small, tuple) and not isinstance(small, torch.Size) else "list"
-        items = [value_spec(a, b, b_small, b_large, f"{where}[{i}]") for i, (a, b) in enumerate(zip(small, large))]
+    if isinstance(first, (tuple, list)):
+        if any(len(v) != len(first) for v in seen):
+            raise Unrepresentable(f"{where} changes length with the batch size or sequence length")
+        kind = "tuple" if isinstance(first, tuple) and not isinstance(first, torch.Size) else "list"
+        items = [value_spec([v[i] for v in seen], probes, f"{where}[{i}]") for i in range(len(first))]
         return {"type": kind, "items": items}
-    if isinstance(small, dict):
-        if not all(isinstance(k, str) for k in small) or small.keys() != large.keys():
+    if isinstance(first, dict):
+        if not all(isinstance(k, str) for k in first) or any(v.keys() != first.keys() for v in seen):
             raise Unrepresentable(f"{where} is a dict whose keys are not fixed strings")
-        items = [{"key": k, "value": value_spec(small[k], large[k], b_small, b_large, f"{where}[{k!r}]")} for k in small]
+        items = [{"key": k, "value": value_spec([v[k] for v in seen], probes, f"{where}[{k!r}]")} for k in first]
         return {"type": "dict", "items": items}
-    raise Unrepresentable(f"{where} is a {type(small).__name__}, which cannot cross a cut")
+    raise Unrepresentable(f"{where} is a {type(first).__name__}, which cannot cross a cut")
 
 
 def torchscript_type(spec: dict):
@@ -114,49 +137,48 @@ def element_size(dtype: str) -> int:
 _DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
-def bytes_per_sample(specs: list[dict]) -> tuple[int, int, bool]:
-    """(bytes per sample, fixed bytes per request, whether every size is known) for tensor leaves."""
+def bytes_per_sample(specs: list[dict], seq: int | None = None) -> tuple[int, int, bool]:
+    """(bytes per sample, fixed bytes per request, whether every size is known) for tensor
+    leaves, at sequence length `seq` (in bundles with a dynamic sequence)."""
     per_sample, fixed, known = 0, 0, True
     for spec in specs:
         for _, leaf in tensor_leaves("", spec):
-            size = element_size(leaf["dtype"])
-            scale = 0
-            for d in leaf["shape"]:
-                if d == "?":
-                    known = False
-                elif isinstance(d, str):
-                    scale += int(d.split("*")[0]) if "*" in d else 1
-                else:
-                    size *= d
-            if scale:
-                per_sample += size * scale
-            else:
-                fixed += size
+            if "?" in leaf["shape"]:
+                known = False
+                continue
+            # A tensor's bytes are linear in the batch: its size at batch 1 minus that at batch 0.
+            at_one = element_size(leaf["dtype"]) * prod(shape_at(leaf["shape"], 1, seq))
+            at_zero = element_size(leaf["dtype"]) * prod(shape_at(leaf["shape"], 0, seq))
+            per_sample += at_one - at_zero
+            fixed += at_zero
     return per_sample, fixed, known
 
 
-def shape_at(spec_shape: list, batch: int) -> list[int]:
-    """A symbolic shape made concrete at a batch size ("?" stays unknown as -1)."""
-    out = []
-    for d in spec_shape:
-        if d == "B":
-            out.append(batch)
-        elif isinstance(d, str) and d.endswith("*B"):
-            out.append(int(d[:-2]) * batch)
-        elif d == "?":
-            out.append(-1)
-        else:
-            out.append(d)
-    return out
+def dim_at(d, batch: int, seq: int | None = None) -> int:
+    """A symbolic dimension made concrete ("?" stays unknown as -1)."""
+    if isinstance(d, int):
+        return d
+    if d == "?":
+        return -1
+    k, _, symbol = d.rpartition("*")
+    unit = batch if symbol == "B" else seq
+    if unit is None:
+        raise ValueError(f"dimension {d!r} needs a sequence length")
+    return int(k or 1) * unit
 
 
-def check_value(spec: dict, value, batch: int, where: str) -> None:
-    """Raise ValueError if `value` does not match `spec` at `batch`."""
+def shape_at(spec_shape: list, batch: int, seq: int | None = None) -> list[int]:
+    """A symbolic shape made concrete at a batch size and sequence length ("?" stays -1)."""
+    return [dim_at(d, batch, seq) for d in spec_shape]
+
+
+def check_value(spec: dict, value, batch: int, where: str, seq: int | None = None) -> None:
+    """Raise ValueError if `value` does not match `spec` at `batch` (and `seq`)."""
     kind = spec["type"]
     if kind == "tensor":
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{where}: expected a tensor, got {type(value).__name__}")
-        want = shape_at(spec["shape"], batch)
+        want = shape_at(spec["shape"], batch, seq)
         got = list(value.shape)
         if DTYPE_NAMES.get(value.dtype) != spec["dtype"] or len(got) != len(want) or any(
             w not in (-1, g) for w, g in zip(want, got)
@@ -166,10 +188,10 @@ def check_value(spec: dict, value, batch: int, where: str) -> None:
         if not isinstance(value, (tuple, list)) or len(value) != len(spec["items"]):
             raise ValueError(f"{where}: expected a {kind} of {len(spec['items'])} items")
         for i, (s, v) in enumerate(zip(spec["items"], value)):
-            check_value(s, v, batch, f"{where}[{i}]")
+            check_value(s, v, batch, f"{where}[{i}]", seq)
     elif kind == "dict":
         for item in spec["items"]:
-            check_value(item["value"], value[item["key"]], batch, f"{where}[{item['key']!r}]")
+            check_value(item["value"], value[item["key"]], batch, f"{where}[{item['key']!r}]", seq)
 
 
 def prod(xs) -> int:

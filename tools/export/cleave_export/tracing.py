@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from cleave_export import ExportError
+from cleave_export import ExportError, first_line
 from cleave_export.sources import forward_parameters
 
 log = logging.getLogger(__name__)
@@ -98,18 +98,24 @@ def trace(model: nn.Module, num_inputs: int) -> tuple[fx.GraphModule, list[str]]
             failed = tracer.failed_module
             if not failed or failed in forced:
                 where = f"module {failed!r}" if failed else f"{type(model).__name__}.forward itself"
-                raise ExportError(
-                    f"torch.fx cannot trace {where}: {type(e).__name__}: {_first_line(e)}"
+                raise TraceError(
+                    f"torch.fx cannot trace {where}: {type(e).__name__}: {first_line(e)}", at_root=not failed
                 ) from e
-            log.info("keeping %s (%s) whole: %s", failed, type(model.get_submodule(failed)).__name__, _first_line(e))
+            log.info("keeping %s (%s) whole: %s", failed, type(model.get_submodule(failed)).__name__, first_line(e))
             forced.append(failed)
             continue
         return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), forced
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+class TraceError(ExportError):
+    """torch.fx could not trace the model; `at_root` when the model's own forward failed (no
+    module to keep whole), where torch.export may still succeed."""
+
+    def __init__(self, message: str, at_root: bool):
+        super().__init__(message)
+        self.at_root = at_root
+
+
 
 
 class ValueRecorder(fx.Interpreter):
@@ -125,7 +131,7 @@ class ValueRecorder(fx.Interpreter):
         except Exception as e:
             raise ExportError(
                 f"running the traced graph failed at node {n.name!r} ({n.op} {n.target}) "
-                f"in module {n.meta.get(MODULE_PATH) or '<root>'!r}: {_first_line(e)}"
+                f"in module {n.meta.get(MODULE_PATH) or '<root>'!r}: {first_line(e)}"
             ) from e
         self.values[n.name] = result
         return result

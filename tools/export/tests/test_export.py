@@ -33,6 +33,7 @@ from cleave_export.bundle import ExportOptions, export_bundle
 from cleave_export.partition import parse_granularity
 from cleave_export.sources import load_source
 from cleave_export.specs import (
+    Probe,
     Unrepresentable,
     bytes_per_sample,
     check_value,
@@ -379,21 +380,18 @@ def test_fixed_batch_model_exports_with_one_batch_size(tmp_path):
 
 
 def test_transformer_inputs_values_and_output_tree(transformer):
-    m = transformer.manifest
+    b, m = transformer, transformer.manifest
     assert m["inputs"] == [
         {"name": "tokens", "spec": {"type": "tensor", "dtype": "int64", "shape": ["B", 12]}},
         {"name": "mask", "spec": {"type": "tensor", "dtype": "bool", "shape": ["B", 12]}},
     ]
     assert m["cuts"][0]["bytes_per_sample"] == 12 * 8 + 12 * 1
 
-    # tokens.size(1) is a plain int crossing a cut; it is no tensor and costs no bytes.
-    int_cuts = [c for c in m["cuts"] if any(v["spec"] == {"type": "int"} for v in c["values"])]
-    assert len(int_cuts) >= 1
-    for c in int_cuts:
-        ints = [v["name"] for v in c["values"] if v["spec"] == {"type": "int"}]
-        assert not set(ints) & {t["name"] for t in c["tensors"]}
-        assert len(c["tensors"]) == len(c["values"]) - len(ints)
-        assert c["usable"] is True
+    # tokens.size(1) never crosses a cut: each stage that slices by it computes it again from
+    # a tensor of its own input, so no peer sends a size a stage would slice or reshape by.
+    assert not [c["index"] for c in m["cuts"] if any(v["spec"] == {"type": "int"} for v in c["values"])]
+    slicing = [s for s in m["stages"] if s["index"] > 0 and "size" in (b.out / s["file"]).read_bytes().decode("latin-1")]
+    assert slicing, "some later stage computes the size again"
 
     # The guard's data-dependent `if` cannot be traced: it is kept whole, as one stage.
     assert m["exporter"]["kept_whole"] == ["guard"]
@@ -537,7 +535,7 @@ def test_torchvision_mobilenet_at_block_granularity(mobilenet):
 def test_torchvision_preset_gives_shape_and_preprocessing():
     src = load_source("torchvision:mobilenet_v3_small", None, 0)
     assert src.preprocess == {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
-    assert src.make_inputs(2)[0].shape == (2, 3, 224, 224)
+    assert src.make_inputs(2, None)[0].shape == (2, 3, 224, 224)
     assert not src.model.training
     # The same shape as the preset, given explicitly, keeps the preprocessing.
     assert load_source("torchvision:mobilenet_v3_small", (3, 224, 224), 0).preprocess == src.preprocess
@@ -551,7 +549,7 @@ def test_torchvision_preset_gives_shape_and_preprocessing():
     ("opts", "message"),
     [
         (dict(source="torchvision:no_such_net"), "torchvision has no model 'no_such_net'; some it has: alexnet"),
-        (dict(source="resnet18"), "SOURCE 'resnet18' is neither `torchvision:NAME` nor `package.module:callable`"),
+        (dict(source="resnet18"), "SOURCE 'resnet18' is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`"),
         (dict(source="tests.models:not_a_module"), "tests.models:not_a_module returned a int, expected a torch.nn.Module"),
         (dict(source="tests.models:missing"), "module 'tests.models' has no attribute 'missing'"),
         (dict(source="no_such_pkg.mod:f"), "cannot import 'no_such_pkg.mod' (from SOURCE 'no_such_pkg.mod:f')"),
@@ -597,7 +595,7 @@ def test_batch_baked_model_is_refused_and_leaves_nothing(tmp_path):
         export_bundle(ExportOptions("tests.models:batch_baked", out))
     message = str(e.value)
     # It takes batch 3 only; the exporter tries another batch size and names it.
-    assert message.startswith("the model fails on its example inputs at batch size 2: RuntimeError: shape '[3, 2]' is invalid")
+    assert message.startswith("the model fails on its example inputs at batch 2: RuntimeError: shape '[3, 2]' is invalid")
     assert message.endswith("(a model that takes one batch size only is exported with --dynamic-batch N N)")
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
@@ -607,8 +605,8 @@ def test_batch_baked_model_is_refused_and_leaves_nothing(tmp_path):
     ("source", "message"),
     [
         ("tests.test_export:small_batches_only",
-         "the model fails on its example inputs at batch size 8: RuntimeError: batch larger than 4"),
-        ("tests.test_export:trace_differs", "torch.fx's trace of the model differs from the model at batch 1"),
+         "the model fails on its example inputs at batch 8: RuntimeError: batch larger than 4"),
+        ("tests.test_export:trace_differs", "the trace of the model differs from the model at batch 1"),
     ],
 )
 def test_failed_validation_removes_its_temporary_directory(tmp_path, monkeypatch, source, message):
@@ -682,13 +680,16 @@ def test_cli_bad_granularity_exits_2(tmp_path, capsys):
 
 
 def test_cli_parses_every_option():
-    opts = cli.parse_args([
+    verbose, opts = cli.parse_args([
         "pkg.mod:make", "--out", "b", "--input-shape", "3x32x32", "--dynamic-batch", "2", "5",
         "--granularity", "layer", "--seed", "7", "--reference-batches", "2,4", "--force", "-q",
+        "--dynamic-seq", "4", "32", "--hf-config", "num_hidden_layers=2,act=gelu,tie=false", "--verbose",
     ])
+    assert verbose
     assert opts == ExportOptions(source="pkg.mod:make", out=Path("b"), input_shape=(3, 32, 32), batch_min=2,
-                                 batch_max=5, granularity="layer", seed=7, reference_batches=(2, 4), force=True)
-    assert cli.parse_args(["s:f", "--out", "b"]) == ExportOptions(source="s:f", out=Path("b"))
+                                 batch_max=5, granularity="layer", seed=7, reference_batches=(2, 4), force=True,
+                                 seq=(4, 32), hf_config={"num_hidden_layers": 2, "act": "gelu", "tie": False})
+    assert cli.parse_args(["s:f", "--out", "b"]) == (False, ExportOptions(source="s:f", out=Path("b")))
 
 
 @pytest.mark.parametrize(
@@ -697,6 +698,8 @@ def test_cli_parses_every_option():
         (["--input-shape", "3,a"], "'3,a' is not a shape like 3,224,224"),
         (["--input-shape", "3,0,4"], "'3,0,4': dimensions must be positive"),
         (["--reference-batches", "1;3"], "'1;3' is not a list of batch sizes like 1,3"),
+        (["--hf-config", "layers"], "--hf-config item 'layers' is not key=value"),
+        (["--dynamic-seq", "4"], "--dynamic-seq: expected 2 arguments"),
     ],
 )
 def test_cli_rejects_malformed_options(argv, message, capsys):
@@ -713,7 +716,7 @@ def test_python_m_cleave_export_bad_source_exit_code_2(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr == (
-        "cleave_export: error: SOURCE 'resnet18' is neither `torchvision:NAME` nor `package.module:callable`\n"
+        "cleave_export: error: SOURCE 'resnet18' is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`\n"
     )
     assert run.stdout == ""
     assert list(tmp_path.iterdir()) == []
@@ -723,23 +726,35 @@ def test_python_m_cleave_export_bad_source_exit_code_2(tmp_path):
 # 8. Specs and granularity, unit by unit.
 
 
+BATCHES = [Probe(2), Probe(3)]
+BATCHES_AND_SEQS = [Probe(2, 5), Probe(3, 5), Probe(2, 8)]
+
+
 def test_symbolic_dim():
-    assert symbolic_dim(64, 64, 2, 3) == 64  # fixed
-    assert symbolic_dim(1, 1, 2, 3) == 1
-    assert symbolic_dim(2, 3, 2, 3) == "B"
-    assert symbolic_dim(1, 2, 1, 2) == "B"
-    assert symbolic_dim(4, 6, 2, 3) == "2*B"
-    assert symbolic_dim(24, 36, 2, 3) == "12*B"
-    assert symbolic_dim(5, 9, 2, 3) == "?"  # grows, but not in proportion to the batch
-    assert symbolic_dim(3, 4, 2, 3) == "?"  # B + 1
-    assert symbolic_dim(7, 5, 2, 3) == "?"
-    assert symbolic_dim(3, 3, 3, 3) == 3  # one batch size: everything is fixed
+    assert symbolic_dim([64, 64], BATCHES) == 64  # fixed
+    assert symbolic_dim([1, 1], BATCHES) == 1
+    assert symbolic_dim([2, 3], BATCHES) == "B"
+    assert symbolic_dim([1, 2], [Probe(1), Probe(2)]) == "B"
+    assert symbolic_dim([4, 6], BATCHES) == "2*B"
+    assert symbolic_dim([24, 36], BATCHES) == "12*B"
+    assert symbolic_dim([5, 9], BATCHES) == "?"  # grows, but not in proportion to the batch
+    assert symbolic_dim([3, 4], BATCHES) == "?"  # B + 1
+    assert symbolic_dim([7, 5], BATCHES) == "?"
+    assert symbolic_dim([3, 3], [Probe(3), Probe(3)]) == 3  # one batch size: everything is fixed
+    # With a sequence: B and S told apart by the probe that changes each.
+    assert symbolic_dim([2, 3, 2], BATCHES_AND_SEQS) == "B"
+    assert symbolic_dim([5, 5, 8], BATCHES_AND_SEQS) == "S"
+    assert symbolic_dim([15, 15, 24], BATCHES_AND_SEQS) == "3*S"
+    assert symbolic_dim([64, 64, 64], BATCHES_AND_SEQS) == 64
+    assert symbolic_dim([10, 15, 16], BATCHES_AND_SEQS) == "?"  # B * S
+    assert symbolic_dim([6, 6, 9], BATCHES_AND_SEQS) == "?"  # S + 1
+    assert symbolic_dim([5, 5, 5], [Probe(2, 5), Probe(3, 5)]) == 5  # a fixed sequence length
 
 
 def test_value_spec_of_nested_values():
     small = (torch.zeros(2, 5), {"n": 7, "none": None, "t": torch.ones(4, 3, dtype=torch.int64)}, [1.5, True], "s")
     large = (torch.zeros(3, 5), {"n": 9, "none": None, "t": torch.ones(6, 3, dtype=torch.int64)}, [2.5, False], "s")
-    assert value_spec(small, large, 2, 3, "v") == {
+    assert value_spec([small, large], BATCHES, "v") == {
         "type": "tuple",
         "items": [
             {"type": "tensor", "dtype": "float32", "shape": ["B", 5]},
@@ -752,11 +767,13 @@ def test_value_spec_of_nested_values():
             {"type": "str"},
         ],
     }
-    assert value_spec(None, None, 2, 3, "v") == {"type": "none"}
-    assert value_spec(5, 5, 2, 3, "v") == {"type": "int"}
-    assert value_spec(torch.Size([2, 4]), torch.Size([3, 4]), 2, 3, "v") == {"type": "list", "items": [{"type": "int"}] * 2}
-    assert value_spec(torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.bool), 2, 3, "v") == {
+    assert value_spec([None, None], BATCHES, "v") == {"type": "none"}
+    assert value_spec([5, 5], BATCHES, "v") == {"type": "int"}
+    assert value_spec([torch.Size([2, 4]), torch.Size([3, 4])], BATCHES, "v") == {"type": "list", "items": [{"type": "int"}] * 2}
+    assert value_spec([torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.bool)], BATCHES, "v") == {
         "type": "tensor", "dtype": "bool", "shape": ["B"]}
+    seen = [torch.zeros(2, 5, 1, 5, 7), torch.zeros(3, 5, 1, 5, 7), torch.zeros(2, 8, 1, 8, 7)]
+    assert value_spec(seen, BATCHES_AND_SEQS, "v") == {"type": "tensor", "dtype": "float32", "shape": ["B", "S", 1, "S", 7]}
 
 
 @pytest.mark.parametrize(
@@ -765,15 +782,15 @@ def test_value_spec_of_nested_values():
         (torch.float32, torch.float32, "v is a dtype, which cannot cross a cut"),
         (torch.zeros(2, dtype=torch.complex64), torch.zeros(3, dtype=torch.complex64),
          "v is a tensor of unsupported dtype torch.complex64"),
-        (torch.zeros(2), torch.zeros(3, 1), "v changes rank with the batch size"),
-        ((1, 2), (1, 2, 3), "v changes length with the batch size"),
+        (torch.zeros(2), torch.zeros(3, 1), "v changes rank with the batch size or sequence length"),
+        ((1, 2), (1, 2, 3), "v changes length with the batch size or sequence length"),
         ({1: torch.zeros(2)}, {1: torch.zeros(3)}, "v is a dict whose keys are not fixed strings"),
         ((torch.zeros(2), object()), (torch.zeros(3), object()), "v[1] is a object, which cannot cross a cut"),
     ],
 )
 def test_value_spec_refuses_what_cannot_cross_a_cut(small, large, message):
     with pytest.raises(Unrepresentable) as e:
-        value_spec(small, large, 2, 3, "v")
+        value_spec([small, large], BATCHES, "v")
     assert str(e.value) == message
 
 
@@ -812,6 +829,11 @@ def test_tensor_leaves_match_runtime_names_and_byte_counts():
     assert bytes_per_sample([spec]) == (3 * 2 + 2 * 5, 7 * 4, True)
     assert bytes_per_sample([{"type": "tensor", "dtype": "float32", "shape": ["B", "?"]}])[2] is False
     assert shape_at(["B", "2*B", "?", 5], 4) == [4, 8, -1, 5]
+    assert shape_at(["B", "S", "3*S", 5], 4, 7) == [4, 7, 21, 5]
+    # Bytes linear in the batch at a sequence length: an attention mask grows as S * S.
+    mask = {"type": "tensor", "dtype": "bool", "shape": ["B", 1, "S", "S"]}
+    positions = {"type": "tensor", "dtype": "int64", "shape": [1, "S"]}
+    assert bytes_per_sample([mask, positions], 16) == (16 * 16, 8 * 16, True)
     with pytest.raises(ValueError, match=r"v\[0\]: expected float16\[3, 3\], got float16\[4, 3\]"):
         check_value(spec, value, 3, "v")
 

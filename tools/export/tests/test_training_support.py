@@ -25,6 +25,7 @@ from cleave_export.bundle import BUFFERS_METHOD, ExportOptions, export_bundle
 from cleave_export.datasets import DIGITS_INPUT_NAME, digits_split, digits_split_indices, write_digits
 from cleave_export.partition import partition, stage_module
 from cleave_export.sources import load_source
+from cleave_export.specs import Probe
 from cleave_export.tracing import record_values, trace
 from tests.models import BnDropoutResidual
 
@@ -281,10 +282,9 @@ def test_stage_modules_hold_the_models_own_parameters():
     Parameter objects of the model, not copies."""
     model = TiedLM().eval()
     gm, _ = trace(model, 1)
-    small = record_values(gm, model.example_inputs(2))
-    large = record_values(gm, model.example_inputs(3))
-    part = partition(gm, None, small, large, 2, 3)
-    sgms = [stage_module(gm, s, part.cuts[i], part.cuts[i + 1], i) for i, s in enumerate(part.stages)]
+    recorded = [record_values(gm, model.example_inputs(b)) for b in (2, 3)]
+    part = partition(gm, None, recorded, [Probe(2), Probe(3)])
+    sgms = [stage_module(gm, part, i) for i in range(len(part.stages))]
     held = [(n, p) for sgm in sgms for n, p in sgm.named_parameters()]
     assert [n for n, _ in held] == ["embed.weight", "body.weight", "body.bias", "head.weight"]
     for n, p in held:

@@ -1,0 +1,193 @@
+"""Trace with torch.export where torch.fx cannot (Hugging Face transformers, models whose own
+forward fx cannot follow), into the same kind of graph the rest of the exporter cuts.
+
+torch.export runs the model's Python (so `**kwargs`, config branches and mask helpers are fine)
+and records ATen operations with symbolic batch and sequence sizes. Its graph is made ready
+for cutting and for `torch.jit.script`:
+
+- each node's module path comes from the `nn_module_stack` torch.export records;
+- operator overloads become their overload packets (`aten.linear` rather than
+  `aten.linear.default`), which TorchScript resolves by schema; `sym_size` becomes `aten.size`;
+- runtime shape assertions and the guard function are dropped (the exporter validates the
+  stages at several batch sizes and sequence lengths instead);
+- the model is exported in training mode, so its dropouts are recorded, and each becomes a
+  module that drops out only in training mode, keeping split training's train/eval behaviour.
+  A model with batch-norm statistics is exported in eval mode: torch.export would write their
+  updates as graph outputs, which a stage cannot carry.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from cleave_export import ExportError, first_line
+from cleave_export.sources import ModelSource
+from cleave_export.tracing import MODULE_PATH
+
+log = logging.getLogger(__name__)
+
+_DROPPED = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+}
+"""Runtime checks torch.export inserts; a stage needs none of them."""
+
+
+class TrainingDropout(nn.Module):
+    """`aten.dropout(x, p, train)` recorded in training mode, dropping out only when training."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, self.training)
+
+
+class TrainingAttention(nn.Module):
+    """Scaled dot-product attention recorded with attention dropout, dropping out only when training."""
+
+    def __init__(self, dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool):
+        super().__init__()
+        self.dropout_p = dropout_p
+        self.is_causal = is_causal
+        self.scale = scale
+        self.enable_gqa = enable_gqa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        p = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa
+        )
+
+
+def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, tuple[int, int]]) -> fx.GraphModule:
+    """The model's graph from torch.export. `probes` are example inputs at the base point and at
+    the points that change the batch (`ranges["B"]`) or the sequence length (`ranges["S"]`); an
+    input dimension that changes between them is exported as symbolic within its range."""
+    model = src.model
+    dynamic = _dynamic_shapes(probes, ranges)
+    has_running_stats = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    names = src.input_names
+    try:
+        model.train(not has_running_stats)
+        with torch.no_grad():
+            if names is None:
+                ep = torch.export.export(model, probes[0], kwargs=dict(src.fixed_kwargs), dynamic_shapes=tuple(dynamic), strict=False)
+            else:
+                kwargs = dict(zip(names, probes[0])) | src.fixed_kwargs
+                shapes = dict(zip(names, dynamic)) | {k: None for k in src.fixed_kwargs}
+                ep = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:
+        raise ExportError(f"torch.export cannot trace {type(model).__name__}: {type(e).__name__}: {first_line(e)}") from e
+    finally:
+        model.eval()
+    output = src(probes[0])
+    return _stage_ready(ep.module(), output, len(probes[0]))
+
+
+def _dynamic_shapes(probes: list[tuple], ranges: dict[str, tuple[int, int]]) -> list[dict]:
+    base = probes[0]
+    symbols = list(ranges)  # the probes after the base change B, then S, in this order
+    shapes = []
+    for i, x in enumerate(base):
+        dims = {}
+        for symbol, probe in zip(symbols, probes[1:]):
+            lo, hi = ranges[symbol]
+            for d in range(x.dim()):
+                if probe[i].shape[d] != x.shape[d]:
+                    dims[d] = torch.export.Dim.DYNAMIC(min=lo, max=hi)
+        shapes.append(dims)
+    return shapes
+
+
+def _stage_ready(gm: fx.GraphModule, output, num_inputs: int) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # The inputs come first; fixed keyword arguments (use_cache=False, ...) follow, unused.
+    for n in placeholders[num_inputs:]:
+        if n.users and any(u.op != "call_module" or u.target != "_guards_fn" for u in n.users):
+            raise ExportError(f"the exported graph reads the fixed argument {n.name!r} as an input")
+    extra_modules = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n in placeholders[num_inputs:]:
+            continue
+        if n.op == "call_module" and n.target == "_guards_fn":
+            continue
+        if n.op == "call_function" and n.target in _DROPPED:
+            continue
+        if n.op == "output":
+            leaves = [env[x] for x in pytree.tree_leaves(n.args[0])]
+            graph.output(_structure(output, iter(leaves)))
+            continue
+        new = graph.node_copy(n, lambda x: env[x])
+        new.meta[MODULE_PATH] = _module_path(n)
+        if new.op == "call_function" and isinstance(new.target, torch._ops.OpOverload):
+            replaced = _training_module(new)
+            if replaced is not None:
+                name = f"cleave_train_mode_{extra_modules}"
+                extra_modules += 1
+                gm.add_submodule(name, replaced[0])
+                with graph.inserting_after(new):
+                    mod = graph.call_module(name, replaced[1])
+                mod.meta[MODULE_PATH] = new.meta[MODULE_PATH]
+                graph.erase_node(new)
+                new = mod
+            elif new.target is torch.ops.aten.sym_size.int:
+                new.target = torch.ops.aten.size
+            else:
+                new.target = new.target.overloadpacket
+        env[n] = new
+    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.graph.eliminate_dead_code()
+    out.graph.lint()
+    out.recompile()
+    return out.eval()
+
+
+def _training_module(node: fx.Node) -> tuple[nn.Module, tuple] | None:
+    """The mode-following module (and its arguments) replacing a dropout recorded in training mode."""
+    if node.target is torch.ops.aten.dropout.default:
+        x, p, _train = node.args
+        return TrainingDropout(float(p)), (x,)
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        names = ["attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+        defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+        extra = defaults | dict(zip(names, node.args[3:])) | dict(node.kwargs)
+        if not extra["dropout_p"]:
+            return None
+        module = TrainingAttention(float(extra["dropout_p"]), bool(extra["is_causal"]), extra["scale"], bool(extra["enable_gqa"]))
+        return module, (*node.args[:3], extra["attn_mask"])
+    return None
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return "" if path.startswith("_empty_nn_module_stack") else path
+
+
+def _structure(value, leaves):
+    """The model's output structure (a ModelOutput becomes a dict) with graph nodes as leaves,
+    in pytree order (the order of the exported graph's outputs)."""
+    if isinstance(value, torch.Tensor):
+        return next(leaves)
+    if isinstance(value, dict):
+        return {str(k): _structure(v, leaves) for k, v in value.items() if v is not None}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_structure(v, leaves) for v in value) if not hasattr(value, "_fields") else tuple(
+            _structure(v, leaves) for v in value
+        )
+    raise ExportError(f"the model's output contains a {type(value).__name__}; outputs must be tensors or containers of them")

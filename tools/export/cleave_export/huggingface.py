@@ -1,0 +1,114 @@
+"""Hugging Face transformers models: built from a config (random weights, nothing downloaded)
+and fed token ids or pixels the way their `forward` takes them.
+
+`hf:CLASS` names a transformers model class (`GPT2LMHeadModel`, `BertForSequenceClassification`,
+`LlamaForCausalLM`, `ViTForImageClassification`, ...); `--hf-config key=value,...` sets fields
+of its config (small models for tests: `num_hidden_layers=2,hidden_size=64`). A
+`package.module:callable` returning a `PreTrainedModel` is fed the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import torch
+from torch import nn
+
+from cleave_export import ExportError, first_line
+
+# Building from a config needs no download; offline mode makes sure nothing tries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DEFAULT_MAX_SEQ = 128
+"""The longest sequence a text model's bundle takes unless `--dynamic-seq` says otherwise."""
+
+
+def parse_config(text: str) -> dict:
+    """`key=value,key=value` into a dict; values are JSON (numbers, true/false, null) or strings."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ExportError(f"--hf-config item {item!r} is not key=value")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def build(class_name: str, overrides: dict) -> nn.Module:
+    """A transformers model of class `class_name` from its default config with `overrides`."""
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ExportError(
+            f"transformers has no model class {class_name!r}; "
+            "name one such as GPT2LMHeadModel, BertForSequenceClassification, LlamaForCausalLM or ViTForImageClassification"
+        )
+    config = cls.config_class()
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ExportError(f"--hf-config {key}={value}: {cls.config_class.__name__} has no field {key!r}")
+        setattr(config, key, value)
+    try:
+        return cls(config)
+    except Exception as e:  # an inconsistent config (hidden size not divisible by heads, ...)
+        raise ExportError(f"{class_name} cannot be built from this config: {type(e).__name__}: {first_line(e)}") from e
+
+
+def feeding(model: nn.Module, source: str, input_shape: tuple[int, ...] | None) -> dict:
+    """How to feed a transformers model (the `ModelSource` fields besides the model and source):
+    its main input (token ids and an attention mask, or pixels), called by keyword, without a
+    KV cache, returning its output as a dict."""
+    config = model.config
+    params = inspect.signature(model.forward).parameters
+    # Named parameters only: torch.export matches keyword arguments to them by name.
+    fixed = {k: v for k, v in (("use_cache", False), ("return_dict", True)) if k in params}
+    main = model.main_input_name
+    if main == "input_ids":
+        vocab = int(config.vocab_size)
+        names = ["input_ids"] + (["attention_mask"] if "attention_mask" in params else [])
+        longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+        def tokens(batch: int, seq: int | None) -> tuple:
+            seq = seq or (longest and min(longest, DEFAULT_MAX_SEQ)) or DEFAULT_MAX_SEQ
+            ids = torch.randint(0, vocab, (batch, seq))
+            # Right padding of random lengths, so that the mask's path is exercised.
+            lengths = torch.randint(max(1, seq // 2), seq + 1, (batch,))
+            mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+            return (ids, mask)[: len(names)]
+
+        return {
+            "make_inputs": tokens,
+            "preprocess": None,
+            "input_names": names,
+            "fixed_kwargs": fixed,
+            "input_ranges": {"input_ids": [0, vocab - 1], "attention_mask": [0, 1]},
+            "sequence": (1, min(longest, DEFAULT_MAX_SEQ) if longest else DEFAULT_MAX_SEQ),
+            "tracer": "export",
+        }
+    if main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = size if isinstance(size, (list, tuple)) else (size, size)
+        shape = tuple(input_shape) if input_shape else (getattr(config, "num_channels", 3), *size)
+
+        def pixels(batch: int, seq: int | None) -> tuple:
+            if seq is not None:
+                raise ExportError(f"{source} takes images; --dynamic-seq is for models that take token ids")
+            return (torch.randn(batch, *shape),)
+
+        return {"make_inputs": pixels, "preprocess": None, "input_names": ["pixel_values"], "fixed_kwargs": fixed, "tracer": "export"}
+    raise ExportError(f"{source}: cannot feed a transformers model whose main input is {main!r} (token ids or pixels only)")
