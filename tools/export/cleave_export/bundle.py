@@ -186,11 +186,14 @@ def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
     except TraceError as fx_error:
         if not fx_error.at_root:
             raise
-        log.info("%s; trying torch.export", fx_error)
+        log.info("torch.fx cannot trace %s.forward; trying torch.export", type(src.model).__name__)
         try:
             return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
         except ExportError as e:
-            raise ExportError(f"{fx_error}, and {e}") from e
+            raise ExportError(
+                f"{fx_error}; and {e} (what to try: move the code of forward that depends on the data into a "
+                "submodule, which the exporter keeps whole, and export the rest)"
+            ) from e
 
 
 def _stage_file(i: int) -> str:

@@ -18,6 +18,8 @@ for cutting and for `torch.jit.script`:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from typing import Optional
 
@@ -78,9 +80,12 @@ def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, t
     dynamic = _dynamic_shapes(probes, ranges)
     has_running_stats = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     names = src.input_names
+    # torch.export prints whole graphs when it fails; they go to the log (--verbose shows the
+    # traceback), the one-line error to the user.
+    chatter = io.StringIO()
     try:
         model.train(not has_running_stats)
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
             if names is None:
                 ep = torch.export.export(model, probes[0], kwargs=dict(src.fixed_kwargs), dynamic_shapes=tuple(dynamic), strict=False)
             else:
@@ -88,6 +93,7 @@ def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, t
                 shapes = dict(zip(names, dynamic)) | {k: None for k in src.fixed_kwargs}
                 ep = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as e:
+        log.debug("%s", chatter.getvalue())
         raise ExportError(f"torch.export cannot trace {type(model).__name__}: {type(e).__name__}: {first_line(e)}") from e
     finally:
         model.eval()

@@ -84,8 +84,14 @@ def _torchvision_model(name: str):
         raise ExportError(
             f"torchvision has no model {name!r}; some it has: {', '.join(sorted(available)[:12])} ..."
         )
-    # weights=None: random initialisation (nothing can be downloaded here); the seed is fixed by the caller.
-    model = torchvision.models.get_model(name, weights=None)
+    # weights=None and weights_backbone=None: random initialisation, nothing downloaded (the
+    # segmentation and detection builders otherwise fetch an ImageNet backbone); the caller
+    # fixes the seed.
+    builder = torchvision.models.get_model_builder(name)
+    kwargs = {"weights": None}
+    if "weights_backbone" in inspect.signature(builder).parameters:
+        kwargs["weights_backbone"] = None
+    model = builder(**kwargs)
     preprocess, shape = None, None
     try:
         weights = torchvision.models.get_model_weights(name).DEFAULT
