@@ -36,8 +36,16 @@ $(VENV)/.installed: tools/export/requirements.txt tools/export/pyproject.toml
 build: $(VENV)/.installed
 	cargo build --release --workspace
 
+# Small transformers (random weights from configs): an LM with tied embedding and head, a
+# Llama-like LM, a BERT-like classifier and a vision transformer.
+HF_SMALL_GPT2 := n_layer=4,n_embd=32,n_head=4,n_inner=64,vocab_size=500,n_positions=64
+HF_SMALL_LLAMA := num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=64,vocab_size=500,max_position_embeddings=64
+HF_SMALL_BERT := num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,vocab_size=500,max_position_embeddings=64,num_labels=3
+HF_SMALL_VIT := num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,image_size=32,patch_size=8,num_labels=5
+
 # Bundles the Rust tests run: every model the foundation issue names, each cut finely, with
 # references at batch 1, 3 and 8; a tiny batch-norm/dropout/residual model for split training;
+# the small transformers above (sequences of 1 to 32 tokens);
 # and the digits train and test splits (`x`, `label`). Re-exported only when the exporter changes.
 $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	rm -rf $(TEST_BUNDLES) && mkdir -p $(TEST_BUNDLES)
@@ -47,6 +55,10 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(EXPORT) torchvision:mobilenet_v3_small --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/mobilenet_v3_small
 	$(EXPORT) torchvision:efficientnet_b0 --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/efficientnet_b0
 	$(EXPORT) tests.models:bn_dropout_residual --granularity op --dynamic-batch 1 64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bn_dropout
+	$(EXPORT) hf:GPT2LMHeadModel --hf-config $(HF_SMALL_GPT2) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/gpt2
+	$(EXPORT) hf:LlamaForCausalLM --hf-config $(HF_SMALL_LLAMA) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/llama
+	$(EXPORT) hf:BertForSequenceClassification --hf-config $(HF_SMALL_BERT) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bert
+	$(EXPORT) hf:ViTForImageClassification --hf-config $(HF_SMALL_VIT) --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/vit
 	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --part train --out $(TEST_BUNDLES)/digits-train.safetensors
 	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --part test --out $(TEST_BUNDLES)/digits-test.safetensors
 	touch $@

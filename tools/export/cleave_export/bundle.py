@@ -356,17 +356,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _shared_parameters(stage_gms: list[fx.GraphModule]) -> list[dict]:
+def _shared_parameters(model: torch.nn.Module, stage_gms: list[fx.GraphModule]) -> list[dict]:
     """Parameters that more than one stage holds (tied weights, e.g. an embedding reused as the
-    output head): `{"names": [...], "stages": [...]}`, the name each stage holds it under, in
-    stage order. Every stage file saves its own copy, so a trainer must keep the copies equal
-    (sum the gradients, apply one update).
+    output head): `{"names": [...], "stages": [...], "aliases": [...]}`, the name each stage
+    holds it under, in stage order, and every name the model knows it by (`aliases`: the
+    modules that share it, which a stage's own names may not show: torch.export keeps one).
+    Every stage file saves its own copy, so a trainer must keep the copies equal (sum the
+    gradients, apply one update).
 
-    Stage graph modules share the model's `Parameter` objects (torch.fx copies references to
-    the submodules and attributes a graph uses, not the tensors), so identity finds the ties.
+    Stage graph modules share the model's `Parameter` objects (torch.fx and torch.export copy
+    references to the attributes a graph uses, not the tensors), so identity finds the ties.
     A tie inside one stage is not listed: `named_parameters()` (hence `parameter_names`) lists
     such a tensor once, under its first name, and the saved stage keeps the two names aliased.
     """
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
     holders: dict[int, list[tuple[int, str]]] = {}
     order: list[int] = []
     for i, sgm in enumerate(stage_gms):
@@ -378,7 +383,8 @@ def _shared_parameters(stage_gms: list[fx.GraphModule]) -> list[dict]:
     shared = []
     for key in order:
         if len(holders[key]) > 1:
-            shared.append({"names": [n for _, n in holders[key]], "stages": [i for i, _ in holders[key]]})
+            names = [n for _, n in holders[key]]
+            shared.append({"names": names, "stages": [i for i, _ in holders[key]], "aliases": aliases.get(key, names)})
     return shared
 
 
@@ -438,7 +444,7 @@ def _manifest(opts, src, part: Partition, stage_gms, compilers, flops, kept_whol
             "granularity": opts.granularity,
             "kept_whole": kept_whole,
             "merged_cuts": part.merged,
-            "shared_parameters": _shared_parameters(stage_gms),
+            "shared_parameters": _shared_parameters(model, stage_gms),
         },
         "batch": {"min": opts.batch_min, "max": opts.batch_max},
         **({} if seq_range is None else {"sequence": {"min": seq_range[0], "max": seq_range[1]}}),

@@ -85,7 +85,7 @@ def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, t
     chatter = io.StringIO()
     try:
         model.train(not has_running_stats)
-        with torch.no_grad(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        with torch.no_grad(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), _torch_logs_quiet():
             if names is None:
                 ep = torch.export.export(model, probes[0], kwargs=dict(src.fixed_kwargs), dynamic_shapes=tuple(dynamic), strict=False)
             else:
@@ -99,6 +99,18 @@ def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, t
         model.eval()
     output = src(probes[0])
     return _stage_ready(ep.module(), output, len(probes[0]))
+
+
+@contextlib.contextmanager
+def _torch_logs_quiet():
+    """torch's own loggers (warnings about symbolic shapes) quiet below errors for a while."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _dynamic_shapes(probes: list[tuple], ranges: dict[str, tuple[int, int]]) -> list[dict]:

@@ -194,7 +194,7 @@ def partition(
     for stage in stages:
         seen: list[str] = []
         for n in stage.nodes:
-            path = str(n.target) if n.op == "call_module" else n.meta.get(MODULE_PATH, "")
+            path = n.meta.get(MODULE_PATH) or (str(n.target) if n.op == "call_module" else "")
             if path and path not in seen:
                 seen.append(path)
         stage.modules = seen
