@@ -27,12 +27,23 @@ pub struct PartGradients {
     pub boundary: Boundary,
 }
 
-/// The model's output from the boundary at the last cut: training needs one tensor.
+/// The model's output from the boundary at the last cut: training needs one tensor, the
+/// output itself, its only tensor (a transformers model's dict of `logits`), or the one
+/// named `logits` among several.
 pub fn output_tensor(bundle: &Bundle, last: Boundary) -> Result<Tensor, TrainError> {
-    match bundle.assemble_output(last)? {
-        Value::Tensor(t) => Ok(t),
-        other => Err(TrainError::Loss(format!("the model's output is {}; the loss needs one tensor", other.describe()))),
-    }
+    let output = bundle.assemble_output(last)?;
+    let picked = match &output {
+        Value::Tensor(t) => Some(t),
+        Value::Dict(items) => {
+            let logits = items.iter().find(|(k, _)| k == "logits");
+            logits.or(if items.len() == 1 { items.first() } else { None }).and_then(|(_, v)| v.as_tensor())
+        }
+        Value::Tuple(items) | Value::List(items) if items.len() == 1 => items[0].as_tensor(),
+        _ => None,
+    };
+    picked.map(Tensor::shallow_clone).ok_or_else(|| {
+        TrainError::Loss(format!("the model's output is {}; the loss needs one tensor (or one named logits)", output.describe()))
+    })
 }
 
 /// The loss of a step: the model's output (from the boundary at the last cut) against the targets.

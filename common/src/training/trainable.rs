@@ -37,10 +37,14 @@ impl TrainableStages {
             }
             Some(shared) if !shared.is_empty() => {
                 let s = &shared[0];
+                let names = if s.aliases.len() > 1 { &s.aliases } else { &s.names };
+                let stages: Vec<String> = s.stages.iter().map(usize::to_string).collect();
                 return Err(TrainError::NotTrainable(format!(
-                    "parameter {} is shared by stages {:?} (tied weights), which split training would let drift apart",
-                    s.names.join(" = "),
-                    s.stages
+                    "{} are one tensor (tied weights) held by stages {}, and training would update each stage's copy apart; \
+                     export the model with the weights untied to train it (a transformers model: --hf-config tie_word_embeddings=false); \
+                     inference works at every cut",
+                    names.join(" and "),
+                    stages.join(" and ")
                 )));
             }
             Some(_) => {}
