@@ -106,6 +106,10 @@ pub struct SharedParameter {
     pub names: Vec<String>,
     /// The stages holding it.
     pub stages: Vec<usize>,
+    /// Every name the model knows it by (the modules sharing it); absent in bundles exported
+    /// before the exporter recorded them.
+    #[serde(default)]
+    pub aliases: Vec<String>,
 }
 
 /// Inclusive range of accepted batch sizes.
