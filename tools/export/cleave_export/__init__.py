@@ -8,6 +8,8 @@ the Rust runtime check itself without Python.
 Modules:
     sources      resolve a SOURCE argument into a model and example inputs
     huggingface  transformers models built from a config, and how to feed them
+    detection    torchvision detectors as one batch in, fixed-shape padded detections out,
+                 their data-dependent part kept whole in the last stage
     tracing      trace the model with torch.fx, recording the module path of every node
     exported     trace it with torch.export where torch.fx cannot (transformers, ...)
     specs        value specs (dtype, symbolic shape with B and S) and TorchScript types of live values

@@ -79,6 +79,8 @@ def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int, hf_
 def _torchvision_model(name: str):
     import torchvision
 
+    from cleave_export import detection
+
     available = torchvision.models.list_models()
     if name not in available:
         raise ExportError(
@@ -92,6 +94,10 @@ def _torchvision_model(name: str):
     if "weights_backbone" in inspect.signature(builder).parameters:
         kwargs["weights_backbone"] = None
     model = builder(**kwargs)
+    if detection.is_detector(model):
+        # One batch in, fixed shapes out, cut inside the backbone (detection.py). It normalises
+        # and resizes itself: images in [0, 1], no preprocessing, its example inputs' size by default.
+        return detection.BatchedDetector(model), None, None
     preprocess, shape = None, None
     try:
         weights = torchvision.models.get_model_weights(name).DEFAULT
