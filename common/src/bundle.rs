@@ -15,7 +15,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{DType, Dim, NamedSpec, TensorSpec, ValueSpec};
+use crate::spec::{DType, Dim, NamedSpec, Sizes, TensorSpec, ValueSpec};
 use crate::value::{Boundary, Value};
 
 /// The bundle format this build reads.
@@ -35,7 +35,10 @@ pub struct Manifest {
     pub exporter: ExporterInfo,
     /// Batch sizes the bundle accepts.
     pub batch: BatchRange,
-    /// The model's inputs (the values of cut 0).
+    /// Sequence lengths it accepts, in bundles exported with a dynamic sequence (`S`).
+    #[serde(default)]
+    pub sequence: Option<BatchRange>,
+    /// The model's inputs (the values of cut 0), integer ones with the range of their values.
     pub inputs: Vec<NamedSpec>,
     /// The model's output tree, with `ref` leaves naming values of the last cut.
     pub output: ValueSpec,
@@ -112,7 +115,7 @@ pub struct SharedParameter {
     pub aliases: Vec<String>,
 }
 
-/// Inclusive range of accepted batch sizes.
+/// Inclusive range of accepted batch sizes (or sequence lengths).
 #[derive(Debug, Clone, Copy, Deserialize)]
 pub struct BatchRange {
     /// Smallest.
@@ -150,12 +153,15 @@ impl CutInfo {
 
     /// Whether requests here can be concatenated into one batch and split back: every value
     /// is a tensor (or a container of tensors) whose first dimension is the batch `B` and no
-    /// other dimension depends on it. A plain value (a size, say) might be the batch size.
+    /// other dimension depends on it or on the data. A plain value (a size, say) might be the
+    /// batch size. A dimension that follows the sequence length keeps the cut out too:
+    /// requests of different lengths cannot be concatenated (grouping them by length is not
+    /// done yet).
     pub fn batch_first(&self) -> bool {
         fn tree(spec: &ValueSpec) -> bool {
             match spec {
                 ValueSpec::Tensor(t) => {
-                    t.shape.first() == Some(&Dim::Batch(1)) && !t.shape[1..].iter().any(|d| matches!(d, Dim::Batch(_) | Dim::Dynamic))
+                    t.shape.first() == Some(&Dim::Batch(1)) && !t.shape[1..].iter().any(|d| matches!(d, Dim::Batch(_) | Dim::Seq(_) | Dim::Dynamic))
                 }
                 ValueSpec::Tuple { items } | ValueSpec::List { items } => !items.is_empty() && items.iter().all(tree),
                 ValueSpec::Dict { items } => !items.is_empty() && items.iter().all(|i| tree(&i.value)),
@@ -198,6 +204,10 @@ pub struct StageInfo {
 pub struct ReferenceInfo {
     /// Its batch size.
     pub batch_size: i64,
+    /// Its sequence length, in bundles with a dynamic sequence (one reference per batch size
+    /// and length).
+    #[serde(default)]
+    pub seq_len: Option<i64>,
     /// The safetensors file (`input.NAME`, `output.NAME`).
     pub file: String,
 }
@@ -410,7 +420,8 @@ impl Bundle {
         }
     }
 
-    /// Checks `boundary` against what the manifest says crosses cut `cut`; returns its batch size.
+    /// Checks `boundary` against what the manifest says crosses cut `cut` (at cut 0, integer
+    /// inputs against their value range too); returns its batch size.
     pub fn check_boundary(&self, cut: usize, boundary: &Boundary) -> Result<i64> {
         let info = &self.manifest.cuts[cut];
         let mismatch = |problem: String| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem };
@@ -419,12 +430,42 @@ impl Bundle {
         if names != want {
             return Err(mismatch(format!("expected values {want:?}, got {names:?}")));
         }
-        let mut batch = None;
+        let mut sizes = Sizes::default();
         for ((name, value), spec) in boundary.values.iter().zip(&info.values) {
-            value.check(&spec.spec, name, &mut batch).map_err(mismatch)?;
+            value.check(&spec.spec, name, &mut sizes).map_err(mismatch)?;
+        }
+        if cut == 0 {
+            self.check_input_values(boundary).map_err(mismatch)?;
+        }
+        self.check_sizes(sizes)
+    }
+
+    /// Integer inputs within their value range: an id past the vocabulary would index out of
+    /// an embedding, which on CUDA is a device-side assert that ends every request on the GPU.
+    fn check_input_values(&self, boundary: &Boundary) -> std::result::Result<(), String> {
+        for (input, (_, value)) in self.manifest.inputs.iter().zip(&boundary.values) {
+            let (Some((lo, hi)), Some(t)) = (input.range, value.as_tensor()) else { continue };
+            if t.numel() == 0 {
+                continue;
+            }
+            let (min, max) = (t.min().int64_value(&[]), t.max().int64_value(&[]));
+            if min < lo || max > hi {
+                return Err(format!("{}: values must lie in {lo}..={hi}, got {min}..={max}", input.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The batch size and sequence length a boundary showed, against the bundle's ranges;
+    /// returns the batch size.
+    fn check_sizes(&self, sizes: Sizes) -> Result<i64> {
+        if let (Some(got), Some(BatchRange { min, max })) = (sizes.seq, self.manifest.sequence) {
+            if !(min..=max).contains(&got) {
+                return Err(BundleError::SequenceOutOfRange { got, min, max });
+            }
         }
         let BatchRange { min, max } = self.manifest.batch;
-        match batch {
+        match sizes.batch {
             Some(b) if !(min..=max).contains(&b) => Err(BundleError::BatchOutOfRange { got: b, min, max }),
             Some(b) => Ok(b),
             None => Ok(min),
@@ -460,7 +501,7 @@ impl Bundle {
             return Err(mismatch(format!("this cut cannot be split at: {}", info.reason.as_deref().unwrap_or("unusable"))));
         }
         let specs = info.tensors();
-        let mut batch = None;
+        let mut sizes = Sizes::default();
         let mut seen: Vec<&str> = Vec::with_capacity(specs.len());
         // The extra tensor (a step's targets): its leading dimension, checked once the batch is known.
         let mut extra_rows = None;
@@ -489,7 +530,7 @@ impl Bundle {
             if rule == CutTensors::FloatSubset && !dtype.is_float() {
                 return Err(mismatch(format!("{name}: a gradient is floating-point, got {dtype}")));
             }
-            spec.check_shape(dtype, shape, &mut batch).map_err(|why| mismatch(format!("{name}: expected {spec}, got {dtype}{shape:?} ({why})")))?;
+            spec.check_shape(dtype, shape, &mut sizes).map_err(|why| mismatch(format!("{name}: expected {spec}, got {dtype}{shape:?} ({why})")))?;
         }
         if rule != CutTensors::FloatSubset {
             if let Some((missing, _)) = specs.iter().find(|(n, _)| !seen.contains(&n.as_str())) {
@@ -497,18 +538,13 @@ impl Bundle {
             }
         }
         if let (Some(rows), CutTensors::AllAndMaybe(extra)) = (extra_rows, rule) {
-            match batch {
+            match sizes.batch {
                 Some(b) if rows != b => return Err(mismatch(format!("{extra}: its first dimension is {rows}, the batch is {b}"))),
-                None => batch = Some(rows),
+                None => sizes.batch = Some(rows),
                 _ => {}
             }
         }
-        let BatchRange { min, max } = self.manifest.batch;
-        match batch {
-            Some(b) if !(min..=max).contains(&b) => Err(BundleError::BatchOutOfRange { got: b, min, max }),
-            Some(b) => Ok(b),
-            None => Ok(min),
-        }
+        self.check_sizes(sizes)
     }
 
     /// The model's output (its own tree: a tensor, tuple, dict ...) from the last cut's boundary.
@@ -517,19 +553,38 @@ impl Bundle {
         assemble(&self.manifest.output, &mut by_name)
     }
 
-    /// Batch sizes that have a reference pair.
-    pub fn reference_batches(&self) -> Vec<i64> {
-        self.manifest.references.iter().map(|r| r.batch_size).collect()
+    /// `batch` samples at the bundle's longest sequence (with a sequence): the sizes a
+    /// profile or a synthetic input takes unless told otherwise.
+    pub fn sizes_at(&self, batch: i64) -> Sizes {
+        Sizes::batch_and_seq(batch, self.manifest.sequence.map(|r| r.max))
     }
 
-    /// The reference input (cut 0) and output (cut N) at `batch`, on the CPU.
+    /// Batch sizes that have a reference pair, each once, in the manifest's order.
+    pub fn reference_batches(&self) -> Vec<i64> {
+        let mut batches: Vec<i64> = Vec::new();
+        for r in &self.manifest.references {
+            if !batches.contains(&r.batch_size) {
+                batches.push(r.batch_size);
+            }
+        }
+        batches
+    }
+
+    /// The reference pairs at `batch` (one per sequence length in bundles with a sequence).
+    pub fn references_at(&self, batch: i64) -> Vec<&ReferenceInfo> {
+        self.manifest.references.iter().filter(|r| r.batch_size == batch).collect()
+    }
+
+    /// The reference input (cut 0) and output (cut N) at `batch` (the first of its sequence
+    /// lengths), on the CPU.
     pub fn reference(&self, batch: i64) -> Result<(Boundary, Boundary)> {
-        let info = self
-            .manifest
-            .references
-            .iter()
-            .find(|r| r.batch_size == batch)
-            .ok_or_else(|| BundleError::NoReference { batch, available: self.reference_batches() })?;
+        let info =
+            self.references_at(batch).into_iter().next().ok_or_else(|| BundleError::NoReference { batch, available: self.reference_batches() })?;
+        self.load_reference(info)
+    }
+
+    /// One reference pair's input and output, on the CPU.
+    pub fn load_reference(&self, info: &ReferenceInfo) -> Result<(Boundary, Boundary)> {
         let bad = |message: String| BundleError::Reference { file: info.file.clone(), message };
         let tensors = tch::Tensor::read_safetensors(self.dir.join(&info.file)).map_err(|e| bad(e.to_string()))?;
         let (mut inputs, mut outputs) = (HashMap::new(), HashMap::new());
@@ -602,11 +657,22 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
             return Err(invalid(format!("{file} has no hash in `files`")));
         }
     }
-    if manifest.inputs != manifest.cuts[0].values {
+    let named = |v: &NamedSpec| (v.name.clone(), v.spec.clone());
+    if manifest.inputs.iter().map(named).ne(manifest.cuts[0].values.iter().map(named)) {
         return Err(invalid("`inputs` differ from the values of cut 0".into()));
     }
     if manifest.batch.min < 1 || manifest.batch.min > manifest.batch.max {
         return Err(invalid(format!("batch range {}..={} is empty", manifest.batch.min, manifest.batch.max)));
+    }
+    match manifest.sequence {
+        Some(r) if r.min < 1 || r.min > r.max => return Err(invalid(format!("sequence range {}..={} is empty", r.min, r.max))),
+        None if manifest.cuts.iter().flat_map(|c| c.tensors()).any(|(_, t)| t.shape.iter().any(|d| matches!(d, Dim::Seq(_)))) => {
+            return Err(invalid("dimensions follow the sequence length (S) but the manifest gives no `sequence` range".into()))
+        }
+        _ => {}
+    }
+    if let Some(input) = manifest.inputs.iter().find(|i| i.range.is_some_and(|(lo, hi)| lo > hi)) {
+        return Err(invalid(format!("input {} has an empty value range", input.name)));
     }
     Ok(manifest)
 }

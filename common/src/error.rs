@@ -102,6 +102,16 @@ pub enum BundleError {
         /// What differs: expected against got.
         problem: String,
     },
+    /// A sequence length outside what the bundle was exported for.
+    #[error("sequence length {got} is outside the bundle's range {min}..={max}")]
+    SequenceOutOfRange {
+        /// Sequence length of the boundary.
+        got: i64,
+        /// Shortest accepted.
+        min: i64,
+        /// Longest accepted.
+        max: i64,
+    },
     /// A batch size outside what the bundle was exported for.
     #[error("batch size {got} is outside the bundle's range {min}..={max}")]
     BatchOutOfRange {

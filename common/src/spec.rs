@@ -1,5 +1,5 @@
-//! What the manifest says crosses a cut: dtypes, symbolic shapes (`B` is the batch size) and
-//! value trees (tensors, plain values, tuples, lists, dicts).
+//! What the manifest says crosses a cut: dtypes, symbolic shapes (`B` is the batch size, `S`
+//! the sequence length) and value trees (tensors, plain values, tuples, lists, dicts).
 
 use std::fmt;
 
@@ -57,6 +57,9 @@ pub enum Dim {
     Fixed(i64),
     /// `k*B`: a multiple of the batch size (`B` is `Batch(1)`).
     Batch(i64),
+    /// `k*S`: a multiple of the sequence length (`S` is `Seq(1)`), in bundles exported with a
+    /// dynamic sequence.
+    Seq(i64),
     /// A size that depends on the data (`?`).
     Dynamic,
 }
@@ -76,13 +79,13 @@ impl TryFrom<RawDim> for Dim {
             RawDim::Fixed(n) if n >= 0 => Ok(Dim::Fixed(n)),
             RawDim::Fixed(n) => Err(format!("negative dimension {n}")),
             RawDim::Symbol(s) if s == "B" => Ok(Dim::Batch(1)),
+            RawDim::Symbol(s) if s == "S" => Ok(Dim::Seq(1)),
             RawDim::Symbol(s) if s == "?" => Ok(Dim::Dynamic),
-            RawDim::Symbol(s) => s
-                .strip_suffix("*B")
-                .and_then(|k| k.parse().ok())
-                .filter(|k: &i64| *k > 0)
-                .map(Dim::Batch)
-                .ok_or_else(|| format!("dimension {s:?} is not an integer, B, k*B or ?")),
+            RawDim::Symbol(s) => {
+                let multiple = |suffix: &str| s.strip_suffix(suffix).and_then(|k| k.parse().ok()).filter(|k: &i64| *k > 0);
+                (multiple("*B").map(Dim::Batch).or_else(|| multiple("*S").map(Dim::Seq)))
+                    .ok_or_else(|| format!("dimension {s:?} is not an integer, B, k*B, S, k*S or ?"))
+            }
         }
     }
 }
@@ -91,9 +94,7 @@ impl From<Dim> for RawDim {
     fn from(d: Dim) -> Self {
         match d {
             Dim::Fixed(n) => RawDim::Fixed(n),
-            Dim::Batch(1) => RawDim::Symbol("B".into()),
-            Dim::Batch(k) => RawDim::Symbol(format!("{k}*B")),
-            Dim::Dynamic => RawDim::Symbol("?".into()),
+            other => RawDim::Symbol(other.to_string()),
         }
     }
 }
@@ -104,19 +105,46 @@ impl fmt::Display for Dim {
             Dim::Fixed(n) => write!(f, "{n}"),
             Dim::Batch(1) => write!(f, "B"),
             Dim::Batch(k) => write!(f, "{k}*B"),
+            Dim::Seq(1) => write!(f, "S"),
+            Dim::Seq(k) => write!(f, "{k}*S"),
             Dim::Dynamic => write!(f, "?"),
         }
     }
 }
 
 impl Dim {
-    /// The size at a batch size (`None` for a data-dependent size).
-    pub fn at(self, batch: i64) -> Option<i64> {
+    /// The size at a batch size and sequence length (`None` for a data-dependent size, or a
+    /// sequence dimension without a length).
+    pub fn at(self, sizes: Sizes) -> Option<i64> {
         match self {
             Dim::Fixed(n) => Some(n),
-            Dim::Batch(k) => Some(k * batch),
+            Dim::Batch(k) => Some(k * sizes.batch?),
+            Dim::Seq(k) => Some(k * sizes.seq?),
             Dim::Dynamic => None,
         }
+    }
+}
+
+/// The sizes a boundary's symbols stand for: its batch size and, in bundles with a dynamic
+/// sequence, its sequence length. One boundary has one of each: the first tensor that shows
+/// one fixes it, every later one must agree.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sizes {
+    /// The batch size (`B`).
+    pub batch: Option<i64>,
+    /// The sequence length (`S`).
+    pub seq: Option<i64>,
+}
+
+impl Sizes {
+    /// A batch size, and no sequence.
+    pub fn batch(batch: i64) -> Self {
+        Self { batch: Some(batch), seq: None }
+    }
+
+    /// A batch size and a sequence length.
+    pub fn batch_and_seq(batch: i64, seq: Option<i64>) -> Self {
+        Self { batch: Some(batch), seq }
     }
 }
 
@@ -130,9 +158,10 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// Checks a tensor's dtype and shape against this spec. `batch` is the batch size the
-    /// boundary has shown so far (the first `B` dimension sets it). Returns why not.
-    pub fn check_shape(&self, dtype: DType, shape: &[i64], batch: &mut Option<i64>) -> Result<(), String> {
+    /// Checks a tensor's dtype and shape against this spec. `sizes` are the batch size and
+    /// sequence length the boundary has shown so far (the first `B` and `S` dimensions set
+    /// them). Returns why not.
+    pub fn check_shape(&self, dtype: DType, shape: &[i64], sizes: &mut Sizes) -> Result<(), String> {
         if dtype != self.dtype {
             return Err("dtype".into());
         }
@@ -140,14 +169,16 @@ impl TensorSpec {
             return Err(format!("rank {} instead of {}", shape.len(), self.shape.len()));
         }
         for (axis, (&dim, &size)) in self.shape.iter().zip(shape).enumerate() {
-            match dim {
+            let (k, seen, what) = match dim {
                 Dim::Fixed(n) if n != size => return Err(format!("dimension {axis} must be {n}")),
-                Dim::Batch(k) => match *batch {
-                    Some(b) if k * b != size => return Err(format!("dimension {axis} must be {} = {} for batch size {b}", Dim::Batch(k), k * b)),
-                    None if size % k != 0 || size <= 0 => return Err(format!("dimension {axis} must be a positive multiple of {k}")),
-                    None => *batch = Some(size / k),
-                    _ => {}
-                },
+                Dim::Batch(k) => (k, &mut sizes.batch, "batch size"),
+                Dim::Seq(k) => (k, &mut sizes.seq, "sequence length"),
+                _ => continue,
+            };
+            match *seen {
+                Some(n) if k * n != size => return Err(format!("dimension {axis} must be {dim} = {} for {what} {n}", k * n)),
+                None if size % k != 0 || size <= 0 => return Err(format!("dimension {axis} must be a positive multiple of {k}")),
+                None => *seen = Some(size / k),
                 _ => {}
             }
         }
@@ -258,6 +289,10 @@ pub struct NamedSpec {
     pub name: String,
     /// Its spec.
     pub spec: ValueSpec,
+    /// The inclusive range of an integer input's values (token ids are below the vocabulary
+    /// size), which a server checks before running the stages on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub range: Option<(i64, i64)>,
 }
 
 #[cfg(test)]
@@ -266,16 +301,38 @@ mod tests {
 
     #[test]
     fn dims_parse_and_print_round_trip() {
-        let dims: Vec<Dim> = serde_json::from_str(r#"["B", 64, "4*B", "?"]"#).unwrap();
-        assert_eq!(dims, vec![Dim::Batch(1), Dim::Fixed(64), Dim::Batch(4), Dim::Dynamic]);
-        assert_eq!(serde_json::to_string(&dims).unwrap(), r#"["B",64,"4*B","?"]"#);
-        assert_eq!(Dim::Batch(4).at(3), Some(12));
-        assert_eq!(Dim::Dynamic.at(3), None);
+        let dims: Vec<Dim> = serde_json::from_str(r#"["B", 64, "4*B", "?", "S", "3*S"]"#).unwrap();
+        assert_eq!(dims, vec![Dim::Batch(1), Dim::Fixed(64), Dim::Batch(4), Dim::Dynamic, Dim::Seq(1), Dim::Seq(3)]);
+        assert_eq!(serde_json::to_string(&dims).unwrap(), r#"["B",64,"4*B","?","S","3*S"]"#);
+        assert_eq!(Dim::Batch(4).at(Sizes::batch(3)), Some(12));
+        assert_eq!(Dim::Dynamic.at(Sizes::batch(3)), None);
+        assert_eq!(Dim::Seq(3).at(Sizes::batch_and_seq(2, Some(5))), Some(15));
+        assert_eq!(Dim::Seq(1).at(Sizes::batch(2)), None);
+    }
+
+    #[test]
+    fn one_batch_size_and_one_sequence_length_per_boundary() {
+        let mask = TensorSpec { dtype: DType::Bool, shape: vec![Dim::Batch(1), Dim::Fixed(1), Dim::Seq(1), Dim::Seq(1)] };
+        let mut sizes = Sizes::default();
+        mask.check_shape(DType::Bool, &[2, 1, 7, 7], &mut sizes).unwrap();
+        assert_eq!(sizes, Sizes::batch_and_seq(2, Some(7)));
+        let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2), Dim::Fixed(4)] };
+        hidden.check_shape(DType::Float32, &[2, 14, 4], &mut sizes).unwrap();
+        let err = hidden.check_shape(DType::Float32, &[2, 12, 4], &mut sizes).unwrap_err();
+        assert_eq!(err, "dimension 1 must be 2*S = 14 for sequence length 7");
+        let err = mask.check_shape(DType::Bool, &[2, 1, 7, 6], &mut Sizes::default()).unwrap_err();
+        assert_eq!(err, "dimension 3 must be S = 7 for sequence length 7");
+        let err = hidden.check_shape(DType::Float32, &[2, 7, 4], &mut Sizes::default()).unwrap_err();
+        assert_eq!(err, "dimension 1 must be a positive multiple of 2");
+        let err = mask.check_shape(DType::Bool, &[3, 1, 0, 0], &mut Sizes::default()).unwrap_err();
+        assert_eq!(err, "dimension 2 must be a positive multiple of 1");
     }
 
     #[test]
     fn bad_dims_name_the_problem() {
-        for (text, want) in [(r#"["C"]"#, "\"C\" is not"), (r#"[-2]"#, "negative"), (r#"["0*B"]"#, "is not")] {
+        for (text, want) in
+            [(r#"["C"]"#, "\"C\" is not"), (r#"[-2]"#, "negative"), (r#"["0*B"]"#, "is not"), (r#"["0*S"]"#, "is not"), (r#"["S*2"]"#, "is not")]
+        {
             let err = serde_json::from_str::<Vec<Dim>>(text).unwrap_err().to_string();
             assert!(err.contains(want), "{text}: {err}");
         }

@@ -60,19 +60,23 @@ fn align_right(table: &mut Table, columns: &[usize]) {
 }
 
 /// Every split point: what crosses it, how big it is, how the parameters and cost divide,
-/// and whether a server merges requests entering there into batches.
+/// and whether a server merges requests entering there into batches. With a sequence,
+/// bytes are at the longest one, and a column gives them per token.
 pub fn split_table(bundle: &Bundle) -> Table {
-    let mut table = new_table(&["cut", "name", "live tensors", "bytes/sample", "params edge", "params server", "edge cost", "usable", "batchable"]);
+    let longest = bundle.manifest().sequence.map(|r| r.max);
+    let mut header = vec!["cut", "name", "live tensors", "bytes/sample"];
+    let per_token = longest.map(|s| format!("bytes/sample/token (S = {s})"));
+    header.extend(per_token.as_deref());
+    header.extend(["params edge", "params server", "edge cost", "usable", "batchable"]);
+    let mut table = new_table(&header);
     for p in bundle.split_points() {
         let mut live = p.tensors.join("\n");
         if p.plain_values > 0 {
             live.push_str(&format!("\n+ {} plain value(s)", p.plain_values));
         }
-        table.add_row(vec![
-            p.index.to_string(),
-            p.name,
-            live,
-            human_bytes(p.bytes_per_sample),
+        let mut row = vec![p.index.to_string(), p.name, live, human_bytes(p.bytes_per_sample)];
+        row.extend(longest.map(|s| format!("{:.0} B", p.bytes_per_sample as f64 / s as f64)));
+        row.extend([
             thousands(p.params_before),
             thousands(p.params_after),
             format!("{:.1}%", 100.0 * p.edge_cost_share),
@@ -82,8 +86,10 @@ pub fn split_table(bundle: &Bundle) -> Table {
             },
             if p.batchable { "yes" } else { "no" }.into(),
         ]);
+        table.add_row(row);
     }
-    align_right(&mut table, &[0, 3, 4, 5, 6]);
+    let shift = usize::from(longest.is_some());
+    align_right(&mut table, &[0, 3, 3 + shift, 4 + shift, 5 + shift, 6 + shift]);
     table
 }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use tch::{IValue, Tensor};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{DType, TensorSpec, TorchDType, ValueSpec};
+use crate::spec::{DType, Sizes, TensorSpec, TorchDType, ValueSpec};
 
 /// A value that crosses a cut.
 #[derive(Debug)]
@@ -241,11 +241,12 @@ impl Value {
         items.iter().enumerate().map(|(i, s)| Self::from_tensor_leaves(s, &format!("{name}.{i}"), leaves)).collect()
     }
 
-    /// Checks this value against `spec`; `batch` is inferred from the first batch dimension
+    /// Checks this value against `spec`; `sizes` (batch size, sequence length) are inferred
+    /// from the first batch and sequence dimensions
     /// seen and must agree everywhere after. Returns what differs, in words.
-    pub fn check(&self, spec: &ValueSpec, path: &str, batch: &mut Option<i64>) -> Result<(), String> {
+    pub fn check(&self, spec: &ValueSpec, path: &str, sizes: &mut Sizes) -> Result<(), String> {
         match (spec, self) {
-            (ValueSpec::Tensor(ts), Value::Tensor(t)) => check_tensor(ts, t, path, batch),
+            (ValueSpec::Tensor(ts), Value::Tensor(t)) => check_tensor(ts, t, path, sizes),
             (ValueSpec::Int, Value::Int(_))
             | (ValueSpec::Float, Value::Float(_))
             | (ValueSpec::Bool, Value::Bool(_))
@@ -255,7 +256,7 @@ impl Value {
                 if specs.len() != items.len() {
                     return Err(format!("{path}: expected {} items, got {}", specs.len(), items.len()));
                 }
-                specs.iter().zip(items).enumerate().try_for_each(|(i, (s, v))| v.check(s, &format!("{path}.{i}"), batch))
+                specs.iter().zip(items).enumerate().try_for_each(|(i, (s, v))| v.check(s, &format!("{path}.{i}"), sizes))
             }
             (ValueSpec::Dict { items: specs }, Value::Dict(items)) => {
                 let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
@@ -263,7 +264,7 @@ impl Value {
                 if keys != want {
                     return Err(format!("{path}: expected keys {want:?}, got {keys:?}"));
                 }
-                specs.iter().zip(items).try_for_each(|(s, (k, v))| v.check(&s.value, &format!("{path}.{k}"), batch))
+                specs.iter().zip(items).try_for_each(|(s, (k, v))| v.check(&s.value, &format!("{path}.{k}"), sizes))
             }
             (spec, value) => Err(format!("{path}: expected {}, got {}", spec.describe(), value.describe())),
         }
@@ -290,27 +291,32 @@ fn describe_tensor(t: &Tensor) -> String {
     format!("{dtype}{:?}", t.size())
 }
 
-fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, batch: &mut Option<i64>) -> Result<(), String> {
+fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, sizes: &mut Sizes) -> Result<(), String> {
     let checked = match DType::from_kind(t.kind()) {
-        Some(dtype) => spec.check_shape(dtype, &t.size(), batch),
+        Some(dtype) => spec.check_shape(dtype, &t.size(), sizes),
         None => Err("dtype".into()),
     };
     checked.map_err(|why| format!("{path}: expected {spec}, got {} ({why})", describe_tensor(t)))
 }
 
-/// Random inputs shaped like `specs` at `batch` (floats from a normal, integers 0, booleans
-/// false): enough to time a model whose cost does not depend on the values.
-pub fn synthetic_inputs(specs: &[crate::spec::NamedSpec], batch: i64) -> Result<Boundary> {
+/// Random inputs shaped like `specs` at `sizes` (floats from a normal, integers the top of
+/// their range or 0, booleans false): enough to time a model whose cost does not depend on
+/// the values (an attention mask of ones attends everywhere).
+pub fn synthetic_inputs(specs: &[crate::spec::NamedSpec], sizes: Sizes) -> Result<Boundary> {
     let values = specs
         .iter()
         .map(|named| {
             let ValueSpec::Tensor(spec) = &named.spec else {
                 return Err(BundleError::UnsupportedValue { path: named.name.clone(), kind: "a non-tensor input".into() });
             };
-            let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(batch).unwrap_or(1)).collect();
+            let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(sizes).unwrap_or(1)).collect();
             let options = (spec.dtype.kind(), tch::Device::Cpu);
             let float = matches!(spec.dtype.kind(), tch::Kind::Float | tch::Kind::Double | tch::Kind::Half | tch::Kind::BFloat16);
-            let t = if float { Tensor::randn(shape.as_slice(), options) } else { Tensor::zeros(shape.as_slice(), options) };
+            let t = match named.range {
+                _ if float => Tensor::randn(shape.as_slice(), options),
+                Some((_, top)) => Tensor::full(shape.as_slice(), top, options),
+                None => Tensor::zeros(shape.as_slice(), options),
+            };
             Ok((named.name.clone(), Value::Tensor(t)))
         })
         .collect::<Result<Vec<_>>>()?;

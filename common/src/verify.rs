@@ -42,6 +42,8 @@ pub struct VerifyReport {
     pub device: String,
     /// The batch size.
     pub batch: i64,
+    /// The sequence lengths of the references run (bundles with a sequence; empty otherwise).
+    pub seq_lens: Vec<i64>,
     /// Milliseconds to load every stage.
     pub load_ms: f64,
     /// One row per split point.
@@ -61,44 +63,68 @@ impl VerifyReport {
 }
 
 /// Loads every stage on `device` and runs the reference input at `batch` split at each cut
-/// (stages [0, s) then [s, N)), comparing the output with the reference output.
+/// (stages [0, s) then [s, N)), comparing the output with the reference output. With a
+/// sequence, every reference at `batch` is run (one per length): a split's row holds its
+/// largest error and the sum of its times over them.
 pub fn verify_splits(bundle: &Bundle, device: DeviceSpec, batch: i64) -> Result<VerifyReport> {
-    let (input, reference) = bundle.reference(batch)?;
+    let references = bundle.references_at(batch);
+    if references.is_empty() {
+        bundle.reference(batch)?; // the error naming the batch sizes there are
+    }
     let started = Instant::now();
     let stages = LoadedStages::load(bundle, StageRange::all(bundle), device)?;
     let load_ms = ms(started);
-    let mut splits = Vec::new();
-    let mut first = None;
-    for split in 0..=bundle.stage_count() {
-        let t = Instant::now();
-        let middle = stages.run(StageRange::prefix(split), &input)?;
-        let prefix_ms = ms(t);
-        let t = Instant::now();
-        let output = stages.run(StageRange::suffix(bundle, split), &middle)?;
-        let suffix_ms = ms(t);
-        let identical_to_first = first.as_ref().is_none_or(|f: &crate::Boundary| output.bit_identical(f));
-        splits.push(SplitCheck {
-            split,
-            name: bundle.cut(split).name.clone(),
-            boundary_bytes: middle.tensor_bytes(),
-            prefix_ms,
-            suffix_ms,
-            relative_error: output.max_relative_error(&reference),
-            identical_to_first,
-        });
-        if first.is_none() {
-            first = Some(output);
+    let mut splits: Vec<SplitCheck> = Vec::new();
+    for info in &references {
+        let (input, reference) = bundle.load_reference(info)?;
+        let mut first = None;
+        for split in 0..=bundle.stage_count() {
+            let t = Instant::now();
+            let middle = stages.run(StageRange::prefix(split), &input)?;
+            let prefix_ms = ms(t);
+            let t = Instant::now();
+            let output = stages.run(StageRange::suffix(bundle, split), &middle)?;
+            let suffix_ms = ms(t);
+            let check = SplitCheck {
+                split,
+                name: bundle.cut(split).name.clone(),
+                boundary_bytes: middle.tensor_bytes(),
+                prefix_ms,
+                suffix_ms,
+                relative_error: output.max_relative_error(&reference),
+                identical_to_first: first.as_ref().is_none_or(|f: &crate::Boundary| output.bit_identical(f)),
+            };
+            match splits.get_mut(split) {
+                Some(row) => row.merge(check),
+                None => splits.push(check),
+            }
+            if first.is_none() {
+                first = Some(output);
+            }
         }
     }
     let on_cpu = stages.device() == tch::Device::Cpu;
     Ok(VerifyReport {
         device: device_name(stages.device()),
         batch,
+        seq_lens: references.iter().filter_map(|r| r.seq_len).collect(),
         load_ms,
         splits,
         tolerance: if on_cpu { TOLERANCE } else { CUDA_TOLERANCE },
         require_identical: on_cpu,
     })
+}
+
+impl SplitCheck {
+    /// One split's row over several references: the worst error, the summed times, bit
+    /// identity only if every reference had it.
+    fn merge(&mut self, other: SplitCheck) {
+        self.boundary_bytes = self.boundary_bytes.max(other.boundary_bytes);
+        self.prefix_ms += other.prefix_ms;
+        self.suffix_ms += other.suffix_ms;
+        self.relative_error = self.relative_error.max(other.relative_error);
+        self.identical_to_first &= other.identical_to_first;
+    }
 }
 
 fn ms(since: Instant) -> f64 {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use crate::config::InputSource;
-use cleave_common::spec::{DType, TorchDType, ValueSpec};
+use cleave_common::spec::{DType, Sizes, TorchDType, ValueSpec};
 use cleave_common::{Boundary, Bundle, Value};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -16,10 +16,10 @@ use crate::error::{HostError, Result};
 pub enum Inputs {
     /// Seeded random tensors shaped like the bundle's inputs.
     Synthetic {
-        /// (name, spec) of each input.
-        specs: Vec<(String, cleave_common::spec::TensorSpec)>,
-        /// Batch size.
-        batch: i64,
+        /// (name, spec, value range) of each input.
+        specs: Vec<(String, cleave_common::spec::TensorSpec, Option<(i64, i64)>)>,
+        /// Batch size, and the bundle's longest sequence when it has one.
+        sizes: Sizes,
         /// Base seed.
         seed: i64,
     },
@@ -40,14 +40,14 @@ impl Inputs {
         let mut specs = Vec::new();
         for input in &bundle.manifest().inputs {
             match &input.spec {
-                ValueSpec::Tensor(t) => specs.push((input.name.clone(), t.clone())),
+                ValueSpec::Tensor(t) => specs.push((input.name.clone(), t.clone(), input.range)),
                 other => return Err(HostError::Invalid(format!("input {} is {}, only tensor inputs are supported", input.name, other.describe()))),
             }
         }
         match source {
-            InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, batch, seed: *seed }),
+            InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, sizes: bundle.sizes_at(batch), seed: *seed }),
             InputSource::Images { dir } => {
-                let [(name, spec)] = specs.as_slice() else {
+                let [(name, spec, _)] = specs.as_slice() else {
                     return Err(HostError::Invalid(format!("image inputs need a bundle with one input; this one has {}", specs.len())));
                 };
                 crate::files::require("image directory", dir)?;
@@ -59,7 +59,7 @@ impl Inputs {
                 crate::files::require("input file", path)?;
                 let read = match path.extension().and_then(|e| e.to_str()) {
                     Some("npy") => match specs.as_slice() {
-                        [(name, _)] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
+                        [(name, _, _)] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
                         _ => {
                             return Err(HostError::Invalid(format!(
                                 "a .npy file holds one tensor; this bundle has {} inputs (use .npz or .safetensors)",
@@ -75,7 +75,7 @@ impl Inputs {
                     read.map_err(|e| HostError::Invalid(format!("input file {}: {e}", path.display())))?.into_iter().collect();
                 let mut tensors = Vec::new();
                 let mut rows = None;
-                for (name, spec) in &specs {
+                for (name, spec, _) in &specs {
                     let t = loaded.get(name).ok_or_else(|| {
                         HostError::Invalid(format!(
                             "input file {} has no tensor {name:?} (it has {:?})",
@@ -83,7 +83,7 @@ impl Inputs {
                             loaded.keys().collect::<Vec<_>>()
                         ))
                     })?;
-                    let fixed_ok = spec.shape.iter().zip(t.size()).skip(1).all(|(d, n)| d.at(1).is_none_or(|w| w == n));
+                    let fixed_ok = spec.shape.iter().zip(t.size()).skip(1).all(|(d, n)| d.at(Sizes::batch(1)).is_none_or(|w| w == n));
                     if DType::from_kind(t.kind()) != Some(spec.dtype) || t.dim() != spec.shape.len() || !fixed_ok {
                         return Err(HostError::Invalid(format!(
                             "input file {}: {name} is {:?}{:?}, the bundle expects {spec}",
@@ -109,14 +109,14 @@ impl Inputs {
     /// The input boundary of request `index`.
     pub fn batch(&self, index: u64) -> Boundary {
         match self {
-            Self::Synthetic { specs, batch, seed } => {
+            Self::Synthetic { specs, sizes, seed } => {
                 // A generator of our own per request: libtorch's global one is shared by every
                 // thread, so seeding it would not make inputs reproducible under concurrency.
                 let mut rng = StdRng::seed_from_u64((*seed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index));
                 let values = specs
                     .iter()
-                    .map(|(name, spec)| {
-                        let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(*batch).unwrap_or(1)).collect();
+                    .map(|(name, spec, range)| {
+                        let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(*sizes).unwrap_or(1)).collect();
                         let numel = shape.iter().product::<i64>().max(0) as usize;
                         let t = match spec.dtype.kind() {
                             k @ (Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) => {
@@ -125,9 +125,16 @@ impl Inputs {
                             }
                             // Boolean inputs (masks) are all false: nothing is masked.
                             Kind::Bool => Tensor::zeros(shape.as_slice(), (Kind::Bool, Device::Cpu)),
-                            // Integer inputs (token ids, labels) stay small so any vocabulary takes them.
+                            // Integer inputs (token ids, labels) within their range (an attention
+                            // mask, 0..=1, all ones: every token attended), or small, so any
+                            // vocabulary takes them.
                             k => {
-                                let data: Vec<i64> = (0..numel).map(|_| rng.gen_range(0..10)).collect();
+                                let (lo, hi) = match *range {
+                                    Some((lo, hi)) if hi - lo == 1 => (hi, hi),
+                                    Some(range) => range,
+                                    None => (0, 9),
+                                };
+                                let data: Vec<i64> = (0..numel).map(|_| rng.gen_range(lo..=hi)).collect();
                                 Tensor::from_slice(&data).view(shape.as_slice()).to_kind(k)
                             }
                         };

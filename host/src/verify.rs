@@ -44,8 +44,10 @@ pub fn verify(opts: &VerifyOptions) -> Result<bool> {
     let mut all_passed = true;
     for batch in batches {
         let report = verify_splits(&bundle, opts.device, batch)?;
+        let lengths: Vec<String> = report.seq_lens.iter().map(i64::to_string).collect();
+        let lengths = if lengths.is_empty() { String::new() } else { format!(", sequence lengths {}", lengths.join(" and ")) };
         println!(
-            "{}: split at every cut on {} at batch {} (stages loaded in {:.0} ms)",
+            "{}: split at every cut on {} at batch {}{lengths} (stages loaded in {:.0} ms)",
             bundle.manifest().model.source,
             report.device,
             batch,

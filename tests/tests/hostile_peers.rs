@@ -83,7 +83,7 @@ impl RawStream {
 
 /// The (small) resnet18 test bundle's input at batch 32: 1.5 MB of tensor data.
 fn resnet_input(bundle: &Bundle) -> Boundary {
-    cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, 32).unwrap()
+    cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(32)).unwrap()
 }
 
 #[test]

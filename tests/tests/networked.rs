@@ -84,6 +84,15 @@ fn transformer_over_grpc_equals_local() {
     outputs_equal_local("transformer");
 }
 
+/// The transformers test bundles (token ids of any length within the bundle's range, a
+/// padding mask, a dict output): at split 0 the server checks the ids against the vocabulary.
+#[test]
+fn hugging_face_models_over_grpc_equal_local() {
+    for name in ["gpt2", "llama", "bert", "vit"] {
+        outputs_equal_local(name);
+    }
+}
+
 #[test]
 fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();

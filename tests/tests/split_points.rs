@@ -46,13 +46,21 @@ fn efficientnet_b0_every_split() {
 }
 
 #[test]
+fn hugging_face_models_every_split() {
+    // Between every two layers, at batch 1, 3 and 8 and at both reference lengths.
+    for (name, min_cuts) in [("gpt2", 12), ("llama", 8), ("bert", 7), ("vit", 8)] {
+        every_split_matches_reference(name, min_cuts);
+    }
+}
+
+#[test]
 fn transformer_with_two_inputs_and_dict_output_every_split() {
     let bundle = every_split_matches_reference("transformer", 10);
     let m = bundle.manifest();
     let inputs: Vec<String> = m.inputs.iter().map(|i| format!("{}: {}", i.name, i.spec.describe())).collect();
     assert_eq!(inputs, ["tokens: int64[B, 12]", "mask: bool[B, 12]"]);
-    // An int (a sequence length) crosses some cut as a plain value in the value tree.
-    assert!(m.cuts.iter().any(|c| c.values.iter().any(|v| v.spec == ValueSpec::Int)));
+    // Its sequence length (an int) crosses no cut: each stage computes it from its inputs.
+    assert!(!m.cuts.iter().any(|c| c.values.iter().any(|v| v.spec == ValueSpec::Int)));
     assert_eq!(m.exporter.kept_whole, ["guard"]);
 
     // The output is rebuilt as the model's own dict.

@@ -47,6 +47,7 @@ impl<'a> Run<'a> {
     fn new(bundle: &'a str, mode: &'a str, split: usize, optimizer: &'a str) -> Self {
         let data = match bundle {
             "digits" => (test_file("digits-train.safetensors"), test_file("digits-test.safetensors")),
+            "bert" | "gpt2" => bert_data(),
             _ => bn_dropout_data(),
         };
         Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: false, codec: "raw" }
@@ -115,6 +116,26 @@ fn bn_dropout_data() -> (PathBuf, PathBuf) {
             let x = noise(&[rows, 4, 6, 6], offset * 144) * 3.4 - 1.7;
             let label = x.mean_dim(&[2i64, 3][..], false, Kind::Float).narrow(1, 0, 3).argmax(1, false);
             Tensor::write_safetensors(&[("x", &x), ("label", &label)], dir.path().join(format!("{name}.safetensors"))).unwrap();
+        }
+        dir
+    });
+    (dir.path().join("train.safetensors"), dir.path().join("test.safetensors"))
+}
+
+/// 96 token sequences of 12 for the small BERT-like classifier (`make test-bundles`: a
+/// vocabulary of 500, 3 labels): ids, an attention mask with right padding, and labels that
+/// depend on the ids, written once per test process.
+fn bert_data() -> (PathBuf, PathBuf) {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, rows, offset) in [("train", 96, 0), ("test", 32, 96)] {
+            let ids = (noise(&[rows, 12], offset * 12) * 500.0).to_kind(Kind::Int64);
+            let lengths = (noise(&[rows, 1], 10_000 + offset) * 6.0).to_kind(Kind::Int64) + 7;
+            let mask = Tensor::arange(12, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0).lt_tensor(&lengths).to_kind(Kind::Int64);
+            let label = (&ids * &mask).sum_dim_intlist(&[1i64][..], false, Kind::Int64).remainder(3);
+            let tensors = [("input_ids", &ids), ("attention_mask", &mask), ("label", &label)];
+            Tensor::write_safetensors(&tensors, dir.path().join(format!("{name}.safetensors"))).unwrap();
         }
         dir
     });
@@ -207,6 +228,28 @@ fn bn_dropout_split_sgd_momentum_equals_monolithic() {
 #[test]
 fn bn_dropout_split_adam_equals_monolithic() {
     equals_monolithic(Run::new("bn_dropout", "split", 3, ADAM), "bn_dropout split at 3, Adam");
+}
+
+#[test]
+fn bert_classifier_split_adam_equals_monolithic() {
+    // A transformers model (torch.export's graph): token ids and a mask cross split 0's
+    // boundary, the hidden states [B, S, 32] and the attention mask split 3's; dropout
+    // (attention dropout included) in every stage.
+    equals_monolithic(Run::new("bert", "split", 3, ADAM), "bert split at 3, Adam");
+}
+
+#[test]
+fn tied_embedding_and_head_are_refused_naming_both_and_how_to_untie() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (mode, split) in [("split", 4), ("monolithic", 0)] {
+        let err = Run::new("gpt2", mode, split, ADAM).try_train(tmp.path(), |yaml| yaml).unwrap_err();
+        let message = format!("{err:#}");
+        assert!(
+            message.contains("transformer.wte.weight and lm_head.weight are one tensor (tied weights) held by stages 1 and ")
+                && message.contains("--hf-config tie_word_embeddings=false"),
+            "{mode}: {message}"
+        );
+    }
 }
 
 #[test]
@@ -498,7 +541,7 @@ fn an_answer_above_the_payload_limit_is_refused_and_the_session_goes_on() {
     // is larger than the limit gets RESOURCE_EXHAUSTED, not a frame the host must refuse.
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let batch = 4;
-    let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, batch).unwrap();
+    let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(batch)).unwrap();
     let limit = 2 * input.tensor_bytes() as u64;
     let n = bundle.stage_count();
     let end = (1..n)

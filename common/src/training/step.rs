@@ -41,9 +41,9 @@ pub fn output_tensor(bundle: &Bundle, last: Boundary) -> Result<Tensor, TrainErr
         Value::Tuple(items) | Value::List(items) if items.len() == 1 => items[0].as_tensor(),
         _ => None,
     };
-    picked.map(Tensor::shallow_clone).ok_or_else(|| {
-        TrainError::Loss(format!("the model's output is {}; the loss needs one tensor (or one named logits)", output.describe()))
-    })
+    picked
+        .map(Tensor::shallow_clone)
+        .ok_or_else(|| TrainError::Loss(format!("the model's output is {}; the loss needs one tensor (or one named logits)", output.describe())))
 }
 
 /// The loss of a step: the model's output (from the boundary at the last cut) against the targets.

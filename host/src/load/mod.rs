@@ -289,7 +289,7 @@ async fn edge_prefixes(model: &Model) -> Result<Vec<(usize, Boundary)>> {
     tokio::task::spawn_blocking(move || -> Result<Vec<(usize, Boundary)>> {
         let deepest = cuts.iter().copied().max().unwrap_or(0);
         let stages = LoadedStages::load(&bundle, StageRange::prefix(deepest), device)?;
-        let inputs = synthetic_inputs(&bundle.manifest().inputs, batch)?;
+        let inputs = synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(batch))?;
         let mut out = Vec::with_capacity(cuts.len());
         for cut in cuts {
             if out.iter().all(|(c, _)| *c != cut) {

@@ -204,6 +204,12 @@ fn plot_measured(bundle: &Bundle, report: &PlanReport, output: &std::path::Path)
 }
 
 fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: i64, codec: &Codec) {
+    // Profiles run at the longest sequence; per token is what a shorter one scales by.
+    let seq = bundle.sizes_at(batch).seq;
+    let wire = |bytes: u64| match seq {
+        Some(s) => format!("{} ({:.0} B/sample/token)", human_bytes(bytes), bytes as f64 / (batch * s) as f64),
+        None => human_bytes(bytes),
+    };
     let mut table = comfy_table::Table::new();
     table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
     table.set_header(vec!["cut", "name", "edge ms", "on the wire", "upload ms", "server ms", "predicted ms", "measured ms", "req/s", ""]);
@@ -217,7 +223,7 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
             p.cut.to_string(),
             bundle.cut(p.cut).name.clone(),
             format!("{:.2}", p.edge_ms),
-            if p.cut == bundle.stage_count() { "-".into() } else { human_bytes(report.profiles.cut_wire_bytes[p.cut]) },
+            if p.cut == bundle.stage_count() { "-".into() } else { wire(report.profiles.cut_wire_bytes[p.cut]) },
             format!("{:.2}", p.upload_ms),
             format!("{:.2}", p.server_ms),
             format!("{:.2}", p.latency_ms),
@@ -228,8 +234,9 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
     }
     let link = &report.profiles.link;
     println!(
-        "{} at batch {batch}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {:?}",
+        "{} at batch {batch}{}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {:?}",
         bundle.manifest().model.source,
+        seq.map_or(String::new(), |s| format!(", sequence length {s}")),
         link.bytes_per_s * 8.0 / 1e6,
         link.rtt_ms,
         report.objective

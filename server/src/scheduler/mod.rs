@@ -320,7 +320,7 @@ impl Worker {
     fn profile(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, job: ProfileJob) {
         let stages = &self.models[job.model].stages;
         let answer = catch_panic("profiling the stages", || {
-            let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, job.batch)?;
+            let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, stages.bundle().sizes_at(job.batch))?;
             let between_stages = || {
                 self.intake(queue, rx, true);
                 while let Pick::Run(entries) = queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |e| matches!(e.item, Item::Request(_))) {
