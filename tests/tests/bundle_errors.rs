@@ -187,3 +187,66 @@ fn what_a_payload_declares_is_checked_against_its_cut() {
     assert!(err(0, vec![("x", DType::Float32, &[17, 1, 8, 8])]).contains("batch size 17 is outside"));
     assert!(err(n + 1, vec![]).contains(&format!("split {} is out of range", n + 1)));
 }
+
+#[test]
+fn a_sequence_length_outside_the_bundle_s_range_is_refused_before_any_data() {
+    use cleave_common::spec::DType;
+    // The GPT-2-like test bundle takes sequences of 1 to 32 tokens.
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let declare = |ids: &[i64], mask: &[i64]| {
+        bundle.check_declared(
+            0,
+            [("input_ids", DType::Int64, ids.to_vec()), ("attention_mask", DType::Int64, mask.to_vec())]
+                .iter()
+                .map(|(n, d, s)| (*n, *d, s.as_slice())),
+        )
+    };
+    assert_eq!(declare(&[3, 32], &[3, 32]).unwrap(), 3);
+    assert_eq!(declare(&[2, 1], &[2, 1]).unwrap(), 2);
+    let err = declare(&[1, 33], &[1, 33]).unwrap_err();
+    assert!(matches!(err, BundleError::SequenceOutOfRange { got: 33, min: 1, max: 32 }), "{err}");
+    // A hostile length far past the range is refused the same way, before a byte is reserved.
+    let err = declare(&[1, 1 << 40], &[1, 1 << 40]).unwrap_err();
+    assert!(matches!(err, BundleError::SequenceOutOfRange { got, .. } if got == 1 << 40), "{err}");
+    assert!(declare(&[1, 8], &[1, 9]).unwrap_err().to_string().contains("dimension 1 must be S = 8 for sequence length 8"));
+    assert!(declare(&[1, 0], &[1, 0]).unwrap_err().to_string().contains("dimension 1 must be a positive multiple of 1"));
+}
+
+#[test]
+fn token_ids_outside_the_vocabulary_are_refused_at_the_input() {
+    // Vocabulary 500: an id of 500 would index past the embedding (on CUDA, a device-side
+    // assert that ends every request on the GPU), so cut 0 is checked value by value.
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let boundary = |ids: Tensor, mask: Tensor| Boundary {
+        values: vec![("input_ids".into(), Value::Tensor(ids)), ("attention_mask".into(), Value::Tensor(mask))],
+    };
+    let ones = || Tensor::ones([2, 8], (Kind::Int64, Device::Cpu));
+    assert_eq!(bundle.check_boundary(0, &boundary(ones() * 499, ones())).unwrap(), 2);
+    let err = bundle.check_boundary(0, &boundary(ones() * 500, ones())).unwrap_err().to_string();
+    assert!(err.contains("input_ids: values must lie in 0..=499, got 500..=500"), "{err}");
+    let err = bundle.check_boundary(0, &boundary(ones() - 2, ones())).unwrap_err().to_string();
+    assert!(err.contains("input_ids: values must lie in 0..=499, got -1..=-1"), "{err}");
+    let err = bundle.check_boundary(0, &boundary(ones(), ones() * 2)).unwrap_err().to_string();
+    assert!(err.contains("attention_mask: values must lie in 0..=1, got 2..=2"), "{err}");
+    // The stages refuse it too (the server runs them through the same check).
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    assert!(stages.run(StageRange::all(&bundle), &boundary(ones() * 500, ones())).is_err());
+}
+
+#[test]
+fn a_sequence_without_its_range_or_with_an_empty_one_is_refused_at_open() {
+    for (edit, want) in [
+        (
+            Box::new(|m: &mut serde_json::Value| m.as_object_mut().unwrap().remove("sequence").map(drop).unwrap())
+                as Box<dyn Fn(&mut serde_json::Value)>,
+            "dimensions follow the sequence length (S) but the manifest gives no `sequence` range",
+        ),
+        (Box::new(|m: &mut serde_json::Value| m["sequence"]["min"] = 40.into()), "sequence range 40..=32 is empty"),
+        (Box::new(|m: &mut serde_json::Value| m["inputs"][0]["range"] = serde_json::json!([5, 4])), "input input_ids has an empty value range"),
+    ] {
+        let (_tmp, dir) = bundle_copy("gpt2");
+        edit_manifest(&dir, edit);
+        let err = Bundle::open(&dir).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+    }
+}
