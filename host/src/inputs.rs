@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use crate::config::InputSource;
-use cleave_common::spec::{DType, Sizes, TorchDType, ValueSpec};
+use cleave_common::spec::{DType, Sizes, TensorSpec, TorchDType, ValueSpec};
 use cleave_common::{Boundary, Bundle, Value};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -16,8 +16,8 @@ use crate::error::{HostError, Result};
 pub enum Inputs {
     /// Seeded random tensors shaped like the bundle's inputs.
     Synthetic {
-        /// (name, spec, value range) of each input.
-        specs: Vec<(String, cleave_common::spec::TensorSpec, Option<(i64, i64)>)>,
+        /// Each input.
+        specs: Vec<InputSpec>,
         /// Batch size, and the bundle's longest sequence when it has one.
         sizes: Sizes,
         /// Base seed.
@@ -34,20 +34,27 @@ pub enum Inputs {
     },
 }
 
+/// One tensor input: its name, spec and, for integer inputs, the range of its values.
+pub struct InputSpec {
+    name: String,
+    spec: TensorSpec,
+    range: Option<(i64, i64)>,
+}
+
 impl Inputs {
     /// Prepares the source for `bundle` at `batch` samples per request.
     pub fn new(source: &InputSource, bundle: &Bundle, batch: i64) -> Result<Self> {
         let mut specs = Vec::new();
         for input in &bundle.manifest().inputs {
             match &input.spec {
-                ValueSpec::Tensor(t) => specs.push((input.name.clone(), t.clone(), input.range)),
+                ValueSpec::Tensor(t) => specs.push(InputSpec { name: input.name.clone(), spec: t.clone(), range: input.range }),
                 other => return Err(HostError::Invalid(format!("input {} is {}, only tensor inputs are supported", input.name, other.describe()))),
             }
         }
         match source {
             InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, sizes: bundle.sizes_at(batch), seed: *seed }),
             InputSource::Images { dir } => {
-                let [(name, spec, _)] = specs.as_slice() else {
+                let [InputSpec { name, spec, .. }] = specs.as_slice() else {
                     return Err(HostError::Invalid(format!("image inputs need a bundle with one input; this one has {}", specs.len())));
                 };
                 crate::files::require("image directory", dir)?;
@@ -59,7 +66,7 @@ impl Inputs {
                 crate::files::require("input file", path)?;
                 let read = match path.extension().and_then(|e| e.to_str()) {
                     Some("npy") => match specs.as_slice() {
-                        [(name, _, _)] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
+                        [InputSpec { name, .. }] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
                         _ => {
                             return Err(HostError::Invalid(format!(
                                 "a .npy file holds one tensor; this bundle has {} inputs (use .npz or .safetensors)",
@@ -75,7 +82,7 @@ impl Inputs {
                     read.map_err(|e| HostError::Invalid(format!("input file {}: {e}", path.display())))?.into_iter().collect();
                 let mut tensors = Vec::new();
                 let mut rows = None;
-                for (name, spec, _) in &specs {
+                for InputSpec { name, spec, .. } in &specs {
                     let t = loaded.get(name).ok_or_else(|| {
                         HostError::Invalid(format!(
                             "input file {} has no tensor {name:?} (it has {:?})",
@@ -115,7 +122,7 @@ impl Inputs {
                 let mut rng = StdRng::seed_from_u64((*seed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index));
                 let values = specs
                     .iter()
-                    .map(|(name, spec, range)| {
+                    .map(|InputSpec { name, spec, range }| {
                         let shape: Vec<i64> = spec.shape.iter().map(|d| d.at(*sizes).unwrap_or(1)).collect();
                         let numel = shape.iter().product::<i64>().max(0) as usize;
                         let t = match spec.dtype.kind() {
