@@ -296,7 +296,9 @@ def test_tied_weight_across_stages_is_listed(tied):
     m = tied.manifest
     assert [s["name"] for s in m["stages"]] == ["embed", "body", "relu", "head"]
     assert [s["parameter_names"] for s in m["stages"]] == [["embed.weight"], ["body.weight", "body.bias"], [], ["head.weight"]]
-    assert m["exporter"]["shared_parameters"] == [{"names": ["embed.weight", "head.weight"], "stages": [0, 3]}]
+    assert m["exporter"]["shared_parameters"] == [
+        {"names": ["embed.weight", "head.weight"], "stages": [0, 3], "aliases": ["embed.weight", "head.weight"]}
+    ]
     # Each stage file holds its own copy, equal at export time.
     embed, head = tied.stage(0), tied.stage(3)
     assert torch.equal(dict(embed.named_parameters())["embed.weight"], dict(head.named_parameters())["head.weight"])
