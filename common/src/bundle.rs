@@ -15,7 +15,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::error::{BundleError, Result};
-use crate::spec::{DType, Dim, NamedSpec, Sizes, TensorSpec, ValueSpec};
+use crate::spec::{BoundarySizes, DType, Dim, NamedSpec, Sizes, TensorSpec, ValueSpec};
 use crate::value::{Boundary, Value};
 
 /// The bundle format this build reads.
@@ -133,9 +133,10 @@ pub struct CutInfo {
     pub name: String,
     /// The values live here, in the order stages take and return them.
     pub values: Vec<NamedSpec>,
-    /// Bytes per sample of the tensors with a batch dimension.
+    /// Bytes per sample of the tensors with a batch dimension (at the longest sequence in
+    /// bundles with one; [`CutInfo::bytes_at`] gives them at any length).
     pub bytes_per_sample: u64,
-    /// Bytes of the tensors without one.
+    /// Bytes of the tensors without one (at the longest sequence too).
     #[serde(default)]
     pub bytes_fixed: u64,
     /// Whether the cut can be a split point across the network.
@@ -149,6 +150,13 @@ impl CutInfo {
     /// The tensors live here, with their wire names and specs.
     pub fn tensors(&self) -> Vec<(String, &TensorSpec)> {
         self.values.iter().flat_map(|v| v.spec.tensor_leaves(&v.name)).collect()
+    }
+
+    /// Bytes of the tensors live here at `sizes` (a batch size and a sequence length),
+    /// computed from their specs; `None` when a size depends on the data (`?`) or on a size
+    /// not given. Plain values count nothing.
+    pub fn bytes_at(&self, sizes: Sizes) -> Option<u64> {
+        self.tensors().iter().try_fold(0u64, |total, (_, t)| total.checked_add(t.bytes_at(sizes)?))
     }
 
     /// Whether requests here can be concatenated into one batch and split back: every value
@@ -223,8 +231,14 @@ pub struct SplitPoint {
     pub tensors: Vec<String>,
     /// Plain (non-tensor) values crossing.
     pub plain_values: usize,
-    /// Bytes per sample crossing.
+    /// Bytes per sample crossing, at `seq_len` in bundles with a sequence (where a size
+    /// depends on the data, as the exporter measured it, at the longest sequence).
     pub bytes_per_sample: u64,
+    /// The sequence length the bytes are at, in bundles with a sequence.
+    pub seq_len: Option<i64>,
+    /// One sample's bytes per token (fixed bytes included), in bundles with a sequence: what
+    /// a sample costs per token of its length (not a constant: attention masks grow as S²).
+    pub bytes_per_token: Option<f64>,
     /// Parameters on the edge side.
     pub params_before: u64,
     /// Parameters on the server side.
@@ -353,8 +367,16 @@ impl Bundle {
         &self.manifest.cuts[index]
     }
 
-    /// Every split point, from 0 (all on the server) to N (all on the edge).
+    /// Every split point, from 0 (all on the server) to N (all on the edge), at the bundle's
+    /// longest sequence in bundles with one.
     pub fn split_points(&self) -> Vec<SplitPoint> {
+        self.split_points_at(self.longest_seq())
+    }
+
+    /// Every split point with its bytes at sequence length `seq` (from
+    /// [`Bundle::resolve_seq`]; ignored in bundles without a sequence).
+    pub fn split_points_at(&self, seq: Option<i64>) -> Vec<SplitPoint> {
+        let seq = seq.filter(|_| self.manifest.sequence.is_some());
         let stages = &self.manifest.stages;
         let total_params: u64 = stages.iter().map(|s| s.parameters).sum();
         let total_flops: u64 = stages.iter().map(|s| s.flops_per_sample).sum();
@@ -365,12 +387,16 @@ impl Bundle {
             .map(|cut| {
                 let params_before: u64 = stages[..cut.index].iter().map(|s| s.parameters).sum();
                 let flops_before: u64 = stages[..cut.index].iter().map(|s| s.flops_per_sample).sum();
+                let one = cut.bytes_at(Sizes::batch_and_seq(1, seq));
+                let per_sample = one.zip(cut.bytes_at(Sizes::batch_and_seq(0, seq))).map(|(one, none)| one - none);
                 SplitPoint {
                     index: cut.index,
                     name: cut.name.clone(),
                     tensors: cut.tensors().iter().map(|(n, t)| format!("{n}: {t}")).collect(),
                     plain_values: cut.values.iter().filter(|v| !matches!(v.spec, ValueSpec::Tensor(_))).count(),
-                    bytes_per_sample: cut.bytes_per_sample,
+                    bytes_per_sample: per_sample.unwrap_or(cut.bytes_per_sample),
+                    seq_len: seq,
+                    bytes_per_token: seq.zip(one).map(|(s, one)| one as f64 / s as f64),
                     params_before,
                     params_after: total_params - params_before,
                     edge_cost_share: if total_flops == 0 { 0.0 } else { flops_before as f64 / total_flops as f64 },
@@ -421,8 +447,8 @@ impl Bundle {
     }
 
     /// Checks `boundary` against what the manifest says crosses cut `cut` (at cut 0, integer
-    /// inputs against their value range too); returns its batch size.
-    pub fn check_boundary(&self, cut: usize, boundary: &Boundary) -> Result<i64> {
+    /// inputs against their value range too); returns its batch size and sequence length.
+    pub fn check_boundary(&self, cut: usize, boundary: &Boundary) -> Result<BoundarySizes> {
         let info = &self.manifest.cuts[cut];
         let mismatch = |problem: String| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem };
         let names: Vec<&str> = boundary.values.iter().map(|(n, _)| n.as_str()).collect();
@@ -456,28 +482,52 @@ impl Bundle {
         Ok(())
     }
 
-    /// The batch size and sequence length a boundary showed, against the bundle's ranges;
-    /// returns the batch size.
-    fn check_sizes(&self, sizes: Sizes) -> Result<i64> {
-        if let (Some(got), Some(BatchRange { min, max })) = (sizes.seq, self.manifest.sequence) {
-            if !(min..=max).contains(&got) {
-                return Err(BundleError::SequenceOutOfRange { got, min, max });
-            }
+    /// The batch size and sequence length a boundary showed, against the bundle's ranges.
+    fn check_sizes(&self, sizes: Sizes) -> Result<BoundarySizes> {
+        if let Some(got) = sizes.seq {
+            self.check_seq(got)?;
         }
         let BatchRange { min, max } = self.manifest.batch;
-        match sizes.batch {
-            Some(b) if !(min..=max).contains(&b) => Err(BundleError::BatchOutOfRange { got: b, min, max }),
-            Some(b) => Ok(b),
-            None => Ok(min),
+        let batch = match sizes.batch {
+            Some(b) if !(min..=max).contains(&b) => return Err(BundleError::BatchOutOfRange { got: b, min, max }),
+            Some(b) => b,
+            None => min,
+        };
+        Ok(BoundarySizes { batch, seq: sizes.seq })
+    }
+
+    /// A sequence length within the bundle's range (a bundle without a sequence takes none).
+    fn check_seq(&self, got: i64) -> Result<i64> {
+        match self.manifest.sequence {
+            Some(BatchRange { min, max }) if !(min..=max).contains(&got) => Err(BundleError::SequenceOutOfRange { got, min, max }),
+            Some(_) => Ok(got),
+            None => Err(BundleError::NoSequence { got }),
         }
+    }
+
+    /// The sequence length to profile, plan or make inputs at: `requested` when given
+    /// (within the bundle's range), else the bundle's longest; `None` in bundles without a
+    /// sequence.
+    pub fn resolve_seq(&self, requested: Option<i64>) -> Result<Option<i64>> {
+        match requested {
+            Some(seq) => self.check_seq(seq).map(Some),
+            None => Ok(self.longest_seq()),
+        }
+    }
+
+    /// The longest sequence the bundle takes, in bundles with a sequence.
+    fn longest_seq(&self) -> Option<i64> {
+        self.manifest.sequence.map(|r| r.max)
     }
 
     /// Checks what a payload declares it carries at `cut` (each tensor's name, dtype and
     /// shape, before a byte of it is reserved) against the manifest: exactly the cut's
-    /// tensors, shapes of one batch size within the exported range. Returns the batch size.
+    /// tensors, shapes of one batch size and one sequence length within the exported ranges
+    /// (the payload's size is bounded by them, so a hostile length is refused here, before
+    /// any memory is held for it). Returns the batch size and sequence length.
     /// A cut out of range, or one that cannot be split at (its sizes depend on the data and
     /// could not be bounded), is refused.
-    pub fn check_declared<'a>(&self, cut: usize, declared: impl IntoIterator<Item = (&'a str, DType, &'a [i64])>) -> Result<i64> {
+    pub fn check_declared<'a>(&self, cut: usize, declared: impl IntoIterator<Item = (&'a str, DType, &'a [i64])>) -> Result<BoundarySizes> {
         self.check_declared_as(cut, CutTensors::All, declared)
     }
 
@@ -488,7 +538,7 @@ impl Bundle {
         cut: usize,
         rule: CutTensors,
         declared: impl IntoIterator<Item = (&'a str, DType, &'a [i64])>,
-    ) -> Result<i64> {
+    ) -> Result<BoundarySizes> {
         let n = self.stage_count();
         let Some(info) = self.manifest.cuts.get(cut) else {
             return Err(BundleError::InvalidSplit {
@@ -556,7 +606,7 @@ impl Bundle {
     /// `batch` samples at the bundle's longest sequence (with a sequence): the sizes a
     /// profile or a synthetic input takes unless told otherwise.
     pub fn sizes_at(&self, batch: i64) -> Sizes {
-        Sizes::batch_and_seq(batch, self.manifest.sequence.map(|r| r.max))
+        Sizes::batch_and_seq(batch, self.longest_seq())
     }
 
     /// Batch sizes that have a reference pair, each once, in the manifest's order.

@@ -112,6 +112,12 @@ pub enum BundleError {
         /// Longest accepted.
         max: i64,
     },
+    /// A sequence length asked of a bundle exported without a dynamic sequence.
+    #[error("sequence length {got} asked for, but the bundle has no sequence dimension (S): it was exported without --dynamic-seq")]
+    NoSequence {
+        /// The length asked for.
+        got: i64,
+    },
     /// A batch size outside what the bundle was exported for.
     #[error("batch size {got} is outside the bundle's range {min}..={max}")]
     BatchOutOfRange {

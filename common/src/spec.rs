@@ -148,6 +148,23 @@ impl Sizes {
     }
 }
 
+/// The sizes of a boundary that passed the bundle's checks: its batch size and, in bundles
+/// with a dynamic sequence, its sequence length, both within the bundle's ranges. Requests
+/// merge into one batch only when their sequence lengths are equal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BoundarySizes {
+    /// The batch size (the bundle's smallest when no tensor has a batch dimension).
+    pub batch: i64,
+    /// The sequence length, when a tensor has a sequence dimension.
+    pub seq: Option<i64>,
+}
+
+impl From<BoundarySizes> for Sizes {
+    fn from(sizes: BoundarySizes) -> Self {
+        Self::batch_and_seq(sizes.batch, sizes.seq)
+    }
+}
+
 /// A tensor's dtype and symbolic shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorSpec {
@@ -183,6 +200,12 @@ impl TensorSpec {
             }
         }
         Ok(())
+    }
+
+    /// Bytes of a tensor of this spec at `sizes`; `None` when a dimension depends on the
+    /// data (`?`) or on a size `sizes` does not give.
+    pub fn bytes_at(&self, sizes: Sizes) -> Option<u64> {
+        self.shape.iter().try_fold(self.dtype.size() as u64, |bytes, dim| bytes.checked_mul(u64::try_from(dim.at(sizes)?).ok()?))
     }
 }
 
@@ -326,6 +349,19 @@ mod tests {
         assert_eq!(err, "dimension 1 must be a positive multiple of 2");
         let err = mask.check_shape(DType::Bool, &[3, 1, 0, 0], &mut Sizes::default()).unwrap_err();
         assert_eq!(err, "dimension 2 must be a positive multiple of 1");
+    }
+
+    #[test]
+    fn bytes_follow_the_batch_and_the_sequence() {
+        let mask = TensorSpec { dtype: DType::Bool, shape: vec![Dim::Batch(1), Dim::Fixed(1), Dim::Seq(1), Dim::Seq(1)] };
+        assert_eq!(mask.bytes_at(Sizes::batch_and_seq(2, Some(8))), Some(2 * 8 * 8));
+        let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2), Dim::Fixed(4)] };
+        assert_eq!(hidden.bytes_at(Sizes::batch_and_seq(3, Some(5))), Some(3 * 10 * 4 * 4));
+        assert_eq!(hidden.bytes_at(Sizes::batch(3)), None, "no sequence length");
+        let ragged = TensorSpec { dtype: DType::Int64, shape: vec![Dim::Batch(1), Dim::Dynamic] };
+        assert_eq!(ragged.bytes_at(Sizes::batch(3)), None);
+        let scalar = TensorSpec { dtype: DType::Float64, shape: vec![] };
+        assert_eq!(scalar.bytes_at(Sizes::default()), Some(8));
     }
 
     #[test]

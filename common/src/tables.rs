@@ -60,22 +60,25 @@ fn align_right(table: &mut Table, columns: &[usize]) {
 }
 
 /// Every split point: what crosses it, how big it is, how the parameters and cost divide,
-/// and whether a server merges requests entering there into batches. With a sequence,
-/// bytes are at the longest one, and a column gives them per token.
-pub fn split_table(bundle: &Bundle) -> Table {
-    let longest = bundle.manifest().sequence.map(|r| r.max);
-    let mut header = vec!["cut", "name", "live tensors", "bytes/sample"];
-    let per_token = longest.map(|s| format!("bytes/sample/token (S = {s})"));
-    header.extend(per_token.as_deref());
-    header.extend(["params edge", "params server", "edge cost", "usable", "batchable"]);
-    let mut table = new_table(&header);
-    for p in bundle.split_points() {
+/// and whether a server merges requests entering there into batches. With a sequence, bytes
+/// are at sequence length `seq` (see [`Bundle::resolve_seq`]), and a column gives one
+/// sample's bytes per token.
+pub fn split_table(bundle: &Bundle, seq: Option<i64>) -> Table {
+    let points = bundle.split_points_at(seq);
+    let seq = points.first().and_then(|p| p.seq_len);
+    let mut header = vec!["cut".to_string(), "name".into(), "live tensors".into(), "bytes/sample".into()];
+    header.extend(seq.map(|s| format!("per token (S = {s})")));
+    header.extend(["params edge", "params server", "edge cost", "usable", "batchable"].map(String::from));
+    let mut table = new_table(&header.iter().map(String::as_str).collect::<Vec<_>>());
+    for p in points {
         let mut live = p.tensors.join("\n");
         if p.plain_values > 0 {
             live.push_str(&format!("\n+ {} plain value(s)", p.plain_values));
         }
         let mut row = vec![p.index.to_string(), p.name, live, human_bytes(p.bytes_per_sample)];
-        row.extend(longest.map(|s| format!("{:.0} B", p.bytes_per_sample as f64 / s as f64)));
+        if seq.is_some() {
+            row.push(p.bytes_per_token.map_or_else(|| "?".into(), |b| format!("{b:.1} B")));
+        }
         row.extend([
             thousands(p.params_before),
             thousands(p.params_after),
@@ -88,7 +91,7 @@ pub fn split_table(bundle: &Bundle) -> Table {
         ]);
         table.add_row(row);
     }
-    let shift = usize::from(longest.is_some());
+    let shift = usize::from(seq.is_some());
     align_right(&mut table, &[0, 3, 3 + shift, 4 + shift, 5 + shift, 6 + shift]);
     table
 }

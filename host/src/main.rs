@@ -49,6 +49,10 @@ enum Command {
         /// Bundle directory (written by `python -m cleave_export`).
         #[arg(long)]
         bundle: PathBuf,
+        /// Sequence length the bytes are shown at, for a bundle exported with a dynamic
+        /// sequence (default: its longest).
+        #[arg(long)]
+        seq: Option<i64>,
     },
     /// Run the bundle split at every cut on its reference inputs and compare with the reference outputs.
     Verify {
@@ -144,7 +148,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into())).init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Splits { bundle }) => cleave_host::print_splits(&bundle).map(|()| true).map_err(anyhow::Error::from),
+        Some(Command::Splits { bundle, seq }) => cleave_host::print_splits(&bundle, seq).map(|()| true).map_err(anyhow::Error::from),
         Some(Command::Verify { bundle, device, batch }) => {
             cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }).map_err(anyhow::Error::from)
         }

@@ -20,20 +20,23 @@ pub struct VerifyOptions {
     pub batches: Vec<i64>,
 }
 
-/// Prints the split-point table of a bundle.
-pub fn print_splits(bundle_dir: &Path) -> Result<()> {
+/// Prints the split-point table of a bundle, its bytes at sequence length `seq` (the
+/// bundle's longest by default) in bundles with a sequence.
+pub fn print_splits(bundle_dir: &Path, seq: Option<i64>) -> Result<()> {
     let bundle = Bundle::open(bundle_dir)?;
+    let seq = bundle.resolve_seq(seq)?;
     let m = bundle.manifest();
     println!("bundle {} ({}, {} parameters), id {}", bundle_dir.display(), m.model.source, thousands(m.model.parameters), &bundle.id()[..16]);
     println!(
-        "{} stages at granularity {:?}; split at cut s: the edge runs stages [0, s), the server [s, {}); batch {}..={}",
+        "{} stages at granularity {:?}; split at cut s: the edge runs stages [0, s), the server [s, {}); batch {}..={}{}",
         bundle.stage_count(),
         m.exporter.granularity,
         bundle.stage_count(),
         m.batch.min,
-        m.batch.max
+        m.batch.max,
+        m.sequence.zip(seq).map_or(String::new(), |(r, s)| format!("; sequence {}..={}, bytes at S = {s}", r.min, r.max))
     );
-    println!("{}", split_table(&bundle));
+    println!("{}", split_table(&bundle, seq));
     Ok(())
 }
 

@@ -307,9 +307,9 @@ async fn submit(ctx: &InferContext, r: Received) -> Result<oneshot::Receiver<Job
     if r.split as usize > cuts {
         return Err(RequestError::SplitOutOfRange { split: r.split, cuts });
     }
-    let samples = ctx.model.bundle.check_boundary(r.split as usize, &r.boundary)?;
+    let sizes = ctx.model.bundle.check_boundary(r.split as usize, &r.boundary)?;
     let (reply, answer) = oneshot::channel();
-    ctx.model.scheduler.submit(InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, samples, reply }).await?;
+    ctx.model.scheduler.submit(InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, samples: sizes.batch, reply }).await?;
     Ok(answer)
 }
 

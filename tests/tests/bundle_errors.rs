@@ -2,6 +2,7 @@
 
 use std::fs;
 
+use cleave_common::spec::{BoundarySizes, Sizes};
 use cleave_common::{Boundary, Bundle, BundleError, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_tests::{bundle_copy, bundle_dir};
 use tch::{Device, Kind, Tensor};
@@ -172,12 +173,55 @@ fn split_points_list_every_cut_with_parameters_on_each_side() {
 }
 
 #[test]
+fn bytes_at_a_sequence_length_follow_the_specs() {
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    // At the longest sequence, the exporter's own figures.
+    for cut in &bundle.manifest().cuts {
+        assert_eq!(cut.bytes_at(bundle.sizes_at(1)), Some(cut.bytes_per_sample + cut.bytes_fixed), "cut {}", cut.index);
+    }
+    // Cut 5 carries the hidden states (float32[B, S, 32]) and the attention mask
+    // (bool[B, 1, S, S]): linear in S for one, quadratic for the other.
+    let at = |batch, seq| bundle.cut(5).bytes_at(Sizes::batch_and_seq(batch, Some(seq))).unwrap();
+    assert_eq!(at(1, 8), 8 * 32 * 4 + 8 * 8);
+    assert_eq!(at(3, 8), 3 * at(1, 8));
+    assert_eq!(bundle.cut(5).bytes_at(Sizes::batch(1)), None, "a sequence dimension needs a length");
+    let short = bundle.split_points_at(Some(8));
+    assert_eq!((short[5].bytes_per_sample, short[5].seq_len), (at(1, 8), Some(8)));
+    assert_eq!(short[5].bytes_per_token, Some(at(1, 8) as f64 / 8.0));
+    let longest = bundle.split_points();
+    assert_eq!((longest[5].bytes_per_sample, longest[5].seq_len), (bundle.cut(5).bytes_per_sample, Some(32)));
+    // Cut 3 holds position ids without a batch dimension (int64[1, S]): fixed bytes, counted
+    // per token but not per sample.
+    assert_eq!(short[3].bytes_per_sample, 8 * 32 * 4 + 8 * 8);
+    assert_eq!(short[3].bytes_per_token, Some((8 * 32 * 4 + 8 * 8 + 8 * 8) as f64 / 8.0));
+    // `host splits --seq 8` shows them, with a column per token; a bundle without a sequence
+    // shows none.
+    let table = cleave_common::tables::split_table(&bundle, Some(8)).to_string();
+    assert!(table.contains("per token (S = 8)") && table.contains(&format!("{:.1} B", at(1, 8) as f64 / 8.0)), "{table}");
+    let digits = digits();
+    assert!(digits.split_points().iter().all(|p| p.seq_len.is_none() && p.bytes_per_token.is_none()));
+    assert!(!cleave_common::tables::split_table(&digits, None).to_string().contains("per token"));
+}
+
+#[test]
+fn a_sequence_length_to_plan_at_is_checked_against_the_bundle() {
+    let gpt2 = Bundle::open(bundle_dir("gpt2")).unwrap();
+    assert_eq!(gpt2.resolve_seq(None).unwrap(), Some(32));
+    assert_eq!(gpt2.resolve_seq(Some(8)).unwrap(), Some(8));
+    let err = gpt2.resolve_seq(Some(33)).unwrap_err();
+    assert!(matches!(err, BundleError::SequenceOutOfRange { got: 33, min: 1, max: 32 }), "{err}");
+    assert_eq!(digits().resolve_seq(None).unwrap(), None);
+    let err = digits().resolve_seq(Some(8)).unwrap_err().to_string();
+    assert!(err.contains("sequence length 8 asked for, but the bundle has no sequence dimension (S)"), "{err}");
+}
+
+#[test]
 fn what_a_payload_declares_is_checked_against_its_cut() {
     use cleave_common::spec::DType;
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let n = bundle.stage_count();
     let x = [3i64, 1, 8, 8];
-    assert_eq!(bundle.check_declared(0, [("x", DType::Float32, &x[..])]).unwrap(), 3);
+    assert_eq!(bundle.check_declared(0, [("x", DType::Float32, &x[..])]).unwrap(), BoundarySizes { batch: 3, seq: None });
     let err = |cut, declared: Vec<(&str, DType, &[i64])>| bundle.check_declared(cut, declared).unwrap_err().to_string();
     assert!(err(0, vec![("x", DType::Float32, &[3, 1, 9, 8])]).contains("expected float32[B, 1, 8, 8], got float32[3, 1, 9, 8]"));
     assert!(err(0, vec![("x", DType::Int64, &x)]).contains("(dtype)"));
@@ -201,8 +245,8 @@ fn a_sequence_length_outside_the_bundle_s_range_is_refused_before_any_data() {
                 .map(|(n, d, s)| (*n, *d, s.as_slice())),
         )
     };
-    assert_eq!(declare(&[3, 32], &[3, 32]).unwrap(), 3);
-    assert_eq!(declare(&[2, 1], &[2, 1]).unwrap(), 2);
+    assert_eq!(declare(&[3, 32], &[3, 32]).unwrap(), BoundarySizes { batch: 3, seq: Some(32) });
+    assert_eq!(declare(&[2, 1], &[2, 1]).unwrap(), BoundarySizes { batch: 2, seq: Some(1) });
     let err = declare(&[1, 33], &[1, 33]).unwrap_err();
     assert!(matches!(err, BundleError::SequenceOutOfRange { got: 33, min: 1, max: 32 }), "{err}");
     // A hostile length far past the range is refused the same way, before a byte is reserved.
@@ -221,7 +265,7 @@ fn token_ids_outside_the_vocabulary_are_refused_at_the_input() {
         values: vec![("input_ids".into(), Value::Tensor(ids)), ("attention_mask".into(), Value::Tensor(mask))],
     };
     let ones = || Tensor::ones([2, 8], (Kind::Int64, Device::Cpu));
-    assert_eq!(bundle.check_boundary(0, &boundary(ones() * 499, ones())).unwrap(), 2);
+    assert_eq!(bundle.check_boundary(0, &boundary(ones() * 499, ones())).unwrap(), BoundarySizes { batch: 2, seq: Some(8) });
     let err = bundle.check_boundary(0, &boundary(ones() * 500, ones())).unwrap_err().to_string();
     assert!(err.contains("input_ids: values must lie in 0..=499, got 500..=500"), "{err}");
     let err = bundle.check_boundary(0, &boundary(ones() - 2, ones())).unwrap_err().to_string();

@@ -22,7 +22,7 @@ use std::sync::OnceLock;
 use cleave_codec::pb::PayloadEnvelope;
 use cleave_codec::IncomingPayload;
 use cleave_common::pb::InferFrame;
-use cleave_common::spec::{DType, Dim, TorchDType};
+use cleave_common::spec::{BoundarySizes, DType, Dim, TorchDType};
 use cleave_common::wire::{CodecError, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadReceiver, Reassembly, Received, WireError};
 use cleave_common::Bundle;
 use cleave_common_fuzz::{bundle_dir, decode, Record, FUZZ_KEY, LIMIT, MEMORY_BUDGET};
@@ -81,7 +81,8 @@ fn wire_bound(raw: u64, count: usize) -> u64 {
 }
 
 /// Whether `payload` declares exactly the tensors of the cut it names, with one batch size
-/// within the bundle's range (read from the manifest, independently of `check_declared`).
+/// and one sequence length within the bundle's ranges (read from the manifest,
+/// independently of `check_declared`).
 fn fits_its_cut(bundle: &Bundle, payload: &IncomingPayload) -> bool {
     let manifest = bundle.manifest();
     let Some(cut) = manifest.cuts.get(payload.split() as usize) else { return false };
@@ -93,7 +94,7 @@ fn fits_its_cut(bundle: &Bundle, payload: &IncomingPayload) -> bool {
     if declared.len() != specs.len() {
         return false;
     }
-    let mut batch = None;
+    let (mut batch, mut seq) = (None, None);
     for (name, spec) in &specs {
         // As many declared as specs, each spec's name declared exactly once: the same set.
         let mut named = declared.iter().filter(|(n, ..)| n == name);
@@ -105,6 +106,7 @@ fn fits_its_cut(bundle: &Bundle, payload: &IncomingPayload) -> bool {
             let fits = match dim {
                 Dim::Fixed(n) => n == size,
                 Dim::Batch(k) => size > 0 && size % k == 0 && *batch.get_or_insert(size / k) == size / k,
+                Dim::Seq(k) => size > 0 && size % k == 0 && *seq.get_or_insert(size / k) == size / k,
                 Dim::Dynamic => true,
             };
             if !fits {
@@ -112,7 +114,12 @@ fn fits_its_cut(bundle: &Bundle, payload: &IncomingPayload) -> bool {
             }
         }
     }
-    batch.is_none_or(|b| (manifest.batch.min..=manifest.batch.max).contains(&b))
+    let seq_fits = match (seq, manifest.sequence) {
+        (None, _) => true,
+        (Some(s), Some(range)) => (range.min..=range.max).contains(&s),
+        (Some(_), None) => false,
+    };
+    seq_fits && batch.is_none_or(|b| (manifest.batch.min..=manifest.batch.max).contains(&b))
 }
 
 /// Starts a request from its first frame as the server does (`start_request`): the
@@ -254,7 +261,7 @@ fn check_received(f: &Fixture, declared: &Declared, received: &Received) {
     // The server answers a split past the last cut before it checks the boundary; the cut check
     // at the first frame has refused those already.
     assert!(declared.split <= f.bundle.stage_count());
-    let Ok(batch) = f.bundle.check_boundary(declared.split, &received.boundary) else { return };
+    let Ok(BoundarySizes { batch, seq }) = f.bundle.check_boundary(declared.split, &received.boundary) else { return };
     let manifest = f.bundle.manifest();
     assert!((manifest.batch.min..=manifest.batch.max).contains(&batch), "batch {batch} out of range");
     let specs = f.bundle.cut(declared.split).tensors();
@@ -268,6 +275,7 @@ fn check_received(f: &Fixture, declared: &Declared, received: &Received) {
             .map(|d| match d {
                 Dim::Fixed(n) => *n,
                 Dim::Batch(k) => k * batch,
+                Dim::Seq(k) => k * seq.expect("a sequence dimension gives the boundary a length"),
                 Dim::Dynamic => -1,
             })
             .collect();
