@@ -162,14 +162,13 @@ impl CutInfo {
     /// Whether requests here can be concatenated into one batch and split back: every value
     /// is a tensor (or a container of tensors) whose first dimension is the batch `B` and no
     /// other dimension depends on it or on the data. A plain value (a size, say) might be the
-    /// batch size. A dimension that follows the sequence length keeps the cut out too:
-    /// requests of different lengths cannot be concatenated (grouping them by length is not
-    /// done yet).
+    /// batch size. Later dimensions may follow the sequence length: a server merges only
+    /// requests of one length.
     pub fn batch_first(&self) -> bool {
         fn tree(spec: &ValueSpec) -> bool {
             match spec {
                 ValueSpec::Tensor(t) => {
-                    t.shape.first() == Some(&Dim::Batch(1)) && !t.shape[1..].iter().any(|d| matches!(d, Dim::Batch(_) | Dim::Seq(_) | Dim::Dynamic))
+                    t.shape.first() == Some(&Dim::Batch(1)) && !t.shape[1..].iter().any(|d| matches!(d, Dim::Batch(_) | Dim::Dynamic))
                 }
                 ValueSpec::Tuple { items } | ValueSpec::List { items } => !items.is_empty() && items.iter().all(tree),
                 ValueSpec::Dict { items } => !items.is_empty() && items.iter().all(|i| tree(&i.value)),
@@ -772,11 +771,15 @@ mod tests {
         assert!(cut(&format!("[{}]", named(tensor(r#"["B",3]"#)))).batch_first());
         assert!(cut(&format!(r#"[{}]"#, named(format!(r#"{{"type":"tuple","items":[{},{}]}}"#, tensor(r#"["B"]"#), tensor(r#"["B",2,2]"#)))))
             .batch_first());
+        assert!(cut(&format!("[{}]", named(tensor(r#"["B","S",32]"#)))).batch_first());
+        assert!(cut(&format!("[{}]", named(tensor(r#"["B",1,"S","2*S"]"#)))).batch_first());
         for not in [
             format!("[{}]", named(tensor(r#"[1,"B"]"#))),
             format!("[{}]", named(tensor(r#"["2*B",3]"#))),
             format!("[{}]", named(tensor(r#"["B","B"]"#))),
             format!("[{}]", named(tensor(r#"["B","?"]"#))),
+            format!("[{}]", named(tensor(r#"["S","B"]"#))),
+            format!("[{}]", named(tensor(r#"[1,"S"]"#))),
             format!("[{}]", named(tensor("[]"))),
             format!(r#"[{}, {}]"#, named(tensor(r#"["B"]"#)), named(r#"{"type":"int"}"#.into())),
             "[]".into(),

@@ -358,7 +358,7 @@ impl Boundary {
     /// Boundaries of several requests at one cut merged into one batch: every tensor
     /// concatenated along its first dimension, in order. The parts must have the same names
     /// and trees of tensors only (a cut that is
-    /// [`batch_first`](crate::bundle::CutInfo::batch_first)).
+    /// [`batch_first`](crate::bundle::CutInfo::batch_first)), and one sequence length.
     pub fn cat_batches(parts: &[Boundary]) -> std::result::Result<Boundary, String> {
         let first = parts.first().ok_or("no boundary to merge")?;
         let values = first

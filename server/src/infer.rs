@@ -309,7 +309,7 @@ async fn submit(ctx: &InferContext, r: Received) -> Result<oneshot::Receiver<Job
     }
     let sizes = ctx.model.bundle.check_boundary(r.split as usize, &r.boundary)?;
     let (reply, answer) = oneshot::channel();
-    ctx.model.scheduler.submit(InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, samples: sizes.batch, reply }).await?;
+    ctx.model.scheduler.submit(InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, sizes, reply }).await?;
     Ok(answer)
 }
 

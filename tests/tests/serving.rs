@@ -161,6 +161,56 @@ fn requests_merged_across_hosts_and_cuts_get_their_unbatched_results() {
 }
 
 #[test]
+fn requests_merge_only_with_those_of_their_sequence_length() {
+    // GPT-2-like: cuts whose tensors follow the sequence length are batchable, and requests
+    // of lengths 8 and 32 arrive at them together.
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let batchable = bundle.batchable_cuts();
+    assert!(batchable.len() > 3 && batchable.contains(&0), "{batchable:?}");
+    let later = batchable[batchable.len() / 2];
+    let batching = Batching { max_batch: 16, max_wait: Duration::from_millis(1000), merge_cuts: true };
+    let models = vec![ModelConfig { batching, ..ModelConfig::new(bundle.dir(), DeviceSpec::Cpu) }];
+    let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let n = bundle.stage_count();
+    runtime().block_on(async {
+        let (server, metrics) = serve(models, SchedulerConfig::default()).await;
+        let mut expected: HashMap<u64, Boundary> = HashMap::new();
+        let mut streams = Vec::new();
+        for info in bundle.references_at(3) {
+            let seq = info.seq_len.expect("a reference per length");
+            let (reference, _) = bundle.load_reference(info).unwrap();
+            // Per length: two hosts at the input, one at a later cut (where the batch of the
+            // input's requests of its length joins it), each with a request of 1 and of 2 samples.
+            for (host, cut) in [(0u64, 0), (1, 0), (2, later)] {
+                let mut requests = Vec::new();
+                for (k, size) in [1i64, 2].into_iter().enumerate() {
+                    let id = seq as u64 * 100 + host * 10 + k as u64;
+                    let picked: Vec<i64> = (0..size).map(|r| (host as i64 + k as i64 + r) % 3).collect();
+                    let at_cut = stages.run(StageRange::new(0, cut), &rows(&reference, &picked)).unwrap();
+                    expected.insert(id, stages.run(StageRange::new(cut, n), &at_cut).unwrap());
+                    requests.push((id, cut, at_cut));
+                }
+                streams.push(tokio::spawn(stream(server.url.clone(), bundle.id().to_string(), requests)));
+            }
+        }
+        for handle in streams {
+            for (id, answer) in handle.await.unwrap() {
+                let got = answer.unwrap_or_else(|e| panic!("request {id}: {e:?}"));
+                let err = got.max_relative_error(&expected[&id]);
+                assert!(err <= 1e-5, "request {id}: relative error {err:e} from its unbatched result");
+            }
+        }
+        let scrape = parse(&metrics.render());
+        let model = [("model", bundle.id())];
+        let answered = sample(&scrape, "cleave_requests_total", &[("model", bundle.id()), ("code", "Ok")]);
+        assert_eq!(answered, 12.0);
+        let batches = sample(&scrape, "cleave_batch_samples_count", &model);
+        assert!(batches < answered, "{batches} batches for {answered} requests: none merged");
+        assert!(sample(&scrape, "cleave_cut_merges_total", &model) > 0.0, "no request joined others at a later cut");
+    });
+}
+
+#[test]
 fn without_batching_results_are_bit_identical_to_running_alone_and_models_are_chosen_by_id() {
     let digits = Bundle::open(bundle_dir("digits")).unwrap();
     let resnet = Bundle::open(bundle_dir("resnet18")).unwrap();

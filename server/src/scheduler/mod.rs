@@ -6,10 +6,10 @@
 //! each answer through a oneshot channel; at most `limits.queue_depth` requests wait in the
 //! scheduler's queue, as many more in the channel.
 //!
-//! Batching: requests of one model at one batchable cut are concatenated along the batch
-//! dimension, run together and split back. A batch that entered at cut `a` runs only up to
-//! the first later cut `b` where other requests of its model wait, and joins them there
-//! (`batching.merge_cuts`). A merged batch that fails is run again request by request, so
+//! Batching: requests of one model at one batchable cut (and of one sequence length, in
+//! bundles with one) are concatenated along the batch dimension, run together and split
+//! back. A batch that entered at cut `a` runs only up to the first later cut `b` where other
+//! requests of its model and length wait, and joins them there (`batching.merge_cuts`). A merged batch that fails is run again request by request, so
 //! one bad request fails alone.
 //!
 //! Training sessions run on threads of their own, with their own copy of the stages; before
@@ -24,13 +24,14 @@ mod queue;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use cleave_common::spec::BoundarySizes;
 use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
 use crate::config::{Batching, Policy, SchedulerConfig};
 use crate::error::{catch_panic, RequestError};
 use crate::metrics::Metrics;
-use queue::{Entry, Pick, Queue};
+use queue::{Entry, Group, Pick, Queue};
 
 /// A model's stages on a device and how the scheduler treats its requests.
 pub(crate) struct DeviceModel {
@@ -67,8 +68,8 @@ pub(crate) struct InferJob {
     pub(crate) split: usize,
     /// The boundary at that cut, checked against the manifest.
     pub(crate) input: Boundary,
-    /// Its batch size.
-    pub(crate) samples: i64,
+    /// Its batch size and sequence length, from that check.
+    pub(crate) sizes: BoundarySizes,
     /// Where the answer goes.
     pub(crate) reply: oneshot::Sender<JobResult>,
 }
@@ -151,7 +152,8 @@ struct Waiting {
     /// The cut its boundary is at now.
     cut: usize,
     input: Boundary,
-    samples: i64,
+    /// Its batch size and sequence length (which stays the same from cut to cut).
+    sizes: BoundarySizes,
     arrived: Instant,
     /// When it first ran (its queue time ends there).
     started: Option<Instant>,
@@ -211,7 +213,7 @@ impl Worker {
                     model: job.model,
                     cut: job.split,
                     input: job.input,
-                    samples: job.samples,
+                    sizes: job.sizes,
                     arrived,
                     started: None,
                     compute: Duration::ZERO,
@@ -236,7 +238,8 @@ impl Worker {
         let model = &self.models[w.model];
         let key = request_key(&self.config, w.arrived, model.slo, model.priority);
         let merges = model.batch_limit() > 1 && model.batchable[w.cut];
-        Entry { group: merges.then_some((w.model, w.cut)), samples: w.samples, key, ready_at, item: Item::Request(w) }
+        let group = merges.then_some(Group { model: w.model, cut: w.cut, seq: w.sizes.seq });
+        Entry { group, samples: w.sizes.batch, key, ready_at, item: Item::Request(w) }
     }
 
     fn execute(&self, queue: &mut Queue<Item>, entries: Vec<Entry<Item>>) {
@@ -250,10 +253,10 @@ impl Worker {
         if requests.is_empty() {
             return;
         }
-        let (m, from) = (requests[0].model, requests[0].cut);
-        let model = &self.models[m];
+        let group = Group { model: requests[0].model, cut: requests[0].cut, seq: requests[0].sizes.seq };
+        let model = &self.models[group.model];
         let last = model.stages.bundle().stage_count();
-        let to = if model.batching.merge_cuts && model.batch_limit() > 1 { queue.next_cut_waiting(m, from).unwrap_or(last) } else { last };
+        let to = if model.batching.merge_cuts && model.batch_limit() > 1 { queue.next_cut_waiting(group).unwrap_or(last) } else { last };
         let started = Instant::now();
         for w in &mut requests {
             if w.started.is_none() {
@@ -261,9 +264,9 @@ impl Worker {
                 self.metrics.queued(&model.label, -1);
             }
         }
-        let sizes: Vec<i64> = requests.iter().map(|w| w.samples).collect();
+        let sizes: Vec<i64> = requests.iter().map(|w| w.sizes.batch).collect();
         self.metrics.batch(&model.label, sizes.iter().sum());
-        let range = StageRange::new(from, to);
+        let range = StageRange::new(group.cut, to);
         let outputs = catch_panic(&format!("running stages {range}"), || {
             if requests.len() == 1 {
                 return Ok(vec![model.stages.run(range, &requests[0].input)?]);

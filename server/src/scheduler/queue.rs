@@ -7,17 +7,29 @@
 //! fixed when the entry arrives and later arrivals get later keys, an entry's priority rises
 //! as it ages: nothing waits forever.
 //!
-//! Requests of one model at one batchable cut form a *group* and run as one batch, in key
-//! order, up to the model's batch limit. A group runs once it is full or its oldest member
+//! Requests of one model at one batchable cut (and of one sequence length, in bundles with
+//! one: only tensors of equal lengths concatenate along the batch) form a *group* and run as
+//! one batch, in key order, up to the model's batch limit. A group runs once it is full or its oldest member
 //! has waited its `max_wait`; a group still filling lets a later group that is ready run.
 
 use std::time::Instant;
 
+/// The requests that may run as one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Group {
+    /// The model's index on its device.
+    pub(crate) model: usize,
+    /// The cut their boundaries are at.
+    pub(crate) cut: usize,
+    /// Their sequence length, in bundles with a sequence.
+    pub(crate) seq: Option<i64>,
+}
+
 /// One waiting entry.
 #[derive(Debug)]
 pub(crate) struct Entry<T> {
-    /// The (model, cut) group it merges with; `None`: it runs alone.
-    pub(crate) group: Option<(usize, usize)>,
+    /// The group it merges with; `None`: it runs alone.
+    pub(crate) group: Option<Group>,
     /// Samples it carries.
     pub(crate) samples: i64,
     /// When it would like to run by (smaller first).
@@ -60,10 +72,10 @@ impl<T> Queue<T> {
         self.entries.push(entry);
     }
 
-    /// The first cut after `cut` where requests of `model` wait to be merged, if any: a batch
-    /// entering at `cut` runs up to it and joins them.
-    pub(crate) fn next_cut_waiting(&self, model: usize, cut: usize) -> Option<usize> {
-        self.entries.iter().filter_map(|e| e.group).filter(|&(m, c)| m == model && c > cut).map(|(_, c)| c).min()
+    /// The first cut after `group`'s where requests it could merge with (its model, its
+    /// sequence length) wait, if any: a batch entering at its cut runs up to it and joins them.
+    pub(crate) fn next_cut_waiting(&self, group: Group) -> Option<usize> {
+        self.entries.iter().filter_map(|e| e.group).filter(|g| g.model == group.model && g.seq == group.seq && g.cut > group.cut).map(|g| g.cut).min()
     }
 
     /// Takes what runs next at `now`; `limit(model)` is the samples one batch of that model
@@ -74,7 +86,7 @@ impl<T> Queue<T> {
         // Stable: equal keys keep their arrival order.
         order.sort_by_key(|&i| self.entries[i].key);
         let mut wake: Option<Instant> = None;
-        let mut seen: Vec<(usize, usize)> = Vec::new();
+        let mut seen: Vec<Group> = Vec::new();
         for &i in &order {
             let head = &self.entries[i];
             if !may_run(head) {
@@ -88,7 +100,7 @@ impl<T> Queue<T> {
             }
             seen.push(group);
             let members: Vec<usize> = order.iter().copied().filter(|&j| self.entries[j].group == Some(group)).collect();
-            let limit = limit(group.0).max(1);
+            let limit = limit(group.model).max(1);
             let (mut taken, mut samples) = (Vec::new(), 0);
             for &j in &members {
                 let s = self.entries[j].samples;
@@ -130,7 +142,16 @@ mod tests {
 
     /// A request of `model` at `cut` arriving at `ms`, keyed by `key_ms`, ready at once.
     fn request(t0: Instant, name: &'static str, model: usize, cut: usize, samples: i64, key_ms: u64) -> Entry<&'static str> {
-        Entry { group: Some((model, cut)), samples, key: at(t0, key_ms), ready_at: t0, item: name }
+        Entry { group: Some(Group { model, cut, seq: None }), samples, key: at(t0, key_ms), ready_at: t0, item: name }
+    }
+
+    /// The same at sequence length `seq`.
+    fn request_of_length(t0: Instant, name: &'static str, cut: usize, seq: i64, key_ms: u64) -> Entry<&'static str> {
+        Entry { group: Some(Group { model: 0, cut, seq: Some(seq) }), ..request(t0, name, 0, cut, 1, key_ms) }
+    }
+
+    fn group(model: usize, cut: usize) -> Group {
+        Group { model, cut, seq: None }
     }
 
     fn names(pick: Pick<&'static str>) -> Vec<&'static str> {
@@ -170,12 +191,29 @@ mod tests {
         q.push(request(t0, "m1c3", 1, 3, 1, 2));
         q.push(request(t0, "m0c7", 0, 7, 1, 3));
         q.push(request(t0, "m0c3b", 0, 3, 1, 4));
-        assert_eq!(q.next_cut_waiting(0, 3), Some(7));
-        assert_eq!(q.next_cut_waiting(0, 7), None);
-        assert_eq!(q.next_cut_waiting(1, 0), Some(3));
+        assert_eq!(q.next_cut_waiting(group(0, 3)), Some(7));
+        assert_eq!(q.next_cut_waiting(group(0, 7)), None);
+        assert_eq!(q.next_cut_waiting(group(1, 0)), Some(3));
         assert_eq!(names(q.pick(t0, |_| 16, |_| true)), ["m0c3", "m0c3b"]);
         assert_eq!(names(q.pick(t0, |_| 16, |_| true)), ["m1c3"]);
         assert_eq!(names(q.pick(t0, |_| 16, |_| true)), ["m0c7"]);
+    }
+
+    #[test]
+    fn only_requests_of_one_sequence_length_merge() {
+        let t0 = Instant::now();
+        let mut q = Queue::default();
+        q.push(request_of_length(t0, "s8", 2, 8, 1));
+        q.push(request_of_length(t0, "s16", 2, 16, 2));
+        q.push(request_of_length(t0, "s8b", 2, 8, 3));
+        q.push(request_of_length(t0, "s16 later", 5, 16, 4));
+        // A batch of length 8 entering at cut 2 runs to the end: the requests waiting at cut 5
+        // are of another length. One of length 16 stops at cut 5 to join them.
+        assert_eq!(q.next_cut_waiting(Group { model: 0, cut: 2, seq: Some(8) }), None);
+        assert_eq!(q.next_cut_waiting(Group { model: 0, cut: 2, seq: Some(16) }), Some(5));
+        assert_eq!(names(q.pick(t0, |_| 16, |_| true)), ["s8", "s8b"]);
+        assert_eq!(names(q.pick(t0, |_| 16, |_| true)), ["s16"]);
+        assert_eq!(names(q.pick(t0, |_| 16, |_| true)), ["s16 later"]);
     }
 
     #[test]
