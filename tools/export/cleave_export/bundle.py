@@ -16,8 +16,10 @@ only once every stage has been validated, so a failed export never leaves half a
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -125,7 +127,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         for b in batches:
             for seq in seqs:
                 inputs = inputs_at(b, seq)
-                expected = _validate(src, gm, loaded, part, inputs, Probe(b, seq))
+                expected = _validate(src, gm, loaded, part, compilers, inputs, Probe(b, seq))
                 if b in opts.reference_batches:
                     references[(b, seq)] = (inputs, expected)
         timings["validate"] = time.perf_counter() - t
@@ -253,6 +255,8 @@ def _where(p: Probe) -> str:
 
 
 def _call_model(src: ModelSource, inputs: tuple, at: Probe):
+    if src.input_names is None:
+        _check_arity(src.model, len(inputs))
     try:
         with torch.no_grad():
             return src(inputs)
@@ -264,20 +268,57 @@ def _call_model(src: ModelSource, inputs: tuple, at: Probe):
         ) from e
 
 
-def _run_chain(stages: list, inputs: tuple) -> list[list]:
+def _check_arity(model: torch.nn.Module, fed: int) -> None:
+    """A forward that needs more positional inputs than the exporter feeds (optical flow's two
+    images, say) is named as such, not left to fail as if the batch size were wrong."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    required = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if len(required) > fed:
+        raise ExportError(
+            f"{type(model).__name__}.forward takes {len(required)} inputs ({', '.join(required)}) but the exporter feeds {fed} "
+            "(what to try: build the model in a `pkg.mod:callable` and give it an `example_inputs(batch_size)` method "
+            "that returns all of them)"
+        )
+
+
+def _run_chain(stages: list, part: Partition, compilers: list[str], inputs: tuple, at: Probe) -> list[list]:
     """Every cut's values when the stages run one after another on `inputs`."""
     cuts = [list(inputs)]
     with torch.no_grad():
-        for stage in stages:
-            cuts.append(list(stage(*cuts[-1])))
+        for i, stage in enumerate(stages):
+            try:
+                cuts.append(list(stage(*cuts[-1])))
+            except Exception as e:
+                # A traced stage up to here may hold the example's sizes as constants.
+                traced = [f"{k} ({part.stages[k].name!r})" for k in range(i + 1) if compilers[k] == "trace"]
+                traced = (
+                    f" (stage {', '.join(traced)} is traced, not scripted, so its shapes may be those of the example "
+                    "it was traced at; what to try: make it scriptable, --verbose shows why it is not)"
+                    if traced
+                    else ""
+                )
+                raise ExportError(
+                    f"at {_where(at)}, stage {i} ({part.stages[i].name!r}) fails: {type(e).__name__}: {_last_line(e)}{traced}"
+                ) from e
     return cuts
 
 
-def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partition, inputs: tuple, at: Probe) -> list:
+def _last_line(e: Exception) -> str:
+    """The cause of a TorchScript error is its last line; of other errors, their first."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and "TorchScript" in lines[0]:
+        return lines[-1].removeprefix(f"{type(e).__name__}: ")
+    return first_line(e)
+
+
+def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partition, compilers: list[str], inputs: tuple, at: Probe) -> list:
     """Check the traced graph and the compiled chain against the model at one batch size (and
     sequence length)."""
     want = _call_model(src, inputs, at)
-    cut_values = _run_chain(loaded, inputs)
+    cut_values = _run_chain(loaded, part, compilers, inputs, at)
     by_name = {n.name: v for n, v in zip(part.cuts[-1].values, cut_values[-1])}
     err = _relative_error(_assemble(part.output_tree, by_name), want)
     if err > TOLERANCE:
@@ -319,6 +360,9 @@ def _assemble(tree: dict, by_name: dict):
 
 
 def _relative_error(got, want) -> float:
+    """The largest absolute difference over the largest magnitude of `want`, worst over the
+    tensors of two value trees; infinite when their structure, shapes, dtypes or integers
+    differ, or when infinities and NaNs are not at the same places."""
     got_t, want_t = flatten_tensors("", got), flatten_tensors("", want)
     if [k for k, _ in got_t] != [k for k, _ in want_t]:
         return float("inf")
@@ -330,10 +374,29 @@ def _relative_error(got, want) -> float:
             if not torch.equal(g, w):
                 return float("inf")
             continue
-        scale = max(w.abs().max().item(), 1e-12) if w.numel() else 1.0
-        if w.numel():
-            worst = max(worst, (g.double() - w.double()).abs().max().item() / scale)
+        if not w.numel():
+            continue
+        if w.element_size() < 4:
+            g, w = g.float(), w.float()
+        # In the tensors' own precision: the difference of two close floats is exact enough,
+        # and a float64 copy of a language model's logits costs seconds.
+        diff = _max_abs(g - w)
+        if not math.isfinite(diff):
+            # Infinities and NaNs must sit at the same places with the same values; the rest
+            # is compared as usual.
+            finite = w.isfinite()
+            if bool(finite.all()) or not torch.equal(g.isfinite(), finite):
+                return float("inf")
+            if not torch.equal(g[~finite].nan_to_num(), w[~finite].nan_to_num()):
+                return float("inf")
+            g, w = g[finite], w[finite]
+            diff = _max_abs(g - w)
+        worst = max(worst, diff / max(_max_abs(w), 1e-12))
     return worst
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return torch.linalg.vector_norm(t, ord=float("inf")).item() if t.numel() else 0.0
 
 
 def _stage_flops(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> list[int]:

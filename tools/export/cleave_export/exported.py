@@ -44,6 +44,11 @@ _DROPPED = {
 """Runtime checks torch.export inserts; a stage needs none of them."""
 
 
+_SEEDED_BUT_DETERMINISTIC_HERE = {torch.ops.aten.scaled_dot_product_attention.default}
+"""Operations tagged as drawing random numbers that draw none as recorded: attention without
+dropout (with dropout it became a `TrainingAttention`)."""
+
+
 class TrainingDropout(nn.Module):
     """`aten.dropout(x, p, train)` recorded in training mode, dropping out only when training."""
 
@@ -161,6 +166,8 @@ def _stage_ready(gm: fx.GraphModule, output, num_inputs: int) -> fx.GraphModule:
                 mod.meta[MODULE_PATH] = new.meta[MODULE_PATH]
                 graph.erase_node(new)
                 new = mod
+            elif torch.Tag.nondeterministic_seeded in new.target.tags and new.target not in _SEEDED_BUT_DETERMINISTIC_HERE:
+                raise _random_outside_dropout(new)
             elif new.target is torch.ops.aten.sym_size.int:
                 new.target = torch.ops.aten.size
             else:
@@ -187,6 +194,17 @@ def _training_module(node: fx.Node) -> tuple[nn.Module, tuple] | None:
         module = TrainingAttention(float(extra["dropout_p"]), bool(extra["is_causal"]), extra["scale"], bool(extra["enable_gqa"]))
         return module, (*node.args[:3], extra["attn_mask"])
     return None
+
+
+def _random_outside_dropout(node: fx.Node) -> ExportError:
+    """A random draw recorded in training mode that is not a dropout: stochastic depth (drop
+    path), most likely. A stage would draw it in eval mode too; it is refused, not kept."""
+    where = node.meta[MODULE_PATH] or "the model's own forward"
+    return ExportError(
+        f"{where} draws random numbers in training mode ({node.target.overloadpacket.__name__}) other than dropout, "
+        "stochastic depth (drop path) probably, which a stage would draw in eval mode too "
+        "(what to try: set its rate to 0, for a transformers model --hf-config drop_path_rate=0.0)"
+    )
 
 
 def _module_path(node: fx.Node) -> str:

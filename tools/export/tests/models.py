@@ -95,6 +95,30 @@ class BatchBaked(nn.Module):
         return self.fc(x).reshape(3, 2)
 
 
+@torch.fx.wrap
+def _rows_unscriptable(x, **_options):
+    # TorchScript takes no **kwargs, so the stage holding this call is traced, and the trace
+    # keeps the example's batch size as a constant.
+    return x.reshape(int(x.shape[0]), -1)
+
+
+class TracedNotScripted(nn.Module):
+    """A stage that cannot be scripted and whose trace is right at one batch size only."""
+
+    input_shape = (3,)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(_rows_unscriptable(x))
+
+
+def traced_not_scripted():
+    return TracedNotScripted()
+
+
 def tiny_transformer():
     return TinyTransformer()
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import cleave_export
 from cleave_export import ExportError, cli
-from cleave_export.bundle import ExportOptions, export_bundle
+from cleave_export.bundle import ExportOptions, _relative_error, export_bundle
 from cleave_export.partition import parse_granularity
 from cleave_export.sources import load_source
 from cleave_export.specs import (
@@ -565,6 +565,13 @@ def test_torchvision_preset_gives_shape_and_preprocessing():
         (dict(source="tests.models:tiny_residual", batch_min=5, batch_max=2), "--dynamic-batch 5 2: need 1 <= MIN <= MAX"),
         (dict(source="tests.models:tiny_residual", batch_min=0, batch_max=2), "--dynamic-batch 0 2: need 1 <= MIN <= MAX"),
         (dict(source="torch.nn:Identity"), "cannot tell the input shape of torch.nn:Identity: pass --input-shape"),
+        pytest.param(
+            dict(source="tests.models:traced_not_scripted", granularity="op"),
+            "at batch 1, stage 0 ('_rows_unscriptable') fails: RuntimeError: shape '[2, -1]' is invalid for input of size 3 "
+            "(stage 0 ('_rows_unscriptable') is traced, not scripted, so its shapes may be those of the example it was traced "
+            "at; what to try: make it scriptable, --verbose shows why it is not)",
+            marks=pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+        ),
     ],
 )
 def test_bad_inputs_name_the_problem(tmp_path, opts, message):
@@ -843,3 +850,21 @@ def test_parse_granularity():
     for bad in ("fine", "0", "-1", "", "Op"):
         with pytest.raises(ExportError, match=re.escape(f"--granularity {bad!r}: expected top, block")):
             parse_granularity(bad)
+
+
+def test_relative_error_is_infinite_where_values_go_non_finite_or_structure_differs():
+    want = {"logits": torch.tensor([[1.0, -2.0], [4.0, float("-inf")]]), "ids": torch.tensor([1, 2])}
+    close = {"logits": torch.tensor([[1.0, -2.0], [4.0 + 2**-18, float("-inf")]]), "ids": torch.tensor([1, 2])}
+    assert _relative_error(want, want) == 0.0
+    assert _relative_error(close, want) == 2**-20
+    for bad in (
+        {"logits": torch.tensor([[1.0, float("nan")], [4.0, float("-inf")]]), "ids": torch.tensor([1, 2])},
+        {"logits": torch.tensor([[1.0, -2.0], [4.0, float("inf")]]), "ids": torch.tensor([1, 2])},
+        {"logits": torch.tensor([[1.0, -2.0], [4.0, 0.0]]), "ids": torch.tensor([1, 2])},
+        {"logits": want["logits"], "ids": torch.tensor([1, 3])},
+        {"logits": want["logits"].double(), "ids": torch.tensor([1, 2])},
+        {"logits": want["logits"]},
+    ):
+        assert _relative_error(bad, want) == float("inf"), bad
+    half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert _relative_error(half, half) == 0.0

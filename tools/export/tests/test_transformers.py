@@ -179,6 +179,23 @@ class ExampleInputsFail(nn.Module):
         return {}["no such key"]
 
 
+class TwoInputs(nn.Module):
+    """Takes two images, as optical flow does; the exporter feeds one."""
+
+    input_shape = (4,)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, first, second):
+        return self.fc(first - second)
+
+
+def two_inputs():
+    return TwoInputs()
+
+
 def data_dependent_forward():
     return DataDependentForward()
 
@@ -204,6 +221,15 @@ def export_in_process(capfd, *argv: str) -> tuple[int, str]:
          "cleave_export: error: hf:ViTModel takes images; --dynamic-seq is for models that take token ids"),
         (["tests.test_transformers:data_dependent_forward"],
          "cleave_export: error: torch.fx cannot trace DataDependentForward.forward itself: TraceError: "),
+        (["tests.test_transformers:two_inputs"],
+         "cleave_export: error: TwoInputs.forward takes 2 inputs (first, second) but the exporter feeds 1 (what to try: build "
+         "the model in a `pkg.mod:callable` and give it an `example_inputs(batch_size)` method that returns all of them)"),
+        # Two layers: BEiT's stochastic depth rises from 0 at the first layer to drop_path_rate at the last.
+        (["hf:BeitForImageClassification", "--hf-config", "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+          "intermediate_size=64,image_size=32,patch_size=8,drop_path_rate=0.1"],
+         "cleave_export: error: beit.layers.1.drop_path draws random numbers in training mode (rand) other than dropout, "
+         "stochastic depth (drop path) probably, which a stage would draw in eval mode too (what to try: set its rate to 0, "
+         "for a transformers model --hf-config drop_path_rate=0.0)"),
         (["tests.test_transformers:example_inputs_fail"],
          "cleave_export: error: exporting tests.test_transformers:example_inputs_fail failed unexpectedly in "
          "test_transformers.py"),
