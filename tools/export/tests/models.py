@@ -115,6 +115,27 @@ class TracedNotScripted(nn.Module):
         return self.fc(_rows_unscriptable(x))
 
 
+class DataDependentMiddle(nn.Module):
+    """Holds a tensor whose size depends on the data (the positive activations) between two
+    operations: the cuts around it cannot be split at."""
+
+    input_shape = (4,)
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        positive = y[y > 0]
+        return self.fc2(y) + positive.sum()
+
+
+def data_dependent_middle():
+    return DataDependentMiddle()
+
+
 def traced_not_scripted():
     return TracedNotScripted()
 

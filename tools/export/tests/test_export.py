@@ -868,3 +868,20 @@ def test_relative_error_is_infinite_where_values_go_non_finite_or_structure_diff
         assert _relative_error(bad, want) == float("inf"), bad
     half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
     assert _relative_error(half, half) == 0.0
+
+
+def test_cuts_holding_a_data_dependent_shape_are_unusable_with_the_reason(tmp_path):
+    m = export_bundle(ExportOptions("tests.models:data_dependent_middle", tmp_path / "b", granularity="op")).manifest
+    unusable = {c["name"]: c for c in m["cuts"] if not c["usable"]}
+    # The positive activations (`?` values) live after the indexing until the sum reads them.
+    assert sorted(unusable) == ["after fc2", "after getitem"]
+    for c in unusable.values():
+        assert ["?"] in [t["shape"] for t in c["tensors"]]
+        assert c["reason"] == "a tensor here has a data-dependent shape, so a receiver cannot bound its size"
+    assert all(c["usable"] and "reason" not in c for c in m["cuts"] if c["name"] not in unusable)
+    # The Rust side reads the same: `host splits` shows both cuts unusable with the reason.
+    host = EXPORT_ROOT.parent.parent / "target" / "release" / "host"
+    if host.exists():
+        table = subprocess.run([str(host), "splits", "--bundle", str(tmp_path / "b")], capture_output=True, text=True, check=True).stdout
+        rows = [line for line in table.splitlines() if "no: a tensor here has a data-dependent shape" in line]
+        assert [row.split()[1] for row in rows] == ["3", "4"], table
