@@ -166,11 +166,76 @@ impl ConfigFile<'_> {
         Ok(Some(TlsIdentity { cert_pem, key_pem }))
     }
 
+    /// `threads:` and `cores:`, checked (absent: libtorch's default threads, every core the
+    /// process may use).
+    pub fn cpu(&self, threads: Option<usize>, cores: Option<Vec<usize>>) -> Result<CpuUse, ConfigError> {
+        if let Some(n) = threads.filter(|n| !(1..=CpuUse::MAX_THREADS).contains(n)) {
+            return Err(self.invalid("threads", format!("{n} threads: expected 1 to {}", CpuUse::MAX_THREADS)));
+        }
+        if let Some(cores) = &cores {
+            if cores.is_empty() {
+                return Err(self.invalid("cores", "an empty list: give the cores to run on, or leave the key out"));
+            }
+            if let Some(c) = cores.iter().find(|&&c| c >= CpuUse::MAX_CORE) {
+                return Err(self.invalid("cores", format!("core {c}: expected 0 to {}", CpuUse::MAX_CORE - 1)));
+            }
+        }
+        Ok(CpuUse { threads, cores })
+    }
+
     /// Limits, checked; `prefix` is where they sit in the file (`""` or `"loopback."`).
     pub fn limits(&self, prefix: &str, limits: Limits) -> Result<Limits, ConfigError> {
         limits.validate().map_err(|(key, message)| self.invalid(&format!("{prefix}{key}"), message))?;
         Ok(limits)
     }
+}
+
+/// `threads:` and `cores:` in either config: how many threads libtorch runs one operator on
+/// (its intra-op pool) and the cores the process runs on. Absent: libtorch's default, one
+/// thread per core the process may use, on every core. An edge and a server sharing a
+/// machine each want their own share, or their pools fight over the cores.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CpuUse {
+    /// Threads per operator.
+    pub threads: Option<usize>,
+    /// Cores to run on.
+    pub cores: Option<Vec<usize>>,
+}
+
+impl CpuUse {
+    /// The most threads a config may ask for.
+    pub const MAX_THREADS: usize = 1024;
+    /// Cores are numbered below this (the kernel's `CPU_SETSIZE`).
+    pub const MAX_CORE: usize = 1024;
+
+    /// Pins the calling thread to the cores (threads it starts later inherit them: call it
+    /// before any other starts) and sets libtorch's intra-op threads.
+    pub fn apply(&self) -> std::io::Result<()> {
+        if let Some(cores) = &self.cores {
+            pin_thread(0, cores)?;
+        }
+        if let Some(n) = self.threads {
+            tch::set_num_threads(n as i32);
+        }
+        Ok(())
+    }
+}
+
+/// Restricts thread `tid` (0: the caller) to `cores`.
+pub fn pin_thread(tid: i32, cores: &[usize]) -> std::io::Result<()> {
+    use nix::sched::{sched_setaffinity, CpuSet};
+    let mut set = CpuSet::new();
+    for &c in cores {
+        set.set(c).map_err(|e| std::io::Error::other(format!("core {c}: {e}")))?;
+    }
+    sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set).map_err(|e| std::io::Error::other(format!("cannot run on cores {cores:?}: {e}")))
+}
+
+/// The cores this process may run on.
+pub fn allowed_cores() -> std::io::Result<Vec<usize>> {
+    use nix::sched::{sched_getaffinity, CpuSet};
+    let set = sched_getaffinity(nix::unistd::Pid::from_raw(0)).map_err(std::io::Error::other)?;
+    Ok((0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect())
 }
 
 /// The default device: `auto`.

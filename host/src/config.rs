@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use cleave_common::bundle::SplitSpec;
-use cleave_common::config::{auto_device, ConfigError, ConfigFile, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::config::{auto_device, ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity};
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
@@ -106,6 +106,10 @@ struct RawEdgeConfig {
     retry: RawRetry,
     #[serde(default)]
     fallback: Option<String>,
+    #[serde(default)]
+    threads: Option<usize>,
+    #[serde(default)]
+    cores: Option<Vec<usize>>,
 }
 
 /// `retry:` in edge.yaml.
@@ -361,6 +365,8 @@ pub struct EdgeConfig {
     pub objective: Objective,
     /// Deadlines, reconnects and fallback.
     pub resilience: Resilience,
+    /// libtorch's threads per operator and the cores, on the edge (`threads:`, `cores:`).
+    pub cpu: CpuUse,
 }
 
 impl EdgeConfig {
@@ -468,6 +474,7 @@ impl EdgeConfig {
             codec,
             security,
             resilience,
+            cpu: secrets.cpu(raw.threads, raw.cores)?,
         })
     }
 }

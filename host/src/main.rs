@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use cleave_common::config::CpuUse;
 use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, TrainMode};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
@@ -191,6 +192,7 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
         let train = config.train.as_mut().ok_or_else(|| anyhow::anyhow!("--monolithic needs a training config (a `train:` section)"))?;
         train.mode = TrainMode::Monolithic;
     }
+    config.cpu.apply()?;
     let runtime = tokio::runtime::Runtime::new()?;
     if config.train.is_some() {
         runtime.block_on(cleave_host::training::run(config, opts))?;
@@ -202,12 +204,17 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
 
 fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(&path)?;
+    config.cpu.apply()?;
     tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
     Ok(true)
 }
 
 fn load(paths: &[PathBuf], opts: LoadOptions) -> anyhow::Result<bool> {
     let configs = paths.iter().map(|p| EdgeConfig::load(p)).collect::<Result<Vec<_>, _>>()?;
+    // The edges of one load run share this process: the first config's cores, and the most
+    // threads any of them asks for.
+    let cores = configs.first().and_then(|c| c.cpu.cores.clone());
+    CpuUse { threads: configs.iter().filter_map(|c| c.cpu.threads).max(), cores }.apply()?;
     tokio::runtime::Runtime::new()?.block_on(cleave_host::load::run(configs, opts))?;
     Ok(true)
 }

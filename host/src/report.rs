@@ -280,6 +280,8 @@ fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
     let u = |i: usize| cells[i].parse::<u64>().ok();
     let metrics = RequestMetrics {
         split: cells[1].parse().ok()?,
+        // Not a column of metrics.csv (its format stays as later readers know it).
+        input_ms: 0.0,
         prefix_ms: f(3)?,
         encode_ms: f(4)?,
         bytes_raw: u(5)?,

@@ -64,5 +64,6 @@ fn main() -> ExitCode {
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = ServerConfig::load(path)?;
+    config.cpu.apply()?;
     Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))?)
 }

@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use cleave_common::config::CpuUse;
 use cleave_common::training::loss::LossKind;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::SplitSpec;
@@ -252,4 +253,54 @@ fn synthetic_inputs_are_reproducible_from_any_thread() {
     let tokens = here.values[0].1.as_tensor().unwrap();
     assert_eq!(tokens.kind(), Kind::Int64);
     assert!(tokens.max().int64_value(&[]) < 10 && tokens.min().int64_value(&[]) >= 0);
+}
+
+#[test]
+fn threads_and_cores_are_keys_of_both_configs() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let edge = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let server = "listen: 127.0.0.1:0\nbundle: b\n";
+    assert_eq!(EdgeConfig::load(&write("e.yaml", edge)).unwrap().cpu, CpuUse::default());
+    assert_eq!(ServerConfig::load(&write("s.yaml", server)).unwrap().cpu, CpuUse::default());
+    let want = CpuUse { threads: Some(3), cores: Some(vec![0, 2]) };
+    assert_eq!(EdgeConfig::load(&write("e.yaml", &format!("{edge}threads: 3\ncores: [0, 2]\n"))).unwrap().cpu, want);
+    assert_eq!(ServerConfig::load(&write("s.yaml", &format!("{server}threads: 3\ncores: [0, 2]\n"))).unwrap().cpu, want);
+    for (bad, key, message) in [
+        ("threads: 0", "`threads`", "expected 1 to 1024"),
+        ("threads: 1025", "`threads`", "expected 1 to 1024"),
+        ("cores: []", "`cores`", "an empty list"),
+        ("cores: [1, 4096]", "`cores`", "core 4096: expected 0 to 1023"),
+    ] {
+        let err = EdgeConfig::load(&write("e.yaml", &format!("{edge}{bad}\n"))).unwrap_err().to_string();
+        assert!(err.contains(key) && err.contains(message), "{bad}: {err}");
+        let err = ServerConfig::load(&write("s.yaml", &format!("{server}{bad}\n"))).unwrap_err().to_string();
+        assert!(err.contains(key) && err.contains(message), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn cpu_use_applied_sets_the_threads_and_pins_the_calling_thread() {
+    // On a thread of its own: the pinning stays with it.
+    std::thread::spawn(|| {
+        let cores = cleave_common::config::allowed_cores().unwrap();
+        let before = tch::get_num_threads();
+        CpuUse { threads: Some(1), cores: Some(vec![cores[0]]) }.apply().unwrap();
+        assert_eq!(tch::get_num_threads(), 1);
+        // A thread started now inherits the one core.
+        let seen = std::thread::spawn(|| cleave_common::config::allowed_cores().unwrap()).join().unwrap();
+        assert_eq!(seen, vec![cores[0]]);
+        CpuUse::default().apply().unwrap();
+        assert_eq!(tch::get_num_threads(), 1, "absent: left as it is");
+        tch::set_num_threads(before);
+        // A core the machine does not have is an error that names it.
+        let err = CpuUse { threads: None, cores: Some(vec![1023]) }.apply().unwrap_err().to_string();
+        assert!(err.contains("cannot run on cores [1023]"), "{err}");
+    })
+    .join()
+    .unwrap();
 }

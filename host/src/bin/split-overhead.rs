@@ -1,45 +1,91 @@
-//! Bench (not a test): median end-to-end latency of split inference over loopback gRPC at
-//! three split points and for each codec, divided by the median latency of the whole model
-//! in one process, all measured in one run on the same inputs.
+//! Bench (not a test): what splitting costs beyond the compute it cannot avoid, measured in
+//! one run, the configurations interleaved round by round:
 //!
-//!     cargo run --release -p cleave-host --bin split-overhead -- --bundle bundles/resnet18 \
-//!         --codecs raw,shuffle+lz4 [--encrypt]
+//! - (a) the whole model in this process, on every core;
+//! - (b) the floor of a split: the same prefix on the edge's threads and cores, then the
+//!   suffix on the server's, back to back in this process;
+//! - (c) the split over loopback gRPC between this process (the edge) and a `server` process,
+//!   each with its own threads (`threads:`) and, where the machine has two cores or more, its
+//!   own cores.
+//!
+//! It prints, per batch size, cut and codec, (c)/(b) and the protocol's own time per request
+//! at p50 (end to end minus making the input, edge compute and server compute) against its
+//! budget, 0.3 ms plus the bytes at 2 GB/s. Its last line: `worst split/floor ratio: X`.
+//!
+//!     cargo build --release
+//!     target/release/split-overhead --bundle bundles/resnet18 --batches 1,8 --codecs raw,shuffle+lz4
 
-use std::path::PathBuf;
-use std::time::Instant;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
+use anyhow::{bail, Context};
 use clap::Parser;
-use cleave_common::config::Limits;
-use cleave_common::security::{EdgeSecurity, ServerSecurity};
+use cleave_common::config::{allowed_cores, pin_thread};
 use cleave_common::stats::median;
-use cleave_common::wire::{Codec, CodecPolicy, Key, KeyRing};
-use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
+use cleave_common::tables::human_bytes;
+use cleave_common::wire::{Codec, Key};
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{connect, Link};
-use cleave_host::LoopbackServer;
+use cleave_host::session::{connect, EdgeSession, Link};
 
 #[derive(Parser)]
 struct Args {
     /// Bundle directory.
     #[arg(long, default_value = "bundles/resnet18")]
     bundle: PathBuf,
-    /// Samples per request.
-    #[arg(long, default_value_t = 8)]
-    batch: i64,
-    /// Timed requests per configuration (after warm-up).
-    #[arg(long, default_value_t = 20)]
-    requests: u64,
+    /// Samples per request, each measured on its own.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batches: Vec<i64>,
+    /// Timed rounds (one warm-up round more); each runs every configuration.
+    #[arg(long, default_value_t = 6)]
+    rounds: usize,
+    /// Requests per configuration in a round.
+    #[arg(long, default_value_t = 5)]
+    per_round: u64,
     /// Cuts to split at (default: a quarter, half and three quarters of the stages).
     #[arg(long, value_delimiter = ',')]
     splits: Vec<usize>,
-    /// Codecs to compare at each split.
+    /// Codecs to compare at each cut.
     #[arg(long, value_delimiter = ',', default_value = "raw,shuffle+lz4")]
     codecs: Vec<Codec>,
     /// Also seal every payload with AES-256-GCM (a random key).
     #[arg(long)]
     encrypt: bool,
+    /// The edge's cores (default: the first half of the cores this process may use).
+    #[arg(long, value_delimiter = ',')]
+    edge_cores: Vec<usize>,
+    /// The server's cores (default: the other half).
+    #[arg(long, value_delimiter = ',')]
+    server_cores: Vec<usize>,
+    /// The edge's threads per operator (default: one per edge core).
+    #[arg(long)]
+    edge_threads: Option<usize>,
+    /// The server's threads per operator (default: one per server core).
+    #[arg(long)]
+    server_threads: Option<usize>,
+    /// The server binary (default: `server` beside this one).
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
+}
+
+/// Where one side runs.
+#[derive(Clone)]
+struct Side {
+    cores: Vec<usize>,
+    threads: usize,
+}
+
+impl Side {
+    /// Moves every thread of this process onto the side's cores and sets libtorch's threads.
+    fn enter(&self) -> anyhow::Result<()> {
+        pin_threads(&self.cores)?;
+        tch::set_num_threads(self.threads as i32);
+        Ok(())
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -47,79 +93,259 @@ fn main() -> anyhow::Result<()> {
     let bundle = Bundle::open(&args.bundle)?;
     let n = bundle.stage_count();
     let splits = if args.splits.is_empty() { vec![n / 4, n / 2, 3 * n / 4] } else { args.splits.clone() };
-    let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, &bundle, args.batch)?;
-    let warmup = 3;
-
-    // The reference: the whole model in one process, one request at a time.
-    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu)?;
-    let mut local = Vec::new();
-    for id in 0..warmup + args.requests {
-        let input = inputs.batch(id);
-        let t = Instant::now();
-        whole.run(StageRange::all(&bundle), &input)?;
-        if id >= warmup {
-            local.push(t.elapsed().as_secs_f64() * 1e3);
+    let all_cores = allowed_cores()?;
+    let (edge_cores, server_cores) = match (args.edge_cores.is_empty(), args.server_cores.is_empty()) {
+        (true, true) if all_cores.len() >= 2 => {
+            let half = all_cores.len() / 2;
+            (all_cores[..half].to_vec(), all_cores[half..].to_vec())
         }
-    }
-    drop(whole);
-    let local_p50 = median(&local)?;
+        (true, true) => (all_cores.clone(), all_cores.clone()),
+        (false, false) => (args.edge_cores.clone(), args.server_cores.clone()),
+        _ => bail!("give both --edge-cores and --server-cores, or neither"),
+    };
+    let edge = Side { threads: args.edge_threads.unwrap_or(edge_cores.len()), cores: edge_cores };
+    let server_side = Side { threads: args.server_threads.unwrap_or(server_cores.len()), cores: server_cores };
+    let whole_side = Side { cores: all_cores.clone(), threads: tch::get_num_threads() as usize };
+    let server_bin = match &args.server_bin {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?.with_file_name("server"),
+    };
+    anyhow::ensure!(server_bin.exists(), "no server binary at {} (cargo build --release builds it)", server_bin.display());
+    let key = args.encrypt.then(Key::random);
     println!(
-        "{}: batch {}, {} timed requests each, CPU, loopback gRPC, one request in flight{}",
+        "{}: CPU, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
+         whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration",
         bundle.manifest().model.source,
-        args.batch,
-        args.requests,
-        if args.encrypt { ", payloads sealed with AES-256-GCM" } else { "" }
+        edge.cores,
+        edge.threads,
+        server_side.cores,
+        server_side.threads,
+        whole_side.cores,
+        whole_side.threads,
+        if key.is_some() { "; payloads sealed with AES-256-GCM" } else { "" },
+        args.rounds,
+        args.per_round,
     );
-    println!("{:<30} {:<16} {:>11} {:>7} {:>11} {:>11}", "configuration", "codec", "p50 e2e ms", "ratio", "boundary", "on the wire");
-    println!("{:<30} {:<16} {:>11.2} {:>7.3} {:>11} {:>11}", "whole model, in process", "-", local_p50, 1.0, "-", "-");
-    let key = args.encrypt.then(|| (1u32, Key::random()));
-    let ring = KeyRing::new(key.clone()).expect("one key");
-    let security =
-        ServerSecurity { policy: CodecPolicy { require_encryption: key.is_some(), ..CodecPolicy::default() }, keys: ring, ..Default::default() };
-
+    println!(
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10}",
+        "batch", "cut", "codec", "whole ms", "floor ms", "split ms", "split/", "split/", "protocol", "budget", "on the"
+    );
+    println!(
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10}",
+        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire"
+    );
+    let mut worst: f64 = 0.0;
     let rt = tokio::runtime::Runtime::new()?;
-    rt.block_on(async {
-        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await?;
-        let link = Link::secured(&EdgeSecurity { key: key.clone(), ..Default::default() });
-        for (split, codec) in splits.iter().flat_map(|&s| args.codecs.iter().map(move |c| (s, *c))) {
-            let mut session = connect(&server.url, &bundle, &link).await?;
-            let plan = StreamPlan {
-                bundle: bundle.clone(),
-                split: Splits::Fixed(split),
-                device: DeviceSpec::Cpu,
-                ids: (0..warmup + args.requests).collect(),
-                resilience: Default::default(),
-                in_flight: 1,
-                inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, &bundle, args.batch)?,
-                codec,
-                key: key.clone(),
-            };
-            let mut e2e = Vec::new();
-            let (mut raw, mut wire) = (0, 0);
-            let mut errors = Vec::new();
-            stream_requests(&mut session, plan, |o| match &o.output {
-                Ok(_) if o.request_id >= warmup => {
-                    e2e.push(o.metrics.e2e_ms);
-                    (raw, wire) = (o.metrics.bytes_raw, o.metrics.bytes_wire);
-                }
-                Ok(_) => {}
-                Err(e) => errors.push(e.clone()),
-            })
-            .await?;
-            if let Some(e) = errors.first() {
-                anyhow::bail!("split {split} codec {codec}: {} requests failed, first: {e}", errors.len());
-            }
-            let p50 = median(&e2e)?;
+    for &batch in &args.batches {
+        let stats = rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?;
+        for row in stats {
+            worst = worst.max(row.split_ms / row.floor_ms);
             println!(
-                "{:<30} {:<16} {:>11.2} {:>7.3} {:>11} {:>11}",
-                format!("split at cut {split} ({})", bundle.cut(split).name.trim_start_matches("after ")),
-                codec.to_string(),
-                p50,
-                p50 / local_p50,
-                cleave_common::tables::human_bytes(raw),
-                cleave_common::tables::human_bytes(wire)
+                "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10}",
+                batch,
+                format!("{} ({})", row.cut, bundle.cut(row.cut).name.trim_start_matches("after ")),
+                row.codec.to_string(),
+                row.whole_ms,
+                row.floor_ms,
+                row.split_ms,
+                row.split_ms / row.floor_ms,
+                row.split_ms / row.whole_ms,
+                row.protocol_ms,
+                0.3 + row.wire_bytes as f64 / 2e9 * 1e3,
+                human_bytes(row.wire_bytes),
             );
         }
-        Ok(server.shutdown().await?)
-    })
+    }
+    println!("worst split/floor ratio: {worst:.3}");
+    Ok(())
+}
+
+/// One row of the table.
+struct Row {
+    cut: usize,
+    codec: Codec,
+    whole_ms: f64,
+    floor_ms: f64,
+    split_ms: f64,
+    protocol_ms: f64,
+    wire_bytes: u64,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn measure_batch(
+    args: &Args,
+    bundle: &Bundle,
+    splits: &[usize],
+    batch: i64,
+    key: Option<&Key>,
+    server_bin: &Path,
+    edge: &Side,
+    server_side: &Side,
+    whole_side: &Side,
+) -> anyhow::Result<Vec<Row>> {
+    let scratch = tempfile::tempdir()?;
+    let (mut server, url) = start_server(server_bin, bundle, server_side, key, scratch.path())?;
+    let result = async {
+        let n = bundle.stage_count();
+        let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?;
+        let stages = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu)?;
+        let link = Link::default();
+        let configs: Vec<(usize, Codec)> = splits.iter().flat_map(|&s| args.codecs.iter().map(move |&c| (s, c))).collect();
+        let mut sessions = Vec::new();
+        for _ in &configs {
+            sessions.push(connect_when_up(&url, bundle, &link, &mut server).await?);
+        }
+        let mut whole = Vec::new();
+        let mut floor = vec![Vec::new(); splits.len()];
+        let mut split = vec![Vec::new(); configs.len()];
+        let mut protocol = vec![Vec::new(); configs.len()];
+        let mut wire = vec![0u64; configs.len()];
+        let mut next_id = 0u64;
+        for round in 0..=args.rounds {
+            let timed = round > 0;
+            // (a) the whole model on every core.
+            whole_side.enter()?;
+            for _ in 0..args.per_round {
+                let input = inputs.batch(next_id);
+                next_id += 1;
+                let t = Instant::now();
+                stages.run(StageRange::all(bundle), &input)?;
+                if timed {
+                    whole.push(ms(t));
+                }
+            }
+            // (b) prefix on the edge's side, suffix on the server's.
+            for (k, &s) in splits.iter().enumerate() {
+                for _ in 0..args.per_round {
+                    let input = inputs.batch(next_id);
+                    next_id += 1;
+                    edge.enter()?;
+                    let t = Instant::now();
+                    let boundary: Boundary = stages.run(StageRange::prefix(s), &input)?;
+                    let prefix = ms(t);
+                    server_side.enter()?;
+                    let t = Instant::now();
+                    stages.run(StageRange::new(s, n), &boundary)?;
+                    if timed {
+                        floor[k].push(prefix + ms(t));
+                    }
+                }
+            }
+            // (c) the split, the edge on its side.
+            edge.enter()?;
+            for (k, (&(s, codec), session)) in configs.iter().zip(&mut sessions).enumerate() {
+                let ids: Vec<u64> = (next_id..next_id + args.per_round).collect();
+                next_id += args.per_round;
+                let plan = StreamPlan {
+                    bundle: bundle.clone(),
+                    split: Splits::Fixed(s),
+                    device: DeviceSpec::Cpu,
+                    ids,
+                    resilience: Default::default(),
+                    in_flight: 1,
+                    inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?,
+                    codec,
+                    key: key.map(|k| (1, k.clone())),
+                };
+                let mut errors = Vec::new();
+                stream_requests(session, plan, |o| match &o.output {
+                    Ok(_) => {
+                        let m = &o.metrics;
+                        if timed {
+                            split[k].push(m.e2e_ms - m.input_ms);
+                            protocol[k].push(m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms);
+                        }
+                        wire[k] = m.bytes_wire;
+                    }
+                    Err(e) => errors.push(e.clone()),
+                })
+                .await?;
+                if let Some(e) = errors.first() {
+                    bail!("batch {batch}, cut {s}, codec {codec}: {} requests failed, first: {e}", errors.len());
+                }
+            }
+        }
+        let whole_ms = median(&whole)?;
+        let mut rows = Vec::new();
+        for (k, &(cut, codec)) in configs.iter().enumerate() {
+            let f = splits.iter().position(|&s| s == cut).expect("a config's cut is one of the splits");
+            rows.push(Row {
+                cut,
+                codec,
+                whole_ms,
+                floor_ms: median(&floor[f])?,
+                split_ms: median(&split[k])?,
+                protocol_ms: median(&protocol[k])?,
+                wire_bytes: wire[k],
+            });
+        }
+        Ok(rows)
+    }
+    .await;
+    let _ = server.kill();
+    let _ = server.wait();
+    result
+}
+
+/// The `server` process for `bundle` on `side`'s cores and threads, listening on a free port
+/// of 127.0.0.1; its URL.
+fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option<&Key>, dir: &Path) -> anyhow::Result<(Child, String)> {
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let cores: Vec<String> = side.cores.iter().map(usize::to_string).collect();
+    let mut yaml = format!(
+        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: cpu\nthreads: {}\ncores: [{}]\n",
+        std::fs::canonicalize(bundle.dir())?.display(),
+        side.threads,
+        cores.join(", ")
+    );
+    if let Some(key) = key {
+        std::fs::write(dir.join("payload.key"), key.to_hex().as_bytes())?;
+        yaml.push_str(&format!("encryption:\n  required: true\n  keys:\n    - id: 1\n      file: {}\n", dir.join("payload.key").display()));
+    }
+    let config = dir.join("server.yaml");
+    std::fs::write(&config, yaml)?;
+    let child = Command::new(bin)
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    Ok((child, format!("http://127.0.0.1:{port}")))
+}
+
+/// A session once the server answers (it loads its stages first), or the server's exit.
+async fn connect_when_up(url: &str, bundle: &Bundle, link: &Link, server: &mut Child) -> anyhow::Result<EdgeSession> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match connect(url, bundle, link).await {
+            Ok(session) => return Ok(session),
+            Err(e) if Instant::now() > deadline => bail!("the server at {url} did not answer in 60 s: {e}"),
+            Err(_) => {
+                if let Some(status) = server.try_wait()? {
+                    bail!("the server exited ({status}) before answering");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Restricts every thread of this process (libtorch's pool and tokio's included) to `cores`;
+/// threads started later inherit it from their parent.
+fn pin_threads(cores: &[usize]) -> anyhow::Result<()> {
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let Some(tid) = task?.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        // A thread may have ended since the listing.
+        if let Err(e) = pin_thread(tid, cores) {
+            if std::fs::metadata(format!("/proc/self/task/{tid}")).is_ok() {
+                return Err(e.into());
+            }
+        }
+    }
+    Ok(())
 }

@@ -83,11 +83,12 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
                 let split = if ch.on_edge.load(Ordering::Relaxed) { last_cut } else { plan.split.for_request(id) };
                 let started = Instant::now();
                 let input = plan.inputs.batch(id);
+                let input_ms = ms(started);
                 let t = Instant::now();
                 let boundary = stages.run(StageRange::prefix(split), &input)?;
                 let prefix_ms = ms(t);
                 if split == last_cut {
-                    let metrics = RequestMetrics { split, prefix_ms, e2e_ms: ms(started), served_by: ServedBy::Edge, ..Default::default() };
+                    let metrics = RequestMetrics { split, input_ms, prefix_ms, e2e_ms: ms(started), served_by: ServedBy::Edge, ..Default::default() };
                     Produced::Local(RequestOutcome { request_id: id, metrics, output: Ok(boundary) })
                 } else {
                     let t = Instant::now();
@@ -99,6 +100,7 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
                         .collect();
                     let metrics = RequestMetrics {
                         split,
+                        input_ms,
                         prefix_ms,
                         encode_ms: ms(t),
                         bytes_raw: encoded.raw_bytes,

@@ -93,6 +93,8 @@ impl ServerTimes {
 pub struct RequestMetrics {
     /// The cut this request was split at.
     pub split: usize,
+    /// Making the input (reading or generating it); part of `e2e_ms`.
+    pub input_ms: f64,
     /// Running stages [0, split).
     pub prefix_ms: f64,
     /// Encoding the boundary.

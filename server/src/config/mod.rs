@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use cleave_common::config::{ConfigError, ConfigFile, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::config::{ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 
@@ -52,6 +52,10 @@ struct RawServerConfig {
     training: Option<RawServerTraining>,
     #[serde(default)]
     insecure: bool,
+    #[serde(default)]
+    threads: Option<usize>,
+    #[serde(default)]
+    cores: Option<Vec<usize>>,
 }
 
 /// `limits:` in server.yaml: what a request may carry ([`Limits`], announced to hosts in
@@ -331,6 +335,8 @@ pub struct ServerConfig {
     pub training: TrainingOptions,
     /// `insecure: true`: serve another machine without TLS or without a token, on purpose.
     pub insecure: bool,
+    /// libtorch's threads per operator and the cores (`threads:`, `cores:`).
+    pub cpu: CpuUse,
 }
 
 impl ServerConfig {
@@ -390,7 +396,8 @@ impl ServerConfig {
         if training.max_checkpoint_bytes == 0 {
             return Err(file.invalid("training.max_checkpoint_bytes", "must be positive"));
         }
-        Ok(Self { listen, models, scheduler, metrics_listen, limits, peers, security, training, insecure: raw.insecure })
+        let cpu = file.cpu(raw.threads, raw.cores.take())?;
+        Ok(Self { listen, models, scheduler, metrics_listen, limits, peers, security, training, insecure: raw.insecure, cpu })
     }
 }
 
