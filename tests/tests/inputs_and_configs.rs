@@ -126,15 +126,21 @@ fn every_example_config_parses() {
     assert!(server.training.checkpoint_dir.is_some() && !server.training.concurrent_sessions);
 }
 
+/// The fewest keys an inference edge.yaml takes.
+const MINIMAL_EDGE: &str = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+
+/// Writes config file `name` with `text` into `dir`; its path.
+fn write_config(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
 #[test]
 fn config_errors_name_the_file_and_the_key() {
     let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: &str| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
-    let base = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let write = |name: &str, text: &str| write_config(dir.path(), name, text);
+    let base = MINIMAL_EDGE;
     let p = write("typo.yaml", &format!("{base}batch_sise: 4\n"));
     let err = EdgeConfig::load(&p).unwrap_err().to_string();
     assert!(err.contains("typo.yaml") && err.contains("unknown field `batch_sise`"), "{err}");
@@ -174,12 +180,8 @@ fn config_errors_name_the_file_and_the_key() {
 #[test]
 fn the_hosts_deadlines_retries_and_fallback_are_keys_with_defaults() {
     let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: &str| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
-    let base = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let write = |name: &str, text: &str| write_config(dir.path(), name, text);
+    let base = MINIMAL_EDGE;
     let c = EdgeConfig::load(&write("defaults.yaml", base)).unwrap();
     assert_eq!(c.resilience, Resilience::default());
     assert_eq!((c.resilience.retry.max_attempts, c.resilience.fallback), (10, Fallback::None));
@@ -258,12 +260,8 @@ fn synthetic_inputs_are_reproducible_from_any_thread() {
 #[test]
 fn threads_and_cores_are_keys_of_both_configs() {
     let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: &str| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
-    let edge = "server: http://127.0.0.1:1\nbundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let write = |name: &str, text: &str| write_config(dir.path(), name, text);
+    let edge = MINIMAL_EDGE;
     let server = "listen: 127.0.0.1:0\nbundle: b\n";
     assert_eq!(EdgeConfig::load(&write("e.yaml", edge)).unwrap().cpu, CpuUse::default());
     assert_eq!(ServerConfig::load(&write("s.yaml", server)).unwrap().cpu, CpuUse::default());

@@ -190,7 +190,8 @@ async fn measure_batch(
         let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?;
         let stages = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu)?;
         let link = Link::default();
-        let configs: Vec<(usize, Codec)> = splits.iter().flat_map(|&s| args.codecs.iter().map(move |&c| (s, c))).collect();
+        // (index into `splits`, cut, codec)
+        let configs: Vec<(usize, usize, Codec)> = splits.iter().enumerate().flat_map(|(f, &s)| args.codecs.iter().map(move |&c| (f, s, c))).collect();
         let mut sessions = Vec::new();
         for _ in &configs {
             sessions.push(connect_when_up(&url, bundle, &link, &mut server).await?);
@@ -233,7 +234,7 @@ async fn measure_batch(
             }
             // (c) the split, the edge on its side.
             edge.enter()?;
-            for (k, (&(s, codec), session)) in configs.iter().zip(&mut sessions).enumerate() {
+            for (k, (&(_, s, codec), session)) in configs.iter().zip(&mut sessions).enumerate() {
                 let ids: Vec<u64> = (next_id..next_id + args.per_round).collect();
                 next_id += args.per_round;
                 let plan = StreamPlan {
@@ -267,8 +268,7 @@ async fn measure_batch(
         }
         let whole_ms = median(&whole)?;
         let mut rows = Vec::new();
-        for (k, &(cut, codec)) in configs.iter().enumerate() {
-            let f = splits.iter().position(|&s| s == cut).expect("a config's cut is one of the splits");
+        for (k, &(f, cut, codec)) in configs.iter().enumerate() {
             rows.push(Row {
                 cut,
                 codec,
