@@ -186,8 +186,12 @@ pub struct StageInfo {
     pub index: usize,
     /// Its module path (or range of paths).
     pub name: String,
-    /// The TorchScript file.
+    /// The TorchScript file (trainable: split training runs it).
     pub file: String,
+    /// The frozen inference version (eval mode, batch norm folded into convolutions), which
+    /// inference runs when the exporter wrote one.
+    #[serde(default)]
+    pub inference_file: Option<String>,
     /// Module paths it covers, in order.
     #[serde(default)]
     pub modules: Vec<String>,
@@ -701,7 +705,8 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
     if let Some(s) = manifest.stages.iter().enumerate().find(|(i, s)| s.index != *i) {
         return Err(invalid(format!("stage at position {} has index {}", s.0, s.1.index)));
     }
-    for file in manifest.stages.iter().map(|s| &s.file).chain(manifest.references.iter().map(|r| &r.file)) {
+    let stage_files = manifest.stages.iter().flat_map(|s| std::iter::once(&s.file).chain(&s.inference_file));
+    for file in stage_files.chain(manifest.references.iter().map(|r| &r.file)) {
         if !manifest.files.contains_key(file) {
             return Err(invalid(format!("{file} has no hash in `files`")));
         }

@@ -14,7 +14,7 @@ use tch::{CModule, IValue};
 use crate::bundle::Bundle;
 use crate::device::DeviceSpec;
 use crate::error::{BundleError, Result};
-use crate::value::{Boundary, Value};
+use crate::value::{synthetic_inputs, Boundary, Value};
 
 /// Stages `[start, end)`: runs from cut `start` to cut `end`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,8 +82,19 @@ impl fmt::Debug for LoadedStages {
 }
 
 impl LoadedStages {
-    /// Loads stages `range` of `bundle` onto `device`, in eval mode.
+    /// Loads stages `range` of `bundle` onto `device` for inference, in eval mode: each
+    /// stage's frozen inference version where the bundle has one.
     pub fn load(bundle: &Bundle, range: StageRange, device: DeviceSpec) -> Result<Self> {
+        Self::load_files(bundle, range, device, true)
+    }
+
+    /// Loads the trainable stages `range` (the ones with parameters, which split training
+    /// runs), in eval mode.
+    pub fn load_trainable(bundle: &Bundle, range: StageRange, device: DeviceSpec) -> Result<Self> {
+        Self::load_files(bundle, range, device, false)
+    }
+
+    fn load_files(bundle: &Bundle, range: StageRange, device: DeviceSpec, inference: bool) -> Result<Self> {
         if !StageRange::all(bundle).contains(range) {
             return Err(BundleError::InvalidRange {
                 start: range.start,
@@ -96,9 +107,10 @@ impl LoadedStages {
         let modules = bundle.manifest().stages[range.start..range.end]
             .iter()
             .map(|stage| {
-                let mut module = CModule::load_on_device(bundle.dir().join(&stage.file), device).map_err(|e| BundleError::LoadStage {
+                let file = stage.inference_file.as_ref().filter(|_| inference).unwrap_or(&stage.file);
+                let mut module = CModule::load_on_device(bundle.dir().join(file), device).map_err(|e| BundleError::LoadStage {
                     index: stage.index,
-                    file: stage.file.clone(),
+                    file: file.clone(),
                     message: first_line(&e.to_string()),
                 })?;
                 module.set_eval();
@@ -128,6 +140,25 @@ impl LoadedStages {
     /// `range.start`; returns the boundary at cut `range.end`, on this device.
     pub fn run(&self, range: StageRange, input: &Boundary) -> Result<Boundary> {
         tch::no_grad(|| self.run_chain(range, input, |_| ()))
+    }
+
+    /// Runs every loaded stage twice on synthetic inputs of each batch size, so that no
+    /// request pays for a cold start: TorchScript optimises a module over its first runs
+    /// (several times slower), and a device allocates its buffers and kernels. Only stages
+    /// loaded from cut 0 can be fed (their inputs are the model's); others are left as they are.
+    pub fn warm_up(&self, batches: &[i64]) -> Result<()> {
+        if self.range.start != 0 || self.range.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        for &batch in batches {
+            let input = synthetic_inputs(&self.bundle.manifest().inputs, self.bundle.sizes_at(batch))?;
+            for _ in 0..2 {
+                self.run(self.range, &input)?;
+            }
+        }
+        tracing::debug!(range = %self.range, ?batches, elapsed_ms = started.elapsed().as_millis() as u64, "stages warmed up");
+        Ok(())
     }
 
     /// Runs stages `range` in the current grad mode. `enter_stage(i)` is called before stage

@@ -69,6 +69,11 @@ impl Models {
                 });
             }
             let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), config.device)?;
+            // Warm at the smallest batch and the largest a merged batch reaches: the first
+            // requests are then as fast as the rest.
+            let smallest = bundle.manifest().batch.min;
+            let largest = i64::from(config.batching.limit(&bundle)).max(smallest);
+            stages.warm_up(&if largest > smallest { vec![smallest, largest] } else { vec![smallest] })?;
             let device = device_name(stages.device());
             tracing::info!(bundle = %config.bundle.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
             by_device.entry(device.clone()).or_default().push((position, DeviceModel::new(stages, config.batching, config.slo, config.priority)));

@@ -20,7 +20,8 @@ fn fail(path: &Path, message: impl Into<String>) -> TrainError {
 /// (together they must cover every stage): the stage files are saved again with the new
 /// weights, the reference outputs are recomputed from the reference inputs (so `server
 /// check` and `host verify` keep working), the manifest's hashes are updated and it records
-/// where the weights came from. Written beside `out` and renamed into place; an existing
+/// where the weights came from. Frozen inference stages are left out (they hold the old
+/// weights): the new bundle serves its trainable stages until it is exported again. Written beside `out` and renamed into place; an existing
 /// `out` is replaced only once the new bundle is complete.
 pub fn write_trained_bundle(bundle: &Bundle, checkpoints: &[PathBuf], out: &Path) -> Result<Bundle, TrainError> {
     let mut state: HashMap<String, Tensor> = HashMap::new();
@@ -58,7 +59,14 @@ pub fn write_trained_bundle(bundle: &Bundle, checkpoints: &[PathBuf], out: &Path
         let raw_path = bundle.dir().join("manifest.json");
         let raw = std::fs::read(&raw_path).map_err(|e| fail(&raw_path, e.to_string()))?;
         let mut raw: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| fail(&raw_path, e.to_string()))?;
+        // The frozen inference stages hold the old weights and only the exporter can freeze:
+        // the trained bundle serves its trainable stages.
+        let stale: Vec<&str> = manifest.stages.iter().filter_map(|s| s.inference_file.as_deref()).collect();
+        for stage in raw["stages"].as_array_mut().ok_or_else(|| fail(&raw_path, "no `stages` list"))? {
+            stage.as_object_mut().map(|s| s.remove("inference_file"));
+        }
         let files = raw["files"].as_object_mut().ok_or_else(|| fail(&raw_path, "no `files` map"))?;
+        files.retain(|name, _| !stale.contains(&name.as_str()));
         for (name, hash) in files.iter_mut() {
             if !rewritten.contains(&name.as_str()) {
                 std::fs::copy(bundle.dir().join(name), tmp.join(name)).map_err(|e| fail(&tmp, format!("copying {name}: {e}")))?;

@@ -49,7 +49,7 @@ impl TrainableStages {
             }
             Some(_) => {}
         }
-        let mut stages = LoadedStages::load(bundle, range, device)?;
+        let mut stages = LoadedStages::load_trainable(bundle, range, device)?;
         stages.set_training(true);
         let mut parameters = Vec::new();
         let mut buffers = Vec::new();

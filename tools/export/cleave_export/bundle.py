@@ -5,6 +5,8 @@ Layout of a bundle directory:
     manifest.json              format version, model, inputs/output, cuts, stages, file hashes
     stage_000.pt ...           one TorchScript module per stage: `forward`, and `cleave_buffers`
                                (its buffers as (name, tensor) pairs, for callers without a buffers API)
+    stage_000.infer.pt ...     its frozen inference version, `forward` only (inference.py), for
+                               every stage where one validates (the manifest's `inference_file`)
     reference_b1.safetensors   reference inputs (`input.NAME`) and outputs (`output.NAME`);
                                with a dynamic sequence one per batch and sequence length,
                                `reference_b1_s8.safetensors`
@@ -19,7 +21,6 @@ import hashlib
 import inspect
 import json
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -33,16 +34,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import cleave_export
 from cleave_export import ExportError, first_line
+from cleave_export.compare import TOLERANCE, relative_error
 from cleave_export.exported import trace_with_export
+from cleave_export.inference import InferenceStages, write_inference_stages
 from cleave_export.partition import GRANULARITY_DEPTH, Partition, parse_granularity, partition, stage_module
 from cleave_export.sources import ModelSource, load_source
 from cleave_export.specs import Probe, bytes_per_sample, check_value, flatten_tensors, tensor_leaves
 from cleave_export.tracing import TraceError, record_values, trace
 
 log = logging.getLogger(__name__)
-
-TOLERANCE = 1e-5
-"""Largest allowed |chain - model| relative to the largest |model output|."""
 
 
 @dataclass
@@ -73,6 +73,8 @@ class ExportReport:
     timings: dict[str, float] = field(default_factory=dict)
     validated_batches: list[int] = field(default_factory=list)
     validated_seqs: list[int] = field(default_factory=list)
+    inference: InferenceStages | None = None
+    """The inference files written, and how close their chain comes to the references."""
 
 
 def export_bundle(opts: ExportOptions) -> ExportReport:
@@ -94,13 +96,9 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     if seq_range is not None and not 1 <= seq_range[0] <= seq_range[1]:
         raise ExportError(f"--dynamic-seq {seq_range[0]} {seq_range[1]}: need 1 <= MIN <= MAX")
 
-    def inputs_at(batch: int, seq: int | None) -> tuple:
-        torch.manual_seed(opts.seed * 7919 + batch + (seq or 0) * 104729)
-        return src.make_inputs(batch, seq)
-
     # Probes tell the symbolic dimensions: another batch size shows B, another length S.
     probes, ranges = _probes(opts.batch_min, opts.batch_max, seq_range)
-    probe_inputs = [inputs_at(p.batch, p.seq) for p in probes]
+    probe_inputs = [src.example_inputs(opts.seed, p.batch, p.seq) for p in probes]
     # Fail early, with the model's own error, on inputs or batch sizes it does not take.
     for p, inputs in zip(probes, probe_inputs):
         _call_model(src, inputs, p)
@@ -123,14 +121,20 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         batches = sorted({opts.batch_min, min(3, opts.batch_max), min(8, opts.batch_max), *opts.reference_batches})
         batches = [b for b in batches if opts.batch_min <= b <= opts.batch_max]
         seqs = [None] if seq_range is None else sorted({min(max(seq_range[0], 8), seq_range[1]), seq_range[1]})
-        references = {}
+        references, validation = {}, []
         for b in batches:
             for seq in seqs:
-                inputs = inputs_at(b, seq)
+                inputs = src.example_inputs(opts.seed, b, seq)
                 expected = _validate(src, gm, loaded, part, compilers, inputs, Probe(b, seq))
+                validation.append((_where(Probe(b, seq)), inputs))
                 if b in opts.reference_batches:
                     references[(b, seq)] = (inputs, expected)
         timings["validate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        stage_files = [tmp / _stage_file(i) for i in range(len(stage_gms))]
+        inference = write_inference_stages(stage_files, loaded, [s.name for s in part.stages], validation)
+        timings["inference"] = time.perf_counter() - t
 
         t = time.perf_counter()
         flops = _stage_flops(stage_gms, probe_inputs[0], probes[0].batch)
@@ -144,7 +148,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
                 tensors.update({f"output.{k}": v for k, v in flatten_tensors(value.name, x)})
             save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / name))
             ref_entries.append({"batch_size": b, "file": name} | ({} if seq is None else {"seq_len": seq}))
-        manifest = _manifest(opts, src, part, stage_gms, compilers, flops, kept_whole, tracer, seq_range, ref_entries, tmp)
+        manifest = _manifest(opts, src, part, stage_gms, compilers, inference, flops, kept_whole, tracer, seq_range, ref_entries, tmp)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if opts.out.exists():
             shutil.rmtree(opts.out)
@@ -154,7 +158,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     timings["total"] = time.perf_counter() - started
-    return ExportReport(manifest, timings, batches, [q for q in seqs if q is not None])
+    return ExportReport(manifest, timings, batches, [q for q in seqs if q is not None], inference)
 
 
 def _probes(batch_min: int, batch_max: int, seq_range: tuple[int, int] | None) -> tuple[list[Probe], dict]:
@@ -320,11 +324,11 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
     want = _call_model(src, inputs, at)
     cut_values = _run_chain(loaded, part, compilers, inputs, at)
     by_name = {n.name: v for n, v in zip(part.cuts[-1].values, cut_values[-1])}
-    err = _relative_error(_assemble(part.output_tree, by_name), want)
+    err = relative_error(assemble_output(part.output_tree, by_name), want)
     if err > TOLERANCE:
         # Which is wrong, the trace or the stages made of it? Only worth running then.
         with torch.no_grad():
-            traced_err = _relative_error(gm(*inputs), want)
+            traced_err = relative_error(gm(*inputs), want)
         if traced_err > TOLERANCE:
             raise ExportError(
                 f"the trace of the model differs from the model at {_where(at)} (relative error {traced_err:.2e}); "
@@ -340,7 +344,7 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
         reference = record_values(gm, inputs)
         for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
             for node, v in zip(cut.values, values):
-                if _relative_error(v, reference[node.name]) > TOLERANCE:
+                if relative_error(v, reference[node.name]) > TOLERANCE:
                     raise ExportError(
                         f"at {_where(at)}, stage {k - 1} ({part.stages[k - 1].name!r}) computes {node.name!r} "
                         f"differently from the model; output relative error {err:.2e}"
@@ -349,54 +353,16 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
     return cut_values[-1]
 
 
-def _assemble(tree: dict, by_name: dict):
+def assemble_output(tree: dict, by_name: dict):
+    """The model's output rebuilt from the last cut's values by name, following the manifest's
+    `output` tree."""
     kind = tree["type"]
     if kind == "ref":
         return by_name[tree["name"]]
     if kind in ("tuple", "list"):
-        items = [_assemble(t, by_name) for t in tree["items"]]
+        items = [assemble_output(t, by_name) for t in tree["items"]]
         return tuple(items) if kind == "tuple" else items
-    return {item["key"]: _assemble(item["value"], by_name) for item in tree["items"]}
-
-
-def _relative_error(got, want) -> float:
-    """The largest absolute difference over the largest magnitude of `want`, worst over the
-    tensors of two value trees; infinite when their structure, shapes, dtypes or integers
-    differ, or when infinities and NaNs are not at the same places."""
-    got_t, want_t = flatten_tensors("", got), flatten_tensors("", want)
-    if [k for k, _ in got_t] != [k for k, _ in want_t]:
-        return float("inf")
-    worst = 0.0
-    for (_, g), (_, w) in zip(got_t, want_t):
-        if g.shape != w.shape or g.dtype != w.dtype:
-            return float("inf")
-        if not w.is_floating_point():
-            if not torch.equal(g, w):
-                return float("inf")
-            continue
-        if not w.numel():
-            continue
-        if w.element_size() < 4:
-            g, w = g.float(), w.float()
-        # In the tensors' own precision: the difference of two close floats is exact enough,
-        # and a float64 copy of a language model's logits costs seconds.
-        diff = _max_abs(g - w)
-        if not math.isfinite(diff):
-            # Infinities and NaNs must sit at the same places with the same values; the rest
-            # is compared as usual.
-            finite = w.isfinite()
-            if bool(finite.all()) or not torch.equal(g.isfinite(), finite):
-                return float("inf")
-            if not torch.equal(g[~finite].nan_to_num(), w[~finite].nan_to_num()):
-                return float("inf")
-            g, w = g[finite], w[finite]
-            diff = _max_abs(g - w)
-        worst = max(worst, diff / max(_max_abs(w), 1e-12))
-    return worst
-
-
-def _max_abs(t: torch.Tensor) -> float:
-    return torch.linalg.vector_norm(t, ord=float("inf")).item() if t.numel() else 0.0
+    return {item["key"]: assemble_output(item["value"], by_name) for item in tree["items"]}
 
 
 def _stage_flops(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> list[int]:
@@ -452,7 +418,10 @@ def _shared_parameters(model: torch.nn.Module, stage_gms: list[fx.GraphModule]) 
     return shared
 
 
-def _manifest(opts, src, part: Partition, stage_gms, compilers, flops, kept_whole, tracer, seq_range, references, tmp: Path) -> dict:
+def _manifest(
+    opts, src, part: Partition, stage_gms, compilers, inference: InferenceStages,
+    flops, kept_whole, tracer, seq_range, references, tmp: Path,
+) -> dict:
     model = src.model
     stage_params = [sum(p.numel() for p in sgm.parameters()) for sgm in stage_gms]
     cuts = []
@@ -488,6 +457,7 @@ def _manifest(opts, src, part: Partition, stage_gms, compilers, flops, kept_whol
             "parameter_names": [name for name, _ in stage_gms[i].named_parameters()],
             "buffer_names": [name for name, _ in stage_gms[i].named_buffers()],
         }
+        | ({} if inference.file(i) is None else {"inference_file": inference.file(i), "inference_passes": inference.passes[i]})
         for i, s in enumerate(part.stages)
     ]
     files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != "manifest.json")

@@ -24,11 +24,23 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _batches(text: str) -> tuple[int, ...]:
+def batch_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of batch sizes, as an argparse type."""
     try:
         return tuple(int(b) for b in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of batch sizes like 1,3") from None
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments that say which model to build and feed (SOURCE, --input-shape, --hf-config,
+    --seed), shared with `python -m cleave_export.eager_timing`."""
+    p.add_argument("source", help="torchvision:NAME (random init), hf:CLASS (a transformers model class built from "
+                                  "its config, random init) or package.module:callable returning an nn.Module")
+    p.add_argument("--input-shape", type=_shape, help="input shape without the batch, e.g. 3,224,224")
+    p.add_argument("--hf-config", default="", metavar="KEY=VALUE,...",
+                   help="config fields of an hf:CLASS model, e.g. num_hidden_layers=2,hidden_size=64")
+    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and reference inputs")
 
 
 def parse_args(argv: list[str]) -> tuple[bool, ExportOptions]:
@@ -37,22 +49,17 @@ def parse_args(argv: list[str]) -> tuple[bool, ExportOptions]:
         prog="python -m cleave_export",
         description="Export a PyTorch model as a cleave bundle: TorchScript stages split at every module boundary.",
     )
-    p.add_argument("source", help="torchvision:NAME (random init), hf:CLASS (a transformers model class built from "
-                                  "its config, random init) or package.module:callable returning an nn.Module")
+    add_model_arguments(p)
     p.add_argument("--out", required=True, type=Path, help="bundle directory to write")
-    p.add_argument("--input-shape", type=_shape, help="input shape without the batch, e.g. 3,224,224")
     p.add_argument("--dynamic-batch", nargs=2, type=int, metavar=("MIN", "MAX"), default=(1, 64),
                    help="batch sizes the bundle accepts (default 1 64)")
     p.add_argument("--dynamic-seq", nargs=2, type=int, metavar=("MIN", "MAX"),
                    help="sequence lengths the bundle accepts, for models taking token ids "
                         "(default for transformers text models: 1 to the model's positions, at most 128)")
-    p.add_argument("--hf-config", default="", metavar="KEY=VALUE,...",
-                   help="config fields of an hf:CLASS model, e.g. num_hidden_layers=2,hidden_size=64")
     p.add_argument("--granularity", default="block",
                    help="where stages may be cut: top (top-level modules), block (one level deeper, default), "
                         "layer (two deeper), op (every operation) or a module depth")
-    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and reference inputs")
-    p.add_argument("--reference-batches", type=_batches, default=(1, 3),
+    p.add_argument("--reference-batches", type=batch_list, default=(1, 3),
                    help="batch sizes of the reference input/output pairs (default 1,3)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
@@ -70,11 +77,12 @@ def parse_args(argv: list[str]) -> tuple[bool, ExportOptions]:
         reference_batches=a.reference_batches,
         force=a.force,
         seq=tuple(a.dynamic_seq) if a.dynamic_seq else None,
-        hf_config=_hf_config(p, a.hf_config),
+        hf_config=hf_config(p, a.hf_config),
     )
 
 
-def _hf_config(parser: argparse.ArgumentParser, text: str) -> dict:
+def hf_config(parser: argparse.ArgumentParser, text: str) -> dict:
+    """`--hf-config`'s fields, or the parser's usage error."""
     try:
         return parse_config(text)
     except ExportError as e:
@@ -116,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         f"  export time {t['total']:.2f} s (trace {t['trace']:.2f}, compile {t['compile']:.2f}, "
         f"validate at batch {','.join(map(str, report.validated_batches))}"
         f"{' and sequence length ' + ','.join(map(str, report.validated_seqs)) if report.validated_seqs else ''} "
-        f"{t['validate']:.2f}, write {t['write']:.2f})"
+        f"{t['validate']:.2f}, inference stages {t['inference']:.2f}, write {t['write']:.2f})"
     )
+    inference = report.inference
+    frozen = [p for p in inference.passes if p is not None]
+    if frozen:
+        print(
+            f"  inference stages: {len(frozen)} of {len(inference.passes)} frozen "
+            f"({sum('channels_last' in p for p in frozen)} with channels_last weights); their chain's output is within "
+            f"{inference.relative_error:.1e} (relative), {inference.absolute_error:.1e} (absolute) of the references"
+        )
+    else:
+        print("  inference stages: none (inference runs the stage files)")
     return 0

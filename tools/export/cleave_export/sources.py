@@ -40,6 +40,13 @@ class ModelSource:
     tracer: str = "fx"
     """`fx` (torch.fx, falling back to torch.export) or `export` (torch.export only)."""
 
+    def example_inputs(self, seed: int, batch: int, seq: int | None = None) -> tuple:
+        """Example inputs at a batch size (and sequence length), the same ones for the same seed:
+        the exporter validates with these and writes them as references, and the eager timing
+        feeds them."""
+        torch.manual_seed(seed * 7919 + batch + (seq or 0) * 104729)
+        return self.make_inputs(batch, seq)
+
     def __call__(self, inputs: tuple):
         """The model run on `inputs`."""
         if self.input_names is None:

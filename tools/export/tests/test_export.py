@@ -29,7 +29,8 @@ from torch import nn
 
 import cleave_export
 from cleave_export import ExportError, cli
-from cleave_export.bundle import ExportOptions, _relative_error, export_bundle
+from cleave_export.bundle import ExportOptions, export_bundle
+from cleave_export.compare import relative_error
 from cleave_export.partition import parse_granularity
 from cleave_export.sources import load_source
 from cleave_export.specs import (
@@ -232,11 +233,14 @@ def test_manifest_structure_and_file_hashes(name, request):
         {"batch_size": 3, "file": "reference_b3.safetensors"},
     ]
     ref_files = [r["file"] for r in m["references"]]
+    # These models freeze: every stage has its inference version (tests/test_inference.py).
+    inference_files = [f"stage_{i:03d}.infer.pt" for i in range(n)]
+    assert [s["inference_file"] for s in m["stages"]] == inference_files
 
-    # Every stage and reference file is listed with the sha256 of the file on disk, and
-    # nothing else is in the bundle directory but the manifest.
-    assert sorted(m["files"]) == sorted(stage_files + ref_files)
-    assert sorted(p.name for p in b.out.iterdir()) == sorted(stage_files + ref_files + ["manifest.json"])
+    # Every stage, inference and reference file is listed with the sha256 of the file on disk,
+    # and nothing else is in the bundle directory but the manifest.
+    assert sorted(m["files"]) == sorted(stage_files + inference_files + ref_files)
+    assert sorted(p.name for p in b.out.iterdir()) == sorted(stage_files + inference_files + ref_files + ["manifest.json"])
     for file, digest in m["files"].items():
         assert re.fullmatch(r"[0-9a-f]{64}", digest)
         assert hashlib.sha256((b.out / file).read_bytes()).hexdigest() == digest, file
@@ -855,8 +859,8 @@ def test_parse_granularity():
 def test_relative_error_is_infinite_where_values_go_non_finite_or_structure_differs():
     want = {"logits": torch.tensor([[1.0, -2.0], [4.0, float("-inf")]]), "ids": torch.tensor([1, 2])}
     close = {"logits": torch.tensor([[1.0, -2.0], [4.0 + 2**-18, float("-inf")]]), "ids": torch.tensor([1, 2])}
-    assert _relative_error(want, want) == 0.0
-    assert _relative_error(close, want) == 2**-20
+    assert relative_error(want, want) == 0.0
+    assert relative_error(close, want) == 2**-20
     for bad in (
         {"logits": torch.tensor([[1.0, float("nan")], [4.0, float("-inf")]]), "ids": torch.tensor([1, 2])},
         {"logits": torch.tensor([[1.0, -2.0], [4.0, float("inf")]]), "ids": torch.tensor([1, 2])},
@@ -865,9 +869,9 @@ def test_relative_error_is_infinite_where_values_go_non_finite_or_structure_diff
         {"logits": want["logits"].double(), "ids": torch.tensor([1, 2])},
         {"logits": want["logits"]},
     ):
-        assert _relative_error(bad, want) == float("inf"), bad
+        assert relative_error(bad, want) == float("inf"), bad
     half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
-    assert _relative_error(half, half) == 0.0
+    assert relative_error(half, half) == 0.0
 
 
 def test_cuts_holding_a_data_dependent_shape_are_unusable_with_the_reason(tmp_path):
