@@ -18,6 +18,8 @@
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`stats`]: the one percentile definition (medians, p95, p99).
 //! - [`tables`]: the tables printed for people (split points, verification runs).
+//! - [`tensor_memory`]: a CPU tensor's memory as bytes without copying (the workspace's one
+//!   `unsafe` module).
 //! - [`error`]: the bundle runtime's error type, one variant per step that can fail.
 //! - [`examples`]: the make target that creates each example bundle and dataset (for errors).
 
@@ -32,6 +34,7 @@ pub mod spec;
 pub mod stages;
 pub mod stats;
 pub mod tables;
+pub mod tensor_memory;
 pub mod training;
 pub mod value;
 pub mod verify;

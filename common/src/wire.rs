@@ -8,6 +8,11 @@
 //!
 //! Each stream has a [`PayloadSender`] and a [`PayloadReceiver`] per direction: they hold
 //! the nonce state that refuses replayed and reordered payloads.
+//!
+//! Zero copy: a boundary given up to [`PayloadSender::encode_owned`] with the raw codec and no
+//! key travels as its tensors' own memory (frames slice it), and a received raw payload is
+//! copied from the frames straight into the tensors the stages will run on; other codecs
+//! decode straight into them too.
 
 use std::collections::HashMap;
 
@@ -16,10 +21,11 @@ use cleave_codec::pb::{self, NamedValue, ValueNode};
 use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
 use tch::Tensor;
 
-pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadMeta, Precision};
+pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadData, PayloadMeta, Precision};
 
 use crate::bundle::{Bundle, CutTensors};
 use crate::spec::{DType, TorchDType};
+use crate::tensor_memory::{TensorBuf, TensorBytes};
 use crate::value::{Boundary, Value};
 
 /// What can be wrong with a payload or its frames.
@@ -101,38 +107,64 @@ impl PayloadSender {
         Ok(Self { sealer: Some(ring.sealer(key_id)?) })
     }
 
-    /// Encodes a boundary (tensors are copied to the CPU, contiguous).
+    /// Encodes a boundary the caller keeps: tensors on the CPU and contiguous are copied, so
+    /// that nothing the caller does to them later can change what is sent.
     pub fn encode(&mut self, meta: PayloadMeta, codec: &Codec, boundary: &Boundary) -> Result<EncodedPayload, WireError> {
-        let (values, tensors) = flatten(boundary)?;
+        let (values, tensors) = flatten(boundary, false)?;
+        Ok(encode_payload(meta, values, &tensors, codec, self.sealer.as_mut())?)
+    }
+
+    /// Encodes a boundary given up to the wire: the encoding reads the tensors' memory where
+    /// it lies, and a raw payload without a key is that memory (no copy).
+    pub fn encode_owned(&mut self, meta: PayloadMeta, codec: &Codec, boundary: Boundary) -> Result<EncodedPayload, WireError> {
+        let (values, tensors) = flatten(&boundary, true)?;
         Ok(encode_payload(meta, values, &tensors, codec, self.sealer.as_mut())?)
     }
 }
 
-/// Tensors of a boundary as bytes, and its value trees naming them.
-fn flatten(boundary: &Boundary) -> Result<(Vec<NamedValue>, Vec<TensorData>), WireError> {
+/// Tensors of a boundary as bytes, and its value trees naming them; `owned`: the boundary is
+/// given up, so its tensors' memory may be used as it is.
+fn flatten(boundary: &Boundary, owned: bool) -> Result<(Vec<NamedValue>, Vec<TensorData>), WireError> {
     let mut tensors = Vec::new();
     let values = boundary
         .values
         .iter()
-        .map(|(name, value)| Ok(NamedValue { name: name.clone(), value: Some(encode_value(value, name, &mut tensors)?) }))
+        .map(|(name, value)| Ok(NamedValue { name: name.clone(), value: Some(encode_value(value, name, owned, &mut tensors)?) }))
         .collect::<Result<_, WireError>>()?;
     Ok((values, tensors))
 }
 
-fn encode_value(value: &Value, path: &str, tensors: &mut Vec<TensorData>) -> Result<ValueNode, WireError> {
+/// A tensor's bytes on the CPU, contiguous: its own memory when it may be used as it is (the
+/// tensor is given up, or moving it to the CPU or making it contiguous made a new one).
+fn tensor_bytes(t: &Tensor, owned: bool) -> Bytes {
+    let fresh = t.device() != tch::Device::Cpu || !t.is_contiguous();
+    let t = t.to_device(tch::Device::Cpu).contiguous();
+    if owned || fresh {
+        match TensorBytes::new(t) {
+            Ok(memory) => return memory.into_bytes(),
+            Err(t) => return copy_bytes(&t),
+        }
+    }
+    copy_bytes(&t)
+}
+
+fn copy_bytes(t: &Tensor) -> Bytes {
+    let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut data, t.numel());
+    data.into()
+}
+
+fn encode_value(value: &Value, path: &str, owned: bool, tensors: &mut Vec<TensorData>) -> Result<ValueNode, WireError> {
     use pb::value_node::Kind;
     let list = |items: &[Value], tensors: &mut Vec<TensorData>| -> Result<pb::ValueList, WireError> {
         Ok(pb::ValueList {
-            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), tensors)).collect::<Result<_, _>>()?,
+            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), owned, tensors)).collect::<Result<_, _>>()?,
         })
     };
     let kind = match value {
         Value::Tensor(t) => {
             let dtype = DType::from_kind(t.kind()).ok_or_else(|| WireError::Unsupported { name: path.into(), kind: format!("{:?}", t.kind()) })?;
-            let t = t.to_device(tch::Device::Cpu).contiguous();
-            let mut data = vec![0u8; t.numel() * dtype.size()];
-            t.copy_data_u8(&mut data, t.numel());
-            tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), data });
+            tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), data: tensor_bytes(t, owned) });
             Kind::Tensor(path.to_string())
         }
         Value::Int(i) => Kind::Int(*i),
@@ -145,7 +177,7 @@ fn encode_value(value: &Value, path: &str, tensors: &mut Vec<TensorData>) -> Res
         Value::Dict(items) => Kind::Dict(pb::ValueDict {
             entries: items
                 .iter()
-                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), tensors)?) }))
+                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), owned, tensors)?) }))
                 .collect::<Result<_, WireError>>()?,
         }),
     };
@@ -221,23 +253,32 @@ impl PayloadReceiver {
         }
         // The data is reserved by the first push, so that a caller may wait for room (in a
         // memory budget) between the checks and the reservation.
-        Ok(Reassembly { request_id, expected: incoming.wire_len(), data: Vec::new(), incoming })
+        Ok(Reassembly { request_id, expected: incoming.wire_len(), received: 0, sink: Sink::Unreserved, incoming })
     }
 
     /// Opens and decodes a complete payload.
-    pub fn finish(&mut self, assembly: Reassembly) -> Result<Received, WireError> {
-        let decoded = assembly.incoming.decode(assembly.data, &mut self.opener)?;
-        let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(decoded.tensors.len());
-        for t in decoded.tensors {
-            // Fallible: a shape whose strides overflow (an empty `[0, 2^32, 2^32]`) is an error
-            // for this payload, not a panic for the stream.
-            let tensor = Tensor::f_from_data_size(&t.data, &t.shape, t.dtype.kind()).map_err(|e| WireError::BadTensor {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                message: first_line(&e.to_string()),
-            })?;
-            if tensors.insert(t.name.clone(), tensor).is_some() {
-                return Err(WireError::BadTree(format!("tensor {} appears twice in the header", t.name)));
+    pub fn finish(&mut self, mut assembly: Reassembly) -> Result<Received, WireError> {
+        assembly.reserve()?;
+        if assembly.received != assembly.expected {
+            return Err(CodecError::Truncated { expected: assembly.expected, got: assembly.received }.into());
+        }
+        let names: Vec<String> = assembly.incoming.declared_tensors().map(|(name, _, _)| name.to_string()).collect();
+        let (decoded, buffers) = match assembly.sink {
+            Sink::Verbatim { buffers, .. } => {
+                let bytes: Vec<&[u8]> = buffers.iter().map(TensorBuf::bytes).collect();
+                (assembly.incoming.check_verbatim(&bytes)?, buffers)
+            }
+            Sink::Encoded(mut data) => {
+                let mut buffers = tensor_buffers(&assembly.incoming)?;
+                let mut outs: Vec<&mut [u8]> = buffers.iter_mut().map(TensorBuf::bytes_mut).collect();
+                (assembly.incoming.decode_into(&mut data, &mut self.opener, &mut outs)?, buffers)
+            }
+            Sink::Unreserved => unreachable!("reserved above"),
+        };
+        let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
+        for (name, buffer) in names.into_iter().zip(buffers) {
+            if tensors.insert(name.clone(), buffer.into_tensor()).is_some() {
+                return Err(WireError::BadTree(format!("tensor {name} appears twice in the header")));
             }
         }
         let values = decoded
@@ -259,6 +300,21 @@ impl PayloadReceiver {
             boundary: Boundary { values },
         })
     }
+}
+
+/// One buffer per declared tensor, to decode into. Fallible: a shape whose strides overflow
+/// (an empty `[0, 2^32, 2^32]`) is an error for this payload, not a panic for the stream.
+fn tensor_buffers(incoming: &IncomingPayload) -> Result<Vec<TensorBuf>, WireError> {
+    incoming
+        .declared_tensors()
+        .map(|(name, dtype, shape)| {
+            TensorBuf::empty(shape, dtype.kind()).map_err(|e| WireError::BadTensor {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                message: first_line(&e),
+            })
+        })
+        .collect()
 }
 
 /// The first non-empty line of libtorch's message (the rest is a C++ backtrace).
@@ -318,10 +374,10 @@ pub struct FramePart {
     pub last: bool,
 }
 
-/// Splits an encoded payload into frames of at most `chunk_bytes` data each (at least one):
-/// the envelope rides on the first, `last` marks the end. Every stream, both ways, frames
-/// its payloads this way.
-pub fn frame_parts(envelope: Bytes, data: &Bytes, chunk_bytes: usize) -> Vec<FramePart> {
+/// Splits an encoded payload into frames of at most `chunk_bytes` data each (at least one;
+/// none spans two segments of the data, so none copies): the envelope rides on the first,
+/// `last` marks the end. Every stream, both ways, frames its payloads this way.
+pub fn frame_parts(envelope: Bytes, data: &PayloadData, chunk_bytes: usize) -> Vec<FramePart> {
     let parts = chunks(data, chunk_bytes);
     let last = parts.len() - 1;
     let mut header = Some(envelope);
@@ -332,22 +388,43 @@ pub fn frame_parts(envelope: Bytes, data: &Bytes, chunk_bytes: usize) -> Vec<Fra
         .collect()
 }
 
-/// Splits a payload into chunks of at most `chunk_bytes` (at least one, possibly empty).
-fn chunks(data: &Bytes, chunk_bytes: usize) -> Vec<Bytes> {
-    if data.is_empty() {
+/// Splits a payload's segments into chunks of at most `chunk_bytes` (at least one, possibly
+/// empty).
+fn chunks(data: &PayloadData, chunk_bytes: usize) -> Vec<Bytes> {
+    let step = chunk_bytes.max(1);
+    let chunks: Vec<Bytes> = data
+        .segments()
+        .iter()
+        .flat_map(|segment| (0..segment.len()).step_by(step).map(move |start| segment.slice(start..(start + step).min(segment.len()))))
+        .collect();
+    if chunks.is_empty() {
         return vec![Bytes::new()];
     }
-    (0..data.len()).step_by(chunk_bytes.max(1)).map(|start| data.slice(start..(start + chunk_bytes).min(data.len()))).collect()
+    chunks
 }
 
-/// Collects the frames of one payload into exactly the declared length.
+/// Collects the frames of one payload into exactly the declared length: a verbatim payload
+/// (raw, no key) straight into the memory of its tensors, any other into one buffer that is
+/// decoded into them.
 #[derive(Debug)]
 pub struct Reassembly {
     /// The request the frames belong to.
     pub request_id: u64,
     expected: u64,
-    data: Vec<u8>,
+    received: u64,
+    sink: Sink,
     incoming: IncomingPayload,
+}
+
+/// Where a payload's bytes go.
+#[derive(Debug)]
+enum Sink {
+    /// Nothing reserved yet (before the first frame's data).
+    Unreserved,
+    /// The encoded data, to decode once whole.
+    Encoded(Vec<u8>),
+    /// The tensors themselves, filled in order: `filled` bytes of tensor `index` so far.
+    Verbatim { buffers: Vec<TensorBuf>, index: usize, filled: usize },
 }
 
 impl Reassembly {
@@ -366,26 +443,70 @@ impl Reassembly {
         self.incoming.key_id()
     }
 
-    /// The most memory the payload holds: its data as received, and the tensors it decodes
-    /// into (both as its checked envelope declares them).
+    /// The most memory the payload holds (as its checked envelope declares it): the tensors
+    /// it fills, and for a payload that is not verbatim its data as received.
     pub fn held_bytes(&self) -> u64 {
-        self.expected.saturating_add(self.incoming.raw_len())
+        let raw = self.incoming.raw_len();
+        if self.incoming.is_verbatim() {
+            raw
+        } else {
+            self.expected.saturating_add(raw)
+        }
     }
 
     /// Adds a frame's bytes; a frame of another request is an error.
-    pub fn push(&mut self, request_id: u64, bytes: &[u8]) -> Result<(), WireError> {
+    pub fn push(&mut self, request_id: u64, mut bytes: &[u8]) -> Result<(), WireError> {
         if request_id != self.request_id {
             return Err(WireError::Interleaved { expected: self.request_id, got: request_id });
         }
-        if self.data.len() as u64 + bytes.len() as u64 > self.expected {
+        if self.received + bytes.len() as u64 > self.expected {
             return Err(WireError::Overrun { expected: self.expected });
         }
-        if self.data.capacity() == 0 {
-            self.data.reserve_exact(self.expected as usize);
+        self.reserve()?;
+        self.received += bytes.len() as u64;
+        match &mut self.sink {
+            Sink::Encoded(data) => data.extend_from_slice(bytes),
+            Sink::Verbatim { buffers, index, filled } => {
+                // The sizes add up (checked in `parse` and above), so the tensors take every byte.
+                while !bytes.is_empty() {
+                    let target = &mut buffers[*index].bytes_mut()[*filled..];
+                    let n = target.len().min(bytes.len());
+                    target[..n].copy_from_slice(&bytes[..n]);
+                    (*filled, bytes) = (*filled + n, &bytes[n..]);
+                    if *filled == buffers[*index].len() {
+                        *filled = 0;
+                        *index = next_to_fill(buffers, *index + 1);
+                    }
+                }
+            }
+            Sink::Unreserved => unreachable!("reserved above"),
         }
-        self.data.extend_from_slice(bytes);
         Ok(())
     }
+
+    /// Adds every segment of a payload's data (a payload that never went through frames: a
+    /// profile's round trip, say).
+    pub fn push_data(&mut self, request_id: u64, data: &PayloadData) -> Result<(), WireError> {
+        data.segments().iter().try_for_each(|segment| self.push(request_id, segment))
+    }
+
+    /// Reserves where the data goes, once.
+    fn reserve(&mut self) -> Result<(), WireError> {
+        if matches!(self.sink, Sink::Unreserved) {
+            self.sink = if self.incoming.is_verbatim() {
+                let buffers = tensor_buffers(&self.incoming)?;
+                Sink::Verbatim { index: next_to_fill(&buffers, 0), buffers, filled: 0 }
+            } else {
+                Sink::Encoded(Vec::with_capacity(self.expected as usize))
+            };
+        }
+        Ok(())
+    }
+}
+
+/// The first tensor from `from` on that takes bytes (empty ones take none).
+fn next_to_fill(buffers: &[TensorBuf], from: usize) -> usize {
+    (from..buffers.len()).find(|&i| !buffers[i].is_empty()).unwrap_or(buffers.len())
 }
 
 /// A frame of some stream's payloads, as [`frame_parts`] made it: the request id, the
@@ -603,7 +724,7 @@ mod tests {
     fn lossless_round_trips_are_bit_exact_through_chunks_for_every_codec() {
         let boundary = sample();
         let ring = KeyRing::new([(1, Key::random())]).unwrap();
-        for codec in ["raw", "shuffle", "lz4", "shuffle+lz4", "zstd-1", "shuffle+zstd-3"] {
+        for codec in ["raw", "shuffle", "lz4", "shuffle+lz4", "auto", "zstd-1", "shuffle+zstd-3"] {
             let codec: Codec = codec.parse().unwrap();
             for sealed in [false, true] {
                 let mut tx = if sealed { PayloadSender::sealed(&ring, 1).unwrap() } else { PayloadSender::plain() };
@@ -637,18 +758,75 @@ mod tests {
     }
 
     #[test]
+    fn a_boundary_given_up_travels_as_its_tensors_memory_and_one_kept_is_copied() {
+        // Two large tensors (128 KiB each) and a small one, which is cheaper copied together
+        // with the others' headers than sent as a segment of its own.
+        let x = Tensor::arange(1 << 15, (Kind::Float, Device::Cpu)).reshape([8, 64, 64]);
+        let y = Tensor::arange(1 << 15, (Kind::Int, Device::Cpu));
+        let mask = Tensor::from_slice(&[true, false, true]);
+        let boundary = || Boundary {
+            values: vec![
+                ("x".into(), Value::Tensor(x.shallow_clone())),
+                ("m".into(), Value::Tensor(mask.shallow_clone())),
+                ("y".into(), Value::Tensor(y.shallow_clone())),
+            ],
+        };
+        let pointers = [x.data_ptr() as usize, y.data_ptr() as usize];
+        let given = PayloadSender::plain().encode_owned(meta(1), &Codec::RAW, boundary()).unwrap();
+        let segments: Vec<usize> = given.data.segments().iter().map(|s| s.as_ptr() as usize).collect();
+        assert_eq!(segments.len(), 3, "x, then m's copy, then y: {segments:?}");
+        assert_eq!([segments[0], segments[2]], pointers, "each large tensor is a segment of its own memory");
+        assert_ne!(segments[1], mask.data_ptr() as usize, "a small tensor is copied");
+        let kept = PayloadSender::plain().encode(meta(1), &Codec::RAW, &boundary()).unwrap();
+        assert!(kept.data.segments().iter().all(|s| !pointers.contains(&(s.as_ptr() as usize))), "a kept boundary is copied");
+        let before = kept.data.to_vec();
+        let _ = x.shallow_clone().relu_().f_add_(&Tensor::from(1.0f32)).unwrap();
+        assert_eq!(kept.data.to_vec(), before, "writing the kept tensor changes nothing sent");
+        // Frames slice the segments (never across two), and the receiver fills tensors from them.
+        for chunk in [1, 7, 64, 240, 1 << 20] {
+            let parts = frame_parts(given.envelope.clone(), &given.data, chunk);
+            assert!(parts.iter().all(|p| given.data.segments().iter().any(|s| s.as_ptr_range().contains(&p.data.as_ptr()) || p.data.is_empty())));
+            let back = send_through_chunks(&mut receiver(&KeyRing::default()), &given, 1, chunk).unwrap();
+            assert!(back.boundary.bit_identical(&boundary()), "chunk {chunk}");
+        }
+        // A tensor that must be made contiguous is a new one, used as it is.
+        let transposed = Boundary { values: vec![("t".into(), Value::Tensor(x.reshape([512, 64]).tr()))] };
+        let enc = PayloadSender::plain().encode(meta(1), &Codec::RAW, &transposed).unwrap();
+        assert!(send_through_chunks(&mut receiver(&KeyRing::default()), &enc, 1, 16).unwrap().boundary.bit_identical(&transposed));
+    }
+
+    #[test]
+    fn a_raw_payload_is_checked_as_it_fills_its_tensors() {
+        let mask = Boundary { values: vec![("m".into(), Value::Tensor(Tensor::from_slice(&[true, false, true])))] };
+        let enc = PayloadSender::plain().encode(meta(1), &Codec::RAW, &mask).unwrap();
+        let mut rx = receiver(&KeyRing::default());
+        let mut re = rx.start(1, &enc.envelope).unwrap();
+        assert_eq!(re.held_bytes(), 3, "a verbatim payload holds its tensors only");
+        re.push(1, &[1, 7, 0]).unwrap();
+        let err = rx.finish(re).unwrap_err();
+        assert!(err.to_string().contains("bool element 1 is 7"), "{err}");
+        let mut re = rx.start(1, &enc.envelope).unwrap();
+        re.push(1, &[1, 0]).unwrap();
+        assert_eq!(rx.finish(re).unwrap_err(), WireError::Codec(CodecError::Truncated { expected: 3, got: 2 }));
+        // Encoded payloads hold their data as received and the tensors it decodes into.
+        let enc = PayloadSender::plain().encode(meta(1), &"lz4".parse().unwrap(), &mask).unwrap();
+        let re = receiver(&KeyRing::default()).start(1, &enc.envelope).unwrap();
+        assert_eq!(re.held_bytes(), enc.data.len() as u64 + 3);
+    }
+
+    #[test]
     fn frames_must_match_their_header_and_stay_within_it() {
         let enc = PayloadSender::plain().encode(meta(1), &Codec::RAW, &sample()).unwrap();
         let rx = receiver(&KeyRing::default());
         assert_eq!(rx.start(2, &enc.envelope).unwrap_err(), WireError::RequestIdMismatch { frame: 2, header: 1 });
         assert_eq!(rx.start(1, &[]).unwrap_err(), WireError::MissingHeader(1));
         let mut re = rx.start(1, &enc.envelope).unwrap();
-        assert_eq!(re.push(3, &enc.data[..1]), Err(WireError::Interleaved { expected: 1, got: 3 }));
-        re.push(1, &enc.data).unwrap();
+        assert_eq!(re.push(3, &enc.data.to_vec()[..1]), Err(WireError::Interleaved { expected: 1, got: 3 }));
+        re.push_data(1, &enc.data).unwrap();
         assert!(matches!(re.push(1, &[0]), Err(WireError::Overrun { .. })));
         let mut rx = receiver(&KeyRing::default());
         let mut re = rx.start(1, &enc.envelope).unwrap();
-        re.push(1, &enc.data[..enc.data.len() - 1]).unwrap();
+        re.push(1, &enc.data.to_vec()[..enc.data.len() - 1]).unwrap();
         assert!(matches!(rx.finish(re), Err(WireError::Codec(CodecError::Truncated { .. }))));
     }
 
@@ -664,7 +842,7 @@ mod tests {
         envelope.header = header.encode_to_vec().into();
         let mut rx = receiver(&KeyRing::default());
         let mut re = rx.start(1, &envelope.encode_to_vec()).unwrap();
-        re.push(1, &enc.data).unwrap();
+        re.push_data(1, &enc.data).unwrap();
         let err = rx.finish(re).unwrap_err();
         assert!(matches!(&err, WireError::BadTensor { name, .. } if name == "e"), "{err}");
     }
@@ -680,7 +858,7 @@ mod tests {
             envelope.header = header.encode_to_vec().into();
             let mut rx = receiver(&KeyRing::default());
             let mut re = rx.start(1, &envelope.encode_to_vec()).unwrap();
-            re.push(1, &enc.data).unwrap();
+            re.push_data(1, &enc.data).unwrap();
             rx.finish(re).unwrap_err().to_string()
         };
         let err = retree(&|h| h.values[0].value = Some(ValueNode { kind: Some(pb::value_node::Kind::Tensor("nope".into())) }));

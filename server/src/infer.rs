@@ -208,7 +208,7 @@ where
                     }
                     continue;
                 }
-                Ok(Started::New(assembly, held)) => Some(Ok((assembly, held))),
+                Ok(Started::New(assembly, held)) => Some(Ok((*assembly, held))),
                 Err(e) => Some(Err(e)),
             },
             _ => None,
@@ -240,7 +240,7 @@ where
 /// A request started from its first frame.
 enum Started {
     /// To be received, its bytes reserved.
-    New(Reassembly, Held),
+    New(Box<Reassembly>, Held),
     /// Resent, and answered from the window of recent results.
     Recalled(Pending),
 }
@@ -265,7 +265,7 @@ async fn start_request(
         return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held }));
     }
     let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
-    Ok(Started::New(assembly, Held { since, _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
+    Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
 }
 
 /// Decodes a complete request, checks it against its cut and hands it to its device's
@@ -330,7 +330,14 @@ impl Responder {
         let _open = self.metrics.stream_open("infer");
         while let Some(mut p) = pending.recv().await {
             let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
-            let spec = ResultSpec { request_id: p.request_id, split: p.split, codec: p.codec, key_id: p.key_id, direction: Direction::Result };
+            let spec = ResultSpec {
+                request_id: p.request_id,
+                split: p.split,
+                codec: p.codec,
+                key_id: p.key_id,
+                direction: Direction::Result,
+                keeps_tensors: false,
+            };
             let (mut queue, mut compute) = (Duration::ZERO, Duration::ZERO);
             let encoded = match answer.and_then(|r| {
                 (queue, compute) = (r.queue, r.compute);

@@ -148,7 +148,7 @@ async fn three_at_once(url: &str, bundle: &Bundle, id: u64, e: &cleave_common::w
     let mut opened = Vec::new();
     for _ in 0..3 {
         let (tx, results) = open(url, bundle).await;
-        send(&tx, id, e.envelope.clone(), &e.data, e.data.len()).await;
+        send(&tx, id, e.envelope.clone(), &Bytes::from(e.data.to_vec()), e.data.len()).await;
         opened.push((tx, results));
     }
     let mut codes = Vec::new();
@@ -237,7 +237,7 @@ fn main() {
         let mut streams = Vec::new();
         for _ in 0..20 {
             let (tx, results) = open(&url, &bundle).await;
-            send(&tx, 1, e.envelope.clone(), &e.data, e.data.len() / 2).await;
+            send(&tx, 1, e.envelope.clone(), &Bytes::from(e.data.to_vec()), e.data.len() / 2).await;
             streams.push((tx, results));
         }
         // The budget's wait (2 s) has passed for those that did not fit.

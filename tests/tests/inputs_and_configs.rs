@@ -248,7 +248,7 @@ fn synthetic_inputs_are_reproducible_from_any_thread() {
     // Tensors cannot cross threads here, so they travel as a payload.
     let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default());
     let mut assembly = receiver.start(0, &there.envelope).unwrap();
-    assembly.push(0, &there.data).unwrap();
+    assembly.push_data(0, &there.data).unwrap();
     let there = receiver.finish(assembly).unwrap().boundary;
     assert!(here.bit_identical(&there));
     assert!(!here.bit_identical(&inputs.batch(6)), "each request gets its own batch");

@@ -1,6 +1,6 @@
 //! Throughput of each codec step on real boundary tensors: resnet18 activations at three cuts
 //! from `make bench-activations`, or the file `CLEAVE_BENCH_ACTIVATIONS` names (relative to the
-//! workspace root). In bytes/s of raw tensor bytes: the byte shuffle, lz4, zstd and AES-256-GCM
+//! workspace root). In bytes/s of raw tensor bytes: the byte shuffle, zero elision, lz4, zstd and AES-256-GCM
 //! alone and together, both directions, and whole payloads as `encode_payload` and
 //! `IncomingPayload` produce them. Compression ratios are not timings: `cargo run --release -p
 //! cleave-codec --example codec_ratios` prints them.
@@ -9,8 +9,10 @@ mod support;
 
 use aes_gcm::aead::{AeadInOut, KeyInit};
 use aes_gcm::{Aes256Gcm, Nonce};
-use cleave_codec::compress::{compress, decompress};
+use cleave_codec::compress::{compress_blocks, decompress_blocks};
+use cleave_codec::pb::Block;
 use cleave_codec::shuffle::{shuffle, unshuffle};
+use cleave_codec::zeros;
 use cleave_codec::{encode_payload, Codec, CodecPolicy, Compression, Direction, EncodedPayload, IncomingPayload, Key, KeyRing, PayloadMeta};
 use criterion::measurement::WallTime;
 use criterion::{black_box, BatchSize, BenchmarkGroup, Criterion, Throughput};
@@ -20,30 +22,32 @@ use support::Cut;
 const META: PayloadMeta = PayloadMeta { request_id: 1, split: 4, direction: Direction::Request };
 const LIMIT: u64 = 1 << 30;
 
-/// Shuffles (when asked) and compresses every tensor of `cut` into `out`, as
-/// `encode_payload` does per tensor.
-fn encode_tensors(cut: &Cut, shuffled: bool, compression: Compression, scratch: &mut Vec<u8>, out: &mut Vec<u8>) {
+/// Shuffles (when asked) and compresses every tensor of `cut` into `out` in blocks, as
+/// `encode_payload` does per tensor; each tensor's blocks.
+fn encode_tensors(cut: &Cut, shuffled: bool, compression: Compression, scratch: &mut Vec<u8>, out: &mut Vec<u8>) -> Vec<Vec<Block>> {
     out.clear();
+    let mut blocks = Vec::new();
     for t in &cut.tensors {
-        let bytes = if shuffled {
+        let (bytes, planes) = if shuffled {
             shuffle(&t.data, t.dtype.size(), scratch);
-            &scratch[..]
+            (&scratch[..], t.dtype.size())
         } else {
-            &t.data[..]
+            (&t.data[..], 1)
         };
-        compress(compression, bytes, out).expect("compresses");
+        blocks.push(compress_blocks(compression, bytes, planes, out).expect("compresses"));
     }
+    blocks
 }
 
-/// Each tensor's encoded bytes, for the decode direction.
-fn encoded_parts(cut: &Cut, shuffled: bool, compression: Compression) -> Vec<Vec<u8>> {
+/// Each tensor's encoded bytes and blocks, for the decode direction.
+fn encoded_parts(cut: &Cut, shuffled: bool, compression: Compression) -> Vec<(Vec<u8>, Vec<Block>)> {
     let (mut scratch, mut out) = (Vec::new(), Vec::new());
     cut.tensors
         .iter()
         .map(|t| {
             let one = Cut { index: cut.index, tensors: vec![t.clone()] };
-            encode_tensors(&one, shuffled, compression, &mut scratch, &mut out);
-            out.clone()
+            let mut blocks = encode_tensors(&one, shuffled, compression, &mut scratch, &mut out);
+            (out.clone(), blocks.remove(0))
         })
         .collect()
 }
@@ -92,8 +96,51 @@ fn transforms(c: &mut Criterion, cuts: &[Cut]) {
         });
     }
     g.finish();
+
+    // Zero elision, which `encode_payload` applies before the shuffle where a tensor's
+    // sample is at least an eighth zeros (the post-ReLU cuts).
+    let mut g = group(c, "elide-zeros");
+    for cut in cuts {
+        g.throughput(Throughput::Bytes(cut.raw_bytes()));
+        let (mut mask, mut kept) = (Vec::new(), Vec::new());
+        g.bench_function(cut.id(), |b| {
+            b.iter(|| {
+                for t in &cut.tensors {
+                    mask.clear();
+                    kept.clear();
+                    zeros::elide(black_box(&t.data), t.dtype.size(), &mut mask, &mut kept);
+                }
+            })
+        });
+    }
+    g.finish();
+
+    let mut g = group(c, "restore-zeros");
+    for cut in cuts {
+        g.throughput(Throughput::Bytes(cut.raw_bytes()));
+        let elided: Vec<(Vec<u8>, Vec<u8>)> = cut
+            .tensors
+            .iter()
+            .map(|t| {
+                let (mut mask, mut kept) = (Vec::new(), Vec::new());
+                zeros::elide(&t.data, t.dtype.size(), &mut mask, &mut kept);
+                (mask, kept)
+            })
+            .collect();
+        let mut outs: Vec<Vec<u8>> = cut.tensors.iter().map(|t| vec![0; t.data.len()]).collect();
+        g.bench_function(cut.id(), |b| {
+            b.iter(|| {
+                for ((t, (mask, kept)), out) in cut.tensors.iter().zip(&elided).zip(&mut outs) {
+                    zeros::restore(black_box(mask), kept, t.dtype.size(), out).expect("restores");
+                }
+            })
+        });
+    }
+    g.finish();
 }
 
+/// The shuffle and compression steps alone, without zero elision: the `payload-encode`
+/// group times each codec as it is sent.
 fn compression(c: &mut Criterion, cuts: &[Cut]) {
     let steps = [
         ("lz4", false, Compression::Lz4),
@@ -115,7 +162,7 @@ fn compression(c: &mut Criterion, cuts: &[Cut]) {
         g.finish();
     }
 
-    // The decode direction: decompress into a buffer of the declared size, then unshuffle.
+    // The decode direction: decompress into a buffer of the tensor's size, then unshuffle.
     for (name, shuffled) in [("lz4-decode", false), ("shuffle+lz4-decode", true)] {
         let mut g = group(c, name);
         for cut in cuts {
@@ -125,7 +172,8 @@ fn compression(c: &mut Criterion, cuts: &[Cut]) {
             g.bench_function(cut.id(), |b| {
                 b.iter(|| {
                     for (t, part) in cut.tensors.iter().zip(&parts) {
-                        decompress(Compression::Lz4, black_box(part), t.data.len(), &mut carried).expect("decompresses");
+                        carried.resize(t.data.len(), 0);
+                        decompress_blocks(Compression::Lz4, &part.1, black_box(&part.0), &mut carried).expect("decompresses");
                         if shuffled {
                             unshuffle(&carried, t.dtype.size(), &mut out);
                         }
@@ -172,7 +220,7 @@ fn aes(c: &mut Criterion, cuts: &[Cut]) {
 fn payloads(c: &mut Criterion, cuts: &[Cut]) {
     let ring = KeyRing::new([(1, Key::from_bytes([7u8; 32]))]).expect("one key");
     let unsealed = KeyRing::default();
-    let cases = [("raw", false), ("raw", true), ("shuffle+lz4", false), ("shuffle+lz4", true), ("fp16+shuffle+lz4", false)];
+    let cases = [("raw", false), ("raw", true), ("shuffle+lz4", false), ("auto", false), ("shuffle+lz4", true), ("fp16+shuffle+lz4", false)];
     for (codec, sealed) in cases {
         let codec: Codec = codec.parse().expect("codec");
         let suffix = if sealed { "+aes-256-gcm" } else { "" };

@@ -44,7 +44,7 @@ fn main() {
     for precision in Precision::ALL {
         for shuffle in [false, true] {
             for compression in COMPRESSIONS {
-                let codec = Codec { precision, shuffle, compression };
+                let codec = Codec { precision, shuffle, compression, auto: false };
                 print!("{:<24}", codec.to_string());
                 for cut in &cuts {
                     let enc = encode_payload(meta, Vec::new(), &cut.tensors, &codec, None).expect("encodes");
@@ -64,7 +64,7 @@ fn main() {
     println!();
     for precision in [Precision::Fp16, Precision::Bf16, Precision::Int8] {
         print!("{:<24}", precision.name());
-        let codec = Codec { precision, shuffle: false, compression: Compression::None };
+        let codec = Codec { precision, ..Codec::RAW };
         for cut in &cuts {
             let enc = encode_payload(meta, Vec::new(), &cut.tensors, &codec, None).expect("encodes");
             let mut opener = KeyRing::default().opener();

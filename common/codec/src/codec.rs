@@ -1,5 +1,6 @@
 //! What a codec is: a lossy precision, a byte shuffle and a compression, applied to each
-//! tensor in that order, and its text form (`fp16+shuffle+lz4`, `raw`).
+//! tensor in that order, or `auto` (each tensor `raw` or `shuffle+lz4`, whichever suits it),
+//! and its text form (`fp16+shuffle+lz4`, `raw`, `auto`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -89,15 +90,35 @@ pub struct Codec {
     pub shuffle: bool,
     /// Compression.
     pub compression: Compression,
+    /// Picks per tensor between [`Codec::RAW`] and [`Codec::SHUFFLE_LZ4`] (`auto`): raw when
+    /// a sample of the tensor does not compress, so bytes that would not shrink are neither
+    /// shuffled nor passed through the compressor. Each tensor's header says which it took.
+    pub auto: bool,
 }
 
 impl Codec {
     /// No transformation at all.
-    pub const RAW: Codec = Codec { precision: Precision::Full, shuffle: false, compression: Compression::None };
+    pub const RAW: Codec = Codec { precision: Precision::Full, shuffle: false, compression: Compression::None, auto: false };
+    /// Lossless and fast: byte shuffle, then lz4.
+    pub const SHUFFLE_LZ4: Codec = Codec { shuffle: true, compression: Compression::Lz4, ..Codec::RAW };
+    /// `auto`: [`Codec::RAW`] or [`Codec::SHUFFLE_LZ4`] per tensor.
+    pub const AUTO: Codec = Codec { auto: true, ..Codec::SHUFFLE_LZ4 };
+
+    /// The codecs a tensor may travel with under this one: itself, or for `auto` its two.
+    pub fn tensor_codecs(self) -> Vec<Codec> {
+        if self.auto {
+            vec![Codec::RAW, Codec::SHUFFLE_LZ4]
+        } else {
+            vec![self]
+        }
+    }
 }
 
 impl fmt::Display for Codec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.auto {
+            return f.write_str("auto");
+        }
         let mut parts = Vec::new();
         if self.precision != Precision::Full {
             parts.push(self.precision.name().to_string());
@@ -128,8 +149,13 @@ impl FromStr for Codec {
         let mut codec = Codec::RAW;
         let (mut precision_set, mut compression_set) = (false, false);
         let s = s.trim();
-        if s == "raw" {
-            return Ok(codec);
+        match s {
+            "raw" => return Ok(codec),
+            "auto" => return Ok(Codec::AUTO),
+            _ if s.split('+').any(|part| part.trim() == "auto") => {
+                return Err(format!("codec {s:?}: `auto` stands alone (it picks raw or shuffle+lz4 for each tensor)"))
+            }
+            _ => {}
         }
         for part in s.split('+').map(str::trim) {
             let precision = Precision::ALL.into_iter().find(|p| p.name() == part);
@@ -153,7 +179,7 @@ impl FromStr for Codec {
                 _ if part == "shuffle" && !codec.shuffle => codec.shuffle = true,
                 _ => {
                     return Err(format!(
-                        "codec {s:?}: unknown part {part:?}; expected `raw` or parts joined by `+`: \
+                        "codec {s:?}: unknown part {part:?}; expected `raw`, `auto` or parts joined by `+`: \
                          fp16, bf16, int8 (precision), shuffle, lz4, zstd, zstd-LEVEL (compression)"
                     ))
                 }
@@ -182,8 +208,13 @@ impl Default for CodecPolicy {
 }
 
 impl CodecPolicy {
-    /// Whether `codec` is accepted; the error names the part that is not.
+    /// Whether `codec` is accepted (for `auto`, both codecs it may pick); the error names
+    /// the part that is not.
     pub fn check(&self, codec: &Codec) -> Result<(), String> {
+        codec.tensor_codecs().iter().try_for_each(|c| self.check_one(c))
+    }
+
+    fn check_one(&self, codec: &Codec) -> Result<(), String> {
         if !self.precisions.contains(&codec.precision) {
             let names: Vec<_> = self.precisions.iter().map(|p| p.name()).collect();
             return Err(format!("precision {} is not accepted (accepted: {})", codec.precision.name(), names.join(", ")));
@@ -201,7 +232,7 @@ mod tests {
 
     #[test]
     fn codec_strings_round_trip_and_bad_ones_say_why() {
-        for s in ["raw", "shuffle+lz4", "fp16+shuffle+zstd-3", "int8+lz4", "bf16", "shuffle", "zstd-19", "zstd--1"] {
+        for s in ["raw", "auto", "shuffle+lz4", "fp16+shuffle+zstd-3", "int8+lz4", "bf16", "shuffle", "zstd-19", "zstd--1"] {
             assert_eq!(s.parse::<Codec>().unwrap().to_string(), s);
         }
         assert_eq!("lz4+shuffle".parse::<Codec>().unwrap().to_string(), "shuffle+lz4");
@@ -210,6 +241,8 @@ mod tests {
         assert!("fp16+int8".parse::<Codec>().unwrap_err().contains("more than one precision"));
         assert!("gzip".parse::<Codec>().unwrap_err().contains("unknown part \"gzip\""));
         assert!("zstd-40".parse::<Codec>().unwrap_err().contains("zstd level"));
+        assert!("fp16+auto".parse::<Codec>().unwrap_err().contains("`auto` stands alone"));
+        assert_eq!("auto".parse::<Codec>().unwrap().tensor_codecs(), [Codec::RAW, Codec::SHUFFLE_LZ4]);
     }
 
     #[test]
@@ -218,5 +251,7 @@ mod tests {
         assert!(policy.check(&"shuffle+lz4".parse().unwrap()).is_ok());
         assert!(policy.check(&"fp16+lz4".parse().unwrap()).unwrap_err().contains("precision fp16 is not accepted (accepted: full)"));
         assert!(policy.check(&"zstd".parse().unwrap()).unwrap_err().contains("compression zstd is not accepted"));
+        // `auto` needs both of its codecs.
+        assert!(policy.check(&Codec::AUTO).unwrap_err().contains("compression none is not accepted"));
     }
 }

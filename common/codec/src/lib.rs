@@ -21,10 +21,11 @@ pub mod pb;
 pub mod precision;
 pub mod seal;
 pub mod shuffle;
+pub mod zeros;
 
 pub use codec::{Codec, CodecPolicy, Compression, Precision};
 pub use dtype::DType;
 pub use error::CodecError;
-pub use payload::{encode_payload, DecodedPayload, EncodedPayload, IncomingPayload, PayloadMeta, TensorData};
+pub use payload::{encode_payload, DecodedHeader, DecodedPayload, EncodedPayload, IncomingPayload, PayloadData, PayloadMeta, TensorData};
 pub use pb::Direction;
 pub use seal::{Key, KeyRing, Opener, Sealer};

@@ -1,24 +1,30 @@
 //! Payloads: an envelope (the header as serialised bytes, and how it was sealed) and data
 //! (each tensor's encoded bytes in header order, encrypted as a whole when sealed).
 //!
-//! Sending: [`encode_payload`]. Receiving is two steps, so that nothing is allocated on a
-//! peer's word before it is checked: [`IncomingPayload::parse`] reads the envelope, checks
-//! the direction, the codec, the key and nonce order, the header's tag, and every declared
-//! size against dtype x shape, the codec's bounds and the limit; then
-//! [`IncomingPayload::decode`] takes the data (exactly [`IncomingPayload::wire_len`] bytes),
-//! authenticates and decrypts it, and decodes each tensor into a buffer of its declared size.
+//! Sending: [`encode_payload`]. A raw payload that is not sealed is its tensors' bytes as
+//! they are: its data is the tensors' own [`Bytes`] (no copy), which frames slice.
+//!
+//! Receiving is two steps, so that nothing is allocated on a peer's word before it is
+//! checked: [`IncomingPayload::parse`] reads the envelope, checks the direction, the codec,
+//! the key and nonce order, the header's tag, and every declared size against dtype x shape,
+//! the codec's bounds and the limit; then [`IncomingPayload::decode_into`] takes the data
+//! (exactly [`IncomingPayload::wire_len`] bytes), authenticates and decrypts it, and decodes
+//! each tensor into the caller's buffer of its declared size. A verbatim payload (raw, not
+//! sealed) needs no decoding: its receiver copies the data straight into those buffers and
+//! checks them with [`IncomingPayload::check_verbatim`].
 
 use bytes::Bytes;
 use prost::Message;
 
 use crate::codec::{Codec, CodecPolicy, Compression, Precision};
-use crate::compress::{compress, decompress};
+use crate::compress::{check_block, compress, compress_blocks, decompress_blocks, worth_compressing};
 use crate::dtype::DType;
 use crate::error::CodecError;
-use crate::pb::{Direction, NamedValue, PayloadEnvelope, PayloadHeader, Seal, TensorHeader};
+use crate::pb::{Block, Direction, NamedValue, PayloadEnvelope, PayloadHeader, Seal, TensorHeader};
 use crate::precision::{narrow, widen};
 use crate::seal::{Opener, Sealer, TAG_BYTES};
-use crate::shuffle::{shuffle, unshuffle};
+use crate::shuffle::{shuffle, unshuffle_into};
+use crate::zeros;
 
 /// A tensor as bytes: little-endian, contiguous, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,8 +35,8 @@ pub struct TensorData {
     pub dtype: DType,
     /// Shape.
     pub shape: Vec<i64>,
-    /// `dtype.size() x numel` bytes.
-    pub data: Vec<u8>,
+    /// `dtype.size() x numel` bytes (a tensor's own memory, or a copy of it).
+    pub data: Bytes,
 }
 
 /// What a payload is about (all of it authenticated when sealed).
@@ -44,19 +50,68 @@ pub struct PayloadMeta {
     pub direction: Direction,
 }
 
+/// A payload's data as one or more segments that follow each other: the tensors' own bytes
+/// for a verbatim payload, one encoded buffer otherwise.
+#[derive(Debug, Clone, Default)]
+pub struct PayloadData {
+    segments: Vec<Bytes>,
+}
+
+impl PayloadData {
+    /// The segments, in order (none empty).
+    pub fn segments(&self) -> &[Bytes] {
+        &self.segments
+    }
+
+    /// Bytes in all.
+    pub fn len(&self) -> usize {
+        self.segments.iter().map(Bytes::len).sum()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.segments.is_empty()
+    }
+
+    /// The data in one buffer (a copy).
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.segments.concat()
+    }
+}
+
+impl From<Vec<u8>> for PayloadData {
+    fn from(data: Vec<u8>) -> Self {
+        vec![Bytes::from(data)].into()
+    }
+}
+
+impl From<Vec<Bytes>> for PayloadData {
+    fn from(segments: Vec<Bytes>) -> Self {
+        Self { segments: segments.into_iter().filter(|s| !s.is_empty()).collect() }
+    }
+}
+
 /// A payload ready to send.
 #[derive(Debug, Clone)]
 pub struct EncodedPayload {
     /// The envelope, for the first frame's `header` field.
     pub envelope: Bytes,
     /// The data, to spread over the frames' `data` fields.
-    pub data: Bytes,
+    pub data: PayloadData,
     /// Tensor bytes before encoding.
     pub raw_bytes: u64,
 }
 
+/// A raw tensor smaller than this is copied into the data before it rather than sent as a
+/// segment of its own: a frame of its own would cost more than the copy.
+const OWN_SEGMENT_BYTES: usize = 64 << 10;
+
+/// Elements of a tensor that `auto` compresses to decide whether the rest is worth it.
+const AUTO_SAMPLE_ELEMENTS: usize = 16 << 10;
+
 /// Encodes tensors with `codec` and, when a sealer is given, encrypts and authenticates
-/// the whole payload with it.
+/// the whole payload with it. Not sealed, a tensor that travels raw is sent from its own
+/// bytes (no copy): the data is then several segments.
 pub fn encode_payload(
     meta: PayloadMeta,
     values: Vec<NamedValue>,
@@ -65,22 +120,41 @@ pub fn encode_payload(
     sealer: Option<&mut Sealer>,
 ) -> Result<EncodedPayload, CodecError> {
     let raw_bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
-    let mut data = Vec::with_capacity(if codec.compression == Compression::None { raw_bytes as usize } else { raw_bytes as usize / 2 });
+    // Encoded bytes gather here; a raw tensor sent from its own memory ends the segment.
+    let mut data = Vec::with_capacity(match codec.compression {
+        _ if *codec == Codec::RAW && sealer.is_none() => 0,
+        Compression::None => raw_bytes as usize,
+        _ => raw_bytes as usize / 2,
+    });
+    let mut segments = Vec::new();
     let mut headers = Vec::with_capacity(tensors.len());
-    let mut scratch = Vec::new();
+    let mut scratch: [Vec<u8>; 2] = Default::default();
     for t in tensors {
-        let start = data.len();
-        let quant = encode_tensor(t, codec, &mut scratch, &mut data)?;
+        check_size(t)?;
+        let chosen = if codec.auto && !sample_compresses(t, &mut scratch[0]) { Codec::RAW } else { Codec { auto: false, ..*codec } };
+        let (encoded, wire_len) = if chosen == Codec::RAW && sealer.is_none() && t.data.len() >= OWN_SEGMENT_BYTES {
+            segments.extend([std::mem::take(&mut data).into(), t.data.clone()]);
+            (EncodedTensor::default(), t.data.len())
+        } else {
+            let start = data.len();
+            let encoded = encode_tensor(t, &chosen, &mut scratch, &mut data)?;
+            (encoded, data.len() - start)
+        };
+        let EncodedTensor { quant, blocks, zeros_elided } = encoded;
         headers.push(TensorHeader {
             name: t.name.clone(),
             dtype: t.dtype.name().into(),
             shape: t.shape.clone(),
             byte_len: t.data.len() as u64,
-            wire_len: (data.len() - start) as u64,
+            wire_len: wire_len as u64,
             quant,
+            blocks,
+            codec: if codec.auto { chosen.to_string() } else { String::new() },
+            zeros_elided,
         });
     }
-    let sealed_len = data.len() as u64 + if sealer.is_some() { TAG_BYTES as u64 } else { 0 };
+    let data_len: u64 = headers.iter().map(|h| h.wire_len).sum();
+    let sealed_len = data_len + if sealer.is_some() { TAG_BYTES as u64 } else { 0 };
     let header = PayloadHeader {
         request_id: meta.request_id,
         split: meta.split,
@@ -99,16 +173,44 @@ pub fn encode_payload(
             PayloadEnvelope { header, seal: Some(seal), header_tag: header_tag.into() }
         }
     };
-    Ok(EncodedPayload { envelope: envelope.encode_to_vec().into(), data: data.into(), raw_bytes })
+    segments.push(data.into());
+    Ok(EncodedPayload { envelope: envelope.encode_to_vec().into(), data: segments.into(), raw_bytes })
 }
 
-/// Precision, shuffle, compression; appends the result to `out`.
-fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut Vec<u8>, out: &mut Vec<u8>) -> Result<Option<crate::pb::Quantization>, CodecError> {
-    let fail = |reason: String| CodecError::Encode { name: t.name.clone(), reason };
+/// A tensor's bytes must be exactly what its dtype and shape take.
+fn check_size(t: &TensorData) -> Result<(), CodecError> {
     let expected = numel(&t.shape).map(|n| n * t.dtype.size() as u64);
     if expected != Some(t.data.len() as u64) {
-        return Err(fail(format!("{} bytes for {}{:?}", t.data.len(), t.dtype, t.shape)));
+        return Err(CodecError::Encode { name: t.name.clone(), reason: format!("{} bytes for {}{:?}", t.data.len(), t.dtype, t.shape) });
     }
+    Ok(())
+}
+
+/// Whether a sample of `t` (its first elements, shuffled) compresses with lz4 in any of its
+/// planes, as `auto` asks.
+fn sample_compresses(t: &TensorData, scratch: &mut Vec<u8>) -> bool {
+    let size = t.dtype.size();
+    let k = (t.data.len() / size).min(AUTO_SAMPLE_ELEMENTS);
+    shuffle(&t.data[..k * size], size, scratch);
+    let mut packed = Vec::new();
+    scratch.chunks(k.max(1)).any(|plane| {
+        packed.clear();
+        compress(Compression::Lz4, plane, &mut packed).is_ok() && worth_compressing(plane.len(), packed.len())
+    })
+}
+
+/// What a tensor's header says about how it was encoded.
+#[derive(Default)]
+struct EncodedTensor {
+    quant: Option<crate::pb::Quantization>,
+    blocks: Vec<Block>,
+    zeros_elided: bool,
+}
+
+/// Precision, zero elision (where it pays), shuffle, compression (in blocks); appends the
+/// result to `out`.
+fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut [Vec<u8>; 2], out: &mut Vec<u8>) -> Result<EncodedTensor, CodecError> {
+    let fail = |reason: String| CodecError::Encode { name: t.name.clone(), reason };
     let (carried, quant) = if codec.precision.casts(t.dtype) {
         let (bytes, quant) = narrow(codec.precision, t.dtype, &t.shape, &t.data).map_err(fail)?;
         (std::borrow::Cow::Owned(bytes), quant)
@@ -116,14 +218,28 @@ fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut Vec<u8>, out: &mut
         (std::borrow::Cow::Borrowed(&t.data[..]), None)
     };
     let size = codec.precision.carried_size(t.dtype);
-    let shuffled = if codec.shuffle && size > 1 {
-        shuffle(&carried, size, scratch);
-        &scratch[..]
+    let [shuffled, kept] = scratch;
+    if codec.shuffle && size > 1 && codec.compression != Compression::None && zeros::worth_eliding(&carried, size) {
+        let mut mask = Vec::new();
+        kept.clear();
+        zeros::elide(&carried, size, &mut mask, kept);
+        shuffle(kept, size, shuffled);
+        let mut blocks = compress_blocks(codec.compression, &mask, 1, out).map_err(fail)?;
+        blocks.extend(compress_blocks(codec.compression, shuffled, size, out).map_err(fail)?);
+        return Ok(EncodedTensor { quant, blocks, zeros_elided: true });
+    }
+    let (carried, planes) = if codec.shuffle && size > 1 {
+        shuffle(&carried, size, shuffled);
+        (&shuffled[..], size)
     } else {
-        &carried[..]
+        (&carried[..], 1)
     };
-    compress(codec.compression, shuffled, out).map_err(fail)?;
-    Ok(quant)
+    if codec.compression == Compression::None {
+        out.extend_from_slice(carried);
+        return Ok(EncodedTensor { quant, ..Default::default() });
+    }
+    let blocks = compress_blocks(codec.compression, carried, planes, out).map_err(fail)?;
+    Ok(EncodedTensor { quant, blocks, zeros_elided: false })
 }
 
 /// A received envelope whose header passed every check; the data comes next.
@@ -133,11 +249,13 @@ pub struct IncomingPayload {
     seal: Option<Seal>,
     codec: Codec,
     dtypes: Vec<DType>,
+    /// The codec each tensor travels with (the payload's, or what `auto` picked).
+    codecs: Vec<Codec>,
 }
 
-/// A decoded payload.
+/// What a decoded payload says about itself; its tensors are in the caller's buffers.
 #[derive(Debug, Clone)]
-pub struct DecodedPayload {
+pub struct DecodedHeader {
     /// Request, split and direction, as the (authenticated) header says.
     pub meta: PayloadMeta,
     /// The codec it travelled with.
@@ -146,6 +264,13 @@ pub struct DecodedPayload {
     pub key_id: Option<u32>,
     /// The boundary's value trees.
     pub values: Vec<NamedValue>,
+}
+
+/// A decoded payload, its tensors in buffers of their own.
+#[derive(Debug, Clone)]
+pub struct DecodedPayload {
+    /// What it says about itself.
+    pub header: DecodedHeader,
     /// Its tensors, in header order.
     pub tensors: Vec<TensorData>,
 }
@@ -160,15 +285,6 @@ fn direction_name(d: Direction) -> &'static str {
         Direction::Result => "result",
         Direction::Gradient => "gradient",
         Direction::Unspecified => "unspecified",
-    }
-}
-
-/// The most bytes `compression` may turn `n` bytes into.
-fn compressed_bound(compression: Compression, n: u64) -> u64 {
-    match compression {
-        Compression::None => n,
-        Compression::Lz4 => lz4_flex::block::get_maximum_output_size(n as usize) as u64,
-        Compression::Zstd(_) => zstd::zstd_safe::compress_bound(n as usize) as u64,
     }
 }
 
@@ -196,7 +312,17 @@ impl IncomingPayload {
         let mut raw_total = 0u64;
         let mut wire_total = 0u64;
         let mut dtypes = Vec::with_capacity(header.tensors.len());
+        let mut codecs = Vec::with_capacity(header.tensors.len());
         for t in &header.tensors {
+            let malformed = |what: String| CodecError::Malformed(format!("tensor {}: {what}", t.name));
+            let codec = match (codec.auto, t.codec.as_str()) {
+                (false, "") => codec,
+                (false, own) => return Err(malformed(format!("codec {own:?} of its own in a {codec} payload"))),
+                (true, own) => match own.parse::<Codec>() {
+                    Ok(c) if codec.tensor_codecs().contains(&c) => c,
+                    _ => return Err(malformed(format!("codec {own:?} is not one `auto` picks (raw, shuffle+lz4)"))),
+                },
+            };
             let dtype = DType::from_name(&t.dtype).ok_or_else(|| CodecError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })?;
             let n = numel(&t.shape).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
             let raw = n.checked_mul(dtype.size() as u64).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
@@ -211,21 +337,35 @@ impl IncomingPayload {
             if raw_total > limit {
                 return Err(CodecError::PayloadTooLarge { declared: raw_total, limit });
             }
-            let carried = n * codec.precision.carried_size(dtype) as u64;
-            let bound = compressed_bound(codec.compression, carried);
-            if t.wire_len > bound {
-                return Err(CodecError::SizeMismatch {
-                    name: t.name.clone(),
-                    declared: t.wire_len,
-                    expected: format!("{} encodes {carried} bytes in at most {bound}", codec.compression.family()),
-                });
+            let size = codec.precision.carried_size(dtype) as u64;
+            let carried = n * size;
+            if t.zeros_elided && !(codec.shuffle && size > 1 && codec.compression != Compression::None) {
+                return Err(malformed(format!("zeros elided with codec {codec}")));
             }
-            if codec.compression == Compression::None && t.wire_len != carried {
-                return Err(CodecError::SizeMismatch {
-                    name: t.name.clone(),
-                    declared: t.wire_len,
-                    expected: format!("uncompressed it is {carried}"),
-                });
+            if codec.compression == Compression::None {
+                if !t.blocks.is_empty() {
+                    return Err(malformed("blocks without compression".into()));
+                }
+                if t.wire_len != carried {
+                    return Err(CodecError::SizeMismatch {
+                        name: t.name.clone(),
+                        declared: t.wire_len,
+                        expected: format!("uncompressed it is {carried}"),
+                    });
+                }
+            } else {
+                for (i, block) in t.blocks.iter().enumerate() {
+                    check_block(codec.compression, block).map_err(|e| malformed(format!("block {i}: {e}")))?;
+                }
+                let raw: u64 = t.blocks.iter().map(|b| u64::from(b.raw_len)).sum();
+                let wire: u64 = t.blocks.iter().map(|b| u64::from(b.wire_len)).sum();
+                // Zeros elided, the carried bytes are a mask and some of the elements.
+                let mask = zeros::mask_len(n as usize) as u64;
+                let fits = if t.zeros_elided { raw >= mask && raw - mask <= carried && (raw - mask).is_multiple_of(size) } else { raw == carried };
+                if !fits || wire != t.wire_len {
+                    let carries = if t.zeros_elided { format!("a {mask}-byte mask and at most {carried} bytes") } else { format!("{carried} bytes") };
+                    return Err(malformed(format!("its blocks hold {raw} bytes in {wire}, where it carries {carries} in {}", t.wire_len)));
+                }
             }
             let quantised = codec.precision == Precision::Int8 && codec.precision.casts(dtype);
             if quantised != t.quant.is_some() {
@@ -234,6 +374,7 @@ impl IncomingPayload {
             }
             wire_total += t.wire_len;
             dtypes.push(dtype);
+            codecs.push(codec);
         }
         let tag = if envelope.seal.is_some() { TAG_BYTES as u64 } else { 0 };
         if wire_total + tag != header.wire_len {
@@ -243,7 +384,7 @@ impl IncomingPayload {
                 header.wire_len
             )));
         }
-        Ok(Self { header, seal: envelope.seal, codec, dtypes })
+        Ok(Self { header, seal: envelope.seal, codec, dtypes, codecs })
     }
 
     /// The request id, as the header says.
@@ -283,49 +424,143 @@ impl IncomingPayload {
         self.header.tensors.iter().map(|t| t.byte_len).sum()
     }
 
-    /// Authenticates and decrypts `data` (when sealed) and decodes every tensor.
-    pub fn decode(self, mut data: Vec<u8>, opener: &mut Opener) -> Result<DecodedPayload, CodecError> {
+    /// Whether the data is the tensors' bytes as they are (every tensor raw, not sealed): its
+    /// receiver may copy it straight into the tensors' buffers, then call
+    /// [`IncomingPayload::check_verbatim`].
+    pub fn is_verbatim(&self) -> bool {
+        self.seal.is_none() && self.codecs.iter().all(|c| *c == Codec::RAW)
+    }
+
+    /// Finishes a verbatim payload whose data the caller copied into `tensors` (one buffer
+    /// per tensor, in header order, each of its declared size): checks what the bytes of each
+    /// dtype may hold.
+    pub fn check_verbatim(self, tensors: &[&[u8]]) -> Result<DecodedHeader, CodecError> {
+        if !self.is_verbatim() {
+            return Err(CodecError::Malformed(format!(
+                "a {} payload{} is not verbatim",
+                self.codec,
+                if self.seal.is_some() { " (sealed)" } else { "" }
+            )));
+        }
+        self.check_buffers(tensors.iter().map(|b| b.len()))?;
+        for ((t, &dtype), bytes) in self.header.tensors.iter().zip(&self.dtypes).zip(tensors) {
+            check_values(dtype, bytes).map_err(|reason| CodecError::Corrupt { name: t.name.clone(), reason })?;
+        }
+        Ok(self.into_header())
+    }
+
+    /// Authenticates and decrypts `data` (when sealed, in place) and decodes every tensor into
+    /// its buffer in `tensors` (one per tensor, in header order, each of its declared size).
+    pub fn decode_into(self, data: &mut [u8], opener: &mut Opener, tensors: &mut [&mut [u8]]) -> Result<DecodedHeader, CodecError> {
         if data.len() as u64 != self.header.wire_len {
             return Err(CodecError::Truncated { expected: self.header.wire_len, got: data.len() as u64 });
         }
+        self.check_buffers(tensors.iter().map(|b| b.len()))?;
         if let Some(seal) = &self.seal {
-            opener.open(seal, &mut data)?;
+            opener.open_in_place(seal, data)?;
         }
-        let mut tensors = Vec::with_capacity(self.header.tensors.len());
-        let (mut offset, mut scratch) = (0usize, Vec::new());
-        for (t, &dtype) in self.header.tensors.iter().zip(&self.dtypes) {
+        let (mut offset, mut scratch) = (0usize, Default::default());
+        for (((t, &dtype), codec), out) in self.header.tensors.iter().zip(&self.dtypes).zip(&self.codecs).zip(tensors.iter_mut()) {
             let end = offset + t.wire_len as usize;
-            let bytes = decode_tensor(t, dtype, &self.codec, &data[offset..end], &mut scratch)
+            decode_tensor(t, dtype, codec, &data[offset..end], &mut scratch, out)
                 .map_err(|reason| CodecError::Corrupt { name: t.name.clone(), reason })?;
             offset = end;
-            tensors.push(TensorData { name: t.name.clone(), dtype, shape: t.shape.clone(), data: bytes });
         }
+        Ok(self.into_header())
+    }
+
+    /// [`IncomingPayload::decode_into`] buffers of its own.
+    pub fn decode(self, mut data: Vec<u8>, opener: &mut Opener) -> Result<DecodedPayload, CodecError> {
+        let mut buffers: Vec<Vec<u8>> = self.header.tensors.iter().map(|t| vec![0; t.byte_len as usize]).collect();
+        let names: Vec<(String, DType, Vec<i64>)> =
+            self.header.tensors.iter().zip(&self.dtypes).map(|(t, &dtype)| (t.name.clone(), dtype, t.shape.clone())).collect();
+        let header = self.decode_into(&mut data, opener, &mut buffers.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>())?;
+        let tensors =
+            names.into_iter().zip(buffers).map(|((name, dtype, shape), data)| TensorData { name, dtype, shape, data: data.into() }).collect();
+        Ok(DecodedPayload { header, tensors })
+    }
+
+    /// The caller's buffers must be one per tensor, each of its declared size (a bug on the
+    /// receiving side otherwise, never the peer's: the sizes were checked in `parse`).
+    fn check_buffers(&self, lens: impl ExactSizeIterator<Item = usize>) -> Result<(), CodecError> {
+        let declared: Vec<usize> = self.header.tensors.iter().map(|t| t.byte_len as usize).collect();
+        let given: Vec<usize> = lens.collect();
+        if given != declared {
+            return Err(CodecError::Malformed(format!("internal error: buffers of {given:?} bytes for tensors of {declared:?}")));
+        }
+        Ok(())
+    }
+
+    fn into_header(self) -> DecodedHeader {
         let h = self.header;
-        Ok(DecodedPayload {
+        DecodedHeader {
             meta: PayloadMeta { request_id: h.request_id, split: h.split, direction: Direction::try_from(h.direction).unwrap_or_default() },
             codec: self.codec,
             key_id: self.seal.as_ref().map(|s| s.key_id),
             values: h.values,
-            tensors,
-        })
+        }
     }
 }
 
-/// Decompress, unshuffle, widen: the encoded bytes of one tensor back to its dtype.
-fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], scratch: &mut Vec<u8>) -> Result<Vec<u8>, String> {
-    let size = codec.precision.carried_size(dtype);
-    let carried_len = (t.byte_len as usize / dtype.size()) * size;
-    let mut carried = Vec::new();
-    decompress(codec.compression, encoded, carried_len, &mut carried)?;
-    if codec.shuffle && size > 1 {
-        unshuffle(&carried, size, scratch);
-        std::mem::swap(&mut carried, scratch);
-    }
-    let bytes = if codec.precision.casts(dtype) { widen(codec.precision, dtype, &t.shape, &carried, t.quant.as_ref())? } else { carried };
+/// What decoded bytes of `dtype` may hold: a bool is 0 or 1.
+fn check_values(dtype: DType, bytes: &[u8]) -> Result<(), String> {
     if dtype == DType::Bool {
         if let Some(i) = bytes.iter().position(|&b| b > 1) {
             return Err(format!("bool element {i} is {}, not 0 or 1", bytes[i]));
         }
     }
-    Ok(bytes)
+    Ok(())
+}
+
+/// Decompress, unshuffle, restore zeros, widen: the encoded bytes of one tensor (sizes
+/// checked in `parse`) back to its dtype, in `out`. The last step writes into `out`, earlier
+/// ones into `scratch`.
+fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], scratch: &mut [Vec<u8>; 3], out: &mut [u8]) -> Result<(), String> {
+    let size = codec.precision.carried_size(dtype);
+    let n = t.byte_len as usize / dtype.size();
+    let carried_len = n * size;
+    let (shuffled, casts) = (codec.shuffle && size > 1, codec.precision.casts(dtype));
+    let [a, b, c] = scratch;
+    if t.zeros_elided {
+        let packed_len = t.blocks.iter().map(|b| b.raw_len as usize).sum();
+        decompress_blocks(codec.compression, &t.blocks, encoded, sized(a, packed_len))?;
+        let (mask, kept) = a.split_at(zeros::mask_len(n));
+        unshuffle_into(kept, size, sized(b, kept.len()));
+        if !casts {
+            zeros::restore(mask, b, size, out)?;
+            return check_values(dtype, out);
+        }
+        zeros::restore(mask, b, size, sized(c, carried_len))?;
+        out.copy_from_slice(&widen(codec.precision, dtype, &t.shape, c, t.quant.as_ref())?);
+        return check_values(dtype, out);
+    }
+    let mut carried = encoded;
+    if codec.compression != Compression::None {
+        if !shuffled && !casts {
+            decompress_blocks(codec.compression, &t.blocks, encoded, out)?;
+            return check_values(dtype, out);
+        }
+        decompress_blocks(codec.compression, &t.blocks, encoded, sized(a, carried_len))?;
+        carried = a;
+    }
+    if shuffled {
+        if !casts {
+            unshuffle_into(carried, size, out);
+            return check_values(dtype, out);
+        }
+        unshuffle_into(carried, size, sized(b, carried_len));
+        carried = b;
+    }
+    if casts {
+        out.copy_from_slice(&widen(codec.precision, dtype, &t.shape, carried, t.quant.as_ref())?);
+    } else {
+        out.copy_from_slice(carried);
+    }
+    check_values(dtype, out)
+}
+
+/// `buffer` as `len` bytes (stale contents kept where it was already that long).
+fn sized(buffer: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    buffer.resize(len, 0);
+    &mut buffer[..len]
 }

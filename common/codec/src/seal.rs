@@ -246,15 +246,15 @@ impl Opener {
     }
 
     /// Decrypts `data` (ciphertext then tag) in place after [`Opener::check_header`]
-    /// passed; on success the stream's nonce state moves past this payload.
-    pub(crate) fn open(&mut self, seal: &Seal, data: &mut Vec<u8>) -> Result<(), CodecError> {
+    /// passed, leaving the tag as it is; on success the stream's nonce state moves past this
+    /// payload.
+    pub(crate) fn open_in_place(&mut self, seal: &Seal, data: &mut [u8]) -> Result<(), CodecError> {
         let key = self.ring.get(seal.key_id).ok_or_else(|| CodecError::UnknownKeyId { id: seal.key_id, held: self.ring.ids() })?;
         let prefix: [u8; PREFIX_BYTES] = seal.nonce_prefix.as_slice().try_into().map_err(|_| CodecError::Malformed("nonce prefix".into()))?;
         let body = data.len().checked_sub(TAG_BYTES).ok_or(CodecError::DataTampered)?;
         let tag: [u8; TAG_BYTES] = data[body..].try_into().expect("16 bytes");
-        data.truncate(body);
         key.cipher
-            .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], data.as_mut_slice().into(), &Tag::from(tag))
+            .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], (&mut data[..body]).into(), &Tag::from(tag))
             .map_err(|_| CodecError::DataTampered)?;
         self.prefix = Some(prefix);
         self.last = Some(seal.counter);

@@ -44,13 +44,18 @@ pub fn shuffle(data: &[u8], size: usize, out: &mut Vec<u8>) {
 
 /// Undoes [`shuffle`].
 pub fn unshuffle(data: &[u8], size: usize, out: &mut Vec<u8>) {
-    if size <= 1 {
-        out.clear();
-        out.extend_from_slice(data);
-        return;
-    }
     out.truncate(data.len());
     out.resize(data.len(), 0);
+    unshuffle_into(data, size, out);
+}
+
+/// Undoes [`shuffle`] into `out`, of `data`'s length (the tensor's own buffer, say).
+pub fn unshuffle_into(data: &[u8], size: usize, out: &mut [u8]) {
+    assert_eq!(data.len(), out.len(), "unshuffle into a buffer of the data's length");
+    if size <= 1 {
+        out.copy_from_slice(data);
+        return;
+    }
     let n = data.len() / size;
     let (body, tail) = out.split_at_mut(n * size);
     let done = match size {

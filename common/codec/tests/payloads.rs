@@ -16,10 +16,11 @@ fn every_codec() -> Vec<Codec> {
     for precision in Precision::ALL {
         for shuffle in [false, true] {
             for compression in [Compression::None, Compression::Lz4, Compression::Zstd(1), Compression::Zstd(3)] {
-                codecs.push(Codec { precision, shuffle, compression });
+                codecs.push(Codec { precision, shuffle, compression, auto: false });
             }
         }
     }
+    codecs.push(Codec::AUTO);
     codecs
 }
 
@@ -60,9 +61,12 @@ fn tensor_strategy() -> impl Strategy<Value = TensorData> {
             state
         };
         let mut data = Vec::with_capacity(n as usize * dtype.size());
+        // Half the tensors are a third zeros, as after a ReLU, so their zeros are elided.
+        let sparse = seed & 2 != 0;
         for _ in 0..n {
             let r = next();
-            let x = ((r % 2001) as f64 - 1000.0) / 37.0;
+            let r = if sparse && r % 3 == 0 { 0 } else { r };
+            let x = if r == 0 { 0.0 } else { ((r % 2001) as f64 - 1000.0) / 37.0 };
             match dtype {
                 DType::Float32 => data.extend_from_slice(&(x as f32).to_le_bytes()),
                 DType::Float64 => data.extend_from_slice(&x.to_le_bytes()),
@@ -72,7 +76,7 @@ fn tensor_strategy() -> impl Strategy<Value = TensorData> {
                 other => data.extend_from_slice(&r.to_le_bytes()[..other.size()]),
             }
         }
-        TensorData { name: format!("t{seed}"), dtype, shape, data }
+        TensorData { name: format!("t{seed}"), dtype, shape, data: data.into() }
     })
 }
 
@@ -156,7 +160,7 @@ proptest! {
             request_id: 1,
             direction: Direction::Request as i32,
             codec,
-            tensors: vec![pb::TensorHeader { name: "x".into(), dtype, shape, byte_len, wire_len, quant: None }],
+            tensors: vec![pb::TensorHeader { name: "x".into(), dtype, shape, byte_len, wire_len, quant: None, ..Default::default() }],
             wire_len,
             ..Default::default()
         };
@@ -171,7 +175,7 @@ proptest! {
 
 fn sample() -> Vec<TensorData> {
     let floats: Vec<u8> = (0..1000).flat_map(|i| ((i % 17) as f32 * 0.25).to_le_bytes()).collect();
-    vec![TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![10, 100], data: floats }]
+    vec![TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![10, 100], data: floats.into() }]
 }
 
 fn sealed_payload(ring: &KeyRing) -> EncodedPayload {
@@ -282,7 +286,7 @@ fn a_failed_payload_does_not_advance_the_stream() {
     let incoming = IncomingPayload::parse(&first.envelope, Direction::Request, LIMIT, &CodecPolicy::default(), &opener).unwrap();
     assert_eq!(incoming.decode(data, &mut opener).unwrap_err(), CodecError::DataTampered);
     let incoming = IncomingPayload::parse(&second.envelope, Direction::Request, LIMIT, &CodecPolicy::default(), &opener).unwrap();
-    assert_eq!(incoming.decode(second.data.to_vec(), &mut opener).unwrap().meta.request_id, 1);
+    assert_eq!(incoming.decode(second.data.to_vec(), &mut opener).unwrap().header.meta.request_id, 1);
 }
 
 fn with_header(enc: &EncodedPayload, f: impl FnOnce(&mut PayloadHeader)) -> Vec<u8> {
@@ -313,8 +317,20 @@ fn declared_sizes_are_checked_before_anything_is_allocated() {
     assert!(matches!(parse(&negative, LIMIT).unwrap_err(), CodecError::InvalidShape { .. }));
     let lying = with_header(&enc, |h| h.tensors[0].byte_len = 8);
     assert!(parse(&lying, LIMIT).unwrap_err().to_string().contains("declared 8 bytes, but float32[10, 100] needs 4000"));
+    // Compressed tensors travel in blocks, each within the compressor's bounds, adding up to
+    // the tensor.
     let bloated = with_header(&enc, |h| h.tensors[0].wire_len = 1 << 30);
-    assert!(parse(&bloated, LIMIT).unwrap_err().to_string().contains("lz4 encodes 4000 bytes in at most"));
+    let err = parse(&bloated, LIMIT).unwrap_err().to_string();
+    assert!(err.contains("tensor x: its blocks hold 4000 bytes in") && err.contains("where it carries 4000 bytes in 1073741824"), "{err}");
+    let bloated = with_header(&enc, |h| h.tensors[0].blocks[0].wire_len = 1 << 30);
+    let err = parse(&bloated, LIMIT).unwrap_err().to_string();
+    assert!(err.contains("block 0: lz4 encodes") && err.contains("in at most"), "{err}");
+    let claiming = with_header(&enc, |h| h.tensors[0].blocks[0].raw_len = 1 << 30);
+    assert!(parse(&claiming, LIMIT).unwrap_err().to_string().contains("cannot decompress to the 1073741824 declared"));
+    let unblocked = with_header(&enc, |h| h.tensors[0].blocks.clear());
+    assert!(parse(&unblocked, LIMIT).unwrap_err().to_string().contains("its blocks hold 0 bytes in 0"));
+    let own = with_header(&enc, |h| h.tensors[0].codec = "raw".into());
+    assert!(parse(&own, LIMIT).unwrap_err().to_string().contains("tensor x: codec \"raw\" of its own in a shuffle+lz4 payload"));
     let inconsistent = with_header(&enc, |h| h.wire_len += 1);
     assert!(matches!(parse(&inconsistent, LIMIT).unwrap_err(), CodecError::Malformed(_)));
     let dtype = with_header(&enc, |h| h.tensors[0].dtype = "complex64".into());
@@ -327,14 +343,14 @@ fn truncated_and_corrupt_data_are_errors() {
     let enc = encode_payload(meta(1), values_for(&sample()), &sample(), &codec, None).unwrap();
     let mut opener = KeyRing::default().opener();
     let incoming = parse(&enc.envelope, LIMIT).unwrap();
-    let short = enc.data[..enc.data.len() - 1].to_vec();
+    let short = enc.data.to_vec()[..enc.data.len() - 1].to_vec();
     assert!(matches!(incoming.decode(short, &mut opener).unwrap_err(), CodecError::Truncated { .. }));
     let mut garbled = enc.data.to_vec();
     garbled.iter_mut().for_each(|b| *b = b.wrapping_add(1));
     let err = parse(&enc.envelope, LIMIT).unwrap().decode(garbled, &mut opener).unwrap_err();
     assert!(matches!(err, CodecError::Corrupt { .. }), "{err}");
     // A bool tensor whose bytes are not 0 or 1 is refused, not handed to libtorch.
-    let bools = vec![TensorData { name: "m".into(), dtype: DType::Bool, shape: vec![3], data: vec![0, 1, 1] }];
+    let bools = vec![TensorData { name: "m".into(), dtype: DType::Bool, shape: vec![3], data: vec![0, 1, 1].into() }];
     let enc = encode_payload(meta(1), values_for(&bools), &bools, &Codec::RAW, None).unwrap();
     let err = parse(&enc.envelope, LIMIT).unwrap().decode(vec![0, 7, 1], &mut opener).unwrap_err();
     assert!(err.to_string().contains("bool element 1 is 7"), "{err}");
@@ -382,8 +398,109 @@ fn rotation_a_server_holding_two_keys_opens_either() {
 fn shuffle_makes_floats_compress() {
     // Smooth activations: shuffling groups sign/exponent bytes, which then compress well.
     let data: Vec<u8> = (0..65536).flat_map(|i| ((i as f32 * 0.001).sin().max(0.0)).to_le_bytes()).collect();
-    let t = vec![TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![65536], data }];
+    let t = vec![TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![65536], data: data.into() }];
     let size = |codec: &str| encode_payload(meta(1), values_for(&t), &t, &codec.parse().unwrap(), None).unwrap().data.len();
     assert!(size("shuffle+lz4") < size("lz4"), "{} vs {}", size("shuffle+lz4"), size("lz4"));
     assert!(size("shuffle+zstd") < size("zstd"));
+}
+
+#[test]
+fn zeros_are_elided_where_a_tensor_is_an_eighth_zeros_and_a_mask_that_lies_is_refused() {
+    // A post-ReLU-like tensor: a third of it zeros, scattered; and one without zeros.
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let n = 1usize << 14;
+    let mut value = |sparse: bool| match next() % 3000 {
+        r if sparse && r < 1000 => 0f32,
+        r => (r % 1000) as f32 / 7.0 + 0.5,
+    };
+    let relu: Vec<u8> = (0..n).flat_map(|_| value(true).to_le_bytes()).collect();
+    let dense: Vec<u8> = (0..n).flat_map(|_| value(false).to_le_bytes()).collect();
+    let tensors = vec![
+        TensorData { name: "relu".into(), dtype: DType::Float32, shape: vec![n as i64], data: relu.into() },
+        TensorData { name: "dense".into(), dtype: DType::Float32, shape: vec![n as i64], data: dense.into() },
+    ];
+    let elided = |enc: &EncodedPayload| -> Vec<bool> {
+        PayloadHeader::decode(&envelope_of(enc).header[..]).unwrap().tensors.iter().map(|t| t.zeros_elided).collect()
+    };
+    for (codec, expected) in [
+        ("shuffle+lz4", [true, false]),
+        ("shuffle+zstd", [true, false]),
+        ("fp16+shuffle+lz4", [true, false]),
+        ("auto", [true, false]),
+        ("lz4", [false, false]),
+        ("shuffle", [false, false]),
+    ] {
+        let enc = encode_payload(meta(1), values_for(&tensors), &tensors, &codec.parse().unwrap(), None).unwrap();
+        assert_eq!(elided(&enc), expected, "{codec}");
+        let back = receive(&enc, None, Direction::Request).unwrap().tensors;
+        if codec.starts_with("fp16") {
+            let zeros = |t: &TensorData| as_f64(t).iter().filter(|v| **v == 0.0).count();
+            assert_eq!(zeros(&back[0]), zeros(&tensors[0]), "zeros come back as zeros");
+            assert!(zeros(&tensors[0]) > n / 4);
+        } else {
+            assert_eq!(back, tensors, "{codec}");
+        }
+    }
+    let enc = encode_payload(meta(1), values_for(&tensors), &tensors, &"shuffle+lz4".parse().unwrap(), None).unwrap();
+    // Elided zeros need shuffle and compression, and blocks that hold a mask and whole elements.
+    let raw = encode_payload(meta(1), values_for(&tensors), &tensors, &Codec::RAW, None).unwrap();
+    let err = parse(&with_header(&raw, |h| h.tensors[0].zeros_elided = true), LIMIT).unwrap_err().to_string();
+    assert!(err.contains("tensor relu: zeros elided with codec raw"), "{err}");
+    let err = parse(&with_header(&enc, |h| h.tensors[0].zeros_elided = false), LIMIT).unwrap_err().to_string();
+    assert!(err.contains("tensor relu: its blocks hold"), "{err}");
+    let err = parse(&with_header(&enc, |h| h.tensors[1].blocks.truncate(1)), LIMIT).unwrap_err().to_string();
+    assert!(err.contains("tensor dense: its blocks hold 16384 bytes"), "{err}");
+    let err = parse(&with_header(&enc, |h| h.tensors[0].blocks.truncate(0)), LIMIT).unwrap_err().to_string();
+    assert!(err.contains("a 2048-byte mask and at most 65536 bytes"), "{err}");
+    // A mask that marks other elements than the data holds decodes to an error, not a tensor.
+    let header = PayloadHeader::decode(&envelope_of(&enc).header[..]).unwrap();
+    assert!(header.tensors[0].blocks[0].stored, "the mask of scattered zeros does not compress");
+    let mut data = enc.data.to_vec();
+    data[0] ^= 0x01;
+    let err = parse(&enc.envelope, LIMIT).unwrap().decode(data, &mut KeyRing::default().opener()).unwrap_err().to_string();
+    assert!(err.contains("the zero mask marks"), "{err}");
+    let dense_as_elided = with_header(&enc, |h| h.tensors[1].zeros_elided = true);
+    let err = parse(&dense_as_elided, LIMIT).unwrap().decode(enc.data.to_vec(), &mut KeyRing::default().opener()).unwrap_err().to_string();
+    assert!(err.contains("tensor dense") && err.contains("the zero mask"), "{err}");
+}
+
+#[test]
+fn auto_sends_what_does_not_compress_raw_from_its_own_memory_and_compresses_the_rest() {
+    // Noise (no plane of it compresses) and a post-ReLU-like tensor (half zeros).
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let noise: Vec<u8> = (0..1 << 18).map(|_| next() as u8).collect();
+    let relu: Vec<u8> = (0..1 << 16).flat_map(|i| if i % 2 == 0 { 0f32 } else { (next() % 1000) as f32 / 7.0 }.to_le_bytes()).collect();
+    let tensors = vec![
+        TensorData { name: "noise".into(), dtype: DType::Float32, shape: vec![1 << 16], data: noise.into() },
+        TensorData { name: "relu".into(), dtype: DType::Float32, shape: vec![1 << 16], data: relu.into() },
+    ];
+    let enc = encode_payload(meta(1), values_for(&tensors), &tensors, &Codec::AUTO, None).unwrap();
+    let header = PayloadHeader::decode(&envelope_of(&enc).header[..]).unwrap();
+    let picked: Vec<&str> = header.tensors.iter().map(|t| t.codec.as_str()).collect();
+    assert_eq!((header.codec.as_str(), picked), ("auto", vec!["raw", "shuffle+lz4"]));
+    assert!(header.tensors[1].wire_len < 3 * (1 << 18) / 4, "{}", header.tensors[1].wire_len);
+    // The raw tensor is its own segment: the tensor's memory, not a copy.
+    assert_eq!(enc.data.segments()[0].as_ptr(), tensors[0].data.as_ptr());
+    assert_eq!(receive(&enc, None, Direction::Request).unwrap().tensors, tensors);
+    // Only auto's two codecs, and only in an auto payload.
+    let other = with_header(&enc, |h| h.tensors[0].codec = "lz4".into());
+    assert!(parse(&other, LIMIT).unwrap_err().to_string().contains("tensor noise: codec \"lz4\" is not one `auto` picks"));
+    // A payload auto sends wholly raw is verbatim, as a raw one.
+    let raw_only = &tensors[..1];
+    let enc = encode_payload(meta(1), values_for(raw_only), raw_only, &Codec::AUTO, None).unwrap();
+    assert!(parse(&enc.envelope, LIMIT).unwrap().is_verbatim());
+    let enc = encode_payload(meta(1), values_for(&tensors), &tensors, &Codec::AUTO, None).unwrap();
+    assert!(!parse(&enc.envelope, LIMIT).unwrap().is_verbatim());
 }

@@ -134,7 +134,7 @@ fn round_trip(boundary: &Boundary, cut: usize, codec: &Codec) -> anyhow::Result<
     let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default());
     let mut decode = || -> Result<_, cleave_common::wire::WireError> {
         let mut assembly = receiver.start(0, &enc.envelope)?;
-        assembly.push(0, &enc.data)?;
+        assembly.push_data(0, &enc.data)?;
         receiver.finish(assembly)
     };
     let received = decode().with_context(|| format!("decoding cut {cut} with {codec}"))?;

@@ -15,14 +15,14 @@
 //!     cargo build --release
 //!     target/release/split-overhead --bundle bundles/resnet18 --batches 1,8 --codecs raw,shuffle+lz4
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod support;
 
-use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::bail;
 use clap::Parser;
-use cleave_common::config::{allowed_cores, pin_thread};
+use cleave_common::config::allowed_cores;
 use cleave_common::stats::median;
 use cleave_common::tables::human_bytes;
 use cleave_common::wire::{Codec, Key};
@@ -30,7 +30,8 @@ use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{connect, EdgeSession, Link};
+use cleave_host::session::Link;
+use support::{connect_when_up, start_server, Side};
 
 #[derive(Parser)]
 struct Args {
@@ -70,22 +71,6 @@ struct Args {
     /// The server binary (default: `server` beside this one).
     #[arg(long)]
     server_bin: Option<PathBuf>,
-}
-
-/// Where one side runs.
-#[derive(Clone)]
-struct Side {
-    cores: Vec<usize>,
-    threads: usize,
-}
-
-impl Side {
-    /// Moves every thread of this process onto the side's cores and sets libtorch's threads.
-    fn enter(&self) -> anyhow::Result<()> {
-        pin_threads(&self.cores)?;
-        tch::set_num_threads(self.threads as i32);
-        Ok(())
-    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -287,65 +272,6 @@ async fn measure_batch(
     result
 }
 
-/// The `server` process for `bundle` on `side`'s cores and threads, listening on a free port
-/// of 127.0.0.1; its URL.
-fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option<&Key>, dir: &Path) -> anyhow::Result<(Child, String)> {
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let cores: Vec<String> = side.cores.iter().map(usize::to_string).collect();
-    let mut yaml = format!(
-        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: cpu\nthreads: {}\ncores: [{}]\n",
-        std::fs::canonicalize(bundle.dir())?.display(),
-        side.threads,
-        cores.join(", ")
-    );
-    if let Some(key) = key {
-        std::fs::write(dir.join("payload.key"), key.to_hex().as_bytes())?;
-        yaml.push_str(&format!("encryption:\n  required: true\n  keys:\n    - id: 1\n      file: {}\n", dir.join("payload.key").display()));
-    }
-    let config = dir.join("server.yaml");
-    std::fs::write(&config, yaml)?;
-    let child = Command::new(bin)
-        .arg("--config")
-        .arg(&config)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    Ok((child, format!("http://127.0.0.1:{port}")))
-}
-
-/// A session once the server answers (it loads its stages first), or the server's exit.
-async fn connect_when_up(url: &str, bundle: &Bundle, link: &Link, server: &mut Child) -> anyhow::Result<EdgeSession> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match connect(url, bundle, link).await {
-            Ok(session) => return Ok(session),
-            Err(e) if Instant::now() > deadline => bail!("the server at {url} did not answer in 60 s: {e}"),
-            Err(_) => {
-                if let Some(status) = server.try_wait()? {
-                    bail!("the server exited ({status}) before answering");
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-/// Restricts every thread of this process (libtorch's pool and tokio's included) to `cores`;
-/// threads started later inherit it from their parent.
-fn pin_threads(cores: &[usize]) -> anyhow::Result<()> {
-    for task in std::fs::read_dir("/proc/self/task")? {
-        let Some(tid) = task?.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        // A thread may have ended since the listing.
-        if let Err(e) = pin_thread(tid, cores) {
-            if std::fs::metadata(format!("/proc/self/task/{tid}")).is_ok() {
-                return Err(e.into());
-            }
-        }
-    }
-    Ok(())
 }

@@ -93,7 +93,13 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
                 } else {
                     let t = Instant::now();
                     let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
-                    let encoded = sender.encode(meta, &plan.codec, &boundary)?;
+                    // A boundary kept for `fallback: edge` may be finished here in place: it
+                    // is copied; otherwise the wire takes its memory as it is.
+                    let (encoded, boundary) = if fallback {
+                        (sender.encode(meta, &plan.codec, &boundary)?, Some(boundary))
+                    } else {
+                        (sender.encode_owned(meta, &plan.codec, boundary)?, None)
+                    };
                     let frames: Vec<InferFrame> = frame_parts(encoded.envelope, &encoded.data, chunk_bytes)
                         .into_iter()
                         .map(|part| InferFrame { request_id: id, header: part.header, data: part.data, last: part.last })
@@ -107,7 +113,7 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
                         bytes_wire: frames.iter().map(|f| f.encoded_len() as u64).sum(),
                         ..Default::default()
                     };
-                    Produced::Remote(Prepared { id, frames, metrics, started, boundary: fallback.then_some(boundary) })
+                    Produced::Remote(Prepared { id, frames, metrics, started, boundary })
                 }
             }
         };

@@ -61,7 +61,7 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
             Ok(e) => {
                 let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default());
                 let decoded = receiver.start(0, &e.envelope).and_then(|mut a| {
-                    a.push(0, &e.data)?;
+                    a.push_data(0, &e.data)?;
                     receiver.finish(a)
                 });
                 if let Err(err) = decoded {

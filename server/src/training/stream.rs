@@ -234,15 +234,25 @@ impl CallStream {
         frame: &pb::TrainPayloadFrame,
         budget: &MemoryBudget,
     ) -> Result<Option<(Reassembly, (Phase, Reservation))>, (u64, RequestError)> {
-        let started = if self.frames.starts_payload(frame) { Some(self.start_payload(frame, budget).await) } else { None };
+        let started = if self.frames.starts_payload(frame) {
+            // Only the receivers cross the await: the stream's frames hold tensors (not `Sync`).
+            let receivers = (Arc::clone(&self.requests), Arc::clone(&self.gradients));
+            Some(Self::start_payload(receivers, frame, budget).await)
+        } else {
+            None
+        };
         self.frames.push_started(frame, started)
     }
 
-    async fn start_payload(&self, f: &pb::TrainPayloadFrame, budget: &MemoryBudget) -> Result<(Reassembly, (Phase, Reservation)), RequestError> {
+    async fn start_payload(
+        (requests, gradients): (Arc<Mutex<PayloadReceiver>>, Arc<Mutex<PayloadReceiver>>),
+        f: &pb::TrainPayloadFrame,
+        budget: &MemoryBudget,
+    ) -> Result<(Reassembly, (Phase, Reservation)), RequestError> {
         let phase = Phase::try_from(f.phase).unwrap_or(Phase::Unspecified);
         let receiver = match phase {
-            Phase::Forward | Phase::Evaluate => &self.requests,
-            Phase::Backward => &self.gradients,
+            Phase::Forward | Phase::Evaluate => &requests,
+            Phase::Backward => &gradients,
             Phase::Unspecified => {
                 return Err(RequestError::Session("a payload's first frame names its phase (forward, backward, evaluate)".into()));
             }
@@ -279,7 +289,7 @@ impl CallStream {
             Ok(a) => a,
             Err(e) => return vec![error_reply(id, &e)],
         };
-        let spec = |split, direction| ResultSpec { request_id: id, split, codec, key_id, direction };
+        let spec = |split, direction| ResultSpec { request_id: id, split, codec, key_id, direction, keeps_tensors: true };
         let (loss, boundary, spec) = match answer {
             Answer::Gradients { loss, grads } => (loss, grads, spec(self.start, Direction::Gradient)),
             Answer::Output(out) => (None, out, spec(self.end, Direction::Result)),

@@ -77,7 +77,7 @@ pub(crate) fn load(path: &std::path::Path) -> Result<Vec<Cut>, String> {
             name: tensor.to_string(),
             dtype: dtype(view.dtype()).map_err(|e| format!("{name}: {e}"))?,
             shape: view.shape().iter().map(|&d| d as i64).collect(),
-            data: view.data().to_vec(),
+            data: view.data().to_vec().into(),
         };
         match cuts.iter_mut().find(|c| c.index == cut) {
             Some(c) => c.tensors.push(tensor),

@@ -21,7 +21,7 @@ fn main() {
     for precision in Precision::ALL {
         for shuffle in [false, true] {
             for compression in [Compression::None, Compression::Lz4, Compression::Zstd(1)] {
-                let codec = Codec { precision, shuffle, compression };
+                let codec = Codec { precision, shuffle, compression, auto: false };
                 for sealed in [false, true] {
                     let mut sealer = ring.sealer(1).expect("key 1");
                     let enc = encode_payload(meta, Vec::new(), &tensors, &codec, sealed.then_some(&mut sealer)).expect("encodes");

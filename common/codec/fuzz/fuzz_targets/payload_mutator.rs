@@ -23,7 +23,7 @@ fn codecs() -> Vec<Codec> {
     for precision in Precision::ALL {
         for shuffle in [false, true] {
             for compression in [Compression::None, Compression::Lz4, Compression::Zstd(-1), Compression::Zstd(1), Compression::Zstd(3)] {
-                codecs.push(Codec { precision, shuffle, compression });
+                codecs.push(Codec { precision, shuffle, compression, auto: false });
             }
         }
     }
@@ -39,8 +39,8 @@ fn tensors() -> Vec<TensorData> {
         TensorData { name: "idx".into(), dtype: DType::Int64, shape: vec![7], data: (0..7i64).flat_map(|v| (v * 1000 - 3).to_le_bytes()).collect() },
         TensorData { name: "mask".into(), dtype: DType::Bool, shape: vec![2, 5], data: (0..10).map(|i| (i % 3 == 0) as u8).collect() },
         TensorData { name: "d".into(), dtype: DType::Float64, shape: vec![3, 4], data: doubles.iter().flat_map(|v| v.to_le_bytes()).collect() },
-        TensorData { name: "h".into(), dtype: DType::Float16, shape: vec![6], data: halves },
-        TensorData { name: "s".into(), dtype: DType::Float32, shape: vec![], data: 2.5f32.to_le_bytes().to_vec() },
+        TensorData { name: "h".into(), dtype: DType::Float16, shape: vec![6], data: halves.into() },
+        TensorData { name: "s".into(), dtype: DType::Float32, shape: vec![], data: 2.5f32.to_le_bytes().to_vec().into() },
     ]
 }
 

@@ -1,0 +1,98 @@
+//! What the benches that drive a `server` process share: starting one on chosen cores and
+//! threads, and waiting for it to answer.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use cleave_common::config::pin_thread;
+use cleave_common::wire::Key;
+use cleave_common::Bundle;
+use cleave_host::session::{connect, EdgeSession, Link};
+
+/// Where a side runs: its cores and libtorch's threads.
+#[derive(Clone)]
+pub(crate) struct Side {
+    pub cores: Vec<usize>,
+    pub threads: usize,
+}
+
+impl Side {
+    /// Moves every thread of this process onto the side's cores and sets libtorch's threads.
+    #[allow(dead_code)] // used by some of the benches that include this module
+    pub(crate) fn enter(&self) -> anyhow::Result<()> {
+        pin_threads(&self.cores)?;
+        tch::set_num_threads(self.threads as i32);
+        Ok(())
+    }
+}
+
+/// The `server` process for `bundle` on `side`'s cores and threads, listening on a free port
+/// of 127.0.0.1; its URL.
+pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option<&Key>, dir: &Path) -> anyhow::Result<(Child, String)> {
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let cores: Vec<String> = side.cores.iter().map(usize::to_string).collect();
+    let mut yaml = format!(
+        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: cpu\nthreads: {}\ncores: [{}]\n",
+        std::fs::canonicalize(bundle.dir())?.display(),
+        side.threads,
+        cores.join(", ")
+    );
+    if let Some(key) = key {
+        std::fs::write(dir.join("payload.key"), key.to_hex().as_bytes())?;
+        yaml.push_str(&format!("encryption:\n  required: true\n  keys:\n    - id: 1\n      file: {}\n", dir.join("payload.key").display()));
+    }
+    let config = dir.join("server.yaml");
+    std::fs::write(&config, yaml)?;
+    let child = Command::new(bin)
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    Ok((child, format!("http://127.0.0.1:{port}")))
+}
+
+/// A session once the server answers (it loads its stages first), or the server's exit.
+pub(crate) async fn connect_when_up(url: &str, bundle: &Bundle, link: &Link, server: &mut Child) -> anyhow::Result<EdgeSession> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match connect(url, bundle, link).await {
+            Ok(session) => return Ok(session),
+            Err(e) if Instant::now() > deadline => bail!("the server at {url} did not answer in 60 s: {e}"),
+            Err(_) => {
+                if let Some(status) = server.try_wait()? {
+                    bail!("the server exited ({status}) before answering");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// The resident memory of process `pid`, in bytes (`VmRSS` of /proc/PID/status).
+#[allow(dead_code)] // used by some of the benches that include this module
+pub(crate) fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS line")?;
+    let kib: u64 = line.split_whitespace().nth(1).context("VmRSS without a value")?.parse()?;
+    Ok(kib * 1024)
+}
+
+/// Restricts every thread of this process (libtorch's pool and tokio's included) to `cores`;
+/// threads started later inherit it from their parent.
+fn pin_threads(cores: &[usize]) -> anyhow::Result<()> {
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let Some(tid) = task?.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        // A thread may have ended since the listing.
+        if let Err(e) = pin_thread(tid, cores) {
+            if std::fs::metadata(format!("/proc/self/task/{tid}")).is_ok() {
+                return Err(e.into());
+            }
+        }
+    }
+    Ok(())
+}
