@@ -1,20 +1,32 @@
 //! The server's connections: how many are open, which calls each has open, and when one is
 //! closed whatever its peer does.
 //!
+//! A connection is first *handshaking*: accepted, its TLS handshake (when TLS is on), HTTP/2
+//! preface and first call still to come. It counts against `limits.max_handshaking_connections`
+//! only, so sockets that say nothing cannot take the places of peers that call, and it is
+//! closed when no call has come within `limits.handshake_timeout`. Its first call makes it
+//! *established*: it then takes one of `limits.max_connections` places, or that call is
+//! refused with RESOURCE_EXHAUSTED naming the limit. With `limits.max_connections_per_address`,
+//! one peer address holds at most that many sockets in either state.
+//!
 //! - [`Connections::admit`] wraps each accepted socket in a [`TrackedIo`], or closes it at
-//!   once when `limits.max_connections` are open.
-//! - [`TrackedIo`] fails its reads and writes (so hyper drops the connection) when it has had
-//!   no call open for `limits.idle_connection_timeout`, or when [`Connections::close_all`]
-//!   is called at the end of the drain.
-//! - [`CallTracking`], a tower layer under tonic, counts each connection's open calls, keeps
-//!   what a response holds (an `Echo` reply's share of its connection's budget) until its
-//!   body is sent or dropped, and turns a panicking handler into INTERNAL for that call.
+//!   once when the handshaking places or its address's share are taken.
+//! - [`TrackedIo`] fails its reads and writes (so hyper drops the connection) when its
+//!   handshake deadline passes before a call, when it has had no call open for
+//!   `limits.idle_connection_timeout`, or when [`Connections::close_all`] is called at the
+//!   end of the drain.
+//! - [`CallTracking`], a tower layer under tonic, establishes a connection at its first call,
+//!   counts each connection's open calls, keeps what a response holds (an `Echo` reply's
+//!   share of its connection's budget) until its body is sent or dropped, and turns a
+//!   panicking handler into INTERNAL for that call.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -29,13 +41,42 @@ use tonic::transport::server::{Connected, TlsConnectInfo};
 
 use crate::config::PeerLimits;
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Every connection of a server.
 pub(crate) struct Connections {
+    /// Places of established connections (`limits.max_connections`).
     slots: Arc<Semaphore>,
     max: usize,
+    /// Places of handshaking connections (`limits.max_handshaking_connections`).
+    handshakes: Arc<Semaphore>,
+    max_handshakes: usize,
+    /// Sockets per peer address, when `limits.max_connections_per_address` is set.
+    per_address: Option<Arc<AddressShares>>,
     closing: CancellationToken,
+    handshake_timeout: Duration,
     idle_timeout: Duration,
     echo_units: usize,
+}
+
+/// Why an accepted socket was closed at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// `limits.max_handshaking_connections` sockets are waiting for their first call.
+    Handshakes(usize),
+    /// Its address holds `limits.max_connections_per_address` sockets already.
+    AddressShare(u32),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Handshakes(n) => write!(f, "{n} connections are waiting for their first call (`limits.max_handshaking_connections`)"),
+            Self::AddressShare(n) => write!(f, "its address holds {n} connections already (`limits.max_connections_per_address`)"),
+        }
+    }
 }
 
 impl Connections {
@@ -43,32 +84,45 @@ impl Connections {
         Self {
             slots: Arc::new(Semaphore::new(limits.max_connections as usize)),
             max: limits.max_connections as usize,
+            handshakes: Arc::new(Semaphore::new(limits.max_handshaking_connections as usize)),
+            max_handshakes: limits.max_handshaking_connections as usize,
+            per_address: limits.max_connections_per_address.map(|max| Arc::new(AddressShares { max, held: Mutex::default() })),
             closing: CancellationToken::new(),
+            handshake_timeout: limits.handshake_timeout,
             idle_timeout: limits.idle_connection_timeout,
             echo_units: echo_units(limits.max_echo_bytes_per_connection) as usize,
         }
     }
 
-    /// Tracks an accepted socket; `None` when every slot is taken (dropping the socket closes
-    /// it, so the peer learns at once instead of hanging in the backlog).
-    pub(crate) fn admit(&self, io: TcpStream) -> Option<TrackedIo> {
-        let slot = Arc::clone(&self.slots).try_acquire_owned().ok()?;
+    /// Tracks an accepted socket as handshaking, or says why it must be closed (dropping the
+    /// socket closes it, so the peer learns at once instead of hanging in the backlog).
+    pub(crate) fn admit(&self, io: TcpStream) -> Result<TrackedIo, Refusal> {
+        let share = match (&self.per_address, io.peer_addr()) {
+            (Some(shares), Ok(peer)) => Some(AddressShares::take(shares, peer.ip()).ok_or(Refusal::AddressShare(shares.max))?),
+            _ => None,
+        };
+        let handshake = Arc::clone(&self.handshakes).try_acquire_owned().map_err(|_| Refusal::Handshakes(self.max_handshakes))?;
         let connection = Arc::new(Connection {
             open_calls: AtomicUsize::new(0),
             last_active: Mutex::new(Instant::now()),
             echo: Arc::new(Semaphore::new(self.echo_units)),
+            place: Mutex::new(Place::Handshaking(handshake)),
+            slots: Arc::clone(&self.slots),
+            max_connections: self.max,
+            _share: share,
         });
-        Some(TrackedIo {
+        Ok(TrackedIo {
             io,
             connection,
-            _slot: slot,
+            established: false,
             idle_timeout: self.idle_timeout,
-            idle: Box::pin(tokio::time::sleep(self.idle_timeout)),
+            // The handshake deadline first; the idle timeout once established.
+            idle: Box::pin(tokio::time::sleep(self.handshake_timeout)),
             closing: Box::pin(self.closing.clone().cancelled_owned()),
         })
     }
 
-    /// Connections open now.
+    /// Established connections open now.
     pub(crate) fn open(&self) -> usize {
         self.max - self.slots.available_permits()
     }
@@ -77,6 +131,60 @@ impl Connections {
     pub(crate) fn close_all(&self) {
         self.closing.cancel();
     }
+}
+
+/// How many sockets each peer address holds, against its share.
+struct AddressShares {
+    max: u32,
+    held: Mutex<HashMap<IpAddr, u32>>,
+}
+
+impl AddressShares {
+    fn take(shares: &Arc<Self>, ip: IpAddr) -> Option<AddressShare> {
+        let mut held = lock(&shares.held);
+        let n = held.entry(ip).or_insert(0);
+        if *n >= shares.max {
+            return None;
+        }
+        *n += 1;
+        Some(AddressShare { shares: Arc::clone(shares), ip })
+    }
+}
+
+/// One socket of an address, given back when its connection is gone.
+#[derive(Debug)]
+struct AddressShare {
+    shares: Arc<AddressShares>,
+    ip: IpAddr,
+}
+
+impl std::fmt::Debug for AddressShares {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AddressShares").field("max", &self.max).finish_non_exhaustive()
+    }
+}
+
+impl Drop for AddressShare {
+    fn drop(&mut self) {
+        let mut held = lock(&self.shares.held);
+        if let Some(n) = held.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// The place a connection holds.
+#[derive(Debug)]
+enum Place {
+    /// Waiting for its first call.
+    Handshaking(#[expect(dead_code, reason = "held, never read")] OwnedSemaphorePermit),
+    /// One of `limits.max_connections`.
+    Established(#[expect(dead_code, reason = "held, never read")] OwnedSemaphorePermit),
+    /// Its socket is gone.
+    Closed,
 }
 
 /// `Echo` bytes are counted in KiB (a semaphore takes at most `u32` permits at once).
@@ -92,11 +200,41 @@ pub(crate) struct Connection {
     last_active: Mutex<Instant>,
     /// `Echo` reply KiB this connection may still have outstanding.
     pub(crate) echo: Arc<Semaphore>,
+    /// The place it holds: handshaking, established or none.
+    place: Mutex<Place>,
+    /// The places of established connections, one of which its first call takes.
+    slots: Arc<Semaphore>,
+    max_connections: usize,
+    _share: Option<AddressShare>,
 }
 
 impl Connection {
     fn touch(&self) {
-        *self.last_active.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        *lock(&self.last_active) = Instant::now();
+    }
+
+    /// Takes one of `limits.max_connections` places at its first call (giving back its
+    /// handshaking place); an error names the limit when none is free.
+    fn establish(&self) -> Result<(), tonic::Status> {
+        let mut place = lock(&self.place);
+        match *place {
+            Place::Established(_) => Ok(()),
+            Place::Handshaking(_) => {
+                let slot = Arc::clone(&self.slots).try_acquire_owned().map_err(|_| {
+                    tonic::Status::resource_exhausted(format!(
+                        "the server has {} connections open, its limit (`limits.max_connections`): try again later",
+                        self.max_connections
+                    ))
+                })?;
+                *place = Place::Established(slot);
+                Ok(())
+            }
+            Place::Closed => Err(tonic::Status::cancelled("the connection is closing")),
+        }
+    }
+
+    fn is_established(&self) -> bool {
+        matches!(*lock(&self.place), Place::Established(_))
     }
 
     fn call_opened(self: &Arc<Self>) -> OpenCall {
@@ -107,7 +245,7 @@ impl Connection {
 
     /// When it became idle, if it is.
     fn idle_since(&self) -> Option<Instant> {
-        (self.open_calls.load(Ordering::SeqCst) == 0).then(|| *self.last_active.lock().unwrap_or_else(|p| p.into_inner()))
+        (self.open_calls.load(Ordering::SeqCst) == 0).then(|| *lock(&self.last_active))
     }
 }
 
@@ -134,7 +272,8 @@ pub(crate) fn connection_of(extensions: &http::Extensions) -> Option<Arc<Connect
 pub(crate) struct TrackedIo {
     io: TcpStream,
     connection: Arc<Connection>,
-    _slot: OwnedSemaphorePermit,
+    /// Whether its first call has come (its deadline is then the idle timeout's).
+    established: bool,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     closing: Pin<Box<WaitForCancellationFutureOwned>>,
@@ -146,7 +285,16 @@ impl TrackedIo {
         if self.closing.as_mut().poll(cx).is_ready() {
             return Some(io::Error::new(io::ErrorKind::ConnectionAborted, "the server is closing every connection"));
         }
+        if !self.established && self.connection.is_established() {
+            self.established = true;
+            let idle_deadline = Instant::now() + self.idle_timeout;
+            self.idle.as_mut().reset(idle_deadline);
+        }
         while self.idle.as_mut().poll(cx).is_ready() {
+            if !self.established {
+                tracing::debug!("closing a connection that made no call within `limits.handshake_timeout`");
+                return Some(io::Error::new(io::ErrorKind::TimedOut, "no call came within the handshake timeout"));
+            }
             match self.connection.idle_since() {
                 Some(since) if since.elapsed() >= self.idle_timeout => {
                     tracing::debug!("closing a connection idle for {:?}", self.idle_timeout);
@@ -157,6 +305,13 @@ impl TrackedIo {
             }
         }
         None
+    }
+}
+
+impl Drop for TrackedIo {
+    /// Gives its place back at once: calls may hold the connection's state a little longer.
+    fn drop(&mut self) {
+        *lock(&self.connection.place) = Place::Closed;
     }
 }
 
@@ -245,7 +400,11 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let call = connection_of(request.extensions()).map(|c| c.call_opened());
+        let connection = connection_of(request.extensions());
+        if let Some(Err(refused)) = connection.as_ref().map(|c| c.establish()) {
+            return Box::pin(async move { Ok(refused.into_http()) });
+        }
+        let call = connection.map(|c| c.call_opened());
         let path = request.uri().path().to_string();
         let response = self.inner.call(request);
         Box::pin(async move {

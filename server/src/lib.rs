@@ -176,11 +176,11 @@ impl PreparedServer {
         if let Some(tls) = &security.tls {
             let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
             builder = builder
-                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity).timeout(peers.handshake_timeout))
                 .map_err(|e| ServerError::Tls(cleave_common::error::with_causes(&e)))?;
         }
         let connections = Arc::new(connections::Connections::new(&peers));
-        let incoming = accept(listener, Arc::clone(&connections), peers);
+        let incoming = accept(listener, Arc::clone(&connections));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         // Windows sized for large boundaries; payloads are already raw or compressed, so
         // gRPC compression stays off.
@@ -224,14 +224,13 @@ impl PreparedServer {
 }
 
 /// The accepted connections: Nagle's algorithm off on each (small messages, a training
-/// step's gradient say, must not wait for delayed ACKs), one past `limits.max_connections`
-/// closed at once, and a failed accept (out of file descriptors, say) waiting a moment before
+/// step's gradient say, must not wait for delayed ACKs), one past
+/// `limits.max_handshaking_connections` or its address's share closed at once, and a failed accept (out of file descriptors, say) waiting a moment before
 /// the next: tonic goes on accepting after an error, and retrying at once would spin a core
 /// while the descriptors stay taken.
 fn accept(
     listener: TcpListener,
     connections: Arc<connections::Connections>,
-    peers: PeerLimits,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<connections::TrackedIo>> {
     TcpListenerStream::new(listener)
         .then(|stream| async move {
@@ -245,13 +244,16 @@ fn accept(
             }
         })
         .filter_map(move |accepted| match accepted {
-            Ok(Some(stream)) => match connections.admit(stream) {
-                Some(tracked) => Some(Ok(tracked)),
-                None => {
-                    tracing::warn!(max = peers.max_connections, "a connection refused: `limits.max_connections` are open");
-                    None
+            Ok(Some(stream)) => {
+                let peer = stream.peer_addr().ok();
+                match connections.admit(stream) {
+                    Ok(tracked) => Some(Ok(tracked)),
+                    Err(refusal) => {
+                        tracing::warn!(?peer, "a connection closed at once: {refusal}");
+                        None
+                    }
                 }
-            },
+            }
             Ok(None) => None,
             Err(e) => Some(Err(e)),
         })

@@ -185,13 +185,91 @@ fn connections_past_the_limit_are_closed_and_idle_ones_time_out() {
         };
         let first = info(server.url.clone()).await.expect("the first connection is served");
         let second = info(server.url.clone()).await.expect("the second connection is served");
-        // A third is closed as soon as it is accepted: its call fails instead of hanging.
+        // A third's first call is refused at once, naming the limit, instead of hanging.
         let third = tokio::time::timeout(Duration::from_secs(20), info(server.url.clone())).await.expect("refused at once, not left hanging");
-        assert!(third.is_err(), "a third connection past `max_connections: 2` is served");
+        let refused = third.expect_err("a third connection past `max_connections: 2` is served");
+        assert!(refused.contains("limits.max_connections"), "{refused}");
         // Idle connections (no call open) are closed after the idle timeout, freeing their places.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         info(server.url.clone()).await.expect("a place is free once the idle connections are closed");
         drop((first, second));
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// `SplitInfo` over a fresh connection: the client on success, the error as text.
+async fn info_call(url: String) -> Result<SplitInferenceClient<tonic::transport::Channel>, String> {
+    let mut client = SplitInferenceClient::connect(url).await.map_err(|e| e.to_string())?;
+    client.info(pb::InfoRequest {}).await.map(|_| client).map_err(|e| e.to_string())
+}
+
+/// `n` sockets to the server from `source` that never send a byte.
+async fn silent_sockets(url: &str, source: &str, n: u32) -> Vec<tokio::net::TcpStream> {
+    let server: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    let mut sockets = Vec::new();
+    for _ in 0..n {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+        sockets.push(socket.connect(server).await.unwrap());
+    }
+    sockets
+}
+
+/// Whether the server closes `socket` within `within` (reading whatever it writes first, its
+/// HTTP/2 SETTINGS say).
+async fn closed_within(socket: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 256];
+    tokio::time::timeout(within, async {
+        while let Ok(n) = socket.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[test]
+fn silent_sockets_neither_lock_callers_out_nor_outlive_the_handshake_timeout() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let peers = PeerLimits { handshake_timeout: Duration::from_secs(2), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        // As many silent sockets from 127.0.0.2 as `max_connections` (256): none of them counts.
+        let mut silent = silent_sockets(&server.url, "127.0.0.2", peers.max_connections).await;
+        let caller = info_call(server.url.clone()).await.expect("a caller on 127.0.0.1 is served beside 256 silent sockets");
+        // Each is closed once `handshake_timeout` has passed, while the caller's stays open.
+        for socket in &mut silent {
+            assert!(closed_within(socket, Duration::from_secs(20)).await, "a silent socket is still open 20 s after its handshake timeout");
+        }
+        let mut caller = caller;
+        caller.info(pb::InfoRequest {}).await.expect("the caller's connection is still served");
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn one_address_holds_at_most_its_share_of_connections() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let peers = PeerLimits { max_connections_per_address: Some(3), handshake_timeout: Duration::from_secs(30), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let mut silent = silent_sockets(&server.url, "127.0.0.2", 4).await;
+        // The fourth from 127.0.0.2 is closed at once, long before the handshake timeout; the
+        // first three stay open.
+        assert!(closed_within(&mut silent[3], Duration::from_secs(10)).await, "a fourth socket from one address is kept");
+        for socket in &mut silent[..3] {
+            assert!(!closed_within(socket, Duration::from_millis(300)).await, "a socket within its address's share is closed");
+        }
+        info_call(server.url.clone()).await.expect("another address is served");
+        // Once they are gone, their address has its share again.
+        drop(silent);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for socket in &mut silent_sockets(&server.url, "127.0.0.2", 3).await {
+            assert!(!closed_within(socket, Duration::from_millis(300)).await, "an address's share is not given back");
+        }
         server.shutdown().await.unwrap();
     });
 }

@@ -68,6 +68,10 @@ struct RawServerLimits {
     max_payload_bytes: Option<u64>,
     queue_depth: Option<u32>,
     max_connections: Option<u32>,
+    max_handshaking_connections: Option<u32>,
+    max_connections_per_address: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    handshake_timeout: Option<Duration>,
     max_streams_per_connection: Option<u32>,
     max_requests_per_stream: Option<u32>,
     memory_budget_bytes: Option<u64>,
@@ -100,6 +104,9 @@ impl RawServerLimits {
         let p = PeerLimits::fitting(&limits);
         let peers = PeerLimits {
             max_connections: self.max_connections.unwrap_or(p.max_connections),
+            max_handshaking_connections: self.max_handshaking_connections.unwrap_or(p.max_handshaking_connections),
+            max_connections_per_address: self.max_connections_per_address.or(p.max_connections_per_address),
+            handshake_timeout: self.handshake_timeout.unwrap_or(p.handshake_timeout),
             max_streams_per_connection: self.max_streams_per_connection.unwrap_or(p.max_streams_per_connection),
             max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
             memory_budget_bytes: self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes),
@@ -122,8 +129,19 @@ impl RawServerLimits {
 /// and time. Every key sits under `limits:` in server.yaml (durations as `30s`, `500ms`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerLimits {
-    /// Open connections; one more is closed as soon as it is accepted.
+    /// Established connections (those that have made a call); the first call of one more is
+    /// refused with RESOURCE_EXHAUSTED.
     pub max_connections: u32,
+    /// Connections accepted whose first call has not come yet (TLS handshake, HTTP/2 preface);
+    /// one more is closed as soon as it is accepted. They do not count against
+    /// `max_connections`, so sockets that say nothing cannot lock callers out.
+    pub max_handshaking_connections: u32,
+    /// Sockets one peer address may hold, handshaking or established; off by default: behind
+    /// a load balancer or a NAT every peer may arrive from one address.
+    pub max_connections_per_address: Option<u32>,
+    /// From a connection's accept to its first call (TLS handshake and HTTP/2 preface
+    /// included): longer and it is closed.
+    pub handshake_timeout: Duration,
     /// Concurrent HTTP/2 streams (calls) per connection, announced in its SETTINGS.
     pub max_streams_per_connection: u32,
     /// Requests of one stream received and not yet answered; the stream is not read further
@@ -161,6 +179,10 @@ impl Default for PeerLimits {
     fn default() -> Self {
         Self {
             max_connections: 256,
+            // With the established ones, within the usual 1024 descriptors of a process.
+            max_handshaking_connections: 512,
+            max_connections_per_address: None,
+            handshake_timeout: Duration::from_secs(10),
             max_streams_per_connection: 32,
             max_requests_per_stream: 32,
             // Holds the largest request of the default limits (1 GiB) as received and decoded.
@@ -205,6 +227,9 @@ impl PeerLimits {
     pub fn validate(&self, limits: &Limits) -> Result<(), (&'static str, String)> {
         let positive = [
             ("limits.max_connections", u64::from(self.max_connections)),
+            ("limits.max_handshaking_connections", u64::from(self.max_handshaking_connections)),
+            ("limits.max_connections_per_address", u64::from(self.max_connections_per_address.unwrap_or(1))),
+            ("limits.handshake_timeout", self.handshake_timeout.as_millis() as u64),
             ("limits.max_streams_per_connection", u64::from(self.max_streams_per_connection)),
             ("limits.max_requests_per_stream", u64::from(self.max_requests_per_stream)),
             ("limits.request_timeout", self.request_timeout.as_millis() as u64),
@@ -532,7 +557,8 @@ mod tests {
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
              memory_budget_bytes: 3221225472\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  max_echo_bytes_per_connection: 16777216\n  max_profile_repeats: 6\n  \
-             drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
+             drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
+             max_connections_per_address: 2\n  handshake_timeout: 4s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
         )
         .unwrap();
         let want = PeerLimits {
@@ -550,12 +576,18 @@ mod tests {
             drain_timeout: Duration::from_secs(2),
             dedup_window_requests: 10,
             dedup_window_bytes: 4096,
+            max_handshaking_connections: 7,
+            max_connections_per_address: Some(2),
+            handshake_timeout: Duration::from_secs(4),
         };
         assert_eq!(c.peers, want);
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
+            ("limits: {handshake_timeout: 0s}", "limits.handshake_timeout", "must be positive"),
+            ("limits: {max_handshaking_connections: 0}", "limits.max_handshaking_connections", "must be positive"),
+            ("limits: {max_connections_per_address: 0}", "limits.max_connections_per_address", "must be positive"),
             ("limits: {memory_budget_bytes: 2147483648}", "limits.memory_budget_bytes", "at least 2.1 x limits.max_payload_bytes + 1 MiB"),
             ("limits: {max_echo_bytes_per_connection: 1024}", "limits.max_echo_bytes_per_connection", "at least limits.max_message_bytes"),
             ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
