@@ -270,10 +270,11 @@ pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
     let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
     if let Some(addr) = server.metrics_listen {
         let metrics_error = |error| ServerError::Metrics { addr: addr.to_string(), error };
-        let metrics_listener = TcpListener::bind(addr).await.map_err(metrics_error)?;
+        let metrics_listener = std::net::TcpListener::bind(addr).map_err(metrics_error)?;
         println!("metrics on http://{}/metrics", metrics_listener.local_addr().map_err(metrics_error)?);
-        // Served until the process exits: a scrape during the drain still sees the server.
-        tokio::spawn(metrics::serve(metrics_listener, server.metrics(), std::future::pending()));
+        // Served until the process exits (a scrape during the drain still sees the server), on
+        // a thread and runtime of its own: scrapers never take the gRPC runtime's time.
+        metrics::spawn(metrics_listener, server.metrics(), config.peers.metrics_endpoint).map_err(metrics_error)?;
     }
     if config.insecure && !config.listen.ip().is_loopback() && !server.uses_tls() {
         tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address: anyone on the path can read and alter boundaries; configure `tls`");

@@ -236,15 +236,93 @@ fn cuda_memory_used(index: u32) -> Option<u64> {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
-pub async fn serve(listener: TcpListener, metrics: Metrics, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    use axum::http::header::CONTENT_TYPE;
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let metrics = metrics.clone();
-            async move { ([(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], metrics.render()) }
-        }),
-    );
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+/// What the metrics endpoint holds for its scrapers (`limits.metrics_max_connections` and
+/// `limits.metrics_timeout` in server.yaml).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointLimits {
+    /// Connections open at once; one more is closed as soon as it is accepted.
+    pub max_connections: u32,
+    /// From a connection's accept to its answer written (a request's headers included): longer
+    /// and it is closed, so a scraper that sends or reads slowly holds nothing for long.
+    pub timeout: Duration,
+}
+
+impl Default for EndpointLimits {
+    fn default() -> Self {
+        Self { max_connections: 8, timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Serves `GET /metrics` on `listener` on a thread of its own, with a one-thread runtime,
+/// until the process exits.
+pub fn spawn(listener: std::net::TcpListener, metrics: Metrics, limits: EndpointLimits) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    std::thread::Builder::new().name("cleave-metrics".into()).spawn(move || {
+        runtime.block_on(async move {
+            let served = match TcpListener::from_std(listener) {
+                Ok(listener) => serve(listener, metrics, limits, std::future::pending()).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = served {
+                tracing::error!(error = %e, "the metrics endpoint stopped");
+            }
+        });
+    })?;
+    Ok(())
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves: HTTP/1.1, one request per
+/// connection, at most `limits.max_connections` at once, each closed after `limits.timeout`.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Metrics,
+    limits: EndpointLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let places = Arc::new(tokio::sync::Semaphore::new(limits.max_connections as usize));
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, say: wait rather than spin.
+                    tracing::warn!(error = %e, "accepting a metrics connection failed; waiting before the next");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => return Ok(()),
+        };
+        let Ok(place) = Arc::clone(&places).try_acquire_owned() else {
+            tracing::debug!(max = limits.max_connections, "a metrics connection closed at once: `limits.metrics_max_connections` are open");
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let _place = place;
+            let service =
+                hyper::service::service_fn(move |request| std::future::ready(Ok::<_, std::convert::Infallible>(answer(&metrics, &request))));
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.timeout)
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            if tokio::time::timeout(limits.timeout, connection).await.is_err() {
+                tracing::debug!("a metrics connection closed after `limits.metrics_timeout`");
+            }
+        });
+    }
+}
+
+/// The scrape for `GET /metrics`, 404 for anything else.
+fn answer<B>(metrics: &Metrics, request: &http::Request<B>) -> http::Response<http_body_util::Full<bytes::Bytes>> {
+    let response = http::Response::builder();
+    let built = if request.method() == http::Method::GET && request.uri().path() == "/metrics" {
+        response.header(http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8").body(metrics.render().into())
+    } else {
+        response.status(http::StatusCode::NOT_FOUND).body("cleave serves GET /metrics only\n".into())
+    };
+    built.unwrap_or_default()
 }

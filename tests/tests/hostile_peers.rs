@@ -469,3 +469,55 @@ fn echo_replies_a_connection_does_not_read_are_bounded_per_connection() {
         server.shutdown().await.unwrap();
     });
 }
+
+/// The metrics endpoint with `limits`, on a port of its own.
+async fn metrics_endpoint(limits: cleave_server::metrics::EndpointLimits) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(cleave_server::metrics::serve(listener, cleave_server::Metrics::new(vec![]), limits, std::future::pending()));
+    addr
+}
+
+/// `GET path` on a fresh connection: the response's status line and body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(format!("GET {path} HTTP/1.1\r\nHost: cleave\r\n\r\n").as_bytes()).await.unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(10), socket.read_to_string(&mut response)).await.expect("answered and closed").unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+}
+
+#[test]
+fn the_metrics_endpoint_caps_its_connections_and_closes_slow_ones() {
+    use cleave_server::metrics::EndpointLimits;
+    use tokio::io::AsyncWriteExt;
+    runtime().block_on(async {
+        // Past its connections: the next is closed at once, long before its timeout.
+        let capped = metrics_endpoint(EndpointLimits { max_connections: 2, timeout: Duration::from_secs(60) }).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(tokio::net::TcpStream::connect(capped).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut third = tokio::net::TcpStream::connect(capped).await.unwrap();
+        assert!(closed_within(&mut third, Duration::from_secs(10)).await, "a third metrics connection past `metrics_max_connections: 2` is kept");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(http_get(capped, "/metrics").await.0, "HTTP/1.1 200 OK", "a scrape once the places are free");
+
+        // A scraper that sends half a request and stalls (slowloris), or sends nothing, is
+        // closed after the timeout; a scrape and a 404 meanwhile.
+        let timed = metrics_endpoint(EndpointLimits { max_connections: 8, timeout: Duration::from_secs(1) }).await;
+        let mut slow = tokio::net::TcpStream::connect(timed).await.unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: cl").await.unwrap();
+        let mut silent = tokio::net::TcpStream::connect(timed).await.unwrap();
+        let (status, body) = http_get(timed, "/metrics").await;
+        assert_eq!(status, "HTTP/1.1 200 OK");
+        assert!(body.contains("# TYPE cleave_training_sessions gauge") && body.trim_end().ends_with("# EOF"), "{body}");
+        assert_eq!(http_get(timed, "/other").await.0, "HTTP/1.1 404 Not Found");
+        assert!(closed_within(&mut slow, Duration::from_secs(10)).await, "a stalled request is kept past `metrics_timeout`");
+        assert!(closed_within(&mut silent, Duration::from_secs(10)).await, "a silent connection is kept past `metrics_timeout`");
+    });
+}

@@ -260,7 +260,7 @@ fn metrics_are_served_over_http_and_count_by_model_and_code() {
         let (server, metrics) = serve(vec![slo], SchedulerConfig::default()).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(cleave_server::metrics::serve(listener, metrics, std::future::pending()));
+        tokio::spawn(cleave_server::metrics::serve(listener, metrics, Default::default(), std::future::pending()));
         let (reference, _) = digits.reference(3).unwrap();
         // Two good requests and one at a cut that does not exist.
         let answers = stream(

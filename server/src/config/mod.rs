@@ -14,6 +14,8 @@ use cleave_common::config::{ConfigError, ConfigFile, CpuUse, Limits, RawAuth, Ra
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 
+use crate::metrics::EndpointLimits;
+
 pub use models::{Batching, ModelConfig, Policy, SchedulerConfig};
 
 #[derive(Deserialize)]
@@ -91,6 +93,9 @@ struct RawServerLimits {
     drain_timeout: Option<Duration>,
     dedup_window_requests: Option<u32>,
     dedup_window_bytes: Option<u64>,
+    metrics_max_connections: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    metrics_timeout: Option<Duration>,
 }
 
 impl RawServerLimits {
@@ -120,6 +125,10 @@ impl RawServerLimits {
             drain_timeout: self.drain_timeout.unwrap_or(p.drain_timeout),
             dedup_window_requests: self.dedup_window_requests.unwrap_or(p.dedup_window_requests),
             dedup_window_bytes: self.dedup_window_bytes.unwrap_or(p.dedup_window_bytes),
+            metrics_endpoint: EndpointLimits {
+                max_connections: self.metrics_max_connections.unwrap_or(p.metrics_endpoint.max_connections),
+                timeout: self.metrics_timeout.unwrap_or(p.metrics_endpoint.timeout),
+            },
         };
         (limits, peers)
     }
@@ -173,6 +182,9 @@ pub struct PeerLimits {
     pub dedup_window_requests: u32,
     /// Tensor bytes those results may hold together.
     pub dedup_window_bytes: u64,
+    /// What the metrics endpoint holds for scrapers (`metrics_max_connections`,
+    /// `metrics_timeout`).
+    pub metrics_endpoint: EndpointLimits,
 }
 
 impl Default for PeerLimits {
@@ -197,6 +209,7 @@ impl Default for PeerLimits {
             drain_timeout: Duration::from_secs(10),
             dedup_window_requests: 1024,
             dedup_window_bytes: 256 << 20,
+            metrics_endpoint: EndpointLimits::default(),
         }
     }
 }
@@ -237,6 +250,8 @@ impl PeerLimits {
             ("limits.keepalive_interval", self.keepalive_interval.as_millis() as u64),
             ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
             ("limits.max_profile_repeats", u64::from(self.max_profile_repeats)),
+            ("limits.metrics_max_connections", u64::from(self.metrics_endpoint.max_connections)),
+            ("limits.metrics_timeout", self.metrics_endpoint.timeout.as_millis() as u64),
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err((key, "must be positive".into()));
@@ -558,7 +573,7 @@ mod tests {
              memory_budget_bytes: 3221225472\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  max_echo_bytes_per_connection: 16777216\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
-             max_connections_per_address: 2\n  handshake_timeout: 4s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
+             max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
         )
         .unwrap();
         let want = PeerLimits {
@@ -579,6 +594,7 @@ mod tests {
             max_handshaking_connections: 7,
             max_connections_per_address: Some(2),
             handshake_timeout: Duration::from_secs(4),
+            metrics_endpoint: EndpointLimits { max_connections: 3, timeout: Duration::from_secs(2) },
         };
         assert_eq!(c.peers, want);
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
@@ -588,6 +604,8 @@ mod tests {
             ("limits: {handshake_timeout: 0s}", "limits.handshake_timeout", "must be positive"),
             ("limits: {max_handshaking_connections: 0}", "limits.max_handshaking_connections", "must be positive"),
             ("limits: {max_connections_per_address: 0}", "limits.max_connections_per_address", "must be positive"),
+            ("limits: {metrics_max_connections: 0}", "limits.metrics_max_connections", "must be positive"),
+            ("limits: {metrics_timeout: 0s}", "limits.metrics_timeout", "must be positive"),
             ("limits: {memory_budget_bytes: 2147483648}", "limits.memory_budget_bytes", "at least 2.1 x limits.max_payload_bytes + 1 MiB"),
             ("limits: {max_echo_bytes_per_connection: 1024}", "limits.max_echo_bytes_per_connection", "at least limits.max_message_bytes"),
             ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
