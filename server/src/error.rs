@@ -28,9 +28,9 @@ pub(crate) enum RequestError {
     /// The answer is larger than the payload limit (the host accepts answers up to it).
     #[error("the answer holds {bytes} tensor bytes, above this server's limit of {limit} (`limits.max_payload_bytes`)")]
     AnswerTooLarge { bytes: u64, limit: u64 },
-    /// The server is shutting down.
-    #[error("the server is shutting down")]
-    Unavailable,
+    /// A part of the server this call needs has failed: our bug, never the caller's.
+    #[error("internal error: {0}")]
+    Internal(Internal),
     /// A training call failed (setting up, a step, a checkpoint).
     #[error("training: {0}")]
     Training(TrainError),
@@ -72,6 +72,34 @@ pub(crate) enum RequestError {
     Panicked(String),
 }
 
+/// Which part of the server failed a call. UNAVAILABLE is kept for a drain (hosts resend
+/// then); these are INTERNAL, so that a host ends the request with this error instead of
+/// resending it to a server that cannot answer it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Internal {
+    /// The thread that runs a device's stages is gone.
+    #[error("the device's scheduler thread is gone")]
+    SchedulerGone,
+    /// The request was dropped before it was answered (its scheduler stopped with it queued).
+    #[error("the request was dropped before it was answered")]
+    Unanswered,
+    /// A training session's thread is gone.
+    #[error("the training session's thread is gone")]
+    SessionGone,
+    /// A task on the blocking pool was cancelled (the runtime is stopping).
+    #[error("{0} was cancelled")]
+    Cancelled(&'static str),
+    /// A training session answered a call with another call's kind of answer.
+    #[error("the training session answered a {0} call with another kind of answer")]
+    WrongAnswer(&'static str),
+}
+
+impl From<Internal> for RequestError {
+    fn from(e: Internal) -> Self {
+        Self::Internal(e)
+    }
+}
+
 impl From<WireError> for RequestError {
     fn from(e: WireError) -> Self {
         Self::Wire(e)
@@ -105,7 +133,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         RequestError::Encode(_) | RequestError::Profile(_) | RequestError::Batching(_) => Code::Internal,
         RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
         RequestError::Bundle(_) => Code::Internal,
-        RequestError::Unavailable => Code::Unavailable,
+        RequestError::Internal(_) => Code::Internal,
         RequestError::Training(e) => match e {
             TrainError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. } | BundleError::InvalidRange { .. })
             | TrainError::Invalid(_)
@@ -206,6 +234,23 @@ pub enum ServerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn our_own_failures_are_internal_and_only_a_drain_is_unavailable() {
+        for internal in [
+            Internal::SchedulerGone,
+            Internal::Unanswered,
+            Internal::SessionGone,
+            Internal::Cancelled("encoding an answer"),
+            Internal::WrongAnswer("Save"),
+        ] {
+            let err = RequestError::from(internal);
+            assert_eq!(status_code(&err), Code::Internal, "{err}");
+            assert_eq!(err.to_string(), format!("internal error: {internal}"));
+        }
+        assert_eq!(RequestError::from(Internal::SchedulerGone).to_string(), "internal error: the device's scheduler thread is gone");
+        assert_eq!(status_code(&RequestError::Draining), Code::Unavailable);
+    }
 
     #[test]
     fn a_panic_is_that_call_s_internal_error() {

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use crate::budget::{MemoryBudget, Reservation};
-use crate::error::{error_frame, status_code, RequestError};
+use crate::error::{error_frame, status_code, Internal, RequestError};
 use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
@@ -288,7 +288,7 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
         Ok(job_rx) => {
             let (window, envelope) = (ctx.window.clone(), held.envelope.clone());
             tokio::spawn(async move {
-                let answer = job_rx.await.map_err(|_| RequestError::Unavailable);
+                let answer = job_rx.await.map_err(|_| Internal::Unanswered.into());
                 // Kept even when this stream is gone by now: its host will resend it.
                 if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
                     window.keep(&session, id, &envelope, output);
@@ -329,7 +329,7 @@ impl Responder {
     async fn respond(self, mut pending: mpsc::Receiver<Pending>) {
         let _open = self.metrics.stream_open("infer");
         while let Some(mut p) = pending.recv().await {
-            let answer = (&mut p.answer).await.unwrap_or(Err(RequestError::Unavailable));
+            let answer = (&mut p.answer).await.unwrap_or(Err(Internal::Unanswered.into()));
             let spec = ResultSpec {
                 request_id: p.request_id,
                 split: p.split,

@@ -11,7 +11,7 @@ use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{Codec, Direction, EncodedPayload, PayloadMeta, PayloadReceiver, PayloadSender, Reassembly, Received};
 use cleave_common::Boundary;
 
-use crate::error::{catch_panic, RequestError};
+use crate::error::{catch_panic, Internal, RequestError};
 
 /// What a result needs to be encoded like its request.
 #[derive(Clone, Copy)]
@@ -82,7 +82,7 @@ pub(crate) async fn encode_blocking(
         Ok((encoded, started.elapsed()))
     })
     .await
-    .unwrap_or(Err(RequestError::Unavailable))
+    .unwrap_or(Err(Internal::Cancelled("encoding an answer").into()))
 }
 
 /// Opens and decodes a complete payload on the blocking pool; returns it and the time it
@@ -98,5 +98,5 @@ pub(crate) async fn decode_blocking(receiver: &Arc<Mutex<PayloadReceiver>>, asse
         Ok((received, started.elapsed()))
     })
     .await
-    .unwrap_or(Err(RequestError::Unavailable))
+    .unwrap_or(Err(Internal::Cancelled("decoding a payload").into()))
 }

@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::budget::MemoryBudget;
 use crate::config::PeerLimits;
 use crate::connections::{connection_of, echo_units, HeldUntilSent};
-use crate::error::RequestError;
+use crate::error::{Internal, RequestError};
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
 use crate::models::Models;
@@ -120,7 +120,8 @@ impl SplitInference for Service {
         // Dropping this handler (its caller went away) drops `rx`; the worker sees it and stops.
         let (tx, rx) = oneshot::channel();
         model.scheduler.profile(ProfileJob { model: model.index, batch: size, repeats, reply: tx }).await?;
-        let stage_ms = rx.await.map_err(|_| RequestError::Unavailable)??.ok_or(RequestError::Unavailable)?;
+        // `None` only when this handler is gone: nobody reads this then.
+        let stage_ms = rx.await.map_err(|_| RequestError::from(Internal::Unanswered))??.ok_or(RequestError::from(Internal::Unanswered))?;
         Ok(Response::new(pb::ProfileReply { device: model.device.clone(), batch_size: r.batch_size, stage_ms }))
     }
 

@@ -29,7 +29,7 @@ use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
 use crate::config::{Batching, Policy, SchedulerConfig};
-use crate::error::{catch_panic, RequestError};
+use crate::error::{catch_panic, Internal, RequestError};
 use crate::metrics::Metrics;
 use queue::{Entry, Group, Pick, Queue};
 
@@ -129,19 +129,19 @@ impl DeviceScheduler {
 
     /// Queues a suffix (waiting while the queue is full).
     pub(crate) async fn submit(&self, job: InferJob) -> Result<(), RequestError> {
-        self.work.send_async(Work::Infer(job, Instant::now())).await.map_err(|_| RequestError::Unavailable)
+        self.work.send_async(Work::Infer(job, Instant::now())).await.map_err(|_| Internal::SchedulerGone.into())
     }
 
     /// Queues a profile.
     pub(crate) async fn profile(&self, job: ProfileJob) -> Result<(), RequestError> {
-        self.work.send_async(Work::Profile(job)).await.map_err(|_| RequestError::Unavailable)
+        self.work.send_async(Work::Profile(job)).await.map_err(|_| Internal::SchedulerGone.into())
     }
 
     /// Blocks the calling thread (a training session's) until the device is its own.
     pub(crate) fn turn(&self) -> Result<Turn, RequestError> {
         let (grant, granted) = std_mpsc::channel();
-        self.work.send(Work::Turn(TurnRequest { grant }, Instant::now())).map_err(|_| RequestError::Unavailable)?;
-        let release = granted.recv().map_err(|_| RequestError::Unavailable)?;
+        self.work.send(Work::Turn(TurnRequest { grant }, Instant::now())).map_err(|_| Internal::SchedulerGone)?;
+        let release = granted.recv().map_err(|_| Internal::SchedulerGone)?;
         Ok(Turn { _release: release })
     }
 }

@@ -15,7 +15,7 @@ use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
-use crate::error::RequestError;
+use crate::error::{Internal, RequestError};
 use crate::scheduler::DeviceScheduler;
 
 /// A validated `OpenSession`: what the session thread loads.
@@ -267,14 +267,14 @@ impl SessionHandle {
                 }
             })
             .map_err(|e| RequestError::Session(format!("cannot start the session thread: {e}")))?;
-        let opened = opened_rx.await.map_err(|_| RequestError::Unavailable)??;
+        let opened = opened_rx.await.map_err(|_| Internal::SessionGone)??;
         Ok((Self { calls: tx }, opened))
     }
 
     /// Runs one call on the session thread; returns the answer and the time it took there.
     pub(crate) async fn call(&self, call: Call) -> Result<(Answer, Duration), RequestError> {
         let (tx, rx) = oneshot::channel();
-        self.calls.send(CallJob { call, reply: tx }).await.map_err(|_| RequestError::Unavailable)?;
-        rx.await.map_err(|_| RequestError::Unavailable)?
+        self.calls.send(CallJob { call, reply: tx }).await.map_err(|_| Internal::SessionGone)?;
+        rx.await.map_err(|_| Internal::SessionGone)?
     }
 }

@@ -20,7 +20,7 @@ use tonic::{Status, Streaming};
 use super::admission::Training;
 use super::session::{Answer, Call, SessionHandle};
 use crate::budget::{MemoryBudget, Reservation};
-use crate::error::{error_frame, RequestError};
+use crate::error::{error_frame, Internal, RequestError};
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
@@ -149,7 +149,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                     Ok((Answer::Saved { name, step }, _)) => {
                         TrainReply { request_id: save.request_id, last: true, saved: Some(pb::CheckpointSaved { name, step }), ..Default::default() }
                     }
-                    Ok(_) => error_reply(save.request_id, &RequestError::Unavailable),
+                    Ok(_) => error_reply(save.request_id, &Internal::WrongAnswer("Save").into()),
                     Err(e) => error_reply(save.request_id, &e),
                 }]
             }
@@ -293,7 +293,7 @@ impl CallStream {
         let (loss, boundary, spec) = match answer {
             Answer::Gradients { loss, grads } => (loss, grads, spec(self.start, Direction::Gradient)),
             Answer::Output(out) => (None, out, spec(self.end, Direction::Result)),
-            Answer::Saved { .. } => return vec![error_reply(id, &RequestError::Unavailable)],
+            Answer::Saved { .. } => return vec![error_reply(id, &Internal::WrongAnswer("payload").into())],
         };
         let (encoded, encode_time) = match encode_blocking(&self.encoder, spec, boundary).await {
             Ok(e) => e,
