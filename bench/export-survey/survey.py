@@ -287,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the results already in --results and skip their models")
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs the exporter")
     p.add_argument("--render", action="store_true", help="only write the table again from --results")
+    p.add_argument("--check-args", action="store_true", help="parse the arguments and exit; export nothing")
     a = p.parse_args(argv)
+    if a.check_args:
+        print("survey.py: arguments ok")
+        return 0
     if a.render:
         saved = json.loads(a.results.read_text())
         results = [Result(**r) for r in saved["results"]]

@@ -181,6 +181,18 @@ def _probes(batch_min: int, batch_max: int, seq_range: tuple[int, int] | None) -
     return probes, ranges
 
 
+DATA_DEPENDENT_HINT = (
+    "what to try: move the code of forward that depends on the data into a submodule, which the exporter keeps whole "
+    "and compiles with torch.jit.script: that code must be scriptable (tensor operations, .item(), .tolist() with a type "
+    "annotation; not .numpy()), or its stage is traced with torch.jit.trace instead, which makes each value read out of "
+    "a tensor (.numpy(), .item(), .tolist()) a constant, the one of the example inputs, and validation refuses the "
+    "stage where that value changes with the inputs"
+)
+"""The end of the error for a forward that neither torch.fx nor torch.export can trace. A
+submodule torch.fx cannot trace is kept whole (one graph node); its stage is then scripted, and
+traced only where scripting fails (`_compile`), and a trace keeps Python values as constants."""
+
+
 def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
     """(graph, modules kept whole, tracer name): torch.fx first (it keeps modules whole where it
     cannot see inside them), torch.export where fx cannot trace the model's own forward."""
@@ -196,10 +208,7 @@ def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
         try:
             return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
         except ExportError as e:
-            raise ExportError(
-                f"{fx_error}; and {e} (what to try: move the code of forward that depends on the data into a "
-                "submodule, which the exporter keeps whole, and export the rest)"
-            ) from e
+            raise ExportError(f"{fx_error}; and {e} ({DATA_DEPENDENT_HINT})") from e
 
 
 def _stage_file(i: int) -> str:
@@ -345,9 +354,16 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
         for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
             for node, v in zip(cut.values, values):
                 if relative_error(v, reference[node.name]) > TOLERANCE:
+                    traced = (
+                        " (it is traced, not scripted (the warning above says why), so each value it reads out of a tensor "
+                        "(.numpy(), .item(), .tolist()) is a constant, the one of the example it was traced at; "
+                        "what to try: make it scriptable)"
+                        if compilers[k - 1] == "trace"
+                        else ""
+                    )
                     raise ExportError(
                         f"at {_where(at)}, stage {k - 1} ({part.stages[k - 1].name!r}) computes {node.name!r} "
-                        f"differently from the model; output relative error {err:.2e}"
+                        f"differently from the model; output relative error {err:.2e}{traced}"
                     )
         raise ExportError(f"at {_where(at)} the stage chain's output differs from the model's (relative error {err:.2e})")
     return cut_values[-1]

@@ -10,17 +10,25 @@ import warnings
 from pathlib import Path
 
 from cleave_export import ExportError, first_line
-from cleave_export.bundle import ExportOptions, export_bundle
+from cleave_export.bundle import ExportOptions, ExportReport, export_bundle
 from cleave_export.huggingface import parse_config
 
 
 def _shape(text: str) -> tuple[int, ...]:
+    """`--input-shape`: the input without the batch, C,H,W (3,224,224). `3x224x224` is taken too,
+    but not fewer than three dimensions written with `x`: `8x1` or `224x224` reads as an image
+    size (no channels) or a batch times something, and would fail only later, on the model."""
     try:
         dims = tuple(int(d) for d in text.replace("x", ",").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 3,224,224") from None
     if not dims or any(d <= 0 for d in dims):
         raise argparse.ArgumentTypeError(f"{text!r}: dimensions must be positive")
+    if "x" in text and len(dims) < 3:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the input shape is C,H,W without the batch, e.g. 3,224,224 "
+            f"(if the input really has {len(dims)} dimension{'s' if len(dims) > 1 else ''}, write {','.join(map(str, dims))})"
+        )
     return dims
 
 
@@ -37,14 +45,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     --seed), shared with `python -m cleave_export.eager_timing`."""
     p.add_argument("source", help="torchvision:NAME (random init), hf:CLASS (a transformers model class built from "
                                   "its config, random init) or package.module:callable returning an nn.Module")
-    p.add_argument("--input-shape", type=_shape, help="input shape without the batch, e.g. 3,224,224")
+    p.add_argument("--input-shape", type=_shape, metavar="C,H,W", help="input shape without the batch, e.g. 3,224,224")
     p.add_argument("--hf-config", default="", metavar="KEY=VALUE,...",
                    help="config fields of an hf:CLASS model, e.g. num_hidden_layers=2,hidden_size=64")
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and reference inputs")
 
 
-def parse_args(argv: list[str]) -> tuple[bool, ExportOptions]:
-    """(whether to print tracebacks, the export asked for)."""
+def parse_args(argv: list[str]) -> tuple[bool, bool, ExportOptions]:
+    """(whether to print tracebacks, whether to print only errors and warnings, the export asked for)."""
     p = argparse.ArgumentParser(
         prog="python -m cleave_export",
         description="Export a PyTorch model as a cleave bundle: TorchScript stages split at every module boundary.",
@@ -62,11 +70,11 @@ def parse_args(argv: list[str]) -> tuple[bool, ExportOptions]:
     p.add_argument("--reference-batches", type=batch_list, default=(1, 3),
                    help="batch sizes of the reference input/output pairs (default 1,3)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only errors and warnings, not what was exported")
     p.add_argument("-v", "--verbose", action="store_true", help="on failure, print the traceback too")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
-    return a.verbose, ExportOptions(
+    return a.verbose, a.quiet, ExportOptions(
         source=a.source,
         out=a.out,
         input_shape=a.input_shape,
@@ -92,7 +100,7 @@ def hf_config(parser: argparse.ArgumentParser, text: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     # TorchScript warns about annotations inside torchvision modules; they do not affect the export.
     warnings.filterwarnings("ignore", message="The TorchScript type system")
-    verbose, opts = parse_args(sys.argv[1:] if argv is None else argv)
+    verbose, quiet, opts = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         report = export_bundle(opts)
     except Exception as e:  # one line for people (the traceback with --verbose), exit code 2
@@ -110,10 +118,17 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 2
+    if not quiet:
+        print_report(report, opts.out)
+    return 0
+
+
+def print_report(report: ExportReport, out: Path) -> None:
+    """What was exported to `out`, and how long it took (the lines -q leaves out)."""
     m, t = report.manifest, report.timings
     usable = sum(c["usable"] for c in m["cuts"])
     print(
-        f"exported {m['model']['source']} to {opts.out}: {len(m['stages'])} stages, "
+        f"exported {m['model']['source']} to {out}: {len(m['stages'])} stages, "
         f"{len(m['cuts'])} cuts ({usable} usable), {m['model']['parameters']:,} parameters"
     )
     if m["exporter"]["kept_whole"]:
@@ -136,4 +151,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print("  inference stages: none (inference runs the stage files)")
-    return 0

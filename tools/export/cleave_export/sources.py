@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -90,9 +91,7 @@ def _torchvision_model(name: str):
 
     available = torchvision.models.list_models()
     if name not in available:
-        raise ExportError(
-            f"torchvision has no model {name!r}; some it has: {', '.join(sorted(available)[:12])} ..."
-        )
+        raise ExportError(f"torchvision has no model {name!r}; {_nearest(name, available)}")
     # weights=None and weights_backbone=None: random initialisation, nothing downloaded (the
     # segmentation and detection builders otherwise fetch an ImageNet backbone); the caller
     # fixes the seed.
@@ -122,12 +121,21 @@ def _torchvision_model(name: str):
     return model, preprocess, shape
 
 
+def _nearest(name: str, available: list[str]) -> str:
+    """The names in `available` nearest to `name` (ignoring case), or where to list them when none is near."""
+    by_lower = {a.lower(): a for a in available}
+    close = [by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=5)]
+    if close:
+        return f"the nearest it has: {', '.join(close)}"
+    return f"no name it has is near (torchvision.models.list_models() lists its {len(available)})"
+
+
 def _callable_model(source: str) -> nn.Module:
     module_name, attr = source.rsplit(":", 1)
     try:
         module = importlib.import_module(module_name)
     except (ImportError, ValueError, TypeError) as e:  # ValueError, TypeError: empty or relative module name
-        raise ExportError(f"cannot import {module_name!r} (from SOURCE {source!r}): {e}") from e
+        raise ExportError(f"cannot import {module_name!r} (from SOURCE {source!r}): {e}{_import_hint(source, e)}") from e
     factory = getattr(module, attr, None)
     if factory is None:
         raise ExportError(f"module {module_name!r} has no attribute {attr!r}")
@@ -137,6 +145,20 @@ def _callable_model(source: str) -> nn.Module:
             f"{source} returned a {type(model).__name__}, expected a torch.nn.Module"
         )
     return model
+
+
+def _import_hint(source: str, e: Exception) -> str:
+    """What to try when the module of `source` itself (or its package) is not found; nothing when
+    the module was found and failed inside (a dependency it imports is missing, say): that error says it."""
+    module_name = source.rsplit(":", 1)[0]
+    missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    if not missing or not (module_name == missing or module_name.startswith(missing + ".")):
+        return ""
+    top = module_name.split(".")[0]
+    return (
+        f" (what to try: the module must be importable from the current directory or via PYTHONPATH: run from the "
+        f"directory that holds {top}.py or {top}/, or name that directory in PYTHONPATH: PYTHONPATH=path/to/dir before the command)"
+    )
 
 
 def _input_factory(model: nn.Module, shape: tuple[int, ...] | None, source: str) -> InputFactory:

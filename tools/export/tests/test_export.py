@@ -97,12 +97,68 @@ class TraceDiffers(nn.Module):
         return y * 2
 
 
+class NumpyInForward(nn.Module):
+    """Reads a value out of a tensor with .numpy() in its own forward: neither torch.fx nor
+    torch.export can follow it."""
+
+    input_shape = (4,)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y / float(y.abs().max().detach().numpy())
+
+
+class _ScaleByNumpy(nn.Module):
+    """The same in a submodule: kept whole, but TorchScript has no .numpy(), so its stage is
+    traced, and the trace keeps the value as a constant."""
+
+    def forward(self, y):
+        return y / float(y.abs().max().detach().numpy())
+
+
+class _HalveLarge(nn.Module):
+    """Branches on a value read out with .item(): kept whole, and scriptable."""
+
+    def forward(self, y):
+        if y.abs().max().item() > 1.0:
+            return y / 2
+        return y
+
+
+class DataInSubmodule(nn.Module):
+    input_shape = (4,)
+
+    def __init__(self, scale: nn.Module):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.scale(self.fc(x))
+
+
 def small_batches_only():
     return SmallBatchesOnly()
 
 
 def trace_differs():
     return TraceDiffers()
+
+
+def numpy_in_forward():
+    return NumpyInForward()
+
+
+def numpy_in_submodule():
+    return DataInSubmodule(_ScaleByNumpy())
+
+
+def item_in_submodule():
+    return DataInSubmodule(_HalveLarge())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,11 +608,17 @@ def test_torchvision_preset_gives_shape_and_preprocessing():
 @pytest.mark.parametrize(
     ("opts", "message"),
     [
-        (dict(source="torchvision:no_such_net"), "torchvision has no model 'no_such_net'; some it has: alexnet"),
+        (dict(source="torchvision:resnet9000"), "torchvision has no model 'resnet9000'; the nearest it has: resnet50, resnet101, "),
+        (dict(source="torchvision:ResNet50"), "torchvision has no model 'ResNet50'; the nearest it has: resnet50, "),
+        (dict(source="torchvision:no_such_net"),
+         "torchvision has no model 'no_such_net'; no name it has is near (torchvision.models.list_models() lists its "),
         (dict(source="resnet18"), "SOURCE 'resnet18' is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`"),
         (dict(source="tests.models:not_a_module"), "tests.models:not_a_module returned a int, expected a torch.nn.Module"),
         (dict(source="tests.models:missing"), "module 'tests.models' has no attribute 'missing'"),
-        (dict(source="no_such_pkg.mod:f"), "cannot import 'no_such_pkg.mod' (from SOURCE 'no_such_pkg.mod:f')"),
+        (dict(source="no_such_pkg.mod:f"),
+         "cannot import 'no_such_pkg.mod' (from SOURCE 'no_such_pkg.mod:f'): No module named 'no_such_pkg' (what to try: the "
+         "module must be importable from the current directory or via PYTHONPATH: run from the directory that holds "
+         "no_such_pkg.py or no_such_pkg/, or name that directory in PYTHONPATH: PYTHONPATH=path/to/dir before the command)"),
         (dict(source=":f"), "cannot import '' (from SOURCE ':f')"),
         (dict(source=".models:f"), "cannot import '.models' (from SOURCE '.models:f')"),
         (dict(source="tests.models:tiny_residual", granularity="fine"),
@@ -584,6 +646,16 @@ def test_bad_inputs_name_the_problem(tmp_path, opts, message):
         export_bundle(ExportOptions(out=out, **opts))
     assert message in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_module_that_imports_a_missing_package_is_not_told_to_set_pythonpath(tmp_path, monkeypatch):
+    (tmp_path / "needs_a_package.py").write_text("import no_such_dependency_of_cleave\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ExportError) as e:
+        export_bundle(ExportOptions("needs_a_package:f", tmp_path / "b"))
+    assert str(e.value) == (
+        "cannot import 'needs_a_package' (from SOURCE 'needs_a_package:f'): No module named 'no_such_dependency_of_cleave'"
+    )
 
 
 def test_existing_output_is_refused_and_left_untouched(tmp_path):
@@ -641,6 +713,36 @@ def test_failed_validation_removes_its_temporary_directory(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_a_value_read_out_of_a_tensor_stays_data_dependent_only_in_a_scriptable_submodule(tmp_path):
+    # In forward itself: neither tracer follows .numpy(); the hint says what a submodule must be.
+    with pytest.raises(ExportError) as e:
+        export_bundle(ExportOptions("tests.test_export:numpy_in_forward", tmp_path / "a"))
+    message = str(e.value)
+    assert "torch.export cannot trace NumpyInForward: RuntimeError: .numpy() is not supported" in message
+    assert message.endswith(
+        "(what to try: move the code of forward that depends on the data into a submodule, which the exporter keeps whole "
+        "and compiles with torch.jit.script: that code must be scriptable (tensor operations, .item(), .tolist() with a type "
+        "annotation; not .numpy()), or its stage is traced with torch.jit.trace instead, which makes each value read out of "
+        "a tensor (.numpy(), .item(), .tolist()) a constant, the one of the example inputs, and validation refuses the "
+        "stage where that value changes with the inputs)"
+    )
+    # In a submodule: kept whole, not scriptable, traced; the constant fails validation, which says why.
+    with pytest.raises(ExportError) as e:
+        export_bundle(ExportOptions("tests.test_export:numpy_in_submodule", tmp_path / "b", granularity="op"))
+    message = str(e.value)
+    assert message.startswith("at batch 1, stage 1 ('scale') computes 'scale' differently from the model; output relative error ")
+    assert message.endswith(
+        "(it is traced, not scripted (the warning above says why), so each value it reads out of a tensor "
+        "(.numpy(), .item(), .tolist()) is a constant, the one of the example it was traced at; what to try: make it scriptable)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    # A scriptable submodule (.item()) is kept whole, scripted, and exports.
+    m = export_bundle(ExportOptions("tests.test_export:item_in_submodule", tmp_path / "c", granularity="op")).manifest
+    assert m["exporter"]["kept_whole"] == ["scale"]
+    assert [(s["name"], s["compiler"]) for s in m["stages"]] == [("fc", "script"), ("scale", "script")]
+
+
 def test_kept_whole_module_is_reported(tmp_path):
     # The gate of SmallBatchesOnly is kept whole when the batch range stays below its limit.
     out = tmp_path / "gated"
@@ -657,7 +759,9 @@ def test_kept_whole_module_is_reported(tmp_path):
 
 def test_force_replaces_an_existing_bundle(tmp_path, capsys):
     out = tmp_path / "bundle"
+    capsys.readouterr()
     assert cli.main(["tests.models:tiny_residual", "--out", str(out), "-q"]) == 0
+    assert capsys.readouterr().out == ""  # -q: errors only, no export lines
     first = json.loads((out / "manifest.json").read_text())
     assert first["model"]["source"] == "tests.models:tiny_residual"
     (out / "stray.txt").write_text("left from before")
@@ -691,16 +795,18 @@ def test_cli_bad_granularity_exits_2(tmp_path, capsys):
 
 
 def test_cli_parses_every_option():
-    verbose, opts = cli.parse_args([
+    verbose, quiet, opts = cli.parse_args([
         "pkg.mod:make", "--out", "b", "--input-shape", "3x32x32", "--dynamic-batch", "2", "5",
         "--granularity", "layer", "--seed", "7", "--reference-batches", "2,4", "--force", "-q",
         "--dynamic-seq", "4", "32", "--hf-config", "num_hidden_layers=2,act=gelu,tie=false", "--verbose",
     ])
-    assert verbose
+    assert verbose and quiet
     assert opts == ExportOptions(source="pkg.mod:make", out=Path("b"), input_shape=(3, 32, 32), batch_min=2,
                                  batch_max=5, granularity="layer", seed=7, reference_batches=(2, 4), force=True,
                                  seq=(4, 32), hf_config={"num_hidden_layers": 2, "act": "gelu", "tie": False})
-    assert cli.parse_args(["s:f", "--out", "b"]) == (False, ExportOptions(source="s:f", out=Path("b")))
+    assert cli.parse_args(["s:f", "--out", "b"]) == (False, False, ExportOptions(source="s:f", out=Path("b")))
+    # Two dimensions are taken with commas (a (C, L) input, say), not with `x`: see below.
+    assert cli.parse_args(["s:f", "--out", "b", "--input-shape", "8,1"])[2].input_shape == (8, 1)
 
 
 @pytest.mark.parametrize(
@@ -708,6 +814,10 @@ def test_cli_parses_every_option():
     [
         (["--input-shape", "3,a"], "'3,a' is not a shape like 3,224,224"),
         (["--input-shape", "3,0,4"], "'3,0,4': dimensions must be positive"),
+        (["--input-shape", "8x1"],
+         "argument --input-shape: '8x1': the input shape is C,H,W without the batch, e.g. 3,224,224 "
+         "(if the input really has 2 dimensions, write 8,1)"),
+        (["--input-shape", "224x224"], "'224x224': the input shape is C,H,W without the batch, e.g. 3,224,224"),
         (["--reference-batches", "1;3"], "'1;3' is not a list of batch sizes like 1,3"),
         (["--hf-config", "layers"], "--hf-config item 'layers' is not key=value"),
         (["--dynamic-seq", "4"], "--dynamic-seq: expected 2 arguments"),

@@ -1,0 +1,51 @@
+"""The bench scripts parse their arguments: each one's `--check-args` parses them (defaults
+included) and exits 0 without running anything (no server, no root, no network namespace),
+so an argument parser that refuses its own defaults shows here rather than at the start of a
+long bench.
+
+The executable scripts run as programs (their `#!` line, as `make` runs them); survey.py,
+which is not executable, runs with this interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+BENCH = REPO / "bench"
+PROGRAMS = ["serving", "chaos", "link-sweep"]
+"""Executable bench scripts, run as `bench/NAME`."""
+
+
+def check_args(script: str, *argv: str) -> subprocess.CompletedProcess:
+    path = BENCH / script
+    cmd = [str(path)] if os.access(path, os.X_OK) else [sys.executable, str(path)]
+    return subprocess.run([*cmd, "--check-args", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_every_bench_script_is_known_here():
+    # A bench script added later gets its own --check-args run: list it in PROGRAMS.
+    programs = sorted(p.name for p in BENCH.iterdir() if p.is_file() and os.access(p, os.X_OK))
+    assert programs == sorted(PROGRAMS)
+
+
+@pytest.mark.parametrize("script", [*PROGRAMS, "export-survey/survey.py"])
+def test_check_args_parses_the_defaults_and_runs_nothing(script):
+    run = check_args(script)
+    assert run.returncode == 0, run.stderr
+    assert len(run.stdout.splitlines()) <= 1, run.stdout
+    assert run.stderr == ""
+
+
+def test_serving_runs_every_scenario_by_default_and_refuses_unknown_ones():
+    assert check_args("serving").stdout == "bench/serving: arguments ok; scenarios batching edf cuts\n"
+    one = check_args("serving", "batching")
+    assert (one.returncode, one.stdout) == (0, "bench/serving: arguments ok; scenarios batching\n")
+    bad = check_args("serving", "nonsense")
+    assert bad.returncode != 0
+    assert "invalid choice: 'nonsense' (choose from batching, edf, cuts)" in bad.stderr
