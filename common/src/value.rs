@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use rand::{Rng, SeedableRng};
 use tch::{IValue, Tensor};
 
 use crate::error::{BundleError, Result};
@@ -299,10 +300,17 @@ fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, sizes: &mut Sizes) ->
     checked.map_err(|why| format!("{path}: expected {spec}, got {} ({why})", describe_tensor(t)))
 }
 
+/// Seed of [`synthetic_inputs`]' own generator.
+const SYNTHETIC_SEED: u64 = 0x5EED;
+
 /// Random inputs shaped like `specs` at `sizes` (floats from a normal, integers the top of
 /// their range or 0, booleans false): enough to time a model whose cost does not depend on
-/// the values (an attention mask of ones attends everywhere).
+/// the values (an attention mask of ones attends everywhere). Drawn from a seeded generator
+/// of their own, never libtorch's global one: a training step on another thread seeds that
+/// and draws its dropout masks from it, so a draw here (a server warming up, a profile)
+/// would change them.
 pub fn synthetic_inputs(specs: &[crate::spec::NamedSpec], sizes: Sizes) -> Result<Boundary> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(SYNTHETIC_SEED);
     let values = specs
         .iter()
         .map(|named| {
@@ -313,7 +321,11 @@ pub fn synthetic_inputs(specs: &[crate::spec::NamedSpec], sizes: Sizes) -> Resul
             let options = (spec.dtype.kind(), tch::Device::Cpu);
             let float = matches!(spec.dtype.kind(), tch::Kind::Float | tch::Kind::Double | tch::Kind::Half | tch::Kind::BFloat16);
             let t = match named.range {
-                _ if float => Tensor::randn(shape.as_slice(), options),
+                _ if float => {
+                    let count = shape.iter().product::<i64>().max(0) as usize;
+                    let normal: Vec<f32> = (0..count).map(|_| rng.sample(rand_distr::StandardNormal)).collect();
+                    Tensor::from_slice(&normal).reshape(shape.as_slice()).to_kind(spec.dtype.kind())
+                }
                 Some((_, top)) => Tensor::full(shape.as_slice(), top, options),
                 None => Tensor::zeros(shape.as_slice(), options),
             };
@@ -439,6 +451,24 @@ impl Boundary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn synthetic_inputs_leave_libtorch_s_generator_alone() {
+        let spec: crate::spec::NamedSpec = serde_json::from_value(serde_json::json!({
+            "name": "x", "spec": {"type": "tensor", "dtype": "float32", "shape": ["B", 3]}
+        }))
+        .unwrap();
+        tch::manual_seed(7);
+        let expected = Tensor::randn([4], (tch::Kind::Float, tch::Device::Cpu));
+        tch::manual_seed(7);
+        let inputs = synthetic_inputs(std::slice::from_ref(&spec), Sizes { batch: Some(2), seq: None }).unwrap();
+        let drawn = Tensor::randn([4], (tch::Kind::Float, tch::Device::Cpu));
+        assert!(drawn.equal(&expected), "synthetic inputs drew from libtorch's global generator");
+        let again = synthetic_inputs(std::slice::from_ref(&spec), Sizes { batch: Some(2), seq: None }).unwrap();
+        let (Value::Tensor(a), Value::Tensor(b)) = (&inputs.values[0].1, &again.values[0].1) else { panic!("tensors") };
+        assert_eq!(a.size(), [2, 3]);
+        assert!(a.equal(b), "the same inputs every call");
+    }
 
     fn request(rows: i64, offset: f64) -> Boundary {
         let t = |cols: i64| Tensor::arange(rows * cols, (tch::Kind::Float, tch::Device::Cpu)).reshape([rows, cols]) + offset;
