@@ -7,6 +7,7 @@
 //! manifest cannot pass silently.
 
 use std::fmt;
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use tch::{CModule, IValue};
@@ -142,6 +143,13 @@ impl LoadedStages {
         tch::no_grad(|| self.run_chain(range, input, |_| ()))
     }
 
+    /// [`LoadedStages::run`], asking `go_on()` before each stage: `None` when it said stop
+    /// (the stages before it ran, the rest did not), so work nobody waits for any more ends
+    /// at the next stage boundary.
+    pub fn run_while(&self, range: StageRange, input: &Boundary, mut go_on: impl FnMut() -> bool) -> Result<Option<Boundary>> {
+        tch::no_grad(|| self.chain(range, input, |_| if go_on() { ControlFlow::Continue(()) } else { ControlFlow::Break(()) }))
+    }
+
     /// Runs every loaded stage twice on synthetic inputs of each batch size, so that no
     /// request pays for a cold start: TorchScript optimises a module over its first runs
     /// (several times slower), and a device allocates its buffers and kernels. Only stages
@@ -165,6 +173,15 @@ impl LoadedStages {
     /// `i` runs and what it returns is held until the stage returns (training seeds the
     /// random generator there and holds its lock).
     pub(crate) fn run_chain<G>(&self, range: StageRange, input: &Boundary, mut enter_stage: impl FnMut(usize) -> G) -> Result<Boundary> {
+        let Some(output) = self.chain(range, input, |i| ControlFlow::Continue(enter_stage(i)))? else {
+            unreachable!("a chain that is never told to stop runs to its end")
+        };
+        Ok(output)
+    }
+
+    /// Runs stages `range`; `enter_stage(i)` before stage `i` either stops the chain there
+    /// (`None`) or returns what is held until the stage returns.
+    fn chain<G>(&self, range: StageRange, input: &Boundary, mut enter_stage: impl FnMut(usize) -> ControlFlow<(), G>) -> Result<Option<Boundary>> {
         if !self.range.contains(range) {
             return Err(BundleError::InvalidRange { start: range.start, end: range.end, reason: format!("the loaded stages are {}", self.range) });
         }
@@ -174,7 +191,7 @@ impl LoadedStages {
         let modules = &self.modules[range.start - self.range.start..range.end - self.range.start];
         for (stage, module) in stages[range.start..range.end].iter().zip(modules) {
             let failed = |message: String| BundleError::StageFailed { index: stage.index, name: stage.name.clone(), message };
-            let guard = enter_stage(stage.index);
+            let ControlFlow::Continue(guard) = enter_stage(stage.index) else { return Ok(None) };
             let returned = module.forward_is(&values).map_err(|e| failed(first_line(&e.to_string())))?;
             drop(guard);
             values = match returned {
@@ -196,7 +213,7 @@ impl LoadedStages {
         if !range.is_empty() {
             self.bundle.check_boundary(range.end, &output)?;
         }
-        Ok(output)
+        Ok(Some(output))
     }
 
     /// Times every loaded stage on `input` (the boundary at the first loaded cut): one

@@ -57,6 +57,9 @@ pub(crate) struct InferContext {
     pub(crate) draining: CancellationToken,
     /// The window of recent results and the session of this stream's host, when it gave one.
     pub(crate) window: Option<(ResultWindow, HostSession)>,
+    /// Cancelled when the stream's response is dropped: its peer reset the stream or its
+    /// connection closed (or the stream ended, with nothing left to answer).
+    pub(crate) peer_gone: CancellationToken,
 }
 
 /// Serves one stream: spawns its reader and responder; results go to `out`.
@@ -286,10 +289,15 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
             let _ = tx.send(Err(e));
         }
         Ok(job_rx) => {
-            let (window, envelope) = (ctx.window.clone(), held.envelope.clone());
+            let (window, envelope, gone) = (ctx.window.clone(), held.envelope.clone(), ctx.peer_gone.clone());
             tokio::spawn(async move {
-                let answer = job_rx.await.map_err(|_| Internal::Unanswered.into());
-                // Kept even when this stream is gone by now: its host will resend it.
+                // Once the stream's peer is gone, dropping `job_rx` tells the scheduler: the
+                // request never starts, or a running batch of only such requests stops.
+                let answer = tokio::select! {
+                    answer = job_rx => answer.map_err(|_| Internal::Unanswered.into()),
+                    () = gone.cancelled() => return,
+                };
+                // Kept when this stream goes while it is answered: its host will resend it.
                 if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
                     window.keep(&session, id, &envelope, output);
                 }

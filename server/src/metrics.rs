@@ -29,6 +29,12 @@ struct CodeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AbandonedLabels {
+    model: String,
+    at: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: String,
 }
@@ -69,6 +75,7 @@ struct Inner {
     slo_misses: Family<ModelLabel, Counter>,
     cut_merges: Family<ModelLabel, Counter>,
     open_streams: Family<KindLabel, Gauge>,
+    abandoned: Family<AbandonedLabels, Counter>,
     training_sessions: Gauge,
     device_memory: Family<DeviceLabel, Gauge>,
     cuda_devices: Vec<(String, u32)>,
@@ -114,6 +121,12 @@ impl Metrics {
         registry.register("cut_merges", "Requests run up to a later cut to join the requests waiting there", cut_merges.clone());
         let open_streams = Family::<KindLabel, Gauge>::default();
         registry.register("open_streams", "Infer and Train streams open", open_streams.clone());
+        let abandoned = Family::<AbandonedLabels, Counter>::default();
+        registry.register(
+            "abandoned_requests",
+            "Requests dropped because their stream went (reset, connection closed), by model and where: queued (never started) or running (stopped at a stage boundary)",
+            abandoned.clone(),
+        );
         let training_sessions = Gauge::default();
         registry.register("training_sessions", "Training sessions open", training_sessions.clone());
         let device_memory = Family::<DeviceLabel, Gauge>::default();
@@ -131,6 +144,7 @@ impl Metrics {
             slo_misses,
             cut_merges,
             open_streams,
+            abandoned,
             training_sessions,
             device_memory,
             cuda_devices,
@@ -145,6 +159,11 @@ impl Metrics {
     /// A request reached its device's queue (`+1`) or started running (`-1`).
     pub(crate) fn queued(&self, model: &str, delta: i64) {
         self.inner.queue_depth.get_or_create(&Self::model(model)).inc_by(delta);
+    }
+
+    /// A request dropped because its stream went: `at` is `queued` or `running`.
+    pub(crate) fn abandoned(&self, model: &str, at: &str) {
+        self.inner.abandoned.get_or_create(&AbandonedLabels { model: model.to_string(), at: at.to_string() }).inc();
     }
 
     /// A device ran a batch of `samples`.

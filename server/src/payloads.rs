@@ -22,11 +22,11 @@ pub(crate) struct ResultSpec {
     pub(crate) key_id: Option<u32>,
     /// `Result` for boundaries, `Gradient` for gradients (each its own nonce sequence).
     pub(crate) direction: Direction,
-    /// Whether the server goes on using memory the answer's tensors may share: a training
-    /// session's optimizer step overlaps with sending its gradient answer and writes in
-    /// place (the gradient sent from its own memory came out changed: the BERT split-training
-    /// test saw 4e-2 after 20 steps). Such an answer is copied; an inference answer is sent
-    /// from its tensors' memory.
+    /// Whether the server goes on working on tensors the answer may share memory with: a
+    /// training session's optimizer step overlaps with sending its answer and writes the
+    /// parameters in place, so a training answer is copied (nothing shows that a gradient
+    /// shares their memory, but nothing rules it out); an inference answer is sent from its
+    /// tensors' memory.
     pub(crate) keeps_tensors: bool,
 }
 

@@ -15,7 +15,7 @@ use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{Direction, PayloadReceiver};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -75,6 +75,7 @@ impl SplitInference for Service {
         if self.draining.is_cancelled() {
             return Err(RequestError::Draining.into());
         }
+        let peer_gone = CancellationToken::new();
         let session = match request.metadata().get(HOST_SESSION_METADATA) {
             None => None,
             Some(value) => Some(HostSession::parse(value.to_str().unwrap_or(""))?),
@@ -94,9 +95,17 @@ impl SplitInference for Service {
             request_timeout: self.peers.request_timeout,
             draining: self.draining.clone(),
             window: session.map(|s| (self.window.clone(), s)),
+            peer_gone: peer_gone.clone(),
         };
         let out = crate::infer::serve_stream(request.into_inner(), ctx);
-        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+        // tonic drops the response when the peer resets the stream or its connection closes:
+        // the requests it still has queued are dropped then, not computed.
+        let gone_on_drop = peer_gone.drop_guard();
+        let answers = ReceiverStream::new(out).map(move |frame| {
+            let _held = &gone_on_drop;
+            frame
+        });
+        Ok(Response::new(Box::pin(answers)))
     }
 
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {

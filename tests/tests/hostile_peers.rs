@@ -521,3 +521,64 @@ fn the_metrics_endpoint_caps_its_connections_and_closes_slow_ones() {
         assert!(closed_within(&mut silent, Duration::from_secs(10)).await, "a silent connection is kept past `metrics_timeout`");
     });
 }
+
+/// A metric's value in a scrape of `metrics` (0 when it has no sample yet).
+fn metric(metrics: &cleave_server::Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let scrape = prometheus_parse::Scrape::parse(metrics.render().lines().map(|l| Ok(l.to_string()))).unwrap();
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => *v,
+            prometheus_parse::Value::Histogram(buckets) => buckets.iter().map(|b| b.count).fold(0.0, f64::max),
+            prometheus_parse::Value::Summary(_) => f64::NAN,
+        })
+        .sum()
+}
+
+/// Polls `done` every 20 ms for at most `within`.
+async fn eventually(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    done()
+}
+
+#[test]
+fn requests_of_a_stream_reset_by_its_peer_are_dropped_not_computed() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    runtime().block_on(async {
+        let dir = bundle.dir().to_path_buf();
+        let prepared =
+            tokio::task::spawn_blocking(move || PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap())
+                .await
+                .unwrap();
+        let metrics = prepared.metrics();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let model = bundle.id().to_string();
+        let started = || metric(&metrics, "cleave_batch_samples_count", &[("model", &model)]);
+        let queued = || metric(&metrics, "cleave_queue_depth", &[("model", &model)]);
+        let dropped = || metric(&metrics, "cleave_abandoned_requests_total", &[("model", &model), ("at", "queued")]);
+        // 20 requests at batch 32, one device running them one at a time: all received and
+        // waiting (or running) before the peer resets the stream.
+        let stream = open_stream(&server.url, &bundle).await;
+        for id in 1..=20 {
+            stream.send(id, &input, 1, 1).await;
+        }
+        assert!(eventually(Duration::from_secs(30), || started() + queued() == 20.0).await, "the 20 requests are queued");
+        drop(stream);
+        // Every request either started before the reset came through or is dropped unstarted.
+        assert!(eventually(Duration::from_secs(60), || started() + dropped() == 20.0).await, "started {} dropped {}", started(), dropped());
+        let computed = started();
+        println!("of 20 requests of a reset stream: {computed} started, {} dropped unstarted", dropped());
+        assert!(computed <= 3.0, "{computed} of 20 requests of a reset stream were computed");
+        assert_eq!(queued(), 0.0);
+        server.shutdown().await.unwrap();
+    });
+}

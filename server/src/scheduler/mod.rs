@@ -178,6 +178,7 @@ impl Worker {
         let mut queue = Queue::default();
         loop {
             self.intake(&mut queue, rx, false);
+            self.drop_abandoned(&mut queue);
             match queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |_| true) {
                 Pick::Run(entries) => self.execute(&mut queue, entries),
                 Pick::WaitUntil(at) if queue.len() < self.depth => match rx.recv_deadline(at) {
@@ -233,6 +234,25 @@ impl Worker {
         }
     }
 
+    /// Takes out of the queue every request whose stream is gone (its answer's receiver
+    /// dropped): it never starts, or runs no further, and its memory is freed now.
+    fn drop_abandoned(&self, queue: &mut Queue<Item>) {
+        for entry in queue.take_where(|e| matches!(&e.item, Item::Request(w) if w.reply.is_closed())) {
+            if let Item::Request(w) = entry.item {
+                self.abandoned(&w);
+            }
+        }
+    }
+
+    /// Counts a request whose stream went before it was answered.
+    fn abandoned(&self, w: &Waiting) {
+        let label = &self.models[w.model].label;
+        if w.started.is_none() {
+            self.metrics.queued(label, -1);
+        }
+        self.metrics.abandoned(label, if w.started.is_none() { "queued" } else { "running" });
+    }
+
     /// A request's place: its key by the policy, its group when its cut merges.
     fn entry(&self, w: Waiting, ready_at: Instant) -> Entry<Item> {
         let model = &self.models[w.model];
@@ -249,6 +269,9 @@ impl Worker {
                 Item::Request(w) => requests.push(w),
                 Item::Turn(turn) => grant(turn),
             }
+        }
+        for w in requests.extract_if(.., |w| w.reply.is_closed()) {
+            self.abandoned(&w);
         }
         if requests.is_empty() {
             return;
@@ -267,17 +290,27 @@ impl Worker {
         let sizes: Vec<i64> = requests.iter().map(|w| w.sizes.batch).collect();
         self.metrics.batch(&model.label, sizes.iter().sum());
         let range = StageRange::new(group.cut, to);
+        // A batch stops at the next stage boundary once every request in it is abandoned.
+        let wanted = || requests.iter().any(|w| !w.reply.is_closed());
         let outputs = catch_panic(&format!("running stages {range}"), || {
             if requests.len() == 1 {
-                return Ok(vec![model.stages.run(range, &requests[0].input)?]);
+                return Ok(model.stages.run_while(range, &requests[0].input, wanted)?.map(|out| vec![out]));
             }
             let inputs: Vec<Boundary> = requests.iter().map(|w| w.input.shallow_clone()).collect();
             let merged = Boundary::cat_batches(&inputs).map_err(RequestError::Batching)?;
-            model.stages.run(range, &merged)?.split_batches(&sizes).map_err(RequestError::Batching)
+            match model.stages.run_while(range, &merged, wanted)? {
+                Some(out) => out.split_batches(&sizes).map(Some).map_err(RequestError::Batching),
+                None => Ok(None),
+            }
         });
         let took = started.elapsed();
         match outputs {
-            Ok(parts) => {
+            Ok(None) => {
+                for w in &requests {
+                    self.abandoned(w);
+                }
+            }
+            Ok(Some(parts)) => {
                 if to < last {
                     self.metrics.cut_merges(&model.label, parts.len());
                 }

@@ -72,6 +72,11 @@ impl<T> Queue<T> {
         self.entries.push(entry);
     }
 
+    /// Takes out every entry `unwanted` says, in arrival order.
+    pub(crate) fn take_where(&mut self, mut unwanted: impl FnMut(&Entry<T>) -> bool) -> Vec<Entry<T>> {
+        self.entries.extract_if(.., |e| unwanted(e)).collect()
+    }
+
     /// The first cut after `group`'s where requests it could merge with (its model, its
     /// sequence length) wait, if any: a batch entering at its cut runs up to it and joins them.
     pub(crate) fn next_cut_waiting(&self, group: Group) -> Option<usize> {
