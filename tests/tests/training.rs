@@ -785,3 +785,31 @@ fn the_checkpoint_byte_quota_refuses_a_save_that_would_go_over() {
         });
     }
 }
+
+#[test]
+fn the_server_wide_checkpoint_quota_spans_every_namespace_and_deletes_nothing() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    runtime().block_on(async {
+        // Room for one checkpoint of this session, not two: each session has a namespace of
+        // its own, so only the server-wide quota can refuse the second session's.
+        let probe = checkpointing_server(&bundle, dir.path(), TrainingOptions::default()).await;
+        let (mut stream, opened) = open_session(&probe.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let first = dir.path().join(opened.opened.unwrap().namespace);
+        assert!(save(&mut stream, 1, "a").await.saved.is_some());
+        drop((stream, probe));
+        let size = std::fs::metadata(first.join("a.safetensors")).unwrap().len();
+        let total = 2 * size - 1;
+        let server =
+            checkpointing_server(&bundle, dir.path(), TrainingOptions { max_checkpoint_bytes_total: total, ..TrainingOptions::default() }).await;
+        let (mut stream, opened) = open_when_free(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let second = dir.path().join(&opened.namespace);
+        let (code, message) = error_of(&save(&mut stream, 1, "b").await);
+        assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+        assert!(message.contains(&format!("`training.max_checkpoint_bytes_total` ({total})")) && message.contains(&size.to_string()), "{message}");
+        assert!(std::fs::read_dir(&second).map_or(true, |mut d| d.next().is_none()), "nothing of it left on disk");
+        assert!(first.join("a.safetensors").exists(), "the first session's checkpoint is not deleted");
+        // The session goes on.
+        train_step(&mut stream, 2).await;
+    });
+}

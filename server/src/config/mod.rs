@@ -289,6 +289,8 @@ struct RawServerTraining {
     max_checkpoints: Option<u32>,
     #[serde(default)]
     max_checkpoint_bytes: Option<u64>,
+    #[serde(default)]
+    max_checkpoint_bytes_total: Option<u64>,
 }
 
 /// How a server runs training sessions.
@@ -310,6 +312,10 @@ pub struct TrainingOptions {
     /// included (a save that would go over is refused before it is written, or after, by its
     /// file's size, before it is renamed into place).
     pub max_checkpoint_bytes: u64,
+    /// Bytes on disk every namespace's checkpoints may hold together (each session gets a
+    /// namespace of its own, so the per-namespace quota alone bounds nothing server-wide); a
+    /// save over it is refused, and nothing is deleted without an operator.
+    pub max_checkpoint_bytes_total: u64,
 }
 
 impl Default for TrainingOptions {
@@ -321,6 +327,7 @@ impl Default for TrainingOptions {
             max_sessions: 4,
             max_checkpoints: 64,
             max_checkpoint_bytes: 4 << 30,
+            max_checkpoint_bytes_total: 16 << 30,
         }
     }
 }
@@ -423,6 +430,7 @@ impl ServerConfig {
                 max_sessions: t.max_sessions.unwrap_or(d.max_sessions),
                 max_checkpoints: t.max_checkpoints.unwrap_or(d.max_checkpoints),
                 max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
+                max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
             },
         };
         if training.session_idle_timeout.is_zero() {
@@ -436,6 +444,9 @@ impl ServerConfig {
         }
         if training.max_checkpoint_bytes == 0 {
             return Err(file.invalid("training.max_checkpoint_bytes", "must be positive"));
+        }
+        if training.max_checkpoint_bytes_total == 0 {
+            return Err(file.invalid("training.max_checkpoint_bytes_total", "must be positive"));
         }
         let cpu = file.cpu(raw.threads, raw.cores.take())?;
         Ok(Self { listen, models, scheduler, metrics_listen, limits, peers, security, training, insecure: raw.insecure, cpu })
@@ -620,14 +631,18 @@ mod tests {
     #[test]
     fn checkpoint_quotas_are_keys_with_defaults_and_must_be_positive() {
         let d = TrainingOptions::default();
-        assert_eq!((d.max_checkpoints, d.max_checkpoint_bytes), (64, 4 << 30));
+        assert_eq!((d.max_checkpoints, d.max_checkpoint_bytes, d.max_checkpoint_bytes_total), (64, 4 << 30, 16 << 30));
         let c = load("listen: 127.0.0.1:1\ntraining: {checkpoint_dir: ck}\n").unwrap();
         assert_eq!((c.training.max_checkpoints, c.training.max_checkpoint_bytes), (d.max_checkpoints, d.max_checkpoint_bytes));
-        let c = load("listen: 127.0.0.1:1\ntraining:\n  max_checkpoints: 3\n  max_checkpoint_bytes: 1048576\n").unwrap();
-        assert_eq!((c.training.max_checkpoints, c.training.max_checkpoint_bytes), (3, 1 << 20));
-        for (yaml, key) in
-            [("training: {max_checkpoints: 0}", "training.max_checkpoints"), ("training: {max_checkpoint_bytes: 0}", "training.max_checkpoint_bytes")]
-        {
+        let c =
+            load("listen: 127.0.0.1:1\ntraining:\n  max_checkpoints: 3\n  max_checkpoint_bytes: 1048576\n  max_checkpoint_bytes_total: 2097152\n")
+                .unwrap();
+        assert_eq!((c.training.max_checkpoints, c.training.max_checkpoint_bytes, c.training.max_checkpoint_bytes_total), (3, 1 << 20, 2 << 20));
+        for (yaml, key) in [
+            ("training: {max_checkpoints: 0}", "training.max_checkpoints"),
+            ("training: {max_checkpoint_bytes: 0}", "training.max_checkpoint_bytes"),
+            ("training: {max_checkpoint_bytes_total: 0}", "training.max_checkpoint_bytes_total"),
+        ] {
             let err = load(&format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap_err();
             assert!(err.contains(&format!("`{key}`")) && err.contains("must be positive"), "{yaml}: {err}");
         }

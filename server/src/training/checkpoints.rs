@@ -10,7 +10,9 @@
 //! Checkpoints are written to a temporary file, flushed and renamed into place, so a crash
 //! never leaves half a checkpoint under its name; temporary files a crash left are removed
 //! when the namespace is next taken. The directory is shared by the sessions of one server;
-//! two servers must not share one.
+//! two servers must not share one. Every namespace's checkpoints together stay within
+//! `training.max_checkpoint_bytes_total` (saves are checked against it one at a time).
+//! Nothing here deletes a checkpoint: that is an operator's decision.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -33,8 +35,12 @@ pub(crate) struct CheckpointStore {
     dir: PathBuf,
     max_checkpoints: u32,
     max_bytes: u64,
+    max_total_bytes: u64,
     /// Each namespace held now, with the session holding it.
     held: Arc<Mutex<HashMap<String, String>>>,
+    /// Held by a save from its quota checks to its rename, so that two saves cannot both fit
+    /// in the room that one leaves.
+    saving: Arc<Mutex<()>>,
 }
 
 /// A checkpoint a request names to resume from: `NAMESPACE/NAME`.
@@ -90,7 +96,28 @@ impl CheckpointStore {
     /// The store of a server with `options`; none without a checkpoint directory.
     pub(crate) fn new(options: &TrainingOptions) -> Option<Self> {
         let dir = options.checkpoint_dir.clone()?;
-        Some(Self { dir, max_checkpoints: options.max_checkpoints, max_bytes: options.max_checkpoint_bytes, held: Arc::default() })
+        Some(Self {
+            dir,
+            max_checkpoints: options.max_checkpoints,
+            max_bytes: options.max_checkpoint_bytes,
+            max_total_bytes: options.max_checkpoint_bytes_total,
+            held: Arc::default(),
+            saving: Arc::default(),
+        })
+    }
+
+    /// Bytes of every checkpoint in every namespace.
+    fn total_bytes(&self) -> Result<u64, RequestError> {
+        let namespaces = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(RequestError::Session(format!("cannot list the checkpoint directory {}: {e}", self.dir.display()))),
+        };
+        let mut total = 0;
+        for namespace in namespaces.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
+            total += checkpoints_in(&namespace.path())?.values().sum::<u64>();
+        }
+        Ok(total)
     }
 
     /// Takes a namespace for `session`: `resume`'s (refused while another session holds it),
@@ -172,31 +199,20 @@ impl Namespace {
 
     /// The checkpoints in this namespace now, each with its size.
     fn checkpoints(&self) -> Result<HashMap<String, u64>, RequestError> {
-        let dir = self.dir();
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
-            Err(e) => return Err(RequestError::Session(format!("cannot list checkpoint namespace {}: {e}", dir.display()))),
-        };
-        let mut found = HashMap::new();
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(stem) = name.strip_suffix(EXTENSION) else { continue };
-            // Only files count: an entry's metadata does not follow a link.
-            if let Some(meta) = entry.metadata().ok().filter(|m| m.is_file()) {
-                found.insert(stem.to_string(), meta.len());
-            }
-        }
-        Ok(found)
+        checkpoints_in(&self.dir())
     }
 
     /// Saves checkpoint `name` of `parts` and `optimizer` in this namespace, within its
     /// quotas: refused (RESOURCE_EXHAUSTED, nothing left on disk) when it would be one
-    /// checkpoint more than `training.max_checkpoints`, or take the namespace over
-    /// `training.max_checkpoint_bytes`; a checkpoint of the same name is replaced, and counts once.
+    /// checkpoint more than `training.max_checkpoints`, take the namespace over
+    /// `training.max_checkpoint_bytes` or the server's checkpoints over
+    /// `training.max_checkpoint_bytes_total`; a checkpoint of the same name is replaced, and
+    /// counts once.
     pub(crate) fn save(&self, name: &str, meta: &CheckpointMeta, parts: &[&TrainableStages], optimizer: &Optimizer) -> Result<u64, RequestError> {
         let path = self.path(name)?;
+        let _one_at_a_time = self.store.saving.lock().unwrap_or_else(PoisonError::into_inner);
         let existing = self.checkpoints()?;
+        let elsewhere = self.store.total_bytes()?.saturating_sub(existing.values().sum::<u64>());
         let replaced = existing.get(name).copied();
         let (max_count, max_bytes) = (self.store.max_checkpoints, self.store.max_bytes);
         if replaced.is_none() && existing.len() >= max_count as usize {
@@ -215,22 +231,54 @@ impl Namespace {
                 self.name
             ))
         };
+        let max_total = self.store.max_total_bytes;
+        let over_total = |bytes: u64, what: &str| {
+            RequestError::Busy(format!(
+                "checkpoint {name} refused: it {what} {bytes} bytes and the server's other checkpoints (every namespace) hold {}, \
+                 above `training.max_checkpoint_bytes_total` ({max_total}); an operator must remove old checkpoints or raise the quota",
+                elsewhere + others
+            ))
+        };
         let estimate = checkpoint::tensor_bytes(parts, optimizer);
         if others.saturating_add(estimate) > max_bytes {
             return Err(over(estimate, "would hold at least"));
         }
+        if (elsewhere + others).saturating_add(estimate) > max_total {
+            return Err(over_total(estimate, "would hold at least"));
+        }
         let written = checkpoint::write(&path, meta, parts, optimizer)?;
         let bytes = written.bytes();
+        // Dropping `written` removes the temporary file.
         if others.saturating_add(bytes) > max_bytes {
-            // Dropping `written` removes the temporary file.
             return Err(over(bytes, "holds"));
+        }
+        if (elsewhere + others).saturating_add(bytes) > max_total {
+            return Err(over_total(bytes, "holds"));
         }
         written.commit()?;
         Ok(bytes)
     }
 }
 
-/// `YYYYMMDD-HHMMSS` in UTC: namespaces sort by when they were made.
+/// The checkpoints in directory `dir`, each with its size (none when it does not exist).
+fn checkpoints_in(dir: &std::path::Path) -> Result<HashMap<String, u64>, RequestError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
+        Err(e) => return Err(RequestError::Session(format!("cannot list checkpoint namespace {}: {e}", dir.display()))),
+    };
+    let mut found = HashMap::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(EXTENSION) else { continue };
+        // Only files count: an entry's metadata does not follow a link.
+        if let Some(meta) = entry.metadata().ok().filter(|m| m.is_file()) {
+            found.insert(stem.to_string(), meta.len());
+        }
+    }
+    Ok(found)
+}
+
 fn utc_stamp(at: SystemTime) -> String {
     let secs = at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let (days, rest) = ((secs / 86_400) as i64, secs % 86_400);
