@@ -1,4 +1,5 @@
-//! Helpers for cleave's end-to-end tests: where the test bundles are, and copies to tamper with.
+//! Helpers for cleave's end-to-end tests: where the test bundles are, copies to tamper with,
+//! and reading a scrape of the server's metrics.
 //!
 //! The bundles are exported by `make test-bundles` (which `make test` runs first) into
 //! `target/test-bundles/NAME`, or into `$CLEAVE_TEST_BUNDLES/NAME`.
@@ -36,4 +37,24 @@ pub fn test_file(name: &str) -> PathBuf {
     let path = root.join(name);
     assert!(path.is_file(), "test file {} is missing: run `make test-bundles` (or `make test`)", path.display());
     path
+}
+
+/// A scrape of the server's metrics (`Metrics::render`, or `GET /metrics`'s body).
+pub fn parse_metrics(text: &str) -> prometheus_parse::Scrape {
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("the metrics parse")
+}
+
+/// The value of the sample `name` with these labels in a scrape, summed over the samples
+/// that match (0 when there is none).
+pub fn metric_sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => *v,
+            prometheus_parse::Value::Histogram(buckets) => buckets.iter().map(|b| b.count).fold(0.0, f64::max),
+            prometheus_parse::Value::Summary(_) => f64::NAN,
+        })
+        .sum()
 }

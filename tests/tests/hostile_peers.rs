@@ -12,7 +12,7 @@ use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec};
 use cleave_host::LoopbackServer;
 use cleave_server::{PeerLimits, PreparedServer, TrainingOptions};
-use cleave_tests::bundle_dir;
+use cleave_tests::{bundle_dir, metric_sample, parse_metrics};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -524,17 +524,7 @@ fn the_metrics_endpoint_caps_its_connections_and_closes_slow_ones() {
 
 /// A metric's value in a scrape of `metrics` (0 when it has no sample yet).
 fn metric(metrics: &cleave_server::Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let scrape = prometheus_parse::Scrape::parse(metrics.render().lines().map(|l| Ok(l.to_string()))).unwrap();
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-        .map(|s| match &s.value {
-            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => *v,
-            prometheus_parse::Value::Histogram(buckets) => buckets.iter().map(|b| b.count).fold(0.0, f64::max),
-            prometheus_parse::Value::Summary(_) => f64::NAN,
-        })
-        .sum()
+    metric_sample(&parse_metrics(&metrics.render()), name, labels)
 }
 
 /// Polls `done` every 20 ms for at most `within`.

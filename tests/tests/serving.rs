@@ -13,7 +13,7 @@ use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, FrameAssem
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::LoopbackServer;
 use cleave_server::{Batching, ModelConfig, PreparedServer, SchedulerConfig};
-use cleave_tests::bundle_dir;
+use cleave_tests::{bundle_dir, metric_sample as sample, parse_metrics as parse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -79,24 +79,6 @@ async fn serve(models: Vec<ModelConfig>, scheduler: SchedulerConfig) -> (Loopbac
             .unwrap();
     let metrics = prepared.metrics();
     (LoopbackServer::serve(prepared).await.unwrap(), metrics)
-}
-
-/// The value of the sample `name` with these labels in a scrape (0 when absent).
-fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-        .map(|s| match &s.value {
-            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => *v,
-            prometheus_parse::Value::Histogram(buckets) => buckets.iter().map(|b| b.count).fold(0.0, f64::max),
-            prometheus_parse::Value::Summary(_) => f64::NAN,
-        })
-        .sum()
-}
-
-fn parse(text: &str) -> prometheus_parse::Scrape {
-    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("the metrics parse")
 }
 
 #[test]
