@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use cleave_common::config::CpuUse;
 use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, TrainMode};
@@ -24,7 +24,8 @@ struct Cli {
     /// Start the server in this process on 127.0.0.1 and use it.
     #[arg(long)]
     loopback: bool,
-    /// Split point: a cut index, after:<module path>, or a share of the FLOPs like 40%.
+    /// Split point: a cut index, after:<module path>, a share of the FLOPs like 40% (the cut
+    /// nearest it), or auto (chosen per request from the measured link).
     #[arg(long)]
     split: Option<SplitSpec>,
     /// Output directory (overrides the config).
@@ -162,7 +163,15 @@ fn main() -> ExitCode {
             load(&configs, LoadOptions { edges, mode, duration, ratio, splits, output, seed, force, in_flight_cap, ..LoadOptions::default() })
         }
         None => run(
-            cli.config.expect("clap requires --config or a subcommand"),
+            cli.config.unwrap_or_else(|| {
+                Cli::command()
+                    .error(
+                        clap::error::ErrorKind::MissingRequiredArgument,
+                        "a run needs --config edge.yaml (--loopback, --split, --output, --force, --resume and --monolithic go with it); \
+                         or give a subcommand: splits, verify, plan, load, export-trained",
+                    )
+                    .exit()
+            }),
             RunOptions {
                 loopback: cli.loopback,
                 split: cli.split,
