@@ -8,7 +8,9 @@
 //! 2. three streams send a zstd frame of 1 GiB of zeros, declared as one request (refused
 //!    at the envelope: no cut allows it);
 //! 3. three streams send the largest request the cut allows (its batch maximum), zeros
-//!    compressed with zstd: decompressed, run and answered.
+//!    compressed with zstd: decompressed, run and answered;
+//! 4. 256 sockets from 127.0.0.2 connect and say nothing (as many as `max_connections`),
+//!    while a caller on 127.0.0.1 asks for `Info`: it must be served.
 //!
 //! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%.
 //!
@@ -284,6 +286,31 @@ fn main() {
             e.data.len() / 1024,
             verdict(sampler.take().max(idle), idle, budget)
         );
+
+        // 4. Silent sockets from another address, and a caller beside them.
+        sampler.take();
+        let mut silent = Vec::new();
+        for _ in 0..256 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            silent.push(socket.connect(format!("127.0.0.1:{}", a.port).parse().unwrap()).await.unwrap());
+        }
+        let asked = Instant::now();
+        let served = async {
+            let mut client = SplitInferenceClient::connect(url.clone()).await.map_err(|e| e.to_string())?;
+            client.info(cleave_common::pb::InfoRequest {}).await.map(|_| ()).map_err(|e| e.to_string())
+        };
+        let served = tokio::time::timeout(Duration::from_secs(20), served).await.unwrap_or_else(|_| Err("no answer in 20 s".into()));
+        println!(
+            "256 silent sockets from 127.0.0.2: a caller on 127.0.0.1 {} in {} ms; {}",
+            match &served {
+                Ok(()) => "served".to_string(),
+                Err(e) => format!("NOT served ({e})"),
+            },
+            asked.elapsed().as_millis(),
+            verdict(sampler.take().max(idle), idle, budget)
+        );
+        drop(silent);
     });
     drop(sampler);
     let _ = server.kill();
