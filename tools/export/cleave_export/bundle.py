@@ -13,6 +13,8 @@ Layout of a bundle directory:
 
 The bundle is written to a temporary directory next to the target and renamed into place
 only once every stage has been validated, so a failed export never leaves half a bundle.
+Every file of a bundle has one mode and its directory another, those a new file and a new
+directory get under the umask (0644 and 0755 under the usual 022): see `_set_modes`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -150,6 +153,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
             ref_entries.append({"batch_size": b, "file": name} | ({} if seq is None else {"seq_len": seq}))
         manifest = _manifest(opts, src, part, stage_gms, compilers, inference, flops, kept_whole, tracer, seq_range, ref_entries, tmp)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        _set_modes(tmp)
         if opts.out.exists():
             shutil.rmtree(opts.out)
         tmp.rename(opts.out)
@@ -159,6 +163,21 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         raise
     timings["total"] = time.perf_counter() - started
     return ExportReport(manifest, timings, batches, [q for q in seqs if q is not None], inference)
+
+
+def _set_modes(root: Path) -> None:
+    """Gives every file under `root` the mode `open` gives a new file (0666 less the umask)
+    and every directory, `root` included, the mode `mkdir` gives one (0777 less the umask).
+
+    Left alone, the bundle directory keeps `mkdtemp`'s 0700 and the references
+    safetensors' 0600, while the stages and the manifest follow the umask. Nothing in a
+    bundle is more private than its stages, which hold the weights, and a server running as
+    another user must read all of it; a user who wants bundles private sets the umask."""
+    # Python cannot read the umask without setting it; the exporter creates no file meanwhile.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _probes(batch_min: int, batch_max: int, seq_range: tuple[int, int] | None) -> tuple[list[Probe], dict]:

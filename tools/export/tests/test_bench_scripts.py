@@ -49,3 +49,26 @@ def test_serving_runs_every_scenario_by_default_and_refuses_unknown_ones():
     bad = check_args("serving", "nonsense")
     assert bad.returncode != 0
     assert "invalid choice: 'nonsense' (choose from batching, edf, cuts)" in bad.stderr
+
+
+def load_serving():
+    """bench/serving as a module (it has no .py suffix), to test its pure helpers."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("bench_serving", str(BENCH / "serving"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def test_serving_edf_tightest_slo_line_gives_each_policy_p99_and_their_ratio():
+    line = load_serving().tightest_slo_line
+    fifo, edf = {"p99_ms": 42.6, "errors": 0}, {"p99_ms": 10.8, "errors": 0}
+    assert line(fifo, edf) == "serving edf tightest-slo: fifo light p99 42.60 ms, edf light p99 10.80 ms, fifo/edf 3.94"
+    # Errors are not in a p99 of answered requests: the line names them.
+    assert line({**fifo, "errors": 2}, edf).endswith("fifo/edf 3.94; light errors fifo 2 edf 0 (not in the p99s)")
+    # No light request answered: no p99 (`null` in load.json) and no ratio.
+    assert line(fifo, {"p99_ms": None, "errors": 5}) == (
+        "serving edf tightest-slo: fifo light p99 42.60 ms, edf light p99 n/a, fifo/edf n/a; light errors fifo 0 edf 5 (not in the p99s)"
+    )

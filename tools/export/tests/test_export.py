@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -433,6 +434,24 @@ def test_fixed_batch_model_exports_with_one_batch_size(tmp_path):
     assert m["references"] == [{"batch_size": 3, "file": "reference_b3.safetensors"}]
     # FLOPs are per sample, measured here at batch 3: the 4 -> 2 linear layer costs 2 * 4 * 2.
     assert [(s["name"], s["flops_per_sample"]) for s in m["stages"]] == [("fc", 2 * 4 * 2), ("reshape", 0)]
+
+
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_every_file_of_a_bundle_has_one_mode_and_its_directory_another(tmp_path, umask, file_mode, dir_mode):
+    # The references (safetensors) were written 0600 and the directory (mkdtemp) 0700 while
+    # stages and the manifest followed the umask: now all follow it.
+    out = tmp_path / "parent" / "digits"
+    previous = os.umask(umask)
+    try:
+        export_bundle(ExportOptions("cleave_export.zoo:digits_cnn", out, batch_min=1, batch_max=2,
+                                    reference_batches=(1, 2), granularity="top"))
+    finally:
+        os.umask(previous)
+    files = sorted(p.name for p in out.iterdir())
+    # Every kind of file a bundle holds is here, so the modes below cover them all.
+    assert {"manifest.json", "reference_b1.safetensors", "stage_000.pt", "stage_000.infer.pt"} <= set(files), files
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o7777) for p in [out, *out.rglob("*")]}
+    assert modes == {"parent/digits": oct(dir_mode)} | {f"parent/digits/{f}": oct(file_mode) for f in files}
 
 
 # ---------------------------------------------------------------------------------------------
