@@ -1,6 +1,7 @@
-//! One memory budget for the request bytes every stream holds together: a request reserves
-//! what its envelope declares (the data as received plus the tensors it decodes into) before
-//! anything is allocated for it, and gives it back when it is answered or dropped.
+//! One memory budget for the bytes every stream holds together. A request reserves what its
+//! envelope declares (the data as received plus the tensors it decodes into) before anything
+//! is allocated for it; when it is answered, its reservation becomes its answer's, which is
+//! held until the answer is written to its connection (see [`crate::unsent`]), or dropped.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,9 +35,41 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// Nothing reserved (what an answer of no size holds).
+    pub fn none() -> Self {
+        Self { _permit: None, bytes: 0 }
+    }
+
     /// The bytes reserved.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Takes `bytes` (rounded up to whole units) out of this reservation into a new one;
+    /// what this one lacks, the new one lacks too (it takes all there is).
+    pub fn split_off(&mut self, bytes: u64) -> Self {
+        let Some(permit) = &mut self._permit else { return Self::none() };
+        let units = (bytes.div_ceil(UNIT) as usize).min(permit.num_permits());
+        let taken = permit.split(units).map(|p| Self { bytes: (units as u64 * UNIT).min(self.bytes), _permit: Some(p) });
+        let taken = taken.unwrap_or_else(Self::none);
+        self.bytes -= taken.bytes;
+        taken
+    }
+
+    /// Adds `other`'s bytes to this reservation (both from one budget).
+    pub fn merge(&mut self, other: Self) {
+        self.bytes += other.bytes;
+        match (&mut self._permit, other._permit) {
+            (Some(mine), Some(theirs)) => mine.merge(theirs),
+            (mine @ None, theirs) => *mine = theirs,
+            (Some(_), None) => {}
+        }
+    }
+
+    /// Gives back what it holds beyond `bytes`.
+    pub fn shrink_to(&mut self, bytes: u64) {
+        let keep = self.split_off(bytes);
+        *self = keep;
     }
 }
 
@@ -75,6 +108,18 @@ impl MemoryBudget {
         let held = self.inner.total_units - self.inner.units.available_permits() as u64;
         self.inner.peak_units.fetch_max(held, Ordering::Relaxed);
         Ok(Reservation { _permit: Some(permit), bytes })
+    }
+
+    /// Reserves what `held` lacks of `bytes` (waiting as [`Self::reserve`] does) and gives
+    /// back what it holds beyond: a request's reservation becoming its answer's.
+    pub async fn resize(&self, mut held: Reservation, bytes: u64) -> Result<Reservation, OverBudget> {
+        let units = |b: u64| b.div_ceil(UNIT);
+        if units(held.bytes) < units(bytes) {
+            held.merge(self.reserve((units(bytes) - units(held.bytes)) * UNIT).await?);
+        }
+        held.shrink_to(bytes);
+        held.bytes = bytes;
+        Ok(held)
     }
 
     /// The whole budget in bytes.
@@ -120,5 +165,30 @@ mod tests {
         // Bytes count in whole KiB, rounded up.
         let r = budget.reserve(1).await.unwrap();
         assert_eq!((r.bytes(), budget.held_bytes()), (1, 1 << 10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reservation_splits_merges_and_resizes_without_losing_a_unit() {
+        let budget = MemoryBudget::new(10 << 10, Duration::from_secs(1));
+        let mut a = budget.reserve(6 << 10).await.unwrap();
+        let b = a.split_off(2 << 10);
+        assert_eq!((a.bytes(), b.bytes(), budget.held_bytes()), (4 << 10, 2 << 10, 6 << 10));
+        drop(b);
+        assert_eq!(budget.held_bytes(), 4 << 10, "a split-off part gives its bytes back alone");
+        // Splitting more than it holds takes what there is.
+        let all = a.split_off(9 << 10);
+        assert_eq!((a.bytes(), all.bytes()), (0, 4 << 10));
+        a.merge(all);
+        assert_eq!((a.bytes(), budget.held_bytes()), (4 << 10, 4 << 10));
+        // Growing reserves the difference; shrinking gives the surplus back.
+        let a = budget.resize(a, 9 << 10).await.unwrap();
+        assert_eq!((a.bytes(), budget.held_bytes()), (9 << 10, 9 << 10));
+        let a = budget.resize(a, 1500).await.unwrap();
+        assert_eq!((a.bytes(), budget.held_bytes()), (1500, 2 << 10));
+        // Growing past the budget is refused, and what it held is given back.
+        assert!(budget.resize(a, 11 << 10).await.is_err());
+        assert_eq!(budget.held_bytes(), 0);
+        let mut none = Reservation::none();
+        assert_eq!(none.split_off(5).bytes(), 0);
     }
 }

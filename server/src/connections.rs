@@ -13,12 +13,13 @@
 //!   once when the handshaking places or its address's share are taken.
 //! - [`TrackedIo`] fails its reads and writes (so hyper drops the connection) when its
 //!   handshake deadline passes before a call, when it has had no call open for
-//!   `limits.idle_connection_timeout`, or when [`Connections::close_all`] is called at the
-//!   end of the drain.
+//!   `limits.idle_connection_timeout`, when an answer on it has not been written within
+//!   `limits.answer_timeout` (its peer does not read), or when [`Connections::close_all`] is
+//!   called at the end of the drain.
 //! - [`CallTracking`], a tower layer under tonic, establishes a connection at its first call,
-//!   counts each connection's open calls, keeps what a response holds (an `Echo` reply's
-//!   share of its connection's budget) until its body is sent or dropped, and turns a
-//!   panicking handler into INTERNAL for that call.
+//!   counts each connection's open calls, ties the reservations of a response's messages to
+//!   the chunks that carry them (see [`crate::unsent`]), and turns a panicking handler into
+//!   INTERNAL for that call.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -27,9 +28,11 @@ use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use crate::metrics::Metrics;
+use crate::unsent::{AnswerClocks, Unsent};
 use bytes::Bytes;
 use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -58,7 +61,8 @@ pub(crate) struct Connections {
     closing: CancellationToken,
     handshake_timeout: Duration,
     idle_timeout: Duration,
-    echo_units: usize,
+    answer_timeout: Duration,
+    metrics: Metrics,
 }
 
 /// Why an accepted socket was closed at once.
@@ -80,7 +84,7 @@ impl std::fmt::Display for Refusal {
 }
 
 impl Connections {
-    pub(crate) fn new(limits: &PeerLimits) -> Self {
+    pub(crate) fn new(limits: &PeerLimits, metrics: Metrics) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(limits.max_connections as usize)),
             max: limits.max_connections as usize,
@@ -90,7 +94,8 @@ impl Connections {
             closing: CancellationToken::new(),
             handshake_timeout: limits.handshake_timeout,
             idle_timeout: limits.idle_connection_timeout,
-            echo_units: echo_units(limits.max_echo_bytes_per_connection) as usize,
+            answer_timeout: limits.answer_timeout,
+            metrics,
         }
     }
 
@@ -105,7 +110,7 @@ impl Connections {
         let connection = Arc::new(Connection {
             open_calls: AtomicUsize::new(0),
             last_active: Mutex::new(Instant::now()),
-            echo: Arc::new(Semaphore::new(self.echo_units)),
+            answers: Arc::default(),
             place: Mutex::new(Place::Handshaking(handshake)),
             slots: Arc::clone(&self.slots),
             max_connections: self.max,
@@ -119,6 +124,9 @@ impl Connections {
             // The handshake deadline first; the idle timeout once established.
             idle: Box::pin(tokio::time::sleep(self.handshake_timeout)),
             closing: Box::pin(self.closing.clone().cancelled_owned()),
+            answer_timeout: self.answer_timeout,
+            answer_check: Box::pin(tokio::time::sleep(self.answer_timeout)),
+            metrics: self.metrics.clone(),
         })
     }
 
@@ -187,19 +195,14 @@ enum Place {
     Closed,
 }
 
-/// `Echo` bytes are counted in KiB (a semaphore takes at most `u32` permits at once).
-pub(crate) fn echo_units(bytes: u64) -> u64 {
-    bytes.div_ceil(1024)
-}
-
 /// One connection's state, shared with the calls on it.
 #[derive(Debug)]
 pub(crate) struct Connection {
     open_calls: AtomicUsize,
     /// When a call last opened or closed.
     last_active: Mutex<Instant>,
-    /// `Echo` reply KiB this connection may still have outstanding.
-    pub(crate) echo: Arc<Semaphore>,
+    /// When each answer not yet written on it was handed over.
+    pub(crate) answers: Arc<AnswerClocks>,
     /// The place it holds: handshaking, established or none.
     place: Mutex<Place>,
     /// The places of established connections, one of which its first call takes.
@@ -277,6 +280,10 @@ pub(crate) struct TrackedIo {
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     closing: Pin<Box<WaitForCancellationFutureOwned>>,
+    answer_timeout: Duration,
+    /// When to look at the oldest answer not yet written next.
+    answer_check: Pin<Box<Sleep>>,
+    metrics: Metrics,
 }
 
 impl TrackedIo {
@@ -290,6 +297,9 @@ impl TrackedIo {
             let idle_deadline = Instant::now() + self.idle_timeout;
             self.idle.as_mut().reset(idle_deadline);
         }
+        if let Some(e) = self.answer_overdue(cx) {
+            return Some(e);
+        }
         while self.idle.as_mut().poll(cx).is_ready() {
             if !self.established {
                 tracing::debug!("closing a connection that made no call within `limits.handshake_timeout`");
@@ -302,6 +312,29 @@ impl TrackedIo {
                 }
                 Some(since) => self.idle.as_mut().reset(since + self.idle_timeout),
                 None => self.idle.as_mut().reset(Instant::now() + self.idle_timeout),
+            }
+        }
+        None
+    }
+}
+
+impl TrackedIo {
+    /// Whether an answer has waited `limits.answer_timeout` to be written; looks again at the
+    /// oldest one's deadline, or a quarter of the timeout from now when none waits.
+    fn answer_overdue(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        while self.answer_check.as_mut().poll(cx).is_ready() {
+            let now = Instant::now();
+            match self.connection.answers.oldest() {
+                Some(since) if now >= since + self.answer_timeout => {
+                    tracing::warn!(
+                        "closing a connection whose peer took no answer for {:?} (`limits.answer_timeout`): what its streams held is freed",
+                        self.answer_timeout
+                    );
+                    self.metrics.answer_timeout();
+                    return Some(io::Error::new(io::ErrorKind::TimedOut, "an answer was not taken within the answer timeout"));
+                }
+                Some(since) => self.answer_check.as_mut().reset(since + self.answer_timeout),
+                None => self.answer_check.as_mut().reset(now + self.answer_timeout / 4),
             }
         }
         None
@@ -360,12 +393,6 @@ impl AsyncWrite for TrackedIo {
     }
 }
 
-/// Something a response holds until its body is sent or dropped (an `Echo` reply's bytes),
-/// put in the response's extensions by the handler.
-#[derive(Clone)]
-#[expect(dead_code, reason = "held until the body is done, never read")]
-pub(crate) struct HeldUntilSent(pub(crate) Arc<OwnedSemaphorePermit>);
-
 /// The tower layer that tracks calls (see the module doc).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CallTracking;
@@ -416,17 +443,18 @@ where
                     return Ok(tonic::Status::internal(format!("internal error: the {path} handler panicked: {message}")).into_http());
                 }
             };
-            let held = response.extensions_mut().remove::<HeldUntilSent>();
-            Ok(response.map(|inner| tonic::body::Body::new(TrackedBody { inner, _call: call, _held: held })))
+            let unsent = response.extensions_mut().remove::<Unsent>();
+            Ok(response.map(|inner| tonic::body::Body::new(TrackedBody { inner, _call: call, unsent })))
         })
     }
 }
 
-/// A response body that keeps its call open, and what it holds, until it is done.
+/// A response body that keeps its call open until it is done, and ties what its messages
+/// hold to the chunks that carry them.
 struct TrackedBody {
     inner: tonic::body::Body,
     _call: Option<OpenCall>,
-    _held: Option<HeldUntilSent>,
+    unsent: Option<Unsent>,
 }
 
 impl http_body::Body for TrackedBody {
@@ -434,7 +462,9 @@ impl http_body::Body for TrackedBody {
     type Error = tonic::Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        let Some(unsent) = &self.unsent else { return Poll::Ready(frame) };
+        Poll::Ready(frame.map(|frame| frame.map(|frame| frame.map_data(|chunk| unsent.attach(chunk)))))
     }
 
     fn is_end_stream(&self) -> bool {

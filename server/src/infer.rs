@@ -6,10 +6,11 @@
 //! What a stream holds is bounded: at most `limits.max_requests_per_stream` requests between
 //! their first frame and their answer (the stream is not read further until one is
 //! answered); each request's declared bytes reserved in the server's memory budget before
-//! its data is; a request whose frames stall past `limits.request_timeout` answered
-//! DEADLINE_EXCEEDED and freed; an answer its host does not take within the same timeout
-//! ends the stream. When the server drains, the reader stops and what was received is
-//! answered.
+//! its data is, that reservation becoming its answer's when its result comes, held until the
+//! answer is written (see [`crate::unsent`]); a request whose frames stall past
+//! `limits.request_timeout` answered DEADLINE_EXCEEDED and freed; an answer its host does not
+//! take within `limits.answer_timeout` closes the connection. When the server drains, the
+//! reader stops and what was received is answered.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,6 +29,7 @@ use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
 use crate::scheduler::{InferJob, JobResult};
+use crate::unsent::{answer_bytes, wire_bytes, Unsent};
 use crate::window::{HostSession, ResultWindow};
 
 /// Result frames a stream buffers for its host: with one answer being encoded, what a host
@@ -60,6 +62,8 @@ pub(crate) struct InferContext {
     /// Cancelled when the stream's response is dropped: its peer reset the stream or its
     /// connection closed (or the stream ended, with nothing left to answer).
     pub(crate) peer_gone: CancellationToken,
+    /// Where each result frame's share of the budget waits for its bytes to be written.
+    pub(crate) unsent: Unsent,
 }
 
 /// Serves one stream: spawns its reader and responder; results go to `out`.
@@ -74,7 +78,7 @@ where
         out: out.clone(),
         encoder: Arc::new(Mutex::new(encoder)),
         chunk_bytes: ctx.chunk_bytes,
-        timeout: ctx.request_timeout,
+        unsent: ctx.unsent.clone(),
         model: Arc::clone(&ctx.model),
         metrics: ctx.metrics.clone(),
     };
@@ -94,12 +98,13 @@ where
 }
 
 /// What a request holds from its first frame to its answer: its place among the stream's
-/// requests and its bytes in the memory budget.
+/// requests and its bytes in the memory budget (until its result comes: they are its
+/// answer's then).
 struct Held {
     /// When its first frame came.
     since: Instant,
     _slot: OwnedSemaphorePermit,
-    _bytes: Option<Reservation>,
+    bytes: Option<Reservation>,
     /// The request's envelope: its result is kept in the window under it.
     envelope: bytes::Bytes,
 }
@@ -112,7 +117,7 @@ struct Pending {
     /// The result travels back with the request's codec and key.
     codec: Codec,
     key_id: Option<u32>,
-    answer: oneshot::Receiver<Result<JobResult, RequestError>>,
+    answer: oneshot::Receiver<Answer>,
     /// What it holds until answered (none for one refused before its first frame was read).
     held: Option<Held>,
 }
@@ -124,7 +129,7 @@ impl Pending {
     }
 
     /// A request answered at once (with an error, before it reached the worker).
-    fn answered(request_id: u64, answer: Result<JobResult, RequestError>) -> Self {
+    fn answered(request_id: u64, answer: Answer) -> Self {
         let (tx, rx) = oneshot::channel();
         let _ = tx.send(answer);
         Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx, held: None }
@@ -262,18 +267,19 @@ async fn start_request(
     if let Some(output) = ctx.window.as_ref().and_then(|(window, session)| window.recall(session, frame.request_id, &frame.header)) {
         tracing::debug!(request_id = frame.request_id, "a resent request answered from the window of recent results");
         let (tx, answer) = oneshot::channel();
-        let _ = tx.send(Ok(JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }));
-        let held = Some(Held { since, _slot: slot, _bytes: None, envelope: bytes::Bytes::new() });
+        let bytes = ctx.budget.reserve(answer_bytes(output.tensor_bytes() as u64)).await?;
+        let _ = tx.send(Ok((JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }, bytes)));
+        let held = Some(Held { since, _slot: slot, bytes: None, envelope: bytes::Bytes::new() });
         let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
         return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held }));
     }
     let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
-    Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, _bytes: Some(bytes), envelope: frame.header.clone() }))
+    Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, bytes: Some(bytes), envelope: frame.header.clone() }))
 }
 
 /// Decodes a complete request, checks it against its cut and hands it to its device's
 /// scheduler; returns it as pending.
-async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContext, assembly: Reassembly, held: Held) -> Pending {
+async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContext, assembly: Reassembly, mut held: Held) -> Pending {
     let (id, split) = (assembly.request_id, assembly.split());
     let (tx, rx) = oneshot::channel();
     let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
@@ -290,6 +296,7 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
         }
         Ok(job_rx) => {
             let (window, envelope, gone) = (ctx.window.clone(), held.envelope.clone(), ctx.peer_gone.clone());
+            let (budget, bytes) = (ctx.budget.clone(), held.bytes.take().unwrap_or_else(Reservation::none));
             tokio::spawn(async move {
                 // Once the stream's peer is gone, dropping `job_rx` tells the scheduler: the
                 // request never starts, or a running batch of only such requests stops.
@@ -301,11 +308,21 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
                 if let (Ok(JobResult { output: Ok(output), .. }), Some((window, session))) = (&answer, window) {
                     window.keep(&session, id, &envelope, output);
                 }
-                let _ = tx.send(answer);
+                let _ = tx.send(hold_answer(&budget, bytes, answer).await);
             });
         }
     }
     Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, held: Some(held) }
+}
+
+/// A result, with the request's reservation made its answer's: grown or shrunk to what the
+/// answer holds until written (waiting for room as a request does; refused, the result is
+/// dropped and the request answered RESOURCE_EXHAUSTED, to be resent).
+async fn hold_answer(budget: &MemoryBudget, held: Reservation, answer: Result<JobResult, RequestError>) -> Answer {
+    let result = answer?;
+    let bytes = result.output.as_ref().map_or(0, |o| answer_bytes(o.tensor_bytes() as u64));
+    let held = budget.resize(held, bytes).await?;
+    Ok((result, held))
 }
 
 /// Checks a decoded request against its cut (its batch size comes from there) and queues
@@ -321,13 +338,15 @@ async fn submit(ctx: &InferContext, r: Received) -> Result<oneshot::Receiver<Job
     Ok(answer)
 }
 
+/// A request's result and what its answer holds in the memory budget, or why not.
+type Answer = Result<(JobResult, Reservation), RequestError>;
+
 /// What answers a stream's requests.
 struct Responder {
     out: mpsc::Sender<Result<ResultFrame, Status>>,
     encoder: Arc<Mutex<ResultEncoder>>,
     chunk_bytes: usize,
-    /// How long an answer waits for its host to take it.
-    timeout: Duration,
+    unsent: Unsent,
     model: Arc<Model>,
     metrics: Metrics,
 }
@@ -347,8 +366,9 @@ impl Responder {
                 keeps_tensors: false,
             };
             let (mut queue, mut compute) = (Duration::ZERO, Duration::ZERO);
-            let encoded = match answer.and_then(|r| {
-                (queue, compute) = (r.queue, r.compute);
+            let mut held = Reservation::none();
+            let encoded = match answer.and_then(|(r, bytes)| {
+                (queue, compute, held) = (r.queue, r.compute, bytes);
                 r.output
             }) {
                 Ok(output) => encode_blocking(&self.encoder, spec, output).await,
@@ -389,18 +409,13 @@ impl Responder {
                 bytes_out: frames.iter().map(|f: &ResultFrame| (f.header.len() + f.data.len()) as u64).sum(),
                 slo: self.model.slo,
             });
+            // Each frame holds its share until written; a host that does not take it within
+            // `limits.answer_timeout` has its connection closed, which ends this send.
             for frame in frames {
-                match self.out.send_timeout(Ok(frame), self.timeout).await {
-                    Ok(()) => {}
-                    Err(mpsc::error::SendTimeoutError::Closed(_)) => return, // The host is gone: stop working for it.
-                    Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
-                        tracing::info!(
-                            request_id = p.request_id,
-                            "the host took no answer for {:?} (`limits.request_timeout`): the stream ends",
-                            self.timeout
-                        );
-                        return;
-                    }
+                let share = held.split_off(wire_bytes(&frame));
+                self.unsent.hold(&frame, share);
+                if self.out.send(Ok(frame)).await.is_err() {
+                    return; // The host is gone: stop working for it.
                 }
             }
         }

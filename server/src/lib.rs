@@ -16,6 +16,7 @@
 //! - `scheduler`: one thread per device that owns its models' stages and picks what runs
 //!   next: merged batches, profiles, training turns (`queue`: the rules).
 //! - [`metrics`]: Prometheus metrics and their endpoint.
+//! - `unsent`: what answers hold in the memory budget until written to their connection.
 //! - `window`: recent results, so that a request resent after a broken connection is
 //!   answered without computing it again.
 //! - `error`: why a call failed, and the one map from errors to gRPC statuses.
@@ -34,6 +35,7 @@ mod payloads;
 mod scheduler;
 mod service;
 mod training;
+mod unsent;
 mod window;
 
 use std::future::Future;
@@ -167,6 +169,7 @@ impl PreparedServer {
         let draining = self.service.draining.clone();
         let max_message = limits.max_message_bytes as usize;
         let security = Arc::clone(&self.service.security);
+        let metrics = self.service.metrics.clone();
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         health_reporter.set_serving::<SplitInferenceServer<service::Service>>().await;
         let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
@@ -179,14 +182,14 @@ impl PreparedServer {
                 .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity).timeout(peers.handshake_timeout))
                 .map_err(|e| ServerError::Tls(cleave_common::error::with_causes(&e)))?;
         }
-        let connections = Arc::new(connections::Connections::new(&peers));
+        let connections = Arc::new(connections::Connections::new(&peers, metrics));
         let incoming = accept(listener, Arc::clone(&connections));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        // Windows sized for large boundaries; payloads are already raw or compressed, so
-        // gRPC compression stays off.
+        // The receive windows bound what h2 buffers of requests not yet read; payloads are
+        // already raw or compressed, so gRPC compression stays off.
         let serving = builder
-            .initial_stream_window_size(Some(8 << 20))
-            .initial_connection_window_size(Some(32 << 20))
+            .initial_stream_window_size(Some(peers.stream_window_bytes))
+            .initial_connection_window_size(Some(peers.connection_window_bytes))
             .max_concurrent_streams(Some(peers.max_streams_per_connection))
             .http2_keepalive_interval(Some(peers.keepalive_interval))
             .http2_keepalive_timeout(Some(peers.keepalive_timeout))

@@ -76,6 +76,7 @@ struct Inner {
     cut_merges: Family<ModelLabel, Counter>,
     open_streams: Family<KindLabel, Gauge>,
     abandoned: Family<AbandonedLabels, Counter>,
+    answer_timeouts: Counter,
     training_sessions: Gauge,
     device_memory: Family<DeviceLabel, Gauge>,
     cuda_devices: Vec<(String, u32)>,
@@ -127,6 +128,12 @@ impl Metrics {
             "Requests dropped because their stream went (reset, connection closed), by model and where: queued (never started) or running (stopped at a stage boundary)",
             abandoned.clone(),
         );
+        let answer_timeouts = Counter::default();
+        registry.register(
+            "answer_timeouts",
+            "Connections closed because an answer on them was not written within limits.answer_timeout (their peer did not read)",
+            answer_timeouts.clone(),
+        );
         let training_sessions = Gauge::default();
         registry.register("training_sessions", "Training sessions open", training_sessions.clone());
         let device_memory = Family::<DeviceLabel, Gauge>::default();
@@ -145,6 +152,7 @@ impl Metrics {
             cut_merges,
             open_streams,
             abandoned,
+            answer_timeouts,
             training_sessions,
             device_memory,
             cuda_devices,
@@ -167,6 +175,11 @@ impl Metrics {
     }
 
     /// A device ran a batch of `samples`.
+    /// A connection was closed because an answer on it waited too long to be written.
+    pub(crate) fn answer_timeout(&self) {
+        self.inner.answer_timeouts.inc();
+    }
+
     pub(crate) fn batch(&self, model: &str, samples: i64) {
         self.inner.batch_samples.get_or_create(&Self::model(model)).observe(samples as f64);
     }

@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::budget::MemoryBudget;
 use crate::config::PeerLimits;
-use crate::connections::{connection_of, echo_units, HeldUntilSent};
+use crate::connections::connection_of;
 use crate::error::{Internal, RequestError};
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
@@ -29,6 +29,7 @@ use crate::models::Models;
 use crate::scheduler::ProfileJob;
 use crate::training::admission::Training;
 use crate::training::stream::TrainContext;
+use crate::unsent::Unsent;
 use crate::window::{HostSession, ResultWindow};
 
 /// Timed passes when a `Profile` call asks for none.
@@ -43,7 +44,7 @@ pub(crate) struct Service {
     pub(crate) training: Training,
     /// What the server holds for its peers.
     pub(crate) peers: PeerLimits,
-    /// The memory every stream's requests share.
+    /// The memory every stream's requests and answers share.
     pub(crate) budget: MemoryBudget,
     /// Recent results, for requests resent after a broken connection.
     pub(crate) window: ResultWindow,
@@ -76,6 +77,7 @@ impl SplitInference for Service {
             return Err(RequestError::Draining.into());
         }
         let peer_gone = CancellationToken::new();
+        let unsent = unsent_of(&request);
         let session = match request.metadata().get(HOST_SESSION_METADATA) {
             None => None,
             Some(value) => Some(HostSession::parse(value.to_str().unwrap_or(""))?),
@@ -96,6 +98,7 @@ impl SplitInference for Service {
             draining: self.draining.clone(),
             window: session.map(|s| (self.window.clone(), s)),
             peer_gone: peer_gone.clone(),
+            unsent: unsent.clone(),
         };
         let out = crate::infer::serve_stream(request.into_inner(), ctx);
         // tonic drops the response when the peer resets the stream or its connection closes:
@@ -105,7 +108,7 @@ impl SplitInference for Service {
             let _held = &gone_on_drop;
             frame
         });
-        Ok(Response::new(Box::pin(answers)))
+        Ok(answering(Box::pin(answers) as ResultStream, unsent))
     }
 
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
@@ -135,7 +138,7 @@ impl SplitInference for Service {
     }
 
     async fn echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
-        let connection = connection_of(request.extensions());
+        let unsent = unsent_of(&request);
         let r = request.into_inner();
         // The reply must fit in one message, and a caller must not make the server allocate more.
         let cap = self.limits.max_message_bytes.saturating_sub(1024);
@@ -144,24 +147,12 @@ impl SplitInference for Service {
                 RequestError::BadCall(format!("reply_bytes {} is above {cap} (the server's message limit less framing)", r.reply_bytes)).into()
             );
         }
-        // Replies not yet sent count against their connection, until their body is done: a
-        // peer that asks and never reads cannot pile them up.
-        let connection = connection.ok_or_else(|| RequestError::Panicked("an Echo call without its connection".into()))?;
-        let units = echo_units(r.reply_bytes) as u32;
-        let permit = tokio::time::timeout(self.peers.budget_wait, Arc::clone(&connection.echo).acquire_many_owned(units))
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .ok_or_else(|| {
-                RequestError::Busy(format!(
-                    "this connection has {} Echo reply bytes not yet sent: at most {} (`limits.max_echo_bytes_per_connection`)",
-                    self.peers.max_echo_bytes_per_connection - connection.echo.available_permits() as u64 * 1024,
-                    self.peers.max_echo_bytes_per_connection
-                ))
-            })?;
-        let mut response = Response::new(pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) });
-        response.extensions_mut().insert(HeldUntilSent(Arc::new(permit)));
-        Ok(response)
+        // A reply holds its bytes in the memory budget until they are written: peers that ask
+        // and never read cannot pile replies up past it.
+        let held = self.budget.reserve(r.reply_bytes).await.map_err(RequestError::from)?;
+        let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) };
+        unsent.hold(&reply, held);
+        Ok(answering(reply, unsent))
     }
 
     type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
@@ -172,6 +163,7 @@ impl SplitInference for Service {
             return Err(RequestError::Draining.into());
         }
         let (out_tx, out_rx) = mpsc::channel(16);
+        let unsent = unsent_of(&request);
         let ctx = TrainContext {
             model,
             metrics: self.metrics.clone(),
@@ -181,10 +173,23 @@ impl SplitInference for Service {
             budget: self.budget.clone(),
             request_timeout: self.peers.request_timeout,
             draining: self.draining.clone(),
+            unsent: unsent.clone(),
         };
         tokio::spawn(crate::training::stream::serve_stream(request.into_inner(), ctx, out_tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+        Ok(answering(Box::pin(ReceiverStream::new(out_rx)) as Self::TrainStream, unsent))
     }
+}
+
+/// What the answers of `request`'s call hold until written, on its connection's clocks.
+fn unsent_of<T>(request: &Request<T>) -> Unsent {
+    Unsent::new(connection_of(request.extensions()).map(|c| Arc::clone(&c.answers)))
+}
+
+/// A response whose messages hold what `unsent` registers for them.
+fn answering<T>(message: T, unsent: Unsent) -> Response<T> {
+    let mut response = Response::new(message);
+    response.extensions_mut().insert(unsent);
+    response
 }
 
 /// Refuses a call without the server's bearer token (when it has one), before any handler.

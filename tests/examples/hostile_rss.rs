@@ -10,14 +10,18 @@
 //! 3. three streams send the largest request the cut allows (its batch maximum), zeros
 //!    compressed with zstd: decompressed, run and answered;
 //! 4. 256 sockets from 127.0.0.2 connect and say nothing (as many as `max_connections`),
-//!    while a caller on 127.0.0.1 asks for `Info`: it must be served.
+//!    while a caller on 127.0.0.1 asks for `Info`: it must be served;
+//! 5. slow readers: 48 connections x 32 streams each send 8 requests at the batch maximum
+//!    to the cut whose answer outweighs its request most, and never read an answer (their
+//!    HTTP/2 windows stay closed), for `limits.answer_timeout` and 10 s more.
 //!
-//! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%.
+//! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%; the
+//! last also the RSS at its end, when the answers not taken should have been freed.
 //!
-//!     cargo run --release -p cleave-tests --example hostile_rss -- [--bundle bundles/resnet18] [--budget-mib 2048]
+//!     cargo run --release -p cleave-tests --example hostile_rss -- [--bundle bundles/resnet18] [--budget-mib 2048] [--phase N] [--slow 48x32x8]
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,10 +44,27 @@ struct Args {
     budget_mib: u64,
     server_bin: PathBuf,
     port: u16,
+    /// Only this phase (1 to 5), or all.
+    phase: Option<u32>,
+    /// Phase 5's connections, streams per connection and requests per stream.
+    slow: [usize; 3],
+}
+
+impl Args {
+    fn runs(&self, phase: u32) -> bool {
+        self.phase.is_none_or(|p| p == phase)
+    }
 }
 
 fn args() -> Args {
-    let mut a = Args { bundle: "bundles/resnet18".into(), budget_mib: 2048, server_bin: "target/release/server".into(), port: 50393 };
+    let mut a = Args {
+        bundle: "bundles/resnet18".into(),
+        budget_mib: 2048,
+        server_bin: "target/release/server".into(),
+        port: 50393,
+        phase: None,
+        slow: [48, 32, 8],
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -52,7 +73,12 @@ fn args() -> Args {
             "--budget-mib" => a.budget_mib = value.parse().expect("--budget-mib: a number"),
             "--server-bin" => a.server_bin = value.into(),
             "--port" => a.port = value.parse().expect("--port: a number"),
-            other => panic!("unknown option {other} (--bundle, --budget-mib, --server-bin, --port)"),
+            "--phase" => a.phase = Some(value.parse().expect("--phase: 1 to 5")),
+            "--slow" => {
+                let n: Vec<usize> = value.split('x').map(|n| n.parse().expect("--slow: CxSxR, as 48x32x8")).collect();
+                a.slow = n.try_into().expect("--slow: CxSxR, as 48x32x8");
+            }
+            other => panic!("unknown option {other} (--bundle, --budget-mib, --server-bin, --port, --phase, --slow CxSxR)"),
         }
     }
     a
@@ -66,6 +92,7 @@ fn rss_bytes(pid: u32) -> u64 {
 
 /// The peak RSS of `pid` since the last `take`.
 struct Sampler {
+    pid: u32,
     peak: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
 }
@@ -80,7 +107,7 @@ impl Sampler {
                 std::thread::sleep(Duration::from_millis(5));
             }
         });
-        Self { peak, stop }
+        Self { pid, peak, stop }
     }
 
     fn take(&self) -> u64 {
@@ -172,6 +199,73 @@ fn verdict(peak: u64, idle: u64, budget: u64) -> String {
     )
 }
 
+/// Phase 5: streams that send requests and never read their answers.
+async fn slow_readers(url: &str, bundle: &Bundle, sampler: &Sampler, idle: u64, budget: u64, server_log: &std::path::Path, slow: [usize; 3]) {
+    let [connections, streams, requests] = slow;
+    const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+    let last = bundle.stage_count();
+    let answer_bytes = bundle.cut(last).bytes_per_sample;
+    // The cut whose answer outweighs its request most: small requests, big answers.
+    let cut = (0..last).filter(|&c| bundle.cut(c).usable).min_by_key(|&c| bundle.cut(c).bytes_per_sample).expect("a usable cut");
+    let batch = bundle.manifest().batch.max;
+    let prefix = LoadedStages::load(bundle, StageRange::prefix(cut), DeviceSpec::Cpu).unwrap();
+    let inputs = cleave_host::inputs::Inputs::new(&cleave_host::config::InputSource::Synthetic { seed: 0 }, bundle, 1).unwrap();
+    let request = zeros_at_batch(&prefix.run(StageRange::prefix(cut), &inputs.batch(0)).unwrap(), batch);
+    drop(prefix);
+    let encoded: Vec<(Bytes, Bytes)> = (1..=requests as u64)
+        .map(|id| {
+            let e = PayloadSender::plain()
+                .encode(PayloadMeta { request_id: id, split: cut as u32, direction: Direction::Request }, &Codec::RAW, &request)
+                .unwrap();
+            (e.envelope, Bytes::from(e.data.to_vec()))
+        })
+        .collect();
+    sampler.take();
+    let mut held = Vec::new();
+    for _ in 0..connections {
+        // The smallest windows HTTP/2 allows, never opened further: nothing is read.
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+            .unwrap()
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .connect()
+            .await
+            .unwrap();
+        for _ in 0..streams {
+            let mut client = SplitInferenceClient::new(channel.clone());
+            let (tx, rx) = mpsc::channel(1);
+            let mut call = tonic::Request::new(ReceiverStream::new(rx));
+            call.metadata_mut().insert(BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+            let feed = encoded.clone();
+            tokio::spawn(async move {
+                for (id, (envelope, data)) in (1..).zip(feed) {
+                    send(&tx, id, envelope, &data, data.len()).await;
+                }
+                // Kept open: the stream's requests are all sent, its answers never read.
+                std::future::pending::<()>().await;
+            });
+            let answers = tokio::spawn(async move { client.infer(call).await.map(tonic::Response::into_inner) });
+            held.push(answers);
+        }
+    }
+    tokio::time::sleep(ANSWER_TIMEOUT + Duration::from_secs(10)).await;
+    let at_end = rss_bytes(sampler.pid);
+    let log = std::fs::read_to_string(server_log).unwrap_or_default();
+    let closed = log.lines().filter(|l| l.contains("took no answer")).count();
+    println!(
+        "{connections} connections x {streams} streams x {requests} requests at cut {cut}, batch {batch} ({} KiB each, answers {} KiB), never read: \
+         {closed} connections closed at the answer timeout, RSS {} MiB over idle after {} s; {}",
+        (encoded[0].0.len() + encoded[0].1.len()) / 1024,
+        answer_bytes * batch as u64 / 1024,
+        at_end.saturating_sub(idle) / MIB,
+        (ANSWER_TIMEOUT + Duration::from_secs(10)).as_secs(),
+        verdict(sampler.take().max(idle), idle, budget)
+    );
+    for h in held {
+        h.abort();
+    }
+}
+
 fn main() {
     let a = args();
     let bundle = Bundle::open(&a.bundle).unwrap_or_else(|e| panic!("{e} (make demo writes bundles/resnet18)"));
@@ -202,7 +296,7 @@ fn main() {
     let mut server: Child = Command::new(&a.server_bin)
         .arg("--config")
         .arg(&config)
-        .stdout(Stdio::null())
+        .stdout(log.try_clone().unwrap())
         .stderr(log)
         .spawn()
         .expect("target/release/server (make build)");
@@ -229,88 +323,104 @@ fn main() {
     let sampler = Sampler::start(pid);
 
     rt.block_on(async {
-        // 1. 20 streams declare 64 MiB each, send half and stall.
-        let batch = (64 * MIB).div_ceil(per_sample).min(max_batch as u64) as i64;
-        let big = zeros_at_batch(&sample, batch);
-        let e = PayloadSender::plain()
-            .encode(PayloadMeta { request_id: 1, split: cut as u32, direction: Direction::Request }, &Codec::RAW, &big)
-            .unwrap();
-        sampler.take();
-        let mut streams = Vec::new();
-        for _ in 0..20 {
-            let (tx, results) = open(&url, &bundle).await;
-            send(&tx, 1, e.envelope.clone(), &Bytes::from(e.data.to_vec()), e.data.len() / 2).await;
-            streams.push((tx, results));
-        }
-        // The budget's wait (2 s) has passed for those that did not fit.
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        let mut refused = 0;
-        for (_, results) in &mut streams {
-            if let Ok(a) = tokio::time::timeout(Duration::from_millis(50), answer(results)).await {
-                refused += usize::from(a == "ResourceExhausted");
+        if a.runs(1) {
+            // 1. 20 streams declare 64 MiB each, send half and stall.
+            let batch = (64 * MIB).div_ceil(per_sample).min(max_batch as u64) as i64;
+            let big = zeros_at_batch(&sample, batch);
+            let e = PayloadSender::plain()
+                .encode(PayloadMeta { request_id: 1, split: cut as u32, direction: Direction::Request }, &Codec::RAW, &big)
+                .unwrap();
+            sampler.take();
+            let mut streams = Vec::new();
+            for _ in 0..20 {
+                let (tx, results) = open(&url, &bundle).await;
+                send(&tx, 1, e.envelope.clone(), &Bytes::from(e.data.to_vec()), e.data.len() / 2).await;
+                streams.push((tx, results));
             }
+            // The budget's wait (2 s) has passed for those that did not fit.
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            let mut refused = 0;
+            for (_, results) in &mut streams {
+                if let Ok(a) = tokio::time::timeout(Duration::from_millis(50), answer(results)).await {
+                    refused += usize::from(a == "ResourceExhausted");
+                }
+            }
+            println!(
+                "20 stalled streams, {} MiB declared each (batch {batch}), half sent: {refused} refused RESOURCE_EXHAUSTED; {}",
+                e.data.len() as u64 / MIB,
+                verdict(sampler.take().max(idle), idle, budget)
+            );
+            drop(streams);
+            tokio::time::sleep(Duration::from_secs(2)).await;
         }
-        println!(
-            "20 stalled streams, {} MiB declared each (batch {batch}), half sent: {refused} refused RESOURCE_EXHAUSTED; {}",
-            e.data.len() as u64 / MIB,
-            verdict(sampler.take().max(idle), idle, budget)
-        );
-        drop(streams);
-        tokio::time::sleep(Duration::from_secs(2)).await;
 
-        // 2. Three zstd frames of 1 GiB of zeros, each declared as one request.
-        let gib_batch = (1u64 << 30).div_ceil(per_sample) as i64;
-        let bomb = zeros_at_batch(&sample, gib_batch);
-        let zstd: Codec = "zstd".parse().unwrap();
-        let e = PayloadSender::plain().encode(PayloadMeta { request_id: 2, split: cut as u32, direction: Direction::Request }, &zstd, &bomb).unwrap();
-        drop(bomb);
-        sampler.take();
-        let codes = three_at_once(&url, &bundle, 2, &e).await;
-        println!(
-            "3 zstd bombs of 1 GiB (batch {gib_batch}, {} KiB on the wire each): answered {codes:?}; {}",
-            e.data.len() / 1024,
-            verdict(sampler.take().max(idle), idle, budget)
-        );
+        if a.runs(2) {
+            // 2. Three zstd frames of 1 GiB of zeros, each declared as one request.
+            let gib_batch = (1u64 << 30).div_ceil(per_sample) as i64;
+            let bomb = zeros_at_batch(&sample, gib_batch);
+            let zstd: Codec = "zstd".parse().unwrap();
+            let e =
+                PayloadSender::plain().encode(PayloadMeta { request_id: 2, split: cut as u32, direction: Direction::Request }, &zstd, &bomb).unwrap();
+            drop(bomb);
+            sampler.take();
+            let codes = three_at_once(&url, &bundle, 2, &e).await;
+            println!(
+                "3 zstd bombs of 1 GiB (batch {gib_batch}, {} KiB on the wire each): answered {codes:?}; {}",
+                e.data.len() / 1024,
+                verdict(sampler.take().max(idle), idle, budget)
+            );
+        }
 
-        // 3. Three zstd frames of zeros as large as the cut allows: decompressed and run.
-        let largest = zeros_at_batch(&sample, max_batch);
-        let e =
-            PayloadSender::plain().encode(PayloadMeta { request_id: 3, split: cut as u32, direction: Direction::Request }, &zstd, &largest).unwrap();
-        drop(largest);
-        sampler.take();
-        let codes = three_at_once(&url, &bundle, 3, &e).await;
-        println!(
-            "3 zstd frames of zeros at the batch maximum ({} MiB declared each, {} KiB on the wire): answered {codes:?}; {} \
+        if a.runs(3) {
+            // 3. Three zstd frames of zeros as large as the cut allows: decompressed and run.
+            let largest = zeros_at_batch(&sample, max_batch);
+            let zstd: Codec = "zstd".parse().unwrap();
+            let e = PayloadSender::plain()
+                .encode(PayloadMeta { request_id: 3, split: cut as u32, direction: Direction::Request }, &zstd, &largest)
+                .unwrap();
+            drop(largest);
+            sampler.take();
+            let codes = three_at_once(&url, &bundle, 3, &e).await;
+            println!(
+                "3 zstd frames of zeros at the batch maximum ({} MiB declared each, {} KiB on the wire): answered {codes:?}; {} \
              (the budget holds request bytes; the suffix's activations at the batch maximum come on top)",
-            (max_batch as u64 * per_sample) / MIB,
-            e.data.len() / 1024,
-            verdict(sampler.take().max(idle), idle, budget)
-        );
-
-        // 4. Silent sockets from another address, and a caller beside them.
-        sampler.take();
-        let mut silent = Vec::new();
-        for _ in 0..256 {
-            let socket = tokio::net::TcpSocket::new_v4().unwrap();
-            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
-            silent.push(socket.connect(format!("127.0.0.1:{}", a.port).parse().unwrap()).await.unwrap());
+                (max_batch as u64 * per_sample) / MIB,
+                e.data.len() / 1024,
+                verdict(sampler.take().max(idle), idle, budget)
+            );
         }
-        let asked = Instant::now();
-        let served = async {
-            let mut client = SplitInferenceClient::connect(url.clone()).await.map_err(|e| e.to_string())?;
-            client.info(cleave_common::pb::InfoRequest {}).await.map(|_| ()).map_err(|e| e.to_string())
-        };
-        let served = tokio::time::timeout(Duration::from_secs(20), served).await.unwrap_or_else(|_| Err("no answer in 20 s".into()));
-        println!(
-            "256 silent sockets from 127.0.0.2: a caller on 127.0.0.1 {} in {} ms; {}",
-            match &served {
-                Ok(()) => "served".to_string(),
-                Err(e) => format!("NOT served ({e})"),
-            },
-            asked.elapsed().as_millis(),
-            verdict(sampler.take().max(idle), idle, budget)
-        );
-        drop(silent);
+
+        if a.runs(4) {
+            // 4. Silent sockets from another address, and a caller beside them.
+            sampler.take();
+            let mut silent = Vec::new();
+            for _ in 0..256 {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+                silent.push(socket.connect(format!("127.0.0.1:{}", a.port).parse().unwrap()).await.unwrap());
+            }
+            let asked = Instant::now();
+            let served = async {
+                let mut client = SplitInferenceClient::connect(url.clone()).await.map_err(|e| e.to_string())?;
+                client.info(cleave_common::pb::InfoRequest {}).await.map(|_| ()).map_err(|e| e.to_string())
+            };
+            let served = tokio::time::timeout(Duration::from_secs(20), served).await.unwrap_or_else(|_| Err("no answer in 20 s".into()));
+            println!(
+                "256 silent sockets from 127.0.0.2: a caller on 127.0.0.1 {} in {} ms; {}",
+                match &served {
+                    Ok(()) => "served".to_string(),
+                    Err(e) => format!("NOT served ({e})"),
+                },
+                asked.elapsed().as_millis(),
+                verdict(sampler.take().max(idle), idle, budget)
+            );
+            drop(silent);
+        }
+
+        if a.runs(5) {
+            // 5. Slow readers.
+            slow_readers(&url, &bundle, &sampler, idle, budget, &dir.path().join("server.log"), a.slow).await;
+        }
     });
     drop(sampler);
     let _ = server.kill();

@@ -419,53 +419,125 @@ fn an_idle_training_session_is_closed_and_sessions_are_capped() {
     });
 }
 
+/// A gRPC message as it goes on the wire: its 5-byte prefix, then the message.
+fn grpc_message(message: &impl prost::Message) -> Bytes {
+    let encoded = message.encode_to_vec();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&encoded);
+    Bytes::from(framed)
+}
+
+/// A raw HTTP/2 connection whose receive window is 0: it reads nothing the server sends.
+async fn never_reading(addr: &str) -> h2::client::SendRequest<Bytes> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (h2, connection) = h2::client::Builder::new().initial_window_size(0).handshake::<_, Bytes>(tcp).await.unwrap();
+    tokio::spawn(connection);
+    h2
+}
+
+/// Calls `method` with `body` (whole) on `h2`; the response's headers (its body is never read).
+async fn call_raw(
+    h2: h2::client::SendRequest<Bytes>,
+    addr: &str,
+    method: &str,
+    bundle: &Bundle,
+    body: Bytes,
+    end: bool,
+) -> http::Response<h2::RecvStream> {
+    let request = http::Request::post(format!("http://{addr}/cleave.v1.SplitInference/{method}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id())
+        .body(())
+        .unwrap();
+    let mut h2 = h2.ready().await.unwrap();
+    let (response, mut send) = h2.send_request(request, false).unwrap();
+    send.send_data(body, end).unwrap();
+    std::mem::forget(send); // An Infer stream stays open.
+    response.await.unwrap()
+}
+
+async fn prepared(bundle: &Bundle, limits: Limits, peers: PeerLimits) -> PreparedServer {
+    let dir = bundle.dir().to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        PreparedServer::prepare(&dir, DeviceSpec::Cpu, limits, Default::default()).unwrap().with_peer_limits(peers).unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 #[test]
-fn echo_replies_a_connection_does_not_read_are_bounded_per_connection() {
+fn echo_replies_nobody_reads_hold_the_one_memory_budget_until_the_answer_timeout_closes_their_connection() {
     // A raw HTTP/2 peer with a zero receive window asks for Echo replies and never reads
-    // them: they count against its connection until sent, so the third is refused.
-    use prost::Message;
+    // them: they hold the server's memory budget (one for every connection), so a third is
+    // refused on any connection, until `answer_timeout` closes the peer's connection.
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
-    let limits = Limits::default();
-    let peers =
-        PeerLimits { max_echo_bytes_per_connection: limits.max_message_bytes, budget_wait: Duration::from_millis(200), ..PeerLimits::default() };
-    let reply_bytes = limits.max_message_bytes / 2 - 4096;
+    let limits = Limits { max_payload_bytes: 4 << 20, ..Limits::default() };
+    let reply_bytes = limits.max_message_bytes - 4096;
+    let peers = PeerLimits {
+        memory_budget_bytes: 2 * reply_bytes + (1 << 20),
+        budget_wait: Duration::from_millis(200),
+        answer_timeout: Duration::from_secs(2),
+        ..PeerLimits::default()
+    };
     runtime().block_on(async {
-        let (server, _) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
+        let server = prepared(&bundle, limits, peers).await;
+        let (budget, metrics) = (server.memory_budget(), server.metrics());
+        let server = LoopbackServer::serve(server).await.unwrap();
         let addr = server.url.trim_start_matches("http://").to_string();
-        let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        let (mut h2, connection) = h2::client::Builder::new().initial_window_size(0).handshake::<_, Bytes>(tcp).await.unwrap();
-        tokio::spawn(connection);
-        let mut statuses = Vec::new();
+        let ask = grpc_message(&pb::EchoRequest { payload: Bytes::new(), reply_bytes });
+        let h2 = never_reading(&addr).await;
         let mut unread = Vec::new();
-        for _ in 0..3 {
-            let request = http::Request::post(format!("http://{addr}/cleave.v1.SplitInference/Echo"))
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .unwrap();
-            h2 = h2.ready().await.unwrap();
-            let (response, mut body) = h2.send_request(request, false).unwrap();
-            let message = pb::EchoRequest { payload: Bytes::new(), reply_bytes }.encode_to_vec();
-            let mut framed = vec![0u8];
-            framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
-            framed.extend_from_slice(&message);
-            body.send_data(Bytes::from(framed), true).unwrap();
-            let response = response.await.unwrap();
-            // A refusal comes as headers only, with its grpc-status; a reply waits to be read.
-            statuses.push(response.headers().get("grpc-status").map(|v| v.to_str().unwrap().to_string()));
-            if let Some(message) = response.headers().get("grpc-message") {
-                statuses.push(Some(message.to_str().unwrap().to_string()));
-            }
+        for _ in 0..2 {
+            let response = call_raw(h2.clone(), &addr, "Echo", &bundle, ask.clone(), true).await;
+            assert_eq!(response.headers().get("grpc-status"), None, "a reply that fits is sent");
             unread.push(response);
         }
-        assert_eq!(statuses[..2], [None, None], "the first two replies fit: {statuses:?}");
-        assert_eq!(statuses[2].as_deref(), Some("8"), "the third is RESOURCE_EXHAUSTED: {statuses:?}");
-        assert!(statuses[3].as_deref().is_some_and(|m| m.contains("max_echo_bytes_per_connection")), "{statuses:?}");
-        // Another connection has its own allowance.
-        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        assert!(budget.held_bytes() >= 2 * reply_bytes, "unsent replies hold the budget: {}", budget.held_bytes());
+        // Another connection is refused too: the bound is the server's, not a connection's.
+        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap().max_decoding_message_size(16 << 20);
+        let refused = client.echo(pb::EchoRequest { payload: Bytes::new(), reply_bytes }).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+        assert!(refused.message().contains("limits.memory_budget_bytes"), "{}", refused.message());
+        // The peer takes nothing for `answer_timeout`: its connection is closed, everything freed.
+        let freed = eventually(Duration::from_secs(10), || budget.held_bytes() == 0).await;
+        assert!(freed, "still held after the answer timeout: {}", budget.held_bytes());
+        assert_eq!(metric(&metrics, "cleave_answer_timeouts_total", &[]), 1.0);
         let back = client.echo(pb::EchoRequest { payload: Bytes::new(), reply_bytes }).await.unwrap().into_inner();
         assert_eq!(back.payload.len() as u64, reply_bytes);
+        assert_eq!(budget.held_bytes(), 0, "a reply written gives its bytes back");
         drop(unread);
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_result_nobody_reads_holds_the_budget_as_its_request_did_until_the_answer_timeout() {
+    // An Infer stream whose peer never reads: the result's bytes stay held in the budget
+    // after the request is done (they used to be freed as soon as the result was framed),
+    // and the connection is closed at `answer_timeout`, which frees them.
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    let output_bytes = (bundle.cut(bundle.stage_count()).bytes_per_sample * 32) as u64;
+    let peers = PeerLimits { answer_timeout: Duration::from_secs(2), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let server = prepared(&bundle, Limits::default(), peers).await;
+        let (budget, metrics) = (server.memory_budget(), server.metrics());
+        let server = LoopbackServer::serve(server).await.unwrap();
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let frames: Vec<Bytes> = request_frames(1, &input, 1).iter().map(grpc_message).collect();
+        let response = call_raw(never_reading(&addr).await, &addr, "Infer", &bundle, frames.concat().into(), false).await;
+        assert_eq!(response.headers().get("grpc-status"), None);
+        // Answered (computed and framed), not taken: its answer's bytes stay held.
+        let held =
+            eventually(Duration::from_secs(20), || metric(&metrics, "cleave_requests_total", &[("model", bundle.id()), ("code", "Ok")]) == 1.0).await;
+        assert!(held, "the request was answered");
+        assert!(budget.held_bytes() >= output_bytes, "{} held for a {output_bytes}-byte answer", budget.held_bytes());
+        let freed = eventually(Duration::from_secs(10), || budget.held_bytes() == 0).await;
+        assert!(freed, "still held after the answer timeout: {}", budget.held_bytes());
+        assert_eq!(metric(&metrics, "cleave_answer_timeouts_total", &[]), 1.0);
+        drop(response);
         server.shutdown().await.unwrap();
     });
 }

@@ -87,7 +87,10 @@ struct RawServerLimits {
     keepalive_interval: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     keepalive_timeout: Option<Duration>,
-    max_echo_bytes_per_connection: Option<u64>,
+    stream_window_bytes: Option<u32>,
+    connection_window_bytes: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    answer_timeout: Option<Duration>,
     max_profile_repeats: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     drain_timeout: Option<Duration>,
@@ -120,7 +123,9 @@ impl RawServerLimits {
             idle_connection_timeout: self.idle_connection_timeout.unwrap_or(p.idle_connection_timeout),
             keepalive_interval: self.keepalive_interval.unwrap_or(p.keepalive_interval),
             keepalive_timeout: self.keepalive_timeout.unwrap_or(p.keepalive_timeout),
-            max_echo_bytes_per_connection: self.max_echo_bytes_per_connection.unwrap_or(p.max_echo_bytes_per_connection),
+            stream_window_bytes: self.stream_window_bytes.unwrap_or(p.stream_window_bytes),
+            connection_window_bytes: self.connection_window_bytes.unwrap_or(p.connection_window_bytes),
+            answer_timeout: self.answer_timeout.unwrap_or(p.answer_timeout),
             max_profile_repeats: self.max_profile_repeats.unwrap_or(p.max_profile_repeats),
             drain_timeout: self.drain_timeout.unwrap_or(p.drain_timeout),
             dedup_window_requests: self.dedup_window_requests.unwrap_or(p.dedup_window_requests),
@@ -162,7 +167,6 @@ pub struct PeerLimits {
     /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
     pub budget_wait: Duration,
     /// From a request's first frame to its last: longer is DEADLINE_EXCEEDED, its memory freed.
-    /// Also how long an answer may wait for a host that does not read it.
     pub request_timeout: Duration,
     /// A connection with no call open for this long is closed.
     pub idle_connection_timeout: Duration,
@@ -170,8 +174,16 @@ pub struct PeerLimits {
     pub keepalive_interval: Duration,
     /// A connection whose PING is not answered within this is closed.
     pub keepalive_timeout: Duration,
-    /// `Echo` reply bytes a connection may have outstanding (built, not yet sent).
-    pub max_echo_bytes_per_connection: u64,
+    /// HTTP/2 receive window of each stream: request bytes a peer may send before the
+    /// stream's reader takes them.
+    pub stream_window_bytes: u32,
+    /// HTTP/2 receive window of each connection: what h2 may buffer of a connection's request
+    /// bytes not yet read, outside the memory budget (so at most `max_connections` times this).
+    pub connection_window_bytes: u32,
+    /// How long an answer (a result, a training answer, an `Echo` reply) may wait to be
+    /// written to its connection, its bytes held in the memory budget: longer and its peer is
+    /// not reading, and the connection is closed, freeing what every stream on it holds.
+    pub answer_timeout: Duration,
     /// Timed passes a `Profile` call may ask for (it holds the compute worker between the
     /// requests it lets by; its batch is bounded by the bundle's range).
     pub max_profile_repeats: u32,
@@ -204,7 +216,10 @@ impl Default for PeerLimits {
             idle_connection_timeout: Duration::from_secs(300),
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(10),
-            max_echo_bytes_per_connection: 32 << 20,
+            // 2 MiB a stream at a 50 ms round trip is 40 MB/s; 256 connections buffer at most 1 GiB.
+            stream_window_bytes: 2 << 20,
+            connection_window_bytes: 4 << 20,
+            answer_timeout: Duration::from_secs(30),
             max_profile_repeats: 50,
             drain_timeout: Duration::from_secs(10),
             dedup_window_requests: 1024,
@@ -224,15 +239,11 @@ fn largest_request_bytes(limits: &Limits) -> u64 {
 }
 
 impl PeerLimits {
-    /// The defaults, with the memory budget and the `Echo` allowance raised where `limits`
-    /// allow larger requests or messages than they hold.
+    /// The defaults, with the memory budget raised where `limits` allow larger requests than
+    /// it holds.
     pub fn fitting(limits: &Limits) -> Self {
         let d = Self::default();
-        Self {
-            memory_budget_bytes: d.memory_budget_bytes.max(largest_request_bytes(limits)),
-            max_echo_bytes_per_connection: d.max_echo_bytes_per_connection.max(limits.max_message_bytes),
-            ..d
-        }
+        Self { memory_budget_bytes: d.memory_budget_bytes.max(largest_request_bytes(limits)), ..d }
     }
 
     /// Checks every limit against the request limits; an error names the key (under
@@ -246,6 +257,7 @@ impl PeerLimits {
             ("limits.max_streams_per_connection", u64::from(self.max_streams_per_connection)),
             ("limits.max_requests_per_stream", u64::from(self.max_requests_per_stream)),
             ("limits.request_timeout", self.request_timeout.as_millis() as u64),
+            ("limits.answer_timeout", self.answer_timeout.as_millis() as u64),
             ("limits.idle_connection_timeout", self.idle_connection_timeout.as_millis() as u64),
             ("limits.keepalive_interval", self.keepalive_interval.as_millis() as u64),
             ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
@@ -256,17 +268,19 @@ impl PeerLimits {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err((key, "must be positive".into()));
         }
+        // HTTP/2 windows run from its initial 65,535 bytes to 2^31 - 1.
+        let windows = [("limits.stream_window_bytes", self.stream_window_bytes), ("limits.connection_window_bytes", self.connection_window_bytes)];
+        if let Some((key, _)) = windows.iter().find(|(_, w)| !(65_535..=i32::MAX as u32).contains(w)) {
+            return Err((key, "must be from 65535 to 2147483647 (HTTP/2's range)".into()));
+        }
+        if self.connection_window_bytes < self.stream_window_bytes {
+            return Err(("limits.connection_window_bytes", format!("must be at least limits.stream_window_bytes ({})", self.stream_window_bytes)));
+        }
         let largest = largest_request_bytes(limits);
         if self.memory_budget_bytes < largest {
             return Err((
                 "limits.memory_budget_bytes",
                 format!("must hold the largest request as received and decoded: at least 2.1 x limits.max_payload_bytes + 1 MiB = {largest}"),
-            ));
-        }
-        if self.max_echo_bytes_per_connection < limits.max_message_bytes {
-            return Err((
-                "limits.max_echo_bytes_per_connection",
-                format!("must be at least limits.max_message_bytes ({})", limits.max_message_bytes),
             ));
         }
         Ok(())
@@ -582,7 +596,7 @@ mod tests {
         let c = load(
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
              memory_budget_bytes: 3221225472\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
-             keepalive_interval: 9s\n  keepalive_timeout: 3s\n  max_echo_bytes_per_connection: 16777216\n  max_profile_repeats: 6\n  \
+             keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
              max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
         )
@@ -597,7 +611,9 @@ mod tests {
             idle_connection_timeout: Duration::from_secs(60),
             keepalive_interval: Duration::from_secs(9),
             keepalive_timeout: Duration::from_secs(3),
-            max_echo_bytes_per_connection: 16 << 20,
+            stream_window_bytes: 65536,
+            connection_window_bytes: 131072,
+            answer_timeout: Duration::from_secs(12),
             max_profile_repeats: 6,
             drain_timeout: Duration::from_secs(2),
             dedup_window_requests: 10,
@@ -618,7 +634,9 @@ mod tests {
             ("limits: {metrics_max_connections: 0}", "limits.metrics_max_connections", "must be positive"),
             ("limits: {metrics_timeout: 0s}", "limits.metrics_timeout", "must be positive"),
             ("limits: {memory_budget_bytes: 2147483648}", "limits.memory_budget_bytes", "at least 2.1 x limits.max_payload_bytes + 1 MiB"),
-            ("limits: {max_echo_bytes_per_connection: 1024}", "limits.max_echo_bytes_per_connection", "at least limits.max_message_bytes"),
+            ("limits: {answer_timeout: 0s}", "limits.answer_timeout", "must be positive"),
+            ("limits: {stream_window_bytes: 1024}", "limits.stream_window_bytes", "from 65535"),
+            ("limits: {stream_window_bytes: 8388608}", "limits.connection_window_bytes", "at least limits.stream_window_bytes"),
             ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
         ] {
             let err = load(&format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap_err();

@@ -24,6 +24,7 @@ use crate::error::{error_frame, Internal, RequestError};
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
+use crate::unsent::{wire_bytes, Unsent};
 
 /// What one `Train` stream needs.
 pub(crate) struct TrainContext {
@@ -39,6 +40,8 @@ pub(crate) struct TrainContext {
     pub(crate) request_timeout: Duration,
     /// Cancelled when the server starts draining.
     pub(crate) draining: CancellationToken,
+    /// Where each answer's share of the budget waits for its bytes to be written.
+    pub(crate) unsent: Unsent,
 }
 
 /// What the stream waits for next.
@@ -142,6 +145,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                 break;
             }
         };
+        let mut held = Reservation::none();
         let replies = match frame.kind {
             Some(train_frame::Kind::Save(save)) => {
                 // The session thread checks the name and the quotas, and writes.
@@ -160,9 +164,17 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                     }
                     continue;
                 }
-                Ok(Some((assembly, (phase, _bytes)))) => {
+                Ok(Some((assembly, (phase, bytes)))) => {
                     deadline = None;
-                    stream.answer(assembly, phase, &session).await
+                    let replies = stream.answer(assembly, phase, &session).await;
+                    // The call's reservation becomes its answer's, held until written.
+                    match ctx.budget.resize(bytes, replies.iter().map(wire_bytes).sum()).await {
+                        Ok(bytes) => {
+                            held = bytes;
+                            replies
+                        }
+                        Err(e) => vec![error_reply(replies.first().map_or(0, |r| r.request_id), &e.into())],
+                    }
                 }
                 Err((id, e)) => {
                     deadline = None;
@@ -174,6 +186,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         };
         for r in replies {
             ctx.metrics.sent(ctx.model.bundle.id(), (r.header.len() + r.data.len()) as u64);
+            ctx.unsent.hold(&r, held.split_off(wire_bytes(&r)));
             if out.send(Ok(r)).await.is_err() {
                 return; // The host is gone; dropping the session's handle ends its thread.
             }
