@@ -146,7 +146,7 @@ $(LINK_SWEEP_BUNDLE)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
 chaos: build $(TEST_BUNDLES)/.stamp
 	bench/chaos
 
-# The server's RSS while peers stall 64 MiB requests and send zstd bombs (bench/README.md).
+# The server's RSS while peers stall 64 MiB requests, send zstd bombs, say nothing or never read (bench/README.md).
 hostile-rss: build $(DEMO_BUNDLE)/manifest.json
 	cargo run --release -q -p cleave-tests --example hostile_rss -- --bundle $(DEMO_BUNDLE)
 

@@ -103,6 +103,13 @@ pub enum OutputMode {
     Resume,
 }
 
+/// Whether `dir` holds an outcome of an earlier run: a line in `predictions.jsonl` or a
+/// summary (a run that failed before any request leaves neither).
+fn holds_outcomes(dir: &Path) -> bool {
+    let predictions = std::fs::metadata(dir.join("predictions.jsonl")).map(|m| m.len() > 0).unwrap_or(false);
+    predictions || dir.join("summary.json").exists()
+}
+
 /// Writes the per-request files as outcomes arrive, a line per request, flushed at once: a
 /// run killed part-way leaves whole lines of what was answered.
 pub struct ReportWriter {
@@ -121,7 +128,14 @@ impl ReportWriter {
     /// unless `mode` replaces or resumes it.
     pub fn open(dir: &Path, top_k: usize, mode: OutputMode) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create output directory", path: dir.into(), error })?;
-        let earlier: Vec<&str> = RUN_FILES.into_iter().filter(|f| dir.join(f).exists()).collect();
+        let mut earlier: Vec<&str> = RUN_FILES.into_iter().filter(|f| dir.join(f).exists()).collect();
+        if !earlier.is_empty() && !holds_outcomes(dir) {
+            // A run that failed before its first request left its files empty: not a run to
+            // keep, and no reason to refuse the corrected one.
+            for f in earlier.drain(..) {
+                std::fs::remove_file(dir.join(f)).map_err(|e| HostError::write(dir.join(f), e))?;
+            }
+        }
         let resuming = mode == OutputMode::Resume && dir.join("predictions.jsonl").exists();
         match mode {
             OutputMode::Fresh if !earlier.is_empty() => {
@@ -410,6 +424,22 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_directory_left_by_a_run_that_answered_nothing_is_reused_one_with_an_outcome_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        // What a run that failed before its first request leaves: empty predictions, the header.
+        drop(ReportWriter::open(dir, 1, OutputMode::Fresh).unwrap());
+        assert_eq!(std::fs::read_to_string(dir.join("predictions.jsonl")).unwrap(), "");
+        let rerun = ReportWriter::open(dir, 1, OutputMode::Fresh).expect("the corrected rerun is not refused");
+        drop(rerun);
+        assert_eq!(std::fs::read_to_string(dir.join("metrics.csv")).unwrap(), format!("{METRICS_HEADER}\n"), "one header, not two");
+        // One outcome makes it an earlier run.
+        std::fs::write(dir.join("predictions.jsonl"), "{\"request_id\":0,\"error\":\"x\"}\n").unwrap();
+        let refused = ReportWriter::open(dir, 1, OutputMode::Fresh).err().expect("refused").to_string();
+        assert!(refused.contains("holds an earlier run"), "{refused}");
+    }
 
     #[test]
     fn top_k_orders_by_score() {
