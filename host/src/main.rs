@@ -147,7 +147,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into())).init();
+    tracing_subscriber::fmt()
+        .with_ansi(cleave_common::error::colour_logs())
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Splits { bundle, seq }) => cleave_host::print_splits(&bundle, seq).map(|()| true).map_err(anyhow::Error::from),

@@ -39,7 +39,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    tracing_subscriber::fmt()
+        .with_ansi(cleave_common::error::colour_logs())
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
     let cli = Cli::parse();
     let result = match (cli.command, cli.config) {
         (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }).map_err(anyhow::Error::from),
