@@ -27,12 +27,10 @@ use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use crate::metrics::Metrics;
-use crate::unsent::{AnswerClocks, Unsent};
 use bytes::Bytes;
 use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -43,10 +41,9 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::transport::server::{Connected, TlsConnectInfo};
 
 use crate::config::PeerLimits;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use crate::error::lock;
+use crate::metrics::Metrics;
+use crate::unsent::{AnswerClocks, Unsent};
 
 /// Every connection of a server.
 pub(crate) struct Connections {

@@ -162,6 +162,12 @@ pub(crate) fn error_frame(err: &RequestError) -> cleave_common::pb::Error {
     cleave_common::pb::Error { code: status_code(err) as i32, message: err.to_string() }
 }
 
+/// The data behind `m`, even when a thread panicked holding it: every caught panic is
+/// answered as its call's INTERNAL, and the data it guards stays consistent between calls.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// What a panic said, as text.
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     let text = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());

@@ -29,7 +29,7 @@ use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
 use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
 use crate::scheduler::{InferJob, JobResult};
-use crate::unsent::{answer_bytes, wire_bytes, Unsent};
+use crate::unsent::{answer_bytes, Unsent};
 use crate::window::{HostSession, ResultWindow};
 
 /// Result frames a stream buffers for its host: with one answer being encoded, what a host
@@ -412,8 +412,7 @@ impl Responder {
             // Each frame holds its share until written; a host that does not take it within
             // `limits.answer_timeout` has its connection closed, which ends this send.
             for frame in frames {
-                let share = held.split_off(wire_bytes(&frame));
-                self.unsent.hold(&frame, share);
+                self.unsent.hold(&frame, &mut held);
                 if self.out.send(Ok(frame)).await.is_err() {
                     return; // The host is gone: stop working for it.
                 }

@@ -149,9 +149,9 @@ impl SplitInference for Service {
         }
         // A reply holds its bytes in the memory budget until they are written: peers that ask
         // and never read cannot pile replies up past it.
-        let held = self.budget.reserve(r.reply_bytes).await.map_err(RequestError::from)?;
+        let mut held = self.budget.reserve(r.reply_bytes).await.map_err(RequestError::from)?;
         let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) };
-        unsent.hold(&reply, held);
+        unsent.hold(&reply, &mut held);
         Ok(answering(reply, unsent))
     }
 

@@ -15,16 +15,13 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::budget::Reservation;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use crate::error::lock;
 
 /// gRPC's length prefix before each message.
 const GRPC_PREFIX: usize = 5;
@@ -63,10 +60,12 @@ impl Unsent {
         Self { queue: Arc::default(), clocks }
     }
 
-    /// Registers `message`, about to be handed to tonic, with what it holds until written.
-    pub(crate) fn hold(&self, message: &impl prost::Message, held: Reservation) {
+    /// Registers `message`, about to be handed to tonic, with its share of `from` (its bytes
+    /// on the wire, or what `from` has left) held until it is written.
+    pub(crate) fn hold(&self, message: &impl prost::Message, from: &mut Reservation) {
+        let wire_bytes = wire_bytes(message);
         let waiting = self.clocks.as_ref().map(AnswerClocks::start);
-        lock(&self.queue).push_back(Message { wire_bytes: wire_bytes(message) as usize, _held: held, _waiting: waiting });
+        lock(&self.queue).push_back(Message { wire_bytes: wire_bytes as usize, _held: from.split_off(wire_bytes), _waiting: waiting });
     }
 
     /// `chunk`, holding the reservations and clocks of the messages it carries (the next
@@ -150,9 +149,10 @@ mod tests {
         let budget = MemoryBudget::new(1 << 20, Duration::from_secs(1));
         let clocks = Arc::new(AnswerClocks::default());
         let unsent = Unsent::new(Some(Arc::clone(&clocks)));
-        let messages: Vec<_> = (0..3).map(|i| cleave_common::pb::EchoReply { payload: Bytes::from(vec![i; 3000]) }).collect();
+        // 10 KiB on the wire each: 5 bytes of prefix, 3 of field tag and length, the payload.
+        let messages: Vec<_> = (0..3).map(|i| cleave_common::pb::EchoReply { payload: Bytes::from(vec![i; (10 << 10) - 8]) }).collect();
         for m in &messages {
-            unsent.hold(m, budget.reserve(10 << 10).await.unwrap());
+            unsent.hold(m, &mut budget.reserve(10 << 10).await.unwrap());
         }
         assert_eq!((budget.held_bytes(), unsent.queued()), (30 << 10, 3));
         // tonic puts the first two messages in one chunk: it carries both.

@@ -186,7 +186,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         };
         for r in replies {
             ctx.metrics.sent(ctx.model.bundle.id(), (r.header.len() + r.data.len()) as u64);
-            ctx.unsent.hold(&r, held.split_off(wire_bytes(&r)));
+            ctx.unsent.hold(&r, &mut held);
             if out.send(Ok(r)).await.is_err() {
                 return; // The host is gone; dropping the session's handle ends its thread.
             }
