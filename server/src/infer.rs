@@ -53,7 +53,7 @@ pub(crate) struct InferContext {
     pub(crate) max_requests: usize,
     /// The memory every stream's requests share.
     pub(crate) budget: MemoryBudget,
-    /// From a request's first frame to its last, and for an answer to be taken.
+    /// From a request's first frame to its last.
     pub(crate) request_timeout: Duration,
     /// Cancelled when the server starts draining.
     pub(crate) draining: CancellationToken,
