@@ -75,11 +75,20 @@ pub(crate) enum RequestError {
 /// Which part of the server failed a call. UNAVAILABLE is kept for a drain (hosts resend
 /// then); these are INTERNAL, so that a host ends the request with this error instead of
 /// resending it to a server that cannot answer it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum Internal {
     /// The thread that runs a device's stages is gone.
     #[error("the device's scheduler thread is gone")]
     SchedulerGone,
+    /// A device's scheduler thread died with this request in its hands (see
+    /// `on_device_failure`).
+    #[error("device {device} failed ({cause}): this request was not finished")]
+    DeviceFailed {
+        /// The device (`cpu`, `cuda:0`).
+        device: String,
+        /// Why its thread died.
+        cause: String,
+    },
     /// The request was dropped before it was answered (its scheduler stopped with it queued).
     #[error("the request was dropped before it was answered")]
     Unanswered,
@@ -227,6 +236,15 @@ pub enum ServerError {
         /// The second's.
         second: String,
     },
+    /// A device's scheduler thread died and the server does not go on without it
+    /// (`on_device_failure: exit`, or its models could not be reloaded).
+    #[error("device {device} failed: {cause}; the server exits for its supervisor to start it afresh")]
+    DeviceFailed {
+        /// The device (`cpu`, `cuda:0`).
+        device: String,
+        /// Why its thread died, and why it was not restarted.
+        cause: String,
+    },
     /// The metrics endpoint cannot be served.
     #[error("metrics on {addr}: {error}")]
     Metrics {
@@ -249,8 +267,9 @@ mod tests {
             Internal::SessionGone,
             Internal::Cancelled("encoding an answer"),
             Internal::WrongAnswer("Save"),
+            Internal::DeviceFailed { device: "cuda:0".into(), cause: "its scheduler panicked: x".into() },
         ] {
-            let err = RequestError::from(internal);
+            let err = RequestError::from(internal.clone());
             assert_eq!(status_code(&err), Code::Internal, "{err}");
             assert_eq!(err.to_string(), format!("internal error: {internal}"));
         }

@@ -14,7 +14,9 @@
 //!   own thread, stages, optimizer and checkpoints), `stream` (calls answered in order).
 //! - `payloads`: decoding requests and encoding answers on the blocking pool.
 //! - `scheduler`: one thread per device that owns its models' stages and picks what runs
-//!   next: merged batches, profiles, training turns (`queue`: the rules).
+//!   next: merged batches, profiles, training turns (`queue`: the rules; `watch`: a thread
+//!   that dies is restarted or reported, per `on_device_failure`).
+//! - `health`: what the health service says of the server and of each model.
 //! - [`metrics`]: Prometheus metrics and their endpoint.
 //! - `unsent`: what answers hold in the memory budget until written to their connection.
 //! - `window`: recent results, so that a request resent after a broken connection is
@@ -28,6 +30,7 @@ pub mod config;
 mod connections;
 mod dev_secrets;
 mod error;
+mod health;
 mod infer;
 pub mod metrics;
 mod models;
@@ -56,7 +59,7 @@ use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 pub use budget::MemoryBudget;
-pub use config::{Batching, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
+pub use config::{Batching, DeviceFailurePolicy, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets};
 pub use error::ServerError;
 pub use metrics::Metrics;
@@ -70,6 +73,8 @@ pub struct PreparedServer {
     service: service::Service,
     /// Where Prometheus scrapes the metrics, when configured.
     metrics_listen: Option<std::net::SocketAddr>,
+    /// The devices' failures and restarts, which health and the server's exit follow.
+    device_events: tokio::sync::mpsc::UnboundedReceiver<scheduler::watch::DeviceEvent>,
 }
 
 impl PreparedServer {
@@ -79,7 +84,7 @@ impl PreparedServer {
     }
 
     /// Opens every model's bundle, loads its stages on its device and starts one scheduler
-    /// per device.
+    /// per device (`scheduler.on_device_failure`: what happens when one dies).
     pub fn prepare_models(models: &[ModelConfig], scheduler: SchedulerConfig, limits: Limits, security: ServerSecurity) -> Result<Self, ServerError> {
         limits.validate().map_err(|(key, message)| ServerError::Limits { key, message })?;
         let peers = PeerLimits::fitting(&limits);
@@ -95,7 +100,9 @@ impl PreparedServer {
         cuda.sort_unstable();
         cuda.dedup();
         let metrics = Metrics::new(cuda);
-        let models = models::Models::load(models, scheduler, limits.queue_depth as usize, &metrics)?;
+        let (events, device_events) = tokio::sync::mpsc::unbounded_channel();
+        let context = scheduler::watch::SchedulerContext { config: scheduler, depth: limits.queue_depth as usize, metrics: metrics.clone(), events };
+        let models = models::Models::load(models, &context)?;
         let service = service::Service {
             models,
             limits,
@@ -108,7 +115,7 @@ impl PreparedServer {
             draining: CancellationToken::new(),
             profiling: Arc::new(tokio::sync::Semaphore::new(1)),
         };
-        Ok(Self { service, metrics_listen: None })
+        Ok(Self { service, metrics_listen: None, device_events })
     }
 
     /// Sets what the server holds for its peers (connections, streams, memory, time).
@@ -160,10 +167,18 @@ impl PreparedServer {
         self.service.security.tls.is_some()
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then drains: health NOT_SERVING at
-    /// once, no new calls, the requests every stream has received answered, and every
-    /// connection closed after `limits.drain_timeout` whatever its peer does.
+    /// Tests only: a handle that makes a device's scheduler thread die.
+    #[cfg(feature = "fault-injection")]
+    pub fn device_faults(&self) -> DeviceFaults {
+        DeviceFaults { models: self.service.models.clone() }
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, or a device is down for good, then
+    /// drains: health NOT_SERVING at once, no new calls, the requests every stream has
+    /// received answered, and every connection closed after `limits.drain_timeout` whatever
+    /// its peer does. A device down ends it with [`ServerError::DeviceFailed`] after the drain.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
+        let mut device_events = self.device_events;
         let limits = self.service.limits;
         let peers = self.service.peers;
         let draining = self.service.draining.clone();
@@ -171,7 +186,8 @@ impl PreparedServer {
         let security = Arc::clone(&self.service.security);
         let metrics = self.service.metrics.clone();
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
-        health_reporter.set_serving::<SplitInferenceServer<service::Service>>().await;
+        let model_ids = self.service.models.all().iter().map(|m| m.bundle.id().to_string()).collect();
+        let health = health::Health::serving(health_reporter, model_ids).await;
         let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
         let token = security.token.clone();
         let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(token.as_ref(), request));
@@ -201,16 +217,19 @@ impl PreparedServer {
             });
         tokio::pin!(serving);
         let serve_error = |e: tonic::transport::Error| ServerError::Serve(cleave_common::error::with_causes(&e));
-        tokio::select! {
+        let down = tokio::select! {
             served = &mut serving => return served.map_err(serve_error),
-            () = shutdown => {}
+            () = shutdown => None,
+            down = health.follow(&mut device_events) => Some(down),
+        };
+        match &down {
+            None => tracing::info!(drain_timeout = ?peers.drain_timeout, "draining: answering the requests received, then closing"),
+            Some(e) => tracing::error!(drain_timeout = ?peers.drain_timeout, "{e}: draining the other devices' requests, then exiting"),
         }
-        tracing::info!(drain_timeout = ?peers.drain_timeout, "draining: answering the requests received, then closing");
-        health_reporter.set_not_serving::<SplitInferenceServer<service::Service>>().await;
-        health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        health.not_serving().await;
         draining.cancel();
         let _ = stop.send(());
-        match tokio::time::timeout(peers.drain_timeout, &mut serving).await {
+        let drained = match tokio::time::timeout(peers.drain_timeout, &mut serving).await {
             Ok(served) => served.map_err(serve_error),
             Err(_) => {
                 tracing::warn!(
@@ -222,7 +241,26 @@ impl PreparedServer {
                 let _ = tokio::time::timeout(Duration::from_secs(1), serving).await;
                 Ok(())
             }
-        }
+        };
+        drained?;
+        down.map_or(Ok(()), Err)
+    }
+}
+
+/// Tests only: makes a device's scheduler thread die as a bug in it would, to show what the
+/// server does then (`on_device_failure`).
+#[cfg(feature = "fault-injection")]
+pub struct DeviceFaults {
+    models: models::Models,
+}
+
+#[cfg(feature = "fault-injection")]
+impl DeviceFaults {
+    /// Makes the scheduler thread of `device` (`cpu`, `cuda:0`) panic with `message`,
+    /// outside any request, when it takes its next work.
+    pub fn crash(&self, device: &str, message: &str) {
+        let model = self.models.all().iter().find(|m| m.device == device).unwrap_or_else(|| panic!("no model runs on {device}"));
+        model.scheduler.crash(message);
     }
 }
 

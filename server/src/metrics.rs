@@ -3,8 +3,9 @@
 //!
 //! Per model (label `model`, the bundle id): requests answered by gRPC code, queue depth,
 //! merged batch sizes, requests merged at a later cut, queue / compute / total durations,
-//! bytes in and out, latency-target misses. Per server: open streams by kind and open training sessions. Per CUDA device:
-//! the memory this process holds there, read from NVML when a scrape comes.
+//! bytes in and out, latency-target misses. Per server: open streams by kind and open training sessions. Per device: its
+//! scheduler's failures and restarts; per CUDA device, the memory this process holds there,
+//! read from NVML when a scrape comes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,6 +78,8 @@ struct Inner {
     open_streams: Family<KindLabel, Gauge>,
     abandoned: Family<AbandonedLabels, Counter>,
     answer_timeouts: Counter,
+    device_failures: Family<DeviceLabel, Counter>,
+    device_restarts: Family<DeviceLabel, Counter>,
     training_sessions: Gauge,
     device_memory: Family<DeviceLabel, Gauge>,
     cuda_devices: Vec<(String, u32)>,
@@ -134,6 +137,14 @@ impl Metrics {
             "Connections closed because an answer on them was not written within limits.answer_timeout (their peer did not read)",
             answer_timeouts.clone(),
         );
+        let device_failures = Family::<DeviceLabel, Counter>::default();
+        registry.register("device_failures", "Times a device's scheduler thread died (see on_device_failure), by device", device_failures.clone());
+        let device_restarts = Family::<DeviceLabel, Counter>::default();
+        registry.register(
+            "device_restarts",
+            "Times a device's models were reloaded on a new thread after it died, by device",
+            device_restarts.clone(),
+        );
         let training_sessions = Gauge::default();
         registry.register("training_sessions", "Training sessions open", training_sessions.clone());
         let device_memory = Family::<DeviceLabel, Gauge>::default();
@@ -153,6 +164,8 @@ impl Metrics {
             open_streams,
             abandoned,
             answer_timeouts,
+            device_failures,
+            device_restarts,
             training_sessions,
             device_memory,
             cuda_devices,
@@ -174,12 +187,22 @@ impl Metrics {
         self.inner.abandoned.get_or_create(&AbandonedLabels { model: model.to_string(), at: at.to_string() }).inc();
     }
 
-    /// A device ran a batch of `samples`.
     /// A connection was closed because an answer on it waited too long to be written.
     pub(crate) fn answer_timeout(&self) {
         self.inner.answer_timeouts.inc();
     }
 
+    /// A device's scheduler thread died.
+    pub(crate) fn device_failed(&self, device: &str) {
+        self.inner.device_failures.get_or_create(&DeviceLabel { device: device.to_string() }).inc();
+    }
+
+    /// A device's models were reloaded on a new thread after it died.
+    pub(crate) fn device_restarted(&self, device: &str) {
+        self.inner.device_restarts.get_or_create(&DeviceLabel { device: device.to_string() }).inc();
+    }
+
+    /// A device ran a batch of `samples`.
     pub(crate) fn batch(&self, model: &str, samples: i64) {
         self.inner.batch_samples.get_or_create(&Self::model(model)).observe(samples as f64);
     }

@@ -5,13 +5,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cleave_common::device::device_name;
 use cleave_common::protocol::{ServedModel, BUNDLE_ID_METADATA};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 
-use crate::config::{ModelConfig, SchedulerConfig};
+use crate::config::ModelConfig;
 use crate::error::{RequestError, ServerError};
-use crate::metrics::Metrics;
+use crate::scheduler::watch::{self, LoadModels, SchedulerContext};
 use crate::scheduler::{DeviceModel, DeviceScheduler};
 
 /// One model served.
@@ -55,10 +54,11 @@ pub(crate) struct Models {
 
 impl Models {
     /// Opens every bundle, loads its stages on its device and starts one scheduler per
-    /// device. Two entries of one bundle are refused.
-    pub(crate) fn load(configs: &[ModelConfig], scheduler: SchedulerConfig, depth: usize, metrics: &Metrics) -> Result<Self, ServerError> {
+    /// device (which reloads them from the same configs if it restarts). Two entries of one
+    /// bundle are refused.
+    pub(crate) fn load(configs: &[ModelConfig], context: &SchedulerContext) -> Result<Self, ServerError> {
         let mut models: Vec<(&ModelConfig, Bundle, String)> = Vec::with_capacity(configs.len());
-        let mut by_device: BTreeMap<String, Vec<(usize, DeviceModel)>> = BTreeMap::new();
+        let mut by_device: BTreeMap<String, Vec<(usize, DeviceModel, Bundle)>> = BTreeMap::new();
         for (position, config) in configs.iter().enumerate() {
             let bundle = Bundle::open(&config.bundle)?;
             if let Some((first, _, _)) = models.iter().find(|(_, b, _)| b.id() == bundle.id()) {
@@ -68,21 +68,24 @@ impl Models {
                     second: config.bundle.display().to_string(),
                 });
             }
-            let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), config.device)?;
-            // Warm at the smallest batch and the largest a merged batch reaches: the first
-            // requests are then as fast as the rest.
-            let smallest = bundle.manifest().batch.min;
-            let largest = i64::from(config.batching.limit(&bundle)).max(smallest);
-            stages.warm_up(&if largest > smallest { vec![smallest, largest] } else { vec![smallest] })?;
-            let device = device_name(stages.device());
+            let on_device = load_on_device(&bundle, config)?;
+            let device = on_device.device();
             tracing::info!(bundle = %config.bundle.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
-            by_device.entry(device.clone()).or_default().push((position, DeviceModel::new(stages, config.batching, config.slo, config.priority)));
+            by_device.entry(device.clone()).or_default().push((position, on_device, bundle.clone()));
             models.push((config, bundle, device));
         }
         let mut placed: Vec<Option<(usize, DeviceScheduler)>> = vec![None; models.len()];
         for (device, on_device) in by_device {
-            let (positions, device_models): (Vec<usize>, Vec<DeviceModel>) = on_device.into_iter().unzip();
-            let handle = DeviceScheduler::spawn(&device, device_models, scheduler, depth, metrics.clone());
+            let mut positions = Vec::with_capacity(on_device.len());
+            let mut device_models = Vec::with_capacity(on_device.len());
+            let mut recipes = Vec::with_capacity(on_device.len());
+            for (position, model, bundle) in on_device {
+                positions.push(position);
+                device_models.push(model);
+                recipes.push((bundle, configs[position].clone()));
+            }
+            let reload: LoadModels = Box::new(move || recipes.iter().map(|(bundle, config)| load_on_device(bundle, config)).collect());
+            let handle = watch::spawn(&device, device_models, reload, context.clone());
             for (index, position) in positions.into_iter().enumerate() {
                 placed[position] = Some((index, handle.clone()));
             }
@@ -116,4 +119,14 @@ impl Models {
             served: self.list.iter().map(|m| m.bundle.id().to_string()).collect(),
         })
     }
+}
+
+/// Loads a model's stages on its device and warms them at the smallest batch and the largest
+/// a merged batch reaches: the first requests are then as fast as the rest.
+fn load_on_device(bundle: &Bundle, config: &ModelConfig) -> Result<DeviceModel, ServerError> {
+    let stages = LoadedStages::load(bundle, StageRange::all(bundle), config.device)?;
+    let smallest = bundle.manifest().batch.min;
+    let largest = i64::from(config.batching.limit(bundle)).max(smallest);
+    stages.warm_up(&if largest > smallest { vec![smallest, largest] } else { vec![smallest] })?;
+    Ok(DeviceModel::new(stages, config.batching, config.slo, config.priority))
 }

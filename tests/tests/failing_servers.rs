@@ -1,8 +1,8 @@
 //! A host against servers that fail: fake servers that end the stream part-way, reset it,
 //! send garbage or say nothing; a real server stopped and restarted in this process; the
-//! server's window of recent results; `fallback: edge`; and an output directory that holds an
-//! earlier run. Whatever the server does, the host ends, and every request id gets exactly
-//! one outcome.
+//! server's window of recent results; a device whose scheduler thread dies; `fallback: edge`;
+//! and an output directory that holds an earlier run. Whatever the server does, the host
+//! ends, and every request id gets exactly one outcome.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -24,12 +24,14 @@ use cleave_host::inputs::Inputs;
 use cleave_host::report::OutputMode;
 use cleave_host::session::{connect, connect_retrying, Link};
 use cleave_host::LoopbackServer;
-use cleave_server::{PeerLimits, PreparedServer};
+use cleave_server::{Batching, DeviceFailurePolicy, DeviceFaults, ModelConfig, PeerLimits, PreparedServer, SchedulerConfig};
 use cleave_tests::bundle_dir;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
@@ -462,6 +464,142 @@ fn a_request_resent_under_its_session_is_answered_from_the_window_and_the_window
         assert_eq!(window.len(), 2);
         ask(&server.url, &bundle, "host-a", 7, &inputs.batch(7)).await;
         assert_eq!(window.hits(), 1, "an evicted result is computed again");
+    });
+}
+
+// ---- A device whose scheduler thread dies ----------------------------------------------
+
+/// A digits server on the CPU whose requests wait up to 10 s for a batch of 16 samples to
+/// fill, so that requests of fewer samples are all queued when the device fails; it drains
+/// quickly. With the hook that kills its device's scheduler thread, and its metrics.
+async fn failing_device_server(policy: DeviceFailurePolicy) -> (LoopbackServer, DeviceFaults, cleave_server::Metrics) {
+    let batching = Batching { max_batch: 16, max_wait: Duration::from_secs(10), merge_cuts: true };
+    let model = ModelConfig { batching, ..ModelConfig::new(bundle_dir("digits"), DeviceSpec::Cpu) };
+    let scheduler = SchedulerConfig { on_device_failure: policy, ..SchedulerConfig::default() };
+    let prepared = tokio::task::spawn_blocking(move || {
+        PreparedServer::prepare_models(&[model], scheduler, Limits::default(), Default::default()).unwrap().with_peer_limits(quick_drain()).unwrap()
+    })
+    .await
+    .unwrap();
+    let (faults, metrics) = (prepared.device_faults(), prepared.metrics());
+    (LoopbackServer::serve(prepared).await.unwrap(), faults, metrics)
+}
+
+/// Requests `ids` of `samples` each, whole on the server (cut 0), all in flight at once.
+fn device_plan(bundle: &Bundle, ids: std::ops::Range<u64>, samples: i64) -> StreamPlan {
+    let mut p =
+        plan(bundle, 0, 0, Resilience { retry: RetryPolicy { max_attempts: 2, max_backoff: Duration::from_millis(50) }, ..Resilience::default() });
+    p.in_flight = ids.clone().count();
+    p.ids = ids.collect();
+    p.inputs = Inputs::new(&InputSource::Synthetic { seed: 3 }, bundle, samples).unwrap();
+    p
+}
+
+fn sample(metrics: &cleave_server::Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
+    cleave_tests::metric_sample(&cleave_tests::parse_metrics(&metrics.render()), name, labels)
+}
+
+/// Waits until the CPU's count `name` reads `want` (the watch counts a failure after the
+/// thread has answered its requests and ended, a restart once the models are reloaded).
+async fn device_count_reaches(metrics: &cleave_server::Metrics, name: &str, want: f64) {
+    let counted = async {
+        while sample(metrics, name, &[("device", "cpu")]) != want {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), counted).await.unwrap_or_else(|_| panic!("{name} reaches {want}"));
+}
+
+/// Runs six one-sample requests, which wait in the device's queue for their batch to fill,
+/// kills the device's scheduler thread, and returns their outcomes.
+async fn six_requests_when_the_device_dies(
+    url: &str,
+    bundle: &Bundle,
+    faults: &DeviceFaults,
+    metrics: &cleave_server::Metrics,
+) -> HashMap<u64, RequestOutcome> {
+    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
+    let queued = {
+        let metrics = metrics.clone();
+        let id = bundle.id().to_string();
+        async move {
+            while sample(&metrics, "cleave_queue_depth", &[("model", &id)]) < 6.0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let running = run_plan(&mut session, device_plan(bundle, 0..6, 1));
+    let kill = async {
+        tokio::time::timeout(Duration::from_secs(8), queued).await.expect("the six requests are queued");
+        faults.crash("cpu", "injected: the scheduler dies");
+    };
+    let ((outcomes, _), ()) = tokio::join!(running, kill);
+    outcomes
+}
+
+fn assert_each_failed_once_naming_the_device(outcomes: &HashMap<u64, RequestOutcome>) {
+    assert_eq!(outcomes.len(), 6);
+    for (id, outcome) in outcomes {
+        let err = outcome.output.as_ref().expect_err("a request the failed device held has no result");
+        assert!(
+            err.starts_with("Internal:") && err.contains("device cpu failed (its scheduler panicked: injected: the scheduler dies)"),
+            "request {id}: {err}"
+        );
+        assert_eq!(outcome.metrics.attempts, 1, "request {id} was not resent");
+    }
+}
+
+#[test]
+fn a_device_that_dies_under_on_device_failure_exit_answers_its_requests_internal_once_and_the_server_exits_with_the_cause() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (server, faults, metrics) = failing_device_server(DeviceFailurePolicy::Exit).await;
+        let channel = tonic::transport::Channel::from_shared(server.url.clone()).unwrap().connect().await.unwrap();
+        let mut health = HealthClient::new(channel);
+        let mut watch = health.watch(HealthCheckRequest { service: bundle.id().to_string() }).await.unwrap().into_inner();
+        assert_eq!(watch.next().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+
+        let outcomes = six_requests_when_the_device_dies(&server.url, &bundle, &faults, &metrics).await;
+        assert_each_failed_once_naming_the_device(&outcomes);
+        assert_eq!(watch.next().await.unwrap().unwrap().status, ServingStatus::NotServing as i32);
+        device_count_reaches(&metrics, "cleave_device_failures_total", 1.0).await;
+        // The server ended by itself (a supervisor restarts it), with the cause.
+        let ended = tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await.expect("the server exits");
+        let err = ended.expect_err("the server exits with an error").to_string();
+        assert!(err.contains("device cpu failed: its scheduler panicked: injected: the scheduler dies (`on_device_failure: exit`)"), "{err}");
+        assert_eq!(sample(&metrics, "cleave_device_restarts_total", &[("device", "cpu")]), 0.0);
+    });
+}
+
+#[test]
+fn a_device_that_dies_under_on_device_failure_restart_answers_its_requests_internal_once_then_serves_bit_identically() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    // Sixteen samples fill a batch at once: the answers come from batches of one request.
+    let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
+    let inputs = Inputs::new(&InputSource::Synthetic { seed: 3 }, &bundle, 16).unwrap();
+    let want: Vec<Boundary> = (10..14).map(|id| whole.run(StageRange::all(&bundle), &inputs.batch(id)).unwrap()).collect();
+    runtime().block_on(async {
+        let (server, faults, metrics) = failing_device_server(DeviceFailurePolicy::Restart).await;
+        let outcomes = six_requests_when_the_device_dies(&server.url, &bundle, &faults, &metrics).await;
+        assert_each_failed_once_naming_the_device(&outcomes);
+        device_count_reaches(&metrics, "cleave_device_failures_total", 1.0).await;
+
+        // Reloaded: SERVING again, for the server and the model.
+        device_count_reaches(&metrics, "cleave_device_restarts_total", 1.0).await;
+        let channel = tonic::transport::Channel::from_shared(server.url.clone()).unwrap().connect().await.unwrap();
+        let mut health = HealthClient::new(channel);
+        for service in [String::new(), bundle.id().to_string()] {
+            let mut watch = health.watch(HealthCheckRequest { service: service.clone() }).await.unwrap().into_inner();
+            let serving = async { while watch.next().await.unwrap().unwrap().status != ServingStatus::Serving as i32 {} };
+            tokio::time::timeout(Duration::from_secs(30), serving).await.unwrap_or_else(|_| panic!("{service:?} is SERVING again"));
+        }
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let (after, _) = run_plan(&mut session, device_plan(&bundle, 10..14, 16)).await;
+        for (id, expected) in (10..14).zip(&want) {
+            let got = after[&id].output.as_ref().unwrap_or_else(|e| panic!("request {id} after the restart: {e}"));
+            assert!(got.bit_identical(expected), "request {id} after the restart differs from the whole model on the edge");
+        }
+        server.shutdown().await.unwrap();
     });
 }
 

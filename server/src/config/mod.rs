@@ -16,7 +16,7 @@ use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 
 use crate::metrics::EndpointLimits;
 
-pub use models::{Batching, ModelConfig, Policy, SchedulerConfig};
+pub use models::{Batching, DeviceFailurePolicy, ModelConfig, Policy, SchedulerConfig};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +38,8 @@ struct RawServerConfig {
     models: Option<Vec<models::RawModel>>,
     #[serde(default)]
     scheduler: Option<serde_yaml::Value>,
+    #[serde(default)]
+    on_device_failure: Option<String>,
     #[serde(default)]
     metrics_listen: Option<String>,
     #[serde(default)]
@@ -423,10 +425,13 @@ impl ServerConfig {
             ));
         }
         let models = served_models(&file, &mut raw)?;
-        let scheduler = match &raw.scheduler {
+        let mut scheduler = match &raw.scheduler {
             None => SchedulerConfig::default(),
             Some(value) => SchedulerConfig::from_yaml(&file, value)?,
         };
+        if let Some(name) = &raw.on_device_failure {
+            scheduler.on_device_failure = DeviceFailurePolicy::from_name(&file, name)?;
+        }
         let metrics_listen = match &raw.metrics_listen {
             None => None,
             Some(text) => Some(text.parse().map_err(|_| file.invalid("metrics_listen", format!("{text:?} is not an address like 127.0.0.1:9464")))?),
@@ -688,7 +693,7 @@ mod tests {
         std::fs::write(
             &path,
             "listen: 127.0.0.1:1\nmodels:\n  - {bundle: a, device: cpu, batching: {max_batch: 16, max_wait_ms: 5, merge_cuts: false}, slo_ms: 50, priority: 2}\n  \
-             - {bundle: b}\nscheduler: {policy: edf, max_age_ms: 500}\nmetrics_listen: 127.0.0.1:9464\n",
+             - {bundle: b}\nscheduler: {policy: edf, max_age_ms: 500}\non_device_failure: restart\nmetrics_listen: 127.0.0.1:9464\n",
         )
         .unwrap();
         let many = ServerConfig::load(&path).unwrap();
@@ -696,7 +701,9 @@ mod tests {
         assert_eq!(many.models[0].bundle, dir.path().join("a"));
         assert_eq!(many.models[0].batching, Batching { max_batch: 16, max_wait: Duration::from_millis(5), merge_cuts: false });
         assert_eq!((many.models[0].slo, many.models[0].priority), (Some(Duration::from_millis(50)), 2.0));
-        assert_eq!(many.scheduler, SchedulerConfig { policy: Policy::Edf, max_age: Duration::from_millis(500) });
+        let restart = DeviceFailurePolicy::Restart;
+        assert_eq!(many.scheduler, SchedulerConfig { policy: Policy::Edf, max_age: Duration::from_millis(500), on_device_failure: restart });
+        assert_eq!(one.scheduler.on_device_failure, DeviceFailurePolicy::Exit);
         assert_eq!(many.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
         assert_eq!(load("listen: 127.0.0.1:1\nscheduler: edf\n").unwrap().scheduler.policy, Policy::Edf);
     }
@@ -722,6 +729,7 @@ mod tests {
             ("bundle: b\nscheduler: {policy: edf, max_age_ms: 0}", "scheduler.max_age_ms", "positive"),
             ("bundle: b\nscheduler: {policy: edf, age: 3}", "scheduler", "unknown key"),
             ("bundle: b\nmetrics_listen: anywhere", "metrics_listen", "not an address"),
+            ("bundle: b\non_device_failure: reboot", "on_device_failure", "exit or restart"),
         ] {
             let err = load_raw(yaml).unwrap_err();
             assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");

@@ -139,11 +139,39 @@ pub struct SchedulerConfig {
     /// that arrived after it: its place is its arrival plus this, so it always runs in the
     /// end however busy the device is (its priority rises as it ages).
     pub max_age: Duration,
+    /// What the server does when a device's scheduler thread dies (`on_device_failure:`, a
+    /// top-level key of server.yaml).
+    pub on_device_failure: DeviceFailurePolicy,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        Self { policy: Policy::Fifo, max_age: Duration::from_secs(2) }
+        Self { policy: Policy::Fifo, max_age: Duration::from_secs(2), on_device_failure: DeviceFailurePolicy::Exit }
+    }
+}
+
+/// What the server does when a device's scheduler thread dies (a bug, or a device error
+/// that libtorch raised outside any request). Either way the requests it held are answered
+/// INTERNAL once, and health says NOT_SERVING for the server and the device's models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceFailurePolicy {
+    /// Answer the device's requests INTERNAL, drain the others and exit non-zero, for a
+    /// supervisor (systemd, Kubernetes) to start the server afresh: the default, since a
+    /// device that failed once may hold memory or state that a new process does not.
+    Exit,
+    /// Reload the device's models on a new thread and serve them again (health SERVING);
+    /// if they cannot be reloaded, exit as `exit` does.
+    Restart,
+}
+
+impl DeviceFailurePolicy {
+    /// From the value of `on_device_failure:`.
+    pub(super) fn from_name(file: &ConfigFile<'_>, name: &str) -> Result<Self, ConfigError> {
+        match name {
+            "exit" => Ok(Self::Exit),
+            "restart" => Ok(Self::Restart),
+            other => Err(file.invalid("on_device_failure", format!("{other:?} is not a policy: exit or restart"))),
+        }
     }
 }
 

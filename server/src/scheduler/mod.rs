@@ -17,9 +17,12 @@
 //! batches at the lowest priority (its key is its arrival plus `scheduler.max_age`).
 //!
 //! A panic while running a batch or a profile is caught: those requests are answered
-//! INTERNAL and the scheduler goes on.
+//! INTERNAL and the scheduler goes on. A panic anywhere else ends the thread: the requests
+//! it holds are answered INTERNAL once, and `watch`, which starts each device's scheduler,
+//! restarts it or reports the device down.
 
 mod queue;
+pub(crate) mod watch;
 
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
@@ -29,7 +32,7 @@ use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
 use crate::config::{Batching, Policy, SchedulerConfig};
-use crate::error::{catch_panic, Internal, RequestError};
+use crate::error::{catch_panic, panic_message, Internal, RequestError};
 use crate::metrics::Metrics;
 use queue::{Entry, Group, Pick, Queue};
 
@@ -53,6 +56,11 @@ impl DeviceModel {
             batchable[cut] = true;
         }
         Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable }
+    }
+
+    /// The device its stages are on (`cpu`, `cuda:0`).
+    pub(crate) fn device(&self) -> String {
+        cleave_common::device::device_name(self.stages.device())
     }
 
     fn batch_limit(&self) -> i64 {
@@ -104,6 +112,27 @@ pub(crate) enum Work {
     Infer(InferJob, Instant),
     Profile(ProfileJob),
     Turn(TurnRequest, Instant),
+    /// Tests only: the thread panics outside any request, as a bug in the scheduler would.
+    #[cfg(feature = "fault-injection")]
+    Crash(String),
+}
+
+impl Work {
+    /// Answers it with `error` instead of running it (its device is down).
+    fn refuse(self, error: &Internal) {
+        match self {
+            Work::Infer(job, _) => {
+                let _ = job.reply.send(JobResult { output: Err(error.clone().into()), queue: Duration::ZERO, compute: Duration::ZERO });
+            }
+            Work::Profile(job) => {
+                let _ = job.reply.send(Err(error.clone().into()));
+            }
+            // The session's turn fails when its request is dropped.
+            Work::Turn(..) => {}
+            #[cfg(feature = "fault-injection")]
+            Work::Crash(_) => {}
+        }
+    }
 }
 
 /// The device is a training session's until this drops.
@@ -118,13 +147,10 @@ pub(crate) struct DeviceScheduler {
 }
 
 impl DeviceScheduler {
-    /// Starts the scheduler thread of one device with its models; it ends when every handle
-    /// is dropped and its queue is empty.
-    pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, config: SchedulerConfig, depth: usize, metrics: Metrics) -> Self {
-        let (work, rx) = flume::bounded(depth.max(1));
-        let worker = Worker { models, config, depth: depth.max(1), metrics };
-        std::thread::Builder::new().name(format!("cleave-{device}")).spawn(move || worker.run(&rx)).expect("spawn a device scheduler thread");
-        Self { work }
+    /// Tests only: makes the scheduler thread panic outside any request.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn crash(&self, message: &str) {
+        let _ = self.work.send(Work::Crash(message.to_string()));
     }
 
     /// Queues a suffix (waiting while the queue is full).
@@ -167,6 +193,8 @@ enum Item {
 }
 
 struct Worker {
+    /// The device's name (`cpu`, `cuda:0`).
+    device: String,
     models: Vec<DeviceModel>,
     config: SchedulerConfig,
     depth: usize,
@@ -174,23 +202,47 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(&self, rx: &flume::Receiver<Work>) {
+    /// Serves until every handle is dropped; `Err` with the cause when the thread failed (a
+    /// panic outside any request), after answering every request it held INTERNAL.
+    fn run(&self, rx: &flume::Receiver<Work>) -> Result<(), String> {
         let mut queue = Queue::default();
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve(&mut queue, rx)));
+        served.map_err(|panic| {
+            let cause = format!("its scheduler panicked: {}", panic_message(panic.as_ref()));
+            self.fail_waiting(&mut queue, &cause);
+            cause
+        })
+    }
+
+    fn serve(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>) {
         loop {
-            self.intake(&mut queue, rx, false);
-            self.drop_abandoned(&mut queue);
+            self.intake(queue, rx, false);
+            self.drop_abandoned(queue);
             match queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |_| true) {
-                Pick::Run(entries) => self.execute(&mut queue, entries),
+                Pick::Run(entries) => self.execute(queue, entries),
                 Pick::WaitUntil(at) if queue.len() < self.depth => match rx.recv_deadline(at) {
-                    Ok(work) => self.accept(&mut queue, rx, work, false),
+                    Ok(work) => self.accept(queue, rx, work, false),
                     Err(flume::RecvTimeoutError::Timeout) => {}
                     Err(flume::RecvTimeoutError::Disconnected) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
                 },
                 Pick::WaitUntil(at) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
                 Pick::Idle => match rx.recv() {
-                    Ok(work) => self.accept(&mut queue, rx, work, false),
+                    Ok(work) => self.accept(queue, rx, work, false),
                     Err(_) => return,
                 },
+            }
+        }
+    }
+
+    /// Answers every request the queue holds INTERNAL, naming the device and `cause`; the
+    /// training sessions waiting for a turn see their request dropped.
+    fn fail_waiting(&self, queue: &mut Queue<Item>, cause: &str) {
+        for entry in queue.take_where(|_| true) {
+            if let Item::Request(w) = entry.item {
+                if w.started.is_none() {
+                    self.metrics.queued(&self.models[w.model].label, -1);
+                }
+                answer(w, Err(Internal::DeviceFailed { device: self.device.clone(), cause: cause.to_string() }.into()));
             }
         }
     }
@@ -231,6 +283,8 @@ impl Worker {
                 let _ = other.reply.send(Err(busy));
             }
             Work::Profile(job) => self.profile(queue, rx, job),
+            #[cfg(feature = "fault-injection")]
+            Work::Crash(message) => panic!("{message}"),
         }
     }
 
@@ -407,7 +461,7 @@ mod tests {
     fn keys_follow_the_policy_and_training_yields_for_at_most_max_age() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let fifo = SchedulerConfig { policy: Policy::Fifo, max_age: ms(2000) };
+        let fifo = SchedulerConfig { policy: Policy::Fifo, max_age: ms(2000), ..SchedulerConfig::default() };
         let edf = SchedulerConfig { policy: Policy::Edf, ..fifo };
         assert_eq!(request_key(&fifo, t0, Some(ms(50)), 4.0), t0);
         assert_eq!(request_key(&edf, t0, Some(ms(50)), 1.0), t0 + ms(50));
