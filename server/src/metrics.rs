@@ -128,7 +128,7 @@ impl Metrics {
         let abandoned = Family::<AbandonedLabels, Counter>::default();
         registry.register(
             "abandoned_requests",
-            "Requests dropped because their stream went (reset, connection closed), by model and where: queued (never started) or running (stopped at a stage boundary)",
+            "Requests and training calls dropped because their stream went (reset, connection closed), by model and where: queued (never started) or running (stopped at a stage boundary)",
             abandoned.clone(),
         );
         let answer_timeouts = Counter::default();

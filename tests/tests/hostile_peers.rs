@@ -644,3 +644,67 @@ fn requests_of_a_stream_reset_by_its_peer_are_dropped_not_computed() {
         server.shutdown().await.unwrap();
     });
 }
+
+#[test]
+fn a_training_call_whose_stream_is_reset_while_it_waits_for_its_device_is_never_run() {
+    use cleave_server::{ModelConfig, SchedulerConfig};
+    let resnet = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let digits = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        // Both models on the CPU: one scheduler, where a training turn waits for a profile's end.
+        let models = vec![ModelConfig::new(resnet.dir(), DeviceSpec::Cpu), ModelConfig::new(digits.dir(), DeviceSpec::Cpu)];
+        let prepared = tokio::task::spawn_blocking(move || {
+            PreparedServer::prepare_models(&models, SchedulerConfig::default(), Limits::default(), Default::default()).unwrap()
+        })
+        .await
+        .unwrap();
+        let metrics = prepared.metrics();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let (session, opened) = open_session(&server.url, &digits).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+
+        // resnet18's long profile holds the device; a second profile refused shows it runs.
+        let client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        let profile = |batch_size: u32, repeats: u32| {
+            let mut client = client.clone();
+            let mut request = tonic::Request::new(pb::ProfileRequest { batch_size, repeats });
+            request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, resnet.id().parse().unwrap());
+            async move { client.profile(request).await }
+        };
+        let long = tokio::spawn(profile(32, 50));
+        let running = tokio::time::timeout(Duration::from_secs(60), async {
+            while profile(1, 1).await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        running.await.expect("the long profile starts");
+
+        // A training step waits for its turn; its stream is reset meanwhile.
+        let step = Boundary {
+            values: vec![
+                ("features_6".into(), cleave_common::Value::Tensor(tch::Tensor::ones([2, 32, 4, 4], (tch::Kind::Float, tch::Device::Cpu)))),
+                (cleave_common::training::TARGETS_VALUE.into(), cleave_common::Value::Tensor(tch::Tensor::from_slice(&[3i64, 4]))),
+            ],
+        };
+        let meta = PayloadMeta { request_id: 1, split: 7, direction: Direction::Request };
+        let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, &step).unwrap();
+        let frame = pb::TrainPayloadFrame {
+            request_id: 1,
+            phase: pb::Phase::Forward as i32,
+            header: encoded.envelope,
+            data: encoded.data.to_vec().into(),
+            last: true,
+        };
+        session.0.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(session);
+
+        // When the device is free the call is dropped, not run.
+        let model = digits.id().to_string();
+        let dropped = || metric(&metrics, "cleave_abandoned_requests_total", &[("model", &model), ("at", "queued")]);
+        assert!(eventually(Duration::from_secs(120), || dropped() == 1.0).await, "the reset stream's training call is dropped");
+        let profiled = long.await.unwrap().expect("the profile ran to its end");
+        assert_eq!(profiled.into_inner().stage_ms.len(), resnet.stage_count());
+        server.shutdown().await.unwrap();
+    });
+}

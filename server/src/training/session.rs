@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
 use crate::error::{Internal, RequestError};
+use crate::metrics::Metrics;
 use crate::scheduler::DeviceScheduler;
 
 /// A validated `OpenSession`: what the session thread loads.
@@ -221,12 +222,22 @@ pub(crate) struct SessionHandle {
 
 impl SessionHandle {
     /// Loads session `id` on its own thread; returns once it is ready (or failed to load).
-    pub(crate) async fn spawn(setup: SessionSetup, id: &str) -> Result<(Self, Opened), RequestError> {
+    /// A call whose stream has gone by the time the device is the session's is not run
+    /// (counted in `metrics` as abandoned while queued).
+    pub(crate) async fn spawn(setup: SessionSetup, id: &str, metrics: Metrics) -> Result<(Self, Opened), RequestError> {
         // Calls come one at a time per stream; the channel only hands them over.
         let (tx, mut rx) = mpsc::channel::<CallJob>(2);
         let (opened_tx, opened_rx) = oneshot::channel();
         let id = id.to_string();
         let turns = setup.turns.clone();
+        let model = setup.bundle.id().to_string();
+        let abandoned = move |job: &CallJob| {
+            let gone = job.reply.is_closed();
+            if gone {
+                metrics.abandoned(&model, "queued");
+            }
+            gone
+        };
         std::thread::Builder::new()
             .name("cleave-train".into())
             .spawn(move || {
@@ -243,6 +254,9 @@ impl SessionHandle {
                     }
                 };
                 while let Some(job) = rx.blocking_recv() {
+                    if abandoned(&job) {
+                        continue;
+                    }
                     // The device runs this call between inference batches; it is given back
                     // when the call is done (the optimizer step included).
                     let _turn = match turns.turn() {
@@ -252,6 +266,10 @@ impl SessionHandle {
                             continue;
                         }
                     };
+                    // The stream may have gone while the call waited for the device.
+                    if abandoned(&job) {
+                        continue;
+                    }
                     let mut reply = Some(job.reply);
                     let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.handle(job.call, Instant::now(), &mut reply)));
                     if let Err(panic) = handled {

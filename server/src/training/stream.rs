@@ -73,7 +73,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
     let opened = async {
         let setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), &open)?;
         let slot = ctx.training.admit(&ctx.model.bundle)?;
-        let (session, opened) = SessionHandle::spawn(setup, &slot.id).await?;
+        let (session, opened) = SessionHandle::spawn(setup, &slot.id, ctx.metrics.clone()).await?;
         Ok::<_, RequestError>((slot, session, opened))
     }
     .await;
@@ -166,7 +166,13 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                 }
                 Ok(Some((assembly, (phase, bytes)))) => {
                     deadline = None;
-                    let replies = stream.answer(assembly, phase, &session).await;
+                    // A host that leaves (its stream reset, its connection closed) takes its
+                    // call with it: dropping the call before the session thread has the
+                    // device means it is never run.
+                    let replies = tokio::select! {
+                        replies = stream.answer(assembly, phase, &session) => replies,
+                        () = out.closed() => return,
+                    };
                     // The call's reservation becomes its answer's, held until written.
                     match ctx.budget.resize(bytes, replies.iter().map(wire_bytes).sum()).await {
                         Ok(bytes) => {
