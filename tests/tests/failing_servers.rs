@@ -563,8 +563,16 @@ fn a_device_that_dies_under_on_device_failure_exit_answers_its_requests_internal
         assert_each_failed_once_naming_the_device(&outcomes);
         assert_eq!(watch.next().await.unwrap().unwrap().status, ServingStatus::NotServing as i32);
         device_count_reaches(&metrics, "cleave_device_failures_total", 1.0).await;
-        // The server ended by itself (a supervisor restarts it), with the cause.
-        let ended = tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await.expect("the server exits");
+        // The server ends by itself (for a supervisor to restart it), with the cause: its
+        // listener is closed once it has.
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let closed = async {
+            while tokio::net::TcpStream::connect(&addr).await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), closed).await.expect("the server exits");
+        let ended = tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await.expect("its task has ended");
         let err = ended.expect_err("the server exits with an error").to_string();
         assert!(err.contains("device cpu failed: its scheduler panicked: injected: the scheduler dies (`on_device_failure: exit`)"), "{err}");
         assert_eq!(sample(&metrics, "cleave_device_restarts_total", &[("device", "cpu")]), 0.0);

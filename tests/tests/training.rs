@@ -344,8 +344,12 @@ fn one_training_session_per_bundle_unless_configured() {
         assert!(opened.opened.is_some(), "{opened:?}");
         let (_second, refused) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
         let (code, message) = error_of(&refused);
-        assert_eq!(code, tonic::Code::FailedPrecondition);
-        assert!(message.contains("already being trained") && message.contains("concurrent_sessions"), "{message}");
+        assert_eq!(code, tonic::Code::ResourceExhausted);
+        for says in
+            ["already being trained by session s1", "its host last heard from", "600 s, `training.session_idle_timeout`", "concurrent_sessions"]
+        {
+            assert!(message.contains(says), "{says:?} in {message}");
+        }
         // Closing the first session frees the bundle.
         drop(first);
         let mut reopened = None;

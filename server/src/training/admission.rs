@@ -32,9 +32,19 @@ pub(crate) struct Training {
 
 #[derive(Debug, Default)]
 struct Sessions {
-    /// Each open session's id, bundle id and start.
-    open: Mutex<Vec<(String, String, Instant)>>,
+    open: Mutex<Vec<OpenEntry>>,
     next: AtomicU64,
+}
+
+/// A session open now.
+#[derive(Debug)]
+struct OpenEntry {
+    id: String,
+    bundle: String,
+    opened: Instant,
+    /// When its host last sent a frame (a session idle for `training.session_idle_timeout`
+    /// is closed).
+    heard: Instant,
 }
 
 /// A session's place among the open ones; dropping it closes the session.
@@ -43,9 +53,19 @@ pub(crate) struct SessionSlot {
     pub(crate) id: String,
 }
 
+impl SessionSlot {
+    /// Its host has just sent a frame.
+    pub(crate) fn heard(&self) {
+        let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(entry) = open.iter_mut().find(|e| e.id == self.id) {
+            entry.heard = Instant::now();
+        }
+    }
+}
+
 impl Drop for SessionSlot {
     fn drop(&mut self) {
-        self.sessions.open.lock().unwrap_or_else(|p| p.into_inner()).retain(|(id, _, _)| id != &self.id);
+        self.sessions.open.lock().unwrap_or_else(|p| p.into_inner()).retain(|e| e.id != self.id);
         tracing::info!(session = %self.id, "training session closed");
     }
 }
@@ -65,17 +85,23 @@ impl Training {
                 open.len()
             )));
         }
-        let same_bundle = open.iter().find(|(_, b, _)| b == bundle.id());
-        if let Some((id, _, since)) = same_bundle.filter(|_| !self.options.concurrent_sessions) {
-            return Err(RequestError::AlreadyTraining(format!(
-                "bundle {} is already being trained (session {id}, open for {} s); this server allows one training session per \
-                 bundle: close that one, or set `training.concurrent_sessions: true` in server.yaml to train separate copies",
+        let same_bundle = open.iter().find(|e| e.bundle == bundle.id());
+        if let Some(holder) = same_bundle.filter(|_| !self.options.concurrent_sessions) {
+            return Err(RequestError::Busy(format!(
+                "bundle {} is already being trained by session {} (open for {} s, its host last heard from {} s ago; a session \
+                 whose host sends nothing for {} s, `training.session_idle_timeout`, is closed): this server allows one training \
+                 session per bundle: try again once it has closed, or set `training.concurrent_sessions: true` in server.yaml to \
+                 train separate copies",
                 bundle.id(),
-                since.elapsed().as_secs()
+                holder.id,
+                holder.opened.elapsed().as_secs(),
+                holder.heard.elapsed().as_secs(),
+                self.options.session_idle_timeout.as_secs()
             )));
         }
         let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
-        open.push((id.clone(), bundle.id().to_string(), Instant::now()));
+        let now = Instant::now();
+        open.push(OpenEntry { id: id.clone(), bundle: bundle.id().to_string(), opened: now, heard: now });
         Ok(SessionSlot { sessions: Arc::clone(&self.sessions), id })
     }
 

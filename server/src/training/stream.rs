@@ -116,6 +116,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         };
         let frame = match next {
             Next::Frame(frame) => {
+                slot.heard();
                 if let Some(train_frame::Kind::Payload(p)) = &frame.kind {
                     ctx.metrics.received(ctx.model.bundle.id(), (p.header.len() + p.data.len()) as u64);
                 }
