@@ -109,6 +109,7 @@ impl PreparedServer {
             security: Arc::new(security),
             metrics,
             training: training::admission::Training::new(TrainingOptions::default()),
+            parking: training::parking::Parking::default(),
             peers,
             budget: MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait),
             window: ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes),

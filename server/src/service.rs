@@ -28,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::models::Models;
 use crate::scheduler::ProfileJob;
 use crate::training::admission::Training;
+use crate::training::parking::Parking;
 use crate::training::stream::TrainContext;
 use crate::unsent::Unsent;
 use crate::window::{HostSession, ResultWindow};
@@ -42,6 +43,8 @@ pub(crate) struct Service {
     pub(crate) security: Arc<ServerSecurity>,
     pub(crate) metrics: Metrics,
     pub(crate) training: Training,
+    /// Reattachable training sessions whose stream broke, kept for their hosts.
+    pub(crate) parking: Parking,
     /// What the server holds for its peers.
     pub(crate) peers: PeerLimits,
     /// The memory every stream's requests and answers share.
@@ -170,6 +173,7 @@ impl SplitInference for Service {
             limits: self.limits,
             security: Arc::clone(&self.security),
             training: self.training.clone(),
+            parking: self.parking.clone(),
             budget: self.budget.clone(),
             request_timeout: self.peers.request_timeout,
             draining: self.draining.clone(),

@@ -372,6 +372,7 @@ async fn open_session(url: &str, bundle: &Bundle) -> (TrainStream, pb::TrainRepl
         loss: "cross-entropy".into(),
         seed: 1,
         resume: String::new(),
+        ..Default::default()
     };
     let (tx, rx) = mpsc::channel(4);
     tx.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.unwrap();

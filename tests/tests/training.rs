@@ -327,6 +327,7 @@ fn open_digits(start: u32, end: u32, loss: &str) -> pb::OpenSession {
         loss: loss.into(),
         seed: 1,
         resume: String::new(),
+        ..Default::default()
     }
 }
 
@@ -815,5 +816,128 @@ fn the_server_wide_checkpoint_quota_spans_every_namespace_and_deletes_nothing() 
         assert!(first.join("a.safetensors").exists(), "the first session's checkpoint is not deleted");
         // The session goes on.
         train_step(&mut stream, 2).await;
+    });
+}
+
+/// A TCP relay to `server_url` for one connection, as a network path the test can cut: the
+/// server then sees the connection lost, as when a host's link fails.
+async fn relay(server_url: &str) -> (String, tokio::task::JoinHandle<()>) {
+    use std::io::ErrorKind::WouldBlock;
+    use tokio::net::{TcpListener, TcpStream};
+    async fn pump(from: &TcpStream, to: &TcpStream) {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match from.readable().await.and_then(|()| from.try_read(&mut buf)) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) if e.kind() == WouldBlock => continue,
+                Err(_) => return,
+            };
+            let mut sent = 0;
+            while sent < n {
+                match to.writable().await.and_then(|()| to.try_write(&buf[sent..n])) {
+                    Ok(k) => sent += k,
+                    Err(e) if e.kind() == WouldBlock => continue,
+                    Err(_) => return,
+                }
+            }
+        }
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let target = server_url.trim_start_matches("http://").to_string();
+    let task = tokio::spawn(async move {
+        let (host_side, _) = listener.accept().await.unwrap();
+        let server_side = TcpStream::connect(target).await.unwrap();
+        tokio::join!(pump(&host_side, &server_side), pump(&server_side, &host_side));
+    });
+    (url, task)
+}
+
+/// Asks to continue `opened`'s session on a new stream, while the server may not yet have
+/// noticed that the old one broke; returns the stream and the first reply.
+async fn reattach(url: &str, bundle: &Bundle, session_id: &str, token: &str) -> (TrainStream, pb::TrainReply) {
+    let reattach = pb::OpenSession { reattach: Some(pb::Reattach { session_id: session_id.into(), token: token.into() }), ..Default::default() };
+    for _ in 0..100 {
+        let (stream, reply) = open_session(url, bundle, reattach.clone()).await;
+        let waiting = reply.error.as_ref().is_some_and(|e| e.message.contains("not waiting to be continued"));
+        if !waiting {
+            return (stream, reply);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    open_session(url, bundle, reattach).await
+}
+
+/// A digits step at cut 7 with its targets (the same for the same `id`).
+fn digits_step(id: u64) -> cleave_common::Boundary {
+    use cleave_common::{Boundary, Value};
+    let features = noise(&[2, 32, 4, 4], id as i64 * 1024);
+    Boundary { values: vec![("features_6".into(), Value::Tensor(features)), ("@targets".into(), Value::Tensor(Tensor::from_slice(&[3i64, 4])))] }
+}
+
+#[test]
+fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answered_not_taken_twice() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let forward = (7, Direction::Request);
+    runtime().block_on(async {
+        let options = TrainingOptions { session_idle_timeout: std::time::Duration::from_secs(2), ..TrainingOptions::default() };
+        let server = checkpointing_server(&bundle, dir.path(), options).await;
+        let (path, cut) = relay(&server.url).await;
+        let (mut first, reply) = open_session(&path, &bundle, pb::OpenSession { reattachable: true, ..open_digits(7, 12, "cross-entropy") }).await;
+        let opened = reply.opened.expect("opened");
+        assert_eq!(opened.reattach_token.len(), 64, "a 256-bit token");
+        train_step(&mut first, 1).await;
+        let step2 = call(&mut first, 2, pb::Phase::Forward, forward, &digits_step(2)).await;
+
+        // The connection is lost after the last answer came: the session is kept...
+        cut.abort();
+        // ... holding its bundle: a second trainer hears of it, and of the idle timeout.
+        let (_, refused) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let (code, message) = error_of(&refused);
+        assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+        assert!(message.contains(&format!("session {}", opened.session_id)) && message.contains("session_idle_timeout"), "{message}");
+        // Only its token continues it.
+        let (_, wrong) = reattach(&server.url, &bundle, &opened.session_id, "not-the-token").await;
+        assert_eq!(error_of(&wrong).0, tonic::Code::Unauthenticated, "{wrong:?}");
+        let (path, cut) = relay(&server.url).await;
+        let (mut second, reply) = reattach(&path, &bundle, &opened.session_id, &opened.reattach_token).await;
+        let continued = reply.opened.clone().unwrap_or_else(|| panic!("continued: {reply:?}"));
+        assert_eq!(
+            (continued.session_id.as_str(), continued.step, continued.namespace.as_str()),
+            (opened.session_id.as_str(), 2, opened.namespace.as_str())
+        );
+        drop(first);
+
+        // Step 2 resent (its answer lost, as far as the host knows): answered as it was, not run again.
+        let resent = call(&mut second, 2, pb::Phase::Forward, forward, &digits_step(2)).await;
+        let (was, again) = (step2.last().unwrap(), resent.last().unwrap());
+        assert_eq!((again.loss, &again.data), (was.loss, &was.data), "the resent step's answer is the first one's");
+        assert_eq!(save(&mut second, 3, "after-resend").await.saved.expect("saved").step, 2, "step 2 was taken once");
+        train_step(&mut second, 4).await;
+        assert_eq!(save(&mut second, 5, "later").await.saved.expect("saved").step, 3);
+
+        // Broken again and not continued within `session_idle_timeout`: closed, the bundle free.
+        cut.abort();
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        let reattach_once = pb::OpenSession {
+            reattach: Some(pb::Reattach { session_id: opened.session_id.clone(), token: opened.reattach_token.clone() }),
+            ..Default::default()
+        };
+        let (_, gone) = open_session(&server.url, &bundle, reattach_once).await;
+        let (code, message) = error_of(&gone);
+        assert_eq!(code, tonic::Code::FailedPrecondition, "{message}");
+        assert!(message.contains("not waiting to be continued"), "{message}");
+        drop(second);
+
+        // A host that ends its stream cleanly closes its session at once, reattachable or not.
+        let (third, _) = open_when_free(&server.url, &bundle, pb::OpenSession { reattachable: true, ..open_digits(7, 12, "cross-entropy") }).await;
+        let (frames, mut replies) = third;
+        drop(frames);
+        assert!(replies.next().await.is_none(), "the server ends its side");
+        let (_, reopened) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        assert!(reopened.opened.is_some(), "the bundle is free at once: {reopened:?}");
+        server.shutdown().await.unwrap();
     });
 }

@@ -169,6 +169,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             loss: if tail == n { train.loss.name().to_string() } else { String::new() },
             seed: train.seed,
             resume: server_resume,
+            ..Default::default()
         };
         let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
         let (link, opened) = TrainLink::open(&mut s, request).await?;

@@ -11,5 +11,6 @@
 
 pub(crate) mod admission;
 pub(crate) mod checkpoints;
+pub(crate) mod parking;
 pub(crate) mod session;
 pub(crate) mod stream;

@@ -1,8 +1,12 @@
 //! A training session's own thread: it owns a fresh copy of the session's stages in
 //! training mode and its optimizer, and runs the calls its stream hands it one at a time
 //! (forward, U-shaped backward, evaluation, checkpoint). The step math is the one the edge
-//! runs too (`cleave_common::training::step`).
+//! runs too (`cleave_common::training::step`). It remembers its last answer, so that a call
+//! its host resends on a new stream (the answer was lost with the old one) is answered again
+//! instead of run twice.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
@@ -62,9 +66,22 @@ pub(crate) enum Answer {
     Saved { name: String, step: u64 },
 }
 
+impl Answer {
+    /// The same answer, its tensors shared.
+    fn shallow_clone(&self) -> Self {
+        match self {
+            Self::Gradients { loss, grads } => Self::Gradients { loss: *loss, grads: grads.shallow_clone() },
+            Self::Output(out) => Self::Output(out.shallow_clone()),
+            Self::Saved { name, step } => Self::Saved { name: name.clone(), step: *step },
+        }
+    }
+}
+
 type Reply = oneshot::Sender<Result<(Answer, Duration), RequestError>>;
 
 struct CallJob {
+    /// The host's id for the call: a resent call has the id it had.
+    id: u64,
     call: Call,
     reply: Reply,
 }
@@ -97,6 +114,10 @@ struct Session {
     pending: Option<PendingStep>,
     /// Where it saves, held while the session lives.
     namespace: Option<Namespace>,
+    /// The id of the last call that was answered, and its answer.
+    last: Option<(u64, Answer)>,
+    /// `step`, for the streams (a continued session reports it).
+    shared_step: Arc<AtomicU64>,
 }
 
 impl Session {
@@ -122,14 +143,20 @@ impl Session {
             }
             step = meta.step;
         }
-        Ok(Self { stages, optimizer, loss: setup.loss, seed: setup.seed, step, pending: None, namespace })
+        let shared_step = Arc::new(AtomicU64::new(step));
+        Ok(Self { stages, optimizer, loss: setup.loss, seed: setup.seed, step, pending: None, namespace, last: None, shared_step })
     }
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
     /// optimizer step overlaps with sending the gradient back.
     /// `reply` is taken when answered; a caller that catches a panic answers it if not.
-    fn handle(&mut self, call: Call, started: Instant, reply: &mut Option<Reply>) {
+    fn handle(&mut self, id: u64, call: Call, started: Instant, reply: &mut Option<Reply>) {
+        // What was answered, remembered once the call is done (its step included).
+        let mut answered = None;
         let mut answer = |r: Result<Answer, RequestError>| {
+            if let Ok(a) = &r {
+                answered = Some(a.shallow_clone());
+            }
             if let Some(reply) = reply.take() {
                 let _ = reply.send(r.map(|a| (a, started.elapsed())));
             }
@@ -169,6 +196,9 @@ impl Session {
                 }
                 answer(saved.map(|_bytes| Answer::Saved { name, step: self.step }))
             }
+        }
+        if let Some(answer) = answered {
+            self.last = Some((id, answer));
         }
     }
 
@@ -212,12 +242,20 @@ impl Session {
     fn finish_step(&mut self, param_grads: Grads) {
         self.optimizer.step(self.stages.parameters(), &param_grads);
         self.step += 1;
+        self.shared_step.store(self.step, Ordering::Relaxed);
+    }
+
+    /// The answer to call `id` when it is the last call answered (a resend).
+    fn answered(&self, id: u64) -> Option<Answer> {
+        self.last.as_ref().filter(|(last, _)| *last == id).map(|(_, answer)| answer.shallow_clone())
     }
 }
 
 /// The channel to a session's thread.
 pub(crate) struct SessionHandle {
     calls: mpsc::Sender<CallJob>,
+    /// The steps the session has taken.
+    step: Arc<AtomicU64>,
 }
 
 impl SessionHandle {
@@ -227,7 +265,7 @@ impl SessionHandle {
     pub(crate) async fn spawn(setup: SessionSetup, id: &str, metrics: Metrics) -> Result<(Self, Opened), RequestError> {
         // Calls come one at a time per stream; the channel only hands them over.
         let (tx, mut rx) = mpsc::channel::<CallJob>(2);
-        let (opened_tx, opened_rx) = oneshot::channel();
+        let (opened_tx, opened_rx) = oneshot::channel::<Result<(Opened, Arc<AtomicU64>), RequestError>>();
         let id = id.to_string();
         let turns = setup.turns.clone();
         let model = setup.bundle.id().to_string();
@@ -245,7 +283,8 @@ impl SessionHandle {
                     Ok(s) => {
                         let device = cleave_common::device::device_name(s.stages.device());
                         let namespace = s.namespace.as_ref().map(|n| n.name().to_string()).unwrap_or_default();
-                        let _ = opened_tx.send(Ok(Opened { step: s.step, parameters: s.stages.parameter_count(), device, namespace }));
+                        let opened = Opened { step: s.step, parameters: s.stages.parameter_count(), device, namespace };
+                        let _ = opened_tx.send(Ok((opened, Arc::clone(&s.shared_step))));
                         s
                     }
                     Err(e) => {
@@ -254,6 +293,10 @@ impl SessionHandle {
                     }
                 };
                 while let Some(job) = rx.blocking_recv() {
+                    if let Some(answer) = session.answered(job.id) {
+                        let _ = job.reply.send(Ok((answer, Duration::ZERO)));
+                        continue;
+                    }
                     if abandoned(&job) {
                         continue;
                     }
@@ -271,7 +314,8 @@ impl SessionHandle {
                         continue;
                     }
                     let mut reply = Some(job.reply);
-                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.handle(job.call, Instant::now(), &mut reply)));
+                    let handled =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.handle(job.id, job.call, Instant::now(), &mut reply)));
                     if let Err(panic) = handled {
                         // The call is answered INTERNAL; a step it left half done is dropped,
                         // and the session goes on with the next call.
@@ -285,14 +329,20 @@ impl SessionHandle {
                 }
             })
             .map_err(|e| RequestError::Session(format!("cannot start the session thread: {e}")))?;
-        let opened = opened_rx.await.map_err(|_| Internal::SessionGone)??;
-        Ok((Self { calls: tx }, opened))
+        let (opened, step) = opened_rx.await.map_err(|_| Internal::SessionGone)??;
+        Ok((Self { calls: tx, step }, opened))
     }
 
-    /// Runs one call on the session thread; returns the answer and the time it took there.
-    pub(crate) async fn call(&self, call: Call) -> Result<(Answer, Duration), RequestError> {
+    /// Runs call `id` on the session thread (or answers it again, when it is the last call
+    /// answered); returns the answer and the time it took there.
+    pub(crate) async fn call(&self, id: u64, call: Call) -> Result<(Answer, Duration), RequestError> {
         let (tx, rx) = oneshot::channel();
-        self.calls.send(CallJob { call, reply: tx }).await.map_err(|_| Internal::SessionGone)?;
+        self.calls.send(CallJob { id, call, reply: tx }).await.map_err(|_| Internal::SessionGone)?;
         rx.await.map_err(|_| Internal::SessionGone)?
+    }
+
+    /// The steps the session has taken.
+    pub(crate) fn step(&self) -> u64 {
+        self.step.load(Ordering::Relaxed)
     }
 }

@@ -1,7 +1,8 @@
 //! One `Train` stream: opens the session from the first frame, then reassembles each call's
 //! payload, decodes it (blocking pool), runs it on the session thread and sends the answer
 //! back framed like a result, in order: one reply or one error per call, and a failed call
-//! leaves the session open.
+//! leaves the session open. A session opened reattachable outlives a broken stream
+//! (`parking`), and a new stream continues it.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::admission::Training;
+use super::parking::{Attached, Parking};
 use super::session::{Answer, Call, SessionHandle};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, Internal, RequestError};
@@ -34,6 +36,8 @@ pub(crate) struct TrainContext {
     pub(crate) limits: Limits,
     pub(crate) security: Arc<ServerSecurity>,
     pub(crate) training: Training,
+    /// Where a reattachable session waits for its host when its stream breaks.
+    pub(crate) parking: Parking,
     /// The memory every stream's payloads share.
     pub(crate) budget: MemoryBudget,
     /// From a payload's first frame to its last.
@@ -46,20 +50,34 @@ pub(crate) struct TrainContext {
 
 /// What the stream waits for next.
 enum Next {
-    Frame(pb::TrainFrame),
+    /// Boxed: a frame is far larger than the other variants.
+    Frame(Box<pb::TrainFrame>),
     /// The payload part-way in did not finish within `limits.request_timeout`.
     Stalled,
     /// Nothing came within `training.session_idle_timeout`.
     Idle,
     Draining,
+    /// The host closed its side of the stream: it is done with the session.
     End,
+    /// The stream failed (reset, connection lost).
+    Broken,
+}
+
+/// How a stream's calls ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamEnd {
+    /// The host ended it, or the server did (idle, draining): the session closes.
+    Closed,
+    /// It broke with the host still there or not: a reattachable session is kept.
+    Broken,
 }
 
 fn error_reply(request_id: u64, e: &RequestError) -> TrainReply {
     TrainReply { request_id, last: true, error: Some(error_frame(e)), ..Default::default() }
 }
 
-/// Serves one `Train` stream: opens the session, then answers its calls in order.
+/// Serves one `Train` stream: opens the session (or continues a kept one), then answers
+/// its calls in order. A reattachable session whose stream breaks is kept for its host.
 pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: TrainContext, out: mpsc::Sender<Result<TrainReply, Status>>) {
     let first = tokio::time::timeout(ctx.training.options.session_idle_timeout, inbound.next()).await.unwrap_or(None);
     let open = match first {
@@ -70,37 +88,69 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         }
         _ => return,
     };
-    let opened = async {
-        let setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), &open)?;
-        let slot = ctx.training.admit(&ctx.model.bundle)?;
-        let (session, opened) = SessionHandle::spawn(setup, &slot.id, ctx.metrics.clone()).await?;
-        Ok::<_, RequestError>((slot, session, opened))
-    }
-    .await;
-    let (slot, session, opened) = match opened {
-        Ok(x) => x,
+    let attached = match &open.reattach {
+        Some(reattach) => ctx.parking.take(reattach, ctx.model.bundle.id()),
+        None => open_session(&ctx, &open).await,
+    };
+    let attached = match attached {
+        Ok(attached) => attached,
         Err(e) => {
             tracing::info!(error = %e, "training session refused");
             let _ = out.send(Ok(error_reply(0, &e))).await;
             return;
         }
     };
+    let reply = pb::SessionOpened {
+        session_id: attached.slot.id.clone(),
+        step: attached.session.step(),
+        parameters: attached.parameters,
+        device: attached.device.clone(),
+        namespace: attached.namespace.clone(),
+        reattach_token: attached.reattach_token.clone().unwrap_or_default(),
+    };
+    let ended = if out.send(Ok(TrainReply { opened: Some(reply), last: true, ..Default::default() })).await.is_err() {
+        StreamEnd::Broken
+    } else {
+        let _open = ctx.metrics.stream_open("train");
+        answer_calls(&mut inbound, &ctx, &out, &attached).await
+    };
+    if ended == StreamEnd::Broken && attached.reattach_token.is_some() {
+        ctx.parking.keep(attached, ctx.training.options.session_idle_timeout);
+    }
+}
+
+/// Opens a new session for `open` on the stream's model.
+async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Attached, RequestError> {
+    let setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), open)?;
+    let slot = ctx.training.admit(&ctx.model.bundle)?;
+    let (session, opened) = SessionHandle::spawn(setup, &slot.id, ctx.metrics.clone()).await?;
     tracing::info!(
         session = %slot.id, start = open.start, end = open.end, step = opened.step, device = %opened.device, namespace = %opened.namespace,
-        "training session open"
+        reattachable = open.reattachable, "training session open"
     );
-    let reply = pb::SessionOpened {
-        session_id: slot.id.clone(),
-        step: opened.step,
+    Ok(Attached {
+        slot,
+        session,
+        bundle_id: ctx.model.bundle.id().to_string(),
+        start: open.start,
+        end: open.end,
+        reattach_token: open.reattachable.then(|| hex::encode(rand::random::<[u8; 32]>())),
         parameters: opened.parameters,
         device: opened.device,
         namespace: opened.namespace,
-    };
-    if out.send(Ok(TrainReply { opened: Some(reply), last: true, ..Default::default() })).await.is_err() {
-        return;
-    }
-    let _open = (ctx.metrics.stream_open("train"), ctx.metrics.session_open());
-    let mut stream = CallStream::new(&ctx, open.start, open.end);
+        _open: ctx.metrics.session_open(),
+    })
+}
+
+/// Answers the calls of a stream in order until it ends.
+async fn answer_calls(
+    inbound: &mut Streaming<pb::TrainFrame>,
+    ctx: &TrainContext,
+    out: &mpsc::Sender<Result<TrainReply, Status>>,
+    attached: &Attached,
+) -> StreamEnd {
+    let (slot, session) = (&attached.slot, &attached.session);
+    let mut stream = CallStream::new(ctx, attached.start, attached.end);
     // When the payload part-way in must be complete.
     let mut deadline: Option<tokio::time::Instant> = None;
     loop {
@@ -108,10 +158,13 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         let next = tokio::select! {
             biased;
             () = ctx.draining.cancelled() => Next::Draining,
+            // The response went (reset, connection closed): nobody reads the answers.
+            () = out.closed() => Next::Broken,
             () = tokio::time::sleep_until(wait_until) => if deadline.is_some() { Next::Stalled } else { Next::Idle },
             frame = inbound.next() => match frame {
-                Some(Ok(frame)) => Next::Frame(frame),
-                _ => Next::End,
+                Some(Ok(frame)) => Next::Frame(Box::new(frame)),
+                Some(Err(_)) => Next::Broken,
+                None => Next::End,
             },
         };
         let frame = match next {
@@ -120,14 +173,15 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                 if let Some(train_frame::Kind::Payload(p)) = &frame.kind {
                     ctx.metrics.received(ctx.model.bundle.id(), (p.header.len() + p.data.len()) as u64);
                 }
-                frame
+                *frame
             }
-            Next::End => break,
+            Next::End => return StreamEnd::Closed,
+            Next::Broken => return StreamEnd::Broken,
             Next::Stalled => {
                 deadline = None;
                 if let Some(id) = stream.frames.give_up() {
                     if out.send(Ok(error_reply(id, &RequestError::Stalled(ctx.request_timeout)))).await.is_err() {
-                        return;
+                        return StreamEnd::Broken;
                     }
                 }
                 continue;
@@ -143,14 +197,14 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                 };
                 tracing::info!(session = %slot.id, error = %e, "training session ended by the server");
                 let _ = out.send(Ok(error_reply(stream.frames.give_up().unwrap_or(0), &e))).await;
-                break;
+                return StreamEnd::Closed;
             }
         };
         let mut held = Reservation::none();
         let replies = match frame.kind {
             Some(train_frame::Kind::Save(save)) => {
                 // The session thread checks the name and the quotas, and writes.
-                vec![match session.call(Call::Save { name: save.name }).await {
+                vec![match session.call(save.request_id, Call::Save { name: save.name }).await {
                     Ok((Answer::Saved { name, step }, _)) => {
                         TrainReply { request_id: save.request_id, last: true, saved: Some(pb::CheckpointSaved { name, step }), ..Default::default() }
                     }
@@ -171,8 +225,8 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
                     // call with it: dropping the call before the session thread has the
                     // device means it is never run.
                     let replies = tokio::select! {
-                        replies = stream.answer(assembly, phase, &session) => replies,
-                        () = out.closed() => return,
+                        replies = stream.answer(assembly, phase, session) => replies,
+                        () = out.closed() => return StreamEnd::Broken,
                     };
                     // The call's reservation becomes its answer's, held until written.
                     match ctx.budget.resize(bytes, replies.iter().map(wire_bytes).sum()).await {
@@ -195,11 +249,10 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
             ctx.metrics.sent(ctx.model.bundle.id(), (r.header.len() + r.data.len()) as u64);
             ctx.unsent.hold(&r, &mut held);
             if out.send(Ok(r)).await.is_err() {
-                return; // The host is gone; dropping the session's handle ends its thread.
+                return StreamEnd::Broken;
             }
         }
     }
-    drop(slot);
 }
 
 /// The payload side of a stream: reassembly, decoding and encoding answers.
@@ -305,7 +358,7 @@ impl CallStream {
             Phase::Backward => Call::Backward { grads: boundary },
             _ => Call::Evaluate { input: boundary },
         };
-        let (answer, compute) = match session.call(call).await {
+        let (answer, compute) = match session.call(id, call).await {
             Ok(a) => a,
             Err(e) => return vec![error_reply(id, &e)],
         };
