@@ -64,6 +64,10 @@ pub enum HostError {
     /// The server broke the protocol (an answer out of order, a missing reply).
     #[error("{0}")]
     Stream(String),
+    /// The connection or stream to the server broke (a training link continues its session
+    /// on a new one).
+    #[error("the link to the server broke: {0}")]
+    Lost(String),
     /// The run cannot work as configured (a batch too large, a split after the tail...).
     #[error("{0}")]
     Invalid(String),

@@ -41,6 +41,8 @@ struct Run<'a> {
     write_bundle: bool,
     /// The boundary codec (gradients come back with it too).
     codec: &'a str,
+    /// A server of the test's own (otherwise a loopback one).
+    server: Option<String>,
 }
 
 impl<'a> Run<'a> {
@@ -50,7 +52,7 @@ impl<'a> Run<'a> {
             "bert" | "gpt2" => bert_data(),
             _ => bn_dropout_data(),
         };
-        Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: false, codec: "raw" }
+        Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: false, codec: "raw", server: None }
     }
 
     fn u_shaped(mut self, tail: usize) -> Self {
@@ -70,9 +72,10 @@ impl<'a> Run<'a> {
         let write_bundle = if self.write_bundle { "  write_bundle: true\n" } else { "" };
         let resume = self.resume.as_ref().map(|r| format!("  resume: {r}\n")).unwrap_or_default();
         let yaml = format!(
-            "server: http://127.0.0.1:1\nbundle: {bundle}\nsplit: {split}\ndevice: cpu\noutput: {out}\ncodec: \"{codec}\"\nloopback: {{ device: cpu }}\n\
+            "server: {server}\nbundle: {bundle}\nsplit: {split}\ndevice: cpu\noutput: {out}\ncodec: \"{codec}\"\nloopback: {{ device: cpu }}\n\
              train:\n  mode: {mode}\n{tail}  data: {{ train: {train}, test: {test}, targets: label }}\n  epochs: 5\n  batch_size: 16\n  \
              eval_batch_size: 16\n  shuffle_seed: 3\n  seed: 11\n  max_steps: {steps}\n  optimizer: {opt}\n  loss: cross-entropy\n{write_bundle}{resume}",
+            server = self.server.as_deref().unwrap_or("http://127.0.0.1:1"),
             bundle = bundle_dir(self.bundle).display(),
             split = self.split,
             out = out.display(),
@@ -87,7 +90,7 @@ impl<'a> Run<'a> {
         let path = out.join("edge.yaml");
         std::fs::write(&path, edit(yaml)).unwrap();
         let config = EdgeConfig::load(&path)?;
-        let opts = RunOptions { loopback: self.mode != "monolithic", split: None, output: None, ..RunOptions::default() };
+        let opts = RunOptions { loopback: self.mode != "monolithic" && self.server.is_none(), split: None, output: None, ..RunOptions::default() };
         Ok(runtime().block_on(cleave_host::training::run(config, opts))?)
     }
 }
@@ -940,4 +943,80 @@ fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answer
         assert!(reopened.opened.is_some(), "the bundle is free at once: {reopened:?}");
         server.shutdown().await.unwrap();
     });
+}
+
+/// A TCP relay to `server_url` for any number of connections, whose first connection is cut
+/// once the server has sent `cut_after` bytes on it, as a failing network would cut it;
+/// counts the connections made.
+async fn flaky_relay(server_url: &str, cut_after: usize) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::ErrorKind::WouldBlock;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::net::{TcpListener, TcpStream};
+    async fn pump(from: &TcpStream, to: &TcpStream, mut budget: usize) {
+        let mut buf = vec![0u8; 16 * 1024];
+        while budget > 0 {
+            let n = match from.readable().await.and_then(|()| from.try_read(&mut buf)) {
+                Ok(0) => return,
+                Ok(n) => n.min(budget),
+                Err(e) if e.kind() == WouldBlock => continue,
+                Err(_) => return,
+            };
+            budget -= n;
+            let mut sent = 0;
+            while sent < n {
+                match to.writable().await.and_then(|()| to.try_write(&buf[sent..n])) {
+                    Ok(k) => sent += k,
+                    Err(e) if e.kind() == WouldBlock => continue,
+                    Err(_) => return,
+                }
+            }
+        }
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let target = server_url.trim_start_matches("http://").to_string();
+    let connections = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&connections);
+    tokio::spawn(async move {
+        while let Ok((host_side, _)) = listener.accept().await {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            let target = target.clone();
+            tokio::spawn(async move {
+                let server_side = TcpStream::connect(target).await.unwrap();
+                let down = if first { cut_after } else { usize::MAX };
+                // Either direction ending ends the connection: both sockets are dropped.
+                tokio::select! {
+                    () = pump(&host_side, &server_side, usize::MAX) => {}
+                    () = pump(&server_side, &host_side, down) => {}
+                }
+            });
+        }
+    });
+    (url, connections)
+}
+
+#[test]
+fn a_split_run_whose_connection_is_cut_continues_its_session_and_trains_exactly_as_an_uncut_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let uncut = Run::new("digits", "split", 7, SGD);
+    assert_eq!(uncut.train(&tmp.path().join("uncut")).total_steps, STEPS);
+    let out = tmp.path().join("cut");
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    // The server and the relay run on a runtime of their own, beside the host's.
+    let serving = runtime();
+    let (server, relay, connections) = serving.block_on(async {
+        let options = TrainingOptions { checkpoint_dir: Some(out.join("checkpoints/server")), ..TrainingOptions::default() };
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        // About six steps' answers (a 16 x 32 x 4 x 4 gradient each) pass before the cut.
+        let (relay, connections) = flaky_relay(&server.url, 200_000).await;
+        (server, relay, connections)
+    });
+    let cut = Run { server: Some(relay), ..Run::new("digits", "split", 7, SGD) };
+    assert_eq!(cut.train(&out).total_steps, STEPS);
+    let reconnected = connections.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(reconnected >= 2, "the host connected again after the cut ({reconnected} connections)");
+    let diff = max_abs_diff(&trained_state(&out, STEPS), &trained_state(&tmp.path().join("uncut"), STEPS));
+    assert_eq!(diff, 0.0, "a run whose link was cut differs from an uncut one by {diff:e}: a step taken twice or lost");
+    serving.block_on(server.shutdown()).unwrap();
 }

@@ -3,18 +3,24 @@
 //! Training is a strict sequence (a step's gradient must come back before the prefix can
 //! step), so the link offers blocking calls; each drives the async stream with the runtime
 //! handle. It must therefore be used from a blocking thread, never from an async task.
+//!
+//! The session is opened reattachable: when the connection breaks, the link connects again
+//! (`retry:`), continues the session with its token and resends the call under its id; the
+//! server answers a call it had already run from memory, so no step is taken twice. The link
+//! ends the session by closing its side of the stream ([`TrainLink::close`]).
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
 use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
-use cleave_common::Boundary;
+use cleave_common::{Boundary, Bundle};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
+use crate::config::RetryPolicy;
 use crate::error::{HostError, Result};
-use crate::session::EdgeSession;
+use crate::session::{connect_retrying, EdgeSession, Link};
 
 /// An answer from the server.
 pub(crate) struct Answer {
@@ -24,17 +30,47 @@ pub(crate) struct Answer {
     pub(crate) loss: Option<f64>,
 }
 
+/// What the answers of a stream are received with: each stream's answers are sealed under a
+/// nonce prefix of their own, so a new stream gets new receivers.
+struct AnswerReceivers {
+    ring: KeyRing,
+    policy: CodecPolicy,
+    max_payload: u64,
+}
+
+impl AnswerReceivers {
+    /// Receivers of results and of gradients.
+    fn new_pair(&self) -> (PayloadReceiver, PayloadReceiver) {
+        let receiver = |d| PayloadReceiver::new(d, self.max_payload, self.policy.clone(), &self.ring);
+        (receiver(Direction::Result), receiver(Direction::Gradient))
+    }
+}
+
+/// How to reach the server again when the connection breaks.
+pub(crate) struct Reconnect {
+    pub(crate) url: String,
+    pub(crate) bundle: Bundle,
+    pub(crate) link: Link,
+    pub(crate) retry: RetryPolicy,
+}
+
 /// An open training session.
 pub(crate) struct TrainLink {
     runtime: Handle,
+    /// The connection the stream runs on.
+    session: EdgeSession,
     frames: mpsc::Sender<TrainFrame>,
     replies: Streaming<TrainReply>,
+    reconnect: Reconnect,
+    /// What continues the session on a new stream.
+    reattach: pb::Reattach,
     codec: Codec,
     /// One sender per direction, so each has its own nonce sequence when sealed.
     boundaries: PayloadSender,
     gradients: PayloadSender,
     results: PayloadReceiver,
     gradient_results: PayloadReceiver,
+    answers: AnswerReceivers,
     chunk_bytes: usize,
     next_id: u64,
     start: u32,
@@ -51,21 +87,33 @@ pub(crate) struct SessionRequest {
 }
 
 fn closed() -> HostError {
-    HostError::Stream("the server closed the training stream".into())
+    HostError::Lost("the server closed the training stream".into())
+}
+
+/// Opens a `Train` stream on `session` with `open` as its first frame; returns it and the
+/// session the server opened (or continued).
+async fn open_stream(
+    session: &mut EdgeSession,
+    open: pb::OpenSession,
+) -> Result<(mpsc::Sender<TrainFrame>, Streaming<TrainReply>, pb::SessionOpened)> {
+    let (frames, rx) = mpsc::channel::<TrainFrame>(64);
+    let call = session.model_request(ReceiverStream::new(rx));
+    frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.map_err(|_| closed())?;
+    let mut replies = session.client.train(call).await.map_err(|s| HostError::rpc("Train", &s))?.into_inner();
+    let first = next_reply(&mut replies).await?;
+    let opened = first.opened.ok_or_else(|| HostError::Stream("the server did not open the session".into()))?;
+    Ok((frames, replies, opened))
 }
 
 impl TrainLink {
-    /// Opens a session on a connected client (from async code); the server loads its stages
-    /// before it answers.
-    pub(crate) async fn open(session: &mut EdgeSession, request: SessionRequest) -> Result<(Self, pb::SessionOpened)> {
-        let (frames, rx) = mpsc::channel::<TrainFrame>(64);
-        let call = session.model_request(ReceiverStream::new(rx));
+    /// Opens a reattachable session on a connected client (from async code); the server
+    /// loads its stages before it answers.
+    pub(crate) async fn open(mut session: EdgeSession, request: SessionRequest, reconnect: Reconnect) -> Result<(Self, pb::SessionOpened)> {
         let (start, end) = (request.open.start, request.open.end);
         let server_has_loss = end as usize == session.model.stage_count;
-        frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(request.open)) }).await.map_err(|_| closed())?;
-        let mut replies = session.client.train(call).await.map_err(|s| HostError::rpc("Train", &s))?.into_inner();
-        let first = next_reply(&mut replies).await?;
-        let opened = first.opened.ok_or_else(|| HostError::Stream("the server did not open the session".into()))?;
+        let open = pb::OpenSession { reattachable: true, ..request.open };
+        let (frames, replies, opened) = open_stream(&mut session, open).await?;
+        let reattach = pb::Reattach { session_id: opened.session_id.clone(), token: opened.reattach_token.clone() };
         let ring = KeyRing::new(request.key.clone()).expect("one key");
         let sender = || -> Result<PayloadSender> {
             Ok(match &request.key {
@@ -75,17 +123,23 @@ impl TrainLink {
         };
         // Answers must come back sealed when calls go sealed: a stripped seal is refused.
         let policy = CodecPolicy { require_encryption: request.key.is_some(), ..CodecPolicy::default() };
-        let receiver = |d| PayloadReceiver::new(d, session.max_payload_bytes(), policy.clone(), &ring);
+        let answers = AnswerReceivers { ring: ring.clone(), policy, max_payload: session.max_payload_bytes() };
+        let (results, gradient_results) = answers.new_pair();
+        let chunk_bytes = session.chunk_bytes();
         let link = Self {
             runtime: Handle::current(),
+            session,
             frames,
             replies,
+            reconnect,
+            reattach,
             codec: request.codec,
             boundaries: sender()?,
             gradients: sender()?,
-            results: receiver(Direction::Result),
-            gradient_results: receiver(Direction::Gradient),
-            chunk_bytes: session.chunk_bytes(),
+            results,
+            gradient_results,
+            answers,
+            chunk_bytes,
             next_id: 1,
             start,
             end,
@@ -113,6 +167,62 @@ impl TrainLink {
     /// Asks the server to write its checkpoint `name`; returns the step it holds.
     pub(crate) fn save(&mut self, name: &str) -> Result<u64> {
         let id = self.take_id();
+        self.reattaching(|link| link.try_save(id, name))
+    }
+
+    /// Ends the session: closes this side of the stream and waits for the server to end its
+    /// own, so that it does not keep the session for a host that has finished.
+    pub(crate) fn close(self) {
+        let Self { runtime, frames, mut replies, .. } = self;
+        drop(frames);
+        let ended =
+            runtime.block_on(tokio::time::timeout(std::time::Duration::from_secs(10), async { while let Some(Ok(_)) = replies.next().await {} }));
+        if ended.is_err() {
+            tracing::warn!("the server did not end the training stream within 10 s; the session closes when its idle timeout passes");
+        }
+    }
+
+    /// Runs `call` (one attempt of a call under its id); when the link broke, continues the
+    /// session on a new connection and tries again, up to `retry.max_attempts` times.
+    fn reattaching<T>(&mut self, mut call: impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+        let mut attempts = 1;
+        loop {
+            match call(self) {
+                Err(HostError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
+                    attempts += 1;
+                    tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
+                    self.reattach_session()?;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Connects again and continues the session on a new stream.
+    fn reattach_session(&mut self) -> Result<()> {
+        let r = &self.reconnect;
+        let open = pb::OpenSession { reattach: Some(self.reattach.clone()), ..Default::default() };
+        let (session, frames, replies) = self.runtime.block_on(async {
+            let mut session = connect_retrying(&r.url, &r.bundle, &r.link, &r.retry).await?;
+            // The server may not have noticed yet that the old stream broke: it says so, and
+            // the session is asked for again a little later.
+            let mut backoff = r.retry.backoff();
+            loop {
+                match open_stream(&mut session, open.clone()).await {
+                    Ok((frames, replies, _)) => return Ok((session, frames, replies)),
+                    Err(HostError::Refused(m)) if m.contains("not waiting to be continued") => {
+                        tokio::time::sleep(backoff.next().unwrap_or(r.retry.max_backoff)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        })?;
+        (self.session, self.frames, self.replies) = (session, frames, replies);
+        (self.results, self.gradient_results) = self.answers.new_pair();
+        Ok(())
+    }
+
+    fn try_save(&mut self, id: u64, name: &str) -> Result<u64> {
         let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() })) };
         let (frames, replies) = (&self.frames, &mut self.replies);
         self.runtime.block_on(async {
@@ -131,6 +241,12 @@ impl TrainLink {
 
     fn call(&mut self, phase: Phase, direction: Direction, split: u32, boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
         let id = self.take_id();
+        self.reattaching(|link| link.try_call(id, phase, (direction, split), boundary, expect))
+    }
+
+    /// One attempt of call `id`: `to` is the direction and cut of what is sent.
+    fn try_call(&mut self, id: u64, phase: Phase, to: (Direction, u32), boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
+        let (direction, split) = to;
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
         let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
         let parts = frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes);
@@ -167,7 +283,7 @@ impl TrainLink {
 async fn next_reply(replies: &mut Streaming<TrainReply>) -> Result<TrainReply> {
     let reply = match replies.next().await {
         Some(Ok(reply)) => reply,
-        Some(Err(status)) => return Err(HostError::Stream(format!("training stream failed: {:?}: {}", status.code(), status.message()))),
+        Some(Err(status)) => return Err(HostError::Lost(format!("training stream failed: {:?}: {}", status.code(), status.message()))),
         None => return Err(closed()),
     };
     if let Some(e) = &reply.error {

@@ -39,7 +39,7 @@ use crate::plots::training::plot_training;
 use crate::run::RunOptions;
 use crate::session::{connect, Link};
 use data::Dataset;
-use link::{SessionRequest, TrainLink};
+use link::{Reconnect, SessionRequest, TrainLink};
 pub use report::{EpochRecord, TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
 
 /// The host's checkpoint file inside a checkpoint directory (`checkpoints/step-N/`).
@@ -156,11 +156,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     };
     let step = resumed.unwrap_or(0);
 
-    let mut session = None;
     let mut server_namespace = String::new();
     let link = if remote {
         let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-        let mut s = connect(&url, &bundle, &Link::of(&config)).await?;
+        let s = connect(&url, &bundle, &Link::of(&config)).await?;
         s.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
         let open = pb::OpenSession {
             start: split as u32,
@@ -172,7 +171,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             ..Default::default()
         };
         let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
-        let (link, opened) = TrainLink::open(&mut s, request).await?;
+        let reconnect = Reconnect { url: url.clone(), bundle: bundle.clone(), link: Link::of(&config), retry: config.resilience.retry };
+        let (link, opened) = TrainLink::open(s, request, reconnect).await?;
         if opened.step != step {
             return Err(HostError::Invalid(format!(
                 "the server resumed at step {}, this host at step {step}: the checkpoints are of different moments",
@@ -191,7 +191,6 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             opened.parameters
         );
         server_namespace = opened.namespace;
-        session = Some(s);
         Some(link)
     } else {
         println!("monolithic training {}: every stage on {}", bundle.manifest().model.source, device_name(config.device.resolve()?));
@@ -215,7 +214,6 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set))
         .await
         .map_err(|e| HostError::Invalid(format!("the training thread failed: {e}")))??;
-    drop(session);
     if let Some(server) = loopback {
         server.shutdown().await?;
     }
@@ -408,6 +406,9 @@ impl Trainer {
                 "no step was trained: the run was already at step {} (max_steps) or past its last epoch",
                 self.step
             )));
+        }
+        if let Some(link) = self.link.take() {
+            link.close();
         }
         Ok(Outcome { epochs, step_ms, steps: steps_log, step: self.step, last_checkpoint })
     }
