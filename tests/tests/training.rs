@@ -822,37 +822,39 @@ fn the_server_wide_checkpoint_quota_spans_every_namespace_and_deletes_nothing() 
     });
 }
 
-/// A TCP relay to `server_url` for one connection, as a network path the test can cut: the
-/// server then sees the connection lost, as when a host's link fails.
-async fn relay(server_url: &str) -> (String, tokio::task::JoinHandle<()>) {
+/// Relays bytes from `from` to `to` until either side closes or `budget` bytes have passed.
+async fn pump(from: &tokio::net::TcpStream, to: &tokio::net::TcpStream, mut budget: usize) {
     use std::io::ErrorKind::WouldBlock;
-    use tokio::net::{TcpListener, TcpStream};
-    async fn pump(from: &TcpStream, to: &TcpStream) {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = match from.readable().await.and_then(|()| from.try_read(&mut buf)) {
-                Ok(0) => return,
-                Ok(n) => n,
+    let mut buf = vec![0u8; 16 * 1024];
+    while budget > 0 {
+        let n = match from.readable().await.and_then(|()| from.try_read(&mut buf)) {
+            Ok(0) => return,
+            Ok(n) => n.min(budget),
+            Err(e) if e.kind() == WouldBlock => continue,
+            Err(_) => return,
+        };
+        budget -= n;
+        let mut sent = 0;
+        while sent < n {
+            match to.writable().await.and_then(|()| to.try_write(&buf[sent..n])) {
+                Ok(k) => sent += k,
                 Err(e) if e.kind() == WouldBlock => continue,
                 Err(_) => return,
-            };
-            let mut sent = 0;
-            while sent < n {
-                match to.writable().await.and_then(|()| to.try_write(&buf[sent..n])) {
-                    Ok(k) => sent += k,
-                    Err(e) if e.kind() == WouldBlock => continue,
-                    Err(_) => return,
-                }
             }
         }
     }
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+}
+
+/// A TCP relay to `server_url` for one connection, as a network path the test can cut (by
+/// aborting the task): the server then sees the connection lost, as when a host's link fails.
+async fn relay(server_url: &str) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let target = server_url.trim_start_matches("http://").to_string();
     let task = tokio::spawn(async move {
         let (host_side, _) = listener.accept().await.unwrap();
-        let server_side = TcpStream::connect(target).await.unwrap();
-        tokio::join!(pump(&host_side, &server_side), pump(&server_side, &host_side));
+        let server_side = tokio::net::TcpStream::connect(target).await.unwrap();
+        tokio::join!(pump(&host_side, &server_side, usize::MAX), pump(&server_side, &host_side, usize::MAX));
     });
     (url, task)
 }
@@ -949,29 +951,8 @@ fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answer
 /// once the server has sent `cut_after` bytes on it, as a failing network would cut it;
 /// counts the connections made.
 async fn flaky_relay(server_url: &str, cut_after: usize) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    use std::io::ErrorKind::WouldBlock;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::net::{TcpListener, TcpStream};
-    async fn pump(from: &TcpStream, to: &TcpStream, mut budget: usize) {
-        let mut buf = vec![0u8; 16 * 1024];
-        while budget > 0 {
-            let n = match from.readable().await.and_then(|()| from.try_read(&mut buf)) {
-                Ok(0) => return,
-                Ok(n) => n.min(budget),
-                Err(e) if e.kind() == WouldBlock => continue,
-                Err(_) => return,
-            };
-            budget -= n;
-            let mut sent = 0;
-            while sent < n {
-                match to.writable().await.and_then(|()| to.try_write(&buf[sent..n])) {
-                    Ok(k) => sent += k,
-                    Err(e) if e.kind() == WouldBlock => continue,
-                    Err(_) => return,
-                }
-            }
-        }
-    }
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let target = server_url.trim_start_matches("http://").to_string();
