@@ -887,7 +887,8 @@ fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answer
     let dir = tempfile::tempdir().unwrap();
     let forward = (7, Direction::Request);
     runtime().block_on(async {
-        let options = TrainingOptions { session_idle_timeout: std::time::Duration::from_secs(2), ..TrainingOptions::default() };
+        // Kept for 5 s: long enough for the checks below on a busy machine.
+        let options = TrainingOptions { session_idle_timeout: std::time::Duration::from_secs(5), ..TrainingOptions::default() };
         let server = checkpointing_server(&bundle, dir.path(), options).await;
         let (path, cut) = relay(&server.url).await;
         let (mut first, reply) = open_session(&path, &bundle, pb::OpenSession { reattachable: true, ..open_digits(7, 12, "cross-entropy") }).await;
@@ -925,7 +926,7 @@ fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answer
 
         // Broken again and not continued within `session_idle_timeout`: closed, the bundle free.
         cut.abort();
-        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        tokio::time::sleep(std::time::Duration::from_secs(6)).await;
         let reattach_once = pb::OpenSession {
             reattach: Some(pb::Reattach { session_id: opened.session_id.clone(), token: opened.reattach_token.clone() }),
             ..Default::default()

@@ -191,7 +191,12 @@ impl TrainLink {
                 Err(HostError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
                     attempts += 1;
                     tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
-                    self.reattach_session()?;
+                    match self.reattach_session() {
+                        // Lost again while continuing: the call fails at once on the old link,
+                        // and the next attempt continues the session again.
+                        Ok(()) | Err(HostError::Lost(_)) => {}
+                        Err(e) => return Err(e),
+                    }
                 }
                 other => return other,
             }
@@ -205,12 +210,15 @@ impl TrainLink {
         let (session, frames, replies) = self.runtime.block_on(async {
             let mut session = connect_retrying(&r.url, &r.bundle, &r.link, &r.retry).await?;
             // The server may not have noticed yet that the old stream broke: it says so, and
-            // the session is asked for again a little later.
+            // the session is asked for again a little later, up to `retry.max_attempts` times
+            // (a server that restarted, or a session closed meanwhile, answers the same).
             let mut backoff = r.retry.backoff();
+            let mut asked = 1;
             loop {
                 match open_stream(&mut session, open.clone()).await {
                     Ok((frames, replies, _)) => return Ok((session, frames, replies)),
-                    Err(HostError::Refused(m)) if m.contains("not waiting to be continued") => {
+                    Err(HostError::Refused(m)) if m.contains("not waiting to be continued") && asked < r.retry.max_attempts => {
+                        asked += 1;
                         tokio::time::sleep(backoff.next().unwrap_or(r.retry.max_backoff)).await;
                     }
                     Err(e) => return Err(e),
@@ -226,7 +234,7 @@ impl TrainLink {
         let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() })) };
         let (frames, replies) = (&self.frames, &mut self.replies);
         self.runtime.block_on(async {
-            frames.send(frame).await.map_err(|_| closed())?;
+            send(frames, replies, frame).await?;
             let reply = next_reply(replies).await?;
             check_id(&reply, id)?;
             reply.saved.map(|s| s.step).ok_or_else(|| HostError::Stream("the server answered a checkpoint request without saving".into()))
@@ -261,7 +269,7 @@ impl TrainLink {
                     data: part.data,
                     last: part.last,
                 };
-                frames.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.map_err(|_| closed())?;
+                send(frames, replies, TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await?;
             }
             let mut answer = FrameAssembler::default();
             loop {
@@ -277,6 +285,19 @@ impl TrainLink {
             return Err(HostError::Stream(format!("the server answered with a boundary at cut {}, expected cut {}", received.split, expect.1)));
         }
         Ok(Answer { boundary: received.boundary, loss })
+    }
+}
+
+/// Sends a frame of a call. When the stream no longer takes frames, the server may have ended
+/// it on purpose (idle, a refusal) with an error reply first: that error, rather than a lost
+/// link (which would continue the session).
+async fn send(frames: &mpsc::Sender<TrainFrame>, replies: &mut Streaming<TrainReply>, frame: TrainFrame) -> Result<()> {
+    if frames.send(frame).await.is_ok() {
+        return Ok(());
+    }
+    match tokio::time::timeout(std::time::Duration::from_secs(5), next_reply(replies)).await {
+        Ok(Err(refused @ HostError::Refused(_))) => Err(refused),
+        _ => Err(closed()),
     }
 }
 

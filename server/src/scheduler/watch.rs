@@ -78,8 +78,9 @@ impl DeviceWatch {
     /// Runs scheduler threads one after the other until one ends normally (every handle
     /// dropped) or the device is down for good.
     fn run(self, mut models: Vec<DeviceModel>, rx: &flume::Receiver<Work>) {
+        let mut restarted = false;
         loop {
-            let cause = match self.run_scheduler(models, rx) {
+            let cause = match self.run_scheduler(models, rx, restarted) {
                 Ok(()) => return,
                 Err(cause) => cause,
             };
@@ -87,7 +88,7 @@ impl DeviceWatch {
             self.context.metrics.device_failed(&self.device);
             self.report(DeviceEvent::Failed { device: self.device.clone(), models: self.labels.clone(), cause: cause.clone() });
             match self.reload_models(&cause) {
-                Ok(reloaded) => models = reloaded,
+                Ok(reloaded) => (models, restarted) = (reloaded, true),
                 Err(down) => {
                     self.report(DeviceEvent::Down { device: self.device.clone(), cause: down });
                     return self.refuse_all(rx, cause);
@@ -96,8 +97,9 @@ impl DeviceWatch {
         }
     }
 
-    /// One scheduler thread's life: `Err` with the cause when it died.
-    fn run_scheduler(&self, models: Vec<DeviceModel>, rx: &flume::Receiver<Work>) -> Result<(), String> {
+    /// One scheduler thread's life: `Err` with the cause when it died. A restarted one is
+    /// reported once its thread has started.
+    fn run_scheduler(&self, models: Vec<DeviceModel>, rx: &flume::Receiver<Work>, restarted: bool) -> Result<(), String> {
         let c = &self.context;
         let worker = Worker { device: self.device.clone(), models, config: c.config, depth: c.depth.max(1), metrics: c.metrics.clone() };
         let rx = rx.clone();
@@ -105,6 +107,11 @@ impl DeviceWatch {
             .name(format!("cleave-{}", self.device))
             .spawn(move || worker.run(&rx))
             .map_err(|e| format!("its scheduler thread could not start: {e}"))?;
+        if restarted {
+            self.context.metrics.device_restarted(&self.device);
+            self.report(DeviceEvent::Restarted { device: self.device.clone(), models: self.labels.clone() });
+            tracing::info!(device = %self.device, "the device's models are reloaded and served again");
+        }
         // The worker catches its own panics; one that escapes it still ends here.
         thread.join().unwrap_or_else(|panic| Err(format!("its scheduler panicked: {}", panic_message(panic.as_ref()))))
     }
@@ -117,12 +124,7 @@ impl DeviceWatch {
         }
         tracing::warn!(device = %self.device, "reloading the device's models on a new thread (`on_device_failure: restart`)");
         match catch_unwind(AssertUnwindSafe(|| (self.reload)())) {
-            Ok(Ok(models)) => {
-                self.context.metrics.device_restarted(&self.device);
-                self.report(DeviceEvent::Restarted { device: self.device.clone(), models: self.labels.clone() });
-                tracing::info!(device = %self.device, "the device's models are reloaded and served again");
-                Ok(models)
-            }
+            Ok(Ok(models)) => Ok(models),
             Ok(Err(e)) => Err(format!("{cause}; its models could not be reloaded: {e}")),
             Err(panic) => Err(format!("{cause}; reloading its models panicked: {}", panic_message(panic.as_ref()))),
         }

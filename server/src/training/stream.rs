@@ -109,7 +109,12 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         reattach_token: attached.reattach_token.clone().unwrap_or_default(),
     };
     let ended = if out.send(Ok(TrainReply { opened: Some(reply), last: true, ..Default::default() })).await.is_err() {
-        StreamEnd::Broken
+        // A new session whose token never reached its host cannot be continued: it closes.
+        if open.reattach.is_some() {
+            StreamEnd::Broken
+        } else {
+            StreamEnd::Closed
+        }
     } else {
         let _open = ctx.metrics.stream_open("train");
         answer_calls(&mut inbound, &ctx, &out, &attached).await
