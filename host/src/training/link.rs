@@ -20,7 +20,7 @@ use tonic::Streaming;
 
 use crate::config::RetryPolicy;
 use crate::error::{HostError, Result};
-use crate::session::{connect_retrying, EdgeSession, Link};
+use crate::session::{connect_retrying, EdgeSession};
 
 /// An answer from the server.
 pub(crate) struct Answer {
@@ -46,11 +46,10 @@ impl AnswerReceivers {
     }
 }
 
-/// How to reach the server again when the connection breaks.
+/// What reaching the server again takes besides the session's URL and link (which its
+/// `EdgeSession` keeps).
 pub(crate) struct Reconnect {
-    pub(crate) url: String,
     pub(crate) bundle: Bundle,
-    pub(crate) link: Link,
     pub(crate) retry: RetryPolicy,
 }
 
@@ -205,10 +204,10 @@ impl TrainLink {
 
     /// Connects again and continues the session on a new stream.
     fn reattach_session(&mut self) -> Result<()> {
-        let r = &self.reconnect;
+        let (r, old) = (&self.reconnect, &self.session);
         let open = pb::OpenSession { reattach: Some(self.reattach.clone()), ..Default::default() };
         let (session, frames, replies) = self.runtime.block_on(async {
-            let mut session = connect_retrying(&r.url, &r.bundle, &r.link, &r.retry).await?;
+            let mut session = connect_retrying(&old.url, &r.bundle, &old.link, &r.retry).await?;
             // The server may not have noticed yet that the old stream broke: it says so, and
             // the session is asked for again a little later, up to `retry.max_attempts` times
             // (a server that restarted, or a session closed meanwhile, answers the same).

@@ -171,7 +171,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             ..Default::default()
         };
         let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
-        let reconnect = Reconnect { url: url.clone(), bundle: bundle.clone(), link: Link::of(&config), retry: config.resilience.retry };
+        let reconnect = Reconnect { bundle: bundle.clone(), retry: config.resilience.retry };
         let (link, opened) = TrainLink::open(s, request, reconnect).await?;
         if opened.step != step {
             return Err(HostError::Invalid(format!(
