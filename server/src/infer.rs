@@ -274,7 +274,14 @@ async fn start_request(
         return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held }));
     }
     let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
-    Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, bytes: Some(bytes), envelope: frame.header.clone() }))
+    Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, bytes: Some(bytes), envelope: kept_envelope(&frame.header) }))
+}
+
+/// The envelope a request keeps until answered: a copy. A frame's bytes are a slice of
+/// tonic's read buffer, which a kept slice would pin, with the whole frame (its data long
+/// since decoded, outside the budget), until the answer is written.
+fn kept_envelope(header: &bytes::Bytes) -> bytes::Bytes {
+    bytes::Bytes::copy_from_slice(header)
 }
 
 /// Decodes a complete request, checks it against its cut and hands it to its device's
@@ -418,5 +425,18 @@ impl Responder {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kept_envelope_does_not_pin_the_buffer_its_frame_was_read_into() {
+        let read_buffer = bytes::Bytes::from(vec![7u8; 128 << 10]);
+        let kept = kept_envelope(&read_buffer.slice(..64));
+        assert_eq!(kept, read_buffer.slice(..64));
+        assert!(read_buffer.is_unique(), "the kept envelope still holds the 128 KiB read buffer");
     }
 }

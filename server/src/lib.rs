@@ -24,7 +24,9 @@
 //! - `error`: why a call failed, and the one map from errors to gRPC statuses.
 //! - [`write_dev_secrets`]: `server dev-secrets`.
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
+//! - [`allocator`]: glibc set to give freed memory back at once (the `server` binary).
 
+pub mod allocator;
 mod budget;
 pub mod config;
 mod connections;

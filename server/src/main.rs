@@ -39,6 +39,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // First, before any thread starts: a process-wide setting.
+    cleave_server::allocator::give_back_freed_memory();
     tracing_subscriber::fmt()
         .with_ansi(cleave_common::error::colour_logs())
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))

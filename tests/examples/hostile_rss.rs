@@ -18,7 +18,7 @@
 //! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%; the
 //! last also the RSS at its end, when the answers not taken should have been freed.
 //!
-//!     cargo run --release -p cleave-tests --example hostile_rss -- [--bundle bundles/resnet18] [--budget-mib 2048] [--phase N] [--slow 48x32x8]
+//!     cargo run --release -p cleave-tests --example hostile_rss -- [--bundle bundles/resnet18] [--budget-mib 2048] [--phase N] [--slow 48x32x8] [--limits 'key: value, ...']
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -48,6 +48,8 @@ struct Args {
     phase: Option<u32>,
     /// Phase 5's connections, streams per connection and requests per stream.
     slow: [usize; 3],
+    /// More of the server's `limits`, as YAML flow entries (`answer_timeout: 10s`).
+    limits: String,
 }
 
 impl Args {
@@ -64,6 +66,7 @@ fn args() -> Args {
         port: 50393,
         phase: None,
         slow: [48, 32, 8],
+        limits: String::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -78,7 +81,10 @@ fn args() -> Args {
                 let n: Vec<usize> = value.split('x').map(|n| n.parse().expect("--slow: CxSxR, as 48x32x8")).collect();
                 a.slow = n.try_into().expect("--slow: CxSxR, as 48x32x8");
             }
-            other => panic!("unknown option {other} (--bundle, --budget-mib, --server-bin, --port, --phase, --slow CxSxR)"),
+            "--limits" => a.limits = value,
+            other => {
+                panic!("unknown option {other} (--bundle, --budget-mib, --server-bin, --port, --phase, --slow CxSxR, --limits 'key: value, ...')")
+            }
         }
     }
     a
@@ -286,9 +292,10 @@ fn main() {
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\nlimits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}}}\n",
+            "listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\nlimits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}{}}}\n",
             a.port,
-            std::fs::canonicalize(&a.bundle).unwrap().display()
+            std::fs::canonicalize(&a.bundle).unwrap().display(),
+            if a.limits.is_empty() { String::new() } else { format!(", {}", a.limits) }
         ),
     )
     .unwrap();
