@@ -24,7 +24,7 @@ use tch::Tensor;
 pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadData, PayloadMeta, Precision};
 
 use crate::bundle::{Bundle, CutTensors};
-use crate::spec::{DType, TorchDType};
+use crate::spec::{BoundarySizes, DType, TorchDType};
 use crate::tensor_memory::{TensorBuf, TensorBytes};
 use crate::value::{Boundary, Value};
 
@@ -244,16 +244,18 @@ impl PayloadReceiver {
         if incoming.request_id() != request_id {
             return Err(WireError::RequestIdMismatch { frame: request_id, header: incoming.request_id() });
         }
+        let mut checked = None;
         if let Some((bundle, cut, rule)) = &self.expected {
             let split = incoming.split() as usize;
             if cut.is_some_and(|cut| cut != split) {
                 return Err(WireError::NotExpected(format!("the payload is at cut {split}, this stream takes cut {}", cut.unwrap_or(split))));
             }
-            bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(e.to_string()))?;
+            let sizes = bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(e.to_string()))?;
+            checked = Some(sizes);
         }
         // The data is reserved by the first push, so that a caller may wait for room (in a
         // memory budget) between the checks and the reservation.
-        Ok(Reassembly { request_id, expected: incoming.wire_len(), received: 0, sink: Sink::Unreserved, incoming })
+        Ok(Reassembly { request_id, expected: incoming.wire_len(), received: 0, sink: Sink::Unreserved, incoming, sizes: checked })
     }
 
     /// Opens and decodes a complete payload.
@@ -414,6 +416,8 @@ pub struct Reassembly {
     received: u64,
     sink: Sink,
     incoming: IncomingPayload,
+    /// Its sizes, when its envelope was checked against a bundle's cut.
+    sizes: Option<BoundarySizes>,
 }
 
 /// Where a payload's bytes go.
@@ -428,6 +432,12 @@ enum Sink {
 }
 
 impl Reassembly {
+    /// Its batch size and sequence length, when its envelope was checked against a
+    /// bundle's cut (see [`PayloadReceiver::checked_against`]).
+    pub fn sizes(&self) -> Option<BoundarySizes> {
+        self.sizes
+    }
+
     /// The split the (checked) header names.
     pub fn split(&self) -> u32 {
         self.incoming.split()

@@ -1,6 +1,8 @@
 //! One memory budget for the bytes every stream holds together. A request reserves what its
-//! envelope declares (the data as received plus the tensors it decodes into) before anything
-//! is allocated for it; when it is answered, its reservation becomes its answer's, which is
+//! envelope declares (the data as received plus the tensors it decodes into), or the room its
+//! answer will take where that is more, before anything is allocated for it (a result never
+//! waits for room outside the budget); when it is answered, its reservation becomes its
+//! answer's, which is
 //! held until the answer is written to its connection (see [`crate::unsent`]), or dropped.
 
 use std::sync::atomic::{AtomicU64, Ordering};

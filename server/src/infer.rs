@@ -5,8 +5,9 @@
 //!
 //! What a stream holds is bounded: at most `limits.max_requests_per_stream` requests between
 //! their first frame and their answer (the stream is not read further until one is
-//! answered); each request's declared bytes reserved in the server's memory budget before
-//! its data is, that reservation becoming its answer's when its result comes, held until the
+//! answered); each request's declared bytes, or the room its answer will take where that is
+//! more, reserved in the server's memory budget before its data is read or its result
+//! computed, that reservation becoming its answer's when its result comes, held until the
 //! answer is written (see [`crate::unsent`]); a request whose frames stall past
 //! `limits.request_timeout` answered DEADLINE_EXCEEDED and freed; an answer its host does not
 //! take within `limits.answer_timeout` closes the connection. When the server drains, the
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::security::ServerSecurity;
+use cleave_common::spec::{BoundarySizes, Sizes};
 use cleave_common::wire::{frame_parts, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly, Received};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt};
@@ -273,8 +275,19 @@ async fn start_request(
         let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
         return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held }));
     }
-    let bytes = ctx.budget.reserve(assembly.held_bytes()).await?;
+    // Room for its answer too, before it is computed: a result computed without room would
+    // wait for it outside the budget (and be thrown away if none came).
+    let answer = assembly.sizes().map_or(0, |sizes| answer_room(&ctx.model.bundle, sizes));
+    let bytes = ctx.budget.reserve(assembly.held_bytes().max(answer)).await?;
     Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, bytes: Some(bytes), envelope: kept_envelope(&frame.header) }))
+}
+
+/// What the answer to a request of `sizes` will hold in the budget: the bundle's output at
+/// those sizes, on the wire (0 where its size depends on the data: that room is taken when
+/// the result comes).
+fn answer_room(bundle: &cleave_common::bundle::Bundle, sizes: BoundarySizes) -> u64 {
+    let output = bundle.cut(bundle.stage_count());
+    output.bytes_at(Sizes::from(sizes)).map_or(0, answer_bytes)
 }
 
 /// The envelope a request keeps until answered: a copy. A frame's bytes are a slice of

@@ -50,7 +50,12 @@ async fn open_stream(url: &str, bundle: &Bundle) -> RawStream {
 
 /// A request at cut 0 in `parts` frames.
 fn request_frames(id: u64, boundary: &Boundary, parts: usize) -> Vec<InferFrame> {
-    let meta = PayloadMeta { request_id: id, split: 0, direction: Direction::Request };
+    request_frames_at(id, 0, boundary, parts)
+}
+
+/// A request at `split` in `parts` frames.
+fn request_frames_at(id: u64, split: u32, boundary: &Boundary, parts: usize) -> Vec<InferFrame> {
+    let meta = PayloadMeta { request_id: id, split, direction: Direction::Request };
     let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
     let data = Bytes::from(encoded.data.to_vec());
     let chunk = data.len().div_ceil(parts);
@@ -66,7 +71,12 @@ fn request_frames(id: u64, boundary: &Boundary, parts: usize) -> Vec<InferFrame>
 impl RawStream {
     /// Sends a request in `parts` frames, or only the first `sent` of them.
     async fn send(&self, id: u64, boundary: &Boundary, parts: usize, sent: usize) {
-        for frame in request_frames(id, boundary, parts).into_iter().take(sent) {
+        self.send_at(id, 0, boundary, parts, sent).await;
+    }
+
+    /// [`Self::send`] for a request at `split`.
+    async fn send_at(&self, id: u64, split: u32, boundary: &Boundary, parts: usize, sent: usize) {
+        for frame in request_frames_at(id, split, boundary, parts).into_iter().take(sent) {
             self.frames.send(frame).await.unwrap();
         }
     }
@@ -85,6 +95,33 @@ impl RawStream {
 /// The (small) resnet18 test bundle's input at batch 32: 1.5 MB of tensor data.
 fn resnet_input(bundle: &Bundle) -> Boundary {
     cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(32)).unwrap()
+}
+
+#[test]
+fn a_request_reserves_the_room_its_answer_will_take_from_its_first_frame() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    // The last cut before the output: 2 KiB a sample in, 4 KB a sample out.
+    let last = bundle.stage_count();
+    let cut = (0..last).rev().find(|&c| bundle.cut(c).usable).unwrap();
+    let sizes = bundle.sizes_at(32);
+    let boundary = cleave_common::value::synthetic_inputs(&bundle.cut(cut).values, sizes).unwrap();
+    let request = boundary.tensor_bytes() as u64;
+    let answer = bundle.cut(last).bytes_at(sizes).unwrap();
+    assert!(answer > request, "the answer ({answer} bytes) outweighs the request ({request})");
+    let limits = Limits { max_payload_bytes: answer, ..Limits::default() };
+    let peers = PeerLimits { request_timeout: Duration::from_secs(2), ..PeerLimits::fitting(&limits) };
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
+        // Half of the request, then nothing: what it holds is what it reserved at its first frame.
+        let s = open_stream(&server.url, &bundle).await;
+        s.send_at(1, cut as u32, &boundary, 2, 1).await;
+        while budget.held_bytes() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The answer's room, on the wire (a codec's worst case and 64 KiB of frame headers), in whole KiB.
+        let room = (answer + answer / 64 + (64 << 10)).div_ceil(1024) * 1024;
+        assert_eq!(budget.held_bytes(), room, "a request of {request} bytes whose answer takes {answer}");
+    });
 }
 
 #[test]
