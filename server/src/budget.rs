@@ -115,13 +115,20 @@ impl MemoryBudget {
     /// Reserves what `held` lacks of `bytes` (waiting as [`Self::reserve`] does) and gives
     /// back what it holds beyond: a request's reservation becoming its answer's.
     pub async fn resize(&self, mut held: Reservation, bytes: u64) -> Result<Reservation, OverBudget> {
+        self.grow(&mut held, bytes).await?;
+        held.shrink_to(bytes);
+        held.bytes = bytes;
+        Ok(held)
+    }
+
+    /// Reserves what `held` lacks of `bytes` (waiting as [`Self::reserve`] does), keeping it
+    /// as it was when refused: a stream's read buffer growing to its largest frame.
+    pub async fn grow(&self, held: &mut Reservation, bytes: u64) -> Result<(), OverBudget> {
         let units = |b: u64| b.div_ceil(UNIT);
         if units(held.bytes) < units(bytes) {
             held.merge(self.reserve((units(bytes) - units(held.bytes)) * UNIT).await?);
         }
-        held.shrink_to(bytes);
-        held.bytes = bytes;
-        Ok(held)
+        Ok(())
     }
 
     /// The whole budget in bytes.

@@ -155,6 +155,7 @@ where
     let receiver = Arc::clone(&ctx.receiver);
     let slots = Arc::new(Semaphore::new(ctx.max_requests));
     let mut frames = FrameAssembler::<Held>::default();
+    let mut read_buffer = Reservation::none();
     // When the request part-way in must be complete.
     let mut deadline: Option<tokio::time::Instant> = None;
     let answer_now = |id, e| Pending::answered(id, Err(e));
@@ -209,8 +210,19 @@ where
                 continue;
             }
         };
-        let started = match (frames.starts_payload(&frame), slot) {
-            (true, Some(slot)) => match start_request(&receiver, &ctx, &frame, slot).await {
+        let covered = cover_read_buffer(&ctx.budget, &mut read_buffer, &frame).await;
+        let started = match (frames.starts_payload(&frame), slot, covered) {
+            (true, Some(_), Err(e)) => Some(Err(e)),
+            (false, _, Err(e)) if frames.in_progress() => {
+                let id = frames.give_up().unwrap_or(frame.request_id);
+                tracing::info!(request_id = id, error = %e, "request given up part-way");
+                deadline = None;
+                if pending.send(answer_now(id, e)).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            (true, Some(slot), Ok(())) => match start_request(&receiver, &ctx, &frame, slot).await {
                 Ok(Started::Recalled(answer)) => {
                     frames.skip_payload(&frame);
                     if pending.send(answer).await.is_err() {
@@ -245,6 +257,14 @@ where
             return;
         }
     }
+}
+
+/// Counts in the budget what the stream's read buffer holds: tonic reads each message whole
+/// into one buffer, which keeps the capacity of the largest so far for the next (and the
+/// frame in hand is a slice of it), for as long as the stream lives. Grows `share` to cover
+/// `frame`, waiting for room as a request does.
+async fn cover_read_buffer(budget: &MemoryBudget, share: &mut Reservation, frame: &InferFrame) -> Result<(), RequestError> {
+    Ok(budget.grow(share, crate::unsent::wire_bytes(frame)).await?)
 }
 
 /// A request started from its first frame.

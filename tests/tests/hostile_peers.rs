@@ -115,30 +115,42 @@ fn a_request_reserves_the_room_its_answer_will_take_from_its_first_frame() {
         // Half of the request, then nothing: what it holds is what it reserved at its first frame.
         let s = open_stream(&server.url, &bundle).await;
         s.send_at(1, cut as u32, &boundary, 2, 1).await;
-        while budget.held_bytes() == 0 {
+        // The answer's room, on the wire (a codec's worst case and 64 KiB of frame headers), in
+        // whole KiB; and the stream's read buffer, which holds the frame.
+        let room = (answer + answer / 64 + (64 << 10)).div_ceil(1024) * 1024;
+        let frame = &request_frames_at(1, cut as u32, &boundary, 2)[0];
+        while budget.held_bytes() < room {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // The answer's room, on the wire (a codec's worst case and 64 KiB of frame headers), in whole KiB.
-        let room = (answer + answer / 64 + (64 << 10)).div_ceil(1024) * 1024;
-        assert_eq!(budget.held_bytes(), room, "a request of {request} bytes whose answer takes {answer}");
+        assert_eq!(budget.held_bytes(), room + read_buffer_bytes(frame), "a request of {request} bytes whose answer takes {answer}");
     });
+}
+
+/// What `frame` holds in the budget while its stream lives (its stream's read buffer is at
+/// least that large): its bytes on the wire, in the budget's whole KiB.
+fn read_buffer_bytes(frame: &InferFrame) -> u64 {
+    (5 + prost::Message::encoded_len(frame) as u64).div_ceil(1024) * 1024
 }
 
 #[test]
 fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and_freed() {
     let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
     let input = resnet_input(&bundle);
-    let raw = input.tensor_bytes() as u64;
-    // A raw request is received straight into its tensors and holds their 1.5 MB. Two fit
-    // in the budget, a third does not.
+    // A raw request is received straight into its tensors and holds their 1.5 MB; its
+    // stream's read buffer holds its largest frame. Two stalled streams with half a request
+    // each fit in the budget; a third with a whole request in one frame reads it, and its
+    // request misses by one KiB.
+    let raw = (input.tensor_bytes() as u64).div_ceil(1024) * 1024;
+    let half = read_buffer_bytes(&request_frames(1, &input, 2)[0]);
+    let whole = read_buffer_bytes(&request_frames(3, &input, 1)[0]);
     let limits = Limits { max_payload_bytes: raw, ..Limits::default() };
     let peers = PeerLimits {
-        memory_budget_bytes: 3 * raw - 1,
+        memory_budget_bytes: 2 * (half + raw) + whole + raw - 1024,
         budget_wait: Duration::from_millis(300),
         request_timeout: Duration::from_secs(2),
         ..PeerLimits::default()
     };
-    assert!(peers.validate(&limits).is_ok(), "the smallest budget allowed holds three requests: {:?}", peers.validate(&limits));
+    assert!(peers.validate(&limits).is_ok(), "a budget allowed: {:?}", peers.validate(&limits));
     runtime().block_on(async {
         let (server, budget) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
         // Two streams each send half of a request and stall.
@@ -147,36 +159,45 @@ fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and
             let s = open_stream(&server.url, &bundle).await;
             s.send(id, &input, 2, 1).await;
             // In order: the third must come after both hold their bytes.
-            while budget.held_bytes() < id * raw {
+            while budget.held_bytes() < id * (half + raw) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             stalled.push(s);
         }
-        // A third finds no room: it waits the budget's wait, then RESOURCE_EXHAUSTED, while
-        // the budget holds exactly the two stalled requests.
+        assert_eq!(budget.held_bytes(), 2 * (half + raw));
+        // A third finds no room for its request: it waits the budget's wait, then
+        // RESOURCE_EXHAUSTED, while the budget holds the two stalled requests and the three
+        // streams' read buffers.
         let mut third = open_stream(&server.url, &bundle).await;
-        third.send(3, &input, 2, 1).await;
+        third.send(3, &input, 1, 1).await;
         let (id, error) = third.answer().await;
         let (code, message) = error.expect("refused");
         assert_eq!((id, code), (3, tonic::Code::ResourceExhausted), "{message}");
         assert!(message.contains("`limits.memory_budget_bytes`"), "{message}");
-        let held = budget.held_bytes();
-        assert!(held >= 2 * raw && held <= 2 * raw + 64 * 1024, "held {held} for two requests of {raw} bytes");
+        assert_eq!(budget.held_bytes(), 2 * (half + raw) + whole);
         assert!(budget.peak_bytes() <= budget.total_bytes());
-        // The stalled ones are answered DEADLINE_EXCEEDED and give their bytes back.
+        // The stalled ones are answered DEADLINE_EXCEEDED and give their request bytes back.
         for (s, id) in stalled.iter_mut().zip([1, 2]) {
             let (got, error) = s.answer().await;
             let (code, message) = error.expect("stalled");
             assert_eq!((got, code), (id, tonic::Code::DeadlineExceeded), "{message}");
             assert!(message.contains("`limits.request_timeout`"), "{message}");
         }
-        assert_eq!(budget.held_bytes(), 0);
+        assert_eq!(budget.held_bytes(), 2 * half + whole, "the streams' read buffers only");
         // The rest of a given-up request's frames are skipped; the stream serves the next.
         let s = &mut stalled[0];
         s.send(1, &input, 2, 2).await;
         s.send(4, &input, 1, 1).await;
         assert_eq!(s.answer().await, (4, None));
-        assert_eq!(budget.held_bytes(), 0);
+        assert_eq!(budget.held_bytes(), half + 2 * whole, "the first stream's buffer grew to a whole request");
+        // Streams that end give their read buffers back.
+        drop((stalled, third));
+        let freed = async {
+            while budget.held_bytes() > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), freed).await.expect("ended streams give their read buffers back");
         server.shutdown().await.unwrap();
     });
 }
@@ -204,8 +225,10 @@ fn a_stream_holds_at_most_max_requests_per_stream() {
             assert_eq!(s.answer().await, (id, None));
         }
         sending.await.unwrap();
+        // And the stream's read buffer, as large as one request's frame.
+        let buffer = read_buffer_bytes(&request_frames(0, &input, 1)[0]);
         let peak = budget.peak_bytes();
-        assert!(peak >= one && peak < 2 * one, "peak {peak} bytes held; one request holds {one}");
+        assert!(peak >= one + buffer && peak < 2 * one + buffer, "peak {peak} bytes held; one request holds {one}, the read buffer {buffer}");
         server.shutdown().await.unwrap();
     });
 }

@@ -163,8 +163,8 @@ pub struct PeerLimits {
     /// Requests of one stream received and not yet answered; the stream is not read further
     /// until one is answered.
     pub max_requests_per_stream: u32,
-    /// Request bytes held by all streams together (reassembly buffers and the boundaries
-    /// they decode into, until answered).
+    /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
+    /// they decode into), answers until written, and each stream's read buffer.
     pub memory_budget_bytes: u64,
     /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
     pub budget_wait: Duration,
@@ -218,9 +218,10 @@ impl Default for PeerLimits {
             idle_connection_timeout: Duration::from_secs(300),
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(10),
-            // 2 MiB a stream at a 50 ms round trip is 40 MB/s; 256 connections buffer at most 1 GiB.
-            stream_window_bytes: 2 << 20,
-            connection_window_bytes: 4 << 20,
+            // hyper's own defaults. 1 MiB at a 50 ms round trip is 20 MB/s a connection (raise
+            // both on long fat links); 256 connections buffer at most 256 MiB unread.
+            stream_window_bytes: 1 << 20,
+            connection_window_bytes: 1 << 20,
             answer_timeout: Duration::from_secs(30),
             max_profile_repeats: 50,
             drain_timeout: Duration::from_secs(10),
@@ -234,10 +235,12 @@ impl Default for PeerLimits {
 /// What the largest request holds: its tensors as decoded, and its data as received, which
 /// the codec lets be larger than the tensors (our encoder stores a block that does not
 /// shrink, but a peer may declare compressed blocks up to the compressor's bound, about
-/// 100.4% for lz4; 110% covers every compressor, and 1 MiB a seal's tag and the headers).
+/// 100.4% for lz4; 110% covers every compressor, and 1 MiB a seal's tag and the headers);
+/// and its stream's read buffer, as large as its largest frame.
 fn largest_request_bytes(limits: &Limits) -> u64 {
     let p = limits.max_payload_bytes;
-    p.saturating_add(p.saturating_add(p / 10)).saturating_add(1 << 20)
+    let read_buffer = limits.max_message_bytes.min(p.saturating_add(p / 10).saturating_add(1 << 20));
+    p.saturating_add(p.saturating_add(p / 10)).saturating_add(1 << 20).saturating_add(read_buffer)
 }
 
 impl PeerLimits {
@@ -282,7 +285,10 @@ impl PeerLimits {
         if self.memory_budget_bytes < largest {
             return Err((
                 "limits.memory_budget_bytes",
-                format!("must hold the largest request as received and decoded: at least 2.1 x limits.max_payload_bytes + 1 MiB = {largest}"),
+                format!(
+                    "must hold the largest request as received and decoded, and its stream's read buffer: at least 2.1 x \
+                     limits.max_payload_bytes + 1 MiB + the smaller of limits.max_message_bytes and 1.1 x limits.max_payload_bytes + 1 MiB = {largest}"
+                ),
             ));
         }
         Ok(())
@@ -573,9 +579,12 @@ mod tests {
             let meta = PayloadMeta { request_id: 1, split: 0, direction: Direction::Request };
             let e = PayloadSender::plain().encode(meta, &codec.parse().unwrap(), &boundary).unwrap();
             let rx = PayloadReceiver::new(Direction::Request, limits.max_payload_bytes, CodecPolicy::default(), &KeyRing::default());
-            let held = rx.start(1, &e.envelope).unwrap().held_bytes();
+            // And its stream's read buffer, as large as the one frame it comes in (with 64 bytes
+            // for the frame's fields and gRPC's prefix).
+            let held = rx.start(1, &e.envelope).unwrap().held_bytes() + (e.envelope.len() + e.data.len() + 64) as u64;
             assert!(held <= floor, "{codec}: {held} bytes held, the smallest budget allowed is {floor}");
             if codec != "raw" {
+                let held = rx.start(1, &e.envelope).unwrap().held_bytes();
                 assert_eq!(held, 2 * limits.max_payload_bytes, "{codec}: incompressible blocks are stored, never larger");
             }
         }
