@@ -16,7 +16,7 @@
 const THRESHOLD_BYTES: i32 = 128 << 10;
 
 /// Fixes glibc's mmap and trim thresholds at [`THRESHOLD_BYTES`] for this process, unless
-/// the environment sets them. Returns whether they were set.
+/// the environment sets either. Returns whether they were set. Call it first in `main`.
 pub fn give_back_freed_memory() -> bool {
     let operator_set = ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"].iter().any(|name| std::env::var_os(name).is_some());
     !operator_set && set_thresholds()
@@ -24,8 +24,10 @@ pub fn give_back_freed_memory() -> bool {
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn set_thresholds() -> bool {
-    // SAFETY: `mallopt` only sets allocator parameters; it takes plain integers and is
-    // called before the runtime's threads start.
+    // SAFETY: `mallopt` takes plain integers and sets allocator parameters under the main
+    // arena's lock; glibc marks it MT-unsafe only for initializing malloc on a first call,
+    // which Rust's runtime has done (it allocates before `main`). The `server` binary calls
+    // this first, before any thread of its own starts.
     unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, THRESHOLD_BYTES) == 1 }
 }
 

@@ -29,8 +29,8 @@ struct Inner {
     peak_units: AtomicU64,
 }
 
-/// Bytes held against the budget; dropping it gives them back.
-#[derive(Debug)]
+/// Bytes held against the budget; dropping it gives them back. The default holds nothing.
+#[derive(Debug, Default)]
 pub struct Reservation {
     _permit: Option<OwnedSemaphorePermit>,
     bytes: u64,

@@ -155,7 +155,7 @@ where
     let receiver = Arc::clone(&ctx.receiver);
     let slots = Arc::new(Semaphore::new(ctx.max_requests));
     let mut frames = FrameAssembler::<Held>::default();
-    let mut read_buffer = Reservation::none();
+    let mut read_buffer = ReadBuffer::default();
     // When the request part-way in must be complete.
     let mut deadline: Option<tokio::time::Instant> = None;
     let answer_now = |id, e| Pending::answered(id, Err(e));
@@ -210,11 +210,13 @@ where
                 continue;
             }
         };
-        let covered = cover_read_buffer(&ctx.budget, &mut read_buffer, &frame).await;
+        let covered = read_buffer.cover(&ctx.budget, &frame).await;
         let started = match (frames.starts_payload(&frame), slot, covered) {
             (true, Some(_), Err(e)) => Some(Err(e)),
             (false, _, Err(e)) if frames.in_progress() => {
                 let id = frames.give_up().unwrap_or(frame.request_id);
+                // Its later frames are skipped, none if this one was its last.
+                frames.skip_payload(&frame);
                 tracing::info!(request_id = id, error = %e, "request given up part-way");
                 deadline = None;
                 if pending.send(answer_now(id, e)).await.is_err() {
@@ -259,12 +261,23 @@ where
     }
 }
 
-/// Counts in the budget what the stream's read buffer holds: tonic reads each message whole
-/// into one buffer, which keeps the capacity of the largest so far for the next (and the
-/// frame in hand is a slice of it), for as long as the stream lives. Grows `share` to cover
-/// `frame`, waiting for room as a request does.
-async fn cover_read_buffer(budget: &MemoryBudget, share: &mut Reservation, frame: &InferFrame) -> Result<(), RequestError> {
-    Ok(budget.grow(share, crate::unsent::wire_bytes(frame)).await?)
+/// What the stream's read buffer holds, counted in the budget: tonic reads each message
+/// whole into one buffer, which keeps the capacity of the largest so far for the next (and
+/// the frame in hand is a slice of it), for as long as the stream lives.
+#[derive(Default)]
+struct ReadBuffer {
+    share: Reservation,
+    /// The largest message read so far (gRPC's prefix included).
+    largest: u64,
+}
+
+impl ReadBuffer {
+    /// Grows the share to the largest message read, `frame` included, waiting for room as a
+    /// request does (refused, the next frame tries again: the buffer has grown regardless).
+    async fn cover(&mut self, budget: &MemoryBudget, frame: &InferFrame) -> Result<(), RequestError> {
+        self.largest = self.largest.max(crate::unsent::wire_bytes(frame));
+        Ok(budget.grow(&mut self.share, self.largest).await?)
+    }
 }
 
 /// A request started from its first frame.

@@ -142,18 +142,18 @@ impl SplitInference for Service {
 
     async fn echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
         let unsent = unsent_of(&request);
-        let r = request.into_inner();
+        // Only the size is kept: the payload, a slice of tonic's read buffer, goes now rather
+        // than wait for room with the reply.
+        let reply_bytes = request.into_inner().reply_bytes;
         // The reply must fit in one message, and a caller must not make the server allocate more.
         let cap = self.limits.max_message_bytes.saturating_sub(1024);
-        if r.reply_bytes > cap {
-            return Err(
-                RequestError::BadCall(format!("reply_bytes {} is above {cap} (the server's message limit less framing)", r.reply_bytes)).into()
-            );
+        if reply_bytes > cap {
+            return Err(RequestError::BadCall(format!("reply_bytes {reply_bytes} is above {cap} (the server's message limit less framing)")).into());
         }
         // A reply holds its bytes in the memory budget until they are written: peers that ask
         // and never read cannot pile replies up past it.
-        let mut held = self.budget.reserve(r.reply_bytes).await.map_err(RequestError::from)?;
-        let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; r.reply_bytes as usize]) };
+        let mut held = self.budget.reserve(reply_bytes).await.map_err(RequestError::from)?;
+        let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; reply_bytes as usize]) };
         unsent.hold(&reply, &mut held);
         Ok(answering(reply, unsent))
     }

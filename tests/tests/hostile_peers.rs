@@ -119,11 +119,19 @@ fn a_request_reserves_the_room_its_answer_will_take_from_its_first_frame() {
         // whole KiB; and the stream's read buffer, which holds the frame.
         let room = (answer + answer / 64 + (64 << 10)).div_ceil(1024) * 1024;
         let frame = &request_frames_at(1, cut as u32, &boundary, 2)[0];
-        while budget.held_bytes() < room {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        held_until("the request's reservation", || budget.held_bytes() >= room).await;
         assert_eq!(budget.held_bytes(), room + read_buffer_bytes(frame), "a request of {request} bytes whose answer takes {answer}");
     });
+}
+
+/// Waits until `reached` says so, failing the test after 10 s.
+async fn held_until(what: &str, reached: impl Fn() -> bool) {
+    let waiting = async {
+        while !reached() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), waiting).await.unwrap_or_else(|_| panic!("waited 10 s for {what}"));
 }
 
 /// What `frame` holds in the budget while its stream lives (its stream's read buffer is at
@@ -159,9 +167,7 @@ fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and
             let s = open_stream(&server.url, &bundle).await;
             s.send(id, &input, 2, 1).await;
             // In order: the third must come after both hold their bytes.
-            while budget.held_bytes() < id * (half + raw) {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            held_until("the stalled requests' reservations", || budget.held_bytes() >= id * (half + raw)).await;
             stalled.push(s);
         }
         assert_eq!(budget.held_bytes(), 2 * (half + raw));
@@ -192,12 +198,7 @@ fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and
         assert_eq!(budget.held_bytes(), half + 2 * whole, "the first stream's buffer grew to a whole request");
         // Streams that end give their read buffers back.
         drop((stalled, third));
-        let freed = async {
-            while budget.held_bytes() > 0 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), freed).await.expect("ended streams give their read buffers back");
+        held_until("ended streams giving their read buffers back", || budget.held_bytes() == 0).await;
         server.shutdown().await.unwrap();
     });
 }

@@ -164,7 +164,7 @@ pub struct PeerLimits {
     /// until one is answered.
     pub max_requests_per_stream: u32,
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
-    /// they decode into), answers until written, and each stream's read buffer.
+    /// they decode into), answers until written, and each `Infer` stream's read buffer.
     pub memory_budget_bytes: u64,
     /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
     pub budget_wait: Duration,
@@ -219,7 +219,9 @@ impl Default for PeerLimits {
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(10),
             // hyper's own defaults. 1 MiB at a 50 ms round trip is 20 MB/s a connection (raise
-            // both on long fat links); 256 connections buffer at most 256 MiB unread.
+            // both on long fat links); 256 connections buffer at most 256 MiB unread. A stream
+            // whose reader waits can take the whole connection window from its siblings (one
+            // host's streams, as a rule): HTTP/2 returns it only as the data is read.
             stream_window_bytes: 1 << 20,
             connection_window_bytes: 1 << 20,
             answer_timeout: Duration::from_secs(30),
