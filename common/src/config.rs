@@ -212,6 +212,15 @@ impl CpuUse {
     /// before any other starts) and sets libtorch's intra-op threads.
     pub fn apply(&self) -> std::io::Result<()> {
         if let Some(cores) = &self.cores {
+            // The kernel takes a set with some cores it has (and ignores the rest), and says
+            // only EINVAL for one with none: name the cores that exist instead.
+            let allowed = allowed_cores()?;
+            if let Some(c) = cores.iter().find(|c| !allowed.contains(c)) {
+                return Err(std::io::Error::other(format!(
+                    "`cores`: core {c} is not one this process may run on: it may use cores {}",
+                    core_ranges(&allowed)
+                )));
+            }
             pin_thread(0, cores)?;
         }
         if let Some(n) = self.threads {
@@ -238,6 +247,18 @@ pub fn allowed_cores() -> std::io::Result<Vec<usize>> {
     Ok((0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect())
 }
 
+/// Cores as ranges, `0-3,8,10-11`.
+fn core_ranges(cores: &[usize]) -> String {
+    let mut ranges: Vec<(usize, usize)> = Vec::new();
+    for &c in cores {
+        match ranges.last_mut() {
+            Some((_, end)) if *end + 1 == c => *end = c,
+            _ => ranges.push((c, c)),
+        }
+    }
+    ranges.iter().map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect::<Vec<_>>().join(",")
+}
+
 /// The default device: `auto`.
 pub fn auto_device() -> String {
     "auto".into()
@@ -253,4 +274,16 @@ pub fn relative_to(config: &Path, p: &Path) -> PathBuf {
     let dir = config.parent().unwrap_or(Path::new("."));
     let base = if dir.file_name().is_some_and(|n| n == "config") { dir.parent().unwrap_or(Path::new(".")) } else { dir };
     base.join(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::core_ranges;
+
+    #[test]
+    fn cores_are_named_as_ranges() {
+        assert_eq!(core_ranges(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
+        assert_eq!(core_ranges(&[5]), "5");
+        assert_eq!(core_ranges(&[]), "");
+    }
 }

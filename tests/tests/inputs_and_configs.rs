@@ -295,9 +295,13 @@ fn cpu_use_applied_sets_the_threads_and_pins_the_calling_thread() {
         CpuUse::default().apply().unwrap();
         assert_eq!(tch::get_num_threads(), 1, "absent: left as it is");
         tch::set_num_threads(before);
-        // A core the machine does not have is an error that names it.
-        let err = CpuUse { threads: None, cores: Some(vec![1023]) }.apply().unwrap_err().to_string();
-        assert!(err.contains("cannot run on cores [1023]"), "{err}");
+        // A core the process may not use is an error that names it and the cores it may
+        // use, also beside one it may (the kernel would take that set and ignore the rest).
+        for asked in [vec![1023], vec![cores[0], 1023]] {
+            let err = CpuUse { threads: None, cores: Some(asked.clone()) }.apply().unwrap_err().to_string();
+            assert!(err.contains("core 1023 is not one this process may run on: it may use cores "), "{asked:?}: {err}");
+        }
+        assert_eq!(cleave_common::config::allowed_cores().unwrap(), vec![cores[0]], "a refused set pins nothing");
     })
     .join()
     .unwrap();
