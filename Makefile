@@ -120,8 +120,8 @@ demo: build $(DEMO_BUNDLE)/manifest.json
 # Split training of the digits CNN from scratch over loopback gRPC, then the same training of
 # the whole model in one process (same stages, optimizer, seeds and batches), and the two side by side.
 demo-train: build digits-cnn
-	target/release/host --config config/train-digits.yaml --loopback
-	target/release/host --config config/train-digits.yaml --monolithic --output results/train-digits-monolithic
+	target/release/host --config config/train-digits.yaml --loopback --force
+	target/release/host --config config/train-digits.yaml --monolithic --output results/train-digits-monolithic --force
 	$(PYTHON) -c 'import json; runs = [("split over loopback", "results/train-digits"), ("monolithic", "results/train-digits-monolithic")]; \
 	s = {name: json.load(open(d + "/summary.json")) for name, d in runs}; \
 	[print("%20s: final test accuracy %.2f%%, median epoch %.3f s, median step %.2f ms" % (n, v["final_test_accuracy"] * 100, v["median_epoch_seconds"], v["median_step_ms"])) for n, v in s.items()]; \

@@ -271,9 +271,30 @@ pub fn relative_to(config: &Path, p: &Path) -> PathBuf {
     if p.is_absolute() {
         return p.to_path_buf();
     }
+    base_of(config).join(p)
+}
+
+/// Said of a missing path that `config` names: where its relative paths start.
+pub fn relative_paths_note(config: &Path) -> String {
+    format!(
+        " (relative paths in {} start at {}: a config's own directory, or the project root for a config in a `config/` directory)",
+        config.display(),
+        base_of(config).display()
+    )
+}
+
+/// Where the relative paths of `config` start (see [`relative_to`]).
+fn base_of(config: &Path) -> &Path {
     let dir = config.parent().unwrap_or(Path::new("."));
-    let base = if dir.file_name().is_some_and(|n| n == "config") { dir.parent().unwrap_or(Path::new(".")) } else { dir };
-    base.join(p)
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    if dir.file_name().is_some_and(|n| n == "config") {
+        match dir.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        }
+    } else {
+        dir
+    }
 }
 
 #[cfg(test)]

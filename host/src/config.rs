@@ -169,14 +169,31 @@ pub struct RetryPolicy {
 impl RetryPolicy {
     /// The waits between connection attempts: from 100 ms, doubling with jitter, up to
     /// `max_backoff`, without end.
-    pub fn backoff(&self) -> backon::ExponentialBackoff {
+    pub fn backoff(&self) -> Backoff {
         use backon::BackoffBuilder;
-        backon::ExponentialBuilder::default()
+        let waits = backon::ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(100).min(self.max_backoff))
             .with_max_delay(self.max_backoff)
             .with_jitter()
             .without_max_times()
-            .build()
+            .build();
+        Backoff { waits, max: self.max_backoff }
+    }
+}
+
+/// The waits of a [`RetryPolicy`], never longer than its `max_backoff` (backon's jitter adds
+/// up to one more delay on top of its maximum).
+#[derive(Debug)]
+pub struct Backoff {
+    waits: backon::ExponentialBackoff,
+    max: Duration,
+}
+
+impl Iterator for Backoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.waits.next().unwrap_or(self.max).min(self.max))
     }
 }
 
@@ -329,9 +346,12 @@ struct LoopbackConfig {
 /// `edge.yaml`, validated.
 #[derive(Debug, Clone)]
 pub struct EdgeConfig {
+    /// The file it was read from.
+    pub source: PathBuf,
     /// The server's URL (`http://host:port`).
     pub server: String,
-    /// Bundle directory (relative to the config file).
+    /// Bundle directory (a relative one is taken from the config's directory, see
+    /// [`cleave_common::config::relative_to`]).
     pub bundle: PathBuf,
     /// Where to split.
     pub split: SplitSpec,
@@ -345,7 +365,7 @@ pub struct EdgeConfig {
     pub in_flight: usize,
     /// Where inference inputs come from (absent when training).
     pub input: Option<InputSource>,
-    /// Output directory (relative to the working directory).
+    /// Output directory (a relative one is taken from the working directory).
     pub output: PathBuf,
     /// Classes per prediction.
     pub top_k: usize,
@@ -456,6 +476,7 @@ impl EdgeConfig {
             _ => {}
         }
         Ok(Self {
+            source: path.to_path_buf(),
             server: raw.server,
             bundle: secrets.resolve(&raw.bundle),
             split,
@@ -527,5 +548,19 @@ fn split_spec(value: &serde_yaml::Value) -> Result<SplitSpec, String> {
         serde_yaml::Value::Number(n) => n.to_string().parse(),
         serde_yaml::Value::String(s) => s.parse(),
         other => Err(format!("{other:?}: expected a cut index, after:<module path> or a percentage")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_waits_never_exceed_max_backoff_jitter_included() {
+        let retry = RetryPolicy { max_attempts: 10, max_backoff: Duration::from_secs(5) };
+        let waits: Vec<Duration> = retry.backoff().take(200).collect();
+        assert!(waits.iter().all(|w| *w <= retry.max_backoff), "{waits:?}");
+        assert!(waits[0] >= Duration::from_millis(100) && waits[0] < Duration::from_millis(200), "{waits:?}");
+        assert!(waits.iter().skip(10).any(|w| *w > Duration::from_millis(4500)), "they reach it: {waits:?}");
     }
 }

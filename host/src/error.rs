@@ -47,6 +47,15 @@ pub enum HostError {
         /// Why, with every cause.
         reason: String,
     },
+    /// The server cannot be reached for a reason that trying again cannot fix (a name that
+    /// does not resolve, a TLS handshake refused, a URL the link cannot use).
+    #[error("cannot connect to {url}: {reason} (trying again cannot fix this)")]
+    Unreachable {
+        /// The server's URL.
+        url: String,
+        /// Why, with every cause.
+        reason: String,
+    },
     /// A call to the server failed with a gRPC status.
     #[error("{call}: {code:?}: {message}")]
     Rpc {
@@ -129,6 +138,18 @@ impl HostError {
     /// A failed call, from its status.
     pub fn rpc(call: &'static str, status: &tonic::Status) -> Self {
         Self::Rpc { call, code: status.code(), message: status.message().to_string() }
+    }
+
+    /// Whether trying again cannot change the outcome: the server is unreachable for good,
+    /// refuses this host, or refused its credentials or request.
+    pub fn is_lasting(&self) -> bool {
+        use tonic::Code::{InvalidArgument, PermissionDenied, Unauthenticated, Unimplemented};
+        match self {
+            Self::Unreachable { .. } | Self::Refused(_) | Self::Invalid(_) => true,
+            Self::Rpc { code, .. } => matches!(code, Unauthenticated | PermissionDenied | Unimplemented | InvalidArgument),
+            Self::During { error, .. } => error.is_lasting(),
+            _ => false,
+        }
     }
 
     /// This error, as what failed while doing `context`.

@@ -117,9 +117,9 @@ enum Command {
         /// Cuts each model's edges split at, round-robin, like 3,7 (default: each config's split).
         #[arg(long, value_delimiter = ',')]
         splits: Vec<usize>,
-        /// Output directory.
-        #[arg(long, default_value = "results/load")]
-        output: PathBuf,
+        /// Output directory (default: the first config's `output`).
+        #[arg(long)]
+        output: Option<PathBuf>,
         /// Seed of the open loop's arrivals.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -163,7 +163,8 @@ fn main() -> ExitCode {
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
             let mode = rate.map_or(LoadMode::Closed, |rate| LoadMode::Open { rate });
-            load(&configs, LoadOptions { edges, mode, duration, ratio, splits, output, seed, force, in_flight_cap, ..LoadOptions::default() })
+            let opts = LoadOptions { edges, mode, duration, ratio, splits, seed, force, in_flight_cap, ..LoadOptions::default() };
+            load(&configs, output, opts)
         }
         None => run(
             cli.config.unwrap_or_else(|| {
@@ -221,8 +222,10 @@ fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-fn load(paths: &[PathBuf], opts: LoadOptions) -> anyhow::Result<bool> {
+fn load(paths: &[PathBuf], output: Option<PathBuf>, mut opts: LoadOptions) -> anyhow::Result<bool> {
     let configs = paths.iter().map(|p| EdgeConfig::load(p)).collect::<Result<Vec<_>, _>>()?;
+    // Like a run and training, a load run writes into its (first) config's `output`.
+    opts.output = output.or_else(|| configs.first().map(|c| c.output.clone())).unwrap_or(opts.output);
     // The edges of one load run share this process: the first config's cores, and the most
     // threads any of them asks for.
     let cores = configs.first().and_then(|c| c.cpu.cores.clone());

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, StreamCounts};
 use crate::error::{HostError, Result};
+use crate::files::{claim_output, EarlierRun};
 use crate::planning::auto_split::{Planned, SplitMove};
 use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
 
@@ -81,27 +82,28 @@ pub struct Summary {
     /// `split: auto`: every move of the split while running.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub split_moves: Vec<SplitMove>,
+    /// Each distinct error this invocation's requests failed with, most frequent first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<Failure>,
 }
 
-/// The per-request files of a run.
-const RUN_FILES: [&str; 3] = ["predictions.jsonl", "metrics.csv", "summary.json"];
+/// One error and how many requests failed with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Failure {
+    /// Requests that failed with it.
+    pub requests: u64,
+    /// The error, as `predictions.jsonl` records it.
+    pub error: String,
+}
+
+/// The files and directories of a run.
+const RUN_FILES: [&str; 4] = ["predictions.jsonl", "metrics.csv", "summary.json", "tensors"];
 
 /// The columns of `metrics.csv`.
 const METRICS_HEADER: &str = "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,\
 server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms,served_by,attempts";
 
-/// What to do with an output directory that holds an earlier run.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum OutputMode {
-    /// Refuse it: a run never silently overwrites results.
-    #[default]
-    Fresh,
-    /// Replace it (`--force`).
-    Force,
-    /// Continue it (`--resume`): requests it answered with a result are kept and not sent
-    /// again; those that failed or have no outcome are sent.
-    Resume,
-}
+pub use crate::files::OutputMode;
 
 /// Whether `dir` holds an outcome of an earlier run: a line in `predictions.jsonl` or a
 /// summary (a run that failed before any request leaves neither).
@@ -121,41 +123,22 @@ pub struct ReportWriter {
     pub outcomes: Vec<(u64, RequestMetrics, bool)>,
     /// Outcomes kept from the run resumed.
     pub resumed: u64,
+    /// Requests of this invocation by the error they failed with.
+    failures: std::collections::HashMap<String, u64>,
 }
 
 impl ReportWriter {
     /// Creates the output directory and its files: refused when it holds an earlier run,
     /// unless `mode` replaces or resumes it.
     pub fn open(dir: &Path, top_k: usize, mode: OutputMode) -> Result<Self> {
-        std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create output directory", path: dir.into(), error })?;
-        let mut earlier: Vec<&str> = RUN_FILES.into_iter().filter(|f| dir.join(f).exists()).collect();
-        if !earlier.is_empty() && !holds_outcomes(dir) {
+        if RUN_FILES.iter().any(|f| dir.join(f).exists()) && !holds_outcomes(dir) {
             // A run that failed before its first request left its files empty: not a run to
             // keep, and no reason to refuse the corrected one.
-            for f in earlier.drain(..) {
-                std::fs::remove_file(dir.join(f)).map_err(|e| HostError::write(dir.join(f), e))?;
-            }
+            claim_output(dir, &EarlierRun { kind: "run", files: &RUN_FILES, continue_with: None }, OutputMode::Force)?;
         }
+        let earlier = EarlierRun { kind: "run", files: &RUN_FILES, continue_with: Some("--resume to continue it") };
+        claim_output(dir, &earlier, mode)?;
         let resuming = mode == OutputMode::Resume && dir.join("predictions.jsonl").exists();
-        match mode {
-            OutputMode::Fresh if !earlier.is_empty() => {
-                return Err(HostError::Invalid(format!(
-                    "the output directory {} holds an earlier run ({}): give --force to replace it, --resume to continue it, or another `output`",
-                    dir.display(),
-                    earlier.join(", ")
-                )))
-            }
-            OutputMode::Force => {
-                for f in earlier {
-                    std::fs::remove_file(dir.join(f)).map_err(|e| HostError::write(dir.join(f), e))?;
-                }
-                let tensors = dir.join("tensors");
-                if tensors.exists() {
-                    std::fs::remove_dir_all(&tensors).map_err(|e| HostError::write(&tensors, e))?;
-                }
-            }
-            _ => {}
-        }
         let outcomes = if resuming { keep_answered(dir)? } else { Vec::new() };
         let open = |name: &str| -> Result<BufWriter<File>> {
             let file = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(name)).map_err(|e| HostError::write(dir.join(name), e))?;
@@ -166,7 +149,7 @@ impl ReportWriter {
             writeln!(metrics, "{METRICS_HEADER}").and_then(|()| metrics.flush()).map_err(|e| HostError::write(dir.join("metrics.csv"), e))?;
         }
         let resumed = outcomes.len() as u64;
-        Ok(Self { dir: dir.to_path_buf(), predictions, metrics, top_k, outcomes, resumed })
+        Ok(Self { dir: dir.to_path_buf(), predictions, metrics, top_k, outcomes, resumed, failures: Default::default() })
     }
 
     /// Request ids that have their outcome already (from the run resumed).
@@ -197,7 +180,10 @@ impl ReportWriter {
                     }
                 }
             }
-            Err(e) => serde_json::json!({ "request_id": outcome.request_id, "error": e }),
+            Err(e) => {
+                *self.failures.entry(e.clone()).or_default() += 1;
+                serde_json::json!({ "request_id": outcome.request_id, "error": e })
+            }
         };
         let ok = line.get("error").is_none();
         let predictions_error = |e| HostError::write(self.dir.join("predictions.jsonl"), e);
@@ -229,6 +215,13 @@ impl ReportWriter {
         .map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
         self.outcomes.push((outcome.request_id, outcome.metrics, ok));
         Ok(())
+    }
+
+    /// Each distinct error this invocation's requests failed with, most frequent first.
+    pub fn failures(&self) -> Vec<Failure> {
+        let mut failures: Vec<Failure> = self.failures.iter().map(|(error, n)| Failure { requests: *n, error: error.clone() }).collect();
+        failures.sort_by(|a, b| b.requests.cmp(&a.requests).then_with(|| a.error.cmp(&b.error)));
+        failures
     }
 
     /// Flushes the files.
@@ -382,10 +375,12 @@ fn top_k(scores: &[Vec<f64>], k: usize) -> Vec<Vec<(usize, f64)>> {
         .collect()
 }
 
-/// The readable table printed at the end of a run.
-pub fn summary_table(s: &Summary) -> comfy_table::Table {
-    let mut table = comfy_table::Table::new();
-    table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED).set_header(vec!["", "p50", "p95", "p99"]);
+/// What is printed at the end of a run: the latency of each part (p50, p95, p99) when a
+/// request succeeded, then the run's throughput, requests and bytes, then each distinct error
+/// once with its count.
+pub fn summary_text(s: &Summary) -> String {
+    let mut latencies = comfy_table::Table::new();
+    latencies.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED).set_header(vec!["latency", "p50", "p95", "p99"]);
     let rows = [
         ("end to end ms", s.e2e_ms),
         ("edge prefix ms", s.prefix_ms),
@@ -397,28 +392,44 @@ pub fn summary_table(s: &Summary) -> comfy_table::Table {
     ];
     for (name, p) in rows {
         let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
-        table.add_row(vec![name.to_string(), cell(p.map(|p| p.p50)), cell(p.map(|p| p.p95)), cell(p.map(|p| p.p99))]);
+        latencies.add_row(vec![name.to_string(), cell(p.map(|p| p.p50)), cell(p.map(|p| p.p95)), cell(p.map(|p| p.p99))]);
     }
-    table.add_row(vec![
-        "throughput".to_string(),
-        format!("{:.1} req/s", s.throughput_rps),
-        format!("{} requests", s.requests),
-        format!("{} errors", s.errors),
-    ]);
     let c = &s.counts;
-    table.add_row(vec![
+    let mut run = comfy_table::Table::new();
+    run.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+    run.add_row(vec!["throughput".to_string(), format!("{:.1} req/s over {:.1} s", s.throughput_rps, s.wall_s)]);
+    run.add_row(vec![
         "requests".to_string(),
-        format!("{} answered", c.answered),
-        format!("{} retried, {} reconnects", c.retried, c.reconnects),
-        format!("{} failed, {} never sent, {} on the edge", c.failed, c.never_sent, c.served_by_edge),
+        format!(
+            "{} in all{}: {} answered ({} on the edge), {} failed, {} never sent; {} resent, {} reconnects",
+            s.requests + c.never_sent,
+            if s.resumed > 0 { format!(" ({} kept from the run resumed)", s.resumed) } else { String::new() },
+            c.answered,
+            c.served_by_edge,
+            c.failed,
+            c.never_sent,
+            c.retried,
+            c.reconnects
+        ),
     ]);
-    table.add_row(vec![
+    let security = format!("{}{}", if s.encryption.is_some() { ", aes-256-gcm" } else { "" }, if s.tls { ", TLS" } else { "" });
+    run.add_row(vec![
         "bytes sent".to_string(),
-        human_bytes(s.bytes_raw),
-        format!("{} on the wire", human_bytes(s.bytes_wire)),
-        format!("{}{}{}", s.codec, if s.encryption.is_some() { " + aes-256-gcm" } else { "" }, if s.tls { ", TLS" } else { "" }),
+        format!("{} of tensors, {} on the wire ({}{security})", human_bytes(s.bytes_raw), human_bytes(s.bytes_wire), s.codec),
     ]);
-    table
+    let mut text = if s.e2e_ms.is_some() { format!("{latencies}\n{run}") } else { format!("no request succeeded: no latencies to show\n{run}") };
+    if !s.failures.is_empty() {
+        text.push_str("\nrequests failed with (each request's error is in predictions.jsonl):");
+        for f in &s.failures {
+            text.push_str(&format!("\n  {:>6} x {}", f.requests, f.error));
+        }
+    }
+    if c.stopped_early {
+        text.push_str(
+            "\nthe run stopped early: its first requests all failed with one error that sending again cannot fix; fix it and rerun with --resume",
+        );
+    }
+    text
 }
 
 #[cfg(test)]

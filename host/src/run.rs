@@ -14,11 +14,11 @@ use cleave_common::stats::Percentiles;
 use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use crate::config::EdgeConfig;
 use crate::error::{HostError, Result};
-use crate::files::open_bundle;
+use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::profile::measure_profiles;
-use crate::report::{self, summary_table, OutputMode, ReportWriter, Summary};
+use crate::report::{self, summary_text, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_retrying, Link};
 
 /// Command-line overrides of `edge.yaml`.
@@ -36,7 +36,7 @@ pub struct RunOptions {
 
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
-    let bundle = open_bundle(&config.bundle).await?;
+    let bundle = open_config_bundle(&config).await?;
     let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
     let auto = split_spec == SplitSpec::Auto;
     let split = if auto { bundle.stage_count() } else { bundle.resolve_split(&split_spec)? };
@@ -128,6 +128,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         server.shutdown().await?;
     }
     let writer_resumed = writer.resumed;
+    let failures = writer.failures();
     let outcomes = writer.finish()?;
     let ok: Vec<&RequestMetrics> = outcomes.iter().filter(|(_, _, ok)| *ok).map(|(_, m, _)| m).collect();
     // No request succeeded: no percentiles (`null` in summary.json).
@@ -162,11 +163,12 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         wall_s,
         planned,
         split_moves: planner.map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
+        failures,
     };
     let json = serde_json::to_string_pretty(&summary).map_err(|e| HostError::Invalid(format!("the summary as JSON: {e}")))?;
     std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;
     report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
-    println!("{}", summary_table(&summary));
+    println!("{}", summary_text(&summary));
     println!("results in {}", output.display());
     Ok(summary)
 }

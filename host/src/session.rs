@@ -98,8 +98,9 @@ impl std::fmt::Debug for EdgeSession {
 /// Connects to `url`, asks `Info`, and checks the protocol version and the bundle id.
 pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSession> {
     let connect_error = |reason: String| HostError::Connect { url: url.to_string(), reason };
+    let lasting_error = |reason: String| HostError::Unreachable { url: url.to_string(), reason };
     let mut endpoint = Endpoint::from_shared(url.to_string())
-        .map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?
+        .map_err(|e| lasting_error(cleave_common::error::with_causes(&e)))?
         .tcp_nodelay(true)
         .connect_timeout(link.connect_timeout)
         .http2_keep_alive_interval(link.keepalive.0)
@@ -107,23 +108,32 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         .keep_alive_while_idle(true)
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20));
+    if link.tls.is_none() && url.starts_with("https://") {
+        return Err(lasting_error(
+            "the URL starts with https:// but edge.yaml has no `tls:` (the CA to trust, and the `domain` its certificate names)".into(),
+        ));
+    }
     if let Some(tls) = &link.tls {
         if !url.starts_with("https://") {
-            return Err(connect_error("TLS is configured, so the URL must start with https://".into()));
+            return Err(lasting_error("TLS is configured, so the URL must start with https://".into()));
         }
         let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem));
         if let Some(domain) = &tls.domain {
             config = config.domain_name(domain.clone());
         }
-        endpoint = endpoint.tls_config(config).map_err(|e| connect_error(format!("TLS configuration: {}", cleave_common::error::with_causes(&e))))?;
+        endpoint = endpoint.tls_config(config).map_err(|e| lasting_error(format!("TLS configuration: {}", cleave_common::error::with_causes(&e))))?;
     }
     // A server that accepts and then says nothing (stopped, say) must not hold the host: the
     // whole handshake and `Info` get `connect_timeout`.
     let timed_out = || connect_error(format!("no answer within {:?} (`connect_timeout`)", link.connect_timeout));
-    let channel = tokio::time::timeout(link.connect_timeout, endpoint.connect())
-        .await
-        .map_err(|_| timed_out())?
-        .map_err(|e| connect_error(cleave_common::error::with_causes(&e)))?;
+    let channel = tokio::time::timeout(link.connect_timeout, endpoint.connect()).await.map_err(|_| timed_out())?.map_err(|e| {
+        let reason = cleave_common::error::with_causes(&e);
+        if may_pass(&e) {
+            connect_error(reason)
+        } else {
+            lasting_error(reason)
+        }
+    })?;
     let token = match &link.token {
         Some(t) => Some(t.bearer().parse().map_err(|_| HostError::Invalid("the bearer token is not a valid header value".into()))?),
         None => None,
@@ -156,9 +166,40 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone() })
 }
 
+/// Whether a failed connection may succeed when tried again: what a server that is starting,
+/// restarting, stopped or overloaded causes (a refused, reset or timed-out connection). A name
+/// that does not resolve, a refused TLS handshake or anything else stays until the config or
+/// the server changes.
+fn may_pass(error: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind::*;
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                ConnectionRefused
+                    | ConnectionReset
+                    | ConnectionAborted
+                    | NotConnected
+                    | BrokenPipe
+                    | UnexpectedEof
+                    | TimedOut
+                    | Interrupted
+                    | AddrNotAvailable
+                    | NetworkUnreachable
+                    | HostUnreachable
+                    | NetworkDown
+            );
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// [`connect`], tried up to `retry.max_attempts` times with exponential backoff and jitter
 /// between attempts (a host started while its server is down, or restarting, waits for it).
-/// A server that answers and refuses this host (another bundle, say) is not tried again.
+/// A server that answers and refuses this host (another bundle, say), or one that cannot be
+/// reached for a lasting reason (see [`HostError::Unreachable`]), is not tried again.
 pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
     let mut backoff = retry.backoff();
     let mut attempt = 1;

@@ -36,3 +36,24 @@ fn logs_written_to_a_file_carry_no_colour_codes() {
     assert!(logs.contains("INFO"), "the run logged at info: {logs}");
     assert!(!logs.contains('\u{1b}'), "colour codes in logs that are not a terminal: {logs:?}");
 }
+
+#[test]
+fn host_load_writes_into_the_config_s_output_and_refuses_an_earlier_load_run_there() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (config, out) = (tmp.path().join("edge.yaml"), tmp.path().join("out"));
+    let yaml =
+        format!("server: http://127.0.0.1:1\nbundle: bundles/none\nsplit: 4\ndevice: cpu\ninput: {{kind: synthetic}}\noutput: {}\n", out.display());
+    std::fs::write(&config, yaml).unwrap();
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("load.json"), "{}").unwrap();
+    let load = Command::new(env!("CARGO_BIN_EXE_host"))
+        .current_dir(tmp.path())
+        .args(["load", "--config", "edge.yaml", "--edges", "1", "--closed", "--duration", "1s"])
+        .output()
+        .expect("run host");
+    let stderr = String::from_utf8_lossy(&load.stderr);
+    assert_eq!(load.status.code(), Some(2), "{stderr}");
+    let refused = format!("the output directory {} holds an earlier load run (load.json): give --force to replace it", out.display());
+    assert!(stderr.contains(&refused), "{stderr}");
+    assert!(!tmp.path().join("results").exists(), "nothing under the current directory");
+}

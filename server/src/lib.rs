@@ -336,6 +336,10 @@ pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
             (false, false) => format!("AES-256-GCM payloads accepted, key ids {:?}", s.keys.ids()),
         }
     );
+    // Created when a training session first saves (relative to the config unless set).
+    if let Some(dir) = &config.training.checkpoint_dir {
+        println!("training checkpoints go to {} (`training.checkpoint_dir`)", dir.display());
+    }
     server.serve(listener, shutdown_signal()).await
 }
 

@@ -82,6 +82,23 @@ fn config_dir() -> &'static Path {
 }
 
 #[test]
+fn a_config_copied_elsewhere_says_where_its_relative_paths_start() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let copy = elsewhere.path().join("demo.yaml");
+    std::fs::copy(config_dir().join("demo.yaml"), &copy).unwrap();
+    let config = EdgeConfig::load(&copy).unwrap();
+    let err = tokio::runtime::Runtime::new().unwrap().block_on(cleave_host::run(config, Default::default())).unwrap_err().to_string();
+    let expected = format!(
+        "bundle {} does not exist (relative paths in {} start at {}: a config's own directory, or the project root for a config in a `config/` \
+         directory): run `make bundles/resnet18/manifest.json`, which creates it",
+        elsewhere.path().join("bundles/resnet18").display(),
+        copy.display(),
+        elsewhere.path().display()
+    );
+    assert_eq!(err, expected);
+}
+
+#[test]
 fn every_example_config_parses() {
     // The secured examples read development secrets from `.dev-secrets/` beside `config/`:
     // parse copies of the configs next to freshly written ones.

@@ -9,9 +9,11 @@ use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdenti
 use cleave_common::wire::{Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
+use cleave_host::config::RetryPolicy;
 use cleave_host::config::{EdgeConfig, InputSource};
+use cleave_host::error::HostError;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{connect, Link};
+use cleave_host::session::{connect, connect_retrying, Link};
 use cleave_host::LoopbackServer;
 use cleave_server::write_dev_secrets;
 use cleave_tests::bundle_dir;
@@ -147,6 +149,93 @@ fn tls_with_a_token_serves_and_refuses_hosts_without_the_right_credentials() {
         // Plaintext to a TLS server fails too.
         let plain_url = server.url.replace("https://", "http://");
         assert!(run_host(&plain_url, &bundle, 4, Codec::RAW, &EdgeSecurity { tls: None, ..edge.clone() }, 1).await.is_err());
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_link_that_cannot_work_fails_at_its_first_attempt_not_after_every_retry() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let secrets = tempfile::tempdir().unwrap();
+    let (server_security, edge) = secured_pair(secrets.path());
+    let other_ca = tempfile::tempdir().unwrap();
+    let (_, stranger) = secured_pair(other_ca.path());
+    runtime().block_on(async {
+        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), server_security).await.unwrap();
+        let tls = edge.tls.clone().unwrap();
+        let cases = [
+            (
+                "a domain the certificate does not name",
+                server.url.clone(),
+                EdgeSecurity { tls: Some(ClientTls { domain: Some("elsewhere.example".into()), ..tls }), ..edge.clone() },
+                "certificate not valid for name \"elsewhere.example\"",
+            ),
+            ("a CA that did not sign it", server.url.clone(), EdgeSecurity { tls: stranger.tls.clone(), ..edge.clone() }, "invalid peer certificate"),
+            ("https with no tls:", server.url.clone(), EdgeSecurity { tls: None, ..edge.clone() }, "has no `tls:`"),
+            ("tls: with http", server.url.replace("https://", "http://"), edge.clone(), "must start with https://"),
+            ("a name that does not resolve", "http://no-such-host.invalid:50051".to_string(), EdgeSecurity::default(), "dns error"),
+        ];
+        // The defaults: 10 attempts, up to 5 s apart (about 30 s in all when each is retried).
+        let retry = RetryPolicy::default();
+        for (case, url, security, names) in cases {
+            let link = Link::secured(&security);
+            let attempt = connect_retrying(&url, &bundle, &link, &retry);
+            let err = tokio::time::timeout(std::time::Duration::from_secs(60), attempt).await.expect("no hang").unwrap_err();
+            assert!(matches!(err, HostError::Unreachable { .. }) && err.is_lasting(), "{case}: {err:?}");
+            let message = err.to_string();
+            assert!(
+                message.contains(names) && message.contains("trying again cannot fix this") && !message.contains("attempts"),
+                "{case}: {message}"
+            );
+        }
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_wrong_payload_key_stops_the_run_after_its_first_requests_and_each_error_is_named_once() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let (server_secrets, edge_secrets) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    write_dev_secrets(server_secrets.path()).unwrap();
+    write_dev_secrets(edge_secrets.path()).unwrap();
+    let server_key = Key::parse(&std::fs::read(server_secrets.path().join("payload.key")).unwrap()).unwrap();
+    let security = ServerSecurity {
+        policy: CodecPolicy { require_encryption: true, ..CodecPolicy::default() },
+        keys: KeyRing::new([(1, server_key)]).unwrap(),
+        ..Default::default()
+    };
+    runtime().block_on(async {
+        let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), security).await.unwrap();
+        // Key id 1 on both sides, another key on each.
+        let yaml = format!(
+            "server: {}\nbundle: {}\nsplit: 4\ndevice: cpu\nbatch_size: 2\nrequests: 40\nin_flight: 2\ninput: {{kind: synthetic, seed: 3}}\n\
+             output: {}\nencryption: {{key_id: 1, file: {}}}\n",
+            server.url,
+            bundle.dir().display(),
+            edge_secrets.path().join("out").display(),
+            edge_secrets.path().join("payload.key").display()
+        );
+        let path = edge_secrets.path().join("edge.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let summary = cleave_host::run(EdgeConfig::load(&path).unwrap(), Default::default()).await.unwrap();
+        let c = summary.counts;
+        assert!(c.stopped_early, "{c:?}");
+        assert_eq!(c.answered, 0);
+        assert_eq!(summary.errors + c.never_sent, 40);
+        assert!(c.never_sent >= 40 - 3 - 2, "at most in_flight requests beyond the first 3 were sent: {c:?}");
+        let wrong_key = &summary.failures[0];
+        assert_eq!(wrong_key.requests, 3, "{:?}", summary.failures);
+        assert!(
+            wrong_key.error.starts_with("Unauthenticated: ") && wrong_key.error.ends_with("wrong key: key id 1 here is not the key the sender used"),
+            "{wrong_key:?}"
+        );
+        assert!(summary.failures[1..].iter().all(|f| f.error.starts_with("Cancelled: the run stopped")), "{:?}", summary.failures);
+        let text = cleave_host::report::summary_text(&summary);
+        assert_eq!(text.matches("wrong key").count(), 1, "{text}");
+        assert!(
+            text.contains("     3 x Unauthenticated: decode: wrong key") && text.contains("stopped early") && text.contains("no request succeeded"),
+            "{text}"
+        );
         server.shutdown().await.unwrap();
     });
 }

@@ -16,6 +16,7 @@ use cleave_common::training::TrainableStages;
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 use cleave_host::config::EdgeConfig;
+use cleave_host::report::OutputMode;
 use cleave_host::session::{connect, Link};
 use cleave_host::training::{checkpoint_name, checkpoint_state, TrainingSummary, HOST_CHECKPOINT};
 use cleave_host::{LoopbackServer, RunOptions};
@@ -43,6 +44,8 @@ struct Run<'a> {
     codec: &'a str,
     /// A server of the test's own (otherwise a loopback one).
     server: Option<String>,
+    /// `--force`, `--resume` or neither.
+    output_mode: OutputMode,
 }
 
 impl<'a> Run<'a> {
@@ -52,7 +55,20 @@ impl<'a> Run<'a> {
             "bert" | "gpt2" => bert_data(),
             _ => bn_dropout_data(),
         };
-        Self { bundle, mode, split, tail: None, optimizer, data, max_steps: STEPS, resume: None, write_bundle: false, codec: "raw", server: None }
+        Self {
+            bundle,
+            mode,
+            split,
+            tail: None,
+            optimizer,
+            data,
+            max_steps: STEPS,
+            resume: None,
+            write_bundle: false,
+            codec: "raw",
+            server: None,
+            output_mode: OutputMode::Fresh,
+        }
     }
 
     fn u_shaped(mut self, tail: usize) -> Self {
@@ -90,7 +106,8 @@ impl<'a> Run<'a> {
         let path = out.join("edge.yaml");
         std::fs::write(&path, edit(yaml)).unwrap();
         let config = EdgeConfig::load(&path)?;
-        let opts = RunOptions { loopback: self.mode != "monolithic" && self.server.is_none(), split: None, output: None, ..RunOptions::default() };
+        let opts =
+            RunOptions { loopback: self.mode != "monolithic" && self.server.is_none(), output_mode: self.output_mode, ..RunOptions::default() };
         Ok(runtime().block_on(cleave_host::training::run(config, opts))?)
     }
 }
@@ -285,6 +302,37 @@ fn resuming_from_checkpoints_gives_the_uninterrupted_parameters() {
     assert_eq!(max_abs_diff(&whole, &again), 0.0, "host side");
     let diff = max_abs_diff(&trained_state(&tmp.path().join("whole"), STEPS), &trained_state(&interrupted, STEPS));
     assert_eq!(diff, 0.0, "both sides");
+}
+
+#[test]
+fn an_earlier_training_run_is_refused_unless_forced_or_continued_from_its_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let run = |max_steps, resume: Option<&str>, output_mode| Run {
+        max_steps,
+        resume: resume.map(String::from),
+        output_mode,
+        ..Run::new("digits", "monolithic", 0, SGD)
+    };
+    run(3, None, OutputMode::Fresh).train(&out);
+    let first = std::fs::read_to_string(out.join("summary.json")).unwrap();
+    let refused = |r: Run, expected: &[&str]| {
+        let text = format!("{:#}", r.try_train(&out, |y| y).map(|_| ()).unwrap_err());
+        assert!(expected.iter().all(|e| text.contains(e)), "{text}");
+        assert_eq!(std::fs::read_to_string(out.join("summary.json")).unwrap(), first, "nothing overwritten: {text}");
+    };
+    refused(run(2, None, OutputMode::Fresh), &["holds an earlier training run (summary.json", "checkpoints)", "--force", "train.resume: step-N"]);
+    refused(run(2, None, OutputMode::Resume), &["set `train.resume: step-N`"]);
+    refused(run(4, Some("step-3"), OutputMode::Force), &["--force would remove the checkpoint"]);
+    // `train.resume` continues the run in its own directory.
+    let resumed = run(4, Some("step-3"), OutputMode::Fresh).train(&out);
+    assert_eq!((resumed.resumed_from_step, resumed.total_steps), (Some(3), 4));
+    // --force replaces it, checkpoints included.
+    let forced = run(2, None, OutputMode::Force).train(&out);
+    assert_eq!((forced.resumed_from_step, forced.total_steps), (None, 2));
+    let mut left: Vec<String> = std::fs::read_dir(out.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left, [checkpoint_name(2)], "only the forced run's checkpoint");
 }
 
 #[test]
@@ -537,7 +585,13 @@ fn a_missing_example_bundle_names_the_make_target_and_each_cause_once() {
     let config = EdgeConfig::load(&config).unwrap();
     let opts = RunOptions { loopback: true, ..RunOptions::default() };
     let err = runtime().block_on(cleave_host::training::run(config, opts)).unwrap_err();
-    let expected = format!("bundle {} does not exist: run `make digits-cnn`, which creates it", root.path().join("bundles/digits-cnn").display());
+    let expected = format!(
+        "bundle {} does not exist (relative paths in {} start at {}: a config's own directory, or the project root for a config in a `config/` \
+         directory): run `make digits-cnn`, which creates it",
+        root.path().join("bundles/digits-cnn").display(),
+        root.path().join("config/train-digits.yaml").display(),
+        root.path().display()
+    );
     assert_eq!(err.to_string(), expected);
     // As `host` prints it: the chain of causes adds nothing the message already says.
     assert_eq!(format!("{:#}", anyhow::Error::from(err)), expected);

@@ -15,6 +15,8 @@
 //!   counted). A request sent `retry.max_attempts` times, and every request once
 //!   `retry.max_attempts` connection attempts in a row fail, gets an error, unless
 //!   `fallback: edge` runs it on the edge instead.
+//! - A run whose first [`SAME_LASTING_ERRORS_TO_STOP`] outcomes are one error that sending
+//!   again cannot fix (a wrong key, a refused input) stops there rather than send the rest.
 
 pub(crate) mod connection;
 mod prefix;
@@ -26,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_common::wire::{Codec, KeyRing, PayloadSender};
-use cleave_common::Bundle;
+use cleave_common::{Boundary, Bundle};
 use tokio::sync::mpsc;
 
 pub use self::request::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, Splits, StreamCounts, StreamPlan};
@@ -76,6 +78,7 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
         at_edge: HashSet::new(),
         outcomes: HashSet::new(),
         counts: StreamCounts::default(),
+        first_outcomes: FirstOutcomes::default(),
         asks,
         on_edge: Arc::clone(&on_edge),
         on_outcome,
@@ -94,6 +97,46 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
         tracing::warn!(failed = counts.failed, never_sent = counts.never_sent, "not every request was answered");
     }
     Ok(counts)
+}
+
+/// After this many first outcomes, all the same lasting error, a run stops.
+pub const SAME_LASTING_ERRORS_TO_STOP: u32 = 3;
+
+/// The first outcomes of a run, watched while each is the same error that sending again
+/// cannot fix.
+#[derive(Debug, Default)]
+enum FirstOutcomes {
+    /// None yet.
+    #[default]
+    None,
+    /// `count` outcomes so far, each this error.
+    Failing { error: String, count: u32 },
+    /// One succeeded, or failed otherwise: the run goes on to its end.
+    Mixed,
+}
+
+impl FirstOutcomes {
+    fn observe(&mut self, output: &Result<Boundary, String>, lasting: bool) {
+        *self = match (std::mem::take(self), output) {
+            (Self::None, Err(error)) if lasting => Self::Failing { error: error.clone(), count: 1 },
+            (Self::Failing { error, count }, Err(e)) if lasting && *e == error => Self::Failing { error, count: count + 1 },
+            _ => Self::Mixed,
+        };
+    }
+
+    /// The error to stop on, once enough first outcomes are it.
+    fn stop_on(&self) -> Option<&str> {
+        match self {
+            Self::Failing { error, count } if *count >= SAME_LASTING_ERRORS_TO_STOP => Some(error),
+            _ => None,
+        }
+    }
+}
+
+/// Error answers that the same request sent again would get again.
+fn is_lasting(code: Option<tonic::Code>) -> bool {
+    use tonic::Code::{FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated, Unimplemented};
+    matches!(code, Some(Unauthenticated | PermissionDenied | InvalidArgument | FailedPrecondition | Unimplemented))
 }
 
 /// A request sent (or waiting for a connection) and not answered yet.
@@ -120,6 +163,7 @@ struct Run<F> {
     /// Ids with their outcome.
     outcomes: HashSet<u64>,
     counts: StreamCounts,
+    first_outcomes: FirstOutcomes,
     asks: std::sync::mpsc::Sender<ToPrefix>,
     on_edge: Arc<AtomicBool>,
     on_outcome: F,
@@ -129,7 +173,7 @@ struct Run<F> {
 struct Reconnect {
     attempts: u32,
     at: Option<tokio::time::Instant>,
-    backoff: backon::ExponentialBackoff,
+    backoff: crate::config::Backoff,
 }
 
 type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(EdgeSession, Connection)>> + Send>>;
@@ -150,6 +194,11 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         let timeout = self.resilience.request_timeout;
         loop {
             if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty() && self.at_edge.is_empty()) {
+                break;
+            }
+            if let Some(error) = self.first_outcomes.stop_on() {
+                tracing::error!("the first {SAME_LASTING_ERRORS_TO_STOP} requests all failed with {error}: the rest are not sent");
+                self.stop_early(&format!("the run stopped after its first {SAME_LASTING_ERRORS_TO_STOP} requests failed alike"));
                 break;
             }
             let now = tokio::time::Instant::now();
@@ -250,6 +299,12 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// Records a request's one outcome and lets the prefix thread start another.
     fn record(&mut self, outcome: RequestOutcome) {
+        self.record_answer(outcome, None);
+    }
+
+    /// Records a request's one outcome, with the status code of the server's error answer.
+    fn record_answer(&mut self, outcome: RequestOutcome, code: Option<tonic::Code>) {
+        self.first_outcomes.observe(&outcome.output, is_lasting(code));
         let id = outcome.request_id;
         self.at_edge.remove(&id);
         if !self.outcomes.insert(id) {
@@ -313,7 +368,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         metrics.decode_ms = a.decode_ms;
         metrics.server = a.server.unwrap_or_default();
         metrics.e2e_ms = ms(u.prepared.started);
-        self.record(RequestOutcome { request_id: a.id, metrics, output: a.output });
+        self.record_answer(RequestOutcome { request_id: a.id, metrics, output: a.output }, a.code);
         Ok(())
     }
 
@@ -362,7 +417,8 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// A connection attempt failed. With `fallback: edge` every waiting request goes to the
     /// edge (and new ones run there) while attempts go on; otherwise the run gives up after
-    /// `retry.max_attempts` in a row: true when it does.
+    /// `retry.max_attempts` in a row, or at once when trying again cannot help: true when it
+    /// does.
     fn connect_failed(&mut self, error: &HostError, reconnect: &mut Reconnect) -> bool {
         reconnect.attempts += 1;
         let max = self.resilience.retry.max_attempts;
@@ -372,8 +428,12 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             for (_, u) in std::mem::take(&mut self.unanswered) {
                 self.finish_on_edge(u);
             }
-        } else if reconnect.attempts >= max {
-            let reason = format!("no connection to the server answered in {max} attempts in a row (`retry.max_attempts`): {error}");
+        } else if error.is_lasting() || reconnect.attempts >= max {
+            let reason = if error.is_lasting() {
+                error.to_string()
+            } else {
+                format!("no connection to the server answered in {max} attempts in a row (`retry.max_attempts`): {error}")
+            };
             for (_, u) in std::mem::take(&mut self.unanswered) {
                 self.give_up(u, &reason);
             }
@@ -400,6 +460,16 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             return self.finish_on_edge(u);
         }
         self.fail(u.prepared, reason);
+    }
+
+    /// Ends the run early: every request sent and not answered gets `reason` as its outcome;
+    /// the rest are not sent.
+    fn stop_early(&mut self, reason: &str) {
+        self.counts.stopped_early = true;
+        for (_, u) in std::mem::take(&mut self.unanswered) {
+            let metrics = RequestMetrics { e2e_ms: ms(u.prepared.started), ..u.prepared.metrics };
+            self.record(RequestOutcome { request_id: u.prepared.id, metrics, output: Err(format!("Cancelled: {reason}")) });
+        }
     }
 
     /// Records an error outcome for a request.

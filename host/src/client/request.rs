@@ -160,6 +160,9 @@ pub struct StreamCounts {
     pub reconnects: u64,
     /// Answers for a request that already had its outcome, dropped.
     pub duplicates_dropped: u64,
+    /// The run stopped early: its first requests all failed with one error that sending
+    /// again cannot fix (a wrong key, say).
+    pub stopped_early: bool,
 }
 
 /// The answer to one request.

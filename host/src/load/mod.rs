@@ -42,11 +42,11 @@ pub use self::mix::Ratio;
 
 use self::arrivals::Arrivals;
 use self::mix::{apportion, assign_edges, EdgeSlot};
-use self::report::{prepare_output, write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport};
+use self::report::{write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport, LOAD_FILES};
 use crate::client::connection::{Answer, Connection};
 use crate::config::EdgeConfig;
 use crate::error::{HostError, Result};
-use crate::files::open_bundle;
+use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
 use crate::session::{connect, Link};
 
@@ -110,10 +110,11 @@ struct Model {
 /// ([`LoadReport::summary_line`]). Errors in the requests are results, not errors of the run.
 pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadReport> {
     check_options(&configs, &opts)?;
-    prepare_output(&opts.output, opts.force)?;
+    let mode = if opts.force { OutputMode::Force } else { OutputMode::Fresh };
+    claim_output(&opts.output, &EarlierRun { kind: "load run", files: &LOAD_FILES, continue_with: None }, mode)?;
     let mut models = Vec::with_capacity(configs.len());
     for config in configs {
-        let bundle = open_bundle(&config.bundle).await?;
+        let bundle = open_config_bundle(&config).await?;
         let cuts = cuts_of(&config, &bundle, &opts.splits)?;
         models.push(Model { config, bundle, cuts });
     }

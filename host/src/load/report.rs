@@ -262,25 +262,6 @@ pub fn write_json(path: &Path, report: &LoadReport) -> Result<()> {
     std::fs::write(path, json + "\n").map_err(|e| HostError::write(path, e))
 }
 
-/// Makes `dir` ready for a load run's files: created when missing; an earlier run's files
-/// (`load.json`) are refused unless `force`, which removes them.
-pub fn prepare_output(dir: &Path, force: bool) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create output directory", path: dir.into(), error })?;
-    if dir.join("load.json").exists() && !force {
-        return Err(HostError::Invalid(format!(
-            "the output directory {} holds an earlier load run (load.json): give --force to replace it, or another --output",
-            dir.display()
-        )));
-    }
-    for name in LOAD_FILES {
-        let path = dir.join(name);
-        if path.exists() {
-            std::fs::remove_file(&path).map_err(|e| HostError::write(&path, e))?;
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

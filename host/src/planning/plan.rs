@@ -16,7 +16,7 @@ use super::profile::measure_profiles;
 use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use crate::config::{EdgeConfig, InputSource};
 use crate::error::{HostError, Result};
-use crate::files::open_bundle;
+use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::plots::run::{plot_breakdown, plot_latency_cdf, plot_predicted_vs_measured, CutBreakdown, BREAKDOWN, LATENCY_CDF, PREDICTED_VS_MEASURED};
 use crate::report::median_breakdown;
@@ -78,7 +78,7 @@ pub struct PlanReport {
 
 /// Measures the profiles and prints the table of every cut.
 pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
-    let bundle = open_bundle(&config.bundle).await?;
+    let bundle = open_config_bundle(&config).await?;
     let batch = config.batch_size;
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());

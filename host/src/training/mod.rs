@@ -35,6 +35,7 @@ use tch::Tensor;
 
 use crate::config::{EdgeConfig, TrainConfig, TrainMode};
 use crate::error::{HostError, Result};
+use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::run::RunOptions;
 use crate::session::{connect, Link};
@@ -65,7 +66,7 @@ struct Position {
 /// `host --config` with `train:`: trains, evaluates, checkpoints, writes the report files.
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary> {
     let train = config.train.clone().ok_or_else(|| HostError::Invalid("the config has no `train` section".into()))?;
-    let bundle = crate::files::open_bundle(&config.bundle).await?;
+    let bundle = crate::files::open_config_bundle(&config).await?;
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let n = bundle.stage_count();
     let (split, tail) = match &train.mode {
@@ -113,7 +114,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         }
     }
 
-    let checkpoints = output.join("checkpoints");
+    claim_training_output(&output, train.resume.as_deref(), opts.output_mode)?;
+    let checkpoints = output.join(CHECKPOINTS);
     let server_checkpoints = checkpoints.join("server");
     let loopback = if remote && opts.loopback { Some(crate::loopback::for_training(&config, &server_checkpoints).await?) } else { None };
 
@@ -266,6 +268,31 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         output.display()
     );
     Ok(summary)
+}
+
+/// The files and directories of a training run.
+const TRAINING_FILES: [&str; 6] = [SUMMARY_JSON, METRICS_CSV, TRAINING_SVG, STEPS_CSV, TRAINED_BUNDLE, CHECKPOINTS];
+
+/// Where a run's checkpoints go in its output directory (the server's under `server/` when the
+/// host starts it).
+pub const CHECKPOINTS: &str = "checkpoints";
+
+/// The output rule of every command, for training: an earlier training run in `dir` is
+/// refused unless `--force` replaces it (its checkpoints too) or `train.resume` continues it
+/// from one of its checkpoints.
+fn claim_training_output(dir: &Path, resume: Option<&str>, mode: OutputMode) -> Result<()> {
+    let continue_with = Some("`train.resume: step-N` to continue it from a checkpoint");
+    let earlier = EarlierRun { kind: "training run", files: &TRAINING_FILES, continue_with };
+    match (resume, mode) {
+        (None, OutputMode::Resume) => Err(HostError::Invalid(
+            "--resume continues an inference run; a training run continues from a checkpoint: set `train.resume: step-N` (one of <output>/checkpoints)".into(),
+        )),
+        (Some(_), OutputMode::Force) => {
+            Err(HostError::Invalid("--force would remove the checkpoint `train.resume` continues from: give one or the other".into()))
+        }
+        (Some(_), _) => claim_output(dir, &earlier, OutputMode::Resume),
+        (None, mode) => claim_output(dir, &earlier, mode),
+    }
 }
 
 /// Writes `metrics.csv`, `summary.json` and `training.svg` into `dir`, creating it when
