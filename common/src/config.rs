@@ -25,7 +25,7 @@ pub enum ConfigError {
         /// Why.
         error: std::io::Error,
     },
-    /// The YAML does not fit the schema (serde_yaml names the key and the line).
+    /// The YAML does not fit the schema (the message names the key and the line).
     #[error("config {path}: {message}")]
     Parse {
         /// The file.
@@ -117,7 +117,7 @@ impl ConfigFile<'_> {
     pub fn read_yaml<T: serde::de::DeserializeOwned>(&self) -> Result<T, ConfigError> {
         let path = self.path.to_path_buf();
         let text = std::fs::read_to_string(self.path).map_err(|error| ConfigError::Read { path: path.clone(), error })?;
-        serde_yaml::from_str(&text).map_err(|e| ConfigError::Parse { path, message: e.to_string() })
+        crate::yaml_errors::parse(&text).map_err(|message| ConfigError::Parse { path, message })
     }
 
     /// An invalid value at `key`.

@@ -188,10 +188,3 @@ pub fn with_causes(e: &dyn std::error::Error) -> String {
     }
     text
 }
-
-/// Whether log lines may carry colour: only on a terminal, and never with `NO_COLOR` set to
-/// anything (<https://no-color.org>): logs redirected to a file stay plain text.
-pub fn colour_logs() -> bool {
-    use std::io::IsTerminal;
-    std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
-}

@@ -28,6 +28,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod examples;
+pub mod logs;
 pub mod protocol;
 pub mod security;
 pub mod spec;
@@ -39,6 +40,7 @@ pub mod training;
 pub mod value;
 pub mod verify;
 pub mod wire;
+mod yaml_errors;
 
 pub use bundle::{Bundle, CutTensors, SplitPoint, SplitSpec};
 pub use device::DeviceSpec;

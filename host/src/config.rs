@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use cleave_common::bundle::SplitSpec;
 use cleave_common::config::{auto_device, ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::logs::LogFormat;
 use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity};
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
@@ -110,6 +111,8 @@ struct RawEdgeConfig {
     threads: Option<usize>,
     #[serde(default)]
     cores: Option<Vec<usize>>,
+    #[serde(default)]
+    log_format: LogFormat,
 }
 
 /// `retry:` in edge.yaml.
@@ -387,6 +390,8 @@ pub struct EdgeConfig {
     pub resilience: Resilience,
     /// libtorch's threads per operator and the cores, on the edge (`threads:`, `cores:`).
     pub cpu: CpuUse,
+    /// How log lines are written (`log_format: text | json`).
+    pub log_format: LogFormat,
 }
 
 impl EdgeConfig {
@@ -496,6 +501,7 @@ impl EdgeConfig {
             security,
             resilience,
             cpu: secrets.cpu(raw.threads, raw.cores)?,
+            log_format: raw.log_format,
         })
     }
 }

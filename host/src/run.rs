@@ -76,8 +76,14 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         planned = Some(plan);
     }
     let split = planned.as_ref().map_or(split, |p| p.cut);
+    // The share of the FLOPs the edge runs: what `split: 40%` chose by.
+    let edge_share = bundle
+        .split_points()
+        .iter()
+        .find(|p| p.index == split)
+        .map_or(String::new(), |p| format!(", {:.1}% of the FLOPs", 100.0 * p.edge_cost_share));
     println!(
-        "{} split at cut {split} ({}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
+        "{} split at cut {split} ({}{edge_share}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
         bundle.manifest().model.source,
         bundle.cut(split).name,
         device_name(config.device.resolve()?),

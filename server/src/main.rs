@@ -1,5 +1,6 @@
 //! `server`: the GPU binary. Parses the command line and calls the library.
 
+use cleave_common::logs::{self, LogFormat};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -38,14 +39,16 @@ enum Command {
     },
 }
 
+/// Logs at info unless `RUST_LOG` says otherwise.
+const DEFAULT_LOG_FILTER: &str = "info";
+
 fn main() -> ExitCode {
     // First, before any thread starts: a process-wide setting.
     cleave_server::allocator::give_back_freed_memory();
-    tracing_subscriber::fmt()
-        .with_ansi(cleave_common::error::colour_logs())
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .init();
     let cli = Cli::parse();
+    if cli.command.is_some() {
+        logs::init(LogFormat::Text, DEFAULT_LOG_FILTER);
+    }
     let result = match (cli.command, cli.config) {
         (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }).map_err(anyhow::Error::from),
         (Some(Command::DevSecrets { out }), _) => cleave_server::write_dev_secrets(&out)
@@ -69,6 +72,7 @@ fn main() -> ExitCode {
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = ServerConfig::load(path)?;
+    logs::init(config.log_format, DEFAULT_LOG_FILTER);
     config.cpu.apply()?;
     Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))?)
 }

@@ -161,6 +161,22 @@ fn config_errors_name_the_file_and_the_key() {
     let p = write("typo.yaml", &format!("{base}batch_sise: 4\n"));
     let err = EdgeConfig::load(&p).unwrap_err().to_string();
     assert!(err.contains("typo.yaml") && err.contains("unknown field `batch_sise`"), "{err}");
+    // Types said in words, with the key path and its line, inside a `kind:` section too.
+    let lines = base.lines().count() + 1;
+    for (text, expected) in [
+        ("batch_size: \"8\"", "`batch_size` (line {L}): invalid type: string \"8\", expected an integer"),
+        (
+            "request_timeout: 30",
+            "`request_timeout` (line {L}): invalid value: string \"30\", expected a duration with its unit, like 30s, 500ms or 2m",
+        ),
+    ] {
+        let err = EdgeConfig::load(&write("types.yaml", &format!("{base}{text}\n"))).unwrap_err().to_string();
+        assert!(err.ends_with(&expected.replace("{L}", &lines.to_string())), "{err}");
+    }
+    let seed = base.replace("input: {kind: synthetic}", "input: {kind: synthetic, seed: one}");
+    let line = seed.lines().position(|l| l.contains("seed: one")).unwrap() + 1;
+    let err = EdgeConfig::load(&write("seed.yaml", &seed)).unwrap_err().to_string();
+    assert!(err.ends_with(&format!("`input.seed` (line {line}): invalid type: string \"one\", expected an integer")), "{err}");
     let p = write("split.yaml", &base.replace("split: 3", "split: middle"));
     let err = EdgeConfig::load(&p).unwrap_err().to_string();
     assert!(err.contains("`split`") && err.contains("not a cut index"), "{err}");
@@ -322,4 +338,20 @@ fn cpu_use_applied_sets_the_threads_and_pins_the_calling_thread() {
     })
     .join()
     .unwrap();
+}
+
+#[test]
+fn log_format_is_a_key_of_both_configs() {
+    use cleave_common::logs::LogFormat;
+    let dir = tempfile::tempdir().unwrap();
+    let edge = |extra: &str| EdgeConfig::load(&write_config(dir.path(), "e.yaml", &format!("{MINIMAL_EDGE}{extra}")));
+    let server = |extra: &str| ServerConfig::load(&write_config(dir.path(), "s.yaml", &format!("listen: 127.0.0.1:0\nbundle: b\n{extra}")));
+    assert_eq!(edge("").unwrap().log_format, LogFormat::Text);
+    assert_eq!(edge("log_format: json\n").unwrap().log_format, LogFormat::Json);
+    assert_eq!(server("").unwrap().log_format, LogFormat::Text);
+    assert_eq!(server("log_format: json\n").unwrap().log_format, LogFormat::Json);
+    let err = edge("log_format: xml\n").unwrap_err().to_string();
+    assert!(err.contains("`log_format`") && err.contains("unknown variant `xml`, expected `text` or `json`"), "{err}");
+    let err = server("log_format: xml\n").unwrap_err().to_string();
+    assert!(err.contains("`log_format`") && err.contains("expected `text` or `json`"), "{err}");
 }

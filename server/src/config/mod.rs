@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use cleave_common::config::{ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::logs::LogFormat;
 use cleave_common::security::ServerSecurity;
 use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 
@@ -60,6 +61,8 @@ struct RawServerConfig {
     threads: Option<usize>,
     #[serde(default)]
     cores: Option<Vec<usize>>,
+    #[serde(default)]
+    log_format: LogFormat,
 }
 
 /// `limits:` in server.yaml: what a request may carry ([`Limits`], announced to hosts in
@@ -409,6 +412,8 @@ pub struct ServerConfig {
     pub insecure: bool,
     /// libtorch's threads per operator and the cores (`threads:`, `cores:`).
     pub cpu: CpuUse,
+    /// How log lines are written (`log_format: text | json`).
+    pub log_format: LogFormat,
 }
 
 impl ServerConfig {
@@ -476,7 +481,19 @@ impl ServerConfig {
             return Err(file.invalid("training.max_checkpoint_bytes_total", "must be positive"));
         }
         let cpu = file.cpu(raw.threads, raw.cores.take())?;
-        Ok(Self { listen, models, scheduler, metrics_listen, limits, peers, security, training, insecure: raw.insecure, cpu })
+        Ok(Self {
+            listen,
+            models,
+            scheduler,
+            metrics_listen,
+            limits,
+            peers,
+            security,
+            training,
+            insecure: raw.insecure,
+            cpu,
+            log_format: raw.log_format,
+        })
     }
 }
 
