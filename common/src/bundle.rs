@@ -324,6 +324,12 @@ pub struct Bundle {
     id: String,
 }
 
+/// How output shows a bundle id: its first 16 hex digits (64 bits), enough to tell bundles
+/// apart; errors that match ids (a host's against a server's) give them whole.
+pub fn short_id(id: &str) -> &str {
+    &id[..id.len().min(16)]
+}
+
 impl Bundle {
     /// Opens the bundle in `dir`, checking its format and the hash of every file.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
@@ -358,6 +364,11 @@ impl Bundle {
     /// sha256 of `manifest.json`: identifies the model, its weights and its cuts.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The id as every command shows it (see [`short_id`]).
+    pub fn short_id(&self) -> &str {
+        short_id(&self.id)
     }
 
     /// Number of stages (N); cuts run from 0 to N.

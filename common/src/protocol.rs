@@ -74,6 +74,73 @@ pub struct ServedModel {
     pub batch_limit: u32,
     /// The cuts at which its requests are merged into batches.
     pub batchable_cuts: Vec<usize>,
+    /// How its bundle was exported (none from a server that does not say).
+    pub export: Option<ExportFacts>,
+}
+
+/// What tells two exports of one model apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportFacts {
+    /// Seed of the random initialisation.
+    pub seed: i64,
+    /// The granularity the exporter cut at.
+    pub granularity: String,
+    /// Parameters of the whole model.
+    pub parameters: u64,
+    /// The exporter's version.
+    pub exporter_version: String,
+    /// The PyTorch version it exported with.
+    pub torch_version: String,
+}
+
+impl ExportFacts {
+    /// The facts of `bundle`.
+    pub fn of(bundle: &crate::Bundle) -> Self {
+        let m = bundle.manifest();
+        Self {
+            seed: m.model.seed,
+            granularity: m.exporter.granularity.clone(),
+            parameters: m.model.parameters,
+            exporter_version: m.exporter.version.clone(),
+            torch_version: m.exporter.torch.clone(),
+        }
+    }
+
+    /// What differs from `other` (`seed 3 there, 0 here`), one entry per fact.
+    pub fn differences(&self, here: &Self) -> Vec<String> {
+        let facts = [
+            ("seed", self.seed.to_string(), here.seed.to_string()),
+            ("granularity", self.granularity.clone(), here.granularity.clone()),
+            ("parameters", self.parameters.to_string(), here.parameters.to_string()),
+            ("exporter", self.exporter_version.clone(), here.exporter_version.clone()),
+            ("torch", self.torch_version.clone(), here.torch_version.clone()),
+        ];
+        facts.into_iter().filter(|(_, there, here)| there != here).map(|(name, there, here)| format!("{name} {there} there, {here} here")).collect()
+    }
+}
+
+impl From<pb::ExportFacts> for ExportFacts {
+    fn from(e: pb::ExportFacts) -> Self {
+        Self {
+            seed: e.seed,
+            granularity: e.granularity,
+            parameters: e.parameters,
+            exporter_version: e.exporter_version,
+            torch_version: e.torch_version,
+        }
+    }
+}
+
+impl From<&ExportFacts> for pb::ExportFacts {
+    fn from(e: &ExportFacts) -> Self {
+        Self {
+            seed: e.seed,
+            granularity: e.granularity.clone(),
+            parameters: e.parameters,
+            exporter_version: e.exporter_version.clone(),
+            torch_version: e.torch_version.clone(),
+        }
+    }
 }
 
 impl ServerInfo {
@@ -99,6 +166,7 @@ impl From<pb::ModelInfo> for ServedModel {
             slo_ms: (m.slo_ms > 0).then_some(m.slo_ms),
             batch_limit: m.batch_limit.max(1),
             batchable_cuts: m.batchable_cuts.into_iter().map(|c| c as usize).collect(),
+            export: m.export.map(ExportFacts::from),
         }
     }
 }
@@ -114,6 +182,7 @@ impl From<&ServedModel> for pb::ModelInfo {
             slo_ms: m.slo_ms.unwrap_or(0),
             batch_limit: m.batch_limit,
             batchable_cuts: m.batchable_cuts.iter().map(|&c| c as u32).collect(),
+            export: m.export.as_ref().map(pb::ExportFacts::from),
         }
     }
 }
@@ -147,6 +216,7 @@ impl TryFrom<pb::InfoReply> for ServerInfo {
                 slo_ms: None,
                 batch_limit: 1,
                 batchable_cuts: Vec::new(),
+                export: None,
             }]
         } else {
             info.models.into_iter().map(ServedModel::from).collect()
@@ -257,6 +327,13 @@ mod tests {
             slo_ms: Some(20),
             batch_limit: 4,
             batchable_cuts: vec![0, 2, 4],
+            export: Some(ExportFacts {
+                seed: 3,
+                granularity: "op".into(),
+                parameters: 99,
+                exporter_version: "0.1.0".into(),
+                torch_version: "2.11.0".into(),
+            }),
         };
         let info = ServerInfo {
             server_version: "0.1.0".into(),

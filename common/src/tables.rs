@@ -59,23 +59,44 @@ fn align_right(table: &mut Table, columns: &[usize]) {
     }
 }
 
+/// The split table and, under it, each reason a cut cannot be split at, once (rows refer to
+/// it by number).
+pub struct SplitTable {
+    /// One row per cut.
+    pub table: Table,
+    /// The distinct reasons cuts are unusable, numbered from 1.
+    pub reasons: Vec<String>,
+}
+
+impl std::fmt::Display for SplitTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.table)?;
+        for (i, reason) in self.reasons.iter().enumerate() {
+            write!(f, "\n({}) {reason}", i + 1)?;
+        }
+        Ok(())
+    }
+}
+
 /// Every split point: what crosses it, how big it is, how the parameters and cost divide,
 /// and whether a server merges requests entering there into batches. With a sequence, bytes
 /// are at sequence length `seq` (see [`Bundle::resolve_seq`]), and a column gives one
-/// sample's bytes per token.
-pub fn split_table(bundle: &Bundle, seq: Option<i64>) -> Table {
+/// sample's bytes per token. A size a cut does not know (its shapes depend on the data) is `?`.
+pub fn split_table(bundle: &Bundle, seq: Option<i64>) -> SplitTable {
     let points = bundle.split_points_at(seq);
     let seq = points.first().and_then(|p| p.seq_len);
     let mut header = vec!["cut".to_string(), "name".into(), "live tensors".into(), "bytes/sample".into()];
     header.extend(seq.map(|s| format!("per token (S = {s})")));
     header.extend(["params edge", "params server", "edge cost", "usable", "batchable"].map(String::from));
     let mut table = new_table(&header.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut reasons: Vec<String> = Vec::new();
     for p in points {
         let mut live = p.tensors.join("\n");
         if p.plain_values > 0 {
             live.push_str(&format!("\n+ {} plain value(s)", p.plain_values));
         }
-        let mut row = vec![p.index.to_string(), p.name, live, human_bytes(p.bytes_per_sample)];
+        let unknown_size = p.bytes_per_sample == 0 && p.usable.is_err();
+        let mut row = vec![p.index.to_string(), p.name, live, if unknown_size { "?".into() } else { human_bytes(p.bytes_per_sample) }];
         if seq.is_some() {
             row.push(p.bytes_per_token.map_or_else(|| "?".into(), |b| format!("{b:.1} B")));
         }
@@ -85,7 +106,13 @@ pub fn split_table(bundle: &Bundle, seq: Option<i64>) -> Table {
             format!("{:.1}%", 100.0 * p.edge_cost_share),
             match p.usable {
                 Ok(()) => "yes".into(),
-                Err(reason) => format!("no: {reason}"),
+                Err(reason) => {
+                    let n = reasons.iter().position(|r| *r == reason).unwrap_or_else(|| {
+                        reasons.push(reason);
+                        reasons.len() - 1
+                    });
+                    format!("no ({})", n + 1)
+                }
             },
             if p.batchable { "yes" } else { "no" }.into(),
         ]);
@@ -93,7 +120,7 @@ pub fn split_table(bundle: &Bundle, seq: Option<i64>) -> Table {
     }
     let shift = usize::from(seq.is_some());
     align_right(&mut table, &[0, 3, 3 + shift, 4 + shift, 5 + shift, 6 + shift]);
-    table
+    SplitTable { table, reasons }
 }
 
 /// One row per split point of a verification run.

@@ -10,8 +10,9 @@ use tch::Tensor;
 
 use crate::error::{HostError, Result};
 
-/// Every PNG/JPEG in `dir` (sorted by name) as one batch-first tensor shaped for `spec`.
-pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Preprocess>) -> Result<Tensor> {
+/// Every PNG/JPEG in `dir` (sorted by name) as one batch-first tensor shaped for `spec`, with
+/// the file name of each row.
+pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Preprocess>) -> Result<(Tensor, Vec<String>)> {
     let (c, h, w) = match spec.shape.as_slice() {
         [Dim::Batch(1), Dim::Fixed(c @ (1 | 3)), Dim::Fixed(h), Dim::Fixed(w)] if spec.dtype == DType::Float32 => (*c, *h as u32, *w as u32),
         _ => return Err(HostError::Invalid(format!("image inputs need a float32 [B, 1 or 3, H, W] input; this bundle takes {spec}"))),
@@ -46,5 +47,6 @@ pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Prepro
         let std = Tensor::from_slice(&std).to_kind(tch::Kind::Float).view([c, 1, 1]);
         batch.push((t - mean) / std);
     }
-    Ok(Tensor::stack(&batch, 0).contiguous())
+    let names = paths.iter().map(|p| p.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())).collect();
+    Ok((Tensor::stack(&batch, 0).contiguous(), names))
 }

@@ -23,7 +23,8 @@ pub enum Inputs {
         /// Base seed.
         seed: i64,
     },
-    /// Consecutive batches of a safetensors file (wrapping around at its end).
+    /// Consecutive batches of a file's rows or a directory's images (wrapping around at the
+    /// end).
     File {
         /// Input name and its full tensor.
         tensors: Vec<(String, Tensor)>,
@@ -31,7 +32,30 @@ pub enum Inputs {
         rows: i64,
         /// Batch size.
         batch: i64,
+        /// What the rows are called, for messages: `image directory D`, `input file F`.
+        what: String,
+        /// Each row's image file name (images only).
+        names: Option<std::sync::Arc<Vec<String>>>,
     },
+}
+
+/// The image file of each sample of a request, for `predictions.jsonl`.
+#[derive(Clone)]
+pub struct SampleFiles {
+    names: std::sync::Arc<Vec<String>>,
+    batch: i64,
+}
+
+impl SampleFiles {
+    /// The file of each sample of request `index`, in batch order.
+    pub fn of(&self, index: u64) -> Vec<String> {
+        row_indices(index, self.batch, self.names.len() as i64).map(|i| self.names[i as usize].clone()).collect()
+    }
+}
+
+/// The rows request `index` takes: consecutive, wrapping around at the end.
+fn row_indices(index: u64, batch: i64, rows: i64) -> impl Iterator<Item = i64> {
+    (0..batch).map(move |i| (index as i64 * batch + i) % rows)
 }
 
 /// One tensor input: its name, spec and, for integer inputs, the range of its values.
@@ -58,9 +82,10 @@ impl Inputs {
                     return Err(HostError::Invalid(format!("image inputs need a bundle with one input; this one has {}", specs.len())));
                 };
                 crate::files::require("image directory", dir)?;
-                let images = crate::images::load_dir(dir, spec, bundle.manifest().model.preprocess.as_ref())?;
+                let (images, names) = crate::images::load_dir(dir, spec, bundle.manifest().model.preprocess.as_ref())?;
                 let rows = images.size()[0];
-                Ok(Self::File { tensors: vec![(name.clone(), images)], rows, batch })
+                let what = format!("image directory {}", dir.display());
+                Ok(Self::File { tensors: vec![(name.clone(), images)], rows, batch, what, names: Some(std::sync::Arc::new(names)) })
             }
             InputSource::File { path } => {
                 crate::files::require("input file", path)?;
@@ -108,8 +133,29 @@ impl Inputs {
                     }
                     tensors.push((name.clone(), t.shallow_clone()));
                 }
-                Ok(Self::File { tensors, rows: rows.unwrap_or(0), batch })
+                let what = format!("input file {}", path.display());
+                Ok(Self::File { tensors, rows: rows.unwrap_or(0), batch, what, names: None })
             }
+        }
+    }
+
+    /// Said once before a run of `requests` that needs more samples than the file or directory
+    /// holds: which are used again.
+    pub fn reuse_note(&self, requests: u64) -> Option<String> {
+        match self {
+            Self::File { rows, batch, what, .. } if requests as i64 * batch > *rows => Some(format!(
+                "{what} holds {rows} samples and {requests} requests of {batch} need {}: they are used again from the first, in order",
+                requests as i64 * batch
+            )),
+            _ => None,
+        }
+    }
+
+    /// Each sample's image file, for image inputs.
+    pub fn sample_files(&self) -> Option<SampleFiles> {
+        match self {
+            Self::File { names: Some(names), batch, .. } => Some(SampleFiles { names: names.clone(), batch: *batch }),
+            _ => None,
         }
     }
 
@@ -150,8 +196,8 @@ impl Inputs {
                     .collect();
                 Boundary { values }
             }
-            Self::File { tensors, rows, batch } => {
-                let idx: Vec<i64> = (0..*batch).map(|i| (index as i64 * batch + i) % rows).collect();
+            Self::File { tensors, rows, batch, .. } => {
+                let idx: Vec<i64> = row_indices(index, *batch, *rows).collect();
                 let idx = Tensor::from_slice(&idx);
                 Boundary { values: tensors.iter().map(|(n, t)| (n.clone(), Value::Tensor(t.index_select(0, &idx)))).collect() }
             }

@@ -250,6 +250,6 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 fn export_trained(bundle: &std::path::Path, checkpoints: &[PathBuf], out: &std::path::Path) -> anyhow::Result<bool> {
     let bundle = cleave_common::Bundle::open(bundle)?;
     let written = cleave_common::training::export::write_trained_bundle(&bundle, checkpoints, out)?;
-    println!("wrote {} (bundle id {})", out.display(), written.id());
+    println!("wrote {} (bundle id {})", out.display(), written.short_id());
     Ok(true)
 }

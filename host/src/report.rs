@@ -157,10 +157,10 @@ impl ReportWriter {
         self.outcomes.iter().map(|(id, _, _)| *id).collect()
     }
 
-    /// Records one outcome.
-    pub fn record(&mut self, bundle: &Bundle, outcome: RequestOutcome) -> Result<()> {
+    /// Records one outcome, with the image file of each of its samples when there are.
+    pub fn record(&mut self, bundle: &Bundle, outcome: RequestOutcome, files: Option<Vec<String>>) -> Result<()> {
         let m = &outcome.metrics;
-        let line = match outcome.output {
+        let mut line = match outcome.output {
             Ok(last) => {
                 let output = bundle.assemble_output(last)?;
                 match classification_scores(&output) {
@@ -185,6 +185,9 @@ impl ReportWriter {
                 serde_json::json!({ "request_id": outcome.request_id, "error": e })
             }
         };
+        if let Some(files) = files {
+            line["inputs"] = files.into();
+        }
         let ok = line.get("error").is_none();
         let predictions_error = |e| HostError::write(self.dir.join("predictions.jsonl"), e);
         writeln!(self.predictions, "{line}").and_then(|()| self.predictions.flush()).map_err(predictions_error)?;

@@ -51,6 +51,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
             .await
             .map_err(|e| HostError::Invalid(format!("reading the inputs: {e}")))??
     };
+    if let Some(note) = inputs.reuse_note(config.requests) {
+        println!("{note}");
+    }
+    let sample_files = inputs.sample_files();
     // An earlier run in `output` is refused, replaced or resumed before anything is sent.
     let mut writer = ReportWriter::open(&output, config.top_k, opts.output_mode)?;
     let done = writer.done();
@@ -69,7 +73,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         let profiles = measure_profiles(&config, &mut session, &bundle, 3).await?;
         let (auto_split, plan) = AutoSplit::plan(profiles, config.objective)?;
         println!(
-            "split: auto ({:?}): the planner picks cut {}, predicted {:.2} ms, from the measured profiles (link {:.1} Mbit/s, round trip {:.2} ms)",
+            "split: auto ({}): the planner picks cut {}, predicted {:.2} ms, from the measured profiles (link {:.1} Mbit/s, round trip {:.2} ms)",
             plan.objective, plan.cut, plan.predicted_ms, plan.link_mbit_per_s, plan.rtt_ms
         );
         planner = Some(Arc::new(Mutex::new(auto_split)));
@@ -116,7 +120,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         if let Some(auto) = &planner {
             auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
         }
-        if let Err(e) = writer.record(&bundle, outcome) {
+        let files = sample_files.as_ref().map(|f| f.of(outcome.request_id));
+        if let Err(e) = writer.record(&bundle, outcome, files) {
             record_error.get_or_insert(e);
         }
     })

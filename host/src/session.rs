@@ -7,9 +7,10 @@
 
 use std::time::Duration;
 
+use cleave_common::bundle::short_id;
 use cleave_common::pb;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
-use cleave_common::protocol::{ServedModel, ServerInfo, BUNDLE_ID_METADATA};
+use cleave_common::protocol::{ExportFacts, ServedModel, ServerInfo, BUNDLE_ID_METADATA};
 use cleave_common::security::{ClientTls, EdgeSecurity, Token};
 use cleave_common::wire::{chunk_bytes_for, Codec};
 use cleave_common::Bundle;
@@ -153,17 +154,32 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     })?;
     let server = ServerInfo::try_from(reply.into_inner()).map_err(|e| HostError::Refused(format!("{url}: {e}")))?;
     let Some(model) = server.model(bundle.id()).cloned() else {
-        let served: Vec<String> = server.models.iter().map(|m| format!("{} ({})", m.bundle_id, m.model_source)).collect();
-        return Err(HostError::Refused(format!(
-            "bundle mismatch: this host has {} ({}), the server at {url} serves {}",
-            bundle.id(),
-            bundle.manifest().model.source,
-            served.join(", ")
-        )));
+        return Err(HostError::Refused(bundle_mismatch(bundle, &server, url)));
     };
     let max_message = server.limits.max_message_bytes as usize;
     let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
     Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone() })
+}
+
+/// The server serves no bundle with this host's id: the ids on each side (whole: they are
+/// what is matched) and, for a served model of the same source, what differs between the two
+/// exports, with the fix.
+fn bundle_mismatch(bundle: &Bundle, server: &ServerInfo, url: &str) -> String {
+    let source = &bundle.manifest().model.source;
+    let served: Vec<String> = server.models.iter().map(|m| format!("{} ({})", m.bundle_id, m.model_source)).collect();
+    let mut message = format!("bundle mismatch: this host has {} ({source}), the server at {url} serves {}", bundle.id(), served.join(", "));
+    let here = ExportFacts::of(bundle);
+    for other in server.models.iter().filter(|m| m.model_source == *source) {
+        let differs = match other.export.as_ref().map(|e| e.differences(&here)) {
+            Some(d) if !d.is_empty() => d.join(", "),
+            _ => "their files differ".to_string(),
+        };
+        message.push_str(&format!(
+            "; {} is another export of the same model ({differs}): copy one bundle directory to both sides",
+            short_id(&other.bundle_id)
+        ));
+    }
+    message
 }
 
 /// Whether a failed connection may succeed when tried again: what a server that is starting,

@@ -26,7 +26,7 @@ pub fn print_splits(bundle_dir: &Path, seq: Option<i64>) -> Result<()> {
     let bundle = Bundle::open(bundle_dir)?;
     let seq = bundle.resolve_seq(seq)?;
     let m = bundle.manifest();
-    println!("bundle {} ({}, {} parameters), id {}", bundle_dir.display(), m.model.source, thousands(m.model.parameters), &bundle.id()[..16]);
+    println!("bundle {} ({}, {} parameters), id {}", bundle_dir.display(), m.model.source, thousands(m.model.parameters), bundle.short_id());
     println!(
         "{} stages at granularity {:?}; split at cut s: the edge runs stages [0, s), the server [s, {}); batch {}..={}{}",
         bundle.stage_count(),

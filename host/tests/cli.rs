@@ -93,3 +93,30 @@ fn a_run_split_at_a_share_of_the_flops_prints_the_share_its_cut_holds() {
         line.split("% of the FLOPs").next().and_then(|s| s.rsplit(", ").next()).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{line}"));
     assert!((40.0..=100.0).contains(&share), "the first cut where the edge holds at least 40%: {line}");
 }
+
+#[test]
+fn splits_shows_the_short_bundle_id_and_plan_without_measure_has_no_measured_column() {
+    let bundles = std::path::PathBuf::from(std::env::var("CLEAVE_TEST_BUNDLES").unwrap_or_else(|_| "../target/test-bundles".into()));
+    let digits = std::fs::canonicalize(bundles.join("digits")).expect("the digits test bundle (make test-bundles)");
+    let splits = Command::new(env!("CARGO_BIN_EXE_host")).args(["splits".as_ref(), "--bundle".as_ref(), digits.as_os_str()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&splits.stdout);
+    let id = stdout.lines().next().and_then(|l| l.rsplit("id ").next()).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(id.len() == 16 && id.chars().all(|c| c.is_ascii_hexdigit()), "one short form, 16 hex digits: {stdout}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("edge.yaml");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 4\ndevice: cpu\nbatch_size: 2\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        digits.display(),
+        tmp.path().join("out").display()
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let plan = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["plan".as_ref(), "--config".as_ref(), config.as_os_str(), "--loopback".as_ref(), "--repeats".as_ref(), "1".as_ref()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&plan.stdout);
+    assert!(plan.status.success(), "{stdout}{}", String::from_utf8_lossy(&plan.stderr));
+    assert!(stdout.contains("; objective latency"), "{stdout}");
+    assert!(stdout.contains("predicted ms") && !stdout.contains("measured ms"), "{stdout}");
+}

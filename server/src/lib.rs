@@ -162,7 +162,7 @@ impl PreparedServer {
 
     /// Each model served: bundle id and device, as `id on device`.
     pub fn models(&self) -> Vec<String> {
-        self.service.models.all().iter().map(|m| format!("{} on {}", m.bundle.id(), m.device)).collect()
+        self.service.models.all().iter().map(|m| format!("{} on {}", m.bundle.short_id(), m.device)).collect()
     }
 
     /// Whether it serves over TLS.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cleave_common::protocol::{ServedModel, BUNDLE_ID_METADATA};
+use cleave_common::protocol::{ExportFacts, ServedModel, BUNDLE_ID_METADATA};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 
 use crate::config::ModelConfig;
@@ -42,6 +42,7 @@ impl Model {
             slo_ms: self.slo.map(|d| d.as_millis().min(u128::from(u32::MAX)) as u32),
             batch_limit: self.batch_limit,
             batchable_cuts: if self.batch_limit > 1 { self.bundle.batchable_cuts() } else { Vec::new() },
+            export: Some(ExportFacts::of(&self.bundle)),
         }
     }
 }

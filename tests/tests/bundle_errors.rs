@@ -204,6 +204,31 @@ fn bytes_at_a_sequence_length_follow_the_specs() {
 }
 
 #[test]
+fn host_splits_says_each_reason_a_cut_is_unusable_once_and_an_unknown_size_as_unknown() {
+    let (_tmp, dir) = bundle_copy("digits");
+    let reason = "its shapes depend on the data (a value read from a tensor decides them), so what crosses it is not known before a run";
+    edit_manifest(&dir, |m| {
+        for cut in [3, 4, 5] {
+            m["cuts"][cut]["usable"] = false.into();
+            m["cuts"][cut]["reason"] = reason.into();
+        }
+        // A size that depends on the data, which the exporter did not measure.
+        m["cuts"][4]["values"][0]["spec"]["shape"][1] = "?".into();
+        m["cuts"][4]["tensors"][0]["shape"][1] = "?".into();
+        m["cuts"][4]["bytes_per_sample"] = 0.into();
+    });
+    let table = cleave_common::tables::split_table(&Bundle::open(&dir).unwrap(), None).to_string();
+    assert_eq!(table.matches(reason).count(), 1, "{table}");
+    assert!(table.ends_with(&format!("\n(1) {reason}")), "{table}");
+    assert_eq!(table.matches("no (1)").count(), 3, "{table}");
+    let row = |cut: &str| {
+        table.lines().find(|l| l.split('┆').next().is_some_and(|c| c.trim_matches(['│', ' ']) == cut)).unwrap_or_else(|| panic!("{table}"))
+    };
+    assert!(row("4").contains(" ? ") && !row("4").contains("0 B"), "{}", row("4"));
+    assert!(row("3").contains("4.0 KiB"), "{}", row("3"));
+}
+
+#[test]
 fn a_sequence_length_to_plan_at_is_checked_against_the_bundle() {
     let gpt2 = Bundle::open(bundle_dir("gpt2")).unwrap();
     assert_eq!(gpt2.resolve_seq(None).unwrap(), Some(32));

@@ -180,6 +180,7 @@ async fn serve_fake(bundle: &Bundle, how: Misbehaviour) -> (String, Arc<AtomicUs
             slo_ms: None,
             batch_limit: 1,
             batchable_cuts: Vec::new(),
+            export: None,
         }],
         limits: Limits::default(),
         policy: CodecPolicy::default(),

@@ -134,6 +134,18 @@ async fn held_until(what: &str, reached: impl Fn() -> bool) {
     tokio::time::timeout(Duration::from_secs(10), waiting).await.unwrap_or_else(|_| panic!("waited 10 s for {what}"));
 }
 
+/// Waits up to 10 s for `held` to read `want`, then asserts it: a request's bytes go back
+/// once its answer is written, a moment after the peer reads it.
+async fn settles_at(what: &str, want: u64, held: impl Fn() -> u64) {
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        while held() != want {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(held(), want, "{what}");
+}
+
 /// What `frame` holds in the budget while its stream lives (its stream's read buffer is at
 /// least that large): its bytes on the wire, in the budget's whole KiB.
 fn read_buffer_bytes(frame: &InferFrame) -> u64 {
@@ -189,13 +201,13 @@ fn stalled_requests_hold_only_the_budget_then_are_answered_deadline_exceeded_and
             assert_eq!((got, code), (id, tonic::Code::DeadlineExceeded), "{message}");
             assert!(message.contains("`limits.request_timeout`"), "{message}");
         }
-        assert_eq!(budget.held_bytes(), 2 * half + whole, "the streams' read buffers only");
+        settles_at("the streams' read buffers only", 2 * half + whole, || budget.held_bytes()).await;
         // The rest of a given-up request's frames are skipped; the stream serves the next.
         let s = &mut stalled[0];
         s.send(1, &input, 2, 2).await;
         s.send(4, &input, 1, 1).await;
         assert_eq!(s.answer().await, (4, None));
-        assert_eq!(budget.held_bytes(), half + 2 * whole, "the first stream's buffer grew to a whole request");
+        settles_at("the first stream's buffer grew to a whole request", half + 2 * whole, || budget.held_bytes()).await;
         // Streams that end give their read buffers back.
         drop((stalled, third));
         held_until("ended streams giving their read buffers back", || budget.held_bytes() == 0).await;

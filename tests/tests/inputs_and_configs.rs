@@ -38,6 +38,36 @@ fn images_are_resized_cropped_and_stacked() {
     let second = input_tensor(&inputs, 1);
     let m: Vec<f64> = (0..3).map(|i| second.get(i).mean(Kind::Double).double_value(&[])).collect();
     assert!((m[0] - 153.0 / 255.0).abs() < 1e-6 && (m[2]).abs() < 1e-6, "{m:?}");
+    // Each sample's file is known, and a run that reuses images says so.
+    assert_eq!(inputs.sample_files().unwrap().of(1), ["img3.png", "img4.png", "img0.png"]);
+    assert_eq!(inputs.reuse_note(1), None);
+    let note = inputs.reuse_note(2).unwrap();
+    assert!(note.contains("holds 5 samples and 2 requests of 3 need 6: they are used again"), "{note}");
+}
+
+#[test]
+fn predictions_name_the_image_file_of_each_sample() {
+    let images = tempfile::tempdir().unwrap();
+    for i in 0..3u8 {
+        image::GrayImage::from_pixel(8, 8, image::Luma([i * 80])).save(images.path().join(format!("digit{i}.png"))).unwrap();
+    }
+    let out = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 4\ndevice: cpu\nbatch_size: 2\nrequests: 2\n\
+         input: {{kind: images, dir: {}}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("digits").display(),
+        images.path().display(),
+        out.path().join("run").display()
+    );
+    let config = write_config(out.path(), "edge.yaml", &yaml);
+    let opts = cleave_host::RunOptions { loopback: true, ..Default::default() };
+    tokio::runtime::Runtime::new().unwrap().block_on(cleave_host::run(EdgeConfig::load(&config).unwrap(), opts)).unwrap();
+    let mut lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(out.path().join("run/predictions.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    lines.sort_by_key(|l| l["request_id"].as_u64());
+    assert_eq!(lines[0]["inputs"], serde_json::json!(["digit0.png", "digit1.png"]));
+    assert_eq!(lines[1]["inputs"], serde_json::json!(["digit2.png", "digit0.png"]));
+    assert_eq!(lines[1]["top_k"].as_array().unwrap().len(), 2, "one prediction per sample");
 }
 
 #[test]
@@ -96,6 +126,27 @@ fn a_config_copied_elsewhere_says_where_its_relative_paths_start() {
         elsewhere.path().display()
     );
     assert_eq!(err, expected);
+}
+
+#[test]
+fn the_inference_examples_run_as_the_readme_shows() {
+    // A checkout's layout, with the bundle `make bundles/resnet18/manifest.json` makes (the
+    // tests' export of resnet18 stands in for it) and fewer requests; the loopback server
+    // stands in for the GPU machine of config/edge.yaml.
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(root.path().join("bundles")).unwrap();
+    std::fs::create_dir(root.path().join("config")).unwrap();
+    std::os::unix::fs::symlink(bundle_dir("resnet18"), root.path().join("bundles/resnet18")).unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    for name in ["demo.yaml", "edge.yaml"] {
+        let text = std::fs::read_to_string(config_dir().join(name)).unwrap();
+        let text: String = text.lines().map(|l| if l.starts_with("requests:") { "requests: 2\n".to_string() } else { format!("{l}\n") }).collect();
+        let path = root.path().join("config").join(name);
+        std::fs::write(&path, text).unwrap();
+        let opts = cleave_host::RunOptions { loopback: true, output: Some(root.path().join("out").join(name)), ..Default::default() };
+        let summary = runtime.block_on(cleave_host::run(EdgeConfig::load(&path).unwrap(), opts)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((summary.counts.answered, summary.errors), (2, 0), "{name}");
+    }
 }
 
 #[test]

@@ -282,6 +282,18 @@ fn host_with_another_bundle_is_refused_naming_both() {
         let err = connect(&server.url, &other, &Link::plain()).await.expect_err("refused");
         let text = err.to_string();
         assert!(text.contains("bundle mismatch") && text.contains(other.id()) && text.contains(digits.id()), "{text}");
+        assert!(!text.contains("another export"), "{text}");
+        // Another export of the same model (another seed): what differs, and the fix.
+        let (_tmp, copy) = cleave_tests::bundle_copy("digits");
+        let manifest = copy.join("manifest.json");
+        let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+        m["model"]["seed"] = 7.into();
+        std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+        let reseeded = Bundle::open(&copy).unwrap();
+        let text = connect(&server.url, &reseeded, &Link::plain()).await.expect_err("refused").to_string();
+        let expected =
+            format!("; {} is another export of the same model (seed 0 there, 7 here): copy one bundle directory to both sides", &digits.id()[..16]);
+        assert!(text.contains(reseeded.id()) && text.ends_with(&expected), "{text}");
         server.shutdown().await.unwrap();
     });
 }

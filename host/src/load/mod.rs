@@ -280,7 +280,7 @@ fn cuts_of(config: &EdgeConfig, bundle: &Bundle, splits: &[usize]) -> Result<Vec
 
 /// How tables and `latency.csv` name a model: its source and the start of its bundle id.
 fn model_name(source: &str, bundle_id: &str) -> String {
-    format!("{source} ({})", &bundle_id[..bundle_id.len().min(8)])
+    format!("{source} ({})", cleave_common::bundle::short_id(bundle_id))
 }
 
 /// The boundary at each of a model's cuts, computed once on the config's device from
@@ -603,7 +603,7 @@ mod tests {
 
     #[test]
     fn model_names_take_the_start_of_the_bundle_id() {
-        assert_eq!(model_name("torchvision:resnet18", "0123456789abcdef"), "torchvision:resnet18 (01234567)");
+        assert_eq!(model_name("torchvision:resnet18", "0123456789abcdef0123"), "torchvision:resnet18 (0123456789abcdef)");
         assert_eq!(model_name("m", "abc"), "m (abc)");
     }
 }

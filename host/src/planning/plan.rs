@@ -210,16 +210,21 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
         Some(s) => format!("{} ({:.0} B/sample/token)", human_bytes(bytes), bytes as f64 / (batch * s) as f64),
         None => human_bytes(bytes),
     };
+    // The measured column only when `--measure` measured.
+    let measured = report.measured_ms.iter().any(Option::is_some);
     let mut table = comfy_table::Table::new();
     table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
-    table.set_header(vec!["cut", "name", "edge ms", "on the wire", "upload ms", "server ms", "predicted ms", "measured ms", "req/s", ""]);
+    let mut header = vec!["cut", "name", "edge ms", "on the wire", "upload ms", "server ms", "predicted ms"];
+    header.extend(measured.then_some("measured ms"));
+    header.extend(["req/s", ""]);
+    table.set_header(header);
     for p in &report.predictions {
         let mark = match (Some(p.cut) == report.best, p.usable) {
             (true, _) => "<- best",
             (false, false) => "unusable",
             _ => "",
         };
-        table.add_row(vec![
+        let mut row = vec![
             p.cut.to_string(),
             bundle.cut(p.cut).name.clone(),
             format!("{:.2}", p.edge_ms),
@@ -227,14 +232,14 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
             format!("{:.2}", p.upload_ms),
             format!("{:.2}", p.server_ms),
             format!("{:.2}", p.latency_ms),
-            report.measured_ms[p.cut].map_or(String::new(), |m| format!("{m:.2}")),
-            format!("{:.1}", p.throughput_rps),
-            mark.into(),
-        ]);
+        ];
+        row.extend(measured.then(|| report.measured_ms[p.cut].map_or("-".to_string(), |m| format!("{m:.2}"))));
+        row.extend([format!("{:.1}", p.throughput_rps), mark.into()]);
+        table.add_row(row);
     }
     let link = &report.profiles.link;
     println!(
-        "{} at batch {batch}{}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {:?}",
+        "{} at batch {batch}{}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {}",
         bundle.manifest().model.source,
         seq.map_or(String::new(), |s| format!(", sequence length {s}")),
         link.bytes_per_s * 8.0 / 1e6,

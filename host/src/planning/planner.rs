@@ -24,6 +24,15 @@ pub enum Objective {
     Throughput,
 }
 
+impl std::fmt::Display for Objective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Latency => "latency",
+            Self::Throughput => "throughput",
+        })
+    }
+}
+
 impl std::str::FromStr for Objective {
     type Err = String;
 

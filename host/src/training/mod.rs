@@ -256,7 +256,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
             .await
             .map_err(|e| HostError::Invalid(format!("writing the trained bundle: {e}")))??;
-        println!("trained bundle written to {} (id {})", dir.display(), written.id());
+        println!("trained bundle written to {} (id {})", dir.display(), written.short_id());
     }
     println!(
         "{} epochs, {} steps: final test accuracy {:.2}%, median epoch {:.2} s, median step {:.1} ms; results in {}",

@@ -1016,5 +1016,7 @@ def test_cuts_holding_a_data_dependent_shape_are_unusable_with_the_reason(tmp_pa
     host = EXPORT_ROOT.parent.parent / "target" / "release" / "host"
     if host.exists():
         table = subprocess.run([str(host), "splits", "--bundle", str(tmp_path / "b")], capture_output=True, text=True, check=True).stdout
-        rows = [line for line in table.splitlines() if "no: a tensor here has a data-dependent shape" in line]
+        rows = [line for line in table.splitlines() if "no (1)" in line]
         assert [row.split()[1] for row in rows] == ["3", "4"], table
+        reason = "a tensor here has a data-dependent shape, so a receiver cannot bound its size"
+        assert table.count(reason) == 1 and f"\n(1) {reason}" in table, table
