@@ -22,6 +22,7 @@
 
 pub mod client;
 pub mod config;
+pub mod cpu_time;
 pub mod error;
 pub mod files;
 mod images;

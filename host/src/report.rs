@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, StreamCounts};
 use crate::error::{HostError, Result};
 use crate::files::{claim_output, EarlierRun};
-use crate::planning::auto_split::{Planned, SplitMove};
+use crate::planning::auto_split::{Planned, Probes, SplitMove};
 use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
 
 /// `summary.json`. Each part's percentiles are over the requests that succeeded (`null`
@@ -85,6 +85,65 @@ pub struct Summary {
     /// Each distinct error this invocation's requests failed with, most frequent first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<Failure>,
+    /// Processor time of each request's prefix (below `prefix_ms` when it waited for the processor).
+    pub prefix_cpu_ms: Option<Percentiles>,
+    /// Where the edge's processor time went.
+    pub edge_cpu: EdgeCpu,
+    /// `split: auto`: the bandwidth probes sent while the split sat at the last cut.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probes: Option<Probes>,
+}
+
+/// Where the edge's processor time went: on a weak or capped edge, every thread's work
+/// besides the prefixes makes them wait.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct EdgeCpu {
+    /// Wall time from the start of the run to its requests: the bundle, the inputs, the
+    /// connection and, with `split: auto`, the profiles and the plan.
+    pub startup_s: f64,
+    /// Processor time of the start-up.
+    pub startup_cpu_s: f64,
+    /// Processor time per request, every thread, from the first answer to the last (so the
+    /// loading and warming of the edge's stages before the first request are left out).
+    pub per_request_ms: f64,
+    /// Of that, the prefix's.
+    pub prefix_per_request_ms: f64,
+}
+
+/// Measures [`EdgeCpu`]'s per-request figures from the answers as they come.
+#[derive(Debug, Default)]
+pub struct CpuMeter {
+    /// The process's processor time at the first answer and at the latest.
+    first: Option<std::time::Duration>,
+    latest: std::time::Duration,
+    /// Answers after the first, and their prefixes' processor time.
+    requests: u64,
+    prefix_ms: f64,
+}
+
+impl CpuMeter {
+    /// One more answer.
+    pub fn answered(&mut self, m: &RequestMetrics) {
+        self.latest = crate::cpu_time::process();
+        if self.first.is_none() {
+            self.first = Some(self.latest);
+        } else {
+            self.requests += 1;
+            self.prefix_ms += m.prefix_cpu_ms;
+        }
+    }
+
+    /// The figures, with the start-up's wall and processor time.
+    pub fn finish(&self, startup: std::time::Duration, startup_cpu: std::time::Duration) -> EdgeCpu {
+        let per_request = |ms: f64| if self.requests > 0 { ms / self.requests as f64 } else { 0.0 };
+        let spent = self.latest.saturating_sub(self.first.unwrap_or(self.latest));
+        EdgeCpu {
+            startup_s: startup.as_secs_f64(),
+            startup_cpu_s: startup_cpu.as_secs_f64(),
+            per_request_ms: per_request(spent.as_secs_f64() * 1e3),
+            prefix_per_request_ms: per_request(self.prefix_ms),
+        }
+    }
 }
 
 /// One error and how many requests failed with it.
@@ -293,6 +352,7 @@ fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
         // Not a column of metrics.csv (its format stays as later readers know it).
         input_ms: 0.0,
         prefix_ms: f(3)?,
+        prefix_cpu_ms: 0.0,
         encode_ms: f(4)?,
         bytes_raw: u(5)?,
         bytes_wire: u(6)?,
@@ -378,6 +438,15 @@ fn top_k(scores: &[Vec<f64>], k: usize) -> Vec<Vec<(usize, f64)>> {
         .collect()
 }
 
+/// The edge's processor time in a line: per request and of it the prefix, the probes, the start-up.
+fn edge_cpu_text(cpu: &EdgeCpu, probes: Option<&Probes>) -> String {
+    let probes = probes.map_or(String::new(), |p| format!("; {} bandwidth probes ({})", p.count, human_bytes(p.bytes)));
+    format!(
+        "{:.2} ms per request, {:.2} ms of it the prefix{probes}; start-up {:.2} s ({:.2} s of processor)",
+        cpu.per_request_ms, cpu.prefix_per_request_ms, cpu.startup_s, cpu.startup_cpu_s
+    )
+}
+
 /// What is printed at the end of a run: the latency of each part (p50, p95, p99) when a
 /// request succeeded, then the run's throughput, requests and bytes, then each distinct error
 /// once with its count.
@@ -420,6 +489,7 @@ pub fn summary_text(s: &Summary) -> String {
         "bytes sent".to_string(),
         format!("{} of tensors, {} on the wire ({}{security})", human_bytes(s.bytes_raw), human_bytes(s.bytes_wire), s.codec),
     ]);
+    run.add_row(vec!["edge processor".to_string(), edge_cpu_text(&s.edge_cpu, s.probes.as_ref())]);
     let mut text = if s.e2e_ms.is_some() { format!("{latencies}\n{run}") } else { format!("no request succeeded: no latencies to show\n{run}") };
     if !s.failures.is_empty() {
         text.push_str("\nrequests failed with (each request's error is in predictions.jsonl):");

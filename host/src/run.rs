@@ -13,12 +13,13 @@ use cleave_common::stats::Percentiles;
 
 use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use crate::config::EdgeConfig;
+use crate::cpu_time;
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::profile::measure_profiles;
-use crate::report::{self, summary_text, OutputMode, ReportWriter, Summary};
+use crate::report::{self, summary_text, CpuMeter, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_retrying, Link};
 
 /// Command-line overrides of `edge.yaml`.
@@ -36,6 +37,7 @@ pub struct RunOptions {
 
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
+    let (run_started, run_cpu) = (Instant::now(), cpu_time::process());
     let bundle = open_config_bundle(&config).await?;
     let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
     let auto = split_spec == SplitSpec::Auto;
@@ -114,9 +116,12 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     };
     let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), session.clone())));
     let started = Instant::now();
+    let startup = (run_started.elapsed(), cpu_time::process() - run_cpu);
+    let mut cpu = CpuMeter::default();
     let mut record_error = None;
     let streamed = stream_requests(&mut session, plan, |outcome| {
         progress.inc(1);
+        cpu.answered(&outcome.metrics);
         if let Some(auto) = &planner {
             auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
         }
@@ -159,6 +164,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         resumed: writer_resumed,
         e2e_ms: pick(|m| m.e2e_ms),
         prefix_ms: pick(|m| m.prefix_ms),
+        prefix_cpu_ms: pick(|m| m.prefix_cpu_ms),
         encode_ms: pick(|m| m.encode_ms),
         round_trip_ms: pick(|m| m.round_trip_ms),
         server_ms: pick(|m| m.server.total_ms()),
@@ -173,8 +179,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         bearer_token: config.security.token.is_some(),
         wall_s,
         planned,
-        split_moves: planner.map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
+        split_moves: planner.as_ref().map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
         failures,
+        edge_cpu: cpu.finish(startup.0, startup.1),
+        probes: planner.map(|auto| auto.lock().expect("auto split").probes()),
     };
     let json = serde_json::to_string_pretty(&summary).map_err(|e| HostError::Invalid(format!("the summary as JSON: {e}")))?;
     std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;

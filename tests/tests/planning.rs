@@ -117,6 +117,13 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     assert_eq!(summary["planned"]["cut"].as_u64(), Some(splits[0] as u64));
     assert!(summary["planned"]["predicted_ms"].as_f64().is_some_and(|v| v > 0.0), "{}", summary["planned"]);
     assert_eq!(summary["planned"]["objective"], "latency");
+    // Where the edge's processor time went: the start-up profiled every stage, and a request's
+    // prefix is part of what the process spent per request (here with the server in it).
+    let cpu = |key: &str| summary["edge_cpu"][key].as_f64().unwrap_or_else(|| panic!("edge_cpu.{key}: {}", summary["edge_cpu"]));
+    assert!(cpu("startup_s") > 0.0 && cpu("startup_cpu_s") > 0.0, "{}", summary["edge_cpu"]);
+    assert!(cpu("per_request_ms") > 0.0 && cpu("per_request_ms") >= cpu("prefix_per_request_ms"), "{}", summary["edge_cpu"]);
+    assert!(summary["prefix_cpu_ms"]["p50"].as_f64().is_some_and(|v| v >= 0.0), "{}", summary["prefix_cpu_ms"]);
+    assert!(summary["probes"]["count"].as_u64().is_some(), "{}", summary["probes"]);
     // The run's plots: a CDF line and a breakdown bar per cut used.
     let used: std::collections::BTreeSet<usize> = splits.iter().copied().collect();
     let cdf = std::fs::read_to_string(out.join(cleave_host::plots::run::LATENCY_CDF)).unwrap();

@@ -17,6 +17,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::request::{ms, RequestMetrics, RequestOutcome, ServedBy, StreamPlan};
 use crate::config::Fallback;
+use crate::cpu_time;
 use crate::error::Result;
 
 /// What the streaming loop asks of the prefix thread.
@@ -84,11 +85,19 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
                 let started = Instant::now();
                 let input = plan.inputs.batch(id);
                 let input_ms = ms(started);
-                let t = Instant::now();
+                let (t, cpu) = (Instant::now(), cpu_time::thread());
                 let boundary = stages.run(StageRange::prefix(split), &input)?;
-                let prefix_ms = ms(t);
+                let (prefix_ms, prefix_cpu_ms) = (ms(t), (cpu_time::thread() - cpu).as_secs_f64() * 1e3);
                 if split == last_cut {
-                    let metrics = RequestMetrics { split, input_ms, prefix_ms, e2e_ms: ms(started), served_by: ServedBy::Edge, ..Default::default() };
+                    let metrics = RequestMetrics {
+                        split,
+                        input_ms,
+                        prefix_ms,
+                        prefix_cpu_ms,
+                        e2e_ms: ms(started),
+                        served_by: ServedBy::Edge,
+                        ..Default::default()
+                    };
                     Produced::Local(RequestOutcome { request_id: id, metrics, output: Ok(boundary) })
                 } else {
                     let t = Instant::now();
@@ -108,6 +117,7 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
                         split,
                         input_ms,
                         prefix_ms,
+                        prefix_cpu_ms,
                         encode_ms: ms(t),
                         bytes_raw: encoded.raw_bytes,
                         bytes_wire: frames.iter().map(|f| f.encoded_len() as u64).sum(),

@@ -97,6 +97,9 @@ pub struct RequestMetrics {
     pub input_ms: f64,
     /// Running stages [0, split).
     pub prefix_ms: f64,
+    /// Processor time the prefix took: below `prefix_ms` when the thread waited for the
+    /// processor (another thread, or a capped edge's quota).
+    pub prefix_cpu_ms: f64,
     /// Encoding the boundary.
     pub encode_ms: f64,
     /// Tensor bytes of the boundary.

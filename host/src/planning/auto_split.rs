@@ -63,6 +63,17 @@ pub struct SplitMove {
     pub mbit_per_s: f64,
 }
 
+/// The bandwidth probes of a run (in `summary.json`).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Probes {
+    /// Probes sent.
+    pub count: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Their time, start to answer.
+    pub seconds: f64,
+}
+
 /// The running planner, shared by the result loop and the prober.
 pub struct AutoSplit {
     cut: Arc<AtomicUsize>,
@@ -73,6 +84,7 @@ pub struct AutoSplit {
     last_cut: usize,
     last_request: u64,
     moves: Vec<SplitMove>,
+    probes: Probes,
 }
 
 impl AutoSplit {
@@ -93,7 +105,10 @@ impl AutoSplit {
             rtt_ms,
         };
         let cut = Arc::new(AtomicUsize::new(chosen.cut));
-        Ok((Self { cut, replanner, estimate, rtt_ms, result_bytes, last_cut, last_request: 0, moves: Vec::new() }, planned))
+        Ok((
+            Self { cut, replanner, estimate, rtt_ms, result_bytes, last_cut, last_request: 0, moves: Vec::new(), probes: Probes::default() },
+            planned,
+        ))
     }
 
     /// The cut requests read when their prefix starts.
@@ -104,6 +119,11 @@ impl AutoSplit {
     /// Every move so far.
     pub fn moves(&self) -> &[SplitMove] {
         &self.moves
+    }
+
+    /// The probes sent so far.
+    pub fn probes(&self) -> Probes {
+        self.probes
     }
 
     /// Feeds one answered request into the estimate (requests that stayed on the edge moved
@@ -171,9 +191,12 @@ pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSessi
         let answer = client.echo(probe).await;
         let elapsed = started.elapsed();
         pause = PROBE_EVERY.max(elapsed.div_f64(PROBE_DUTY));
+        let mut a = auto.lock().expect("auto split");
+        a.probes.count += 1;
+        a.probes.bytes += size as u64;
+        a.probes.seconds += elapsed.as_secs_f64();
         match answer {
             Ok(_) => {
-                let mut a = auto.lock().expect("auto split");
                 bytes = if a.observe_probe(size as u64, elapsed.as_secs_f64() * 1e3) { a.probe_bytes() } else { (size * 4).min(*PROBE_BYTES.end()) };
             }
             Err(status) => tracing::warn!(%status, "bandwidth probe failed"),
