@@ -57,7 +57,8 @@ impl StageRange {
         self.len() == 0
     }
 
-    pub(crate) fn contains(&self, inner: StageRange) -> bool {
+    /// Whether `inner` lies within this range.
+    pub fn contains(&self, inner: StageRange) -> bool {
         self.start <= inner.start && inner.start <= inner.end && inner.end <= self.end
     }
 }

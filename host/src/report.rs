@@ -103,6 +103,9 @@ pub struct EdgeCpu {
     pub startup_s: f64,
     /// Processor time of the start-up.
     pub startup_cpu_s: f64,
+    /// Wall time from the start of the requests' stream to its first request: loading and
+    /// warming the edge's stages (`split: auto` runs the ones its profile warmed).
+    pub stages_ready_s: f64,
     /// Processor time per request, every thread, from the first answer to the last (so the
     /// loading and warming of the edge's stages before the first request are left out).
     pub per_request_ms: f64,
@@ -110,9 +113,12 @@ pub struct EdgeCpu {
     pub prefix_per_request_ms: f64,
 }
 
-/// Measures [`EdgeCpu`]'s per-request figures from the answers as they come.
-#[derive(Debug, Default)]
+/// Measures [`EdgeCpu`]'s figures of the requests from the answers as they come.
+#[derive(Debug)]
 pub struct CpuMeter {
+    /// When the stream started, and the earliest start of an answered request.
+    stream_started: std::time::Instant,
+    first_request: Option<std::time::Instant>,
     /// The process's processor time at the first answer and at the latest.
     first: Option<std::time::Duration>,
     latest: std::time::Duration,
@@ -121,9 +127,23 @@ pub struct CpuMeter {
     prefix_ms: f64,
 }
 
+impl Default for CpuMeter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl CpuMeter {
+    /// Starts measuring as the stream of requests starts.
+    pub fn new() -> Self {
+        let stream_started = std::time::Instant::now();
+        Self { stream_started, first_request: None, first: None, latest: std::time::Duration::ZERO, requests: 0, prefix_ms: 0.0 }
+    }
+
     /// One more answer.
     pub fn answered(&mut self, m: &RequestMetrics) {
+        let began = std::time::Instant::now().checked_sub(std::time::Duration::from_secs_f64(m.e2e_ms.max(0.0) / 1e3));
+        self.first_request = self.first_request.into_iter().chain(began).min();
         self.latest = crate::cpu_time::process();
         if self.first.is_none() {
             self.first = Some(self.latest);
@@ -140,6 +160,7 @@ impl CpuMeter {
         EdgeCpu {
             startup_s: startup.as_secs_f64(),
             startup_cpu_s: startup_cpu.as_secs_f64(),
+            stages_ready_s: self.first_request.map_or(0.0, |t| t.saturating_duration_since(self.stream_started).as_secs_f64()),
             per_request_ms: per_request(spent.as_secs_f64() * 1e3),
             prefix_per_request_ms: per_request(self.prefix_ms),
         }
@@ -442,8 +463,8 @@ fn top_k(scores: &[Vec<f64>], k: usize) -> Vec<Vec<(usize, f64)>> {
 fn edge_cpu_text(cpu: &EdgeCpu, probes: Option<&Probes>) -> String {
     let probes = probes.map_or(String::new(), |p| format!("; {} bandwidth probes ({})", p.count, human_bytes(p.bytes)));
     format!(
-        "{:.2} ms per request, {:.2} ms of it the prefix{probes}; start-up {:.2} s ({:.2} s of processor)",
-        cpu.per_request_ms, cpu.prefix_per_request_ms, cpu.startup_s, cpu.startup_cpu_s
+        "{:.2} ms per request, {:.2} ms of it the prefix{probes}; start-up {:.2} s ({:.2} s of processor), then {:.2} s until the edge's stages were ready",
+        cpu.per_request_ms, cpu.prefix_per_request_ms, cpu.startup_s, cpu.startup_cpu_s, cpu.stages_ready_s
     )
 }
 

@@ -71,15 +71,26 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     // every transfer; the prefix thread reads the split for each request.
     let mut planned = None;
     let mut planner = None;
+    let mut warm_stages = None;
     if auto {
-        let profiles = measure_profiles(&config, &mut session, &bundle, 3).await?;
-        let (auto_split, plan) = AutoSplit::plan(profiles, config.objective)?;
+        let measured = measure_profiles(&config, &mut session, &bundle, 3).await?;
+        let (auto_split, plan) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
+        let took = &plan.profiling;
         println!(
-            "split: auto ({}): the planner picks cut {}, predicted {:.2} ms, from the measured profiles (link {:.1} Mbit/s, round trip {:.2} ms)",
-            plan.objective, plan.cut, plan.predicted_ms, plan.link_mbit_per_s, plan.rtt_ms
+            "split: auto ({}): the planner picks cut {}, predicted {:.2} ms, from the profiles measured in {:.1} s (edge {:.1} s, server {:.1} s, link {:.1} s: {:.1} Mbit/s, round trip {:.2} ms)",
+            plan.objective,
+            plan.cut,
+            plan.predicted_ms,
+            took.edge_s + took.server_s + took.link_s,
+            took.edge_s,
+            took.server_s,
+            took.link_s,
+            plan.link_mbit_per_s,
+            plan.rtt_ms
         );
         planner = Some(Arc::new(Mutex::new(auto_split)));
         planned = Some(plan);
+        warm_stages = Some(measured.edge_stages);
     }
     let split = planned.as_ref().map_or(split, |p| p.cut);
     // The share of the FLOPs the edge runs: what `split: 40%` chose by.
@@ -107,6 +118,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
             None => Splits::Fixed(split),
         },
         device: config.device,
+        warm_stages,
         ids,
         resilience: config.resilience,
         in_flight: config.in_flight,
@@ -117,7 +129,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), session.clone())));
     let started = Instant::now();
     let startup = (run_started.elapsed(), cpu_time::process() - run_cpu);
-    let mut cpu = CpuMeter::default();
+    let mut cpu = CpuMeter::new();
     let mut record_error = None;
     let streamed = stream_requests(&mut session, plan, |outcome| {
         progress.inc(1);

@@ -53,6 +53,7 @@ fn plan(bundle: &Bundle, split: usize, requests: u64, resilience: Resilience) ->
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
+        warm_stages: None,
         ids: (0..requests).collect(),
         in_flight: 4,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 3 }, bundle, 2).unwrap(),

@@ -29,6 +29,7 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
+        warm_stages: None,
         ids: (0..requests).collect(),
         // A server that goes away is given up quickly (the shutdown test).
         resilience: Resilience { retry: RetryPolicy { max_attempts: 3, max_backoff: Duration::from_millis(200) }, ..Resilience::default() },
@@ -106,6 +107,7 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
             bundle: bundle.clone(),
             split: Splits::RoundRobin(schedule.clone()),
             device: DeviceSpec::Cpu,
+            warm_stages: None,
             ids: (0..10).collect(),
             resilience: Default::default(),
             in_flight: 2,

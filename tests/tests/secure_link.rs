@@ -38,6 +38,7 @@ async fn run_host(
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
         device: DeviceSpec::Cpu,
+        warm_stages: None,
         ids: (0..requests).collect(),
         resilience: Default::default(),
         in_flight: 2,

@@ -82,6 +82,7 @@ fn main() -> anyhow::Result<()> {
             bundle: bundle.clone(),
             split: Splits::Fixed(split),
             device: DeviceSpec::Cpu,
+            warm_stages: None,
             ids: (0..args.requests).collect(),
             resilience: Default::default(),
             in_flight: 1,

@@ -226,6 +226,7 @@ async fn measure_batch(
                     bundle: bundle.clone(),
                     split: Splits::Fixed(s),
                     device: DeviceSpec::Cpu,
+                    warm_stages: None,
                     ids,
                     resilience: Default::default(),
                     in_flight: 1,

@@ -55,18 +55,13 @@ pub(super) struct PrefixChannels {
     pub(super) on_edge: Arc<AtomicBool>,
 }
 
-pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, ch: PrefixChannels) -> Result<()> {
+pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chunk_bytes: usize, ch: PrefixChannels) -> Result<()> {
     let fallback = plan.resilience.fallback == Fallback::Edge;
     let edge_stages = if fallback { StageRange::all(&plan.bundle) } else { plan.split.edge_stages(&plan.bundle) };
-    let stages = LoadedStages::load(&plan.bundle, edge_stages, plan.device)?;
-    // TorchScript optimises a module over its first runs, which take several times longer:
-    // two passes before the first request keep that out of every request's latency.
-    if let (false, Some(&first)) = (edge_stages.is_empty(), plan.ids.first()) {
-        let input = plan.inputs.batch(first);
-        for _ in 0..2 {
-            stages.run(edge_stages, &input)?;
-        }
-    }
+    let stages = match plan.warm_stages.take() {
+        Some(warm) if warm.range().contains(edge_stages) => warm,
+        _ => load_warm(&plan, edge_stages)?,
+    };
     let last_cut = plan.bundle.stage_count();
     let mut ids = plan.ids.iter().copied();
     // Ends when the streaming loop hangs up: every request has its outcome, or the run stopped.
@@ -132,4 +127,18 @@ pub(super) fn run_prefixes(plan: StreamPlan, mut sender: PayloadSender, chunk_by
         }
     }
     Ok(())
+}
+
+/// Loads `range` and runs it twice on the first request's input: TorchScript optimises a
+/// module over its first runs, which take several times longer, and two passes before the
+/// first request keep that out of every request's latency.
+fn load_warm(plan: &StreamPlan, range: StageRange) -> Result<LoadedStages> {
+    let stages = LoadedStages::load(&plan.bundle, range, plan.device)?;
+    if let (false, Some(&first)) = (range.is_empty(), plan.ids.first()) {
+        let input = plan.inputs.batch(first);
+        for _ in 0..2 {
+            stages.run(range, &input)?;
+        }
+    }
+    Ok(stages)
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_common::wire::{Codec, Key};
-use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 
 use crate::config::Resilience;
 use crate::inputs::Inputs;
@@ -19,6 +19,9 @@ pub struct StreamPlan {
     pub split: Splits,
     /// Where the prefix runs.
     pub device: DeviceSpec,
+    /// Stages already loaded on the edge and run (the profile's, with `split: auto`): used
+    /// instead of loading and warming them again when they hold every stage needed.
+    pub warm_stages: Option<LoadedStages>,
     /// The ids of the requests to send, in order (request `i` takes the inputs' batch `i`; a
     /// resumed run leaves out those already answered).
     pub ids: Vec<u64>,

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
+use super::profile::ProfilingTime;
 use serde::Serialize;
 
 use crate::client::RequestMetrics;
@@ -48,6 +49,10 @@ pub struct Planned {
     pub link_mbit_per_s: f64,
     /// The probed round trip, ms.
     pub rtt_ms: f64,
+    /// How long profiling took.
+    pub profiling: ProfilingTime,
+    /// The prediction for every cut, `0..=N`, from the same profiles.
+    pub predictions: Vec<CutPrediction>,
 }
 
 /// One move of the split while running (in `summary.json`).
@@ -88,12 +93,13 @@ pub struct AutoSplit {
 }
 
 impl AutoSplit {
-    /// Plans from `profiles`; returns the planner and what it chose.
-    pub fn plan(profiles: Profiles, objective: Objective) -> Result<(Self, Planned), ProfileError> {
+    /// Plans from `profiles` (which took `took` to measure); returns the planner and what it chose.
+    pub fn plan(profiles: Profiles, took: ProfilingTime, objective: Objective) -> Result<(Self, Planned), ProfileError> {
         let rtt_ms = profiles.link.rtt_ms;
         let result_bytes = profiles.result_wire_bytes;
         let last_cut = profiles.stage_count();
         let estimate = BandwidthEstimate::new(profiles.link.bytes_per_s, ESTIMATE_WEIGHT);
+        let predictions = profiles.predict()?;
         let replanner = Replanner::new(profiles, objective, MOVE_MARGIN)?;
         let chosen: CutPrediction = replanner.prediction(replanner.current())?;
         let planned = Planned {
@@ -103,6 +109,8 @@ impl AutoSplit {
             predicted_rps: chosen.throughput_rps,
             link_mbit_per_s: estimate.bytes_per_s() * 8.0 / 1e6,
             rtt_ms,
+            profiling: took,
+            predictions,
         };
         let cut = Arc::new(AtomicUsize::new(chosen.cut));
         Ok((
@@ -223,7 +231,7 @@ mod tests {
 
     #[test]
     fn slow_transfers_move_the_split_and_each_move_is_recorded() {
-        let (mut auto, planned) = AutoSplit::plan(profiles(), Objective::Latency).unwrap();
+        let (mut auto, planned) = AutoSplit::plan(profiles(), ProfilingTime::default(), Objective::Latency).unwrap();
         assert_eq!((planned.cut, auto.cut().load(Ordering::Relaxed)), (0, 0));
         // The predicted latency at cut 0: 0.48 ms up, 1 ms round trip, 8 ms server, 0.0032 ms down.
         assert!((planned.predicted_ms - (0.48 + 1.0 + 8.0 + 0.0032)).abs() < 1e-9, "{planned:?}");

@@ -85,7 +85,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
     let mut session = connect(&url, &bundle, &Link::of(&config)).await?;
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
 
-    let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats).await?;
+    let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats).await?.profiles;
     let n = bundle.stage_count();
     let predictions = profiles.predict()?;
     let chosen = best(&predictions, opts.objective).map(|p| p.cut);
@@ -127,6 +127,7 @@ async fn measure_cuts(config: &EdgeConfig, session: &mut EdgeSession, bundle: &B
         bundle: bundle.clone(),
         split: Splits::RoundRobin(cuts.to_vec()),
         device: config.device,
+        warm_stages: None,
         ids: (0..(rounds + 1) * cuts.len() as u64).collect(),
         resilience: config.resilience,
         in_flight: 1,

@@ -15,21 +15,49 @@ use crate::error::{HostError, Result};
 use crate::inputs::Inputs;
 use crate::session::EdgeSession;
 
+/// The measured profiles, with the edge's stages they ran and how long each part took.
+pub(crate) struct Measured {
+    /// What the planner plans from.
+    pub profiles: Profiles,
+    /// Every stage, loaded on the edge's device and run by the profile: warm, so a run can
+    /// use them instead of loading and warming them again.
+    pub edge_stages: LoadedStages,
+    /// The time each part took.
+    pub took: ProfilingTime,
+}
+
+/// How long profiling took, in seconds (in `summary.json`'s `planned`).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ProfilingTime {
+    /// Loading and timing every stage on the edge, and encoding its boundaries.
+    pub edge_s: f64,
+    /// The server's `Profile`.
+    pub server_s: f64,
+    /// The link's round trip and bandwidth (`Echo`).
+    pub link_s: f64,
+}
+
 /// Measures every profile the planner needs: the edge's stages and boundaries (on a
 /// blocking thread), the server's stages, the link.
-pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, repeats: usize) -> Result<Profiles> {
+pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, repeats: usize) -> Result<Measured> {
     let batch = config.batch_size;
+    let started = Instant::now();
     let edge = {
         let (bundle, device, codec) = (bundle.clone(), config.device, config.codec);
         tokio::task::spawn_blocking(move || profile_edge(&bundle, device, batch, &codec, repeats))
             .await
             .map_err(|e| HostError::Invalid(format!("profiling the edge: {e}")))??
     };
+    let edge_s = started.elapsed().as_secs_f64();
+    let started = Instant::now();
     let request = session.model_request(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: repeats as u32 });
     let server = session.client.clone().profile(request).await.map_err(|s| HostError::rpc("Profile", &s))?.into_inner();
+    let server_s = started.elapsed().as_secs_f64();
+    let started = Instant::now();
     let link = probe_link(session).await?;
+    let took = ProfilingTime { edge_s, server_s, link_s: started.elapsed().as_secs_f64() };
     let n = bundle.stage_count();
-    Ok(Profiles {
+    let profiles = Profiles {
         edge_stage_ms: edge.stage_ms,
         server_stage_ms: server.stage_ms,
         cut_wire_bytes: edge.cut_wire_bytes[..=n].to_vec(),
@@ -37,7 +65,8 @@ pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSess
         result_wire_bytes: edge.cut_wire_bytes[n],
         codec_ms_per_mib: edge.codec_ms_per_mib,
         link,
-    })
+    };
+    Ok(Measured { profiles, edge_stages: edge.stages, took })
 }
 
 /// The edge's part of the profile.
@@ -46,6 +75,8 @@ struct EdgeProfile {
     /// Bytes on the wire at every cut `0..=N` with the codec.
     cut_wire_bytes: Vec<u64>,
     codec_ms_per_mib: f64,
+    /// The stages profiled.
+    stages: LoadedStages,
 }
 
 fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, repeats: usize) -> Result<EdgeProfile> {
@@ -80,7 +111,7 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
         return Err(HostError::Invalid(format!("profiling the boundaries: {f}")));
     }
     let mib = codec_bytes as f64 / (1u64 << 20) as f64;
-    Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 } })
+    Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 }, stages })
 }
 
 /// Round-trip time (median of empty echoes) and upload bandwidth: a first echo of 64 KiB
