@@ -117,6 +117,14 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     assert_eq!(summary["planned"]["cut"].as_u64(), Some(splits[0] as u64));
     assert!(summary["planned"]["predicted_ms"].as_f64().is_some_and(|v| v > 0.0), "{}", summary["planned"]);
     assert_eq!(summary["planned"]["objective"], "latency");
+    // Every cut's prediction is there, the chosen one's as predicted, and what profiling took.
+    let predictions = summary["planned"]["predictions"].as_array().unwrap();
+    assert_eq!(predictions.len(), bundle.stage_count() + 1);
+    let chosen = &predictions[splits[0]];
+    assert_eq!((chosen["cut"].as_u64(), chosen["latency_ms"].as_f64()), (Some(splits[0] as u64), summary["planned"]["predicted_ms"].as_f64()));
+    for part in ["edge_s", "server_s", "link_s"] {
+        assert!(summary["planned"]["profiling"][part].as_f64().is_some_and(|v| v > 0.0), "{}", summary["planned"]["profiling"]);
+    }
     // Where the edge's processor time went: the start-up profiled every stage, and a request's
     // prefix is part of what the process spent per request (here with the server in it).
     let cpu = |key: &str| summary["edge_cpu"][key].as_f64().unwrap_or_else(|| panic!("edge_cpu.{key}: {}", summary["edge_cpu"]));
