@@ -191,7 +191,8 @@ impl ConfigFile<'_> {
 }
 
 /// `threads:` and `cores:` in either config: how many threads libtorch runs one operator on
-/// (its intra-op pool) and the cores the process runs on. Absent: libtorch's default, one
+/// (its intra-op pool, and the codec's pool of block workers) and the cores the process runs
+/// on. Absent: libtorch's default, one
 /// thread per core the process may use, on every core. An edge and a server sharing a
 /// machine each want their own share, or their pools fight over the cores.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -225,6 +226,9 @@ impl CpuUse {
         }
         if let Some(n) = self.threads {
             tch::set_num_threads(n as i32);
+            // The codec's block workers take the same share. Only the first call sizes the
+            // pool (a process applies its config once; tests in one process share it).
+            let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
         }
         Ok(())
     }

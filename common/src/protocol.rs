@@ -13,8 +13,11 @@ pub mod pb {
     tonic::include_proto!("cleave.v1");
 }
 
-/// Version of `cleave.v1` this build speaks; a host refuses a server with another.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version of `cleave.v1` this build speaks; a host refuses a server with another. Version 2:
+/// compressed tensors travel in blocks (`TensorHeader.blocks`, decoded on several cores),
+/// and a tensor may have its zeros elided or its own codec under `auto`. Payloads of
+/// version 1 (each tensor compressed whole) are still read.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Metadata key carrying the bundle id the host expects on `Infer` and `Train` streams.
 pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
@@ -374,9 +377,9 @@ mod tests {
 
     #[test]
     fn another_protocol_version_is_refused_naming_both() {
-        let err = ServerInfo::try_from(pb::InfoReply { protocol_version: 2, ..info() }).unwrap_err();
-        assert_eq!(err, ProtocolError::VersionMismatch { host: 1, server: 2 });
-        assert_eq!(err.to_string(), "the server speaks protocol version 2, this host speaks version 1");
+        let err = ServerInfo::try_from(pb::InfoReply { protocol_version: 1, ..info() }).unwrap_err();
+        assert_eq!(err, ProtocolError::VersionMismatch { host: 2, server: 1 });
+        assert_eq!(err.to_string(), "the server speaks protocol version 1, this host speaks version 2");
     }
 
     #[test]

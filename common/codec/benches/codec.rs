@@ -1,8 +1,9 @@
 //! Throughput of each codec step on real boundary tensors: resnet18 activations at three cuts
 //! from `make bench-activations`, or the file `CLEAVE_BENCH_ACTIVATIONS` names (relative to the
-//! workspace root). In bytes/s of raw tensor bytes: the byte shuffle, zero elision, lz4, zstd and AES-256-GCM
-//! alone and together, both directions, and whole payloads as `encode_payload` and
-//! `IncomingPayload` produce them. Compression ratios are not timings: `cargo run --release -p
+//! workspace root). In bytes/s of raw tensor bytes: a memcpy (the floor), the byte shuffle,
+//! zero elision, lz4, zstd and AES-256-GCM alone and together, both directions, and whole
+//! payloads as `encode_payload` and `IncomingPayload` produce them. Blocks of a tensor of
+//! 1 MiB or more run on rayon's workers: `RAYON_NUM_THREADS=1` times one core. Compression ratios are not timings: `cargo run --release -p
 //! cleave-codec --example codec_ratios` prints them.
 
 mod support;
@@ -60,6 +61,21 @@ fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
 }
 
 fn transforms(c: &mut Criterion, cuts: &[Cut]) {
+    // The floor every step is measured against: the same bytes copied once.
+    let mut g = group(c, "memcpy");
+    for cut in cuts {
+        g.throughput(Throughput::Bytes(cut.raw_bytes()));
+        let mut out: Vec<Vec<u8>> = cut.tensors.iter().map(|t| vec![0; t.data.len()]).collect();
+        g.bench_function(cut.id(), |b| {
+            b.iter(|| {
+                for (t, o) in cut.tensors.iter().zip(&mut out) {
+                    o.copy_from_slice(black_box(&t.data));
+                }
+            })
+        });
+    }
+    g.finish();
+
     let mut g = group(c, "shuffle");
     for cut in cuts {
         g.throughput(Throughput::Bytes(cut.raw_bytes()));
@@ -161,6 +177,38 @@ fn compression(c: &mut Criterion, cuts: &[Cut]) {
         }
         g.finish();
     }
+
+    // lz4_flex alone, as a library user would call it: each tensor whole, on one core, no
+    // sample, no blocks. The reference `shuffle+lz4` is held to (at least 0.8x).
+    let mut g = group(c, "lz4_flex");
+    for cut in cuts {
+        g.throughput(Throughput::Bytes(cut.raw_bytes()));
+        let mut out = Vec::new();
+        g.bench_function(cut.id(), |b| {
+            b.iter(|| {
+                for t in &cut.tensors {
+                    out.resize(lz4_flex::block::get_maximum_output_size(t.data.len()), 0);
+                    black_box(lz4_flex::block::compress_into(black_box(&t.data), &mut out).expect("compresses"));
+                }
+            })
+        });
+    }
+    g.finish();
+    let mut g = group(c, "lz4_flex-decode");
+    for cut in cuts {
+        g.throughput(Throughput::Bytes(cut.raw_bytes()));
+        let packed: Vec<Vec<u8>> = cut.tensors.iter().map(|t| lz4_flex::block::compress(&t.data)).collect();
+        let mut out = Vec::new();
+        g.bench_function(cut.id(), |b| {
+            b.iter(|| {
+                for (t, p) in cut.tensors.iter().zip(&packed) {
+                    out.resize(t.data.len(), 0);
+                    lz4_flex::block::decompress_into(black_box(p), &mut out).expect("decompresses");
+                }
+            })
+        });
+    }
+    g.finish();
 
     // The decode direction: decompress into a buffer of the tensor's size, then unshuffle.
     for (name, shuffled) in [("lz4-decode", false), ("shuffle+lz4-decode", true)] {

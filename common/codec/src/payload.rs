@@ -177,6 +177,14 @@ pub fn encode_payload(
     Ok(EncodedPayload { envelope: envelope.encode_to_vec().into(), data: segments.into(), raw_bytes })
 }
 
+/// The one block of a tensor that protocol version 1 compressed whole (it had no blocks).
+fn whole_block(carried: u64, wire_len: u64) -> Result<Block, String> {
+    match (u32::try_from(carried), u32::try_from(wire_len)) {
+        (Ok(raw_len), Ok(wire_len)) => Ok(Block { raw_len, wire_len, stored: false }),
+        _ => Err(format!("no blocks, and {carried} bytes in {wire_len} is more than one block holds")),
+    }
+}
+
 /// A tensor's bytes must be exactly what its dtype and shape take.
 fn check_size(t: &TensorData) -> Result<(), CodecError> {
     let expected = numel(&t.shape).map(|n| n * t.dtype.size() as u64);
@@ -301,7 +309,7 @@ impl IncomingPayload {
             // Authenticate the header before believing anything it says.
             Some(seal) => opener.check_header(seal, &envelope.header, &envelope.header_tag)?,
         }
-        let header = PayloadHeader::decode(&envelope.header[..]).map_err(|e| CodecError::Malformed(format!("header: {e}")))?;
+        let mut header = PayloadHeader::decode(&envelope.header[..]).map_err(|e| CodecError::Malformed(format!("header: {e}")))?;
         let direction = Direction::try_from(header.direction).unwrap_or(Direction::Unspecified);
         if direction != expected {
             return Err(CodecError::WrongDirection { expected: direction_name(expected), got: direction_name(direction).into() });
@@ -313,7 +321,7 @@ impl IncomingPayload {
         let mut wire_total = 0u64;
         let mut dtypes = Vec::with_capacity(header.tensors.len());
         let mut codecs = Vec::with_capacity(header.tensors.len());
-        for t in &header.tensors {
+        for t in &mut header.tensors {
             let malformed = |what: String| CodecError::Malformed(format!("tensor {}: {what}", t.name));
             let codec = match (codec.auto, t.codec.as_str()) {
                 (false, "") => codec,
@@ -354,6 +362,9 @@ impl IncomingPayload {
                     });
                 }
             } else {
+                if t.blocks.is_empty() && !t.zeros_elided && carried > 0 {
+                    t.blocks.push(whole_block(carried, t.wire_len).map_err(malformed)?);
+                }
                 for (i, block) in t.blocks.iter().enumerate() {
                     check_block(codec.compression, block).map_err(|e| malformed(format!("block {i}: {e}")))?;
                 }

@@ -327,14 +327,44 @@ fn declared_sizes_are_checked_before_anything_is_allocated() {
     assert!(err.contains("block 0: lz4 encodes") && err.contains("in at most"), "{err}");
     let claiming = with_header(&enc, |h| h.tensors[0].blocks[0].raw_len = 1 << 30);
     assert!(parse(&claiming, LIMIT).unwrap_err().to_string().contains("cannot decompress to the 1073741824 declared"));
-    let unblocked = with_header(&enc, |h| h.tensors[0].blocks.clear());
-    assert!(parse(&unblocked, LIMIT).unwrap_err().to_string().contains("its blocks hold 0 bytes in 0"));
+    // Without blocks, a tensor is one block compressed whole (protocol version 1), still
+    // within the compressor's bounds.
+    let unblocked = with_header(&enc, |h| {
+        h.tensors[0].blocks.clear();
+        h.tensors[0].wire_len = 1 << 30;
+        h.wire_len = 1 << 30;
+    });
+    assert!(parse(&unblocked, LIMIT).unwrap_err().to_string().contains("block 0: lz4 encodes 4000 bytes in at most"));
     let own = with_header(&enc, |h| h.tensors[0].codec = "raw".into());
     assert!(parse(&own, LIMIT).unwrap_err().to_string().contains("tensor x: codec \"raw\" of its own in a shuffle+lz4 payload"));
     let inconsistent = with_header(&enc, |h| h.wire_len += 1);
     assert!(matches!(parse(&inconsistent, LIMIT).unwrap_err(), CodecError::Malformed(_)));
     let dtype = with_header(&enc, |h| h.tensors[0].dtype = "complex64".into());
     assert!(matches!(parse(&dtype, LIMIT).unwrap_err(), CodecError::UnknownDtype { .. }));
+}
+
+#[test]
+fn a_version_1_payload_compressed_whole_is_still_read() {
+    // Protocol version 1 compressed each tensor's carried (shuffled) bytes whole and sent no
+    // blocks.
+    let floats = &sample()[0].data;
+    for (codec, shuffled) in [("shuffle+lz4", true), ("lz4", false), ("shuffle+zstd-3", true)] {
+        let codec: Codec = codec.parse().unwrap();
+        let enc = encode_payload(meta(1), values_for(&sample()), &sample(), &codec, None).unwrap();
+        let mut carried = floats.to_vec();
+        if shuffled {
+            cleave_codec::shuffle::shuffle(floats, 4, &mut carried);
+        }
+        let mut whole = Vec::new();
+        cleave_codec::compress::compress(codec.compression, &carried, &mut whole).unwrap();
+        let version_1 = with_header(&enc, |h| {
+            h.tensors[0].blocks.clear();
+            (h.tensors[0].wire_len, h.wire_len) = (whole.len() as u64, whole.len() as u64);
+        });
+        let mut opener = KeyRing::default().opener();
+        let decoded = parse(&version_1, LIMIT).unwrap().decode(whole, &mut opener).unwrap();
+        assert_eq!(decoded.tensors[0].data, *floats, "{codec}");
+    }
 }
 
 #[test]
