@@ -110,42 +110,57 @@ impl PayloadSender {
     /// Encodes a boundary the caller keeps: tensors on the CPU and contiguous are copied, so
     /// that nothing the caller does to them later can change what is sent.
     pub fn encode(&mut self, meta: PayloadMeta, codec: &Codec, boundary: &Boundary) -> Result<EncodedPayload, WireError> {
-        let (values, tensors) = flatten(boundary, false)?;
-        Ok(encode_payload(meta, values, &tensors, codec, self.sealer.as_mut())?)
+        self.encode_flat(meta, codec, flatten(boundary, false)?)
     }
 
     /// Encodes a boundary given up to the wire: the encoding reads the tensors' memory where
     /// it lies, and a raw payload without a key is that memory (no copy).
     pub fn encode_owned(&mut self, meta: PayloadMeta, codec: &Codec, boundary: Boundary) -> Result<EncodedPayload, WireError> {
-        let (values, tensors) = flatten(&boundary, true)?;
-        Ok(encode_payload(meta, values, &tensors, codec, self.sealer.as_mut())?)
+        self.encode_flat(meta, codec, flatten(&boundary, true)?)
+    }
+
+    fn encode_flat(&mut self, meta: PayloadMeta, codec: &Codec, flat: Flat) -> Result<EncodedPayload, WireError> {
+        let mut encoded = encode_payload(meta, flat.values, &flat.tensors, codec, self.sealer.as_mut())?;
+        encoded.copied_bytes += flat.copied_bytes;
+        Ok(encoded)
     }
 }
 
-/// Tensors of a boundary as bytes, and its value trees naming them; `owned`: the boundary is
-/// given up, so its tensors' memory may be used as it is.
-fn flatten(boundary: &Boundary, owned: bool) -> Result<(Vec<NamedValue>, Vec<TensorData>), WireError> {
-    let mut tensors = Vec::new();
-    let values = boundary
-        .values
-        .iter()
-        .map(|(name, value)| Ok(NamedValue { name: name.clone(), value: Some(encode_value(value, name, owned, &mut tensors)?) }))
-        .collect::<Result<_, WireError>>()?;
-    Ok((values, tensors))
+/// A boundary's tensors as bytes, and its value trees naming them.
+struct Flat {
+    values: Vec<NamedValue>,
+    tensors: Vec<TensorData>,
+    /// Bytes copied to get the tensors' bytes (see [`EncodedPayload::copied_bytes`]).
+    copied_bytes: u64,
+}
+
+/// A boundary's tensors as bytes; `owned`: the boundary is given up, so its tensors' memory
+/// may be used as it is.
+fn flatten(boundary: &Boundary, owned: bool) -> Result<Flat, WireError> {
+    let mut flat = Flat { values: Vec::new(), tensors: Vec::new(), copied_bytes: 0 };
+    for (name, value) in &boundary.values {
+        let node = encode_value(value, name, owned, &mut flat)?;
+        flat.values.push(NamedValue { name: name.clone(), value: Some(node) });
+    }
+    Ok(flat)
 }
 
 /// A tensor's bytes on the CPU, contiguous: its own memory when it may be used as it is (the
-/// tensor is given up, or moving it to the CPU or making it contiguous made a new one).
-fn tensor_bytes(t: &Tensor, owned: bool) -> Bytes {
-    let fresh = t.device() != tch::Device::Cpu || !t.is_contiguous();
+/// tensor is given up, or moving it to the CPU or making it contiguous made a new one); and
+/// the bytes copied in the host's memory to get them (a device's copy to the CPU is not
+/// counted).
+fn tensor_bytes(t: &Tensor, owned: bool) -> (Bytes, u64) {
+    let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let on_cpu = t.device() == tch::Device::Cpu;
+    let made_contiguous = if t.is_contiguous() { 0 } else { len };
     let t = t.to_device(tch::Device::Cpu).contiguous();
-    if owned || fresh {
+    if owned || !on_cpu || made_contiguous > 0 {
         match TensorBytes::new(t) {
-            Ok(memory) => return memory.into_bytes(),
-            Err(t) => return copy_bytes(&t),
+            Ok(memory) => return (memory.into_bytes(), made_contiguous),
+            Err(t) => return (copy_bytes(&t), made_contiguous + len),
         }
     }
-    copy_bytes(&t)
+    (copy_bytes(&t), len)
 }
 
 fn copy_bytes(t: &Tensor) -> Bytes {
@@ -154,17 +169,19 @@ fn copy_bytes(t: &Tensor) -> Bytes {
     data.into()
 }
 
-fn encode_value(value: &Value, path: &str, owned: bool, tensors: &mut Vec<TensorData>) -> Result<ValueNode, WireError> {
+fn encode_value(value: &Value, path: &str, owned: bool, flat: &mut Flat) -> Result<ValueNode, WireError> {
     use pb::value_node::Kind;
-    let list = |items: &[Value], tensors: &mut Vec<TensorData>| -> Result<pb::ValueList, WireError> {
+    let list = |items: &[Value], flat: &mut Flat| -> Result<pb::ValueList, WireError> {
         Ok(pb::ValueList {
-            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), owned, tensors)).collect::<Result<_, _>>()?,
+            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), owned, flat)).collect::<Result<_, _>>()?,
         })
     };
     let kind = match value {
         Value::Tensor(t) => {
             let dtype = DType::from_kind(t.kind()).ok_or_else(|| WireError::Unsupported { name: path.into(), kind: format!("{:?}", t.kind()) })?;
-            tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), data: tensor_bytes(t, owned) });
+            let (data, copied) = tensor_bytes(t, owned);
+            flat.copied_bytes += copied;
+            flat.tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), data });
             Kind::Tensor(path.to_string())
         }
         Value::Int(i) => Kind::Int(*i),
@@ -172,12 +189,12 @@ fn encode_value(value: &Value, path: &str, owned: bool, tensors: &mut Vec<Tensor
         Value::Bool(b) => Kind::Bool(*b),
         Value::Str(s) => Kind::Str(s.clone()),
         Value::None => Kind::None(true),
-        Value::Tuple(items) => Kind::Tuple(list(items, tensors)?),
-        Value::List(items) => Kind::List(list(items, tensors)?),
+        Value::Tuple(items) => Kind::Tuple(list(items, flat)?),
+        Value::List(items) => Kind::List(list(items, flat)?),
         Value::Dict(items) => Kind::Dict(pb::ValueDict {
             entries: items
                 .iter()
-                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), owned, tensors)?) }))
+                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), owned, flat)?) }))
                 .collect::<Result<_, WireError>>()?,
         }),
     };
@@ -209,6 +226,9 @@ pub struct Received {
     pub key_id: Option<u32>,
     /// The boundary.
     pub boundary: Boundary,
+    /// Bytes copied as they were to receive it: from the frames into the tensors (or the
+    /// encoded data), and by decoding (see `cleave_codec`'s `DecodedHeader::copied_bytes`).
+    pub copied_bytes: u64,
 }
 
 impl PayloadReceiver {
@@ -295,6 +315,7 @@ impl PayloadReceiver {
             return Err(WireError::BadTree(format!("tensor {name} is in the header but not in the value tree")));
         }
         Ok(Received {
+            copied_bytes: assembly.received + decoded.copied_bytes,
             request_id: decoded.meta.request_id,
             split: decoded.meta.split,
             codec: decoded.codec,
@@ -690,6 +711,27 @@ mod tests {
             }
         }
         unreachable!("the last part is marked last")
+    }
+
+    #[test]
+    fn copies_are_counted_and_a_raw_boundary_given_up_is_copied_once_received() {
+        // 256 KiB of floats: large enough to travel as a segment of its own.
+        let boundary = || Boundary { values: vec![("x".into(), Value::Tensor(Tensor::randn([256, 256], (Kind::Float, Device::Cpu))))] };
+        let bytes = 256 * 256 * 4;
+        let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &KeyRing::default());
+        let given_up = PayloadSender::plain().encode_owned(meta(1), &Codec::RAW, boundary()).unwrap();
+        assert_eq!(given_up.copied_bytes, 0, "sent from the tensor's memory");
+        assert_eq!(send_through_chunks(&mut rx, &given_up, 1, 100_000).unwrap().copied_bytes, bytes, "once, from the frames into the tensor");
+        let kept = PayloadSender::plain().encode(meta(2), &Codec::RAW, &boundary()).unwrap();
+        assert_eq!(kept.copied_bytes, bytes, "a boundary the caller keeps is copied");
+        // Sealed, the data is copied into the payload, received into a buffer and decrypted
+        // there, then copied into the tensor.
+        let ring = KeyRing::new([(1, Key::from_bytes([9; 32]))]).unwrap();
+        let sealed = PayloadSender::sealed(&ring, 1).unwrap().encode_owned(meta(3), &Codec::RAW, boundary()).unwrap();
+        assert_eq!(sealed.copied_bytes, bytes);
+        let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &ring);
+        let wire = sealed.data.len() as u64;
+        assert_eq!(send_through_chunks(&mut rx, &sealed, 3, 100_000).unwrap().copied_bytes, wire + bytes);
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct Summary {
     pub bytes_raw: u64,
     /// Bytes of the frames sent.
     pub bytes_wire: u64,
+    /// Bytes of the boundaries copied as they were to send them (gRPC's copies not counted).
+    pub copied_sent_bytes: u64,
+    /// Bytes of the results copied as they were to receive them.
+    pub copied_received_bytes: u64,
     /// Payload codec (`raw`, `shuffle+lz4`, ...).
     pub codec: String,
     /// Payload encryption, when on (`aes-256-gcm (key id N)`); never the key.
@@ -181,7 +185,11 @@ const RUN_FILES: [&str; 4] = ["predictions.jsonl", "metrics.csv", "summary.json"
 
 /// The columns of `metrics.csv`.
 const METRICS_HEADER: &str = "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,\
-server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms,served_by,attempts";
+server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms,served_by,attempts,copied_sent_bytes,copied_received_bytes";
+
+/// Columns of the rows that an earlier version wrote (without the copied bytes); `--resume`
+/// still reads them.
+const EARLIER_COLUMNS: usize = 18;
 
 pub use crate::files::OutputMode;
 
@@ -274,7 +282,7 @@ impl ReportWriter {
         let s = &m.server;
         writeln!(
             self.metrics,
-            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}",
+            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{},{},{}",
             outcome.request_id,
             m.split,
             ok,
@@ -292,7 +300,9 @@ impl ReportWriter {
             m.decode_ms,
             m.e2e_ms,
             m.served_by.name(),
-            m.attempts
+            m.attempts,
+            m.copied_sent_bytes,
+            m.copied_received_bytes
         )
         .and_then(|()| self.metrics.flush()) // A line per request as it is answered: `tail -f metrics.csv` follows a run.
         .map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
@@ -363,7 +373,8 @@ fn keep_answered(dir: &Path) -> Result<Vec<(u64, RequestMetrics, bool)>> {
 /// One row of `metrics.csv`: the request id, its measurements and whether it succeeded.
 fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
     let cells: Vec<&str> = row.split(',').collect();
-    if cells.len() != METRICS_HEADER.split(',').count() {
+    let columns = METRICS_HEADER.split(',').count();
+    if cells.len() != columns && cells.len() != EARLIER_COLUMNS {
         return None;
     }
     let f = |i: usize| cells[i].parse::<f64>().ok();
@@ -388,6 +399,8 @@ fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
         },
         suffix_on_edge_ms: 0.0,
         attempts: cells[17].parse().ok()?,
+        copied_sent_bytes: if cells.len() == columns { u(18)? } else { 0 },
+        copied_received_bytes: if cells.len() == columns { u(19)? } else { 0 },
     };
     Some((u(0)?, metrics, cells[2].parse().ok()?))
 }

@@ -185,6 +185,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
         bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
         bytes_wire: outcomes.iter().map(|(_, m, _)| m.bytes_wire).sum(),
+        copied_sent_bytes: outcomes.iter().map(|(_, m, _)| m.copied_sent_bytes).sum(),
+        copied_received_bytes: outcomes.iter().map(|(_, m, _)| m.copied_received_bytes).sum(),
         codec: config.codec.to_string(),
         encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
         tls: uses_tls,

@@ -340,6 +340,7 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
         Err(e) => Err(e),
         Ok((r, took)) => {
             (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
+            ctx.metrics.received_copied(ctx.model.bundle.id(), r.copied_bytes);
             submit(ctx, r).await
         }
     };
@@ -427,8 +428,10 @@ impl Responder {
                 Ok(output) => encode_blocking(&self.encoder, spec, output).await,
                 Err(e) => Err(e),
             };
+            let mut copied_bytes = 0;
             let (frames, code) = match encoded {
                 Ok((encoded, encode)) => {
+                    copied_bytes = encoded.copied_bytes;
                     let timings = pb::ServerTimings {
                         queue_us: queue.as_micros() as u64,
                         decode_us: p.decode_us,
@@ -460,6 +463,7 @@ impl Responder {
                 compute,
                 total: p.since().elapsed(),
                 bytes_out: frames.iter().map(|f: &ResultFrame| (f.header.len() + f.data.len()) as u64).sum(),
+                copied_bytes,
                 slo: self.model.slo,
             });
             // Each frame holds its share until written; a host that does not take it within

@@ -73,6 +73,8 @@ struct Inner {
     total_seconds: Histograms,
     bytes_in: Family<ModelLabel, Counter>,
     bytes_out: Family<ModelLabel, Counter>,
+    copied_in: Family<ModelLabel, Counter>,
+    copied_out: Family<ModelLabel, Counter>,
     slo_misses: Family<ModelLabel, Counter>,
     cut_merges: Family<ModelLabel, Counter>,
     open_streams: Family<KindLabel, Gauge>,
@@ -95,6 +97,8 @@ pub(crate) struct Answered<'a> {
     /// From its first frame to its answer being framed.
     pub(crate) total: Duration,
     pub(crate) bytes_out: u64,
+    /// Bytes of the result copied as they were to send it.
+    pub(crate) copied_bytes: u64,
     pub(crate) slo: Option<Duration>,
 }
 
@@ -119,6 +123,18 @@ impl Metrics {
         registry.register("received_bytes", "Payload bytes received (requests and training calls)", bytes_in.clone());
         let bytes_out = Family::<ModelLabel, Counter>::default();
         registry.register("sent_bytes", "Payload bytes sent (results and training answers)", bytes_out.clone());
+        let copied_in = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "received_copied_bytes",
+            "Bytes of requests copied as they were to receive them: frames into tensors, decoding (gRPC's own copies not counted)",
+            copied_in.clone(),
+        );
+        let copied_out = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "sent_copied_bytes",
+            "Bytes of results copied as they were to send them (none for a raw result sent from its tensors' memory)",
+            copied_out.clone(),
+        );
         let slo_misses = Family::<ModelLabel, Counter>::default();
         registry.register("slo_misses", "Requests answered later than their model's slo_ms", slo_misses.clone());
         let cut_merges = Family::<ModelLabel, Counter>::default();
@@ -159,6 +175,8 @@ impl Metrics {
             total_seconds,
             bytes_in,
             bytes_out,
+            copied_in,
+            copied_out,
             slo_misses,
             cut_merges,
             open_streams,
@@ -217,6 +235,11 @@ impl Metrics {
         self.inner.bytes_in.get_or_create(&Self::model(model)).inc_by(bytes);
     }
 
+    /// Bytes of a request for `model` copied as they were to receive it.
+    pub(crate) fn received_copied(&self, model: &str, bytes: u64) {
+        self.inner.copied_in.get_or_create(&Self::model(model)).inc_by(bytes);
+    }
+
     /// Payload bytes sent for `model` outside an [`Answered`] request (training answers).
     pub(crate) fn sent(&self, model: &str, bytes: u64) {
         self.inner.bytes_out.get_or_create(&Self::model(model)).inc_by(bytes);
@@ -228,6 +251,7 @@ impl Metrics {
         let code = format!("{:?}", a.code);
         self.inner.requests.get_or_create(&CodeLabels { model: a.model.to_string(), code }).inc();
         self.inner.bytes_out.get_or_create(&m).inc_by(a.bytes_out);
+        self.inner.copied_out.get_or_create(&m).inc_by(a.copied_bytes);
         self.inner.total_seconds.get_or_create(&m).observe(a.total.as_secs_f64());
         if a.code == tonic::Code::Ok {
             self.inner.queue_seconds.get_or_create(&m).observe(a.queue.as_secs_f64());

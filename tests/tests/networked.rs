@@ -15,7 +15,8 @@ use cleave_host::config::{InputSource, Resilience, RetryPolicy};
 use cleave_host::inputs::Inputs;
 use cleave_host::session::{connect, Link};
 use cleave_host::LoopbackServer;
-use cleave_tests::bundle_dir;
+use cleave_server::{ModelConfig, PreparedServer, SchedulerConfig};
+use cleave_tests::{bundle_dir, metric_sample, parse_metrics};
 use tokio_stream::StreamExt;
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -129,6 +130,61 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
             assert_eq!(crossed, split != n, "request {} at cut {split}: {:?}", o.request_id, o.metrics);
         }
         server.shutdown().await.unwrap();
+    });
+}
+
+/// A raw boundary is copied at most once on each side outside gRPC: the host sends it from its
+/// tensor's memory (made contiguous first where it is not), the server copies it once from the
+/// frames into the tensor its suffix runs on; the result (small enough to be gathered into the
+/// payload) once each way.
+#[test]
+fn a_raw_boundary_is_copied_at_most_once_per_side() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let rt = runtime();
+    rt.block_on(async {
+        let model = ModelConfig::new(bundle.dir(), DeviceSpec::Cpu);
+        let prepared = tokio::task::spawn_blocking(move || {
+            PreparedServer::prepare_models(&[model], SchedulerConfig::default(), Limits::default(), Default::default()).unwrap()
+        })
+        .await
+        .unwrap();
+        let metrics = prepared.metrics();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let plan = StreamPlan {
+            bundle: bundle.clone(),
+            split: Splits::Fixed(3),
+            device: DeviceSpec::Cpu,
+            warm_stages: None,
+            ids: (0..4).collect(),
+            resilience: Resilience::default(),
+            in_flight: 2,
+            inputs: Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 2).unwrap(),
+            codec: Codec::RAW,
+            key: None,
+        };
+        let mut outcomes = Vec::new();
+        stream_requests(&mut session, plan, |o| outcomes.push(o)).await.unwrap();
+        let (mut boundaries, mut results) = (0, 0);
+        for o in &outcomes {
+            let result = o.output.as_ref().unwrap().tensor_bytes() as u64;
+            let m = &o.metrics;
+            assert!(m.bytes_raw >= 256 << 10, "a boundary of {} bytes", m.bytes_raw);
+            // The inference stages' activations are channels_last: made contiguous, once.
+            assert!(m.copied_sent_bytes <= m.bytes_raw, "request {}: {} bytes copied to send {}", o.request_id, m.copied_sent_bytes, m.bytes_raw);
+            assert!(
+                m.copied_received_bytes > 0 && m.copied_received_bytes <= result,
+                "request {}: {} bytes copied of a {result}-byte result",
+                o.request_id,
+                m.copied_received_bytes
+            );
+            (boundaries, results) = (boundaries + m.bytes_raw, results + result);
+        }
+        let scrape = parse_metrics(&metrics.render());
+        let model = [("model", bundle.id())];
+        assert_eq!(metric_sample(&scrape, "cleave_received_copied_bytes_total", &model), boundaries as f64, "once from the frames into the tensors");
+        let sent = metric_sample(&scrape, "cleave_sent_copied_bytes_total", &model);
+        assert!(sent > 0.0 && sent <= results as f64, "{sent} bytes copied to send {results} bytes of results");
     });
 }
 

@@ -100,6 +100,9 @@ pub struct EncodedPayload {
     pub data: PayloadData,
     /// Tensor bytes before encoding.
     pub raw_bytes: u64,
+    /// Bytes the encoder copied as they were: tensors gathered into the data uncompressed,
+    /// blocks stored. A raw tensor sent from its own memory is not copied.
+    pub copied_bytes: u64,
 }
 
 /// A raw tensor smaller than this is copied into the data before it rather than sent as a
@@ -129,6 +132,7 @@ pub fn encode_payload(
     let mut segments = Vec::new();
     let mut headers = Vec::with_capacity(tensors.len());
     let mut scratch: [Vec<u8>; 2] = Default::default();
+    let mut copied_bytes = 0;
     for t in tensors {
         check_size(t)?;
         let chosen = if codec.auto && !sample_compresses(t, &mut scratch[0]) { Codec::RAW } else { Codec { auto: false, ..*codec } };
@@ -140,7 +144,8 @@ pub fn encode_payload(
             let encoded = encode_tensor(t, &chosen, &mut scratch, &mut data)?;
             (encoded, data.len() - start)
         };
-        let EncodedTensor { quant, blocks, zeros_elided } = encoded;
+        let EncodedTensor { quant, blocks, zeros_elided, copied } = encoded;
+        copied_bytes += copied;
         headers.push(TensorHeader {
             name: t.name.clone(),
             dtype: t.dtype.name().into(),
@@ -174,7 +179,7 @@ pub fn encode_payload(
         }
     };
     segments.push(data.into());
-    Ok(EncodedPayload { envelope: envelope.encode_to_vec().into(), data: segments.into(), raw_bytes })
+    Ok(EncodedPayload { envelope: envelope.encode_to_vec().into(), data: segments.into(), raw_bytes, copied_bytes })
 }
 
 /// The one block of a tensor that protocol version 1 compressed whole (it had no blocks).
@@ -213,6 +218,8 @@ struct EncodedTensor {
     quant: Option<crate::pb::Quantization>,
     blocks: Vec<Block>,
     zeros_elided: bool,
+    /// Bytes copied as they were (see [`EncodedPayload::copied_bytes`]).
+    copied: u64,
 }
 
 /// Precision, zero elision (where it pays), shuffle, compression (in blocks); appends the
@@ -234,7 +241,7 @@ fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut [Vec<u8>; 2], out:
         shuffle(kept, size, shuffled);
         let mut blocks = compress_blocks(codec.compression, &mask, 1, out).map_err(fail)?;
         blocks.extend(compress_blocks(codec.compression, shuffled, size, out).map_err(fail)?);
-        return Ok(EncodedTensor { quant, blocks, zeros_elided: true });
+        return Ok(EncodedTensor { quant, copied: stored_bytes(&blocks), blocks, zeros_elided: true });
     }
     let (carried, planes) = if codec.shuffle && size > 1 {
         shuffle(&carried, size, shuffled);
@@ -244,10 +251,15 @@ fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut [Vec<u8>; 2], out:
     };
     if codec.compression == Compression::None {
         out.extend_from_slice(carried);
-        return Ok(EncodedTensor { quant, ..Default::default() });
+        return Ok(EncodedTensor { quant, copied: carried.len() as u64, ..Default::default() });
     }
     let blocks = compress_blocks(codec.compression, carried, planes, out).map_err(fail)?;
-    Ok(EncodedTensor { quant, blocks, zeros_elided: false })
+    Ok(EncodedTensor { quant, copied: stored_bytes(&blocks), blocks, zeros_elided: false })
+}
+
+/// Bytes of the blocks stored as they were.
+fn stored_bytes(blocks: &[Block]) -> u64 {
+    blocks.iter().filter(|b| b.stored).map(|b| u64::from(b.raw_len)).sum()
 }
 
 /// A received envelope whose header passed every check; the data comes next.
@@ -272,6 +284,8 @@ pub struct DecodedHeader {
     pub key_id: Option<u32>,
     /// The boundary's value trees.
     pub values: Vec<NamedValue>,
+    /// Bytes decoding copied as they were (stored blocks, tensors carried uncompressed).
+    pub copied_bytes: u64,
 }
 
 /// A decoded payload, its tensors in buffers of their own.
@@ -470,14 +484,14 @@ impl IncomingPayload {
         if let Some(seal) = &self.seal {
             opener.open_in_place(seal, data)?;
         }
-        let (mut offset, mut scratch) = (0usize, Default::default());
+        let (mut offset, mut scratch, mut copied) = (0usize, Default::default(), 0);
         for (((t, &dtype), codec), out) in self.header.tensors.iter().zip(&self.dtypes).zip(&self.codecs).zip(tensors.iter_mut()) {
             let end = offset + t.wire_len as usize;
-            decode_tensor(t, dtype, codec, &data[offset..end], &mut scratch, out)
+            copied += decode_tensor(t, dtype, codec, &data[offset..end], &mut scratch, out)
                 .map_err(|reason| CodecError::Corrupt { name: t.name.clone(), reason })?;
             offset = end;
         }
-        Ok(self.into_header())
+        Ok(DecodedHeader { copied_bytes: copied, ..self.into_header() })
     }
 
     /// [`IncomingPayload::decode_into`] buffers of its own.
@@ -509,6 +523,7 @@ impl IncomingPayload {
             codec: self.codec,
             key_id: self.seal.as_ref().map(|s| s.key_id),
             values: h.values,
+            copied_bytes: 0,
         }
     }
 }
@@ -525,8 +540,10 @@ fn check_values(dtype: DType, bytes: &[u8]) -> Result<(), String> {
 
 /// Decompress, unshuffle, restore zeros, widen: the encoded bytes of one tensor (sizes
 /// checked in `parse`) back to its dtype, in `out`. The last step writes into `out`, earlier
-/// ones into `scratch`.
-fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], scratch: &mut [Vec<u8>; 3], out: &mut [u8]) -> Result<(), String> {
+/// ones into `scratch`. Returns the bytes it copied as they were: stored blocks, and the
+/// bytes of a tensor carried uncompressed or widened in a buffer of its own.
+fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], scratch: &mut [Vec<u8>; 3], out: &mut [u8]) -> Result<u64, String> {
+    let stored = stored_bytes(&t.blocks);
     let size = codec.precision.carried_size(dtype);
     let n = t.byte_len as usize / dtype.size();
     let carried_len = n * size;
@@ -539,17 +556,17 @@ fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], 
         unshuffle_into(kept, size, sized(b, kept.len()));
         if !casts {
             zeros::restore(mask, b, size, out)?;
-            return check_values(dtype, out);
+            return check_values(dtype, out).map(|()| stored);
         }
         zeros::restore(mask, b, size, sized(c, carried_len))?;
         out.copy_from_slice(&widen(codec.precision, dtype, &t.shape, c, t.quant.as_ref())?);
-        return check_values(dtype, out);
+        return check_values(dtype, out).map(|()| stored + out.len() as u64);
     }
     let mut carried = encoded;
     if codec.compression != Compression::None {
         if !shuffled && !casts {
             decompress_blocks(codec.compression, &t.blocks, encoded, out)?;
-            return check_values(dtype, out);
+            return check_values(dtype, out).map(|()| stored);
         }
         decompress_blocks(codec.compression, &t.blocks, encoded, sized(a, carried_len))?;
         carried = a;
@@ -557,7 +574,7 @@ fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], 
     if shuffled {
         if !casts {
             unshuffle_into(carried, size, out);
-            return check_values(dtype, out);
+            return check_values(dtype, out).map(|()| stored);
         }
         unshuffle_into(carried, size, sized(b, carried_len));
         carried = b;
@@ -567,7 +584,7 @@ fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], 
     } else {
         out.copy_from_slice(carried);
     }
-    check_values(dtype, out)
+    check_values(dtype, out).map(|()| stored + out.len() as u64)
 }
 
 /// `buffer` as `len` bytes (stale contents kept where it was already that long).

@@ -32,6 +32,8 @@ pub(crate) struct Answer {
     /// The status code of an error answer.
     pub(crate) code: Option<tonic::Code>,
     pub(super) decode_ms: f64,
+    /// Bytes copied as they were to receive the result (frames into tensors, decoding).
+    pub(super) copied_bytes: u64,
     pub(super) server: Option<ServerTimes>,
 }
 
@@ -94,7 +96,7 @@ impl ResultAssembler {
             self.frames.abandon();
             let code = tonic::Code::from(err.code);
             let output = Err(format!("{code:?}: {}", err.message));
-            return Ok(Some(Answer { id, output, code: Some(code), decode_ms: 0.0, server: None }));
+            return Ok(Some(Answer { id, output, code: Some(code), decode_ms: 0.0, copied_bytes: 0, server: None }));
         }
         let receiver = &self.receiver;
         let assembly = match self.frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ()))) {
@@ -103,13 +105,15 @@ impl ResultAssembler {
             Err((id, e)) => return Err(format!("the result of request {id} cannot be reassembled: {e}")),
         };
         let t = Instant::now();
-        let output = self.receiver.finish(assembly).map(|r| r.boundary).map_err(|e| format!("result: {e}"));
+        let received = self.receiver.finish(assembly).map_err(|e| format!("result: {e}"));
+        let copied_bytes = received.as_ref().map_or(0, |r| r.copied_bytes);
+        let output = received.map(|r| r.boundary);
         let server = frame.timings.map(|t| ServerTimes {
             queue_ms: t.queue_us as f64 / 1e3,
             decode_ms: t.decode_us as f64 / 1e3,
             compute_ms: t.compute_us as f64 / 1e3,
             encode_ms: t.encode_us as f64 / 1e3,
         });
-        Ok(Some(Answer { id, output, code: None, decode_ms: ms(t), server }))
+        Ok(Some(Answer { id, output, code: None, decode_ms: ms(t), copied_bytes, server }))
     }
 }

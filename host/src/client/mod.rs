@@ -366,6 +366,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         let mut metrics = u.prepared.metrics;
         metrics.round_trip_ms = u.sent_at.map_or(0.0, ms);
         metrics.decode_ms = a.decode_ms;
+        metrics.copied_received_bytes = a.copied_bytes;
         metrics.server = a.server.unwrap_or_default();
         metrics.e2e_ms = ms(u.prepared.started);
         self.record_answer(RequestOutcome { request_id: a.id, metrics, output: a.output }, a.code);
@@ -447,9 +448,9 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// Hands a request to the prefix thread, which runs its suffix on the edge.
     fn finish_on_edge(&mut self, u: Unanswered) {
         self.at_edge.insert(u.prepared.id);
-        if let Err(std::sync::mpsc::SendError(ToPrefix::Finish(p))) = self.asks.send(ToPrefix::Finish(u.prepared)) {
+        if let Err(std::sync::mpsc::SendError(ToPrefix::Finish(p))) = self.asks.send(ToPrefix::Finish(Box::new(u.prepared))) {
             self.at_edge.remove(&p.id);
-            self.fail(p, "the prefix thread stopped before it could finish this request on the edge");
+            self.fail(*p, "the prefix thread stopped before it could finish this request on the edge");
         }
     }
 

@@ -25,7 +25,7 @@ pub(super) enum ToPrefix {
     /// One more request may start.
     Go,
     /// Run the rest of a request on the edge: no server answered it.
-    Finish(Prepared),
+    Finish(Box<Prepared>),
 }
 
 /// What the prefix thread hands the streaming loop.
@@ -115,6 +115,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                         prefix_cpu_ms,
                         encode_ms: ms(t),
                         bytes_raw: encoded.raw_bytes,
+                        copied_sent_bytes: encoded.copied_bytes,
                         bytes_wire: frames.iter().map(|f| f.encoded_len() as u64).sum(),
                         ..Default::default()
                     };

@@ -109,6 +109,12 @@ pub struct RequestMetrics {
     pub bytes_raw: u64,
     /// Bytes of the frames on the wire.
     pub bytes_wire: u64,
+    /// Bytes of the boundary copied as they were to send it (none for a raw boundary sent
+    /// from its tensors' memory; gRPC's own copies are not counted).
+    pub copied_sent_bytes: u64,
+    /// Bytes of the result copied as they were to receive it (from the frames into its
+    /// tensors, or into a buffer to decode from, and by decoding).
+    pub copied_received_bytes: u64,
     /// From handing the first frame to gRPC until the last result frame arrived.
     pub round_trip_ms: f64,
     /// The server's timings.
