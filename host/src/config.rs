@@ -378,8 +378,13 @@ pub struct EdgeConfig {
     pub loopback_limits: Limits,
     /// The loopback server's TLS identity.
     pub loopback_tls: Option<TlsIdentity>,
-    /// How boundaries are encoded (results come back the same way).
+    /// How boundaries are encoded (results come back the same way). With `codec: auto`,
+    /// `auto`'s per-tensor codec (raw, or shuffle+lz4 where a tensor's sample compresses),
+    /// which what needs one codec uses (training, `host load`, `host plan`, the profiles).
     pub codec: Codec,
+    /// `codec: auto`: inference requests travel with the codec the link and this machine's
+    /// measured speeds make fastest (`planning::codec_choice`).
+    pub codec_auto: bool,
     /// Key, TLS trust and token.
     pub security: EdgeSecurity,
     /// Training instead of inference.
@@ -414,6 +419,7 @@ impl EdgeConfig {
         let secrets = ConfigFile { path };
         let raw: RawEdgeConfig = secrets.read_yaml()?;
         let invalid = |key: &str, message: String| secrets.invalid(key, message);
+        let codec_auto = raw.codec.as_deref() == Some("auto");
         let codec = raw.codec.as_deref().unwrap_or("raw").parse().map_err(|e| invalid("codec", e))?;
         let key = raw.encryption.map(|e| Ok::<_, ConfigError>((e.key_id, secrets.key("encryption", e.file, e.env)?))).transpose()?;
         let tls = match raw.tls {
@@ -498,6 +504,7 @@ impl EdgeConfig {
             loopback_limits,
             loopback_tls,
             codec,
+            codec_auto,
             security,
             resilience,
             cpu: secrets.cpu(raw.threads, raw.cores)?,

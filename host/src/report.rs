@@ -1,6 +1,7 @@
 //! What a run leaves behind: `predictions.jsonl`, `metrics.csv`, `summary.json`, and the
 //! table printed on stdout.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -14,6 +15,7 @@ use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, Strea
 use crate::error::{HostError, Result};
 use crate::files::{claim_output, EarlierRun};
 use crate::planning::auto_split::{Planned, Probes, SplitMove};
+use crate::planning::codec_choice::CodecChoiceReport;
 use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
 
 /// `summary.json`. Each part's percentiles are over the requests that succeeded (`null`
@@ -70,8 +72,13 @@ pub struct Summary {
     pub copied_sent_bytes: u64,
     /// Bytes of the results copied as they were to receive them.
     pub copied_received_bytes: u64,
-    /// Payload codec (`raw`, `shuffle+lz4`, ...).
+    /// Payload codec (`raw`, `shuffle+lz4`, ..., or `auto`).
     pub codec: String,
+    /// Requests sent with each codec.
+    pub codecs: BTreeMap<String, u64>,
+    /// `codec: auto`: each codec's cost measured at each cut, and the rate estimated at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub codec_choice: Option<CodecChoiceReport>,
     /// Payload encryption, when on (`aes-256-gcm (key id N)`); never the key.
     pub encryption: Option<String>,
     /// Whether the link used TLS.
@@ -185,10 +192,10 @@ const RUN_FILES: [&str; 4] = ["predictions.jsonl", "metrics.csv", "summary.json"
 
 /// The columns of `metrics.csv`.
 const METRICS_HEADER: &str = "request_id,split,ok,prefix_ms,encode_ms,bytes_raw,bytes_wire,round_trip_ms,server_queue_ms,server_decode_ms,\
-server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms,served_by,attempts,copied_sent_bytes,copied_received_bytes";
+server_compute_ms,server_encode_ms,server_ms,network_ms,decode_ms,e2e_ms,served_by,attempts,copied_sent_bytes,copied_received_bytes,codec";
 
-/// Columns of the rows that an earlier version wrote (without the copied bytes); `--resume`
-/// still reads them.
+/// Columns of the rows that an earlier version wrote (without the copied bytes and the
+/// codec); `--resume` still reads them.
 const EARLIER_COLUMNS: usize = 18;
 
 pub use crate::files::OutputMode;
@@ -282,7 +289,7 @@ impl ReportWriter {
         let s = &m.server;
         writeln!(
             self.metrics,
-            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{},{},{}",
+            "{},{},{},{:.3},{:.3},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{}",
             outcome.request_id,
             m.split,
             ok,
@@ -302,7 +309,8 @@ impl ReportWriter {
             m.served_by.name(),
             m.attempts,
             m.copied_sent_bytes,
-            m.copied_received_bytes
+            m.copied_received_bytes,
+            m.codec.map_or(String::new(), |c| c.to_string())
         )
         .and_then(|()| self.metrics.flush()) // A line per request as it is answered: `tail -f metrics.csv` follows a run.
         .map_err(|e| HostError::write(self.dir.join("metrics.csv"), e))?;
@@ -401,14 +409,27 @@ fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
         attempts: cells[17].parse().ok()?,
         copied_sent_bytes: if cells.len() == columns { u(18)? } else { 0 },
         copied_received_bytes: if cells.len() == columns { u(19)? } else { 0 },
+        codec: match cells.get(20) {
+            Some(text) if !text.is_empty() => Some(text.parse().ok()?),
+            _ => None,
+        },
     };
     Some((u(0)?, metrics, cells[2].parse().ok()?))
+}
+
+/// The codec, and with `codec: auto` how many requests each codec carried.
+fn codecs_text(s: &Summary) -> String {
+    if s.codec != "auto" {
+        return s.codec.clone();
+    }
+    let counts: Vec<String> = s.codecs.iter().map(|(codec, n)| format!("{codec} {n}")).collect();
+    format!("auto: {}", if counts.is_empty() { "none sent".to_string() } else { counts.join(", ") })
 }
 
 /// The network's share of a request: its round trip less the server's time (zero for a
 /// request that never left the edge).
 pub fn network_ms(m: &RequestMetrics) -> f64 {
-    (m.round_trip_ms - m.server.total_ms()).max(0.0)
+    m.network_ms()
 }
 
 /// Where the time of `requests` (all split at `cut`, at least one) went: the median of each
@@ -521,7 +542,7 @@ pub fn summary_text(s: &Summary) -> String {
     let security = format!("{}{}", if s.encryption.is_some() { ", aes-256-gcm" } else { "" }, if s.tls { ", TLS" } else { "" });
     run.add_row(vec![
         "bytes sent".to_string(),
-        format!("{} of tensors, {} on the wire ({}{security})", human_bytes(s.bytes_raw), human_bytes(s.bytes_wire), s.codec),
+        format!("{} of tensors, {} on the wire ({}{security})", human_bytes(s.bytes_raw), human_bytes(s.bytes_wire), codecs_text(s)),
     ]);
     run.add_row(vec!["edge processor".to_string(), edge_cpu_text(&s.edge_cpu, s.probes.as_ref())]);
     let mut text = if s.e2e_ms.is_some() { format!("{latencies}\n{run}") } else { format!("no request succeeded: no latencies to show\n{run}") };

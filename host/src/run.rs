@@ -11,13 +11,15 @@ use cleave_common::bundle::SplitSpec;
 use cleave_common::device::device_name;
 use cleave_common::stats::Percentiles;
 
-use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
+use crate::client::{stream_requests, ChoosesCodec, Codecs, RequestMetrics, Splits, StreamPlan};
 use crate::config::EdgeConfig;
 use crate::cpu_time;
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::planning::auto_split::{self, AutoSplit};
+use crate::planning::codec_choice;
+use crate::planning::planner::Link as Probed;
 use crate::planning::profile::measure_profiles;
 use crate::report::{self, summary_text, CpuMeter, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_retrying, Link};
@@ -93,6 +95,14 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         warm_stages = Some(measured.edge_stages);
     }
     let split = planned.as_ref().map_or(split, |p| p.cut);
+    // `codec: auto`: each request's codec from the rate `split: auto` estimates (probed here
+    // when the split is fixed) and each codec's measured cost.
+    let chooser = if config.codec_auto {
+        let link = planned.as_ref().map(|p| Probed { bytes_per_s: p.link_mbit_per_s * 1e6 / 8.0, rtt_ms: p.rtt_ms });
+        Some(Arc::new(codec_choice::for_session(&session, link).await?))
+    } else {
+        None
+    };
     // The share of the FLOPs the edge runs: what `split: 40%` chose by.
     let edge_share = bundle
         .split_points()
@@ -123,7 +133,10 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         resilience: config.resilience,
         in_flight: config.in_flight,
         inputs,
-        codec: config.codec,
+        codec: match &chooser {
+            Some(chooser) => Codecs::Chosen(Arc::clone(chooser) as Arc<dyn ChoosesCodec>),
+            None => Codecs::Fixed(config.codec),
+        },
         key: config.security.key.clone(),
     };
     let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), session.clone())));
@@ -136,6 +149,9 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         cpu.answered(&outcome.metrics);
         if let Some(auto) = &planner {
             auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
+        }
+        if let Some(chooser) = &chooser {
+            chooser.observe(&outcome.metrics);
         }
         let files = sample_files.as_ref().map(|f| f.of(outcome.request_id));
         if let Err(e) = writer.record(&bundle, outcome, files) {
@@ -187,7 +203,12 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         bytes_wire: outcomes.iter().map(|(_, m, _)| m.bytes_wire).sum(),
         copied_sent_bytes: outcomes.iter().map(|(_, m, _)| m.copied_sent_bytes).sum(),
         copied_received_bytes: outcomes.iter().map(|(_, m, _)| m.copied_received_bytes).sum(),
-        codec: config.codec.to_string(),
+        codec: if config.codec_auto { "auto".to_string() } else { config.codec.to_string() },
+        codecs: outcomes.iter().filter_map(|(_, m, _)| m.codec).fold(Default::default(), |mut counts, codec| {
+            *counts.entry(codec.to_string()).or_default() += 1;
+            counts
+        }),
+        codec_choice: chooser.map(|c| c.report()),
         encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
         tls: uses_tls,
         bearer_token: config.security.token.is_some(),

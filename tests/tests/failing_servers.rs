@@ -57,7 +57,7 @@ fn plan(bundle: &Bundle, split: usize, requests: u64, resilience: Resilience) ->
         ids: (0..requests).collect(),
         in_flight: 4,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 3 }, bundle, 2).unwrap(),
-        codec: Codec::RAW,
+        codec: Codec::RAW.into(),
         key: None,
         resilience,
     }

@@ -36,7 +36,7 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         resilience: Resilience { retry: RetryPolicy { max_attempts: 3, max_backoff: Duration::from_millis(200) }, ..Resilience::default() },
         in_flight: 3,
         inputs: Inputs::new(&InputSource::Synthetic { seed }, bundle, batch).unwrap(),
-        codec: Codec::RAW,
+        codec: Codec::RAW.into(),
         key: None,
     };
     let mut outcomes = Vec::new();
@@ -113,7 +113,7 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
             resilience: Default::default(),
             in_flight: 2,
             inputs: Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 3).unwrap(),
-            codec: Codec::RAW,
+            codec: Codec::RAW.into(),
             key: None,
         };
         let mut outcomes = Vec::new();
@@ -160,7 +160,7 @@ fn a_raw_boundary_is_copied_at_most_once_per_side() {
             resilience: Resilience::default(),
             in_flight: 2,
             inputs: Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 2).unwrap(),
-            codec: Codec::RAW,
+            codec: Codec::RAW.into(),
             key: None,
         };
         let mut outcomes = Vec::new();

@@ -87,7 +87,7 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
     let config = dir.path().join("edge.yaml");
     let out = dir.path().join("out");
     let yaml = format!(
-        "server: http://127.0.0.1:1\nbundle: {}\nsplit: auto\nobjective: latency\ndevice: cpu\nbatch_size: 4\nrequests: 12\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: auto\nobjective: latency\ncodec: auto\ndevice: cpu\nbatch_size: 4\nrequests: 12\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
         bundle_dir("digits").display(),
         out.display()
     );
@@ -139,7 +139,55 @@ fn split_auto_runs_at_the_planned_cut_and_records_it_per_request() {
         assert!(cdf.contains(&format!("split at cut {cut}")), "cut {cut}");
     }
     assert!(std::fs::read_to_string(out.join(cleave_host::plots::run::BREAKDOWN)).unwrap().contains("<rect"));
+    // `codec: auto` chose each request's codec at the cut it ran at, from costs measured there.
+    let codecs: Vec<String> = csv.lines().skip(1).map(|l| l.rsplit(',').next().unwrap().to_string()).collect();
+    let sent: Vec<(usize, &String)> = splits.iter().copied().zip(&codecs).filter(|(cut, _)| *cut != bundle.stage_count()).collect();
+    assert!(sent.iter().all(|(_, c)| ["raw", "shuffle+lz4", "shuffle+zstd-1"].contains(&c.as_str())), "{codecs:?}");
+    assert!(splits.iter().zip(&codecs).all(|(&cut, c)| (cut == bundle.stage_count()) == c.is_empty()), "{codecs:?}");
+    assert_eq!(summary["codec"], "auto");
+    let counted: u64 = summary["codecs"].as_object().unwrap().values().map(|n| n.as_u64().unwrap()).sum();
+    assert_eq!(counted, sent.len() as u64, "{}", summary["codecs"]);
+    let costs = summary["codec_choice"]["costs"].as_object().unwrap();
+    for (cut, _) in &sent {
+        assert_eq!(costs[&cut.to_string()].as_array().unwrap().len(), 3, "cut {cut}: {}", summary["codec_choice"]);
+    }
     // `auto` is not a cut a bundle can resolve by itself.
     let err = bundle.resolve_split(&cleave_common::SplitSpec::Auto).unwrap_err().to_string();
     assert!(err.contains("planner"), "{err}");
+}
+
+#[test]
+fn codec_auto_records_each_requests_codec_and_what_it_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("edge.yaml");
+    let out = dir.path().join("out");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ncodec: auto\ndevice: cpu\nbatch_size: 2\nrequests: 6\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("resnet18").display(),
+        out.display()
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let config = EdgeConfig::load(&config).unwrap();
+    assert!(config.codec_auto);
+    let opts = cleave_host::RunOptions { loopback: true, ..Default::default() };
+    let summary = tokio::runtime::Runtime::new().unwrap().block_on(cleave_host::run(config, opts)).unwrap();
+    assert_eq!((summary.requests, summary.errors), (6, 0));
+    // Which codec wins over loopback depends on this machine (gRPC's own pace is the link's
+    // rate here); the unit tests of `codec_choice` hold the choice to links of known rates.
+    let choice = summary.codec_choice.expect("codec: auto reports its choice");
+    assert_eq!(choice.candidates, ["raw", "shuffle+lz4", "shuffle+zstd-1"]);
+    assert!(choice.mbit_per_s > 0.0, "{}", choice.mbit_per_s);
+    assert_eq!(choice.costs.keys().copied().collect::<Vec<_>>(), [3], "measured once, at the cut");
+    let costs = &choice.costs[&3];
+    assert!(costs.iter().all(|c| c.encode_ms_per_mib >= 0.0 && c.decode_ms_per_mib > 0.0 && c.wire_ratio > 0.0), "{costs:?}");
+    assert!(costs[0].wire_ratio >= 1.0 && costs[1].wire_ratio < 1.0, "raw, then post-ReLU activations shuffled and compressed: {costs:?}");
+    let csv = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
+    assert!(csv.lines().next().unwrap().ends_with(",codec"));
+    let mut counted = std::collections::BTreeMap::new();
+    for line in csv.lines().skip(1) {
+        *counted.entry(line.rsplit(',').next().unwrap().to_string()).or_insert(0u64) += 1;
+    }
+    assert_eq!(summary.codecs, counted);
+    assert_eq!(counted.values().sum::<u64>(), 6);
+    assert!(counted.keys().all(|c| choice.candidates.contains(c)), "{counted:?}");
 }

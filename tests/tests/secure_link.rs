@@ -43,7 +43,7 @@ async fn run_host(
         resilience: Default::default(),
         in_flight: 2,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 11 }, bundle, 3)?,
-        codec,
+        codec: codec.into(),
         key: security.key.clone(),
     };
     let mut outcomes = Vec::new();

@@ -101,6 +101,8 @@ impl Codec {
     pub const RAW: Codec = Codec { precision: Precision::Full, shuffle: false, compression: Compression::None, auto: false };
     /// Lossless and fast: byte shuffle, then lz4.
     pub const SHUFFLE_LZ4: Codec = Codec { shuffle: true, compression: Compression::Lz4, ..Codec::RAW };
+    /// Lossless and smaller, slower: byte shuffle, then zstd at level 1.
+    pub const SHUFFLE_ZSTD_1: Codec = Codec { shuffle: true, compression: Compression::Zstd(1), ..Codec::RAW };
     /// `auto`: [`Codec::RAW`] or [`Codec::SHUFFLE_LZ4`] per tensor.
     pub const AUTO: Codec = Codec { auto: true, ..Codec::SHUFFLE_LZ4 };
 

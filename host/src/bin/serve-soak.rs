@@ -87,7 +87,7 @@ fn main() -> anyhow::Result<()> {
             resilience: Default::default(),
             in_flight: 1,
             inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, &bundle, args.batch)?,
-            codec: args.codec,
+            codec: args.codec.into(),
             key: None,
         };
         let (mut latencies, mut errors, mut rss) = (Vec::new(), Vec::new(), Vec::new());

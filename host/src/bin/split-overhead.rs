@@ -231,7 +231,7 @@ async fn measure_batch(
                     resilience: Default::default(),
                     in_flight: 1,
                     inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?,
-                    codec,
+                    codec: codec.into(),
                     key: key.map(|k| (1, k.clone())),
                 };
                 let mut errors = Vec::new();

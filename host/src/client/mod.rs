@@ -31,7 +31,7 @@ use cleave_common::wire::{Codec, KeyRing, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::sync::mpsc;
 
-pub use self::request::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, Splits, StreamCounts, StreamPlan};
+pub use self::request::{ChoosesCodec, Codecs, RequestMetrics, RequestOutcome, ServedBy, ServerTimes, Splits, StreamCounts, StreamPlan};
 
 use self::connection::{Answer, Connection};
 use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
@@ -45,7 +45,10 @@ use crate::session::{connect, EdgeSession};
 /// message limit and accepted up to its payload limit. `session` ends as the last connection.
 pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
     let key_id = plan.key.as_ref().map(|(id, _)| *id);
-    session.check_accepts(&plan.codec, key_id)?;
+    let codecs = plan.codec.all();
+    for codec in &codecs {
+        session.check_accepts(codec, key_id)?;
+    }
     if plan.in_flight == 0 {
         return Err(HostError::Invalid("in_flight must be at least 1: no request could be sent".into()));
     }
@@ -70,7 +73,7 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
         total: plan.ids.len(),
         resilience: plan.resilience,
         bundle: plan.bundle.clone(),
-        codec: plan.codec,
+        codecs,
         key_id,
         ring,
         host_session: format!("{:032x}", rand::random::<u128>()),
@@ -151,7 +154,8 @@ struct Run<F> {
     total: usize,
     resilience: Resilience,
     bundle: Bundle,
-    codec: Codec,
+    /// Every codec requests may travel with: a new connection's server must accept each.
+    codecs: Vec<Codec>,
     key_id: Option<u32>,
     ring: KeyRing,
     /// Random per run: the server's window of recent results is keyed by it.
@@ -284,14 +288,16 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// same server, which must serve the same bundle and accept the same payloads.
     fn connect(&self, first: Option<EdgeSession>, last: &EdgeSession) -> Connecting {
         let (url, link, bundle) = (last.url.clone(), last.link.clone(), self.bundle.clone());
-        let (codec, key_id, ring, host_session) = (self.codec, self.key_id, self.ring.clone(), self.host_session.clone());
+        let (codecs, key_id, ring, host_session) = (self.codecs.clone(), self.key_id, self.ring.clone(), self.host_session.clone());
         let timeout = self.resilience.connect_timeout;
         Box::pin(async move {
             let session = match first {
                 Some(s) => s,
                 None => connect(&url, &bundle, &link).await?,
             };
-            session.check_accepts(&codec, key_id)?;
+            for codec in &codecs {
+                session.check_accepts(codec, key_id)?;
+            }
             let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), timeout).await?;
             Ok((session, conn))
         })

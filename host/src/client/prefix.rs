@@ -99,10 +99,11 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                     let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
                     // A boundary kept for `fallback: edge` may be finished here in place: it
                     // is copied; otherwise the wire takes its memory as it is.
+                    let codec = plan.codec.for_boundary(split, &boundary)?;
                     let (encoded, boundary) = if fallback {
-                        (sender.encode(meta, &plan.codec, &boundary)?, Some(boundary))
+                        (sender.encode(meta, &codec, &boundary)?, Some(boundary))
                     } else {
-                        (sender.encode_owned(meta, &plan.codec, boundary)?, None)
+                        (sender.encode_owned(meta, &codec, boundary)?, None)
                     };
                     let frames: Vec<InferFrame> = frame_parts(encoded.envelope, &encoded.data, chunk_bytes)
                         .into_iter()
@@ -116,6 +117,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                         encode_ms: ms(t),
                         bytes_raw: encoded.raw_bytes,
                         copied_sent_bytes: encoded.copied_bytes,
+                        codec: Some(codec),
                         bytes_wire: frames.iter().map(|f| f.encoded_len() as u64).sum(),
                         ..Default::default()
                     };

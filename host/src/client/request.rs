@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cleave_common::wire::{Codec, Key};
+use cleave_common::wire::{Codec, Key, WireError};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 
 use crate::config::Resilience;
@@ -30,11 +30,52 @@ pub struct StreamPlan {
     /// Where the input batches come from.
     pub inputs: Inputs,
     /// How boundaries are encoded (results come back the same way).
-    pub codec: Codec,
+    pub codec: Codecs,
     /// The key payloads are sealed with, if any.
     pub key: Option<(u32, Key)>,
     /// Deadlines, reconnects and fallback.
     pub resilience: Resilience,
+}
+
+/// How each request's boundary is encoded.
+#[derive(Debug, Clone)]
+pub enum Codecs {
+    /// Always this codec.
+    Fixed(Codec),
+    /// Chosen for each boundary (`codec: auto`).
+    Chosen(Arc<dyn ChoosesCodec>),
+}
+
+/// Chooses a codec for each boundary (`planning::codec_choice` for `codec: auto`).
+pub trait ChoosesCodec: std::fmt::Debug + Send + Sync {
+    /// The codec for `boundary`, split at `cut`.
+    fn choose(&self, cut: usize, boundary: &Boundary) -> Result<Codec, WireError>;
+    /// Every codec it may choose (the server must accept each).
+    fn candidates(&self) -> &[Codec];
+}
+
+impl Codecs {
+    /// The codec for `boundary`, split at `cut`.
+    pub fn for_boundary(&self, cut: usize, boundary: &Boundary) -> Result<Codec, WireError> {
+        match self {
+            Codecs::Fixed(codec) => Ok(*codec),
+            Codecs::Chosen(chooser) => chooser.choose(cut, boundary),
+        }
+    }
+
+    /// Every codec a request may travel with.
+    pub fn all(&self) -> Vec<Codec> {
+        match self {
+            Codecs::Fixed(codec) => vec![*codec],
+            Codecs::Chosen(chooser) => chooser.candidates().to_vec(),
+        }
+    }
+}
+
+impl From<Codec> for Codecs {
+    fn from(codec: Codec) -> Self {
+        Codecs::Fixed(codec)
+    }
 }
 
 /// Which cut each request is split at. A request split at the last cut runs wholly on the
@@ -109,6 +150,8 @@ pub struct RequestMetrics {
     pub bytes_raw: u64,
     /// Bytes of the frames on the wire.
     pub bytes_wire: u64,
+    /// The codec the boundary travelled with (none for a request that never left the edge).
+    pub codec: Option<Codec>,
     /// Bytes of the boundary copied as they were to send it (none for a raw boundary sent
     /// from its tensors' memory; gRPC's own copies are not counted).
     pub copied_sent_bytes: u64,
@@ -129,6 +172,14 @@ pub struct RequestMetrics {
     pub suffix_on_edge_ms: f64,
     /// Times the request was sent to a server.
     pub attempts: u32,
+}
+
+impl RequestMetrics {
+    /// The network's share: the round trip less the server's time (zero for a request that
+    /// never left the edge).
+    pub fn network_ms(&self) -> f64 {
+        (self.round_trip_ms - self.server.total_ms()).max(0.0)
+    }
 }
 
 /// Who ran a request's suffix.

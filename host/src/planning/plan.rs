@@ -132,7 +132,7 @@ async fn measure_cuts(config: &EdgeConfig, session: &mut EdgeSession, bundle: &B
         resilience: config.resilience,
         in_flight: 1,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, config.batch_size)?,
-        codec: config.codec,
+        codec: config.codec.into(),
         key: config.security.key.clone(),
     };
     let mut per_cut: std::collections::BTreeMap<usize, Vec<RequestMetrics>> = cuts.iter().map(|&c| (c, Vec::new())).collect();

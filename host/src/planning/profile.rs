@@ -120,7 +120,7 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
 /// half and all of that size, three each, then give the bandwidth as the inverse slope of
 /// time against size (least squares over each size's median), which the round trip and
 /// any fixed cost per call do not bias.
-async fn probe_link(session: &EdgeSession) -> Result<Link> {
+pub(crate) async fn probe_link(session: &EdgeSession) -> Result<Link> {
     let max_message = session.server.limits.max_message_bytes;
     let echo = |size: usize| {
         let mut client = session.client.clone();

@@ -1,0 +1,242 @@
+//! `codec: auto`: for each request, the codec that makes encoding, the transfer and decoding
+//! take least, from the link's estimated rate and each codec's ratio and speed measured on
+//! this machine.
+//!
+//! The candidates are `raw` (a fast link), `shuffle+lz4` and `shuffle+zstd-1` (slower links),
+//! less any the server refuses. A compressing codec stores a plane whose sample does not
+//! compress as it is, so a tensor that does not compress travels as its bytes either way.
+//! Each codec is measured on the first boundary at each cut (its own data: ratios differ from
+//! cut to cut), encoded and decoded here: the server's decoding is taken to be as fast as the
+//! edge's (a server is usually faster, so if anything compression is chosen too rarely). The
+//! rate is `split: auto`'s estimate: probed at start-up, then fed by every answered request.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use cleave_common::stats::median;
+use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError};
+use cleave_common::Boundary;
+use serde::Serialize;
+
+use super::planner::{BandwidthEstimate, Link};
+use crate::client::{ChoosesCodec, RequestMetrics};
+use crate::error::{HostError, Result};
+use crate::session::EdgeSession;
+
+/// What `codec: auto` chooses among, fastest first.
+pub const CANDIDATES: [Codec; 3] = [Codec::RAW, Codec::SHUFFLE_LZ4, Codec::SHUFFLE_ZSTD_1];
+
+/// How much each transfer moves the rate estimate (as `split: auto`'s).
+const ESTIMATE_WEIGHT: f64 = 0.5;
+
+/// Times each codec encodes and decodes a boundary when measured (the median counts).
+const REPEATS: usize = 3;
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// A codec's cost on this machine for the boundary at one cut.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CodecCost {
+    /// The codec.
+    #[serde(serialize_with = "as_text")]
+    pub codec: Codec,
+    /// Payload bytes per tensor byte.
+    pub wire_ratio: f64,
+    /// Encoding, milliseconds per MiB of tensors.
+    pub encode_ms_per_mib: f64,
+    /// Decoding, milliseconds per MiB of tensors.
+    pub decode_ms_per_mib: f64,
+}
+
+fn as_text<S: serde::Serializer>(codec: &Codec, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(codec)
+}
+
+impl CodecCost {
+    /// Milliseconds to move `raw_bytes` of tensors at `bytes_per_s`: encoding, the transfer
+    /// and decoding.
+    pub fn ms(&self, raw_bytes: u64, bytes_per_s: f64) -> f64 {
+        let mib = raw_bytes as f64 / MIB;
+        mib * (self.encode_ms_per_mib + self.decode_ms_per_mib) + raw_bytes as f64 * self.wire_ratio / bytes_per_s * 1e3
+    }
+
+    /// Measures `codec` on `boundary`: encoded as a request sends it (the boundary given up),
+    /// decoded as the server receives it.
+    pub fn measure(codec: Codec, boundary: &Boundary) -> Result<Self, WireError> {
+        let raw = boundary.tensor_bytes().max(1) as f64;
+        let (mut encode, mut decode, mut wire) = (Vec::new(), Vec::new(), 0);
+        for _ in 0..REPEATS {
+            let meta = PayloadMeta { request_id: 0, split: 0, direction: Direction::Request };
+            let started = Instant::now();
+            let encoded = PayloadSender::plain().encode_owned(meta, &codec, boundary.shallow_clone())?;
+            encode.push(started.elapsed().as_secs_f64() * 1e3);
+            wire = encoded.envelope.len() + encoded.data.len();
+            let started = Instant::now();
+            let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default());
+            let mut assembly = receiver.start(0, &encoded.envelope)?;
+            assembly.push_data(0, &encoded.data)?;
+            receiver.finish(assembly)?;
+            decode.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        let per_mib = |v: Vec<f64>| median(&v).unwrap_or(0.0) / (raw / MIB);
+        Ok(Self { codec, wire_ratio: wire as f64 / raw, encode_ms_per_mib: per_mib(encode), decode_ms_per_mib: per_mib(decode) })
+    }
+}
+
+/// Chooses each request's codec (`codec: auto`); shared by the prefix thread, which asks, and
+/// the result loop, which feeds the rate.
+#[derive(Debug)]
+pub struct CodecChooser {
+    candidates: Vec<Codec>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    estimate: BandwidthEstimate,
+    rtt_ms: f64,
+    /// Each candidate's cost per cut, measured on the first boundary there.
+    costs: HashMap<usize, Vec<CodecCost>>,
+}
+
+impl CodecChooser {
+    /// Chooses among `candidates` (at least one), starting from the probed `link`.
+    pub fn new(candidates: Vec<Codec>, link: Link) -> Self {
+        assert!(!candidates.is_empty(), "codec: auto needs a candidate");
+        let estimate = BandwidthEstimate::new(link.bytes_per_s, ESTIMATE_WEIGHT);
+        Self { candidates, state: Mutex::new(State { estimate, rtt_ms: link.rtt_ms, costs: HashMap::new() }) }
+    }
+
+    /// Feeds the rate from an answered request (one that crossed the link).
+    pub fn observe(&self, m: &RequestMetrics) {
+        if m.codec.is_some() && m.bytes_wire > 0 {
+            let mut state = self.state.lock().expect("codec chooser");
+            let rtt_ms = state.rtt_ms;
+            state.estimate.observe(m.bytes_wire, m.network_ms(), rtt_ms);
+        }
+    }
+
+    /// The estimated rate, bytes per second.
+    pub fn bytes_per_s(&self) -> f64 {
+        self.state.lock().expect("codec chooser").estimate.bytes_per_s()
+    }
+
+    /// What it measured and estimated (in `summary.json`).
+    pub fn report(&self) -> CodecChoiceReport {
+        let state = self.state.lock().expect("codec chooser");
+        CodecChoiceReport {
+            candidates: self.candidates.iter().map(Codec::to_string).collect(),
+            mbit_per_s: state.estimate.bytes_per_s() * 8.0 / 1e6,
+            costs: state.costs.iter().map(|(&cut, c)| (cut, c.clone())).collect(),
+        }
+    }
+}
+
+/// `codec: auto` in `summary.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct CodecChoiceReport {
+    /// The codecs it chose among (those the server accepts).
+    pub candidates: Vec<String>,
+    /// The rate estimated at the end, Mbit/s.
+    pub mbit_per_s: f64,
+    /// Each candidate's cost, by the cut it was measured at.
+    pub costs: BTreeMap<usize, Vec<CodecCost>>,
+}
+
+/// `codec: auto`'s chooser for `session`'s server: the candidates it accepts, from `link`
+/// (`split: auto`'s probe) or a probe of its own.
+pub(crate) async fn for_session(session: &EdgeSession, link: Option<Link>) -> Result<CodecChooser> {
+    let candidates: Vec<Codec> = CANDIDATES.into_iter().filter(|c| session.server.policy.check(c).is_ok()).collect();
+    if candidates.is_empty() {
+        return Err(HostError::Refused(format!(
+            "codec: auto: the server accepts none of {}",
+            CANDIDATES.iter().map(Codec::to_string).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let link = match link {
+        Some(link) => link,
+        None => super::profile::probe_link(session).await?,
+    };
+    Ok(CodecChooser::new(candidates, link))
+}
+
+impl ChoosesCodec for CodecChooser {
+    /// The least encoding, transfer and decoding at the estimated rate. The first boundary at
+    /// a cut is measured with every candidate first.
+    fn choose(&self, cut: usize, boundary: &Boundary) -> Result<Codec, WireError> {
+        let measured = self.state.lock().expect("codec chooser").costs.contains_key(&cut);
+        if !measured {
+            // Measured outside the lock: the result loop keeps feeding the rate meanwhile.
+            let costs = self.candidates.iter().map(|&c| CodecCost::measure(c, boundary)).collect::<Result<Vec<_>, _>>()?;
+            self.state.lock().expect("codec chooser").costs.insert(cut, costs);
+        }
+        let state = self.state.lock().expect("codec chooser");
+        let (raw, rate) = (boundary.tensor_bytes() as u64, state.estimate.bytes_per_s());
+        let cheapest = state.costs[&cut].iter().min_by(|a, b| a.ms(raw, rate).total_cmp(&b.ms(raw, rate))).expect("a candidate");
+        Ok(cheapest.codec)
+    }
+
+    fn candidates(&self) -> &[Codec] {
+        &self.candidates
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cleave_common::Value;
+    use tch::{Device, Kind, Tensor};
+
+    /// 1 MiB of post-ReLU-like floats: half of them zeros, the rest of a few magnitudes.
+    fn activations() -> Boundary {
+        let t = Tensor::randn([256, 1024], (Kind::Float, Device::Cpu)).relu().round();
+        Boundary { values: vec![("x".into(), Value::Tensor(t))] }
+    }
+
+    /// 1 MiB that no compressor shrinks.
+    fn noise() -> Boundary {
+        let t = Tensor::randint_low(i64::from(i32::MIN), i64::from(i32::MAX), [256, 1024], (Kind::Int, Device::Cpu));
+        Boundary { values: vec![("x".into(), Value::Tensor(t))] }
+    }
+
+    fn link(mbit_per_s: f64) -> Link {
+        Link { bytes_per_s: mbit_per_s * 1e6 / 8.0, rtt_ms: 1.0 }
+    }
+
+    #[test]
+    fn a_fast_link_sends_raw_and_a_slow_one_compresses() {
+        let fast = CodecChooser::new(CANDIDATES.to_vec(), link(100_000.0));
+        assert_eq!(fast.choose(3, &activations()).unwrap(), Codec::RAW);
+        let slow = CodecChooser::new(CANDIDATES.to_vec(), link(10.0));
+        let chosen = slow.choose(3, &activations()).unwrap();
+        assert!(chosen == Codec::SHUFFLE_LZ4 || chosen == Codec::SHUFFLE_ZSTD_1, "{chosen}");
+        // Each candidate was measured once, at the cut.
+        let report = slow.report();
+        assert_eq!(report.costs.keys().copied().collect::<Vec<_>>(), [3]);
+        assert_eq!(report.costs[&3].iter().map(|c| c.codec).collect::<Vec<_>>(), CANDIDATES);
+        assert!(report.costs[&3][0].wire_ratio >= 1.0 && report.costs[&3][1].wire_ratio < 0.6, "{:?}", report.costs);
+    }
+
+    #[test]
+    fn what_does_not_compress_goes_raw_even_on_a_slow_link() {
+        let slow = CodecChooser::new(CANDIDATES.to_vec(), link(10.0));
+        assert_eq!(slow.choose(5, &noise()).unwrap(), Codec::RAW);
+    }
+
+    #[test]
+    fn the_rate_each_request_measures_moves_the_choice() {
+        let chooser = CodecChooser::new(CANDIDATES.to_vec(), link(100_000.0));
+        assert_eq!(chooser.choose(3, &activations()).unwrap(), Codec::RAW);
+        // Requests that took a second to move 1 MiB: about 8 Mbit/s.
+        let slow = RequestMetrics { codec: Some(Codec::RAW), bytes_wire: 1 << 20, round_trip_ms: 1001.0, ..Default::default() };
+        for _ in 0..20 {
+            chooser.observe(&slow);
+        }
+        assert!((chooser.bytes_per_s() - (1u64 << 20) as f64).abs() < 0.05 * (1u64 << 20) as f64, "{}", chooser.bytes_per_s());
+        assert_ne!(chooser.choose(3, &activations()).unwrap(), Codec::RAW);
+        // A request that never left the edge says nothing about the link.
+        chooser.observe(&RequestMetrics { round_trip_ms: 0.0, ..Default::default() });
+        assert!((chooser.bytes_per_s() - (1u64 << 20) as f64).abs() < 0.05 * (1u64 << 20) as f64);
+    }
+}
