@@ -10,7 +10,9 @@
 //!
 //! It prints, per batch size, cut and codec, (c)/(b) and the protocol's own time per request
 //! at p50 (end to end minus making the input, edge compute and server compute) against its
-//! budget, 0.3 ms plus the bytes at 2 GB/s. Its last line: `worst split/floor ratio: X`.
+//! budget, 0.3 ms plus the bytes at 2 GB/s, and where the compute went: the prefix and the
+//! suffix in the floor against the split's (its prefix, the server's compute). Its last line:
+//! `worst split/floor ratio: X`.
 //!
 //!     cargo build --release
 //!     target/release/split-overhead --bundle bundles/resnet18 --batches 1,8 --codecs raw,shuffle+lz4
@@ -112,12 +114,12 @@ fn main() -> anyhow::Result<()> {
         args.per_round,
     );
     println!(
-        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10}",
-        "batch", "cut", "codec", "whole ms", "floor ms", "split ms", "split/", "split/", "protocol", "budget", "on the"
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
+        "batch", "cut", "codec", "whole ms", "floor ms", "split ms", "split/", "split/", "protocol", "budget", "on the", "prefix ms", "suffix ms"
     );
     println!(
-        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10}",
-        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire"
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
+        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire", "(b) / (c)", "(b) / (c)"
     );
     let mut worst: f64 = 0.0;
     let rt = tokio::runtime::Runtime::new()?;
@@ -126,7 +128,7 @@ fn main() -> anyhow::Result<()> {
         for row in stats {
             worst = worst.max(row.split_ms / row.floor_ms);
             println!(
-                "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10}",
+                "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
                 batch,
                 format!("{} ({})", row.cut, bundle.cut(row.cut).name.trim_start_matches("after ")),
                 row.codec.to_string(),
@@ -138,6 +140,8 @@ fn main() -> anyhow::Result<()> {
                 row.protocol_ms,
                 0.3 + row.wire_bytes as f64 / 2e9 * 1e3,
                 human_bytes(row.wire_bytes),
+                format!("{:.2} / {:.2}", row.floor_parts.0, row.split_parts.0),
+                format!("{:.2} / {:.2}", row.floor_parts.1, row.split_parts.1),
             );
         }
     }
@@ -154,6 +158,10 @@ struct Row {
     split_ms: f64,
     protocol_ms: f64,
     wire_bytes: u64,
+    /// Medians of the prefix and the suffix: in the floor, and as the split's request
+    /// measured them (its prefix, the server's compute).
+    floor_parts: (f64, f64),
+    split_parts: (f64, f64),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -183,6 +191,8 @@ async fn measure_batch(
         }
         let mut whole = Vec::new();
         let mut floor = vec![Vec::new(); splits.len()];
+        let (mut floor_prefix, mut floor_suffix) = (vec![Vec::new(); splits.len()], vec![Vec::new(); splits.len()]);
+        let (mut split_prefix, mut split_server) = (vec![Vec::new(); configs.len()], vec![Vec::new(); configs.len()]);
         let mut split = vec![Vec::new(); configs.len()];
         let mut protocol = vec![Vec::new(); configs.len()];
         let mut wire = vec![0u64; configs.len()];
@@ -213,7 +223,10 @@ async fn measure_batch(
                     let t = Instant::now();
                     stages.run(StageRange::new(s, n), &boundary)?;
                     if timed {
-                        floor[k].push(prefix + ms(t));
+                        let suffix = ms(t);
+                        floor[k].push(prefix + suffix);
+                        floor_prefix[k].push(prefix);
+                        floor_suffix[k].push(suffix);
                     }
                 }
             }
@@ -241,6 +254,8 @@ async fn measure_batch(
                         if timed {
                             split[k].push(m.e2e_ms - m.input_ms);
                             protocol[k].push(m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms);
+                            split_prefix[k].push(m.prefix_ms);
+                            split_server[k].push(m.server.compute_ms);
                         }
                         wire[k] = m.bytes_wire;
                     }
@@ -263,6 +278,8 @@ async fn measure_batch(
                 split_ms: median(&split[k])?,
                 protocol_ms: median(&protocol[k])?,
                 wire_bytes: wire[k],
+                floor_parts: (median(&floor_prefix[f])?, median(&floor_suffix[f])?),
+                split_parts: (median(&split_prefix[k])?, median(&split_server[k])?),
             });
         }
         Ok(rows)

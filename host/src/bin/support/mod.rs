@@ -46,6 +46,9 @@ pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option
     }
     let config = dir.join("server.yaml");
     std::fs::write(&config, yaml)?;
+    // The child starts with this thread's cores: the server's, so that its `cores:` are ones it
+    // may use (this thread may have been moved to the edge's by an earlier `enter`).
+    pin_thread(0, &side.cores)?;
     let child = Command::new(bin)
         .arg("--config")
         .arg(&config)
