@@ -110,13 +110,13 @@ impl PayloadSender {
     /// Encodes a boundary the caller keeps: tensors on the CPU and contiguous are copied, so
     /// that nothing the caller does to them later can change what is sent.
     pub fn encode(&mut self, meta: PayloadMeta, codec: &Codec, boundary: &Boundary) -> Result<EncodedPayload, WireError> {
-        self.encode_flat(meta, codec, flatten(boundary, false)?)
+        self.encode_flat(meta, codec, flatten(boundary, false, keeps_layout(codec))?)
     }
 
     /// Encodes a boundary given up to the wire: the encoding reads the tensors' memory where
     /// it lies, and a raw payload without a key is that memory (no copy).
     pub fn encode_owned(&mut self, meta: PayloadMeta, codec: &Codec, boundary: Boundary) -> Result<EncodedPayload, WireError> {
-        self.encode_flat(meta, codec, flatten(&boundary, true)?)
+        self.encode_flat(meta, codec, flatten(&boundary, true, keeps_layout(codec))?)
     }
 
     fn encode_flat(&mut self, meta: PayloadMeta, codec: &Codec, flat: Flat) -> Result<EncodedPayload, WireError> {
@@ -134,33 +134,68 @@ struct Flat {
     copied_bytes: u64,
 }
 
+/// Whether tensors may travel in their own memory layout with `codec`: int8 quantises along a
+/// dimension of the shape, so it takes row-major bytes.
+fn keeps_layout(codec: &Codec) -> bool {
+    codec.tensor_codecs().iter().all(|c| c.precision != Precision::Int8)
+}
+
 /// A boundary's tensors as bytes; `owned`: the boundary is given up, so its tensors' memory
-/// may be used as it is.
-fn flatten(boundary: &Boundary, owned: bool) -> Result<Flat, WireError> {
+/// may be used as it is; `keep_layout`: a tensor dense in another order of its dimensions
+/// (channels_last) travels in that order.
+fn flatten(boundary: &Boundary, owned: bool, keep_layout: bool) -> Result<Flat, WireError> {
     let mut flat = Flat { values: Vec::new(), tensors: Vec::new(), copied_bytes: 0 };
     for (name, value) in &boundary.values {
-        let node = encode_value(value, name, owned, &mut flat)?;
+        let node = encode_value(value, name, (owned, keep_layout), &mut flat)?;
         flat.values.push(NamedValue { name: name.clone(), value: Some(node) });
     }
     Ok(flat)
 }
 
-/// A tensor's bytes on the CPU, contiguous: its own memory when it may be used as it is (the
-/// tensor is given up, or moving it to the CPU or making it contiguous made a new one); and
-/// the bytes copied in the host's memory to get them (a device's copy to the CPU is not
-/// counted).
-fn tensor_bytes(t: &Tensor, owned: bool) -> (Bytes, u64) {
+/// A tensor's bytes on the CPU, dense: as they lie (row-major, or with `keep_layout` in the
+/// order of its dimensions in memory, which is returned) or made contiguous. Its own memory
+/// when it may be used as it is (the tensor is given up, or moving it to the CPU or making it
+/// contiguous made a new one); and the bytes copied in the host's memory to get them (a
+/// device's copy to the CPU is not counted).
+fn tensor_bytes(t: &Tensor, owned: bool, keep_layout: bool) -> (Bytes, u64, Vec<u32>) {
     let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
     let on_cpu = t.device() == tch::Device::Cpu;
-    let made_contiguous = if t.is_contiguous() { 0 } else { len };
-    let t = t.to_device(tch::Device::Cpu).contiguous();
-    if owned || !on_cpu || made_contiguous > 0 {
-        match TensorBytes::new(t) {
-            Ok(memory) => return (memory.into_bytes(), made_contiguous),
-            Err(t) => return (copy_bytes(&t), made_contiguous + len),
+    let t = t.to_device(tch::Device::Cpu);
+    let (dense, dim_order, made) = match memory_order(&t).filter(|_| keep_layout) {
+        _ if t.is_contiguous() => (t, Vec::new(), 0),
+        Some(order) => (t.permute(order.iter().map(|&d| i64::from(d)).collect::<Vec<_>>()), order, 0),
+        None => (t.contiguous(), Vec::new(), len),
+    };
+    if owned || !on_cpu || made > 0 {
+        match TensorBytes::new(dense) {
+            Ok(memory) => return (memory.into_bytes(), made, dim_order),
+            Err(dense) => return (copy_bytes(&dense), made + len, dim_order),
         }
     }
-    (copy_bytes(&t), len)
+    (copy_bytes(&dense), len, dim_order)
+}
+
+/// The order of `t`'s dimensions in memory, outermost first, where its elements are dense in
+/// an order that is not the shape's (channels_last: 0, 2, 3, 1): the view in that order is
+/// contiguous. `None` for a row-major tensor or one with gaps or overlaps.
+fn memory_order(t: &Tensor) -> Option<Vec<u32>> {
+    let strides = t.stride();
+    let mut order: Vec<usize> = (0..strides.len()).collect();
+    order.sort_by_key(|&d| std::cmp::Reverse(strides[d]));
+    if order.iter().enumerate().all(|(i, &d)| i == d) {
+        return None;
+    }
+    let dims: Vec<i64> = order.iter().map(|&d| d as i64).collect();
+    t.permute(dims).is_contiguous().then(|| order.iter().map(|&d| d as u32).collect())
+}
+
+/// The permutation that undoes `order` (a tensor laid out in `order`, viewed in its shape's).
+fn inverse(order: &[u32]) -> Vec<i64> {
+    let mut back = vec![0i64; order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        back[d as usize] = i as i64;
+    }
+    back
 }
 
 fn copy_bytes(t: &Tensor) -> Bytes {
@@ -169,19 +204,20 @@ fn copy_bytes(t: &Tensor) -> Bytes {
     data.into()
 }
 
-fn encode_value(value: &Value, path: &str, owned: bool, flat: &mut Flat) -> Result<ValueNode, WireError> {
+/// `how`: (the boundary is given up, tensors may keep their layout), as [`flatten`] says.
+fn encode_value(value: &Value, path: &str, how: (bool, bool), flat: &mut Flat) -> Result<ValueNode, WireError> {
     use pb::value_node::Kind;
     let list = |items: &[Value], flat: &mut Flat| -> Result<pb::ValueList, WireError> {
         Ok(pb::ValueList {
-            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), owned, flat)).collect::<Result<_, _>>()?,
+            items: items.iter().enumerate().map(|(i, v)| encode_value(v, &format!("{path}.{i}"), how, flat)).collect::<Result<_, _>>()?,
         })
     };
     let kind = match value {
         Value::Tensor(t) => {
             let dtype = DType::from_kind(t.kind()).ok_or_else(|| WireError::Unsupported { name: path.into(), kind: format!("{:?}", t.kind()) })?;
-            let (data, copied) = tensor_bytes(t, owned);
+            let (data, copied, dim_order) = tensor_bytes(t, how.0, how.1);
             flat.copied_bytes += copied;
-            flat.tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), data });
+            flat.tensors.push(TensorData { name: path.to_string(), dtype, shape: t.size(), dim_order, data });
             Kind::Tensor(path.to_string())
         }
         Value::Int(i) => Kind::Int(*i),
@@ -194,7 +230,7 @@ fn encode_value(value: &Value, path: &str, owned: bool, flat: &mut Flat) -> Resu
         Value::Dict(items) => Kind::Dict(pb::ValueDict {
             entries: items
                 .iter()
-                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), owned, flat)?) }))
+                .map(|(k, v)| Ok(pb::DictEntry { key: k.clone(), value: Some(encode_value(v, &format!("{path}.{k}"), how, flat)?) }))
                 .collect::<Result<_, WireError>>()?,
         }),
     };
@@ -285,6 +321,7 @@ impl PayloadReceiver {
             return Err(CodecError::Truncated { expected: assembly.expected, got: assembly.received }.into());
         }
         let names: Vec<String> = assembly.incoming.declared_tensors().map(|(name, _, _)| name.to_string()).collect();
+        let orders: Vec<Vec<u32>> = assembly.incoming.dim_orders().map(<[u32]>::to_vec).collect();
         let (decoded, buffers) = match assembly.sink {
             Sink::Verbatim { buffers, .. } => {
                 let bytes: Vec<&[u8]> = buffers.iter().map(TensorBuf::bytes).collect();
@@ -298,8 +335,10 @@ impl PayloadReceiver {
             Sink::Unreserved => unreachable!("reserved above"),
         };
         let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
-        for (name, buffer) in names.into_iter().zip(buffers) {
-            if tensors.insert(name.clone(), buffer.into_tensor()).is_some() {
+        for ((name, buffer), order) in names.into_iter().zip(buffers).zip(orders) {
+            // A tensor that travelled in another order of its dimensions is viewed in its shape's.
+            let tensor = if order.is_empty() { buffer.into_tensor() } else { buffer.into_tensor().permute(inverse(&order)) };
+            if tensors.insert(name.clone(), tensor).is_some() {
                 return Err(WireError::BadTree(format!("tensor {name} appears twice in the header")));
             }
         }
@@ -325,13 +364,16 @@ impl PayloadReceiver {
     }
 }
 
-/// One buffer per declared tensor, to decode into. Fallible: a shape whose strides overflow
-/// (an empty `[0, 2^32, 2^32]`) is an error for this payload, not a panic for the stream.
+/// One buffer per declared tensor, to decode into, laid out in the order its dimensions
+/// travel in. Fallible: a shape whose strides overflow (an empty `[0, 2^32, 2^32]`) is an error
+/// for this payload, not a panic for the stream.
 fn tensor_buffers(incoming: &IncomingPayload) -> Result<Vec<TensorBuf>, WireError> {
     incoming
         .declared_tensors()
-        .map(|(name, dtype, shape)| {
-            TensorBuf::empty(shape, dtype.kind()).map_err(|e| WireError::BadTensor {
+        .zip(incoming.dim_orders())
+        .map(|((name, dtype, shape), order)| {
+            let laid_out: Vec<i64> = if order.is_empty() { shape.to_vec() } else { order.iter().map(|&d| shape[d as usize]).collect() };
+            TensorBuf::empty(&laid_out, dtype.kind()).map_err(|e| WireError::BadTensor {
                 name: name.to_string(),
                 shape: shape.to_vec(),
                 message: first_line(&e),
@@ -668,6 +710,7 @@ mod tests {
     // The frames of the `Infer` stream, as every stream's frames are assembled alike.
     use crate::pb::InferFrame;
     use cleave_codec::Key;
+    use prost::Message;
     use tch::{Device, Kind};
 
     fn sample() -> Boundary {
@@ -711,6 +754,47 @@ mod tests {
             }
         }
         unreachable!("the last part is marked last")
+    }
+
+    #[test]
+    fn a_channels_last_tensor_travels_as_it_lies_and_arrives_laid_out_alike() {
+        // Shape [2, 16, 32, 32] (128 KiB, a segment of its own), laid out channels last (as the
+        // inference stages' activations).
+        let t = Tensor::randn([2, 32, 32, 16], (Kind::Float, Device::Cpu)).permute([0, 3, 1, 2]);
+        assert!(!t.is_contiguous());
+        let expected = t.contiguous();
+        for codec in ["raw", "shuffle+lz4", "fp16", "int8"] {
+            let codec: Codec = codec.parse().unwrap();
+            let boundary = Boundary { values: vec![("x".into(), Value::Tensor(t.shallow_clone()))] };
+            let encoded = PayloadSender::plain().encode_owned(meta(1), &codec, boundary).unwrap();
+            let header =
+                cleave_codec::pb::PayloadHeader::decode(&cleave_codec::pb::PayloadEnvelope::decode(&encoded.envelope[..]).unwrap().header[..])
+                    .unwrap();
+            let int8 = codec.precision == Precision::Int8;
+            assert_eq!(header.tensors[0].dim_order, if int8 { vec![] } else { vec![0, 2, 3, 1] }, "{codec}");
+            if codec == Codec::RAW {
+                assert_eq!(encoded.copied_bytes, 0, "sent from the tensor's memory as it lies");
+            }
+            let mut rx = receiver(&KeyRing::default());
+            let got = send_through_chunks(&mut rx, &encoded, 1, 1000).unwrap().boundary;
+            let Value::Tensor(r) = &got.values[0].1 else { panic!("a tensor") };
+            assert_eq!(r.size(), [2, 16, 32, 32]);
+            if !int8 {
+                assert_eq!(r.stride(), t.stride(), "{codec}: laid out as it was sent");
+            }
+            let error = (r - &expected).abs().max().double_value(&[]);
+            assert!(
+                error
+                    <= if int8 {
+                        0.1
+                    } else if codec.precision == Precision::Fp16 {
+                        1e-2
+                    } else {
+                        0.0
+                    },
+                "{codec}: {error}"
+            );
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::seal::{Opener, Sealer, TAG_BYTES};
 use crate::shuffle::{shuffle, unshuffle_into};
 use crate::zeros;
 
-/// A tensor as bytes: little-endian, contiguous, row-major.
+/// A tensor as bytes: little-endian, dense, row-major or in the order `dim_order` says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorData {
     /// Its name in the value tree.
@@ -35,6 +35,9 @@ pub struct TensorData {
     pub dtype: DType,
     /// Shape.
     pub shape: Vec<i64>,
+    /// The order of its dimensions in memory, outermost first, where it is not the shape's
+    /// own (empty: row-major): a channels_last activation travels as it lies.
+    pub dim_order: Vec<u32>,
     /// `dtype.size() x numel` bytes (a tensor's own memory, or a copy of it).
     pub data: Bytes,
 }
@@ -156,6 +159,7 @@ pub fn encode_payload(
             blocks,
             codec: if codec.auto { chosen.to_string() } else { String::new() },
             zeros_elided,
+            dim_order: t.dim_order.clone(),
         });
     }
     let data_len: u64 = headers.iter().map(|h| h.wire_len).sum();
@@ -182,6 +186,16 @@ pub fn encode_payload(
     Ok(EncodedPayload { envelope: envelope.encode_to_vec().into(), data: segments.into(), raw_bytes, copied_bytes })
 }
 
+/// A tensor's `dim_order` is empty or an order of all of its `rank` dimensions.
+fn check_dim_order(order: &[u32], rank: usize) -> Result<(), String> {
+    let mut seen = vec![false; rank];
+    if order.is_empty() || (order.len() == rank && order.iter().all(|&d| (d as usize) < rank && !std::mem::replace(&mut seen[d as usize], true))) {
+        Ok(())
+    } else {
+        Err(format!("dim_order {order:?} is not an order of its {rank} dimensions"))
+    }
+}
+
 /// The one block of a tensor that protocol version 1 compressed whole (it had no blocks).
 fn whole_block(carried: u64, wire_len: u64) -> Result<Block, String> {
     match (u32::try_from(carried), u32::try_from(wire_len)) {
@@ -192,6 +206,9 @@ fn whole_block(carried: u64, wire_len: u64) -> Result<Block, String> {
 
 /// A tensor's bytes must be exactly what its dtype and shape take.
 fn check_size(t: &TensorData) -> Result<(), CodecError> {
+    if let Err(reason) = check_dim_order(&t.dim_order, t.shape.len()) {
+        return Err(CodecError::Encode { name: t.name.clone(), reason });
+    }
     let expected = numel(&t.shape).map(|n| n * t.dtype.size() as u64);
     if expected != Some(t.data.len() as u64) {
         return Err(CodecError::Encode { name: t.name.clone(), reason: format!("{} bytes for {}{:?}", t.data.len(), t.dtype, t.shape) });
@@ -348,6 +365,10 @@ impl IncomingPayload {
             let dtype = DType::from_name(&t.dtype).ok_or_else(|| CodecError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })?;
             let n = numel(&t.shape).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
             let raw = n.checked_mul(dtype.size() as u64).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
+            check_dim_order(&t.dim_order, t.shape.len()).map_err(malformed)?;
+            if !t.dim_order.is_empty() && codec.precision == Precision::Int8 && codec.precision.casts(dtype) {
+                return Err(malformed("int8 quantisation of a tensor that is not row-major".into()));
+            }
             if raw != t.byte_len {
                 return Err(CodecError::SizeMismatch {
                     name: t.name.clone(),
@@ -444,6 +465,11 @@ impl IncomingPayload {
         self.header.tensors.iter().zip(&self.dtypes).map(|(t, &dtype)| (t.name.as_str(), dtype, t.shape.as_slice()))
     }
 
+    /// Each declared tensor's order of dimensions in memory (empty: row-major), in header order.
+    pub fn dim_orders(&self) -> impl Iterator<Item = &[u32]> {
+        self.header.tensors.iter().map(|t| t.dim_order.as_slice())
+    }
+
     /// Tensor bytes the payload rebuilds.
     pub fn raw_len(&self) -> u64 {
         self.header.tensors.iter().map(|t| t.byte_len).sum()
@@ -497,11 +523,14 @@ impl IncomingPayload {
     /// [`IncomingPayload::decode_into`] buffers of its own.
     pub fn decode(self, mut data: Vec<u8>, opener: &mut Opener) -> Result<DecodedPayload, CodecError> {
         let mut buffers: Vec<Vec<u8>> = self.header.tensors.iter().map(|t| vec![0; t.byte_len as usize]).collect();
-        let names: Vec<(String, DType, Vec<i64>)> =
-            self.header.tensors.iter().zip(&self.dtypes).map(|(t, &dtype)| (t.name.clone(), dtype, t.shape.clone())).collect();
+        let names: Vec<(String, DType, Vec<i64>, Vec<u32>)> =
+            self.header.tensors.iter().zip(&self.dtypes).map(|(t, &dtype)| (t.name.clone(), dtype, t.shape.clone(), t.dim_order.clone())).collect();
         let header = self.decode_into(&mut data, opener, &mut buffers.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>())?;
-        let tensors =
-            names.into_iter().zip(buffers).map(|((name, dtype, shape), data)| TensorData { name, dtype, shape, data: data.into() }).collect();
+        let tensors = names
+            .into_iter()
+            .zip(buffers)
+            .map(|((name, dtype, shape, dim_order), data)| TensorData { name, dtype, shape, dim_order, data: data.into() })
+            .collect();
         Ok(DecodedPayload { header, tensors })
     }
 

@@ -76,7 +76,7 @@ fn tensor_strategy() -> impl Strategy<Value = TensorData> {
                 other => data.extend_from_slice(&r.to_le_bytes()[..other.size()]),
             }
         }
-        TensorData { name: format!("t{seed}"), dtype, shape, data: data.into() }
+        TensorData { dim_order: Vec::new(), name: format!("t{seed}"), dtype, shape, data: data.into() }
     })
 }
 
@@ -175,7 +175,7 @@ proptest! {
 
 fn sample() -> Vec<TensorData> {
     let floats: Vec<u8> = (0..1000).flat_map(|i| ((i % 17) as f32 * 0.25).to_le_bytes()).collect();
-    vec![TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![10, 100], data: floats.into() }]
+    vec![TensorData { dim_order: Vec::new(), name: "x".into(), dtype: DType::Float32, shape: vec![10, 100], data: floats.into() }]
 }
 
 fn sealed_payload(ring: &KeyRing) -> EncodedPayload {
@@ -339,6 +339,13 @@ fn declared_sizes_are_checked_before_anything_is_allocated() {
     assert!(parse(&own, LIMIT).unwrap_err().to_string().contains("tensor x: codec \"raw\" of its own in a shuffle+lz4 payload"));
     let inconsistent = with_header(&enc, |h| h.wire_len += 1);
     assert!(matches!(parse(&inconsistent, LIMIT).unwrap_err(), CodecError::Malformed(_)));
+    // A layout must order every dimension once, and int8 takes row-major tensors.
+    let layout = with_header(&enc, |h| h.tensors[0].dim_order = vec![1, 1]);
+    assert!(parse(&layout, LIMIT).unwrap_err().to_string().contains("dim_order [1, 1] is not an order of its 2 dimensions"));
+    assert!(parse(&with_header(&enc, |h| h.tensors[0].dim_order = vec![1, 0]), LIMIT).is_ok());
+    let quantised = encode_payload(meta(1), values_for(&sample()), &sample(), &"int8+lz4".parse().unwrap(), None).unwrap();
+    let err = parse(&with_header(&quantised, |h| h.tensors[0].dim_order = vec![1, 0]), LIMIT).unwrap_err().to_string();
+    assert!(err.contains("int8 quantisation of a tensor that is not row-major"), "{err}");
     let dtype = with_header(&enc, |h| h.tensors[0].dtype = "complex64".into());
     assert!(matches!(parse(&dtype, LIMIT).unwrap_err(), CodecError::UnknownDtype { .. }));
 }
@@ -380,7 +387,7 @@ fn truncated_and_corrupt_data_are_errors() {
     let err = parse(&enc.envelope, LIMIT).unwrap().decode(garbled, &mut opener).unwrap_err();
     assert!(matches!(err, CodecError::Corrupt { .. }), "{err}");
     // A bool tensor whose bytes are not 0 or 1 is refused, not handed to libtorch.
-    let bools = vec![TensorData { name: "m".into(), dtype: DType::Bool, shape: vec![3], data: vec![0, 1, 1].into() }];
+    let bools = vec![TensorData { dim_order: Vec::new(), name: "m".into(), dtype: DType::Bool, shape: vec![3], data: vec![0, 1, 1].into() }];
     let enc = encode_payload(meta(1), values_for(&bools), &bools, &Codec::RAW, None).unwrap();
     let err = parse(&enc.envelope, LIMIT).unwrap().decode(vec![0, 7, 1], &mut opener).unwrap_err();
     assert!(err.to_string().contains("bool element 1 is 7"), "{err}");
@@ -428,7 +435,7 @@ fn rotation_a_server_holding_two_keys_opens_either() {
 fn shuffle_makes_floats_compress() {
     // Smooth activations: shuffling groups sign/exponent bytes, which then compress well.
     let data: Vec<u8> = (0..65536).flat_map(|i| ((i as f32 * 0.001).sin().max(0.0)).to_le_bytes()).collect();
-    let t = vec![TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![65536], data: data.into() }];
+    let t = vec![TensorData { dim_order: Vec::new(), name: "x".into(), dtype: DType::Float32, shape: vec![65536], data: data.into() }];
     let size = |codec: &str| encode_payload(meta(1), values_for(&t), &t, &codec.parse().unwrap(), None).unwrap().data.len();
     assert!(size("shuffle+lz4") < size("lz4"), "{} vs {}", size("shuffle+lz4"), size("lz4"));
     assert!(size("shuffle+zstd") < size("zstd"));
@@ -452,8 +459,8 @@ fn zeros_are_elided_where_a_tensor_is_an_eighth_zeros_and_a_mask_that_lies_is_re
     let relu: Vec<u8> = (0..n).flat_map(|_| value(true).to_le_bytes()).collect();
     let dense: Vec<u8> = (0..n).flat_map(|_| value(false).to_le_bytes()).collect();
     let tensors = vec![
-        TensorData { name: "relu".into(), dtype: DType::Float32, shape: vec![n as i64], data: relu.into() },
-        TensorData { name: "dense".into(), dtype: DType::Float32, shape: vec![n as i64], data: dense.into() },
+        TensorData { dim_order: Vec::new(), name: "relu".into(), dtype: DType::Float32, shape: vec![n as i64], data: relu.into() },
+        TensorData { dim_order: Vec::new(), name: "dense".into(), dtype: DType::Float32, shape: vec![n as i64], data: dense.into() },
     ];
     let elided = |enc: &EncodedPayload| -> Vec<bool> {
         PayloadHeader::decode(&envelope_of(enc).header[..]).unwrap().tensors.iter().map(|t| t.zeros_elided).collect()
@@ -513,8 +520,8 @@ fn auto_sends_what_does_not_compress_raw_from_its_own_memory_and_compresses_the_
     let noise: Vec<u8> = (0..1 << 18).map(|_| next() as u8).collect();
     let relu: Vec<u8> = (0..1 << 16).flat_map(|i| if i % 2 == 0 { 0f32 } else { (next() % 1000) as f32 / 7.0 }.to_le_bytes()).collect();
     let tensors = vec![
-        TensorData { name: "noise".into(), dtype: DType::Float32, shape: vec![1 << 16], data: noise.into() },
-        TensorData { name: "relu".into(), dtype: DType::Float32, shape: vec![1 << 16], data: relu.into() },
+        TensorData { dim_order: Vec::new(), name: "noise".into(), dtype: DType::Float32, shape: vec![1 << 16], data: noise.into() },
+        TensorData { dim_order: Vec::new(), name: "relu".into(), dtype: DType::Float32, shape: vec![1 << 16], data: relu.into() },
     ];
     let enc = encode_payload(meta(1), values_for(&tensors), &tensors, &Codec::AUTO, None).unwrap();
     let header = PayloadHeader::decode(&envelope_of(&enc).header[..]).unwrap();

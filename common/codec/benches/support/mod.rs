@@ -74,6 +74,7 @@ pub(crate) fn load(path: &std::path::Path) -> Result<Vec<Cut>, String> {
             .and_then(|(index, tensor)| Some((index.parse::<u32>().ok()?, tensor)))
             .ok_or_else(|| format!("{}: tensor {name:?} is not named cut{{i}}/{{name}}", path.display()))?;
         let tensor = TensorData {
+            dim_order: Vec::new(),
             name: tensor.to_string(),
             dtype: dtype(view.dtype()).map_err(|e| format!("{name}: {e}"))?,
             shape: view.shape().iter().map(|&d| d as i64).collect(),

@@ -13,8 +13,8 @@ fn main() {
     let ring = KeyRing::new([(1, Key::from_bytes([0x42; 32]))]).expect("one key");
     let floats: Vec<u8> = (0..2 * 3 * 4).flat_map(|i| ((i as f32 * 0.37).sin().max(0.0)).to_le_bytes()).collect();
     let tensors = vec![
-        TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![2, 3, 4], data: floats },
-        TensorData { name: "mask".into(), dtype: DType::Bool, shape: vec![3], data: vec![1, 0, 1] },
+        TensorData { dim_order: Vec::new(), name: "x".into(), dtype: DType::Float32, shape: vec![2, 3, 4], data: floats },
+        TensorData { dim_order: Vec::new(), name: "mask".into(), dtype: DType::Bool, shape: vec![3], data: vec![1, 0, 1] },
     ];
     let meta = PayloadMeta { request_id: 1, split: 1, direction: Direction::Request };
     let mut written = 0;

@@ -35,12 +35,12 @@ fn tensors() -> Vec<TensorData> {
     let doubles: Vec<f64> = (0..12).map(|i| (i as f64 - 5.5) * 1e3).collect();
     let halves: Vec<u8> = (0..6u16).flat_map(|i| (0x3C00 + i * 0x101).to_le_bytes()).collect();
     vec![
-        TensorData { name: "x".into(), dtype: DType::Float32, shape: vec![2, 3, 4, 5], data: floats.iter().flat_map(|v| v.to_le_bytes()).collect() },
-        TensorData { name: "idx".into(), dtype: DType::Int64, shape: vec![7], data: (0..7i64).flat_map(|v| (v * 1000 - 3).to_le_bytes()).collect() },
-        TensorData { name: "mask".into(), dtype: DType::Bool, shape: vec![2, 5], data: (0..10).map(|i| (i % 3 == 0) as u8).collect() },
-        TensorData { name: "d".into(), dtype: DType::Float64, shape: vec![3, 4], data: doubles.iter().flat_map(|v| v.to_le_bytes()).collect() },
-        TensorData { name: "h".into(), dtype: DType::Float16, shape: vec![6], data: halves.into() },
-        TensorData { name: "s".into(), dtype: DType::Float32, shape: vec![], data: 2.5f32.to_le_bytes().to_vec().into() },
+        TensorData { dim_order: Vec::new(), name: "x".into(), dtype: DType::Float32, shape: vec![2, 3, 4, 5], data: floats.iter().flat_map(|v| v.to_le_bytes()).collect() },
+        TensorData { dim_order: Vec::new(), name: "idx".into(), dtype: DType::Int64, shape: vec![7], data: (0..7i64).flat_map(|v| (v * 1000 - 3).to_le_bytes()).collect() },
+        TensorData { dim_order: Vec::new(), name: "mask".into(), dtype: DType::Bool, shape: vec![2, 5], data: (0..10).map(|i| (i % 3 == 0) as u8).collect() },
+        TensorData { dim_order: Vec::new(), name: "d".into(), dtype: DType::Float64, shape: vec![3, 4], data: doubles.iter().flat_map(|v| v.to_le_bytes()).collect() },
+        TensorData { dim_order: Vec::new(), name: "h".into(), dtype: DType::Float16, shape: vec![6], data: halves.into() },
+        TensorData { dim_order: Vec::new(), name: "s".into(), dtype: DType::Float32, shape: vec![], data: 2.5f32.to_le_bytes().to_vec().into() },
     ]
 }
 
