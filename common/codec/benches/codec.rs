@@ -14,7 +14,9 @@ use cleave_codec::compress::{compress_blocks, decompress_blocks};
 use cleave_codec::pb::Block;
 use cleave_codec::shuffle::{shuffle, unshuffle};
 use cleave_codec::zeros;
-use cleave_codec::{encode_payload, Codec, CodecPolicy, Compression, Direction, EncodedPayload, IncomingPayload, Key, KeyRing, PayloadMeta};
+use cleave_codec::{
+    encode_payload, Codec, CodecPolicy, Compression, Direction, EncodedPayload, IncomingPayload, Key, KeyRing, PayloadMeta, TensorData,
+};
 use criterion::measurement::WallTime;
 use criterion::{black_box, BatchSize, BenchmarkGroup, Criterion, Throughput};
 
@@ -60,35 +62,30 @@ fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
     g
 }
 
-fn transforms(c: &mut Criterion, cuts: &[Cut]) {
-    // The floor every step is measured against: the same bytes copied once.
-    let mut g = group(c, "memcpy");
-    for cut in cuts {
-        g.throughput(Throughput::Bytes(cut.raw_bytes()));
-        let mut out: Vec<Vec<u8>> = cut.tensors.iter().map(|t| vec![0; t.data.len()]).collect();
-        g.bench_function(cut.id(), |b| {
-            b.iter(|| {
-                for (t, o) in cut.tensors.iter().zip(&mut out) {
-                    o.copy_from_slice(black_box(&t.data));
-                }
-            })
-        });
-    }
-    g.finish();
-
-    let mut g = group(c, "shuffle");
+/// A group timing `step` on every tensor of each cut, with one output buffer it may reuse.
+fn per_tensor(c: &mut Criterion, name: &str, cuts: &[Cut], mut step: impl FnMut(&TensorData, &mut Vec<u8>)) {
+    let mut g = group(c, name);
     for cut in cuts {
         g.throughput(Throughput::Bytes(cut.raw_bytes()));
         let mut out = Vec::new();
         g.bench_function(cut.id(), |b| {
             b.iter(|| {
                 for t in &cut.tensors {
-                    shuffle(black_box(&t.data), t.dtype.size(), &mut out);
+                    step(t, &mut out);
                 }
             })
         });
     }
     g.finish();
+}
+
+fn transforms(c: &mut Criterion, cuts: &[Cut]) {
+    // The floor every step is measured against: the same bytes copied once.
+    per_tensor(c, "memcpy", cuts, |t, out| {
+        out.resize(t.data.len(), 0);
+        out.copy_from_slice(black_box(&t.data));
+    });
+    per_tensor(c, "shuffle", cuts, |t, out| shuffle(black_box(&t.data), t.dtype.size(), out));
 
     let mut g = group(c, "unshuffle");
     for cut in cuts {
@@ -180,20 +177,10 @@ fn compression(c: &mut Criterion, cuts: &[Cut]) {
 
     // lz4_flex alone, as a library user would call it: each tensor whole, on one core, no
     // sample, no blocks. The reference `shuffle+lz4` is held to (at least 0.8x).
-    let mut g = group(c, "lz4_flex");
-    for cut in cuts {
-        g.throughput(Throughput::Bytes(cut.raw_bytes()));
-        let mut out = Vec::new();
-        g.bench_function(cut.id(), |b| {
-            b.iter(|| {
-                for t in &cut.tensors {
-                    out.resize(lz4_flex::block::get_maximum_output_size(t.data.len()), 0);
-                    black_box(lz4_flex::block::compress_into(black_box(&t.data), &mut out).expect("compresses"));
-                }
-            })
-        });
-    }
-    g.finish();
+    per_tensor(c, "lz4_flex", cuts, |t, out| {
+        out.resize(lz4_flex::block::get_maximum_output_size(t.data.len()), 0);
+        black_box(lz4_flex::block::compress_into(black_box(&t.data), out).expect("compresses"));
+    });
     let mut g = group(c, "lz4_flex-decode");
     for cut in cuts {
         g.throughput(Throughput::Bytes(cut.raw_bytes()));
