@@ -161,7 +161,9 @@ fn tensor_bytes(t: &Tensor, owned: bool, keep_layout: bool) -> (Bytes, u64, Vec<
     let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
     let on_cpu = t.device() == tch::Device::Cpu;
     let t = t.to_device(tch::Device::Cpu);
-    let (dense, dim_order, made) = match memory_order(&t).filter(|_| keep_layout) {
+    // Most boundaries are row-major: their layout is looked into only when they are not.
+    let order = if t.is_contiguous() || !keep_layout { None } else { memory_order(&t) };
+    let (dense, dim_order, made) = match order {
         _ if t.is_contiguous() => (t, Vec::new(), 0),
         Some(order) => (t.permute(order.iter().map(|&d| i64::from(d)).collect::<Vec<_>>()), order, 0),
         None => (t.contiguous(), Vec::new(), len),

@@ -303,7 +303,7 @@ impl ReportWriter {
             s.compute_ms,
             s.encode_ms,
             s.total_ms(),
-            network_ms(m),
+            m.network_ms(),
             m.decode_ms,
             m.e2e_ms,
             m.served_by.name(),
@@ -426,12 +426,6 @@ fn codecs_text(s: &Summary) -> String {
     format!("auto: {}", if counts.is_empty() { "none sent".to_string() } else { counts.join(", ") })
 }
 
-/// The network's share of a request: its round trip less the server's time (zero for a
-/// request that never left the edge).
-pub fn network_ms(m: &RequestMetrics) -> f64 {
-    m.network_ms()
-}
-
 /// Where the time of `requests` (all split at `cut`, at least one) went: the median of each
 /// part, ms.
 pub fn median_breakdown(cut: usize, requests: &[&RequestMetrics]) -> Result<CutBreakdown> {
@@ -442,7 +436,7 @@ pub fn median_breakdown(cut: usize, requests: &[&RequestMetrics]) -> Result<CutB
         label: cut.to_string(),
         edge_ms: median(|m| m.prefix_ms)?,
         encode_ms: median(|m| m.encode_ms)?,
-        network_ms: median(network_ms)?,
+        network_ms: median(RequestMetrics::network_ms)?,
         server_ms: median(|m| m.server.total_ms())?,
         decode_ms: median(|m| m.decode_ms)?,
     })

@@ -196,7 +196,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         encode_ms: pick(|m| m.encode_ms),
         round_trip_ms: pick(|m| m.round_trip_ms),
         server_ms: pick(|m| m.server.total_ms()),
-        network_ms: pick(report::network_ms),
+        network_ms: pick(RequestMetrics::network_ms),
         decode_ms: pick(|m| m.decode_ms),
         throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
         bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
