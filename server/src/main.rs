@@ -43,8 +43,6 @@ enum Command {
 const DEFAULT_LOG_FILTER: &str = "info";
 
 fn main() -> ExitCode {
-    // First, before any thread starts: a process-wide setting.
-    cleave_server::allocator::give_back_freed_memory();
     let cli = Cli::parse();
     if cli.command.is_some() {
         logs::init(LogFormat::Text, DEFAULT_LOG_FILTER);
@@ -74,5 +72,6 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = ServerConfig::load(path)?;
     logs::init(config.log_format, DEFAULT_LOG_FILTER);
     config.cpu.apply()?;
+    cleave_server::allocator::Trimmer::new(config.peers.free_memory_kept_bytes).spawn()?;
     Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))?)
 }

@@ -82,6 +82,7 @@ struct RawServerLimits {
     max_streams_per_connection: Option<u32>,
     max_requests_per_stream: Option<u32>,
     memory_budget_bytes: Option<u64>,
+    free_memory_kept_bytes: Option<u64>,
     #[serde(default, with = "humantime_serde")]
     budget_wait: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
@@ -123,6 +124,7 @@ impl RawServerLimits {
             max_streams_per_connection: self.max_streams_per_connection.unwrap_or(p.max_streams_per_connection),
             max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
             memory_budget_bytes: self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes),
+            free_memory_kept_bytes: self.free_memory_kept_bytes.unwrap_or(p.free_memory_kept_bytes),
             budget_wait: self.budget_wait.unwrap_or(p.budget_wait),
             request_timeout: self.request_timeout.unwrap_or(p.request_timeout),
             idle_connection_timeout: self.idle_connection_timeout.unwrap_or(p.idle_connection_timeout),
@@ -169,6 +171,10 @@ pub struct PeerLimits {
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
     /// they decode into), answers until written, and each `Infer` stream's read buffer.
     pub memory_budget_bytes: u64,
+    /// Freed memory the allocator may keep for reuse beyond its low point: more (after a
+    /// burst of peers' buffers) and it is given back to the system within a second
+    /// (`allocator::Trimmer`). The stages' activations are reused from what it keeps.
+    pub free_memory_kept_bytes: u64,
     /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
     pub budget_wait: Duration,
     /// From a request's first frame to its last: longer is DEADLINE_EXCEEDED, its memory freed.
@@ -216,6 +222,8 @@ impl Default for PeerLimits {
             max_requests_per_stream: 32,
             // Holds the largest request of the default limits (1 GiB) as received and decoded.
             memory_budget_bytes: 9 << 28,
+            // Above the activations a CPU stage chain frees and reuses on each request.
+            free_memory_kept_bytes: 64 << 20,
             budget_wait: Duration::from_secs(2),
             request_timeout: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(300),
@@ -628,7 +636,7 @@ mod tests {
         assert_eq!(c.training.session_idle_timeout, TrainingOptions::default().session_idle_timeout);
         let c = load(
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
-             memory_budget_bytes: 3221225472\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
+             memory_budget_bytes: 3221225472\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
              max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
@@ -639,6 +647,7 @@ mod tests {
             max_streams_per_connection: 4,
             max_requests_per_stream: 5,
             memory_budget_bytes: 3 << 30,
+            free_memory_kept_bytes: 1 << 20,
             budget_wait: Duration::from_millis(250),
             request_timeout: Duration::from_secs(7),
             idle_connection_timeout: Duration::from_secs(60),
