@@ -19,7 +19,6 @@ use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::codec_choice;
-use crate::planning::planner::Link as Probed;
 use crate::planning::profile::measure_profiles;
 use crate::report::{self, summary_text, CpuMeter, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_retrying, Link};
@@ -74,14 +73,20 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let mut planned = None;
     let mut planner = None;
     let mut warm_stages = None;
+    let mut planned_profiles = None;
     if auto {
-        let measured = measure_profiles(&config, &mut session, &bundle, 3).await?;
+        // With `codec: auto` too, every candidate is measured at every cut: the plan chooses
+        // the cut and the codec together, and the chooser starts from the same costs.
+        let codec_candidates = if config.codec_auto { codec_choice::candidates(&session)? } else { Vec::new() };
+        let measured = measure_profiles(&config, &mut session, &bundle, 3, &codec_candidates).await?;
+        planned_profiles = Some(measured.profiles.clone());
         let (auto_split, plan) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
         let took = &plan.profiling;
         println!(
-            "split: auto ({}): the planner picks cut {}, predicted {:.2} ms, from the profiles measured in {:.1} s (edge {:.1} s, server {:.1} s, link {:.1} s: {:.1} Mbit/s, round trip {:.2} ms)",
+            "split: auto ({}): the planner picks cut {}{}, predicted {:.2} ms, from the profiles measured in {:.1} s (edge {:.1} s, server {:.1} s, link {:.1} s: {:.1} Mbit/s, round trip {:.2} ms)",
             plan.objective,
             plan.cut,
+            plan.codec.as_ref().map_or(String::new(), |c| format!(" with {c}")),
             plan.predicted_ms,
             took.edge_s + took.server_s + took.link_s,
             took.edge_s,
@@ -97,12 +102,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let split = planned.as_ref().map_or(split, |p| p.cut);
     // `codec: auto`: each request's codec from the rate `split: auto` estimates (probed here
     // when the split is fixed) and each codec's measured cost.
-    let chooser = if config.codec_auto {
-        let link = planned.as_ref().map(|p| Probed { bytes_per_s: p.link_mbit_per_s * 1e6 / 8.0, rtt_ms: p.rtt_ms });
-        Some(Arc::new(codec_choice::for_session(&session, link).await?))
-    } else {
-        None
-    };
+    let chooser = if config.codec_auto { Some(Arc::new(codec_choice::for_session(&session, planned_profiles.as_ref()).await?)) } else { None };
     // The share of the FLOPs the edge runs: what `split: 40%` chose by.
     let edge_share = bundle
         .split_points()

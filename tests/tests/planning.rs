@@ -191,3 +191,43 @@ fn codec_auto_records_each_requests_codec_and_what_it_measured() {
     assert_eq!(counted.values().sum::<u64>(), 6);
     assert!(counted.keys().all(|c| choice.candidates.contains(c)), "{counted:?}");
 }
+
+#[test]
+fn with_codec_auto_the_plan_chooses_the_cut_and_the_codec_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("edge.yaml");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ncodec: auto\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("digits").display(),
+        dir.path().join("out").display()
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let config = EdgeConfig::load(&config).unwrap();
+    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats: 1, measure: 0, output: None };
+    let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap();
+    let n = report.profiles.stage_count();
+    // Every candidate measured at every cut, on that cut's boundary.
+    let candidates = cleave_host::planning::codec_choice::CANDIDATES;
+    assert_eq!(report.profiles.codec_choices.len(), n + 1);
+    for (cut, choices) in report.profiles.codec_choices.iter().enumerate() {
+        assert_eq!(choices.costs.iter().map(|c| c.codec).collect::<Vec<_>>(), candidates, "cut {cut}");
+        assert!(choices.tensor_bytes > 0 && choices.costs.iter().all(|c| c.wire_ratio > 0.0), "cut {cut}: {choices:?}");
+    }
+    // Each cut that sends is predicted with the candidate that makes it quickest there.
+    let link = report.profiles.link;
+    for p in &report.predictions[..n] {
+        let choices = &report.profiles.codec_choices[p.cut];
+        let chosen = choices.costs.iter().find(|c| Some(c.codec) == p.codec).expect("a candidate");
+        assert_eq!(p.upload_bytes, chosen.wire_bytes(choices.tensor_bytes), "cut {}", p.cut);
+        let quickest = choices
+            .costs
+            .iter()
+            .map(|c| c.codec_ms(choices.tensor_bytes) + link.transfer_ms(c.wire_bytes(choices.tensor_bytes)))
+            .fold(f64::INFINITY, f64::min);
+        let its = chosen.codec_ms(choices.tensor_bytes) + p.upload_ms;
+        assert!((its - quickest).abs() < 1e-9, "cut {}: {its} against {quickest}", p.cut);
+    }
+    assert_eq!(report.predictions[n].codec, None, "the last cut sends nothing");
+    let plan_json = std::fs::read_to_string(dir.path().join("out/plan.json")).unwrap();
+    assert!(plan_json.contains("\"codec_choices\"") && plan_json.contains("\"shuffle+lz4\""), "{plan_json}");
+}

@@ -41,6 +41,9 @@ pub struct Planned {
     pub objective: Objective,
     /// The cut chosen from the profiles.
     pub cut: usize,
+    /// With `codec: auto`, the codec the cut was chosen with (requests choose theirs as the
+    /// rate moves).
+    pub codec: Option<String>,
     /// Its predicted end-to-end latency, ms.
     pub predicted_ms: f64,
     /// Its predicted pipelined throughput, requests/s.
@@ -99,12 +102,13 @@ impl AutoSplit {
         let result_bytes = profiles.result_wire_bytes;
         let last_cut = profiles.stage_count();
         let estimate = BandwidthEstimate::new(profiles.link.bytes_per_s, ESTIMATE_WEIGHT);
-        let predictions = profiles.predict()?;
+        let predictions = profiles.predict(objective)?;
         let replanner = Replanner::new(profiles, objective, MOVE_MARGIN)?;
         let chosen: CutPrediction = replanner.prediction(replanner.current())?;
         let planned = Planned {
             objective,
             cut: chosen.cut,
+            codec: chosen.codec.map(|c| c.to_string()),
             predicted_ms: chosen.latency_ms,
             predicted_rps: chosen.throughput_rps,
             link_mbit_per_s: estimate.bytes_per_s() * 8.0 / 1e6,

@@ -12,14 +12,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::time::Instant;
 
-use cleave_common::stats::median;
-use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError};
+use cleave_common::wire::{Codec, WireError};
 use cleave_common::Boundary;
 use serde::Serialize;
 
-use super::planner::{BandwidthEstimate, Link};
+use super::codec_cost::CodecCost;
+use super::planner::{BandwidthEstimate, Link, Profiles};
 use crate::client::{ChoosesCodec, RequestMetrics};
 use crate::error::{HostError, Result};
 use crate::session::EdgeSession;
@@ -32,57 +31,6 @@ const ESTIMATE_WEIGHT: f64 = 0.5;
 
 /// Times each codec encodes and decodes a boundary when measured (the median counts).
 const REPEATS: usize = 3;
-
-const MIB: f64 = (1u64 << 20) as f64;
-
-/// A codec's cost on this machine for the boundary at one cut.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct CodecCost {
-    /// The codec.
-    #[serde(serialize_with = "as_text")]
-    pub codec: Codec,
-    /// Payload bytes per tensor byte.
-    pub wire_ratio: f64,
-    /// Encoding, milliseconds per MiB of tensors.
-    pub encode_ms_per_mib: f64,
-    /// Decoding, milliseconds per MiB of tensors.
-    pub decode_ms_per_mib: f64,
-}
-
-fn as_text<S: serde::Serializer>(codec: &Codec, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(codec)
-}
-
-impl CodecCost {
-    /// Milliseconds to move `raw_bytes` of tensors at `bytes_per_s`: encoding, the transfer
-    /// and decoding.
-    pub fn ms(&self, raw_bytes: u64, bytes_per_s: f64) -> f64 {
-        let mib = raw_bytes as f64 / MIB;
-        mib * (self.encode_ms_per_mib + self.decode_ms_per_mib) + raw_bytes as f64 * self.wire_ratio / bytes_per_s * 1e3
-    }
-
-    /// Measures `codec` on `boundary`: encoded as a request sends it (the boundary given up),
-    /// decoded as the server receives it.
-    pub fn measure(codec: Codec, boundary: &Boundary) -> Result<Self, WireError> {
-        let raw = boundary.tensor_bytes().max(1) as f64;
-        let (mut encode, mut decode, mut wire) = (Vec::new(), Vec::new(), 0);
-        for _ in 0..REPEATS {
-            let meta = PayloadMeta { request_id: 0, split: 0, direction: Direction::Request };
-            let started = Instant::now();
-            let encoded = PayloadSender::plain().encode_owned(meta, &codec, boundary.shallow_clone())?;
-            encode.push(started.elapsed().as_secs_f64() * 1e3);
-            wire = encoded.envelope.len() + encoded.data.len();
-            let started = Instant::now();
-            let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default());
-            let mut assembly = receiver.start(0, &encoded.envelope)?;
-            assembly.push_data(0, &encoded.data)?;
-            receiver.finish(assembly)?;
-            decode.push(started.elapsed().as_secs_f64() * 1e3);
-        }
-        let per_mib = |v: Vec<f64>| median(&v).unwrap_or(0.0) / (raw / MIB);
-        Ok(Self { codec, wire_ratio: wire as f64 / raw, encode_ms_per_mib: per_mib(encode), decode_ms_per_mib: per_mib(decode) })
-    }
-}
 
 /// Chooses each request's codec (`codec: auto`); shared by the prefix thread, which asks, and
 /// the result loop, which feeds the rate.
@@ -103,9 +51,15 @@ struct State {
 impl CodecChooser {
     /// Chooses among `candidates` (at least one), starting from the probed `link`.
     pub fn new(candidates: Vec<Codec>, link: Link) -> Self {
+        Self::with_costs(candidates, link, HashMap::new())
+    }
+
+    /// [`CodecChooser::new`], with the candidates' `costs` already measured at some cuts (by
+    /// `split: auto`'s profile, whose plan chose its cut by them).
+    pub fn with_costs(candidates: Vec<Codec>, link: Link, costs: HashMap<usize, Vec<CodecCost>>) -> Self {
         assert!(!candidates.is_empty(), "codec: auto needs a candidate");
         let estimate = BandwidthEstimate::new(link.bytes_per_s, ESTIMATE_WEIGHT);
-        Self { candidates, state: Mutex::new(State { estimate, rtt_ms: link.rtt_ms, costs: HashMap::new() }) }
+        Self { candidates, state: Mutex::new(State { estimate, rtt_ms: link.rtt_ms, costs }) }
     }
 
     /// Feeds the rate from an answered request (one that crossed the link).
@@ -144,9 +98,8 @@ pub struct CodecChoiceReport {
     pub costs: BTreeMap<usize, Vec<CodecCost>>,
 }
 
-/// `codec: auto`'s chooser for `session`'s server: the candidates it accepts, from `link`
-/// (`split: auto`'s probe) or a probe of its own.
-pub(crate) async fn for_session(session: &EdgeSession, link: Option<Link>) -> Result<CodecChooser> {
+/// The candidates `session`'s server accepts; none is an error.
+pub(crate) fn candidates(session: &EdgeSession) -> Result<Vec<Codec>> {
     let candidates: Vec<Codec> = CANDIDATES.into_iter().filter(|c| session.server.policy.check(c).is_ok()).collect();
     if candidates.is_empty() {
         return Err(HostError::Refused(format!(
@@ -154,11 +107,18 @@ pub(crate) async fn for_session(session: &EdgeSession, link: Option<Link>) -> Re
             CANDIDATES.iter().map(Codec::to_string).collect::<Vec<_>>().join(", ")
         )));
     }
-    let link = match link {
-        Some(link) => link,
-        None => super::profile::probe_link(session).await?,
-    };
-    Ok(CodecChooser::new(candidates, link))
+    Ok(candidates)
+}
+
+/// `codec: auto`'s chooser for `session`'s server, from `split: auto`'s profiles where it
+/// planned (the link it probed, the costs it measured at each cut), else from a probe of
+/// its own.
+pub(crate) async fn for_session(session: &EdgeSession, planned: Option<&Profiles>) -> Result<CodecChooser> {
+    let candidates = candidates(session)?;
+    Ok(match planned {
+        Some(profiles) => CodecChooser::with_costs(candidates, profiles.link, profiles.codec_costs_by_cut()),
+        None => CodecChooser::new(candidates, super::profile::probe_link(session).await?),
+    })
 }
 
 impl ChoosesCodec for CodecChooser {
@@ -168,7 +128,7 @@ impl ChoosesCodec for CodecChooser {
         let measured = self.state.lock().expect("codec chooser").costs.contains_key(&cut);
         if !measured {
             // Measured outside the lock: the result loop keeps feeding the rate meanwhile.
-            let costs = self.candidates.iter().map(|&c| CodecCost::measure(c, boundary)).collect::<Result<Vec<_>, _>>()?;
+            let costs = CodecCost::measure_all(&self.candidates, boundary, REPEATS)?;
             self.state.lock().expect("codec chooser").costs.insert(cut, costs);
         }
         let state = self.state.lock().expect("codec chooser");

@@ -7,12 +7,15 @@
 //! - [`plan`]: `host plan`: the table of every cut, `plan.json`, `--measure` and its plots.
 //! - [`auto_split`]: `split: auto` while running: the plan at start-up, the estimate fed by
 //!   every transfer, the re-planner's moves, upload probes while everything runs on the edge.
+//! - [`codec_cost`]: what each codec costs at a cut: its ratio there, its encoding and
+//!   decoding speed, measured.
 //! - [`codec_choice`]: `codec: auto`: each request's codec from the estimated rate and each
-//!   codec's ratio and speed measured on the first boundary at each cut.
+//!   codec's cost, measured on the first boundary at each cut (or by `split: auto`'s profile).
 //! - [`graph`]: the stage graph as Graphviz DOT, folded to module level, the chosen cut marked.
 
 pub mod auto_split;
 pub mod codec_choice;
+pub mod codec_cost;
 pub mod graph;
 pub mod plan;
 pub mod planner;

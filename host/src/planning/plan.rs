@@ -10,10 +10,11 @@ use cleave_common::wire::Codec;
 use cleave_common::Bundle;
 use serde::Serialize;
 
+use super::codec_choice;
 use super::graph::write_stage_graph;
 use super::planner::{best, CutPrediction, Objective, Profiles};
 use super::profile::measure_profiles;
-use crate::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
+use crate::client::{stream_requests, Codecs, RequestMetrics, Splits, StreamPlan};
 use crate::config::{EdgeConfig, InputSource};
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
@@ -85,16 +86,22 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
     let mut session = connect(&url, &bundle, &Link::of(&config)).await?;
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
 
-    let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats).await?.profiles;
+    let codec_candidates = if config.codec_auto { codec_choice::candidates(&session)? } else { Vec::new() };
+    let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats, &codec_candidates).await?.profiles;
     let n = bundle.stage_count();
-    let predictions = profiles.predict()?;
+    let predictions = profiles.predict(opts.objective)?;
     let chosen = best(&predictions, opts.objective).map(|p| p.cut);
 
     let mut measured_ms = vec![None; n + 1];
     let mut measured = Vec::new();
     if opts.measure > 0 {
         let cuts: Vec<usize> = predictions.iter().filter(|p| p.usable).map(|p| p.cut).collect();
-        measured = measure_cuts(&config, &mut session, &bundle, &cuts, opts.measure).await?;
+        // With `codec: auto`, each request's codec as the plan predicted it (from the same costs).
+        let codec = match config.codec_auto {
+            true => Codecs::Chosen(std::sync::Arc::new(codec_choice::for_session(&session, Some(&profiles)).await?)),
+            false => config.codec.into(),
+        };
+        measured = measure_cuts(&config, &mut session, &bundle, &cuts, codec, opts.measure).await?;
         for m in &measured {
             measured_ms[m.cut] = Some(m.e2e_ms.p50);
         }
@@ -122,7 +129,14 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
 /// Runs `rounds` requests at every cut of `cuts` on one stream, the cuts interleaved request
 /// by request so that a machine that slows down or speeds up treats them alike; one more
 /// round first warms up and is left out.
-async fn measure_cuts(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, cuts: &[usize], rounds: u64) -> Result<Vec<MeasuredCut>> {
+async fn measure_cuts(
+    config: &EdgeConfig,
+    session: &mut EdgeSession,
+    bundle: &Bundle,
+    cuts: &[usize],
+    codec: Codecs,
+    rounds: u64,
+) -> Result<Vec<MeasuredCut>> {
     let plan = StreamPlan {
         bundle: bundle.clone(),
         split: Splits::RoundRobin(cuts.to_vec()),
@@ -132,7 +146,7 @@ async fn measure_cuts(config: &EdgeConfig, session: &mut EdgeSession, bundle: &B
         resilience: config.resilience,
         in_flight: 1,
         inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, config.batch_size)?,
-        codec: config.codec.into(),
+        codec,
         key: config.security.key.clone(),
     };
     let mut per_cut: std::collections::BTreeMap<usize, Vec<RequestMetrics>> = cuts.iter().map(|&c| (c, Vec::new())).collect();
@@ -215,7 +229,11 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
     let measured = report.measured_ms.iter().any(Option::is_some);
     let mut table = comfy_table::Table::new();
     table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
-    let mut header = vec!["cut", "name", "edge ms", "on the wire", "upload ms", "server ms", "predicted ms"];
+    // The codec column only when `codec: auto` chose one per cut.
+    let codecs = report.predictions.iter().any(|p| p.codec.is_some());
+    let mut header = vec!["cut", "name", "edge ms"];
+    header.extend(codecs.then_some("codec"));
+    header.extend(["on the wire", "upload ms", "server ms", "predicted ms"]);
     header.extend(measured.then_some("measured ms"));
     header.extend(["req/s", ""]);
     table.set_header(header);
@@ -225,15 +243,14 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
             (false, false) => "unusable",
             _ => "",
         };
-        let mut row = vec![
-            p.cut.to_string(),
-            bundle.cut(p.cut).name.clone(),
-            format!("{:.2}", p.edge_ms),
-            if p.cut == bundle.stage_count() { "-".into() } else { wire(report.profiles.cut_wire_bytes[p.cut]) },
+        let mut row = vec![p.cut.to_string(), bundle.cut(p.cut).name.clone(), format!("{:.2}", p.edge_ms)];
+        row.extend(codecs.then(|| p.codec.map_or("-".to_string(), |c| c.to_string())));
+        row.extend([
+            if p.cut == bundle.stage_count() { "-".into() } else { wire(p.upload_bytes) },
             format!("{:.2}", p.upload_ms),
             format!("{:.2}", p.server_ms),
             format!("{:.2}", p.latency_ms),
-        ];
+        ]);
         row.extend(measured.then(|| report.measured_ms[p.cut].map_or("-".to_string(), |m| format!("{m:.2}"))));
         row.extend([format!("{:.1}", p.throughput_rps), mark.into()]);
         table.add_row(row);

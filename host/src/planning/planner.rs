@@ -12,7 +12,12 @@
 //! with real transfers, it follows a changed link within a few requests; [`Replanner`] only
 //! switches when the predicted gain beats a margin, so noise does not make the split flap.
 
+use std::collections::HashMap;
+
+use cleave_common::wire::Codec;
 use serde::{Deserialize, Serialize};
+
+use super::codec_cost::{codec_text, CodecCost, CutCodecs};
 
 /// What the planner optimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,7 +51,7 @@ impl std::str::FromStr for Objective {
 }
 
 /// The link between the edge and the server.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Link {
     /// Sustained bandwidth, bytes per second (each way).
     pub bytes_per_s: f64,
@@ -66,7 +71,7 @@ impl Link {
 }
 
 /// Measured profiles of one bundle at one batch size.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Profiles {
     /// Milliseconds of each stage on the edge's device.
     pub edge_stage_ms: Vec<f64>,
@@ -82,13 +87,22 @@ pub struct Profiles {
     pub codec_ms_per_mib: f64,
     /// The link.
     pub link: Link,
+    /// With `codec: auto`, each candidate codec measured at every cut `0..=N`: a cut's upload
+    /// is predicted with the codec that serves the objective best there, so the cut and the
+    /// codec are chosen together. Empty otherwise: `cut_wire_bytes` and `codec_ms_per_mib`.
+    pub codec_choices: Vec<CutCodecs>,
 }
 
 /// The prediction for one cut.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CutPrediction {
     /// The cut.
     pub cut: usize,
+    /// The codec its upload is predicted with, where `codec: auto` chooses among several.
+    #[serde(serialize_with = "optional_codec_text")]
+    pub codec: Option<Codec>,
+    /// Bytes on the wire up (the boundary, encoded; 0 when nothing crosses).
+    pub upload_bytes: u64,
     /// Edge compute, ms.
     pub edge_ms: f64,
     /// Encoding and decoding the boundary and the result, ms.
@@ -107,6 +121,13 @@ pub struct CutPrediction {
     pub throughput_rps: f64,
     /// Whether the cut can be used.
     pub usable: bool,
+}
+
+fn optional_codec_text<S: serde::Serializer>(codec: &Option<Codec>, s: S) -> Result<S::Ok, S::Error> {
+    match codec {
+        Some(c) => codec_text(c, s),
+        None => s.serialize_none(),
+    }
 }
 
 /// Profiles that do not describe one bundle.
@@ -142,6 +163,12 @@ impl Profiles {
                 cuts = n + 1
             )));
         }
+        if !self.codec_choices.is_empty() && self.codec_choices.len() != n + 1 {
+            return Err(ProfileError::Shape(format!("codec costs at {} cuts (expected none or {})", self.codec_choices.len(), n + 1)));
+        }
+        if self.codec_choices.iter().any(|c| c.costs.is_empty()) {
+            return Err(ProfileError::Shape("a cut without a codec to choose".into()));
+        }
         let finite = |name, value: f64| if value.is_finite() && value >= 0.0 { Ok(()) } else { Err(ProfileError::Value { name, value }) };
         for &v in &self.edge_stage_ms {
             finite("edge_stage_ms", v)?;
@@ -150,6 +177,11 @@ impl Profiles {
             finite("server_stage_ms", v)?;
         }
         finite("codec_ms_per_mib", self.codec_ms_per_mib)?;
+        for cost in self.codec_choices.iter().flat_map(|c| &c.costs) {
+            finite("wire_ratio", cost.wire_ratio)?;
+            finite("encode_ms_per_mib", cost.encode_ms_per_mib)?;
+            finite("decode_ms_per_mib", cost.decode_ms_per_mib)?;
+        }
         finite("link.rtt_ms", self.link.rtt_ms)?;
         if !(self.link.bytes_per_s.is_finite() && self.link.bytes_per_s > 0.0) {
             return Err(ProfileError::Value { name: "link.bytes_per_s", value: self.link.bytes_per_s });
@@ -158,19 +190,46 @@ impl Profiles {
     }
 
     /// The prediction for every cut `0..=N`.
-    pub fn predict(&self) -> Result<Vec<CutPrediction>, ProfileError> {
+    pub fn predict(&self, objective: Objective) -> Result<Vec<CutPrediction>, ProfileError> {
         self.check()?;
         let n = self.stage_count();
-        Ok((0..=n).map(|cut| self.predict_cut(cut)).collect())
+        Ok((0..=n).map(|cut| self.predict_cut(cut, objective)).collect())
     }
 
-    fn predict_cut(&self, cut: usize) -> CutPrediction {
+    /// Each candidate's costs by the cut they were measured at (`codec: auto`).
+    pub fn codec_costs_by_cut(&self) -> HashMap<usize, Vec<CodecCost>> {
+        self.codec_choices.iter().enumerate().map(|(cut, c)| (cut, c.costs.clone())).collect()
+    }
+
+    /// The prediction for `cut`: with the configured codec, or with each candidate and the
+    /// one that serves `objective` best (the first of equals: the cheapest to run).
+    fn predict_cut(&self, cut: usize, objective: Objective) -> CutPrediction {
+        let n = self.stage_count();
+        match self.codec_choices.get(cut).filter(|_| cut < n) {
+            None => self.predict_with(cut, None, self.cut_wire_bytes[cut], self.cut_codec_ms(self.cut_wire_bytes[cut])),
+            Some(choices) => choices
+                .costs
+                .iter()
+                .map(|c| self.predict_with(cut, Some(c.codec), c.wire_bytes(choices.tensor_bytes), c.codec_ms(choices.tensor_bytes)))
+                .reduce(|a, b| if score(&b, objective) < score(&a, objective) { b } else { a })
+                .expect("checked: every cut has a codec"),
+        }
+    }
+
+    /// The configured codec's time for `wire_bytes` at a cut.
+    fn cut_codec_ms(&self, wire_bytes: u64) -> f64 {
+        wire_bytes as f64 / (1u64 << 20) as f64 * self.codec_ms_per_mib
+    }
+
+    /// The prediction for `cut` with an upload of `up` bytes that takes `up_codec_ms` to
+    /// encode and decode.
+    fn predict_with(&self, cut: usize, codec: Option<Codec>, up: u64, up_codec_ms: f64) -> CutPrediction {
         let n = self.stage_count();
         // fold, not sum: an empty f64 sum is -0.0.
         let edge_ms = self.edge_stage_ms[..cut].iter().fold(0.0, |a, b| a + b);
         let remote = cut < n;
-        let (up, down) = if remote { (self.cut_wire_bytes[cut], self.result_wire_bytes) } else { (0, 0) };
-        let codec_ms = (up + down) as f64 / (1u64 << 20) as f64 * self.codec_ms_per_mib;
+        let (up, down, up_codec_ms) = if remote { (up, self.result_wire_bytes, up_codec_ms) } else { (0, 0, 0.0) };
+        let codec_ms = up_codec_ms + self.cut_codec_ms(down);
         let upload_ms = self.link.transfer_ms(up);
         let download_ms = self.link.transfer_ms(down);
         let server_ms = self.server_stage_ms[cut..].iter().fold(0.0, |a, b| a + b);
@@ -182,6 +241,8 @@ impl Profiles {
         let throughput_rps = if bottleneck > 0.0 { 1e3 / bottleneck } else { f64::INFINITY };
         CutPrediction {
             cut,
+            codec: codec.filter(|_| remote),
+            upload_bytes: up,
             edge_ms,
             codec_ms,
             upload_ms,
@@ -259,7 +320,7 @@ pub struct Replanner {
 impl Replanner {
     /// Starts at the best cut of `profiles`.
     pub fn new(profiles: Profiles, objective: Objective, margin: f64) -> Result<Self, ProfileError> {
-        let predictions = profiles.predict()?;
+        let predictions = profiles.predict(objective)?;
         let current = best(&predictions, objective).map_or(profiles.stage_count(), |p| p.cut);
         Ok(Self { profiles, objective, margin, current })
     }
@@ -275,13 +336,13 @@ impl Replanner {
             return Err(ProfileError::Shape(format!("cut {cut} is past the last cut {}", self.profiles.stage_count())));
         }
         self.profiles.check()?;
-        Ok(self.profiles.predict_cut(cut))
+        Ok(self.profiles.predict_cut(cut, self.objective))
     }
 
     /// Updates the link's bandwidth and returns the cut to use from now on.
     pub fn update(&mut self, bytes_per_s: f64) -> usize {
         self.profiles.link.bytes_per_s = bytes_per_s;
-        let Ok(predictions) = self.profiles.predict() else { return self.current };
+        let Ok(predictions) = self.profiles.predict(self.objective) else { return self.current };
         let Some(candidate) = best(&predictions, self.objective) else { return self.current };
         let now = &predictions[self.current];
         let better = match self.objective {
@@ -314,29 +375,40 @@ pub(crate) mod fixtures {
             result_wire_bytes: 4_000,
             codec_ms_per_mib: 0.0,
             link: Link { bytes_per_s: mbit_per_s * MBIT, rtt_ms: 1.0 },
+            codec_choices: Vec::new(),
         }
+    }
+
+    /// [`profiles`] with `codec: auto`'s candidates at every cut: raw (the boundary as
+    /// it is, no time), or a tenth of it at 10 ms per MiB.
+    pub(crate) fn profiles_choosing_codecs(mbit_per_s: f64) -> Profiles {
+        let mut p = profiles(mbit_per_s);
+        let raw = CodecCost { codec: Codec::RAW, wire_ratio: 1.0, encode_ms_per_mib: 0.0, decode_ms_per_mib: 0.0 };
+        let lz4 = CodecCost { codec: Codec::SHUFFLE_LZ4, wire_ratio: 0.1, encode_ms_per_mib: 6.0, decode_ms_per_mib: 4.0 };
+        p.codec_choices = p.cut_wire_bytes.iter().map(|&b| CutCodecs { tensor_bytes: b, costs: vec![raw, lz4] }).collect();
+        p
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::fixtures::{profiles, MBIT};
+    use super::fixtures::{profiles, profiles_choosing_codecs, MBIT};
     use super::*;
 
     fn best_cut(p: &Profiles, objective: Objective) -> usize {
-        best(&p.predict().unwrap(), objective).unwrap().cut
+        best(&p.predict(objective).unwrap(), objective).unwrap().cut
     }
 
     #[test]
     fn latency_is_the_sum_of_its_parts() {
         let p = profiles(100.0);
-        let at2 = p.predict().unwrap()[2];
+        let at2 = p.predict(Objective::Latency).unwrap()[2];
         // Edge 40 ms, upload 100 kB at 12.5 MB/s = 8 ms, rtt 1, server 4, download 0.32.
         assert_eq!(at2.edge_ms, 40.0);
         assert!((at2.upload_ms - 8.0).abs() < 1e-9 && (at2.download_ms - 0.32).abs() < 1e-9);
         assert!((at2.latency_ms - (40.0 + 8.0 + 1.0 + 4.0 + 0.32)).abs() < 1e-9);
         assert!((at2.throughput_rps - 1e3 / 40.0).abs() < 1e-9);
-        let edge_only = p.predict().unwrap()[4];
+        let edge_only = p.predict(Objective::Latency).unwrap()[4];
         assert_eq!((edge_only.latency_ms, edge_only.upload_ms, edge_only.rtt_ms), (80.0, 0.0, 0.0));
     }
 
@@ -366,7 +438,30 @@ mod tests {
         p.cut_wire_bytes[1] = 250_000;
         assert_eq!(best_cut(&p, Objective::Latency), 0);
         assert_eq!(best_cut(&p, Objective::Throughput), 1);
-        assert!((p.predict().unwrap()[1].throughput_rps - 50.0).abs() < 1e-9);
+        assert!((p.predict(Objective::Latency).unwrap()[1].throughput_rps - 50.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn with_codec_auto_the_cut_and_the_codec_are_chosen_together() {
+        // At 5 Mbit/s with raw only, the edge alone is best (80 ms). Compressed to a tenth,
+        // cut 2's 100 kB take 16 ms plus about 1 ms of codec: 40 + 0.95 + 16 + 1 + 4 + 6.4 =
+        // 68.4 ms, less than cut 3 (71.1 ms) or the edge alone.
+        assert_eq!(best_cut(&profiles(5.0), Objective::Latency), 4);
+        let p = profiles_choosing_codecs(5.0);
+        let chosen = *best(&p.predict(Objective::Latency).unwrap(), Objective::Latency).unwrap();
+        assert_eq!((chosen.cut, chosen.codec), (2, Some(Codec::SHUFFLE_LZ4)));
+        assert!((chosen.latency_ms - (40.0 + 100_000.0 / 1048576.0 * 10.0 + 16.0 + 1.0 + 4.0 + 6.4)).abs() < 1e-9, "{chosen:?}");
+        // At 10 Gbit/s compressing costs more than it saves: everything on the server, raw.
+        let p = profiles_choosing_codecs(10_000.0);
+        let chosen = *best(&p.predict(Objective::Latency).unwrap(), Objective::Latency).unwrap();
+        assert_eq!((chosen.cut, chosen.codec), (0, Some(Codec::RAW)));
+        // The edge alone sends nothing, so it has no codec.
+        assert_eq!(p.predict(Objective::Latency).unwrap()[4].codec, None);
+        // The re-planner follows the link with both.
+        let mut replanner = Replanner::new(profiles_choosing_codecs(10_000.0), Objective::Latency, 0.1).unwrap();
+        assert_eq!(replanner.current(), 0);
+        assert_eq!(replanner.update(5.0 * MBIT), 2);
+        assert_eq!(replanner.prediction(2).unwrap().codec, Some(Codec::SHUFFLE_LZ4));
     }
 
     #[test]
@@ -384,13 +479,19 @@ mod tests {
     fn profiles_that_do_not_fit_are_refused() {
         let mut p = profiles(25.0);
         p.cut_wire_bytes.pop();
-        assert!(matches!(p.predict(), Err(ProfileError::Shape(_))));
+        assert!(matches!(p.predict(Objective::Latency), Err(ProfileError::Shape(_))));
         let mut p = profiles(25.0);
         p.server_stage_ms[1] = f64::NAN;
-        assert!(p.predict().unwrap_err().to_string().contains("server_stage_ms"));
+        assert!(p.predict(Objective::Latency).unwrap_err().to_string().contains("server_stage_ms"));
+        let mut p = profiles_choosing_codecs(25.0);
+        p.codec_choices.pop();
+        assert!(p.predict(Objective::Latency).unwrap_err().to_string().contains("codec costs at 4 cuts"));
+        let mut p = profiles_choosing_codecs(25.0);
+        p.codec_choices[1].costs[1].wire_ratio = f64::INFINITY;
+        assert!(p.predict(Objective::Latency).unwrap_err().to_string().contains("wire_ratio"));
         let mut p = profiles(25.0);
         p.link.bytes_per_s = 0.0;
-        assert!(p.predict().unwrap_err().to_string().contains("link.bytes_per_s"));
+        assert!(p.predict(Objective::Latency).unwrap_err().to_string().contains("link.bytes_per_s"));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The profiles the planner needs, measured: the edge's stages and boundaries (on a
 //! blocking thread: every stage timed on the edge's device at the configured batch size,
-//! and the boundary at every cut encoded with the configured codec), the server's stages
-//! (the `Profile` RPC), and the link (round trip and bandwidth, with `Echo`).
+//! and the boundary at every cut encoded with the configured codec, and with each of
+//! `codec: auto`'s candidates), the server's stages (the `Profile` RPC), and the link
+//! (round trip and bandwidth, with `Echo`).
 
 use std::time::Instant;
 
@@ -9,6 +10,7 @@ use cleave_common::stats::median;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 
+use super::codec_cost::{CodecCost, CutCodecs};
 use super::planner::{Link, Profiles};
 use crate::config::{EdgeConfig, InputSource};
 use crate::error::{HostError, Result};
@@ -38,13 +40,20 @@ pub struct ProfilingTime {
 }
 
 /// Measures every profile the planner needs: the edge's stages and boundaries (on a
-/// blocking thread), the server's stages, the link.
-pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, repeats: usize) -> Result<Measured> {
+/// blocking thread; each boundary with every one of `codec_candidates` too, for `codec:
+/// auto`), the server's stages, the link.
+pub(crate) async fn measure_profiles(
+    config: &EdgeConfig,
+    session: &mut EdgeSession,
+    bundle: &Bundle,
+    repeats: usize,
+    codec_candidates: &[Codec],
+) -> Result<Measured> {
     let batch = config.batch_size;
     let started = Instant::now();
     let edge = {
-        let (bundle, device, codec) = (bundle.clone(), config.device, config.codec);
-        tokio::task::spawn_blocking(move || profile_edge(&bundle, device, batch, &codec, repeats))
+        let (bundle, device, codec, candidates) = (bundle.clone(), config.device, config.codec, codec_candidates.to_vec());
+        tokio::task::spawn_blocking(move || profile_edge(&bundle, device, batch, &codec, &candidates, repeats))
             .await
             .map_err(|e| HostError::Invalid(format!("profiling the edge: {e}")))??
     };
@@ -65,9 +74,13 @@ pub(crate) async fn measure_profiles(config: &EdgeConfig, session: &mut EdgeSess
         result_wire_bytes: edge.cut_wire_bytes[n],
         codec_ms_per_mib: edge.codec_ms_per_mib,
         link,
+        codec_choices: edge.codec_choices,
     };
     Ok(Measured { profiles, edge_stages: edge.stages, took })
 }
+
+/// Passes of each candidate codec over each boundary (the median counts).
+const CODEC_REPEATS: usize = 3;
 
 /// The edge's part of the profile.
 struct EdgeProfile {
@@ -75,14 +88,17 @@ struct EdgeProfile {
     /// Bytes on the wire at every cut `0..=N` with the codec.
     cut_wire_bytes: Vec<u64>,
     codec_ms_per_mib: f64,
+    /// Each candidate measured at every cut `0..=N` (none without candidates).
+    codec_choices: Vec<CutCodecs>,
     /// The stages profiled.
     stages: LoadedStages,
 }
 
-fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, repeats: usize) -> Result<EdgeProfile> {
+fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, candidates: &[Codec], repeats: usize) -> Result<EdgeProfile> {
     let stages = LoadedStages::load(bundle, StageRange::all(bundle), device)?;
     let input = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?.batch(0);
     let mut cut_wire_bytes = vec![0u64; bundle.stage_count() + 1];
+    let mut codec_choices = Vec::new();
     let (mut codec_ms, mut codec_bytes) = (0.0f64, 0u64);
     let mut failure = None;
     let stage_ms = stages.profile(&input, repeats, |cut, boundary| {
@@ -106,12 +122,20 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
                 failure.get_or_insert(format!("cut {cut}: encoding with {codec}: {err}"));
             }
         }
+        if !candidates.is_empty() {
+            match CodecCost::measure_all(candidates, boundary, CODEC_REPEATS) {
+                Ok(costs) => codec_choices.push(CutCodecs { tensor_bytes: boundary.tensor_bytes() as u64, costs }),
+                Err(err) => {
+                    failure.get_or_insert(format!("cut {cut}: measuring codec: auto's candidates: {err}"));
+                }
+            }
+        }
     })?;
     if let Some(f) = failure {
         return Err(HostError::Invalid(format!("profiling the boundaries: {f}")));
     }
     let mib = codec_bytes as f64 / (1u64 << 20) as f64;
-    Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 }, stages })
+    Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 }, codec_choices, stages })
 }
 
 /// Round-trip time (median of empty echoes) and upload bandwidth: a first echo of 64 KiB
