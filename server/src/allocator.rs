@@ -1,21 +1,50 @@
-//! Freed memory given back to the system after a burst, without slowing the stages.
+//! Freed memory kept for reuse while the server works, given back after a burst.
 //!
-//! Frames, tensors and answers are allocated on one thread and freed on another. With
-//! glibc's adaptive mmap threshold (it rises to the largest block freed, up to 32 MiB) such
-//! blocks come from the arenas and stay there once freed, so after a burst of peers' buffers
-//! the server's RSS stays near its peak (`make hostile-rss`: +3.2 GiB held after a
-//! slow-reader attack ended). Fixing the thresholds at 128 KiB gave those back at once, but
-//! every activation of 128 KiB or more was then mapped and unmapped on each request: a third
-//! of the CPU stages' time went to page faults (`split-overhead`: the server's suffix 1.2-1.7x
-//! the same stages in one process).
+//! Frames, tensors and answers are allocated on one thread and freed on another, and the
+//! stages allocate and free their activations on every request. glibc gives a freed block
+//! back to the system at once when it was mapped on its own (128 KiB or more, until its
+//! adaptive threshold rises) or when it leaves more than the trim threshold free at the top
+//! of its heap: then the next request faults the same memory in again, page by page. With
+//! the thresholds fixed at 128 KiB (9be833c) a third of the CPU stages' time went to page
+//! faults (`split-overhead`: the server's suffix 1.2-1.7x the same stages in one process);
+//! with glibc's adaptive defaults each request's 3 MiB boundary still went back and came
+//! again (an `madvise` per request).
 //!
-//! So the thresholds stay adaptive (the stages reuse their activations' memory), and a
-//! [`Trimmer`] thread gives the freed memory back (`malloc_trim`) once the allocator holds
-//! `limits.free_memory_kept_bytes` more of it than at its low point since the last trim: a
-//! burst, not the stages' steady reuse. The environment's `MALLOC_*_` settings still apply.
+//! So [`keep_freed_memory`] maps on their own only blocks of 32 MiB or more (glibc's largest
+//! threshold) and never trims on free, and a [`Trimmer`] thread gives the freed memory back
+//! (`malloc_trim`) once the allocator holds `limits.free_memory_kept_bytes` more of it than
+//! at its low point since the last trim: after a burst of peers' buffers (`make
+//! hostile-rss`), not while the stages reuse theirs. `MALLOC_MMAP_THRESHOLD_` or
+//! `MALLOC_TRIM_THRESHOLD_` in the environment win: the operator's choice is kept.
 #![allow(unsafe_code)]
 
 use std::time::Duration;
+
+/// Blocks this large or larger are mapped on their own, and unmapped when freed (glibc's
+/// largest mmap threshold on 64 bits).
+const MAP_ON_THEIR_OWN_BYTES: i32 = 32 << 20;
+
+/// Keeps freed blocks under 32 MiB in the allocator for reuse (they are given back by a
+/// [`Trimmer`]), unless the environment sets glibc's thresholds. Returns whether it set
+/// them. Call it first in `main`.
+pub fn keep_freed_memory() -> bool {
+    let operator_set = ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"].iter().any(|name| std::env::var_os(name).is_some());
+    !operator_set && set_thresholds()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn set_thresholds() -> bool {
+    // SAFETY: `mallopt` takes plain integers and sets allocator parameters under the main
+    // arena's lock; glibc marks it MT-unsafe only for initializing malloc on a first call,
+    // which Rust's runtime has done (it allocates before `main`), and a later call only
+    // changes what the next allocations and frees do.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MAP_ON_THEIR_OWN_BYTES) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn set_thresholds() -> bool {
+    false
+}
 
 /// How often the trimmer looks at the allocator.
 pub const TRIM_EVERY: Duration = Duration::from_millis(250);

@@ -43,6 +43,8 @@ enum Command {
 const DEFAULT_LOG_FILTER: &str = "info";
 
 fn main() -> ExitCode {
+    // First, before any thread starts: a process-wide setting.
+    cleave_server::allocator::keep_freed_memory();
     let cli = Cli::parse();
     if cli.command.is_some() {
         logs::init(LogFormat::Text, DEFAULT_LOG_FILTER);
