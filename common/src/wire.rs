@@ -325,6 +325,9 @@ impl PayloadReceiver {
         let names: Vec<String> = assembly.incoming.declared_tensors().map(|(name, _, _)| name.to_string()).collect();
         let orders: Vec<Vec<u32>> = assembly.incoming.dim_orders().map(<[u32]>::to_vec).collect();
         let (decoded, buffers) = match assembly.sink {
+            Sink::Verbatim { mut buffers, tag, .. } if assembly.incoming.opens_in_tensor() => {
+                (assembly.incoming.open_verbatim(&mut self.opener, buffers[0].bytes_mut(), &tag)?, buffers)
+            }
             Sink::Verbatim { buffers, .. } => {
                 let bytes: Vec<&[u8]> = buffers.iter().map(TensorBuf::bytes).collect();
                 (assembly.incoming.check_verbatim(&bytes)?, buffers)
@@ -471,8 +474,8 @@ fn chunks(data: &PayloadData, chunk_bytes: usize) -> Vec<Bytes> {
 }
 
 /// Collects the frames of one payload into exactly the declared length: a verbatim payload
-/// (raw, no key) straight into the memory of its tensors, any other into one buffer that is
-/// decoded into them.
+/// (raw, no key) straight into the memory of its tensors, as does a sealed one of one raw
+/// tensor (its tag aside, opened there), any other into one buffer that is decoded into them.
 #[derive(Debug)]
 pub struct Reassembly {
     /// The request the frames belong to.
@@ -492,8 +495,9 @@ enum Sink {
     Unreserved,
     /// The encoded data, to decode once whole.
     Encoded(Vec<u8>),
-    /// The tensors themselves, filled in order: `filled` bytes of tensor `index` so far.
-    Verbatim { buffers: Vec<TensorBuf>, index: usize, filled: usize },
+    /// The tensors themselves, filled in order: `filled` bytes of tensor `index` so far; a
+    /// sealed payload's tag after them.
+    Verbatim { buffers: Vec<TensorBuf>, index: usize, filled: usize, tag: Vec<u8> },
 }
 
 impl Reassembly {
@@ -522,7 +526,7 @@ impl Reassembly {
     /// it fills, and for a payload that is not verbatim its data as received.
     pub fn held_bytes(&self) -> u64 {
         let raw = self.incoming.raw_len();
-        if self.incoming.is_verbatim() {
+        if self.goes_to_tensors() {
             raw
         } else {
             self.expected.saturating_add(raw)
@@ -541,9 +545,10 @@ impl Reassembly {
         self.received += bytes.len() as u64;
         match &mut self.sink {
             Sink::Encoded(data) => data.extend_from_slice(bytes),
-            Sink::Verbatim { buffers, index, filled } => {
-                // The sizes add up (checked in `parse` and above), so the tensors take every byte.
-                while !bytes.is_empty() {
+            Sink::Verbatim { buffers, index, filled, tag } => {
+                // The sizes add up (checked in `parse` and above), so the tensors take every
+                // byte but a sealed payload's tag, which comes after them (`expected` bounds it).
+                while !bytes.is_empty() && *index < buffers.len() {
                     let target = &mut buffers[*index].bytes_mut()[*filled..];
                     let n = target.len().min(bytes.len());
                     target[..n].copy_from_slice(&bytes[..n]);
@@ -553,6 +558,7 @@ impl Reassembly {
                         *index = next_to_fill(buffers, *index + 1);
                     }
                 }
+                tag.extend_from_slice(bytes);
             }
             Sink::Unreserved => unreachable!("reserved above"),
         }
@@ -565,12 +571,17 @@ impl Reassembly {
         data.segments().iter().try_for_each(|segment| self.push(request_id, segment))
     }
 
+    /// Whether the frames' bytes go straight into the tensors' memory.
+    fn goes_to_tensors(&self) -> bool {
+        self.incoming.is_verbatim() || self.incoming.opens_in_tensor()
+    }
+
     /// Reserves where the data goes, once.
     fn reserve(&mut self) -> Result<(), WireError> {
         if matches!(self.sink, Sink::Unreserved) {
-            self.sink = if self.incoming.is_verbatim() {
+            self.sink = if self.goes_to_tensors() {
                 let buffers = tensor_buffers(&self.incoming)?;
-                Sink::Verbatim { index: next_to_fill(&buffers, 0), buffers, filled: 0 }
+                Sink::Verbatim { index: next_to_fill(&buffers, 0), buffers, filled: 0, tag: Vec::new() }
             } else {
                 Sink::Encoded(Vec::with_capacity(self.expected as usize))
             };
@@ -810,14 +821,54 @@ mod tests {
         assert_eq!(send_through_chunks(&mut rx, &given_up, 1, 100_000).unwrap().copied_bytes, bytes, "once, from the frames into the tensor");
         let kept = PayloadSender::plain().encode(meta(2), &Codec::RAW, &boundary()).unwrap();
         assert_eq!(kept.copied_bytes, bytes, "a boundary the caller keeps is copied");
-        // Sealed, the data is copied into the payload, received into a buffer and decrypted
-        // there, then copied into the tensor.
+        // Sealed, the data is copied into the payload, and received into the tensor's memory
+        // (the tag aside), where it is decrypted.
         let ring = KeyRing::new([(1, Key::from_bytes([9; 32]))]).unwrap();
         let sealed = PayloadSender::sealed(&ring, 1).unwrap().encode_owned(meta(3), &Codec::RAW, boundary()).unwrap();
         assert_eq!(sealed.copied_bytes, bytes);
         let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &ring);
         let wire = sealed.data.len() as u64;
-        assert_eq!(send_through_chunks(&mut rx, &sealed, 3, 100_000).unwrap().copied_bytes, wire + bytes);
+        assert_eq!(wire, bytes + 16, "the tensor and the tag");
+        let back = send_through_chunks(&mut rx, &sealed, 3, 100_000).unwrap();
+        assert_eq!(back.copied_bytes, wire, "once, from the frames into the tensor");
+        assert_eq!(back.key_id, Some(1));
+    }
+
+    #[test]
+    fn a_sealed_tensor_is_opened_in_its_own_memory_and_a_tampered_or_replayed_one_refused() {
+        let ring = KeyRing::new([(1, Key::from_bytes([9; 32]))]).unwrap();
+        let boundary = Boundary { values: vec![("x".into(), Value::Tensor(Tensor::randn([64, 64], (Kind::Float, Device::Cpu))))] };
+        let mut tx = PayloadSender::sealed(&ring, 1).unwrap();
+        let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &ring);
+        let sealed = |tx: &mut PayloadSender, id| tx.encode(meta(id), &Codec::RAW, &boundary).unwrap();
+        let first = sealed(&mut tx, 1);
+        let back = send_through_chunks(&mut rx, &first, 1, 1000).unwrap();
+        assert!(back.boundary.bit_identical(&boundary));
+        assert_eq!((back.key_id, back.copied_bytes), (Some(1), 64 * 64 * 4 + 16));
+        let replayed = send_through_chunks(&mut rx, &first, 1, 1000).unwrap_err();
+        assert!(replayed.to_string().contains("replay"), "{replayed}");
+        // One bit flipped in the ciphertext (in the tensor's memory) or in the tag (aside).
+        let whole: Vec<u8> = sealed(&mut tx, 2).data.segments().concat();
+        for at in [0, 64 * 64 * 4 - 1, 64 * 64 * 4, whole.len() - 1] {
+            let mut tampered = sealed(&mut tx, 3 + at as u64);
+            let mut bytes: Vec<u8> = tampered.data.segments().concat();
+            bytes[at] ^= 1;
+            tampered.data = bytes.into();
+            let err = send_through_chunks(&mut rx, &tampered, 3 + at as u64, 1000).unwrap_err();
+            assert!(matches!(err, WireError::Codec(CodecError::DataTampered)), "byte {at}: {err}");
+        }
+        // The stream goes on with the next payload.
+        let next = sealed(&mut tx, 99);
+        assert!(send_through_chunks(&mut rx, &next, 99, 1000).unwrap().boundary.bit_identical(&boundary));
+        // A sealed payload of two tensors is opened in a buffer of its own and decoded from it.
+        let two = Boundary {
+            values: vec![
+                ("a".into(), Value::Tensor(Tensor::ones([8], (Kind::Float, Device::Cpu)))),
+                ("b".into(), Value::Tensor(Tensor::zeros([3], (Kind::Int64, Device::Cpu)))),
+            ],
+        };
+        let both = tx.encode(meta(100), &Codec::RAW, &two).unwrap();
+        assert!(send_through_chunks(&mut rx, &both, 100, 7).unwrap().boundary.bit_identical(&two));
     }
 
     #[test]

@@ -500,6 +500,28 @@ impl IncomingPayload {
         Ok(self.into_header())
     }
 
+    /// Whether the data is one raw tensor's bytes, sealed, then the seal's tag: its receiver
+    /// may copy the ciphertext straight into the tensor's buffer and the tag aside, then call
+    /// [`IncomingPayload::open_verbatim`]. (AES-GCM opens one contiguous buffer, so a sealed
+    /// payload of several tensors is opened in a buffer of its own and decoded from there.)
+    pub fn opens_in_tensor(&self) -> bool {
+        self.seal.is_some() && self.codecs == [Codec::RAW]
+    }
+
+    /// Finishes a payload that [opens in its tensor](IncomingPayload::opens_in_tensor): the
+    /// caller copied the ciphertext into `tensor` (of its declared size) and the last
+    /// [`TAG_BYTES`] of the data into `tag`. Authenticates and decrypts it in place, then
+    /// checks what the bytes of its dtype may hold.
+    pub fn open_verbatim(self, opener: &mut Opener, tensor: &mut [u8], tag: &[u8]) -> Result<DecodedHeader, CodecError> {
+        let Some(seal) = self.seal.as_ref().filter(|_| self.opens_in_tensor()) else {
+            return Err(CodecError::Malformed(format!("a {} payload of {} tensors does not open in its tensor", self.codec, self.codecs.len())));
+        };
+        self.check_buffers(std::iter::once(tensor.len()))?;
+        opener.open_detached(seal, tensor, tag)?;
+        check_values(self.dtypes[0], tensor).map_err(|reason| CodecError::Corrupt { name: self.header.tensors[0].name.clone(), reason })?;
+        Ok(self.into_header())
+    }
+
     /// Authenticates and decrypts `data` (when sealed, in place) and decodes every tensor into
     /// its buffer in `tensors` (one per tensor, in header order, each of its declared size).
     pub fn decode_into(self, data: &mut [u8], opener: &mut Opener, tensors: &mut [&mut [u8]]) -> Result<DecodedHeader, CodecError> {

@@ -249,12 +249,19 @@ impl Opener {
     /// passed, leaving the tag as it is; on success the stream's nonce state moves past this
     /// payload.
     pub(crate) fn open_in_place(&mut self, seal: &Seal, data: &mut [u8]) -> Result<(), CodecError> {
+        let body = data.len().checked_sub(TAG_BYTES).ok_or(CodecError::DataTampered)?;
+        let (body, tag) = data.split_at_mut(body);
+        self.open_detached(seal, body, tag)
+    }
+
+    /// Decrypts the ciphertext `body` in place with its `tag` kept apart (a tensor's memory
+    /// holds the ciphertext, say); otherwise as [`Opener::open_in_place`].
+    pub(crate) fn open_detached(&mut self, seal: &Seal, body: &mut [u8], tag: &[u8]) -> Result<(), CodecError> {
         let key = self.ring.get(seal.key_id).ok_or_else(|| CodecError::UnknownKeyId { id: seal.key_id, held: self.ring.ids() })?;
         let prefix: [u8; PREFIX_BYTES] = seal.nonce_prefix.as_slice().try_into().map_err(|_| CodecError::Malformed("nonce prefix".into()))?;
-        let body = data.len().checked_sub(TAG_BYTES).ok_or(CodecError::DataTampered)?;
-        let tag: [u8; TAG_BYTES] = data[body..].try_into().expect("16 bytes");
+        let tag: [u8; TAG_BYTES] = tag.try_into().map_err(|_| CodecError::DataTampered)?;
         key.cipher
-            .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], (&mut data[..body]).into(), &Tag::from(tag))
+            .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], body.into(), &Tag::from(tag))
             .map_err(|_| CodecError::DataTampered)?;
         self.prefix = Some(prefix);
         self.last = Some(seal.counter);
