@@ -6,19 +6,26 @@ use cleave_host::planning::planner::Objective;
 use cleave_host::planning::{plan, PlanOptions};
 use cleave_tests::bundle_dir;
 
-#[test]
-fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
+/// `host plan` over loopback for the digits bundle at batch 4 with `codec`, `repeats` timed
+/// passes and `measure` requests at every cut; its output directory is `out` in the first.
+fn plan_digits(codec: &str, repeats: usize, measure: u64) -> (tempfile::TempDir, cleave_host::planning::PlanReport) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("edge.yaml");
     let yaml = format!(
-        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ncodec: shuffle+lz4\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ncodec: {codec}\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
         bundle_dir("digits").display(),
         dir.path().join("out").display()
     );
     std::fs::write(&config, yaml).unwrap();
     let config = EdgeConfig::load(&config).unwrap();
-    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats: 2, measure: 2, output: None };
+    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats, measure, output: None };
     let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap();
+    (dir, report)
+}
+
+#[test]
+fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
+    let (dir, report) = plan_digits("shuffle+lz4", 2, 2);
     let n = report.profiles.stage_count();
     assert_eq!(n, 12);
     assert_eq!((report.predictions.len(), report.profiles.server_stage_ms.len()), (n + 1, n));
@@ -194,17 +201,7 @@ fn codec_auto_records_each_requests_codec_and_what_it_measured() {
 
 #[test]
 fn with_codec_auto_the_plan_chooses_the_cut_and_the_codec_together() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("edge.yaml");
-    let yaml = format!(
-        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ncodec: auto\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
-        bundle_dir("digits").display(),
-        dir.path().join("out").display()
-    );
-    std::fs::write(&config, yaml).unwrap();
-    let config = EdgeConfig::load(&config).unwrap();
-    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats: 1, measure: 0, output: None };
-    let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap();
+    let (dir, report) = plan_digits("auto", 1, 0);
     let n = report.profiles.stage_count();
     // Every candidate measured at every cut, on that cut's boundary.
     let candidates = cleave_host::planning::codec_choice::CANDIDATES;
