@@ -209,6 +209,7 @@ impl PreparedServer {
         let serving = builder
             .initial_stream_window_size(Some(peers.stream_window_bytes))
             .initial_connection_window_size(Some(peers.connection_window_bytes))
+            .max_frame_size(Some(peers.max_frame_bytes))
             .max_concurrent_streams(Some(peers.max_streams_per_connection))
             .http2_keepalive_interval(Some(peers.keepalive_interval))
             .http2_keepalive_timeout(Some(peers.keepalive_timeout))

@@ -304,6 +304,55 @@ async fn closed_within(socket: &mut tokio::net::TcpStream, within: Duration) -> 
     .is_ok()
 }
 
+/// The HTTP/2 frames a server writes to `socket` until it closes it (or 5 s pass): (type,
+/// payload).
+async fn read_h2_frames(socket: &mut tokio::net::TcpStream) -> Vec<(u8, Vec<u8>)> {
+    use tokio::io::AsyncReadExt;
+    let mut bytes = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), socket.read_to_end(&mut bytes)).await;
+    let mut frames = Vec::new();
+    let mut rest = &bytes[..];
+    while rest.len() >= 9 {
+        let len = u32::from_be_bytes([0, rest[0], rest[1], rest[2]]) as usize;
+        let Some(payload) = rest.get(9..9 + len) else { break };
+        frames.push((rest[3], payload.to_vec()));
+        rest = &rest[9 + len..];
+    }
+    frames
+}
+
+#[test]
+fn the_server_announces_its_largest_frame_and_closes_a_connection_that_sends_a_larger_one() {
+    use tokio::io::AsyncWriteExt;
+    const SETTINGS: u8 = 0x4;
+    const GOAWAY: u8 = 0x7;
+    const SETTINGS_MAX_FRAME_SIZE: u16 = 0x5;
+    const FRAME_SIZE_ERROR: u32 = 0x6;
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let max_frame_bytes = 65_536;
+    let peers = PeerLimits { max_frame_bytes, ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend_from_slice(&[0, 0, 0, SETTINGS, 0, 0, 0, 0, 0]);
+        // The head of a DATA frame one byte over the limit, on stream 1.
+        let over = (max_frame_bytes + 1).to_be_bytes();
+        hello.extend_from_slice(&[over[1], over[2], over[3], 0x0, 0, 0, 0, 0, 1]);
+        socket.write_all(&hello).await.unwrap();
+        let frames = read_h2_frames(&mut socket).await;
+        let (_, settings) = frames.iter().find(|(kind, _)| *kind == SETTINGS).expect("the server's SETTINGS");
+        let announced = settings
+            .chunks(6)
+            .find(|p| u16::from_be_bytes([p[0], p[1]]) == SETTINGS_MAX_FRAME_SIZE)
+            .map(|p| u32::from_be_bytes([p[2], p[3], p[4], p[5]]));
+        assert_eq!(announced, Some(max_frame_bytes), "SETTINGS_MAX_FRAME_SIZE in {settings:?}");
+        let (_, goaway) = frames.iter().find(|(kind, _)| *kind == GOAWAY).expect("a GOAWAY before the connection closed");
+        assert_eq!(u32::from_be_bytes([goaway[4], goaway[5], goaway[6], goaway[7]]), FRAME_SIZE_ERROR);
+    });
+}
+
 #[test]
 fn silent_sockets_neither_lock_callers_out_nor_outlive_the_handshake_timeout() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();

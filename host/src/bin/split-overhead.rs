@@ -11,8 +11,11 @@
 //! It prints, per batch size, cut and codec, (c)/(b) and the protocol's own time per request
 //! at p50 (end to end minus making the input, edge compute and server compute) against its
 //! budget, 0.3 ms plus the bytes at 2 GB/s, and where the compute went: the prefix and the
-//! suffix in the floor against the split's (its prefix, the server's compute). Its last line:
-//! `worst split/floor ratio: X`.
+//! suffix in the floor against the split's (its prefix, the server's compute). A second table
+//! says where the protocol's time went, medians of each part: encoding on the edge, the
+//! server's queue, decode and encode, the network (the round trip less the server's time,
+//! both ways on gRPC and h2), decoding the result, and the rest on the edge (hand-offs between
+//! its tasks). Its last line: `worst split/floor ratio: X`.
 //!
 //!     cargo build --release
 //!     target/release/split-overhead --bundle bundles/resnet18 --batches 1,8 --codecs raw,shuffle+lz4
@@ -29,7 +32,7 @@ use cleave_common::stats::median;
 use cleave_common::tables::human_bytes;
 use cleave_common::wire::{Codec, Key};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
-use cleave_host::client::{stream_requests, Splits, StreamPlan};
+use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
 use cleave_host::session::Link;
@@ -58,6 +61,10 @@ struct Args {
     /// Also seal every payload with AES-256-GCM (a random key).
     #[arg(long)]
     encrypt: bool,
+    /// The server's `limits` other than the defaults, as YAML flow entries
+    /// (`'stream_window_bytes: 8388608, connection_window_bytes: 8388608'`).
+    #[arg(long, default_value = "")]
+    server_limits: String,
     /// The edge's cores (default: the first half of the cores this process may use).
     #[arg(long, value_delimiter = ',')]
     edge_cores: Vec<usize>,
@@ -123,9 +130,11 @@ fn main() -> anyhow::Result<()> {
     );
     let mut worst: f64 = 0.0;
     let rt = tokio::runtime::Runtime::new()?;
+    let mut parts = Vec::new();
     for &batch in &args.batches {
         let stats = rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?;
         for row in stats {
+            parts.push((batch, row.cut, row.codec, row.protocol_parts));
             worst = worst.max(row.split_ms / row.floor_ms);
             println!(
                 "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
@@ -145,8 +154,62 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    print_protocol_parts(&parts);
     println!("worst split/floor ratio: {worst:.3}");
     Ok(())
+}
+
+/// The second table: where each row's protocol time went.
+fn print_protocol_parts(rows: &[(i64, usize, Codec, ProtocolParts)]) {
+    println!("where the protocol's time went, ms p50:");
+    println!(
+        "{:<6} {:<5} {:<12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "batch", "cut", "codec", "encode", "queue", "s.decode", "s.encode", "network", "decode", "edge rest"
+    );
+    for (batch, cut, codec, p) in rows {
+        println!(
+            "{:<6} {:<5} {:<12} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            batch,
+            cut,
+            codec.to_string(),
+            p.encode,
+            p.queue,
+            p.server_decode,
+            p.server_encode,
+            p.network,
+            p.decode,
+            p.edge_rest
+        );
+    }
+}
+
+/// Medians of the parts of the protocol's time, ms.
+#[derive(Default, Clone)]
+struct ProtocolParts {
+    encode: f64,
+    queue: f64,
+    server_decode: f64,
+    server_encode: f64,
+    network: f64,
+    decode: f64,
+    /// End to end less making the input, the prefix, encoding, the round trip and decoding.
+    edge_rest: f64,
+}
+
+impl ProtocolParts {
+    /// The medians of each part over `requests`.
+    fn of(requests: &[RequestMetrics]) -> anyhow::Result<Self> {
+        let part = |f: fn(&RequestMetrics) -> f64| median(&requests.iter().map(f).collect::<Vec<_>>());
+        Ok(ProtocolParts {
+            encode: part(|m| m.encode_ms)?,
+            queue: part(|m| m.server.queue_ms)?,
+            server_decode: part(|m| m.server.decode_ms)?,
+            server_encode: part(|m| m.server.encode_ms)?,
+            network: part(|m| m.network_ms())?,
+            decode: part(|m| m.decode_ms)?,
+            edge_rest: part(|m| m.e2e_ms - m.input_ms - m.prefix_ms - m.encode_ms - m.round_trip_ms - m.decode_ms)?,
+        })
+    }
 }
 
 /// One row of the table.
@@ -162,6 +225,7 @@ struct Row {
     /// measured them (its prefix, the server's compute).
     floor_parts: (f64, f64),
     split_parts: (f64, f64),
+    protocol_parts: ProtocolParts,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -177,7 +241,7 @@ async fn measure_batch(
     whole_side: &Side,
 ) -> anyhow::Result<Vec<Row>> {
     let scratch = tempfile::tempdir()?;
-    let (mut server, url) = start_server(server_bin, bundle, server_side, key, scratch.path())?;
+    let (mut server, url) = start_server(server_bin, bundle, server_side, key, &args.server_limits, scratch.path())?;
     let result = async {
         let n = bundle.stage_count();
         let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?;
@@ -195,6 +259,7 @@ async fn measure_batch(
         let (mut split_prefix, mut split_server) = (vec![Vec::new(); configs.len()], vec![Vec::new(); configs.len()]);
         let mut split = vec![Vec::new(); configs.len()];
         let mut protocol = vec![Vec::new(); configs.len()];
+        let mut requests: Vec<Vec<RequestMetrics>> = vec![Vec::new(); configs.len()];
         let mut wire = vec![0u64; configs.len()];
         let mut next_id = 0u64;
         for round in 0..=args.rounds {
@@ -256,6 +321,7 @@ async fn measure_batch(
                             protocol[k].push(m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms);
                             split_prefix[k].push(m.prefix_ms);
                             split_server[k].push(m.server.compute_ms);
+                            requests[k].push(m.clone());
                         }
                         wire[k] = m.bytes_wire;
                     }
@@ -280,6 +346,7 @@ async fn measure_batch(
                 wire_bytes: wire[k],
                 floor_parts: (median(&floor_prefix[f])?, median(&floor_suffix[f])?),
                 split_parts: (median(&split_prefix[k])?, median(&split_server[k])?),
+                protocol_parts: ProtocolParts::of(&requests[k])?,
             });
         }
         Ok(rows)

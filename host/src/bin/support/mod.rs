@@ -30,8 +30,9 @@ impl Side {
 }
 
 /// The `server` process for `bundle` on `side`'s cores and threads, listening on a free port
-/// of 127.0.0.1; its URL.
-pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option<&Key>, dir: &Path) -> anyhow::Result<(Child, String)> {
+/// of 127.0.0.1, with `limits` (YAML flow entries, `stream_window_bytes: 8388608`; empty for
+/// the defaults); its URL.
+pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option<&Key>, limits: &str, dir: &Path) -> anyhow::Result<(Child, String)> {
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let cores: Vec<String> = side.cores.iter().map(usize::to_string).collect();
     let mut yaml = format!(
@@ -40,6 +41,9 @@ pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option
         side.threads,
         cores.join(", ")
     );
+    if !limits.is_empty() {
+        yaml.push_str(&format!("limits: {{{limits}}}\n"));
+    }
     if let Some(key) = key {
         std::fs::write(dir.join("payload.key"), key.to_hex().as_bytes())?;
         yaml.push_str(&format!("encryption:\n  required: true\n  keys:\n    - id: 1\n      file: {}\n", dir.join("payload.key").display()));
