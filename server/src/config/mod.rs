@@ -173,8 +173,8 @@ pub struct PeerLimits {
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
     /// they decode into), answers until written, and each `Infer` stream's read buffer.
     pub memory_budget_bytes: u64,
-    /// Freed memory the allocator may keep for reuse beyond its low point: more (after a
-    /// burst of peers' buffers) and it is given back to the system within a second
+    /// Freed memory the allocator may keep for reuse beyond its low point: more, left unused
+    /// for 2 s (after a burst of peers' buffers), is given back to the system
     /// (`allocator::Trimmer`). The stages' activations are reused from what it keeps.
     pub free_memory_kept_bytes: u64,
     /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
