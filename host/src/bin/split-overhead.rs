@@ -15,7 +15,8 @@
 //! says where the protocol's time went, medians of each part: encoding on the edge, the
 //! server's queue, decode and encode, the network (the round trip less the server's time,
 //! both ways on gRPC and h2), decoding the result, and the rest on the edge (hand-offs between
-//! its tasks). Its last line: `worst split/floor ratio: X`.
+//! its tasks). With `--runs N`, every figure is the median of N whole runs (each with a
+//! server of its own). Its last line: `worst split/floor ratio: X`.
 //!
 //!     cargo build --release
 //!     target/release/split-overhead --bundle bundles/resnet18 --batches 1,8 --codecs raw,shuffle+lz4
@@ -25,7 +26,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Parser;
 use cleave_common::config::allowed_cores;
 use cleave_common::stats::median;
@@ -49,6 +50,10 @@ struct Args {
     /// Timed rounds (one warm-up round more); each runs every configuration.
     #[arg(long, default_value_t = 6)]
     rounds: usize,
+    /// Whole runs, each with a server of its own; every figure printed is the median of the
+    /// runs' medians (split/floor: of the runs' ratios), so one run's noisy floor counts once.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
     /// Requests per configuration in a round.
     #[arg(long, default_value_t = 5)]
     per_round: u64,
@@ -108,7 +113,7 @@ fn main() -> anyhow::Result<()> {
     let key = args.encrypt.then(Key::random);
     println!(
         "{}: CPU, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
-         whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration",
+         whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration{}",
         bundle.manifest().model.source,
         edge.cores,
         edge.threads,
@@ -119,6 +124,7 @@ fn main() -> anyhow::Result<()> {
         if key.is_some() { "; payloads sealed with AES-256-GCM" } else { "" },
         args.rounds,
         args.per_round,
+        if args.runs > 1 { format!("; medians of {} runs", args.runs) } else { String::new() },
     );
     println!(
         "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
@@ -132,10 +138,13 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let mut parts = Vec::new();
     for &batch in &args.batches {
-        let stats = rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?;
-        for row in stats {
+        let mut runs = Vec::new();
+        for _ in 0..args.runs.max(1) {
+            runs.push(rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?);
+        }
+        for row in medians_of_runs(&runs)? {
             parts.push((batch, row.cut, row.codec, row.protocol_parts));
-            worst = worst.max(row.split_ms / row.floor_ms);
+            worst = worst.max(row.split_per_floor);
             println!(
                 "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
                 batch,
@@ -144,7 +153,7 @@ fn main() -> anyhow::Result<()> {
                 row.whole_ms,
                 row.floor_ms,
                 row.split_ms,
-                row.split_ms / row.floor_ms,
+                row.split_per_floor,
                 row.split_ms / row.whole_ms,
                 row.protocol_ms,
                 0.3 + row.wire_bytes as f64 / 2e9 * 1e3,
@@ -219,6 +228,7 @@ struct Row {
     whole_ms: f64,
     floor_ms: f64,
     split_ms: f64,
+    split_per_floor: f64,
     protocol_ms: f64,
     wire_bytes: u64,
     /// Medians of the prefix and the suffix: in the floor, and as the split's request
@@ -226,6 +236,38 @@ struct Row {
     floor_parts: (f64, f64),
     split_parts: (f64, f64),
     protocol_parts: ProtocolParts,
+}
+
+/// Each row's figures as the median over `runs` (each run's rows in the same order).
+fn medians_of_runs(runs: &[Vec<Row>]) -> anyhow::Result<Vec<Row>> {
+    let first = runs.first().context("no run")?;
+    let mut rows = Vec::new();
+    for (k, row) in first.iter().enumerate() {
+        let of = |f: &dyn Fn(&Row) -> f64| median(&runs.iter().map(|run| f(&run[k])).collect::<Vec<_>>());
+        let parts = |f: fn(&ProtocolParts) -> f64| of(&|r: &Row| f(&r.protocol_parts));
+        rows.push(Row {
+            cut: row.cut,
+            codec: row.codec,
+            whole_ms: of(&|r| r.whole_ms)?,
+            floor_ms: of(&|r| r.floor_ms)?,
+            split_ms: of(&|r| r.split_ms)?,
+            split_per_floor: of(&|r| r.split_per_floor)?,
+            protocol_ms: of(&|r| r.protocol_ms)?,
+            wire_bytes: row.wire_bytes,
+            floor_parts: (of(&|r| r.floor_parts.0)?, of(&|r| r.floor_parts.1)?),
+            split_parts: (of(&|r| r.split_parts.0)?, of(&|r| r.split_parts.1)?),
+            protocol_parts: ProtocolParts {
+                encode: parts(|p| p.encode)?,
+                queue: parts(|p| p.queue)?,
+                server_decode: parts(|p| p.server_decode)?,
+                server_encode: parts(|p| p.server_encode)?,
+                network: parts(|p| p.network)?,
+                decode: parts(|p| p.decode)?,
+                edge_rest: parts(|p| p.edge_rest)?,
+            },
+        });
+    }
+    Ok(rows)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -336,12 +378,14 @@ async fn measure_batch(
         let whole_ms = median(&whole)?;
         let mut rows = Vec::new();
         for (k, &(f, cut, codec)) in configs.iter().enumerate() {
+            let (floor_ms, split_ms) = (median(&floor[f])?, median(&split[k])?);
             rows.push(Row {
                 cut,
                 codec,
                 whole_ms,
-                floor_ms: median(&floor[f])?,
-                split_ms: median(&split[k])?,
+                floor_ms,
+                split_ms,
+                split_per_floor: split_ms / floor_ms,
                 protocol_ms: median(&protocol[k])?,
                 wire_bytes: wire[k],
                 floor_parts: (median(&floor_prefix[f])?, median(&floor_suffix[f])?),
