@@ -2,7 +2,7 @@
 //! steady reuse alone. A test binary of its own: it reads the process's RSS, which other
 //! tests would move.
 
-use cleave_server::allocator::{keep_freed_memory, Trimmer, QUIET_LOOKS};
+use cleave_server::allocator::{keep_freed_memory, Trimmer};
 
 const MIB: usize = 1 << 20;
 
@@ -41,21 +41,16 @@ fn freed_memory_is_kept_for_reuse_until_a_burst_is_given_back() {
     let mut pins = Vec::new();
     for _ in 0..3 {
         pins.push(burst(16, MIB));
-        for _ in 0..QUIET_LOOKS {
-            assert!(!trimmer.tick(), "16 MiB freed is within the 64 MiB kept");
-        }
+        assert!(!trimmer.tick(), "16 MiB freed is within the 64 MiB kept");
     }
 
     let before = rss_bytes();
     pins.push(burst(256, MIB));
     let held = rss_bytes();
     assert!(held >= before + 200 * MIB, "the freed burst stays in the process: RSS {before} then {held}");
-    for _ in 1..QUIET_LOOKS {
-        assert!(!trimmer.tick(), "given back only once it has stayed freed for {QUIET_LOOKS} looks");
-    }
     assert!(trimmer.tick(), "256 MiB freed is more than the 64 MiB kept");
     let after = rss_bytes();
     assert!(after + 200 * MIB <= held, "trimmed, the burst is given back: RSS {held} then {after}");
     // What was given back is the new low point: nothing more to do.
-    assert!((0..2 * QUIET_LOOKS).all(|_| !trimmer.tick()));
+    assert!(!trimmer.tick());
 }

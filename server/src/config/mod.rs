@@ -173,8 +173,8 @@ pub struct PeerLimits {
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
     /// they decode into), answers until written, and each `Infer` stream's read buffer.
     pub memory_budget_bytes: u64,
-    /// Freed memory the allocator may keep for reuse beyond its low point: more, left unused
-    /// for 2 s (after a burst of peers' buffers), is given back to the system
+    /// Freed memory the allocator may keep for reuse beyond its low point: more (after a
+    /// burst of peers' buffers) and it is given back to the system within a second
     /// (`allocator::Trimmer`). The stages' activations are reused from what it keeps.
     pub free_memory_kept_bytes: u64,
     /// How long a request waits for room in the budget before RESOURCE_EXHAUSTED.
@@ -196,7 +196,7 @@ pub struct PeerLimits {
     /// The largest HTTP/2 frame a peer may send, announced in SETTINGS: h2 holds a frame
     /// whole before it passes it on, so a connection may hold this much of one frame besides
     /// its window. Larger frames cut the per-frame work of a large boundary (16 KiB frames
-    /// made a 3 MiB boundary 200 frames, each woken, copied and counted on its own).
+    /// make a 3 MiB boundary 200 frames, each woken, copied and counted on its own).
     pub max_frame_bytes: u32,
     /// How long an answer (a result, a training answer, an `Echo` reply) may wait to be
     /// written to its connection, its bytes held in the memory budget: longer and its peer is
@@ -242,9 +242,10 @@ impl Default for PeerLimits {
             // host's streams, as a rule): HTTP/2 returns it only as the data is read.
             stream_window_bytes: 1 << 20,
             connection_window_bytes: 1 << 20,
-            // 256 connections hold at most 64 MiB of frames not yet whole; 16 KiB (HTTP/2's
-            // initial size) costs a loopback resnet18 boundary of 3 MiB 0.6 ms more.
-            max_frame_bytes: 256 << 10,
+            // HTTP/2's initial size. 256 KiB made a loopback resnet18 boundary of 3 MiB 0.6 ms
+            // faster, but under `make hostile-rss`'s slow readers the server's peak RSS rose
+            // by about 200 MiB, past its bound (bench/README.md); raise it on trusted links.
+            max_frame_bytes: 16 << 10,
             answer_timeout: Duration::from_secs(30),
             max_profile_repeats: 50,
             drain_timeout: Duration::from_secs(10),
