@@ -192,8 +192,12 @@ fn print_protocol_parts(rows: &[(i64, usize, Codec, ProtocolParts)]) {
     }
 }
 
+/// The median of `f` over `requests`.
+fn median_of(requests: &[RequestMetrics], f: fn(&RequestMetrics) -> f64) -> anyhow::Result<f64> {
+    Ok(median(&requests.iter().map(f).collect::<Vec<_>>())?)
+}
+
 /// Medians of the parts of the protocol's time, ms.
-#[derive(Default, Clone)]
 struct ProtocolParts {
     encode: f64,
     queue: f64,
@@ -208,7 +212,7 @@ struct ProtocolParts {
 impl ProtocolParts {
     /// The medians of each part over `requests`.
     fn of(requests: &[RequestMetrics]) -> anyhow::Result<Self> {
-        let part = |f: fn(&RequestMetrics) -> f64| median(&requests.iter().map(f).collect::<Vec<_>>());
+        let part = |f: fn(&RequestMetrics) -> f64| median_of(requests, f);
         Ok(ProtocolParts {
             encode: part(|m| m.encode_ms)?,
             queue: part(|m| m.server.queue_ms)?,
@@ -298,9 +302,6 @@ async fn measure_batch(
         let mut whole = Vec::new();
         let mut floor = vec![Vec::new(); splits.len()];
         let (mut floor_prefix, mut floor_suffix) = (vec![Vec::new(); splits.len()], vec![Vec::new(); splits.len()]);
-        let (mut split_prefix, mut split_server) = (vec![Vec::new(); configs.len()], vec![Vec::new(); configs.len()]);
-        let mut split = vec![Vec::new(); configs.len()];
-        let mut protocol = vec![Vec::new(); configs.len()];
         let mut requests: Vec<Vec<RequestMetrics>> = vec![Vec::new(); configs.len()];
         let mut wire = vec![0u64; configs.len()];
         let mut next_id = 0u64;
@@ -359,10 +360,6 @@ async fn measure_batch(
                     Ok(_) => {
                         let m = &o.metrics;
                         if timed {
-                            split[k].push(m.e2e_ms - m.input_ms);
-                            protocol[k].push(m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms);
-                            split_prefix[k].push(m.prefix_ms);
-                            split_server[k].push(m.server.compute_ms);
                             requests[k].push(m.clone());
                         }
                         wire[k] = m.bytes_wire;
@@ -378,7 +375,8 @@ async fn measure_batch(
         let whole_ms = median(&whole)?;
         let mut rows = Vec::new();
         for (k, &(f, cut, codec)) in configs.iter().enumerate() {
-            let (floor_ms, split_ms) = (median(&floor[f])?, median(&split[k])?);
+            let requests = &requests[k];
+            let (floor_ms, split_ms) = (median(&floor[f])?, median_of(requests, |m| m.e2e_ms - m.input_ms)?);
             rows.push(Row {
                 cut,
                 codec,
@@ -386,11 +384,11 @@ async fn measure_batch(
                 floor_ms,
                 split_ms,
                 split_per_floor: split_ms / floor_ms,
-                protocol_ms: median(&protocol[k])?,
+                protocol_ms: median_of(requests, |m| m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms)?,
                 wire_bytes: wire[k],
                 floor_parts: (median(&floor_prefix[f])?, median(&floor_suffix[f])?),
-                split_parts: (median(&split_prefix[k])?, median(&split_server[k])?),
-                protocol_parts: ProtocolParts::of(&requests[k])?,
+                split_parts: (median_of(requests, |m| m.prefix_ms)?, median_of(requests, |m| m.server.compute_ms)?),
+                protocol_parts: ProtocolParts::of(requests)?,
             });
         }
         Ok(rows)
