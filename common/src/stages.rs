@@ -128,6 +128,11 @@ impl LoadedStages {
         self.device
     }
 
+    /// Waits for the work queued on their device (none to wait for on the CPU).
+    pub fn synchronize(&self) {
+        synchronize(self.device);
+    }
+
     /// The stages loaded.
     pub fn range(&self) -> StageRange {
         self.range

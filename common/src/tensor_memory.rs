@@ -64,6 +64,7 @@ impl AsRef<[u8]> for TensorBytes {
 pub struct TensorBuf {
     tensor: Tensor,
     len: usize,
+    pinned: bool,
 }
 
 impl TensorBuf {
@@ -71,8 +72,28 @@ impl TensorBuf {
     /// whose size overflows, as a message).
     pub fn empty(shape: &[i64], kind: Kind) -> Result<Self, String> {
         let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).map_err(|e| e.to_string())?;
+        Ok(Self::of(tensor, kind, false))
+    }
+
+    /// The same in page-locked (pinned) host memory for CUDA device `device`, so that the
+    /// stages' copy to the device can be asynchronous (see [`Tensor::to_device_`] with
+    /// `non_blocking`). libtorch's caching host allocator keeps freed pinned blocks for reuse,
+    /// and holds one back until the copies queued from it are done.
+    pub fn empty_pinned(shape: &[i64], kind: Kind, device: Device) -> Result<Self, String> {
+        // tch cannot ask libtorch for an empty pinned tensor, and a pinned storage cannot be
+        // resized: an empty pageable one is pinned, which copies its untouched pages once.
+        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).and_then(|t| t.f_pin_memory(device)).map_err(|e| e.to_string())?;
+        Ok(Self::of(tensor, kind, true))
+    }
+
+    fn of(tensor: Tensor, kind: Kind, pinned: bool) -> Self {
         let len = tensor.numel() * kind.elt_size_in_bytes();
-        Ok(Self { tensor, len })
+        Self { tensor, len, pinned }
+    }
+
+    /// Whether it was allocated in pinned memory.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
     }
 
     /// Its size in bytes.
@@ -99,7 +120,7 @@ impl TensorBuf {
         if self.len == 0 {
             return &mut [];
         }
-        // SAFETY: the tensor was created by `empty` as a contiguous CPU tensor of exactly
+        // SAFETY: the tensor was created by `empty` or `empty_pinned` as a contiguous CPU tensor of exactly
         // `len` bytes, and no other handle to it exists until `into_tensor` consumes `self`;
         // the `&mut self` borrow makes this the only view while it lives.
         unsafe { std::slice::from_raw_parts_mut(self.tensor.data_ptr() as *mut u8, self.len) }

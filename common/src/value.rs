@@ -102,9 +102,16 @@ impl Value {
         }
     }
 
-    /// The same tree with every tensor on `device` (no copy for tensors already there).
+    /// The same tree with every tensor on `device` (no copy for tensors already there). Host
+    /// tensors go to a CUDA device without blocking: from pinned memory the copy is queued on
+    /// the device's stream, which orders the stages after it (libtorch's host allocator holds
+    /// the memory until it is done); from pageable memory CUDA returns once it has staged the
+    /// bytes, so the tensor may be freed at once either way.
     pub fn to_device(&self, device: tch::Device) -> Value {
-        self.map_tensors(&|t| t.to_device(device))
+        self.map_tensors(&|t| {
+            let non_blocking = device.is_cuda() && t.device() == tch::Device::Cpu;
+            t.to_device_(device, t.kind(), non_blocking, false)
+        })
     }
 
     /// The same tree sharing tensor storage (cheap).

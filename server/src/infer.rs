@@ -340,7 +340,7 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
         Err(e) => Err(e),
         Ok((r, took)) => {
             (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
-            ctx.metrics.received_copied(ctx.model.bundle.id(), r.copied_bytes);
+            ctx.metrics.received_copied(ctx.model.bundle.id(), r.copied_bytes, r.pinned_bytes);
             submit(ctx, r).await
         }
     };

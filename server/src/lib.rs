@@ -389,6 +389,41 @@ pub fn check(opts: &CheckOptions) -> Result<bool, ServerError> {
         println!("{}", verify_table(&report));
         passed &= report.passed();
     }
+    println!("received into pinned host memory: {}", pinned_landing(&bundle, device));
     println!("{}", if passed { "check passed" } else { "CHECK FAILED: outputs differ from the reference" });
     Ok(passed)
+}
+
+/// On a CUDA device, a request at the middle cut received as the server receives one (raw,
+/// through the checks) and run from where it landed: whether its bytes were in pinned host
+/// memory, and the output against the reference. Said, not failed: pinning is for speed.
+fn pinned_landing(bundle: &Bundle, device: tch::Device) -> String {
+    use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+    use cleave_common::{LoadedStages, StageRange};
+    let tch::Device::Cuda(index) = device else {
+        return format!("not used ({})", device_name(device));
+    };
+    let run = || -> anyhow::Result<String> {
+        let stages = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cuda(index))?;
+        let (input, reference) = bundle.reference(bundle.reference_batches()[0])?;
+        let cut = bundle.stage_count() / 2;
+        let middle = stages.run(StageRange::prefix(cut), &input)?.to_device(tch::Device::Cpu);
+        let meta = PayloadMeta { request_id: 1, split: cut as u32, direction: Direction::Request };
+        let sent = PayloadSender::plain().encode_owned(meta, &Codec::RAW, middle)?;
+        let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default())
+            .checked_against(bundle)
+            .landing_for(device);
+        let mut assembly = receiver.start(1, &sent.envelope)?;
+        assembly.push_data(1, &sent.data)?;
+        let received = receiver.finish(assembly)?;
+        let total = received.boundary.tensor_bytes() as u64;
+        let output = stages.run(StageRange::suffix(bundle, cut), &received.boundary)?;
+        let error = output.max_relative_error(&reference);
+        let verdict = if received.pinned_bytes == total { "yes" } else { "NO" };
+        Ok(format!(
+            "{verdict}, {} of {total} bytes at cut {cut}; the rest of the model run from them: relative error {error:.1e}",
+            received.pinned_bytes
+        ))
+    };
+    run().unwrap_or_else(|e| format!("failed: {e:#}"))
 }

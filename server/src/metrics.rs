@@ -74,6 +74,7 @@ struct Inner {
     bytes_in: Family<ModelLabel, Counter>,
     bytes_out: Family<ModelLabel, Counter>,
     copied_in: Family<ModelLabel, Counter>,
+    pinned_in: Family<ModelLabel, Counter>,
     copied_out: Family<ModelLabel, Counter>,
     slo_misses: Family<ModelLabel, Counter>,
     cut_merges: Family<ModelLabel, Counter>,
@@ -129,6 +130,12 @@ impl Metrics {
             "Bytes of requests copied as they were to receive them: frames into tensors, decoding (gRPC's own copies not counted)",
             copied_in.clone(),
         );
+        let pinned_in = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "received_pinned_bytes",
+            "Bytes of requests received into pinned host memory (models on CUDA devices), copied to the device without blocking",
+            pinned_in.clone(),
+        );
         let copied_out = Family::<ModelLabel, Counter>::default();
         registry.register(
             "sent_copied_bytes",
@@ -176,6 +183,7 @@ impl Metrics {
             bytes_in,
             bytes_out,
             copied_in,
+            pinned_in,
             copied_out,
             slo_misses,
             cut_merges,
@@ -236,8 +244,12 @@ impl Metrics {
     }
 
     /// Bytes of a request for `model` copied as they were to receive it.
-    pub(crate) fn received_copied(&self, model: &str, bytes: u64) {
-        self.inner.copied_in.get_or_create(&Self::model(model)).inc_by(bytes);
+    pub(crate) fn received_copied(&self, model: &str, copied: u64, pinned: u64) {
+        let model = Self::model(model);
+        self.inner.copied_in.get_or_create(&model).inc_by(copied);
+        if pinned > 0 {
+            self.inner.pinned_in.get_or_create(&model).inc_by(pinned);
+        }
     }
 
     /// Payload bytes sent for `model` outside an [`Answered`] request (training answers).

@@ -18,6 +18,8 @@ pub(crate) struct Model {
     pub(crate) bundle: Bundle,
     /// The device its stages run on, resolved (`cpu`, `cuda:0`).
     pub(crate) device: String,
+    /// The same device as libtorch names it (where received tensors land: pinned for CUDA).
+    pub(crate) torch_device: tch::Device,
     /// As configured (training sessions load their own copy there).
     pub(crate) device_spec: DeviceSpec,
     pub(crate) slo: Option<Duration>,
@@ -58,11 +60,11 @@ impl Models {
     /// device (which reloads them from the same configs if it restarts). Two entries of one
     /// bundle are refused.
     pub(crate) fn load(configs: &[ModelConfig], context: &SchedulerContext) -> Result<Self, ServerError> {
-        let mut models: Vec<(&ModelConfig, Bundle, String)> = Vec::with_capacity(configs.len());
+        let mut models: Vec<(&ModelConfig, Bundle, String, tch::Device)> = Vec::with_capacity(configs.len());
         let mut by_device: BTreeMap<String, Vec<(usize, DeviceModel, Bundle)>> = BTreeMap::new();
         for (position, config) in configs.iter().enumerate() {
             let bundle = Bundle::open(&config.bundle)?;
-            if let Some((first, _, _)) = models.iter().find(|(_, b, _)| b.id() == bundle.id()) {
+            if let Some((first, ..)) = models.iter().find(|(_, b, ..)| b.id() == bundle.id()) {
                 return Err(ServerError::DuplicateModel {
                     id: bundle.id().to_string(),
                     first: first.bundle.display().to_string(),
@@ -70,10 +72,10 @@ impl Models {
                 });
             }
             let on_device = load_on_device(&bundle, config)?;
-            let device = on_device.device();
+            let (device, torch_device) = (on_device.device(), on_device.torch_device());
             tracing::info!(bundle = %config.bundle.display(), id = bundle.id(), %device, stages = bundle.stage_count(), "bundle loaded");
             by_device.entry(device.clone()).or_default().push((position, on_device, bundle.clone()));
-            models.push((config, bundle, device));
+            models.push((config, bundle, device, torch_device));
         }
         let mut placed: Vec<Option<(usize, DeviceScheduler)>> = vec![None; models.len()];
         for (device, on_device) in by_device {
@@ -94,10 +96,10 @@ impl Models {
         let list = models
             .into_iter()
             .zip(placed)
-            .map(|((config, bundle, device), slot)| {
+            .map(|((config, bundle, device, torch_device), slot)| {
                 let (index, scheduler) = slot.expect("every model is placed on its device");
                 let batch_limit = config.batching.limit(&bundle);
-                Arc::new(Model { bundle, device, device_spec: config.device, slo: config.slo, index, scheduler, batch_limit })
+                Arc::new(Model { bundle, device, torch_device, device_spec: config.device, slo: config.slo, index, scheduler, batch_limit })
             })
             .collect();
         Ok(Self { list: Arc::new(list) })

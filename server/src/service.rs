@@ -88,7 +88,8 @@ impl SplitInference for Service {
         let ctx = InferContext {
             receiver: Arc::new(Mutex::new(
                 PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys)
-                    .checked_against(&model.bundle),
+                    .checked_against(&model.bundle)
+                    .landing_for(model.torch_device),
             )),
             model,
             metrics: self.metrics.clone(),

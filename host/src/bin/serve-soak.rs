@@ -65,7 +65,7 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(server_bin.exists(), "no server binary at {} (cargo build --release builds it)", server_bin.display());
     let side = Side { cores: allowed_cores()?, threads: tch::get_num_threads() as usize };
     let scratch = tempfile::tempdir()?;
-    let (mut server, url) = start_server(&server_bin, &bundle, &side, None, "", scratch.path())?;
+    let (mut server, url) = start_server(&server_bin, &bundle, &side, DeviceSpec::Cpu, None, "", scratch.path())?;
     let pid = server.id();
     println!(
         "{}: CPU, loopback gRPC, one request in flight, batch {}, cut {split}, codec {}; {} requests",

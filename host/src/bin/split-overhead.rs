@@ -85,6 +85,12 @@ struct Args {
     /// The server binary (default: `server` beside this one).
     #[arg(long)]
     server_bin: Option<PathBuf>,
+    /// The server's device (cpu, cuda:N); the floor's suffix runs there too.
+    #[arg(long, default_value = "cpu")]
+    server_device: DeviceSpec,
+    /// Also write every row's figures to this file as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -112,9 +118,10 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(server_bin.exists(), "no server binary at {} (cargo build --release builds it)", server_bin.display());
     let key = args.encrypt.then(Key::random);
     println!(
-        "{}: CPU, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
+        "{}: edge on the CPU, server on {}, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
          whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration{}",
         bundle.manifest().model.source,
+        args.server_device,
         edge.cores,
         edge.threads,
         server_side.cores,
@@ -137,14 +144,15 @@ fn main() -> anyhow::Result<()> {
     let mut worst: f64 = 0.0;
     let rt = tokio::runtime::Runtime::new()?;
     let mut parts = Vec::new();
+    let mut json_rows = Vec::new();
     for &batch in &args.batches {
         let mut runs = Vec::new();
         for _ in 0..args.runs.max(1) {
             runs.push(rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?);
         }
         for row in medians_of_runs(&runs)? {
-            parts.push((batch, row.cut, row.codec, row.protocol_parts));
             worst = worst.max(row.split_per_floor);
+            json_rows.push(row.to_json(batch));
             println!(
                 "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
                 batch,
@@ -156,14 +164,19 @@ fn main() -> anyhow::Result<()> {
                 row.split_per_floor,
                 row.split_ms / row.whole_ms,
                 row.protocol_ms,
-                0.3 + row.wire_bytes as f64 / 2e9 * 1e3,
+                budget_ms(row.wire_bytes),
                 human_bytes(row.wire_bytes),
                 format!("{:.2} / {:.2}", row.floor_parts.0, row.split_parts.0),
                 format!("{:.2} / {:.2}", row.floor_parts.1, row.split_parts.1),
             );
+            parts.push((batch, row.cut, row.codec, row.protocol_parts));
         }
     }
     print_protocol_parts(&parts);
+    if let Some(path) = &args.json {
+        let all = serde_json::json!({ "server_device": args.server_device.to_string(), "rows": json_rows, "worst_split_per_floor": worst });
+        std::fs::write(path, serde_json::to_string_pretty(&all)?).with_context(|| format!("writing {}", path.display()))?;
+    }
     println!("worst split/floor ratio: {worst:.3}");
     Ok(())
 }
@@ -242,6 +255,38 @@ struct Row {
     protocol_parts: ProtocolParts,
 }
 
+impl Row {
+    /// Its figures for `--json` (milliseconds at p50; the budget as the table's).
+    fn to_json(&self, batch: i64) -> serde_json::Value {
+        let p = &self.protocol_parts;
+        serde_json::json!({
+            "batch": batch,
+            "cut": self.cut,
+            "codec": self.codec.to_string(),
+            "whole_ms": self.whole_ms,
+            "floor_ms": self.floor_ms,
+            "split_ms": self.split_ms,
+            "split_per_floor": self.split_per_floor,
+            "protocol_ms": self.protocol_ms,
+            "budget_ms": budget_ms(self.wire_bytes),
+            "wire_bytes": self.wire_bytes,
+            "floor_prefix_ms": self.floor_parts.0,
+            "floor_suffix_ms": self.floor_parts.1,
+            "prefix_ms": self.split_parts.0,
+            "server_compute_ms": self.split_parts.1,
+            "parts": {
+                "encode": p.encode, "queue": p.queue, "server_decode": p.server_decode, "server_encode": p.server_encode,
+                "network": p.network, "decode": p.decode, "edge_rest": p.edge_rest,
+            },
+        })
+    }
+}
+
+/// The protocol's budget: 0.3 ms plus the bytes at 2 GB/s.
+fn budget_ms(wire_bytes: u64) -> f64 {
+    0.3 + wire_bytes as f64 / 2e9 * 1e3
+}
+
 /// Each row's figures as the median over `runs` (each run's rows in the same order).
 fn medians_of_runs(runs: &[Vec<Row>]) -> anyhow::Result<Vec<Row>> {
     let first = runs.first().context("no run")?;
@@ -287,11 +332,16 @@ async fn measure_batch(
     whole_side: &Side,
 ) -> anyhow::Result<Vec<Row>> {
     let scratch = tempfile::tempdir()?;
-    let (mut server, url) = start_server(server_bin, bundle, server_side, key, &args.server_limits, scratch.path())?;
+    let (mut server, url) = start_server(server_bin, bundle, server_side, args.server_device, key, &args.server_limits, scratch.path())?;
     let result = async {
         let n = bundle.stage_count();
         let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?;
         let stages = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu)?;
+        // The floor's suffix on the server's device (its output brought back, as the server does).
+        let server_stages = match args.server_device {
+            DeviceSpec::Cpu => None,
+            device => Some(LoadedStages::load(bundle, StageRange::all(bundle), device)?),
+        };
         let link = Link::default();
         // (index into `splits`, cut, codec)
         let configs: Vec<(usize, usize, Codec)> = splits.iter().enumerate().flat_map(|(f, &s)| args.codecs.iter().map(move |&c| (f, s, c))).collect();
@@ -329,7 +379,7 @@ async fn measure_batch(
                     let prefix = ms(t);
                     server_side.enter()?;
                     let t = Instant::now();
-                    stages.run(StageRange::new(s, n), &boundary)?;
+                    server_stages.as_ref().unwrap_or(&stages).run(StageRange::new(s, n), &boundary)?.to_device(tch::Device::Cpu);
                     if timed {
                         let suffix = ms(t);
                         floor[k].push(prefix + suffix);

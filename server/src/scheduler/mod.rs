@@ -63,6 +63,11 @@ impl DeviceModel {
         cleave_common::device::device_name(self.stages.device())
     }
 
+    /// The libtorch device its stages are on.
+    pub(crate) fn torch_device(&self) -> tch::Device {
+        self.stages.device()
+    }
+
     fn batch_limit(&self) -> i64 {
         i64::from(self.batching.limit(self.stages.bundle()))
     }
@@ -347,15 +352,20 @@ impl Worker {
         // A batch stops at the next stage boundary once every request in it is abandoned.
         let wanted = || requests.iter().any(|w| !w.reply.is_closed());
         let outputs = catch_panic(&format!("running stages {range}"), || {
-            if requests.len() == 1 {
-                return Ok(model.stages.run_while(range, &requests[0].input, wanted)?.map(|out| vec![out]));
-            }
-            let inputs: Vec<Boundary> = requests.iter().map(|w| w.input.shallow_clone()).collect();
-            let merged = Boundary::cat_batches(&inputs).map_err(RequestError::Batching)?;
-            match model.stages.run_while(range, &merged, wanted)? {
-                Some(out) => out.split_batches(&sizes).map(Some).map_err(RequestError::Batching),
-                None => Ok(None),
-            }
+            let outputs = (|| {
+                if requests.len() == 1 {
+                    return Ok(model.stages.run_while(range, &requests[0].input, wanted)?.map(|out| vec![out]));
+                }
+                let inputs: Vec<Boundary> = requests.iter().map(|w| w.input.shallow_clone()).collect();
+                let merged = Boundary::cat_batches(&inputs).map_err(RequestError::Batching)?;
+                match model.stages.run_while(range, &merged, wanted)? {
+                    Some(out) => out.split_batches(&sizes).map(Some).map_err(RequestError::Batching),
+                    None => Ok(None),
+                }
+            })();
+            // Compute time includes the work queued on the device, not only its launch.
+            model.stages.synchronize();
+            outputs
         });
         let took = started.elapsed();
         match outputs {
@@ -400,7 +410,11 @@ impl Worker {
         let model = &self.models[w.model];
         let started = Instant::now();
         let range = StageRange::suffix(model.stages.bundle(), w.cut);
-        let output = catch_panic(&format!("running stages {range}"), || Ok(model.stages.run(range, &w.input)?));
+        let output = catch_panic(&format!("running stages {range}"), || {
+            let output = model.stages.run(range, &w.input);
+            model.stages.synchronize();
+            Ok(output?)
+        });
         w.compute += started.elapsed();
         answer(w, output);
     }

@@ -282,7 +282,7 @@ impl CallStream {
         // at its end (its floating-point tensors).
         let receiver = |d, cut: u32, rule| {
             let receiver = PayloadReceiver::new(d, ctx.limits.max_payload_bytes, ctx.security.policy.clone(), &ctx.security.keys);
-            Arc::new(Mutex::new(receiver.checked_at(&ctx.model.bundle, cut as usize, rule)))
+            Arc::new(Mutex::new(receiver.checked_at(&ctx.model.bundle, cut as usize, rule).landing_for(ctx.model.torch_device)))
         };
         let holds_loss = end as usize == ctx.model.bundle.stage_count();
         let boundaries = if holds_loss { CutTensors::AllAndMaybe(TARGETS_VALUE) } else { CutTensors::All };

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use cleave_common::config::pin_thread;
 use cleave_common::wire::Key;
-use cleave_common::Bundle;
+use cleave_common::{Bundle, DeviceSpec};
 use cleave_host::session::{connect, EdgeSession, Link};
 
 /// Where a side runs: its cores and libtorch's threads.
@@ -32,11 +32,19 @@ impl Side {
 /// The `server` process for `bundle` on `side`'s cores and threads, listening on a free port
 /// of 127.0.0.1, with `limits` (YAML flow entries, `stream_window_bytes: 8388608`; empty for
 /// the defaults); its URL.
-pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, key: Option<&Key>, limits: &str, dir: &Path) -> anyhow::Result<(Child, String)> {
+pub(crate) fn start_server(
+    bin: &Path,
+    bundle: &Bundle,
+    side: &Side,
+    device: DeviceSpec,
+    key: Option<&Key>,
+    limits: &str,
+    dir: &Path,
+) -> anyhow::Result<(Child, String)> {
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let cores: Vec<String> = side.cores.iter().map(usize::to_string).collect();
     let mut yaml = format!(
-        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: cpu\nthreads: {}\ncores: [{}]\n",
+        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: {device}\nthreads: {}\ncores: [{}]\n",
         std::fs::canonicalize(bundle.dir())?.display(),
         side.threads,
         cores.join(", ")
