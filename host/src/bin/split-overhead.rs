@@ -145,12 +145,19 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let mut parts = Vec::new();
     let mut json_rows = Vec::new();
+    // Per batch: the first request of each run (a fresh server) against its configuration's median.
+    let mut firsts_of_batch = Vec::new();
     for &batch in &args.batches {
-        let mut runs = Vec::new();
+        let (mut runs, mut firsts) = (Vec::new(), Vec::new());
         for _ in 0..args.runs.max(1) {
-            runs.push(rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?);
+            let (rows, first) =
+                rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?;
+            runs.push(rows);
+            firsts.push(first);
         }
-        for row in medians_of_runs(&runs)? {
+        let rows = medians_of_runs(&runs)?;
+        firsts_of_batch.push((batch, rows[0].cut, rows[0].codec, median(&firsts)?, rows[0].split_ms, firsts.len()));
+        for row in rows {
             worst = worst.max(row.split_per_floor);
             json_rows.push(row.to_json(batch));
             println!(
@@ -173,6 +180,12 @@ fn main() -> anyhow::Result<()> {
         }
     }
     print_protocol_parts(&parts);
+    for &(batch, cut, codec, first, median_ms, runs) in &firsts_of_batch {
+        println!(
+            "first request (batch {batch}, cut {cut}, {codec}, a fresh server): {first:.3} ms (p50 of {runs} runs), median {median_ms:.3} ms, first/median {:.2}",
+            first / median_ms
+        );
+    }
     if let Some(path) = &args.json {
         let all = serde_json::json!({ "server_device": args.server_device.to_string(), "rows": json_rows, "worst_split_per_floor": worst });
         std::fs::write(path, serde_json::to_string_pretty(&all)?).with_context(|| format!("writing {}", path.display()))?;
@@ -330,7 +343,7 @@ async fn measure_batch(
     edge: &Side,
     server_side: &Side,
     whole_side: &Side,
-) -> anyhow::Result<Vec<Row>> {
+) -> anyhow::Result<(Vec<Row>, f64)> {
     let scratch = tempfile::tempdir()?;
     let (mut server, url) = start_server(server_bin, bundle, server_side, args.server_device, key, &args.server_limits, scratch.path())?;
     let result = async {
@@ -355,6 +368,8 @@ async fn measure_batch(
         let mut requests: Vec<Vec<RequestMetrics>> = vec![Vec::new(); configs.len()];
         let mut wire = vec![0u64; configs.len()];
         let mut next_id = 0u64;
+        // The split's first request: the first the fresh server answers.
+        let mut first_ms = None;
         for round in 0..=args.rounds {
             let timed = round > 0;
             // (a) the whole model on every core.
@@ -409,6 +424,7 @@ async fn measure_batch(
                 stream_requests(session, plan, |o| match &o.output {
                     Ok(_) => {
                         let m = &o.metrics;
+                        first_ms.get_or_insert(m.e2e_ms - m.input_ms);
                         if timed {
                             requests[k].push(m.clone());
                         }
@@ -441,7 +457,7 @@ async fn measure_batch(
                 protocol_parts: ProtocolParts::of(requests)?,
             });
         }
-        Ok(rows)
+        Ok((rows, first_ms.context("no request was answered")?))
     }
     .await;
     let _ = server.kill();

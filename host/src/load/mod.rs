@@ -220,6 +220,9 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     write_json(&opts.output.join("load.json"), &report)?;
     println!("{}", report.table());
     println!("results in {}", opts.output.display());
+    if let Some(line) = report.first_request_line() {
+        println!("{line}");
+    }
     println!("{}", report.summary_line());
     Ok(report)
 }

@@ -66,6 +66,9 @@ pub struct LoadStats {
     pub p95_ms: Option<f64>,
     /// See `p50_ms`.
     pub p99_ms: Option<f64>,
+    /// The latency of the first request (the earliest `t_s`) when it was answered with a
+    /// result: against `p50_ms`, whether the server (or a warm-up) left it cold.
+    pub first_ms: Option<f64>,
     /// The model's latency target from the server's `Info` (none: no target; overall, the
     /// target when every model has the same one).
     pub slo_ms: Option<u32>,
@@ -80,11 +83,15 @@ impl LoadStats {
     pub fn of<'a>(records: impl IntoIterator<Item = &'a RequestRecord>, wall_s: f64, slo_of: impl Fn(usize) -> Option<u32>) -> Self {
         let mut requests = 0;
         let mut latencies = Vec::new();
+        let mut first: Option<&RequestRecord> = None;
         let mut errors_by_code = BTreeMap::new();
         let (mut with_target, mut met) = (0u64, 0u64);
         let mut targets = std::collections::BTreeSet::new();
         for r in records {
             requests += 1;
+            if first.is_none_or(|f| r.t_s < f.t_s) {
+                first = Some(r);
+            }
             let slo = slo_of(r.model);
             targets.insert(slo);
             match &r.error {
@@ -110,6 +117,7 @@ impl LoadStats {
             p50_ms: p.map(|p| p.p50),
             p95_ms: p.map(|p| p.p95),
             p99_ms: p.map(|p| p.p99),
+            first_ms: first.filter(|r| r.ok()).and_then(|r| r.latency_ms),
             slo_ms: if targets.len() == 1 { targets.into_iter().next().flatten() } else { None },
             slo_attainment: (with_target > 0).then(|| met as f64 / with_target as f64),
         }
@@ -180,6 +188,13 @@ pub struct LoadReport {
 }
 
 impl LoadReport {
+    /// The first request against the median, for people: `first request: X ms, p50 Y ms,
+    /// first/p50 Z`; none when the first request was not answered.
+    pub fn first_request_line(&self) -> Option<String> {
+        let (first, p50) = (self.overall.first_ms?, self.overall.p50_ms?);
+        Some(format!("first request: {first:.2} ms, p50 {p50:.2} ms, first/p50 {:.2}", first / p50))
+    }
+
     /// The line benches parse, always the last a load run prints:
     /// `load: R req/s, p50 X ms, p99 Y ms, errors E` (`NaN` percentiles when nothing was answered).
     pub fn summary_line(&self) -> String {
@@ -268,6 +283,29 @@ mod tests {
 
     fn record(model: usize, latency_ms: Option<f64>, error: Option<&str>) -> RequestRecord {
         RequestRecord { t_s: 0.5, model, edge: 0, split: 3, latency_ms, error: error.map(String::from) }
+    }
+
+    #[test]
+    fn the_first_request_is_the_earliest_sent_and_counts_only_when_answered() {
+        let at = |t_s: f64, ms: f64, error: Option<&str>| RequestRecord { t_s, ..record(0, Some(ms), error) };
+        let records = [at(0.2, 4.0, None), at(0.1, 9.0, None), at(0.3, 5.0, None)];
+        let s = LoadStats::of(&records, 1.0, |_| None);
+        assert_eq!((s.first_ms, s.p50_ms), (Some(9.0), Some(5.0)));
+        let report = LoadReport {
+            mode: "closed",
+            rate: None,
+            duration_s: 1.0,
+            wall_s: 1.0,
+            edges: 1,
+            seed: 0,
+            in_flight_cap: 64,
+            models: Vec::new(),
+            overall: s,
+        };
+        assert_eq!(report.first_request_line().unwrap(), "first request: 9.00 ms, p50 5.00 ms, first/p50 1.80");
+        // An error answer first: no first request to compare.
+        let s = LoadStats::of(&[at(0.1, 9.0, Some("Internal")), at(0.2, 4.0, None)], 1.0, |_| None);
+        assert_eq!(s.first_ms, None);
     }
 
     #[test]
