@@ -460,21 +460,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn synthetic_inputs_leave_libtorch_s_generator_alone() {
+    fn synthetic_inputs_do_not_draw_from_libtorch_s_generator() {
+        // Drawn from the global generator, they would follow its seed (and move it under a
+        // training step that seeded it). Checked through their values, since tests running
+        // beside this one draw from the global generator too.
         let spec: crate::spec::NamedSpec = serde_json::from_value(serde_json::json!({
             "name": "x", "spec": {"type": "tensor", "dtype": "float32", "shape": ["B", 3]}
         }))
         .unwrap();
+        let sizes = Sizes { batch: Some(2), seq: None };
         tch::manual_seed(7);
-        let expected = Tensor::randn([4], (tch::Kind::Float, tch::Device::Cpu));
-        tch::manual_seed(7);
-        let inputs = synthetic_inputs(std::slice::from_ref(&spec), Sizes { batch: Some(2), seq: None }).unwrap();
-        let drawn = Tensor::randn([4], (tch::Kind::Float, tch::Device::Cpu));
-        assert!(drawn.equal(&expected), "synthetic inputs drew from libtorch's global generator");
-        let again = synthetic_inputs(std::slice::from_ref(&spec), Sizes { batch: Some(2), seq: None }).unwrap();
+        let inputs = synthetic_inputs(std::slice::from_ref(&spec), sizes).unwrap();
+        tch::manual_seed(8);
+        let again = synthetic_inputs(std::slice::from_ref(&spec), sizes).unwrap();
         let (Value::Tensor(a), Value::Tensor(b)) = (&inputs.values[0].1, &again.values[0].1) else { panic!("tensors") };
         assert_eq!(a.size(), [2, 3]);
-        assert!(a.equal(b), "the same inputs every call");
+        assert!(a.equal(b), "the same inputs whatever libtorch's generator holds");
     }
 
     fn request(rows: i64, offset: f64) -> Boundary {

@@ -88,7 +88,7 @@ impl Models {
                 recipes.push((bundle, configs[position].clone()));
             }
             let reload: LoadModels = Box::new(move || recipes.iter().map(|(bundle, config)| load_on_device(bundle, config)).collect());
-            let handle = watch::spawn(&device, device_models, reload, context.clone());
+            let handle = watch::spawn(&device, device_models, reload, context.clone())?;
             for (index, position) in positions.into_iter().enumerate() {
                 placed[position] = Some((index, handle.clone()));
             }
@@ -124,12 +124,8 @@ impl Models {
     }
 }
 
-/// Loads a model's stages on its device and warms them at the smallest batch and the largest
-/// a merged batch reaches: the first requests are then as fast as the rest.
+/// Loads a model's stages on its device (its scheduler thread warms them before it serves).
 fn load_on_device(bundle: &Bundle, config: &ModelConfig) -> Result<DeviceModel, ServerError> {
     let stages = LoadedStages::load(bundle, StageRange::all(bundle), config.device)?;
-    let smallest = bundle.manifest().batch.min;
-    let largest = i64::from(config.batching.limit(bundle)).max(smallest);
-    stages.warm_up(&if largest > smallest { vec![smallest, largest] } else { vec![smallest] })?;
     Ok(DeviceModel::new(stages, config.batching, config.slo, config.priority))
 }

@@ -58,6 +58,15 @@ impl DeviceModel {
         Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable }
     }
 
+    /// Runs its stages at the smallest batch and the largest a merged batch reaches, on the
+    /// calling thread: the scheduler's own, whose first operations would otherwise start
+    /// libtorch's per-thread state (its OpenMP team, allocator caches) on a request.
+    fn warm_up(&self) -> cleave_common::Result<()> {
+        let smallest = self.stages.bundle().manifest().batch.min;
+        let largest = self.batch_limit().max(smallest);
+        self.stages.warm_up(&if largest > smallest { vec![smallest, largest] } else { vec![smallest] })
+    }
+
     /// The device its stages are on (`cpu`, `cuda:0`).
     pub(crate) fn device(&self) -> String {
         cleave_common::device::device_name(self.stages.device())

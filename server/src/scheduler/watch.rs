@@ -6,6 +6,9 @@
 //! the server has exited (`exit`). The thread itself answers the requests it held.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc as std_mpsc;
+
+use cleave_common::BundleError;
 
 use super::{DeviceModel, DeviceScheduler, Work, Worker};
 use crate::config::{DeviceFailurePolicy, SchedulerConfig};
@@ -24,7 +27,7 @@ pub(crate) struct SchedulerContext {
     pub(crate) events: tokio::sync::mpsc::UnboundedSender<DeviceEvent>,
 }
 
-/// Loads a device's models afresh (stages loaded and warmed), for a restart.
+/// Loads a device's models afresh, for a restart (the new thread warms them).
 pub(crate) type LoadModels = Box<dyn Fn() -> Result<Vec<DeviceModel>, ServerError> + Send>;
 
 /// What happened to a device's scheduler.
@@ -55,6 +58,14 @@ pub(crate) enum DeviceEvent {
     },
 }
 
+/// Why a scheduler thread ended before every handle was dropped.
+enum Ended {
+    /// It died serving (a panic outside any request): a new thread may serve again.
+    Died(String),
+    /// Its models failed their warm-up: they cannot run there, reloaded or not.
+    NotWarmed(String),
+}
+
 struct DeviceWatch {
     device: String,
     /// The bundle ids of its models.
@@ -66,23 +77,38 @@ struct DeviceWatch {
 /// Starts the scheduler thread of one device with its models, and the thread that watches it
 /// (restarting it with `reload`'s models after a failure, when the policy says so); both end
 /// when every handle is dropped and the queue is empty.
-pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, reload: LoadModels, context: SchedulerContext) -> DeviceScheduler {
+/// Returns once the scheduler thread has warmed its models (an error when that failed), so
+/// that the server reports SERVING with every device warm.
+pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, reload: LoadModels, context: SchedulerContext) -> Result<DeviceScheduler, ServerError> {
     let (work, rx) = flume::bounded(context.depth.max(1));
     let labels = models.iter().map(|m| m.label.clone()).collect();
     let watch = DeviceWatch { device: device.to_string(), labels, reload, context };
-    std::thread::Builder::new().name(format!("cleave-{device}-watch")).spawn(move || watch.run(models, &rx)).expect("spawn a device's watch thread");
-    DeviceScheduler { work }
+    let (warmed, warm) = std_mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("cleave-{device}-watch"))
+        .spawn(move || watch.run(models, &rx, warmed))
+        .expect("spawn a device's watch thread");
+    // Nothing comes when the thread died warming up: its watch reports that like any failure.
+    if let Ok(Err(e)) = warm.recv() {
+        return Err(e.into());
+    }
+    Ok(DeviceScheduler { work })
 }
 
 impl DeviceWatch {
     /// Runs scheduler threads one after the other until one ends normally (every handle
     /// dropped) or the device is down for good.
-    fn run(self, mut models: Vec<DeviceModel>, rx: &flume::Receiver<Work>) {
+    fn run(self, mut models: Vec<DeviceModel>, rx: &flume::Receiver<Work>, warmed: std_mpsc::Sender<Result<(), BundleError>>) {
         let mut restarted = false;
         loop {
-            let cause = match self.run_scheduler(models, rx, restarted) {
+            let cause = match self.run_scheduler(models, rx, restarted, warmed.clone()) {
                 Ok(()) => return,
-                Err(cause) => cause,
+                Err(Ended::NotWarmed(cause)) => {
+                    tracing::error!(device = %self.device, %cause, "a device's models failed their warm-up");
+                    self.report(DeviceEvent::Down { device: self.device.clone(), cause: cause.clone() });
+                    return self.refuse_all(rx, cause);
+                }
+                Err(Ended::Died(cause)) => cause,
             };
             tracing::error!(device = %self.device, %cause, "a device's scheduler thread died; the requests it held were answered INTERNAL");
             self.context.metrics.device_failed(&self.device);
@@ -99,21 +125,36 @@ impl DeviceWatch {
 
     /// One scheduler thread's life: `Err` with the cause when it died. A restarted one is
     /// reported once its thread has started.
-    fn run_scheduler(&self, models: Vec<DeviceModel>, rx: &flume::Receiver<Work>, restarted: bool) -> Result<(), String> {
+    fn run_scheduler(
+        &self,
+        models: Vec<DeviceModel>,
+        rx: &flume::Receiver<Work>,
+        restarted: bool,
+        warmed: std_mpsc::Sender<Result<(), BundleError>>,
+    ) -> Result<(), Ended> {
         let c = &self.context;
         let worker = Worker { device: self.device.clone(), models, config: c.config, depth: c.depth.max(1), metrics: c.metrics.clone() };
         let rx = rx.clone();
         let thread = std::thread::Builder::new()
             .name(format!("cleave-{}", self.device))
-            .spawn(move || worker.run(&rx))
-            .map_err(|e| format!("its scheduler thread could not start: {e}"))?;
+            .spawn(move || {
+                // Warm on this thread before serving; `spawn` waits for the first thread's word.
+                let warm = worker.models.iter().try_for_each(DeviceModel::warm_up);
+                let failed = warm.as_ref().err().map(ToString::to_string);
+                let _ = warmed.send(warm);
+                match failed {
+                    Some(cause) => Err(Ended::NotWarmed(format!("warming its models failed: {cause}"))),
+                    None => worker.run(&rx).map_err(Ended::Died),
+                }
+            })
+            .map_err(|e| Ended::Died(format!("its scheduler thread could not start: {e}")))?;
         if restarted {
             self.context.metrics.device_restarted(&self.device);
             self.report(DeviceEvent::Restarted { device: self.device.clone(), models: self.labels.clone() });
             tracing::info!(device = %self.device, "the device's models are reloaded and served again");
         }
         // The worker catches its own panics; one that escapes it still ends here.
-        thread.join().unwrap_or_else(|panic| Err(format!("its scheduler panicked: {}", panic_message(panic.as_ref()))))
+        thread.join().unwrap_or_else(|panic| Err(Ended::Died(format!("its scheduler panicked: {}", panic_message(panic.as_ref())))))
     }
 
     /// The device's models loaded afresh, when the policy restarts them; otherwise, or when
