@@ -245,6 +245,18 @@ pub enum ServerError {
         /// Why its thread died, and why it was not restarted.
         cause: String,
     },
+    /// A model's `warm_batches` lists a batch size its bundle does not take.
+    #[error("`warm_batches`: {bundle} takes batches of {min} to {max}, not {batch}")]
+    WarmBatch {
+        /// The model's bundle directory.
+        bundle: String,
+        /// The size listed.
+        batch: i64,
+        /// The bundle's smallest batch.
+        min: i64,
+        /// Its largest.
+        max: i64,
+    },
     /// The metrics endpoint cannot be served.
     #[error("metrics on {addr}: {error}")]
     Metrics {

@@ -124,8 +124,13 @@ impl Models {
     }
 }
 
-/// Loads a model's stages on its device (its scheduler thread warms them before it serves).
+/// Loads a model's stages on its device (its scheduler thread warms them before it serves,
+/// at `warm_batches` too, which must be batch sizes the bundle takes).
 fn load_on_device(bundle: &Bundle, config: &ModelConfig) -> Result<DeviceModel, ServerError> {
+    let (min, max) = (bundle.manifest().batch.min, bundle.manifest().batch.max);
+    if let Some(&batch) = config.warm_batches.iter().find(|&&b| b < min || b > max) {
+        return Err(ServerError::WarmBatch { bundle: config.bundle.display().to_string(), batch, min, max });
+    }
     let stages = LoadedStages::load(bundle, StageRange::all(bundle), config.device)?;
-    Ok(DeviceModel::new(stages, config.batching, config.slo, config.priority))
+    Ok(DeviceModel::new(stages, config.batching, config.slo, config.priority).warmed_at(&config.warm_batches))
 }

@@ -82,6 +82,17 @@ async fn serve(models: Vec<ModelConfig>, scheduler: SchedulerConfig) -> (Loopbac
 }
 
 #[test]
+fn warm_batches_must_be_sizes_the_bundle_takes() {
+    // The digits test bundle takes batches of 1 to 16.
+    let model = |warm: Vec<i64>| ModelConfig { warm_batches: warm, ..ModelConfig::new(bundle_dir("digits"), DeviceSpec::Cpu) };
+    let prepare = |m: ModelConfig| PreparedServer::prepare_models(&[m], SchedulerConfig::default(), Limits::default(), Default::default());
+    assert!(prepare(model(vec![3, 16])).is_ok());
+    let Err(err) = prepare(model(vec![3, 17])) else { panic!("a batch of 17 was accepted") };
+    let err = err.to_string();
+    assert!(err.contains("`warm_batches`") && err.contains("takes batches of 1 to 16, not 17"), "{err}");
+}
+
+#[test]
 fn requests_merged_across_hosts_and_cuts_get_their_unbatched_results() {
     let names = ["digits", "resnet18", "transformer", "mobilenet_v3_small"];
     let bundles: Vec<Bundle> = names.iter().map(|n| Bundle::open(bundle_dir(n)).unwrap()).collect();

@@ -23,7 +23,7 @@ pub use models::{Batching, DeviceFailurePolicy, ModelConfig, Policy, SchedulerCo
 #[serde(deny_unknown_fields)]
 struct RawServerConfig {
     listen: String,
-    /// One model: `bundle:` and, beside it, `device`, `batching`, `slo_ms`, `priority`.
+    /// One model: `bundle:` and, beside it, `device`, `batching`, `slo_ms`, `priority`, `warm_batches`.
     #[serde(default)]
     bundle: Option<PathBuf>,
     #[serde(default)]
@@ -34,6 +34,8 @@ struct RawServerConfig {
     slo_ms: Option<u64>,
     #[serde(default)]
     priority: Option<f64>,
+    #[serde(default)]
+    warm_batches: Option<Vec<i64>>,
     /// Several models, each with those keys.
     #[serde(default)]
     models: Option<Vec<models::RawModel>>,
@@ -530,6 +532,7 @@ fn served_models(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<Vec
                 batching: raw.batching.take(),
                 slo_ms: raw.slo_ms.take(),
                 priority: raw.priority.take(),
+                warm_batches: raw.warm_batches.take(),
             };
             Ok(vec![ModelConfig::from_raw(file, "", model)?])
         }
@@ -539,6 +542,7 @@ fn served_models(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<Vec
                 ("batching", raw.batching.is_some()),
                 ("slo_ms", raw.slo_ms.is_some()),
                 ("priority", raw.priority.is_some()),
+                ("warm_batches", raw.warm_batches.is_some()),
             ];
             if let Some((key, _)) = stray.iter().find(|(_, set)| *set) {
                 return Err(file.invalid(key, "with `models:`, write it in each model's entry"));
@@ -738,8 +742,18 @@ mod tests {
         assert_eq!((m.slo, m.priority), (Some(Duration::from_millis(40)), 1.0));
         assert_eq!(one.scheduler, SchedulerConfig::default());
         assert_eq!(one.metrics_listen, None);
-        // Defaults: no batching (bit-identical results), no target.
+        assert_eq!(load("listen: 127.0.0.1:1\nwarm_batches: [1, 8]\n").unwrap().models[0].warm_batches, [1, 8]);
+        let err = load("listen: 127.0.0.1:1\nwarm_batches: [0]\n").unwrap_err();
+        assert!(err.contains("`warm_batches`") && err.contains("at least 1"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.yaml");
+        std::fs::write(&path, "listen: 127.0.0.1:1\nmodels:\n  - {bundle: a, warm_batches: [4, -1]}\n").unwrap();
+        let err = ServerConfig::load(&path).unwrap_err().to_string();
+        assert!(err.contains("`models[0].warm_batches`"), "{err}");
+        // Defaults: no batching (bit-identical results), no target, nothing warmed beyond the
+        // smallest batch and the batch limit.
         let plain = &load("listen: 127.0.0.1:1\n").unwrap().models[0];
+        assert!(plain.warm_batches.is_empty());
         assert_eq!((plain.batching, plain.slo), (Batching::default(), None));
         assert_eq!(Batching::default().max_batch, 1);
 

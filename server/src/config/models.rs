@@ -22,6 +22,8 @@ pub(super) struct RawModel {
     pub(super) slo_ms: Option<u64>,
     #[serde(default)]
     pub(super) priority: Option<f64>,
+    #[serde(default)]
+    pub(super) warm_batches: Option<Vec<i64>>,
 }
 
 /// `batching:` of a model.
@@ -82,12 +84,16 @@ pub struct ModelConfig {
     pub slo: Option<Duration>,
     /// Weight of its deadlines under `edf` (higher: sooner); positive.
     pub priority: f64,
+    /// Batch sizes its stages are warmed at before the server serves, besides its smallest
+    /// and its batch limit (the sizes its hosts send: a size never run pays for its set-up on
+    /// its first request, 0.4 s for a CUDA device).
+    pub warm_batches: Vec<i64>,
 }
 
 impl ModelConfig {
     /// A model on `device` with no batching, no target and priority 1.
     pub fn new(bundle: impl Into<PathBuf>, device: DeviceSpec) -> Self {
-        Self { bundle: bundle.into(), device, batching: Batching::default(), slo: None, priority: 1.0 }
+        Self { bundle: bundle.into(), device, batching: Batching::default(), slo: None, priority: 1.0, warm_batches: Vec::new() }
     }
 
     /// Validates a raw entry; `key` is where it sits (`models[1]`, or empty at the top level).
@@ -116,7 +122,11 @@ impl ModelConfig {
         if !(priority.is_finite() && priority > 0.0) {
             return Err(file.invalid(&at("priority"), "must be a positive number"));
         }
-        Ok(Self { bundle: file.resolve(&raw.bundle), device, batching, slo: raw.slo_ms.map(Duration::from_millis), priority })
+        let warm_batches = raw.warm_batches.unwrap_or_default();
+        if warm_batches.iter().any(|&b| b < 1) {
+            return Err(file.invalid(&at("warm_batches"), "batch sizes must be at least 1"));
+        }
+        Ok(Self { bundle: file.resolve(&raw.bundle), device, batching, slo: raw.slo_ms.map(Duration::from_millis), priority, warm_batches })
     }
 }
 

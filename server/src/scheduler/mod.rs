@@ -46,6 +46,8 @@ pub(crate) struct DeviceModel {
     priority: f64,
     /// By cut: whether requests entering there merge ([`cleave_common::Bundle::batchable_cuts`]).
     batchable: Vec<bool>,
+    /// Batch sizes warmed besides the smallest and the batch limit (`warm_batches`).
+    warm_batches: Vec<i64>,
 }
 
 impl DeviceModel {
@@ -55,7 +57,12 @@ impl DeviceModel {
         for cut in bundle.batchable_cuts() {
             batchable[cut] = true;
         }
-        Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable }
+        Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable, warm_batches: Vec::new() }
+    }
+
+    /// The same, warmed at `batches` too.
+    pub(crate) fn warmed_at(self, batches: &[i64]) -> Self {
+        Self { warm_batches: batches.to_vec(), ..self }
     }
 
     /// Runs its stages at the smallest batch and the largest a merged batch reaches, on the
@@ -63,8 +70,11 @@ impl DeviceModel {
     /// libtorch's per-thread state (its OpenMP team, allocator caches) on a request.
     fn warm_up(&self) -> cleave_common::Result<()> {
         let smallest = self.stages.bundle().manifest().batch.min;
-        let largest = self.batch_limit().max(smallest);
-        self.stages.warm_up(&if largest > smallest { vec![smallest, largest] } else { vec![smallest] })
+        let mut batches = vec![smallest, self.batch_limit().max(smallest)];
+        batches.extend(&self.warm_batches);
+        batches.sort_unstable();
+        batches.dedup();
+        self.stages.warm_up(&batches)
     }
 
     /// The device its stages are on (`cpu`, `cuda:0`).
