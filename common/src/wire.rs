@@ -573,6 +573,17 @@ impl Reassembly {
         }
     }
 
+    /// The bytes [`PayloadReceiver::finish`] works through: none for a verbatim payload (its
+    /// bytes are in its tensors as received, and only checked), the tensors' otherwise
+    /// (opened, or decoded from the data).
+    pub fn finish_work_bytes(&self) -> u64 {
+        if self.incoming.is_verbatim() {
+            0
+        } else {
+            self.held_bytes()
+        }
+    }
+
     /// Adds a frame's bytes; a frame of another request is an error.
     pub fn push(&mut self, request_id: u64, mut bytes: &[u8]) -> Result<(), WireError> {
         if request_id != self.request_id {
@@ -1054,6 +1065,7 @@ mod tests {
         let mut rx = receiver(&KeyRing::default());
         let mut re = rx.start(1, &enc.envelope).unwrap();
         assert_eq!(re.held_bytes(), 3, "a verbatim payload holds its tensors only");
+        assert_eq!(re.finish_work_bytes(), 0, "a verbatim payload is in its tensors as received");
         re.push(1, &[1, 7, 0]).unwrap();
         let err = rx.finish(re).unwrap_err();
         assert!(err.to_string().contains("bool element 1 is 7"), "{err}");
@@ -1064,6 +1076,7 @@ mod tests {
         let enc = PayloadSender::plain().encode(meta(1), &"lz4".parse().unwrap(), &mask).unwrap();
         let re = receiver(&KeyRing::default()).start(1, &enc.envelope).unwrap();
         assert_eq!(re.held_bytes(), enc.data.len() as u64 + 3);
+        assert_eq!(re.finish_work_bytes(), re.held_bytes(), "an encoded payload is decoded whole");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, status_code, Internal, RequestError};
 use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
-use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
+use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
 use crate::scheduler::{InferJob, JobResult};
 use crate::unsent::{answer_bytes, Unsent};
 use crate::window::{HostSession, ResultWindow};
@@ -336,7 +336,7 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
     let (id, split) = (assembly.request_id, assembly.split());
     let (tx, rx) = oneshot::channel();
     let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
-    let submitted = match decode_blocking(receiver, assembly).await {
+    let submitted = match decode_request(receiver, assembly).await {
         Err(e) => Err(e),
         Ok((r, took)) => {
             (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
@@ -425,7 +425,7 @@ impl Responder {
                 (queue, compute, held) = (r.queue, r.compute, bytes);
                 r.output
             }) {
-                Ok(output) => encode_blocking(&self.encoder, spec, output).await,
+                Ok(output) => encode_answer(&self.encoder, spec, output).await,
                 Err(e) => Err(e),
             };
             let mut copied_bytes = 0;

@@ -25,7 +25,7 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, Internal, RequestError};
 use crate::metrics::Metrics;
 use crate::models::Model;
-use crate::payloads::{decode_blocking, encode_blocking, ResultEncoder, ResultSpec};
+use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
 use crate::unsent::{wire_bytes, Unsent};
 
 /// What one `Train` stream needs.
@@ -344,7 +344,7 @@ impl CallStream {
     /// encoding on the blocking pool, the call on the session thread).
     async fn answer(&mut self, assembly: Reassembly, phase: Phase, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
-        let (received, decode_time) = match decode_blocking(self.receiver(phase), assembly).await {
+        let (received, decode_time) = match decode_request(self.receiver(phase), assembly).await {
             Ok(r) => r,
             Err(e) => return vec![error_reply(id, &e)],
         };
@@ -373,7 +373,7 @@ impl CallStream {
             Answer::Output(out) => (None, out, spec(self.end, Direction::Result)),
             Answer::Saved { .. } => return vec![error_reply(id, &Internal::WrongAnswer("payload").into())],
         };
-        let (encoded, encode_time) = match encode_blocking(&self.encoder, spec, boundary).await {
+        let (encoded, encode_time) = match encode_answer(&self.encoder, spec, boundary).await {
             Ok(e) => e,
             Err(e) => return vec![error_reply(id, &e)],
         };
