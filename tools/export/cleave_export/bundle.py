@@ -94,20 +94,11 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         raise ExportError(f"{opts.out} already exists; pass --force to replace it")
 
     src = load_source(opts.source, opts.input_shape, opts.seed, opts.hf_config)
-    model = src.model
     seq_range = opts.seq or src.sequence
     if seq_range is not None and not 1 <= seq_range[0] <= seq_range[1]:
         raise ExportError(f"--dynamic-seq {seq_range[0]} {seq_range[1]}: need 1 <= MIN <= MAX")
-
-    # Probes tell the symbolic dimensions: another batch size shows B, another length S.
-    probes, ranges = _probes(opts.batch_min, opts.batch_max, seq_range)
-    probe_inputs = [src.example_inputs(opts.seed, p.batch, p.seq) for p in probes]
-    # Fail early, with the model's own error, on inputs or batch sizes it does not take.
-    for p, inputs in zip(probes, probe_inputs):
-        _call_model(src, inputs, p)
-    gm, kept_whole, tracer = _trace(src, probe_inputs, ranges)
-    recorded = [record_values(gm, inputs) for inputs in probe_inputs]
-    part = partition(gm, depth, recorded, probes, model, descend=opts.granularity in GRANULARITY_DEPTH)
+    traced = trace_stages(src, opts.seed, depth, opts.granularity in GRANULARITY_DEPTH, (opts.batch_min, opts.batch_max), seq_range)
+    part = traced.part
     timings["trace"] = time.perf_counter() - started
 
     # The temporary directory sits beside the target so that the final rename stays on one filesystem.
@@ -115,8 +106,8 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     tmp = Path(tempfile.mkdtemp(prefix=f".{opts.out.name}.", dir=opts.out.parent))
     try:
         t = time.perf_counter()
-        stage_gms = [stage_module(gm, part, i) for i in range(len(part.stages))]
-        compilers = [_compile(sgm, part, i, tmp / _stage_file(i), recorded[0]) for i, sgm in enumerate(stage_gms)]
+        stage_gms = traced.eager_stages()
+        compilers = [_compile(sgm, part, i, tmp / _stage_file(i), traced.recorded[0]) for i, sgm in enumerate(stage_gms)]
         loaded = [torch.jit.load(str(tmp / _stage_file(i))).eval() for i in range(len(stage_gms))]
         timings["compile"] = time.perf_counter() - t
 
@@ -128,7 +119,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         for b in batches:
             for seq in seqs:
                 inputs = src.example_inputs(opts.seed, b, seq)
-                expected = _validate(src, gm, loaded, part, compilers, inputs, Probe(b, seq))
+                expected = _validate(src, traced.gm, loaded, part, compilers, inputs, Probe(b, seq))
                 validation.append((_where(Probe(b, seq)), inputs))
                 if b in opts.reference_batches:
                     references[(b, seq)] = (inputs, expected)
@@ -140,7 +131,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         timings["inference"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        flops = _stage_flops(stage_gms, probe_inputs[0], probes[0].batch)
+        flops = _stage_flops(stage_gms, traced.probe_inputs[0], traced.probes[0].batch)
         ref_entries = []
         for (b, seq), (inputs, expected) in sorted(references.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             name = f"reference_b{b}.safetensors" if seq is None else f"reference_b{b}_s{seq}.safetensors"
@@ -151,7 +142,9 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
                 tensors.update({f"output.{k}": v for k, v in flatten_tensors(value.name, x)})
             save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / name))
             ref_entries.append({"batch_size": b, "file": name} | ({} if seq is None else {"seq_len": seq}))
-        manifest = _manifest(opts, src, part, stage_gms, compilers, inference, flops, kept_whole, tracer, seq_range, ref_entries, tmp)
+        manifest = _manifest(
+            opts, src, part, stage_gms, compilers, inference, flops, traced.kept_whole, traced.tracer, seq_range, ref_entries, tmp
+        )
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _set_modes(tmp)
         if opts.out.exists():
@@ -163,6 +156,40 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         raise
     timings["total"] = time.perf_counter() - started
     return ExportReport(manifest, timings, batches, [q for q in seqs if q is not None], inference)
+
+
+@dataclass
+class Traced:
+    """A model traced and cut into stages, before they are compiled."""
+
+    gm: fx.GraphModule
+    part: Partition
+    probes: list[Probe]
+    probe_inputs: list[tuple]
+    recorded: list[dict]
+    """Every node's value at each probe."""
+    kept_whole: list[str]
+    tracer: str
+
+    def eager_stages(self) -> list[fx.GraphModule]:
+        """The stages as GraphModules, which run the model's own modules and functions eagerly."""
+        return [stage_module(self.gm, self.part, i) for i in range(len(self.part.stages))]
+
+
+def trace_stages(
+    src: ModelSource, seed: int, depth: int | None, descend: bool, batch_range: tuple[int, int], seq_range: tuple[int, int] | None
+) -> Traced:
+    """Traces `src` and cuts it into stages `depth` deep (None: every operation), as an export does."""
+    # Probes tell the symbolic dimensions: another batch size shows B, another length S.
+    probes, ranges = _probes(*batch_range, seq_range)
+    probe_inputs = [src.example_inputs(seed, p.batch, p.seq) for p in probes]
+    # Fail early, with the model's own error, on inputs or batch sizes it does not take.
+    for p, inputs in zip(probes, probe_inputs):
+        _call_model(src, inputs, p)
+    gm, kept_whole, tracer = _trace(src, probe_inputs, ranges)
+    recorded = [record_values(gm, inputs) for inputs in probe_inputs]
+    part = partition(gm, depth, recorded, probes, src.model, descend=descend)
+    return Traced(gm, part, probes, probe_inputs, recorded, kept_whole, tracer)
 
 
 def _set_modes(root: Path) -> None:

@@ -284,3 +284,29 @@ def test_eager_timing_times_a_bundles_chains_beside_eager(resnet18, capsys, thre
     assert "another --input-shape" in capsys.readouterr().err
     assert eager_timing.main(["torchvision:resnet34", "--runs", "1", "--bundle", str(resnet18.out)]) == 2
     assert "was exported from torchvision:resnet18 with seed 0, not torchvision:resnet34" in capsys.readouterr().err
+
+
+def test_eager_timing_times_the_edges_part_at_each_cut_beside_eager_running_the_same_layers(resnet18, capsys, threads_restored):
+    manifest = json.loads((resnet18.out / "manifest.json").read_text())
+    cuts = [2, 7, len(manifest["stages"])]
+    argv = ["torchvision:resnet18", "--input-shape", "3,64,64", "--batches", "1,2", "--runs", "3", "--threads", "1"]
+    assert eager_timing.main([*argv, "--bundle", str(resnet18.out), "--cuts", ",".join(map(str, cuts))]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = [
+        LINE.format(name=name, batch=f"{batch} cut {cut} \\({re.escape(manifest['cuts'][cut]['name'])}\\)", tail=tail)
+        for batch in (1, 2)
+        for cut in cuts
+        for name, tail in (("eager", ""), ("inference stages", r"; \d+\.\d{3}x eager"))
+    ]
+    assert len(lines) == len(expected) + 1, lines
+    for pattern, line in zip(expected, lines):
+        assert re.fullmatch(pattern, line), (pattern, line)
+    ratios = [float(re.search(r"; (\d+\.\d{3})x eager", line)[1]) for line in lines[:-1] if "x eager" in line]
+    worst = max(ratios)
+    assert re.fullmatch(rf"worst inference stages / eager: {worst:.3f}x \(batch [12], cut \d+\)", lines[-1]), lines[-1]
+    # Cuts with no stage before them, or --cuts without a bundle, are refused.
+    assert eager_timing.main([*argv, "--bundle", str(resnet18.out), "--cuts", "0,3"]) == 2
+    assert "cuts [0] are outside 1.." in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eager_timing.main([*argv, "--cuts", "3"])
+    assert "--cuts needs --bundle" in capsys.readouterr().err
