@@ -358,10 +358,7 @@ impl PayloadReceiver {
             }
             Sink::Unreserved => unreachable!("reserved above"),
         };
-        let pinned_bytes = match assembly.pinned_for {
-            Some(_) => buffers.iter().filter(|b| b.is_pinned()).map(|b| b.len() as u64).sum(),
-            None => 0,
-        };
+        let pinned_bytes = buffers.iter().filter(|b| b.is_pinned()).map(|b| b.len() as u64).sum();
         let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
         for ((name, buffer), order) in names.into_iter().zip(buffers).zip(orders) {
             // A tensor that travelled in another order of its dimensions is viewed in its shape's.

@@ -156,7 +156,14 @@ fn main() -> anyhow::Result<()> {
             firsts.push(first);
         }
         let rows = medians_of_runs(&runs)?;
-        firsts_of_batch.push((batch, rows[0].cut, rows[0].codec, median(&firsts)?, rows[0].split_ms, firsts.len()));
+        firsts_of_batch.push(FirstRequest {
+            batch,
+            cut: rows[0].cut,
+            codec: rows[0].codec,
+            first_ms: median(&firsts)?,
+            median_ms: rows[0].split_ms,
+            runs: firsts.len(),
+        });
         for row in rows {
             worst = worst.max(row.split_per_floor);
             json_rows.push(row.to_json(batch));
@@ -180,11 +187,8 @@ fn main() -> anyhow::Result<()> {
         }
     }
     print_protocol_parts(&parts);
-    for &(batch, cut, codec, first, median_ms, runs) in &firsts_of_batch {
-        println!(
-            "first request (batch {batch}, cut {cut}, {codec}, a fresh server): {first:.3} ms (p50 of {runs} runs), median {median_ms:.3} ms, first/median {:.2}",
-            first / median_ms
-        );
+    for first in &firsts_of_batch {
+        println!("{first}");
     }
     if let Some(path) = &args.json {
         let all = serde_json::json!({ "server_device": args.server_device.to_string(), "rows": json_rows, "worst_split_per_floor": worst });
@@ -221,6 +225,28 @@ fn print_protocol_parts(rows: &[(i64, usize, Codec, ProtocolParts)]) {
 /// The median of `f` over `requests`.
 fn median_of(requests: &[RequestMetrics], f: fn(&RequestMetrics) -> f64) -> anyhow::Result<f64> {
     Ok(median(&requests.iter().map(f).collect::<Vec<_>>())?)
+}
+
+/// A batch size's first request on a fresh server (the median over the runs) against its
+/// first configuration's median request.
+struct FirstRequest {
+    batch: i64,
+    cut: usize,
+    codec: Codec,
+    first_ms: f64,
+    median_ms: f64,
+    runs: usize,
+}
+
+impl std::fmt::Display for FirstRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { batch, cut, codec, first_ms, median_ms, runs } = self;
+        write!(
+            f,
+            "first request (batch {batch}, cut {cut}, {codec}, a fresh server): {first_ms:.3} ms (p50 of {runs} runs), median {median_ms:.3} ms, first/median {:.2}",
+            first_ms / median_ms
+        )
+    }
 }
 
 /// Medians of the parts of the protocol's time, ms.
