@@ -164,6 +164,7 @@ impl Session {
         match call {
             Call::Forward { input, targets } => match self.forward(input, targets) {
                 Ok((answer_now, Some(param_grads))) => {
+                    self.count_answered_step();
                     answer(Ok(answer_now));
                     self.finish_step(param_grads);
                 }
@@ -172,6 +173,7 @@ impl Session {
             },
             Call::Backward { grads } => match self.backward(&grads) {
                 Ok((answer_now, param_grads)) => {
+                    self.count_answered_step();
                     answer(Ok(answer_now));
                     self.finish_step(param_grads);
                 }
@@ -239,6 +241,13 @@ impl Session {
         Ok((Answer::Gradients { loss: None, grads: grads.boundary }, grads.parameters))
     }
 
+    /// Counts the step a call finishes as taken before its answer goes out: a host that has
+    /// the answer and continues the session on another stream is told so, though the step's
+    /// optimizer update may still be running here (the session's next call waits for it).
+    fn count_answered_step(&self) {
+        self.shared_step.store(self.step + 1, Ordering::Relaxed);
+    }
+
     fn finish_step(&mut self, param_grads: Grads) {
         self.optimizer.step(self.stages.parameters(), &param_grads);
         self.step += 1;
@@ -254,7 +263,7 @@ impl Session {
 /// The channel to a session's thread.
 pub(crate) struct SessionHandle {
     calls: mpsc::Sender<CallJob>,
-    /// The steps the session has taken.
+    /// The steps the session has taken, each from when its answer was sent.
     step: Arc<AtomicU64>,
 }
 
