@@ -4,7 +4,7 @@
 
 use crate::config::Limits;
 use crate::training::optim::OptimizerConfig;
-use crate::wire::{CodecPolicy, PayloadFrame, Precision};
+use crate::wire::{CodecPolicy, FramePart, PayloadFrame, Precision};
 
 /// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
 /// glue uses them; the rest of the code works with domain types and converts here.
@@ -309,6 +309,10 @@ macro_rules! payload_frame {
             }
             fn last(&self) -> bool {
                 self.last
+            }
+            #[allow(clippy::needless_update)] // InferFrame has no other fields
+            fn from_part(request_id: u64, part: FramePart) -> Self {
+                Self { request_id, header: part.header, data: part.data, last: part.last, ..Default::default() }
             }
         }
     )*};

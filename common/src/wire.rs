@@ -654,6 +654,16 @@ pub trait PayloadFrame {
     fn data(&self) -> &[u8];
     /// Whether it ends the payload.
     fn last(&self) -> bool;
+    /// The frame carrying `part` of request `request_id`'s payload, its other fields empty.
+    fn from_part(request_id: u64, part: FramePart) -> Self
+    where
+        Self: Sized;
+}
+
+/// An encoded payload as one stream's frames ([`frame_parts`], each made an `F`). What a
+/// stream adds to them (the timings on the last, the phase on the first) is the caller's.
+pub fn payload_frames<F: PayloadFrame>(request_id: u64, envelope: Bytes, data: &PayloadData, chunk_bytes: usize) -> Vec<F> {
+    frame_parts(envelope, data, chunk_bytes).into_iter().map(|part| F::from_part(request_id, part)).collect()
 }
 
 /// Reassembles one stream's payloads from their frames; every stream (requests, results,
@@ -947,12 +957,7 @@ mod tests {
         let rx = receiver(&KeyRing::default());
         let enc = |id| PayloadSender::plain().encode(meta(id), &Codec::RAW, &sample()).unwrap();
         let (one, two) = (enc(1), enc(2));
-        let frames = |id: u64, e: &EncodedPayload, header: Vec<u8>| -> Vec<InferFrame> {
-            frame_parts(header.into(), &e.data, 64)
-                .into_iter()
-                .map(|p| InferFrame { request_id: id, header: p.header, data: p.data, last: p.last })
-                .collect()
-        };
+        let frames = |id: u64, e: &EncodedPayload, header: Vec<u8>| -> Vec<InferFrame> { payload_frames(id, header.into(), &e.data, 64) };
         // Request 1 has a garbled envelope: its first frame fails, the rest are skipped.
         let bad = frames(1, &one, vec![0xff; 9]);
         assert!(bad.len() > 2);

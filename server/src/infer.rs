@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::security::ServerSecurity;
 use cleave_common::spec::{BoundarySizes, Sizes};
-use cleave_common::wire::{frame_parts, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly, Received};
+use cleave_common::wire::{payload_frames, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly, Received};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -438,17 +438,10 @@ impl Responder {
                         compute_us: compute.as_micros() as u64,
                         encode_us: encode.as_micros() as u64,
                     };
-                    let frames = frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes)
-                        .into_iter()
-                        .map(|part| ResultFrame {
-                            request_id: p.request_id,
-                            header: part.header,
-                            data: part.data,
-                            last: part.last,
-                            timings: part.last.then_some(timings),
-                            error: None,
-                        })
-                        .collect();
+                    let mut frames: Vec<ResultFrame> = payload_frames(p.request_id, encoded.envelope, &encoded.data, self.chunk_bytes);
+                    if let Some(last) = frames.last_mut() {
+                        last.timings = Some(timings);
+                    }
                     (frames, tonic::Code::Ok)
                 }
                 Err(e) => {

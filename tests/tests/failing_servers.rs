@@ -16,7 +16,7 @@ use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceServer};
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::protocol::{ServedModel, ServerInfo, BUNDLE_ID_METADATA, HOST_SESSION_METADATA};
-use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::wire::{payload_frames, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::client::{stream_requests, RequestOutcome, ServedBy, Splits, StreamCounts, StreamPlan};
 use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience, RetryPolicy};
@@ -97,10 +97,7 @@ fn answer_for(id: u64) -> Vec<ResultFrame> {
     let b = Boundary { values: vec![("y".into(), Value::Tensor(tch::Tensor::from_slice(&[id as f32])))] };
     let meta = PayloadMeta { request_id: id, split: 3, direction: Direction::Result };
     let e = PayloadSender::plain().encode(meta, &Codec::RAW, &b).unwrap();
-    frame_parts(e.envelope, &e.data, 1 << 20)
-        .into_iter()
-        .map(|p| ResultFrame { request_id: id, header: p.header, data: p.data, last: p.last, ..Default::default() })
-        .collect()
+    payload_frames(id, e.envelope, &e.data, 1 << 20)
 }
 
 #[tonic::async_trait]
@@ -417,10 +414,7 @@ async fn ask(url: &str, bundle: &Bundle, session: &str, id: u64, input: &Boundar
     let mut client = SplitInferenceClient::connect(url.to_string()).await.unwrap();
     let meta = PayloadMeta { request_id: id, split: 0, direction: Direction::Request };
     let e = PayloadSender::plain().encode(meta, &Codec::RAW, input).unwrap();
-    let frames: Vec<InferFrame> = frame_parts(e.envelope, &e.data, 1 << 20)
-        .into_iter()
-        .map(|p| InferFrame { request_id: id, header: p.header, data: p.data, last: p.last })
-        .collect();
+    let frames: Vec<InferFrame> = payload_frames(id, e.envelope, &e.data, 1 << 20);
     let mut request = Request::new(tokio_stream::iter(frames));
     request.metadata_mut().insert(BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
     request.metadata_mut().insert(HOST_SESSION_METADATA, session.parse().unwrap());

@@ -9,7 +9,7 @@ use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::protocol::{ServerInfo, BUNDLE_ID_METADATA};
-use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, FrameAssembler, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::wire::{payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::LoopbackServer;
 use cleave_server::{Batching, ModelConfig, PreparedServer, SchedulerConfig};
@@ -44,8 +44,7 @@ async fn stream(url: String, bundle_id: String, requests: Vec<(u64, usize, Bound
         for (id, cut, boundary) in requests {
             let meta = PayloadMeta { request_id: id, split: cut as u32, direction: Direction::Request };
             let e = sender.encode(meta, &Codec::RAW, &boundary).unwrap();
-            for part in frame_parts(e.envelope, &e.data, 1 << 20) {
-                let frame = InferFrame { request_id: id, header: part.header, data: part.data, last: part.last };
+            for frame in payload_frames::<InferFrame>(id, e.envelope, &e.data, 1 << 20) {
                 tx.send(frame).await.unwrap();
             }
         }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_common::pb::InferFrame;
-use cleave_common::wire::{frame_parts, Direction, PayloadMeta, PayloadSender};
+use cleave_common::wire::{payload_frames, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, LoadedStages, StageRange};
 use prost::Message;
 use tokio::sync::mpsc::UnboundedSender;
@@ -105,10 +105,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                     } else {
                         (sender.encode_owned(meta, &codec, boundary)?, None)
                     };
-                    let frames: Vec<InferFrame> = frame_parts(encoded.envelope, &encoded.data, chunk_bytes)
-                        .into_iter()
-                        .map(|part| InferFrame { request_id: id, header: part.header, data: part.data, last: part.last })
-                        .collect();
+                    let frames: Vec<InferFrame> = payload_frames(id, encoded.envelope, &encoded.data, chunk_bytes);
                     let metrics = RequestMetrics {
                         split,
                         input_ms,

@@ -33,7 +33,7 @@ use cleave_common::bundle::SplitSpec;
 use cleave_common::pb::InferFrame;
 use cleave_common::protocol::ServedModel;
 use cleave_common::value::synthetic_inputs;
-use cleave_common::wire::{frame_parts, Codec, Direction, EncodedPayload, PayloadMeta, PayloadSender, WireError};
+use cleave_common::wire::{payload_frames, Codec, Direction, EncodedPayload, PayloadMeta, PayloadSender, WireError};
 use cleave_common::{Boundary, Bundle, LoadedStages, StageRange};
 use tokio::task::{JoinError, JoinHandle};
 
@@ -529,10 +529,7 @@ impl Edge {
         let Some(conn) = &self.conn else {
             return self.record(d.at, None, Some(STREAM_LOST));
         };
-        let frames: Vec<InferFrame> = frame_parts(payload.envelope, &payload.data, self.chunk_bytes)
-            .into_iter()
-            .map(|part| InferFrame { request_id: d.id, header: part.header, data: part.data, last: part.last })
-            .collect();
+        let frames: Vec<InferFrame> = payload_frames(d.id, payload.envelope, &payload.data, self.chunk_bytes);
         let sent = Instant::now();
         // A stream that is gone shows on its inbound side, which ends.
         conn.send(&frames);

@@ -10,7 +10,7 @@
 //! ends the session by closing its side of the stream ([`TrainLink::close`]).
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
-use cleave_common::wire::{frame_parts, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
+use cleave_common::wire::{payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
@@ -256,18 +256,14 @@ impl TrainLink {
         let (direction, split) = to;
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
         let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
-        let parts = frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes);
+        let mut payload: Vec<pb::TrainPayloadFrame> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
+        if let Some(first) = payload.first_mut() {
+            first.phase = phase as i32;
+        }
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
         let (frames, replies) = (&self.frames, &mut self.replies);
         let (received, loss) = self.runtime.block_on(async {
-            for part in parts {
-                let frame = pb::TrainPayloadFrame {
-                    request_id: id,
-                    phase: if part.first { phase as i32 } else { 0 },
-                    header: part.header,
-                    data: part.data,
-                    last: part.last,
-                };
+            for frame in payload {
                 send(frames, replies, TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await?;
             }
             let mut answer = FrameAssembler::default();

@@ -11,7 +11,7 @@ use cleave_common::config::Limits;
 use cleave_common::pb::{self, train_frame, Phase, TrainReply};
 use cleave_common::security::ServerSecurity;
 use cleave_common::training::{take_targets, TARGETS_VALUE};
-use cleave_common::wire::{frame_parts, Direction, FrameAssembler, PayloadReceiver, Reassembly};
+use cleave_common::wire::{payload_frames, Direction, FrameAssembler, PayloadReceiver, Reassembly};
 use cleave_common::CutTensors;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -383,17 +383,10 @@ impl CallStream {
             compute_us: compute.as_micros() as u64,
             encode_us: encode_time.as_micros() as u64,
         };
-        frame_parts(encoded.envelope, &encoded.data, self.chunk_bytes)
-            .into_iter()
-            .map(|part| TrainReply {
-                request_id: id,
-                header: part.header,
-                data: part.data,
-                last: part.last,
-                loss: if part.last { loss } else { None },
-                timings: part.last.then_some(timings),
-                ..Default::default()
-            })
-            .collect()
+        let mut replies: Vec<TrainReply> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
+        if let Some(last) = replies.last_mut() {
+            (last.loss, last.timings) = (loss, Some(timings));
+        }
+        replies
     }
 }
