@@ -79,6 +79,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
+def run_stages(stages: list, inputs) -> list:
+    """The values after `stages`, run one after another on `inputs`."""
+    values = list(inputs)
+    for stage in stages:
+        values = list(stage(*values))
+    return values
+
+
 class Chain:
     """A bundle's stages, run one after another as the runtime runs them."""
 
@@ -88,17 +96,11 @@ class Chain:
         self.stages = [torch.jit.load(str(bundle / f)).eval() for f in files]
 
     def __call__(self, inputs: tuple):
-        values = list(inputs)
-        for stage in self.stages:
-            values = list(stage(*values))
-        return values
+        return run_stages(self.stages, inputs)
 
     def prefix(self, inputs: tuple, cut: int) -> list:
         """The values at `cut`: stages [0, cut) run on the model's inputs."""
-        values = list(inputs)
-        for stage in self.stages[:cut]:
-            values = list(stage(*values))
-        return values
+        return run_stages(self.stages[:cut], inputs)
 
     def output(self, inputs: tuple):
         """The model's output rebuilt from the chain's last values."""
@@ -186,10 +188,7 @@ def time_cuts(src: ModelSource, a: argparse.Namespace, chain: Chain) -> Iterator
     eager_stages = _eager_stages(src, a.seed, chain.manifest)
 
     def eager_prefix(inputs: tuple, cut: int) -> list:
-        values = list(inputs)
-        for stage in eager_stages[:cut]:
-            values = list(stage(*values))
-        return values
+        return run_stages(eager_stages[:cut], inputs)
 
     seq = a.seq_len if a.seq_len is not None else (None if src.sequence is None else src.sequence[1])
     worst = (0.0, 0, 0)
