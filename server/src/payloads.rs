@@ -52,9 +52,11 @@ impl ResultEncoder {
     }
 
     /// The bytes encoding an answer works through: none for a raw, unsealed answer sent from
-    /// its tensors' memory, all of them otherwise.
+    /// its tensors' memory as it lies, all of them otherwise (a tensor on a device is copied
+    /// to the host first, one that is not contiguous is made so).
     fn work_bytes(p: &ResultSpec, output: &Boundary) -> u64 {
-        let from_tensors = p.codec == Codec::RAW && p.key_id.is_none() && !p.keeps_tensors;
+        let as_it_lies = |t: &tch::Tensor| t.device() == tch::Device::Cpu && t.is_contiguous();
+        let from_tensors = p.codec == Codec::RAW && p.key_id.is_none() && !p.keeps_tensors && output.tensors().iter().all(|(_, t)| as_it_lies(t));
         if from_tensors {
             0
         } else {
