@@ -133,11 +133,16 @@ def _check_chain(name: str, chain: Chain, src: ModelSource, inputs: tuple, batch
         raise ExportError(f"the bundle's {name} compute another output than the eager model at batch {batch} (relative error {err:.1e})")
 
 
+def _seq_len(src: ModelSource, a: argparse.Namespace) -> int | None:
+    """The sequence length the inputs have: `--seq-len`, else the longest the exporter takes."""
+    if a.seq_len is not None or src.sequence is None:
+        return a.seq_len
+    return src.sequence[1]
+
+
 def time_batches(src: ModelSource, a: argparse.Namespace, chains: dict[str, Chain]) -> Iterator[str]:
     """The report lines, batch size after batch size."""
-    seq = a.seq_len
-    if seq is None and src.sequence is not None:
-        seq = src.sequence[1]
+    seq = _seq_len(src, a)
     for batch in a.batches:
         inputs = src.example_inputs(a.seed, batch, seq)
         runners = {"eager": lambda: src(inputs)} | {name: (lambda c=c: c(inputs)) for name, c in chains.items()}
@@ -190,7 +195,7 @@ def time_cuts(src: ModelSource, a: argparse.Namespace, chain: Chain) -> Iterator
     def eager_prefix(inputs: tuple, cut: int) -> list:
         return run_stages(eager_stages[:cut], inputs)
 
-    seq = a.seq_len if a.seq_len is not None else (None if src.sequence is None else src.sequence[1])
+    seq = _seq_len(src, a)
     worst = (0.0, 0, 0)
     for batch in a.batches:
         inputs = src.example_inputs(a.seed, batch, seq)
