@@ -24,7 +24,7 @@ use cleave_host::client::{stream_requests, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
 use cleave_host::session::Link;
-use support::{connect_when_up, rss_bytes, start_server, Side};
+use support::{connect_when_up, rss_bytes, start_server, ServerOptions, Side};
 
 #[derive(Parser)]
 struct Args {
@@ -65,7 +65,13 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(server_bin.exists(), "no server binary at {} (cargo build --release builds it)", server_bin.display());
     let side = Side { cores: allowed_cores()?, threads: tch::get_num_threads() as usize };
     let scratch = tempfile::tempdir()?;
-    let (mut server, url) = start_server(&server_bin, &bundle, &side, DeviceSpec::Cpu, None, "", scratch.path())?;
+    let (mut server, url) = start_server(
+        &server_bin,
+        &bundle,
+        &side,
+        &ServerOptions { device: DeviceSpec::Cpu, key: None, limits: "", warm_batches: &[] },
+        scratch.path(),
+    )?;
     let pid = server.id();
     println!(
         "{}: CPU, loopback gRPC, one request in flight, batch {}, cut {split}, codec {}; {} requests",

@@ -37,7 +37,7 @@ use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
 use cleave_host::session::Link;
-use support::{connect_when_up, start_server, Side};
+use support::{connect_when_up, start_server, ServerOptions, Side};
 
 #[derive(Parser)]
 struct Args {
@@ -371,7 +371,13 @@ async fn measure_batch(
     whole_side: &Side,
 ) -> anyhow::Result<(Vec<Row>, f64)> {
     let scratch = tempfile::tempdir()?;
-    let (mut server, url) = start_server(server_bin, bundle, server_side, args.server_device, key, &args.server_limits, scratch.path())?;
+    let (mut server, url) = start_server(
+        server_bin,
+        bundle,
+        server_side,
+        &ServerOptions { device: args.server_device, key, limits: &args.server_limits, warm_batches: &[batch] },
+        scratch.path(),
+    )?;
     let result = async {
         let n = bundle.stage_count();
         let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?;

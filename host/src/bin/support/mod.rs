@@ -29,30 +29,33 @@ impl Side {
     }
 }
 
+/// What a bench's server runs with besides its bundle and cores.
+pub(crate) struct ServerOptions<'a> {
+    pub device: DeviceSpec,
+    pub key: Option<&'a Key>,
+    /// `limits` as YAML flow entries (`stream_window_bytes: 8388608`); empty for the defaults.
+    pub limits: &'a str,
+    /// The batch sizes its hosts will send, warmed before it answers (`warm_batches`).
+    pub warm_batches: &'a [i64],
+}
+
 /// The `server` process for `bundle` on `side`'s cores and threads, listening on a free port
-/// of 127.0.0.1, with `limits` (YAML flow entries, `stream_window_bytes: 8388608`; empty for
-/// the defaults); its URL.
-pub(crate) fn start_server(
-    bin: &Path,
-    bundle: &Bundle,
-    side: &Side,
-    device: DeviceSpec,
-    key: Option<&Key>,
-    limits: &str,
-    dir: &Path,
-) -> anyhow::Result<(Child, String)> {
+/// of 127.0.0.1; its URL.
+pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, options: &ServerOptions, dir: &Path) -> anyhow::Result<(Child, String)> {
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let cores: Vec<String> = side.cores.iter().map(usize::to_string).collect();
     let mut yaml = format!(
-        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: {device}\nthreads: {}\ncores: [{}]\n",
+        "listen: 127.0.0.1:{port}\nbundle: {}\ndevice: {}\nthreads: {}\ncores: [{}]\nwarm_batches: {:?}\n",
         std::fs::canonicalize(bundle.dir())?.display(),
+        options.device,
         side.threads,
-        cores.join(", ")
+        cores.join(", "),
+        options.warm_batches,
     );
-    if !limits.is_empty() {
-        yaml.push_str(&format!("limits: {{{limits}}}\n"));
+    if !options.limits.is_empty() {
+        yaml.push_str(&format!("limits: {{{}}}\n", options.limits));
     }
-    if let Some(key) = key {
+    if let Some(key) = options.key {
         std::fs::write(dir.join("payload.key"), key.to_hex().as_bytes())?;
         yaml.push_str(&format!("encryption:\n  required: true\n  keys:\n    - id: 1\n      file: {}\n", dir.join("payload.key").display()));
     }
