@@ -82,7 +82,9 @@ impl TensorBuf {
     pub fn empty_pinned(shape: &[i64], kind: Kind, device: Device) -> Result<Self, String> {
         // tch cannot ask libtorch for an empty pinned tensor, and a pinned storage cannot be
         // resized: an empty pageable one is pinned, which copies its untouched pages once.
-        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).and_then(|t| t.f_pin_memory(device)).map_err(|e| e.to_string())?;
+        // `_pin_memory`, because tch always passes `pin_memory` the device, which libtorch
+        // 2.11 deprecates with a warning on every call.
+        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).and_then(|t| t.f_internal_pin_memory(device)).map_err(|e| e.to_string())?;
         Ok(Self::of(tensor, kind, true))
     }
 
