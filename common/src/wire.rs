@@ -29,7 +29,7 @@ use crate::tensor_memory::{TensorBuf, TensorBytes};
 use crate::value::{Boundary, Value};
 
 /// What can be wrong with a payload or its frames.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {
     /// The payload itself: malformed, refused, tampered, replayed, too large...
     #[error(transparent)]

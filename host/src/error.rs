@@ -3,6 +3,7 @@
 //! variant reports that cause again as its `source`, so a printed chain names each cause once.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use cleave_common::config::ConfigError;
 use cleave_common::training::TrainError;
@@ -162,4 +163,78 @@ impl From<tch::TchError> for HostError {
     fn from(e: tch::TchError) -> Self {
         Self::Torch(e.to_string())
     }
+}
+
+/// Why a request has no result.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RequestFailure {
+    /// The server answered it with an error status.
+    #[error("{code:?}: {message}")]
+    Refused {
+        /// The answer's status code.
+        code: tonic::Code,
+        /// The server's message.
+        message: String,
+    },
+    /// Its result came back and cannot be opened or decoded.
+    #[error("result: {0}")]
+    Undecodable(WireError),
+    /// The run stopped before its answer came.
+    #[error("Cancelled: {reason}")]
+    Cancelled {
+        /// Why the run stopped.
+        reason: String,
+    },
+    /// The run gave up on it: no server took it.
+    #[error("Unavailable: {reason}")]
+    Unavailable {
+        /// Why the last connection was lost.
+        reason: String,
+    },
+    /// Finishing it on the edge (`fallback: edge`) failed.
+    #[error("on the edge: {0}")]
+    OnEdge(Arc<BundleError>),
+    /// The edge's prefix thread stopped before it finished the request there.
+    #[error("the edge could not finish this request: the prefix thread stopped")]
+    EdgeStopped,
+}
+
+impl RequestFailure {
+    /// The status code of the server's error answer.
+    pub fn server_code(&self) -> Option<tonic::Code> {
+        match self {
+            Self::Refused { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// Whether both are the same error answer from the server.
+    pub fn same_refusal(&self, other: &Self) -> bool {
+        matches!((self, other), (Self::Refused { code: a, message: m }, Self::Refused { code: b, message: n }) if a == b && m == n)
+    }
+}
+
+/// Why an `Infer` stream is of no more use to the host.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// The server ended it.
+    #[error("the server ended the stream")]
+    Ended,
+    /// It failed with a status.
+    #[error("the stream failed: {:?}: {}", .0.code(), .0.message())]
+    Failed(tonic::Status),
+    /// A result's frames do not make a payload: the server broke the framing.
+    #[error("the result of request {id} cannot be reassembled: {error}")]
+    Unassembled {
+        /// The request.
+        id: u64,
+        /// What is wrong with its frames.
+        error: WireError,
+    },
+    /// An answer to a request this stream never carried.
+    #[error("the server answered request {0}, which this connection never sent")]
+    NeverSent(u64),
+    /// The server answered UNAVAILABLE: it is draining.
+    #[error("the server cannot take requests now: {0}")]
+    Draining(String),
 }

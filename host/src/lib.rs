@@ -41,7 +41,7 @@ pub mod session;
 pub mod training;
 pub mod verify;
 
-pub use error::{HostError, Result};
+pub use error::{HostError, RequestFailure, Result, StreamError};
 #[cfg(feature = "loopback")]
 pub use loopback::LoopbackServer;
 pub use run::{run, RunOptions};

@@ -276,8 +276,9 @@ impl ReportWriter {
                 }
             }
             Err(e) => {
-                *self.failures.entry(e.clone()).or_default() += 1;
-                serde_json::json!({ "request_id": outcome.request_id, "error": e })
+                let error = e.to_string();
+                *self.failures.entry(error.clone()).or_default() += 1;
+                serde_json::json!({ "request_id": outcome.request_id, "error": error })
             }
         };
         if let Some(files) = files {

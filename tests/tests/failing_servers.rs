@@ -23,7 +23,7 @@ use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience, RetryPo
 use cleave_host::inputs::Inputs;
 use cleave_host::report::OutputMode;
 use cleave_host::session::{connect, connect_retrying, Link};
-use cleave_host::LoopbackServer;
+use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::{Batching, DeviceFailurePolicy, DeviceFaults, ModelConfig, PeerLimits, PreparedServer, SchedulerConfig};
 use cleave_tests::bundle_dir;
 use tokio::sync::mpsc;
@@ -240,7 +240,9 @@ fn a_server_that_sends_garbage_is_given_up_after_max_attempts_connections_that_a
         // stops: they fail, the last two are never sent.
         assert_eq!(outcomes.len(), 4);
         for o in outcomes.values() {
-            let e = o.output.as_ref().expect_err("garbage is no answer");
+            let failure = o.output.as_ref().expect_err("garbage is no answer");
+            assert!(matches!(failure, RequestFailure::Unavailable { .. }), "{failure:?}");
+            let e = failure.to_string();
             assert!(e.contains("no connection to the server answered in 3 attempts in a row (`retry.max_attempts`)"), "{e}");
             // One still in its prefix when the first connection broke went out on a later one.
             assert!((1..=3).contains(&o.metrics.attempts), "{}", o.metrics.attempts);
@@ -259,7 +261,9 @@ fn a_silent_server_gives_errors_after_the_request_deadline_never_a_hang() {
         let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
         let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 5, quick(2, Fallback::None))).await;
         assert_eq!((outcomes.len() as u64, counts.failed, counts.retried, counts.never_sent), (4, 4, 4, 1), "{counts:?}");
-        assert!(outcomes.values().all(|o| o.output.as_ref().is_err_and(|e| e.contains("request_timeout") && e.contains("in 2 attempts"))));
+        assert!(outcomes
+            .values()
+            .all(|o| o.output.as_ref().is_err_and(|e| e.to_string().contains("request_timeout") && e.to_string().contains("in 2 attempts"))));
         assert_eq!(streams.load(Ordering::SeqCst), 2);
     });
 }
@@ -536,7 +540,9 @@ async fn six_requests_when_the_device_dies(
 fn assert_each_failed_once_naming_the_device(outcomes: &HashMap<u64, RequestOutcome>) {
     assert_eq!(outcomes.len(), 6);
     for (id, outcome) in outcomes {
-        let err = outcome.output.as_ref().expect_err("a request the failed device held has no result");
+        let failure = outcome.output.as_ref().expect_err("a request the failed device held has no result");
+        assert_eq!(failure.server_code(), Some(tonic::Code::Internal), "request {id}: {failure:?}");
+        let err = failure.to_string();
         assert!(
             err.starts_with("Internal:") && err.contains("device cpu failed (its scheduler panicked: injected: the scheduler dies)"),
             "request {id}: {err}"

@@ -14,7 +14,7 @@ use cleave_host::client::{stream_requests, Splits, StreamPlan};
 use cleave_host::config::{InputSource, Resilience, RetryPolicy};
 use cleave_host::inputs::Inputs;
 use cleave_host::session::{connect, Link};
-use cleave_host::LoopbackServer;
+use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::{ModelConfig, PreparedServer, SchedulerConfig};
 use cleave_tests::{bundle_dir, metric_sample, parse_metrics};
 use tokio_stream::StreamExt;
@@ -24,7 +24,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Sends `requests` batches of `batch` split at `split`; returns each request's output.
-async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i64, requests: u64) -> Vec<(u64, Result<Boundary, String>)> {
+async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i64, requests: u64) -> Vec<(u64, Result<Boundary, RequestFailure>)> {
     let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
     let plan = StreamPlan {
         bundle: bundle.clone(),
@@ -396,7 +396,7 @@ fn shutdown_answers_the_requests_received_then_ends_the_stream() {
             match output {
                 Ok(output) => assert!(i < answered && output.bit_identical(&local(&bundle, &whole, 8, 5, id)), "request {id} is answered exactly"),
                 // Sent but never read by the draining server: an error, never a wrong result.
-                Err(e) => assert!(i >= answered && e.contains("in 3 attempts in a row"), "request {id}: {e}"),
+                Err(e) => assert!(i >= answered && e.to_string().contains("in 3 attempts in a row"), "request {id}: {e}"),
             }
         }
     });

@@ -14,7 +14,7 @@ use cleave_host::config::{EdgeConfig, InputSource};
 use cleave_host::error::HostError;
 use cleave_host::inputs::Inputs;
 use cleave_host::session::{connect, connect_retrying, Link};
-use cleave_host::LoopbackServer;
+use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::write_dev_secrets;
 use cleave_tests::bundle_dir;
 use prost::Message;
@@ -32,7 +32,7 @@ async fn run_host(
     codec: Codec,
     security: &EdgeSecurity,
     requests: u64,
-) -> anyhow::Result<Vec<(u64, Result<Boundary, String>)>> {
+) -> anyhow::Result<Vec<(u64, Result<Boundary, RequestFailure>)>> {
     let mut session = connect(url, bundle, &Link::secured(security)).await?;
     let plan = StreamPlan {
         bundle: bundle.clone(),

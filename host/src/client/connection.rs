@@ -14,7 +14,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::request::{ms, ServerTimes};
-use crate::error::{HostError, Result};
+use crate::error::{HostError, RequestFailure, Result, StreamError};
 use crate::session::EdgeSession;
 
 /// A live `Infer` stream.
@@ -28,9 +28,7 @@ pub(crate) struct Connection {
 pub(crate) struct Answer {
     pub(crate) id: u64,
     /// The boundary at the last cut, or the server's error.
-    pub(crate) output: Result<Boundary, String>,
-    /// The status code of an error answer.
-    pub(crate) code: Option<tonic::Code>,
+    pub(crate) output: Result<Boundary, RequestFailure>,
     pub(super) decode_ms: f64,
     /// Bytes copied as they were to receive the result (frames into tensors, decoding).
     pub(super) copied_bytes: u64,
@@ -67,11 +65,11 @@ impl Connection {
     /// The next whole answer; an error when the stream ended, failed or broke the framing
     /// (the connection is then of no more use). Cancel-safe: frames of an answer part-way in
     /// stay in the assembler.
-    pub(crate) async fn next_answer(&mut self) -> Result<Answer, String> {
+    pub(crate) async fn next_answer(&mut self) -> Result<Answer, StreamError> {
         loop {
             let frame = match self.inbound.next().await {
-                None => return Err("the server ended the stream".into()),
-                Some(Err(status)) => return Err(format!("the stream failed: {:?}: {}", status.code(), status.message())),
+                None => return Err(StreamError::Ended),
+                Some(Err(status)) => return Err(StreamError::Failed(status)),
                 Some(Ok(frame)) => frame,
             };
             if let Some(answer) = self.results.push(frame)? {
@@ -90,22 +88,21 @@ struct ResultAssembler {
 impl ResultAssembler {
     /// Takes one result frame; returns the answer once its last frame is in. A result that
     /// cannot be reassembled is an error: the server broke the framing.
-    fn push(&mut self, frame: pb::ResultFrame) -> Result<Option<Answer>, String> {
+    fn push(&mut self, frame: pb::ResultFrame) -> Result<Option<Answer>, StreamError> {
         let id = frame.request_id;
         if let Some(err) = &frame.error {
             self.frames.abandon();
-            let code = tonic::Code::from(err.code);
-            let output = Err(format!("{code:?}: {}", err.message));
-            return Ok(Some(Answer { id, output, code: Some(code), decode_ms: 0.0, copied_bytes: 0, server: None }));
+            let output = Err(RequestFailure::Refused { code: tonic::Code::from(err.code), message: err.message.clone() });
+            return Ok(Some(Answer { id, output, decode_ms: 0.0, copied_bytes: 0, server: None }));
         }
         let receiver = &self.receiver;
         let assembly = match self.frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ()))) {
             Ok(None) => return Ok(None),
             Ok(Some((assembly, ()))) => assembly,
-            Err((id, e)) => return Err(format!("the result of request {id} cannot be reassembled: {e}")),
+            Err((id, error)) => return Err(StreamError::Unassembled { id, error }),
         };
         let t = Instant::now();
-        let received = self.receiver.finish(assembly).map_err(|e| format!("result: {e}"));
+        let received = self.receiver.finish(assembly).map_err(RequestFailure::Undecodable);
         let copied_bytes = received.as_ref().map_or(0, |r| r.copied_bytes);
         let output = received.map(|r| r.boundary);
         let server = frame.timings.map(|t| ServerTimes {
@@ -114,6 +111,6 @@ impl ResultAssembler {
             compute_ms: t.compute_us as f64 / 1e3,
             encode_ms: t.encode_us as f64 / 1e3,
         });
-        Ok(Some(Answer { id, output, code: None, decode_ms: ms(t), copied_bytes, server }))
+        Ok(Some(Answer { id, output, decode_ms: ms(t), copied_bytes, server }))
     }
 }

@@ -37,7 +37,7 @@ use self::connection::{Answer, Connection};
 use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
 use self::request::ms;
 use crate::config::{Fallback, Resilience};
-use crate::error::{HostError, Result};
+use crate::error::{HostError, RequestFailure, Result, StreamError};
 use crate::session::{connect, EdgeSession};
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
@@ -113,22 +113,23 @@ enum FirstOutcomes {
     #[default]
     None,
     /// `count` outcomes so far, each this error.
-    Failing { error: String, count: u32 },
+    Failing { error: RequestFailure, count: u32 },
     /// One succeeded, or failed otherwise: the run goes on to its end.
     Mixed,
 }
 
 impl FirstOutcomes {
-    fn observe(&mut self, output: &Result<Boundary, String>, lasting: bool) {
+    fn observe(&mut self, output: &Result<Boundary, RequestFailure>) {
+        let lasting = |e: &RequestFailure| is_lasting(e.server_code());
         *self = match (std::mem::take(self), output) {
-            (Self::None, Err(error)) if lasting => Self::Failing { error: error.clone(), count: 1 },
-            (Self::Failing { error, count }, Err(e)) if lasting && *e == error => Self::Failing { error, count: count + 1 },
+            (Self::None, Err(error)) if lasting(error) => Self::Failing { error: error.clone(), count: 1 },
+            (Self::Failing { error, count }, Err(e)) if lasting(e) && e.same_refusal(&error) => Self::Failing { error, count: count + 1 },
             _ => Self::Mixed,
         };
     }
 
     /// The error to stop on, once enough first outcomes are it.
-    fn stop_on(&self) -> Option<&str> {
+    fn stop_on(&self) -> Option<&RequestFailure> {
         match self {
             Self::Failing { error, count } if *count >= SAME_LASTING_ERRORS_TO_STOP => Some(error),
             _ => None,
@@ -233,7 +234,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                         }
                         Err(reason) => {
                             conn = None;
-                            if self.lost(&reason, answered_on_conn, &mut reconnect, session) {
+                            if self.lost(&reason.to_string(), answered_on_conn, &mut reconnect, session) {
                                 break;
                             }
                         }
@@ -305,12 +306,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// Records a request's one outcome and lets the prefix thread start another.
     fn record(&mut self, outcome: RequestOutcome) {
-        self.record_answer(outcome, None);
-    }
-
-    /// Records a request's one outcome, with the status code of the server's error answer.
-    fn record_answer(&mut self, outcome: RequestOutcome, code: Option<tonic::Code>) {
-        self.first_outcomes.observe(&outcome.output, is_lasting(code));
+        self.first_outcomes.observe(&outcome.output);
         let id = outcome.request_id;
         self.at_edge.remove(&id);
         if !self.outcomes.insert(id) {
@@ -355,19 +351,18 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// Takes a whole answer; an error when the connection is of no more use (it answered
     /// UNAVAILABLE: the server is draining; or an id it was never sent).
-    fn answered(&mut self, a: Answer) -> Result<(), String> {
+    fn answered(&mut self, a: Answer) -> Result<(), StreamError> {
         let Some(u) = self.unanswered.remove(&a.id) else {
             if self.outcomes.contains(&a.id) || self.at_edge.contains(&a.id) {
                 self.counts.duplicates_dropped += 1;
                 tracing::warn!(request_id = a.id, "an answer for a request that has its outcome: dropped");
                 return Ok(());
             }
-            return Err(format!("the server answered request {}, which this connection never sent", a.id));
+            return Err(StreamError::NeverSent(a.id));
         };
-        if a.code == Some(tonic::Code::Unavailable) {
-            let reason = a.output.err().unwrap_or_default();
+        if let Err(RequestFailure::Refused { code: tonic::Code::Unavailable, message }) = a.output {
             self.unanswered.insert(a.id, u);
-            return Err(format!("the server cannot take requests now: {reason}"));
+            return Err(StreamError::Draining(format!("{:?}: {message}", tonic::Code::Unavailable)));
         }
         let mut metrics = u.prepared.metrics;
         metrics.round_trip_ms = u.sent_at.map_or(0.0, ms);
@@ -375,7 +370,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         metrics.copied_received_bytes = a.copied_bytes;
         metrics.server = a.server.unwrap_or_default();
         metrics.e2e_ms = ms(u.prepared.started);
-        self.record_answer(RequestOutcome { request_id: a.id, metrics, output: a.output }, a.code);
+        self.record(RequestOutcome { request_id: a.id, metrics, output: a.output });
         Ok(())
     }
 
@@ -400,7 +395,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     fn prefix_thread_gone(&mut self) {
         let ids: Vec<u64> = self.at_edge.drain().collect();
         for id in ids {
-            let output = Err("the edge could not finish this request: the prefix thread stopped".to_string());
+            let output = Err(RequestFailure::EdgeStopped);
             self.record(RequestOutcome { request_id: id, metrics: RequestMetrics::default(), output });
         }
     }
@@ -475,19 +470,19 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         self.counts.stopped_early = true;
         for (_, u) in std::mem::take(&mut self.unanswered) {
             let metrics = RequestMetrics { e2e_ms: ms(u.prepared.started), ..u.prepared.metrics };
-            self.record(RequestOutcome { request_id: u.prepared.id, metrics, output: Err(format!("Cancelled: {reason}")) });
+            self.record(RequestOutcome { request_id: u.prepared.id, metrics, output: Err(RequestFailure::Cancelled { reason: reason.to_string() }) });
         }
     }
 
     /// Records an error outcome for a request.
     fn fail(&mut self, p: Prepared, reason: &str) {
         let metrics = RequestMetrics { e2e_ms: ms(p.started), ..p.metrics };
-        self.record(RequestOutcome { request_id: p.id, metrics, output: Err(format!("Unavailable: {reason}")) });
+        self.record(RequestOutcome { request_id: p.id, metrics, output: Err(RequestFailure::Unavailable { reason: reason.to_string() }) });
     }
 }
 
 /// The next answer on the connection, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<Connection>) -> Result<Answer, String> {
+async fn next_answer(conn: &mut Option<Connection>) -> Result<Answer, StreamError> {
     match conn {
         Some(c) => c.next_answer().await,
         None => std::future::pending().await,

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::request::{ms, RequestMetrics, RequestOutcome, ServedBy, StreamPlan};
 use crate::config::Fallback;
 use crate::cpu_time;
-use crate::error::Result;
+use crate::error::{RequestFailure, Result};
 
 /// What the streaming loop asks of the prefix thread.
 pub(super) enum ToPrefix {
@@ -70,7 +70,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
             ToPrefix::Finish(p) => {
                 let boundary = p.boundary.expect("requests keep their boundary with `fallback: edge`");
                 let t = Instant::now();
-                let output = stages.run(StageRange::new(p.metrics.split, last_cut), &boundary).map_err(|e| format!("on the edge: {e}"));
+                let output = stages.run(StageRange::new(p.metrics.split, last_cut), &boundary).map_err(|e| RequestFailure::OnEdge(Arc::new(e)));
                 let metrics = RequestMetrics { served_by: ServedBy::Edge, suffix_on_edge_ms: ms(t), e2e_ms: ms(p.started), ..p.metrics };
                 Produced::Local(RequestOutcome { request_id: p.id, metrics, output })
             }

@@ -9,6 +9,7 @@ use cleave_common::wire::{Codec, Key, WireError};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 
 use crate::config::Resilience;
+use crate::error::RequestFailure;
 use crate::inputs::Inputs;
 
 /// What to send.
@@ -235,7 +236,7 @@ pub struct RequestOutcome {
     /// Its measurements.
     pub metrics: RequestMetrics,
     /// The boundary at the last cut, or the error.
-    pub output: Result<Boundary, String>,
+    pub output: Result<Boundary, RequestFailure>,
 }
 
 /// Milliseconds since `since`.

@@ -45,7 +45,7 @@ use self::mix::{apportion, assign_edges, EdgeSlot};
 use self::report::{write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport, LOAD_FILES};
 use crate::client::connection::{Answer, Connection};
 use crate::config::EdgeConfig;
-use crate::error::{HostError, Result};
+use crate::error::{HostError, RequestFailure, Result, StreamError};
 use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
 use crate::session::{connect, Link};
@@ -545,10 +545,10 @@ impl Edge {
             tracing::warn!(edge = self.slot.edge, request_id = answer.id, "an answer for a request not waiting: ignored");
             return false;
         };
-        let error = match (&answer.output, answer.code) {
-            (Ok(_), _) => None,
-            (Err(_), Some(code)) => Some(format!("{code:?}")),
-            (Err(_), None) => Some(UNDECODABLE.to_string()),
+        let error = match &answer.output {
+            Ok(_) => None,
+            Err(RequestFailure::Refused { code, .. }) => Some(format!("{code:?}")),
+            Err(_) => Some(UNDECODABLE.to_string()),
         };
         let latency_ms = (at - origin.at).as_secs_f64() * 1e3;
         self.records.push(RequestRecord {
@@ -575,7 +575,7 @@ impl Edge {
 }
 
 /// The next answer on the stream, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<Connection>) -> std::result::Result<Answer, String> {
+async fn next_answer(conn: &mut Option<Connection>) -> std::result::Result<Answer, StreamError> {
     match conn {
         Some(c) => c.next_answer().await,
         None => std::future::pending().await,
