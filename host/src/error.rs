@@ -10,6 +10,7 @@ use cleave_common::training::TrainError;
 use cleave_common::wire::{CodecError, WireError};
 use cleave_common::BundleError;
 
+use crate::loopback::LoopbackError;
 use crate::planning::planner::ProfileError;
 use crate::plots::PlotError;
 
@@ -40,6 +41,9 @@ pub enum HostError {
     /// A plot cannot be drawn or written.
     #[error(transparent)]
     Plot(#[from] PlotError),
+    /// The server started in this process (`--loopback`) failed.
+    #[error("the loopback server: {0}")]
+    Loopback(LoopbackError),
     /// The server cannot be reached.
     #[error("cannot connect to {url}: {reason}")]
     Connect {
@@ -115,6 +119,37 @@ pub enum HostError {
     /// libtorch refused an operation on the edge.
     #[error("{0}")]
     Torch(String),
+    /// A task of the host's own (on the blocking pool or the runtime) panicked or was
+    /// cancelled.
+    #[error("{what}: {error}")]
+    Task {
+        /// What it was doing (`loading the datasets`).
+        what: &'static str,
+        /// How it ended.
+        error: tokio::task::JoinError,
+    },
+    /// A thread of the host's own cannot start.
+    #[error("cannot start {what}: {error}")]
+    ThreadStart {
+        /// The thread (`the prefix thread`).
+        what: &'static str,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// A thread of the host's own panicked (its message is in the log).
+    #[error("{what} panicked")]
+    ThreadPanicked {
+        /// The thread.
+        what: &'static str,
+    },
+    /// A report cannot be written as JSON.
+    #[error("{what}: {error}")]
+    Json {
+        /// What was being written (`the summary as JSON`).
+        what: &'static str,
+        /// Why.
+        error: serde_json::Error,
+    },
     /// A step of a longer job failed; `context` says which.
     #[error("{context}: {error}")]
     During {
@@ -156,6 +191,12 @@ impl HostError {
     /// This error, as what failed while doing `context`.
     pub fn during(self, context: impl Into<String>) -> Self {
         Self::During { context: context.into(), error: Box::new(self) }
+    }
+}
+
+impl From<LoopbackError> for HostError {
+    fn from(e: LoopbackError) -> Self {
+        Self::Loopback(e)
     }
 }
 

@@ -35,7 +35,7 @@ pub async fn open_bundle(dir: &Path) -> Result<Bundle> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || Bundle::open(&dir))
         .await
-        .map_err(|e| HostError::Invalid(format!("opening the bundle: {e}")))?
+        .map_err(|error| HostError::Task { what: "opening the bundle", error })?
         .map_err(HostError::from)
 }
 

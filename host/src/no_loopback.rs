@@ -4,7 +4,6 @@
 use std::path::Path;
 
 use crate::config::EdgeConfig;
-use crate::error::{HostError, Result};
 
 /// Never made: a host without the feature cannot start a server.
 pub(crate) struct LoopbackServer {
@@ -12,19 +11,23 @@ pub(crate) struct LoopbackServer {
 }
 
 impl LoopbackServer {
-    pub(crate) async fn shutdown(self) -> Result<()> {
+    pub(crate) async fn shutdown(self) -> Result<(), LoopbackError> {
         Ok(())
     }
 }
 
-fn refused() -> HostError {
-    HostError::Invalid("--loopback needs the host's `loopback` cargo feature (on by default); this host was built without it".into())
+/// Why `--loopback` cannot be used here.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopbackError {
+    /// This host was built without the server.
+    #[error("--loopback needs the host's `loopback` cargo feature (on by default); this host was built without it")]
+    NotBuilt,
 }
 
-pub(crate) async fn for_inference(_: &EdgeConfig) -> Result<LoopbackServer> {
-    Err(refused())
+pub(crate) async fn for_inference(_: &EdgeConfig) -> Result<LoopbackServer, LoopbackError> {
+    Err(LoopbackError::NotBuilt)
 }
 
-pub(crate) async fn for_training(_: &EdgeConfig, _: &Path) -> Result<LoopbackServer> {
-    Err(refused())
+pub(crate) async fn for_training(_: &EdgeConfig, _: &Path) -> Result<LoopbackServer, LoopbackError> {
+    Err(LoopbackError::NotBuilt)
 }

@@ -52,7 +52,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         let (input, bundle, batch) = (input.clone(), bundle.clone(), config.batch_size);
         tokio::task::spawn_blocking(move || Inputs::new(&input, &bundle, batch))
             .await
-            .map_err(|e| HostError::Invalid(format!("reading the inputs: {e}")))??
+            .map_err(|error| HostError::Task { what: "reading the inputs", error })??
     };
     if let Some(note) = inputs.reuse_note(config.requests) {
         println!("{note}");
@@ -219,7 +219,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         edge_cpu: cpu.finish(startup.0, startup.1),
         probes: planner.map(|auto| auto.lock().expect("auto split").probes()),
     };
-    let json = serde_json::to_string_pretty(&summary).map_err(|e| HostError::Invalid(format!("the summary as JSON: {e}")))?;
+    let json = serde_json::to_string_pretty(&summary).map_err(|error| HostError::Json { what: "the summary as JSON", error })?;
     std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;
     report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
     println!("{}", summary_text(&summary));

@@ -91,9 +91,9 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
     let producer = std::thread::Builder::new()
         .name("cleave-prefix".into())
         .spawn(move || run_prefixes(plan, sender, chunk_bytes, channels))
-        .map_err(|e| HostError::Invalid(format!("cannot start the prefix thread: {e}")))?;
+        .map_err(|error| HostError::ThreadStart { what: "the prefix thread", error })?;
     let counts = run.stream(session, produced).await;
-    let produced = producer.join().map_err(|_| HostError::Invalid("the prefix thread panicked".into()))?;
+    let produced = producer.join().map_err(|_| HostError::ThreadPanicked { what: "the prefix thread" })?;
     produced?;
     let counts = counts?;
     if counts.never_sent > 0 || counts.failed > 0 {

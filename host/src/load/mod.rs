@@ -150,7 +150,7 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     let tasks: Vec<JoinHandle<Vec<RequestRecord>>> = edges.into_iter().map(|edge| tokio::spawn(edge.run(clock))).collect();
     let mut records = Vec::new();
     for task in tasks {
-        records.extend(task.await.map_err(|e| HostError::Invalid(format!("an edge's task failed: {e}")))?);
+        records.extend(task.await.map_err(|error| HostError::Task { what: "an edge's task failed", error })?);
     }
     // Requests were due over the whole duration: a last answer that came early does not
     // shorten the denominator of the throughputs.
@@ -303,7 +303,7 @@ async fn edge_prefixes(model: &Model) -> Result<Vec<(usize, Boundary)>> {
         Ok(out)
     })
     .await
-    .map_err(|e| HostError::Invalid(format!("running the prefixes: {e}")))?
+    .map_err(|error| HostError::Task { what: "running the prefixes", error })?
 }
 
 fn print_start(models: &[Model], counts: &[usize], served: &[Option<ServedModel>], opts: &LoadOptions) {

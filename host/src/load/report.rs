@@ -273,7 +273,7 @@ pub fn write_latency_csv(path: &Path, records: &[RequestRecord], models: &[Model
 
 /// Writes `load.json`.
 pub fn write_json(path: &Path, report: &LoadReport) -> Result<()> {
-    let json = serde_json::to_string_pretty(report).map_err(|e| HostError::Invalid(format!("the load report as JSON: {e}")))?;
+    let json = serde_json::to_string_pretty(report).map_err(|error| HostError::Json { what: "the load report as JSON", error })?;
     std::fs::write(path, json + "\n").map_err(|e| HostError::write(path, e))
 }
 

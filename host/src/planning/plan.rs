@@ -113,7 +113,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
     print_plan(&bundle, &report, &session.model.device, batch, &config.codec);
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     std::fs::create_dir_all(&output).map_err(|error| HostError::Io { action: "cannot create", path: output.clone(), error })?;
-    let json = serde_json::to_string_pretty(&report).map_err(|e| HostError::Invalid(format!("the plan as JSON: {e}")))?;
+    let json = serde_json::to_string_pretty(&report).map_err(|error| HostError::Json { what: "the plan as JSON", error })?;
     std::fs::write(output.join("plan.json"), json + "\n").map_err(|e| HostError::write(output.join("plan.json"), e))?;
     let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(HostError::Graph)?;
     let mut written = vec![dot];

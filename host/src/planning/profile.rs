@@ -55,7 +55,7 @@ pub(crate) async fn measure_profiles(
         let (bundle, device, codec, candidates) = (bundle.clone(), config.device, config.codec, codec_candidates.to_vec());
         tokio::task::spawn_blocking(move || profile_edge(&bundle, device, batch, &codec, &candidates, repeats))
             .await
-            .map_err(|e| HostError::Invalid(format!("profiling the edge: {e}")))??
+            .map_err(|error| HostError::Task { what: "profiling the edge", error })??
     };
     let edge_s = started.elapsed().as_secs_f64();
     let started = Instant::now();

@@ -102,7 +102,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             ))
         })
         .await
-        .map_err(|e| HostError::Invalid(format!("loading the datasets: {e}")))??
+        .map_err(|error| HostError::Task { what: "loading the datasets", error })??
     };
     for (what, rows, size) in [("training", train_set.rows(), train.batch_size), ("test", test_set.rows(), train.eval_batch_size)] {
         let last = rows % size;
@@ -154,7 +154,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             Ok((prefix, tail_stages, optimizer, position, resumed, server_resume))
         })
         .await
-        .map_err(|e| HostError::Invalid(format!("loading the edge's stages: {e}")))??
+        .map_err(|error| HostError::Task { what: "loading the edge's stages", error })??
     };
     let step = resumed.unwrap_or(0);
 
@@ -215,7 +215,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     };
     let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set))
         .await
-        .map_err(|e| HostError::Invalid(format!("the training thread failed: {e}")))??;
+        .map_err(|error| HostError::Task { what: "the training thread failed", error })??;
     if let Some(server) = loopback {
         server.shutdown().await?;
     }
@@ -226,7 +226,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         model_source: bundle.manifest().model.source.clone(),
         split: remote.then_some(split),
         tail: matches!(train.mode, TrainMode::UShaped { .. }).then_some(tail),
-        optimizer: serde_json::to_value(&train.optimizer).map_err(|e| HostError::Invalid(format!("the optimizer as JSON: {e}")))?,
+        optimizer: serde_json::to_value(&train.optimizer).map_err(|error| HostError::Json { what: "the optimizer as JSON", error })?,
         loss: train.loss.name().to_string(),
         batch_size: train.batch_size as usize,
         seed: train.seed,
@@ -255,7 +255,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         let (trained, target) = (bundle.clone(), dir.clone());
         let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
             .await
-            .map_err(|e| HostError::Invalid(format!("writing the trained bundle: {e}")))??;
+            .map_err(|error| HostError::Task { what: "writing the trained bundle", error })??;
         println!("trained bundle written to {} (id {})", dir.display(), written.short_id());
     }
     println!(
