@@ -98,12 +98,30 @@ pub enum HostError {
     /// A file cannot be read or written.
     #[error("{action} {path}: {error}")]
     Io {
-        /// `cannot read`, `cannot write`, `cannot create`.
+        /// `cannot read`, `cannot write`, `cannot create`, `image directory`.
         action: &'static str,
         /// The file.
         path: PathBuf,
         /// Why.
         error: std::io::Error,
+    },
+    /// An image cannot be read or decoded.
+    #[error("image {path}: {error}")]
+    Image {
+        /// The image file.
+        path: PathBuf,
+        /// Why.
+        error: image::ImageError,
+    },
+    /// A tensor file (safetensors, npz, npy) cannot be read.
+    #[error("{what} {path}: {error}")]
+    TensorFile {
+        /// What it is to the run (`input file`, `cannot read training data`).
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// libtorch's error.
+        error: tch::TchError,
     },
     /// A file's content cannot be used.
     #[error("{path}: {message}")]

@@ -18,7 +18,7 @@ pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Prepro
         _ => return Err(HostError::Invalid(format!("image inputs need a float32 [B, 1 or 3, H, W] input; this bundle takes {spec}"))),
     };
     let mut paths: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|e| HostError::Invalid(format!("image directory {}: {e}", dir.display())))?
+        .map_err(|error| HostError::Io { action: "image directory", path: dir.to_path_buf(), error })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| matches!(p.extension().and_then(|e| e.to_str()).map(str::to_lowercase).as_deref(), Some("png" | "jpg" | "jpeg")))
         .collect();
@@ -33,7 +33,7 @@ pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Prepro
     };
     let mut batch = Vec::with_capacity(paths.len());
     for path in &paths {
-        let img = image::open(path).map_err(|e| HostError::Invalid(format!("image {}: {e}", path.display())))?;
+        let img = image::open(path).map_err(|error| HostError::Image { path: path.clone(), error })?;
         // Resize so the shorter side is `resize`, then take the centre h x w.
         let (iw, ih) = (img.width(), img.height());
         let scale = resize as f64 / iw.min(ih) as f64;
@@ -49,4 +49,29 @@ pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Prepro
     }
     let names = paths.iter().map(|p| p.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())).collect();
     Ok((Tensor::stack(&batch, 0).contiguous(), names))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rgb(size: i64) -> TensorSpec {
+        TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Fixed(3), Dim::Fixed(size), Dim::Fixed(size)] }
+    }
+
+    #[test]
+    fn a_directory_that_cannot_be_read_keeps_its_io_error() {
+        let err = load_dir(Path::new("/nonexistent/images"), &rgb(8), None).unwrap_err();
+        assert!(matches!(&err, HostError::Io { error, .. } if error.kind() == std::io::ErrorKind::NotFound), "{err:?}");
+        assert!(err.to_string().starts_with("image directory /nonexistent/images: "), "{err}");
+    }
+
+    #[test]
+    fn an_image_that_does_not_decode_names_its_file_and_keeps_the_decoder_error() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("broken.png"), b"not a png").unwrap();
+        let err = load_dir(dir.path(), &rgb(8), None).unwrap_err();
+        assert!(matches!(&err, HostError::Image { path, .. } if path.ends_with("broken.png")), "{err:?}");
+        assert!(err.to_string().contains("broken.png"), "{err}");
+    }
 }

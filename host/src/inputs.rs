@@ -104,7 +104,7 @@ impl Inputs {
                     _ => return Err(HostError::Invalid(format!("input file {}: expected .safetensors, .npz or .npy", path.display()))),
                 };
                 let loaded: HashMap<String, Tensor> =
-                    read.map_err(|e| HostError::Invalid(format!("input file {}: {e}", path.display())))?.into_iter().collect();
+                    read.map_err(|error| HostError::TensorFile { what: "input file", path: path.clone(), error })?.into_iter().collect();
                 let mut tensors = Vec::new();
                 let mut rows = None;
                 for InputSpec { name, spec, .. } in &specs {

@@ -23,7 +23,11 @@ impl Dataset {
     /// Reads `path`: the bundle's inputs by name and the `targets` tensor.
     pub(crate) fn load(path: &Path, bundle: &Bundle, targets: &str) -> Result<Self> {
         crate::files::require("dataset", path)?;
-        let tensors = Tensor::read_safetensors(path).map_err(|e| HostError::Invalid(format!("cannot read training data {}: {e}", path.display())))?;
+        let tensors = Tensor::read_safetensors(path).map_err(|error| HostError::TensorFile {
+            what: "cannot read training data",
+            path: path.to_path_buf(),
+            error,
+        })?;
         let take = |name: &str| {
             tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.shallow_clone()).ok_or_else(|| {
                 let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
