@@ -31,7 +31,7 @@ impl Dataset {
         let take = |name: &str| {
             tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.shallow_clone()).ok_or_else(|| {
                 let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-                HostError::Invalid(format!("{}: no tensor {name:?} (it holds {})", path.display(), names.join(", ")))
+                HostError::File { path: path.to_path_buf(), message: format!("no tensor {name:?} (it holds {})", names.join(", ")) }
             })
         };
         let mut inputs = Vec::new();
@@ -44,11 +44,14 @@ impl Dataset {
         let targets = take(targets)?;
         let rows = targets.size().first().copied().unwrap_or(0);
         if rows == 0 {
-            return Err(HostError::Invalid(format!("{}: the targets have no rows", path.display())));
+            return Err(HostError::File { path: path.to_path_buf(), message: "the targets have no rows".into() });
         }
         for (name, t) in &inputs {
             if t.size().first() != Some(&rows) {
-                return Err(HostError::Invalid(format!("{}: {name} has {:?} rows, the targets {rows}", path.display(), t.size().first())));
+                return Err(HostError::File {
+                    path: path.to_path_buf(),
+                    message: format!("{name} has {:?} rows, the targets {rows}", t.size().first()),
+                });
             }
         }
         Ok(Self { inputs, targets, rows })
