@@ -1,0 +1,219 @@
+//! `grpc-floor`: what one request costs through tonic with no cleave code on it, the floor
+//! under `split-overhead`'s network column between `bench/loopback-floor` (plain TCP) and
+//! the protocol.
+//!
+//! Two processes on two cores, as `split-overhead` puts the edge and the server: this one
+//! (the client) and a child serving `SplitInference::Infer` with an echo that answers each
+//! frame with a small result at once. The client opens one `Infer` stream with the host's
+//! HTTP/2 settings and, for each size, idles 5 ms (as the server idles while the edge runs
+//! its prefix), sends one request in frames of at most 16 KiB (as the host frames a
+//! payload) and waits for its answer.
+//!
+//!     grpc-floor [--sizes 2355,37632,75264,100352] [--cores 0,1] [--repeats 200] [--via-thread]
+//!
+//! `--via-thread` answers from a thread of the server's own, as its compute worker does: the
+//! cost of that hop and the one back.
+//!
+//! Prints one line per size: `grpc floor: N bytes p50 X ms (p10 A, p90 B)`.
+
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use cleave_common::config::pin_thread;
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceServer};
+use cleave_common::pb::{
+    EchoReply, EchoRequest, InferFrame, InfoReply, InfoRequest, ProfileReply, ProfileRequest, ResultFrame, TrainFrame, TrainReply,
+};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+#[derive(Parser)]
+#[command(about = "One request's cost through tonic with no cleave code on it")]
+struct Args {
+    /// Request sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = [2355usize, 37632, 75264, 100352])]
+    sizes: Vec<usize>,
+    /// The client's core, then the server's.
+    #[arg(long, value_delimiter = ',', default_values_t = [0usize, 1])]
+    cores: Vec<usize>,
+    /// Requests per size (after 20 not timed).
+    #[arg(long, default_value_t = 200)]
+    repeats: usize,
+    /// Serve on this port (the child process).
+    #[arg(long, hide = true)]
+    serve: Option<u16>,
+    /// The echo answers from a thread of its own, as the server's compute worker does.
+    #[arg(long)]
+    via_thread: bool,
+}
+
+/// Frames of a request, as the host cuts a payload.
+const FRAME_BYTES: usize = 16 << 10;
+/// What the echo answers: about a classifier's logits.
+const ANSWER_BYTES: usize = 4000;
+/// How long each side idles between requests.
+const IDLE: Duration = Duration::from_millis(5);
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let [client_core, server_core] = args.cores[..] else { bail!("--cores takes two cores") };
+    match args.serve {
+        Some(port) => {
+            pin_thread(0, &[server_core])?;
+            tokio::runtime::Runtime::new()?.block_on(serve(port, args.via_thread))
+        }
+        None => {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            let mut child = std::process::Command::new(std::env::current_exe()?)
+                .args(["--serve", &port.to_string(), "--cores", &format!("{client_core},{server_core}")])
+                .args(args.via_thread.then_some("--via-thread"))
+                .spawn()?;
+            pin_thread(0, &[client_core])?;
+            let measured = tokio::runtime::Runtime::new()?.block_on(measure(port, &args.sizes, args.repeats));
+            let _ = child.kill();
+            let _ = child.wait();
+            measured
+        }
+    }
+}
+
+async fn measure(port: u16, sizes: &[usize], repeats: usize) -> anyhow::Result<()> {
+    let url = format!("http://127.0.0.1:{port}");
+    let started = Instant::now();
+    let channel = loop {
+        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())?
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20));
+        match endpoint.connect().await {
+            Ok(channel) => break channel,
+            Err(_) if started.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => return Err(e).context("the echo server did not start"),
+        }
+    };
+    let mut client = SplitInferenceClient::new(channel).max_decoding_message_size(64 << 20);
+    let (frames, outbound) = tokio::sync::mpsc::channel::<InferFrame>(64);
+    let mut answers = client.infer(ReceiverStream::new(outbound)).await?.into_inner();
+    let mut id = 0u64;
+    for &size in sizes {
+        let mut times = Vec::with_capacity(repeats);
+        for i in 0..repeats + 20 {
+            tokio::time::sleep(IDLE).await;
+            id += 1;
+            let t = Instant::now();
+            let data = bytes::Bytes::from(vec![7u8; size]);
+            let chunks = size.div_ceil(FRAME_BYTES).max(1);
+            for c in 0..chunks {
+                let part = data.slice(c * FRAME_BYTES..((c + 1) * FRAME_BYTES).min(size));
+                let frame = InferFrame { request_id: id, header: Default::default(), data: part, last: c + 1 == chunks };
+                frames.send(frame).await.context("the stream closed")?;
+            }
+            let answer = answers.message().await?.context("the server hung up")?;
+            if answer.request_id != id {
+                bail!("answer {} for request {id}", answer.request_id);
+            }
+            if i >= 20 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+        println!("grpc floor: {size} bytes p50 {:.3} ms (p10 {:.3}, p90 {:.3})", at(0.5), at(0.1), at(0.9));
+    }
+    Ok(())
+}
+
+async fn serve(port: u16, via_thread: bool) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let incoming = TcpListenerStream::new(listener).map(|s| {
+        s.and_then(|s| {
+            s.set_nodelay(true)?;
+            Ok(s)
+        })
+    });
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(1 << 20))
+        .initial_connection_window_size(Some(1 << 20))
+        .add_service(SplitInferenceServer::new(Echo { worker: via_thread.then(spawn_worker) }).max_decoding_message_size(64 << 20))
+        .serve_with_incoming(incoming)
+        .await?;
+    Ok(())
+}
+
+/// A request's id, and where its answer goes.
+type Job = (u64, tokio::sync::oneshot::Sender<ResultFrame>);
+
+/// Answers each request once its last frame is in: on the stream's task, or with `worker`
+/// from a thread of its own (one hop there and one back, as the server's compute worker).
+struct Echo {
+    worker: Option<std::sync::mpsc::Sender<Job>>,
+}
+
+fn spawn_worker() -> std::sync::mpsc::Sender<Job> {
+    let (jobs, rx) = std::sync::mpsc::channel::<Job>();
+    std::thread::spawn(move || {
+        while let Ok((id, reply)) = rx.recv() {
+            let _ = reply.send(answer(id));
+        }
+    });
+    jobs
+}
+
+fn answer(request_id: u64) -> ResultFrame {
+    ResultFrame { request_id, data: vec![1u8; ANSWER_BYTES].into(), last: true, ..Default::default() }
+}
+
+type Results = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
+type TrainReplies = Pin<Box<dyn Stream<Item = Result<TrainReply, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl SplitInference for Echo {
+    type InferStream = Results;
+    type TrainStream = TrainReplies;
+
+    async fn info(&self, _: Request<InfoRequest>) -> Result<Response<InfoReply>, Status> {
+        Err(Status::unimplemented("echo only"))
+    }
+
+    async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<Results>, Status> {
+        let mut frames = request.into_inner();
+        let worker = self.worker.clone();
+        let (answers, out) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            while let Some(Ok(frame)) = frames.next().await {
+                if !frame.last {
+                    continue;
+                }
+                let reply = match &worker {
+                    None => answer(frame.request_id),
+                    Some(worker) => {
+                        let (reply, answered) = tokio::sync::oneshot::channel();
+                        let _ = worker.send((frame.request_id, reply));
+                        let Ok(reply) = answered.await else { break };
+                        reply
+                    }
+                };
+                if answers.send(Ok(reply)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    async fn train(&self, _: Request<Streaming<TrainFrame>>) -> Result<Response<TrainReplies>, Status> {
+        Err(Status::unimplemented("echo only"))
+    }
+
+    async fn profile(&self, _: Request<ProfileRequest>) -> Result<Response<ProfileReply>, Status> {
+        Err(Status::unimplemented("echo only"))
+    }
+
+    async fn echo(&self, _: Request<EchoRequest>) -> Result<Response<EchoReply>, Status> {
+        Err(Status::unimplemented("echo only"))
+    }
+}
