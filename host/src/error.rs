@@ -293,7 +293,7 @@ pub enum StreamError {
     /// An answer to a request this stream never carried.
     #[error("the server answered request {0}, which this connection never sent")]
     NeverSent(u64),
-    /// The server answered UNAVAILABLE: it is draining.
-    #[error("the server cannot take requests now: {0}")]
+    /// The server answered UNAVAILABLE (it is draining), with this message.
+    #[error("the server cannot take requests now: Unavailable: {0}")]
     Draining(String),
 }

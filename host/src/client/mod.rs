@@ -362,7 +362,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         };
         if let Err(RequestFailure::Refused { code: tonic::Code::Unavailable, message }) = a.output {
             self.unanswered.insert(a.id, u);
-            return Err(StreamError::Draining(format!("{:?}: {message}", tonic::Code::Unavailable)));
+            return Err(StreamError::Draining(message));
         }
         let mut metrics = u.prepared.metrics;
         metrics.round_trip_ms = u.sent_at.map_or(0.0, ms);

@@ -383,13 +383,11 @@ impl Worker {
                 let device = model.stages.device();
                 let inputs: Vec<Boundary> = requests.iter().map(|w| w.input.to_device(device)).collect();
                 let merged = Boundary::cat_batches(&inputs).map_err(RequestError::Batching)?;
-                match model.stages.run_while(range, &merged, wanted)? {
-                    // Answers leave from the host: the batch's output comes back in one copy,
-                    // not one per request on the encoders' threads.
-                    Some(out) if to == last => out.to_device(tch::Device::Cpu).split_batches(&sizes).map(Some).map_err(RequestError::Batching),
-                    Some(out) => out.split_batches(&sizes).map(Some).map_err(RequestError::Batching),
-                    None => Ok(None),
-                }
+                let Some(out) = model.stages.run_while(range, &merged, wanted)? else { return Ok(None) };
+                // Answers leave from the host: the batch's output comes back in one copy, not
+                // one per request on the encoders' threads.
+                let out = if to == last { out.to_device(tch::Device::Cpu) } else { out };
+                out.split_batches(&sizes).map(Some).map_err(RequestError::Batching)
             })();
             // Compute time includes the work queued on the device, not only its launch.
             model.stages.synchronize();
