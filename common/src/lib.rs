@@ -35,6 +35,7 @@ pub mod spec;
 pub mod stages;
 pub mod stats;
 pub mod tables;
+pub mod telemetry;
 pub mod tensor_memory;
 pub mod training;
 pub mod value;

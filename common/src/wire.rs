@@ -819,7 +819,7 @@ mod tests {
         assert!(parts.last().unwrap().last && parts[0].first);
         let mut assembler = FrameAssembler::default();
         for part in &parts {
-            let frame = InferFrame { request_id: id, header: part.header.clone(), data: part.data.clone(), last: part.last };
+            let frame = InferFrame { request_id: id, header: part.header.clone(), data: part.data.clone(), last: part.last, ..Default::default() };
             if let Some((done, ())) = assembler.push(&frame, |f| rx.start(f.request_id, &f.header).map(|a| (a, ()))).map_err(|(_, e)| e)? {
                 return rx.finish(done);
             }
@@ -979,7 +979,7 @@ mod tests {
         // A frame of another request inside request 2 fails request 2 and is skipped to its end.
         let mut assembler = FrameAssembler::default();
         assert!(assembler.push(&good[0], start).unwrap().is_none());
-        let stray = InferFrame { request_id: 7, header: Bytes::new(), data: Bytes::from_static(&[0]), last: false };
+        let stray = InferFrame { request_id: 7, header: Bytes::new(), data: Bytes::from_static(&[0]), last: false, ..Default::default() };
         let (failed, e): (u64, WireError) = assembler.push(&stray, start).unwrap_err();
         assert_eq!((failed, e), (2, WireError::Interleaved { expected: 2, got: 7 }));
         assert!(assembler.push(&InferFrame { last: true, ..stray }, start).unwrap().is_none());

@@ -11,6 +11,7 @@ use cleave_common::bundle::SplitSpec;
 use cleave_common::config::{auto_device, ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::logs::LogFormat;
 use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity};
+use cleave_common::telemetry::Telemetry;
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
 use cleave_common::wire::{Codec, CodecPolicy};
@@ -113,6 +114,8 @@ struct RawEdgeConfig {
     cores: Option<Vec<usize>>,
     #[serde(default)]
     log_format: LogFormat,
+    #[serde(default)]
+    telemetry: Telemetry,
 }
 
 /// `retry:` in edge.yaml.
@@ -397,6 +400,8 @@ pub struct EdgeConfig {
     pub cpu: CpuUse,
     /// How log lines are written (`log_format: text | json`).
     pub log_format: LogFormat,
+    /// Where traces go (`telemetry:`; none by default).
+    pub telemetry: Telemetry,
 }
 
 impl EdgeConfig {
@@ -478,6 +483,7 @@ impl EdgeConfig {
                 return Err(invalid(key, "must be positive".into()));
             }
         }
+        raw.telemetry.check().map_err(|e| invalid(e.key(), e.to_string()))?;
         if resilience.retry.max_attempts == 0 {
             return Err(invalid("retry.max_attempts", "must be at least 1 (one attempt: no retry)".into()));
         }
@@ -509,6 +515,7 @@ impl EdgeConfig {
             resilience,
             cpu: secrets.cpu(raw.threads, raw.cores)?,
             log_format: raw.log_format,
+            telemetry: raw.telemetry,
         })
     }
 }

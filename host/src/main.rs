@@ -1,6 +1,7 @@
 //! `host`: the edge binary. Parses the command line and calls the library.
 
 use cleave_common::logs::{self, LogFormat};
+use cleave_common::telemetry::Telemetry;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -150,12 +151,15 @@ enum Command {
 /// Logs at warn unless `RUST_LOG` says otherwise.
 const DEFAULT_LOG_FILTER: &str = "warn";
 
+/// What traces call this process unless `telemetry.service_name` says otherwise.
+const SERVICE: &str = "cleave-host";
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // A command with a config logs as it says (`log_format`), once it is read; the others as
     // text.
     if matches!(cli.command, Some(Command::Splits { .. } | Command::Verify { .. } | Command::ExportTrained { .. })) {
-        logs::init(LogFormat::Text, DEFAULT_LOG_FILTER);
+        let _ = logs::init(LogFormat::Text, DEFAULT_LOG_FILTER, &Telemetry::default(), SERVICE);
     }
     let result = match cli.command {
         Some(Command::Splits { bundle, seq }) => cleave_host::print_splits(&bundle, seq).map(|()| true).map_err(anyhow::Error::from),
@@ -206,7 +210,7 @@ fn main() -> ExitCode {
 
 fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool> {
     let mut config = EdgeConfig::load(&path)?;
-    logs::init(config.log_format, DEFAULT_LOG_FILTER);
+    let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     if monolithic {
         let train = config.train.as_mut().ok_or_else(|| anyhow::anyhow!("--monolithic needs a training config (a `train:` section)"))?;
         train.mode = TrainMode::Monolithic;
@@ -223,7 +227,7 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
 
 fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(&path)?;
-    logs::init(config.log_format, DEFAULT_LOG_FILTER);
+    let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     config.cpu.apply()?;
     tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
     Ok(true)
@@ -231,7 +235,9 @@ fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
 
 fn load(paths: &[PathBuf], output: Option<PathBuf>, mut opts: LoadOptions) -> anyhow::Result<bool> {
     let configs = paths.iter().map(|p| EdgeConfig::load(p)).collect::<Result<Vec<_>, _>>()?;
-    logs::init(configs.first().map_or(LogFormat::Text, |c| c.log_format), DEFAULT_LOG_FILTER);
+    let first = configs.first();
+    let telemetry = first.map(|c| c.telemetry.clone()).unwrap_or_default();
+    let _tracing = logs::init(first.map_or(LogFormat::Text, |c| c.log_format), DEFAULT_LOG_FILTER, &telemetry, SERVICE)?;
     // Like a run and training, a load run writes into its (first) config's `output`.
     opts.output = output.or_else(|| configs.first().map(|c| c.output.clone())).unwrap_or(opts.output);
     // The edges of one load run share this process: the first config's cores, and the most

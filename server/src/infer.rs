@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
+use tracing::Instrument;
 
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{error_frame, status_code, Internal, RequestError};
@@ -109,6 +110,10 @@ struct Held {
     bytes: Option<Reservation>,
     /// The request's envelope: its result is kept in the window under it.
     envelope: bytes::Bytes,
+    /// The request's span, in its host's trace when the host sent one.
+    span: tracing::Span,
+    /// Open while its frames are read.
+    reading: tracing::Span,
 }
 
 /// A request waiting for its answer, in arrival order.
@@ -122,6 +127,8 @@ struct Pending {
     answer: oneshot::Receiver<Answer>,
     /// What it holds until answered (none for one refused before its first frame was read).
     held: Option<Held>,
+    /// The request's span (none for one refused before its first frame was read).
+    span: tracing::Span,
 }
 
 impl Pending {
@@ -134,7 +141,7 @@ impl Pending {
     fn answered(request_id: u64, answer: Answer) -> Self {
         let (tx, rx) = oneshot::channel();
         let _ = tx.send(answer);
-        Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx, held: None }
+        Self { request_id, split: 0, decode_us: 0, codec: Codec::RAW, key_id: None, answer: rx, held: None, span: tracing::Span::none() }
     }
 }
 
@@ -299,20 +306,38 @@ async fn start_request(
 ) -> Result<Started, RequestError> {
     let since = Instant::now();
     let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(frame.request_id, &frame.header)?;
+    let span = request_span(ctx, frame, &assembly);
     if let Some(output) = ctx.window.as_ref().and_then(|(window, session)| window.recall(session, frame.request_id, &frame.header)) {
         tracing::debug!(request_id = frame.request_id, "a resent request answered from the window of recent results");
         let (tx, answer) = oneshot::channel();
         let bytes = ctx.budget.reserve(answer_bytes(output.tensor_bytes() as u64)).await?;
         let _ = tx.send(Ok((JobResult { output: Ok(output), queue: Duration::ZERO, compute: Duration::ZERO }, bytes)));
-        let held = Some(Held { since, _slot: slot, bytes: None, envelope: bytes::Bytes::new() });
+        span.record("recalled", true);
+        let held = Some(Held { since, _slot: slot, bytes: None, envelope: bytes::Bytes::new(), span: span.clone(), reading: tracing::Span::none() });
         let (request_id, split, codec, key_id) = (frame.request_id, assembly.split(), assembly.codec(), assembly.key_id());
-        return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held }));
+        return Ok(Started::Recalled(Pending { request_id, split, decode_us: 0, codec, key_id, answer, held, span }));
     }
     // Room for its answer too, before it is computed: a result computed without room would
     // wait for it outside the budget (and be thrown away if none came).
     let answer = assembly.sizes().map_or(0, |sizes| answer_room(&ctx.model.bundle, sizes));
     let bytes = ctx.budget.reserve(assembly.held_bytes().max(answer)).await?;
-    Ok(Started::New(Box::new(assembly), Held { since, _slot: slot, bytes: Some(bytes), envelope: kept_envelope(&frame.header) }))
+    let reading = tracing::debug_span!(parent: &span, "read");
+    let held = Held { since, _slot: slot, bytes: Some(bytes), envelope: kept_envelope(&frame.header), span, reading };
+    Ok(Started::New(Box::new(assembly), held))
+}
+
+/// A request's span, from its first frame: a child of the span its host sent the context of.
+fn request_span(ctx: &InferContext, frame: &InferFrame, assembly: &Reassembly) -> tracing::Span {
+    let span = tracing::debug_span!(
+        "request",
+        request_id = frame.request_id,
+        model = %ctx.model.bundle.id(),
+        cut = assembly.split(),
+        codec = %assembly.codec(),
+        recalled = false,
+    );
+    cleave_common::telemetry::follow(&span, &frame.traceparent);
+    span
 }
 
 /// What the answer to a request of `sizes` will hold in the budget: the bundle's output at
@@ -336,12 +361,14 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
     let (id, split) = (assembly.request_id, assembly.split());
     let (tx, rx) = oneshot::channel();
     let (mut codec, mut key_id, mut decode_us) = (Codec::RAW, None, 0);
-    let submitted = match decode_request(receiver, assembly).await {
+    held.reading = tracing::Span::none();
+    let decoding = tracing::debug_span!(parent: &held.span, "decode");
+    let submitted = match decode_request(receiver, assembly).instrument(decoding).await {
         Err(e) => Err(e),
         Ok((r, took)) => {
             (codec, key_id, decode_us) = (r.codec, r.key_id, took.as_micros() as u64);
             ctx.metrics.received_copied(ctx.model.bundle.id(), r.copied_bytes, r.pinned_bytes);
-            submit(ctx, r).await
+            submit(ctx, r, &held.span).await
         }
     };
     match submitted {
@@ -366,7 +393,8 @@ async fn queue_request(receiver: &Arc<Mutex<PayloadReceiver>>, ctx: &InferContex
             });
         }
     }
-    Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, held: Some(held) }
+    let span = held.span.clone();
+    Pending { request_id: id, split, decode_us, codec, key_id, answer: rx, held: Some(held), span }
 }
 
 /// A result, with the request's reservation made its answer's: grown or shrunk to what the
@@ -381,14 +409,15 @@ async fn hold_answer(budget: &MemoryBudget, held: Reservation, answer: Result<Jo
 
 /// Checks a decoded request against its cut (its batch size comes from there) and queues
 /// it on its device's scheduler.
-async fn submit(ctx: &InferContext, r: Received) -> Result<oneshot::Receiver<JobResult>, RequestError> {
+async fn submit(ctx: &InferContext, r: Received, span: &tracing::Span) -> Result<oneshot::Receiver<JobResult>, RequestError> {
     let cuts = ctx.model.bundle.stage_count();
     if r.split as usize > cuts {
         return Err(RequestError::SplitOutOfRange { split: r.split, cuts });
     }
     let sizes = ctx.model.bundle.check_boundary(r.split as usize, &r.boundary)?;
     let (reply, answer) = oneshot::channel();
-    ctx.model.scheduler.submit(InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, sizes, reply }).await?;
+    let job = InferJob { model: ctx.model.index, split: r.split as usize, input: r.boundary, sizes, reply, trace: span.clone() };
+    ctx.model.scheduler.submit(job).await?;
     Ok(answer)
 }
 
@@ -425,7 +454,7 @@ impl Responder {
                 (queue, compute, held) = (r.queue, r.compute, bytes);
                 r.output
             }) {
-                Ok(output) => encode_answer(&self.encoder, spec, output).await,
+                Ok(output) => encode_answer(&self.encoder, spec, output).instrument(tracing::debug_span!(parent: &p.span, "encode")).await,
                 Err(e) => Err(e),
             };
             let mut copied_bytes = 0;
@@ -461,11 +490,18 @@ impl Responder {
             });
             // Each frame holds its share until written; a host that does not take it within
             // `limits.answer_timeout` has its connection closed, which ends this send.
-            for frame in frames {
-                self.unsent.hold(&frame, &mut held);
-                if self.out.send(Ok(frame)).await.is_err() {
-                    return; // The host is gone: stop working for it.
+            let answering = tracing::debug_span!(parent: &p.span, "answer", frames = frames.len());
+            let sent = async {
+                for frame in frames {
+                    self.unsent.hold(&frame, &mut held);
+                    if self.out.send(Ok(frame)).await.is_err() {
+                        return false;
+                    }
                 }
+                true
+            };
+            if !sent.instrument(answering).await {
+                return; // The host is gone: stop working for it.
             }
         }
     }

@@ -1,6 +1,7 @@
 //! `server`: the GPU binary. Parses the command line and calls the library.
 
 use cleave_common::logs::{self, LogFormat};
+use cleave_common::telemetry::Telemetry;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -42,12 +43,15 @@ enum Command {
 /// Logs at info unless `RUST_LOG` says otherwise.
 const DEFAULT_LOG_FILTER: &str = "info";
 
+/// What traces call this process unless `telemetry.service_name` says otherwise.
+const SERVICE: &str = "cleave-server";
+
 fn main() -> ExitCode {
     // First, before any thread starts: a process-wide setting.
     cleave_server::allocator::keep_freed_memory();
     let cli = Cli::parse();
     if cli.command.is_some() {
-        logs::init(LogFormat::Text, DEFAULT_LOG_FILTER);
+        let _ = logs::init(LogFormat::Text, DEFAULT_LOG_FILTER, &Telemetry::default(), SERVICE);
     }
     let result = match (cli.command, cli.config) {
         (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }).map_err(anyhow::Error::from),
@@ -72,7 +76,7 @@ fn main() -> ExitCode {
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = ServerConfig::load(path)?;
-    logs::init(config.log_format, DEFAULT_LOG_FILTER);
+    let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     config.cpu.apply()?;
     cleave_server::allocator::Trimmer::new(config.peers.free_memory_kept_bytes).spawn()?;
     Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))?)

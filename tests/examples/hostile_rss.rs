@@ -155,7 +155,13 @@ async fn send(tx: &mpsc::Sender<InferFrame>, id: u64, envelope: Bytes, data: &By
     let mut offset = 0;
     loop {
         let end = (offset + FRAME).min(send);
-        let frame = InferFrame { request_id: id, header: std::mem::take(&mut header), data: data.slice(offset..end), last: end == data.len() };
+        let frame = InferFrame {
+            request_id: id,
+            header: std::mem::take(&mut header),
+            data: data.slice(offset..end),
+            last: end == data.len(),
+            ..Default::default()
+        };
         if tx.send(frame).await.is_err() {
             return;
         }

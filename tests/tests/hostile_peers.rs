@@ -63,7 +63,7 @@ fn request_frames_at(id: u64, split: u32, boundary: &Boundary, parts: usize) -> 
         .map(|i| {
             let data = data.slice(i * chunk..((i + 1) * chunk).min(data.len()));
             let header = if i == 0 { encoded.envelope.clone() } else { Bytes::new() };
-            InferFrame { request_id: id, header, data, last: i + 1 == parts }
+            InferFrame { request_id: id, header, data, last: i + 1 == parts, ..Default::default() }
         })
         .collect()
 }

@@ -219,7 +219,7 @@ async fn raw_client(url: &str) -> SplitInferenceClient<tonic::transport::Channel
 fn frames_for(id: u64, split: u32, boundary: &Boundary) -> Vec<InferFrame> {
     let meta = PayloadMeta { request_id: id, split, direction: Direction::Request };
     let enc = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
-    vec![InferFrame { request_id: id, header: enc.envelope, data: enc.data.to_vec().into(), last: true }]
+    vec![InferFrame { request_id: id, header: enc.envelope, data: enc.data.to_vec().into(), last: true, ..Default::default() }]
 }
 
 /// Rewrites the (unsealed) payload header of a first frame.

@@ -245,7 +245,7 @@ fn a_wrong_payload_key_stops_the_run_after_its_first_requests_and_each_error_is_
 fn sealed_frames(sender: &mut PayloadSender, id: u64, boundary: &Boundary) -> Vec<InferFrame> {
     let meta = PayloadMeta { request_id: id, split: 0, direction: Direction::Request };
     let enc = sender.encode(meta, &"shuffle+lz4".parse().unwrap(), boundary).unwrap();
-    vec![InferFrame { request_id: id, header: enc.envelope, data: enc.data.to_vec().into(), last: true }]
+    vec![InferFrame { request_id: id, header: enc.envelope, data: enc.data.to_vec().into(), last: true, ..Default::default() }]
 }
 
 #[test]
@@ -287,7 +287,7 @@ fn attacks_on_sealed_payloads_are_each_refused_with_their_own_error() {
         // 5: an unsealed payload where sealing is required.
         let meta = PayloadMeta { request_id: 5, split: 0, direction: Direction::Request };
         let plain = PayloadSender::plain().encode(meta, &Codec::RAW, &input).unwrap();
-        frames.push(InferFrame { request_id: 5, header: plain.envelope, data: plain.data.to_vec().into(), last: true });
+        frames.push(InferFrame { request_id: 5, header: plain.envelope, data: plain.data.to_vec().into(), last: true, ..Default::default() });
         // 6: a good request after all of that.
         frames.extend(sealed_frames(&mut host, 6, &input));
 

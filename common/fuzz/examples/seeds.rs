@@ -51,7 +51,7 @@ fn boundary(bundle: &Bundle, cut: usize, batch: i64) -> Boundary {
 fn frames(request_id: u64, enc: &EncodedPayload, chunk: Option<usize>) -> Vec<Record> {
     frame_parts(enc.envelope.clone(), &enc.data, chunk.unwrap_or(usize::MAX))
         .into_iter()
-        .map(|p| Record { stall_before: false, recalled: false, frame: InferFrame { request_id, header: p.header, data: p.data, last: p.last } })
+        .map(|p| Record { stall_before: false, recalled: false, frame: InferFrame { request_id, header: p.header, data: p.data, last: p.last, ..Default::default() } })
         .collect()
 }
 
@@ -122,7 +122,7 @@ fn main() {
     seeds.write("batch_out_of_range_then_good", &then_good(frames(1, &raw(1, 12, &boundary(&bundle, 12, 17)), None)));
     // A frame of another request inside request 1, skipped to its end.
     let mut interleaved = frames(1, &raw(1, 8, &features), Some(500));
-    let stray = InferFrame { request_id: 5, header: Bytes::new(), data: Bytes::from_static(&[0; 8]), last: true };
+    let stray = InferFrame { request_id: 5, header: Bytes::new(), data: Bytes::from_static(&[0; 8]), last: true, ..Default::default() };
     interleaved.insert(1, Record { stall_before: false, recalled: false, frame: stray });
     seeds.write("interleaved_then_good", &then_good(interleaved));
     // More data than declared.

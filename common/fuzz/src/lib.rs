@@ -84,7 +84,7 @@ pub fn decode(mut input: &[u8]) -> Vec<Record> {
         records.push(Record {
             stall_before: flags & STALL_BEFORE != 0,
             recalled: flags & RECALLED != 0,
-            frame: InferFrame { request_id: id, header, data, last: flags & LAST != 0 },
+            frame: InferFrame { request_id: id, header, data, last: flags & LAST != 0, ..Default::default() },
         });
     }
     records
@@ -148,6 +148,7 @@ mod tests {
             header: Bytes::copy_from_slice(header),
             data: data.into(),
             last,
+            ..Default::default()
         };
         let records = vec![
             Record { stall_before: false, recalled: false, frame: frame(1, b"envelope", vec![7; 300], false) },

@@ -109,7 +109,7 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize) -> anyhow::Result<(
             let chunks = size.div_ceil(FRAME_BYTES).max(1);
             for c in 0..chunks {
                 let part = data.slice(c * FRAME_BYTES..((c + 1) * FRAME_BYTES).min(size));
-                let frame = InferFrame { request_id: id, header: Default::default(), data: part, last: c + 1 == chunks };
+                let frame = InferFrame { request_id: id, data: part, last: c + 1 == chunks, ..Default::default() };
                 frames.send(frame).await.context("the stream closed")?;
             }
             let answer = answers.message().await?.context("the server hung up")?;

@@ -57,9 +57,16 @@ impl Connection {
     }
 
     /// Queues a request's frames (the stream takes them as fast as the server reads them; at
-    /// most `in_flight` requests are ever queued). False when the stream is gone.
-    pub(crate) fn send(&self, frames: &[InferFrame]) -> bool {
-        frames.iter().all(|f| self.frames.send(f.clone()).is_ok())
+    /// most `in_flight` requests are ever queued), its trace context in the first. False when
+    /// the stream is gone.
+    pub(crate) fn send(&self, frames: &[InferFrame], traceparent: Option<&str>) -> bool {
+        frames.iter().enumerate().all(|(i, f)| {
+            let mut frame = f.clone();
+            if let (0, Some(traceparent)) = (i, traceparent) {
+                frame.traceparent = traceparent.to_string();
+            }
+            self.frames.send(frame).is_ok()
+        })
     }
 
     /// The next whole answer; an error when the stream ended, failed or broke the framing

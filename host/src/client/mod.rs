@@ -148,6 +148,9 @@ struct Unanswered {
     prepared: Prepared,
     /// When it was last sent; none while it waits for a connection.
     sent_at: Option<Instant>,
+    /// The span of its last sending, open until answered or lost; its context travels with
+    /// the request, so that the server's spans join the trace under it.
+    attempt: tracing::Span,
 }
 
 /// The streaming loop's state: every request between its prefix and its outcome.
@@ -328,7 +331,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// A request fresh from the prefix thread: sent at once when connected; with no
     /// connection, kept for the next one, or finished on the edge with `fallback: edge`.
     fn take(&mut self, prepared: Prepared, conn: Option<&Connection>) {
-        let mut u = Unanswered { prepared, sent_at: None };
+        let mut u = Unanswered { prepared, sent_at: None, attempt: tracing::Span::none() };
         match conn {
             Some(c) => self.send(&mut u, c),
             None if self.on_edge.load(Ordering::Relaxed) => return self.finish_on_edge(u),
@@ -345,8 +348,9 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         }
         u.prepared.metrics.attempts += 1;
         u.sent_at = Some(Instant::now());
+        u.attempt = tracing::debug_span!(parent: &u.prepared.span, "attempt", attempt = u.prepared.metrics.attempts);
         // A stream that is gone shows on its inbound side, which ends.
-        conn.send(&u.prepared.frames);
+        conn.send(&u.prepared.frames, cleave_common::telemetry::traceparent(&u.attempt).as_deref());
     }
 
     /// Takes a whole answer; an error when the connection is of no more use (it answered
@@ -381,6 +385,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         tracing::warn!(unanswered = self.unanswered.len(), "connection dropped: {reason}");
         for u in self.unanswered.values_mut() {
             u.sent_at = None;
+            u.attempt = tracing::Span::none();
         }
         if answered {
             *reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));

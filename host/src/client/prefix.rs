@@ -45,6 +45,8 @@ pub(super) struct Prepared {
     pub(super) started: Instant,
     /// The boundary itself, with `fallback: edge`.
     pub(super) boundary: Option<Boundary>,
+    /// The request's span, open until its outcome.
+    pub(super) span: tracing::Span,
 }
 
 /// The prefix thread's ends of its channels.
@@ -70,7 +72,9 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
             ToPrefix::Finish(p) => {
                 let boundary = p.boundary.expect("requests keep their boundary with `fallback: edge`");
                 let t = Instant::now();
+                let on_edge = tracing::debug_span!(parent: &p.span, "suffix_on_edge", from = p.metrics.split).entered();
                 let output = stages.run(StageRange::new(p.metrics.split, last_cut), &boundary).map_err(|e| RequestFailure::OnEdge(Arc::new(e)));
+                drop(on_edge);
                 let metrics = RequestMetrics { served_by: ServedBy::Edge, suffix_on_edge_ms: ms(t), e2e_ms: ms(p.started), ..p.metrics };
                 Produced::Local(RequestOutcome { request_id: p.id, metrics, output })
             }
@@ -78,10 +82,13 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                 let Some(id) = ids.next() else { continue };
                 let split = if ch.on_edge.load(Ordering::Relaxed) { last_cut } else { plan.split.for_request(id) };
                 let started = Instant::now();
+                let span = tracing::debug_span!("request", request_id = id, model = %plan.bundle.id(), cut = split, codec = tracing::field::Empty);
                 let input = plan.inputs.batch(id);
                 let input_ms = ms(started);
                 let (t, cpu) = (Instant::now(), cpu_time::thread());
+                let prefix = tracing::debug_span!(parent: &span, "prefix").entered();
                 let boundary = stages.run(StageRange::prefix(split), &input)?;
+                drop(prefix);
                 let (prefix_ms, prefix_cpu_ms) = (ms(t), (cpu_time::thread() - cpu).as_secs_f64() * 1e3);
                 if split == last_cut {
                     let metrics = RequestMetrics {
@@ -96,6 +103,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                     Produced::Local(RequestOutcome { request_id: id, metrics, output: Ok(boundary) })
                 } else {
                     let t = Instant::now();
+                    let encode = tracing::debug_span!(parent: &span, "encode").entered();
                     let meta = PayloadMeta { request_id: id, split: split as u32, direction: Direction::Request };
                     // A boundary kept for `fallback: edge` may be finished here in place: it
                     // is copied; otherwise the wire takes its memory as it is.
@@ -106,6 +114,8 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                         (sender.encode_owned(meta, &codec, boundary)?, None)
                     };
                     let frames: Vec<InferFrame> = payload_frames(id, encoded.envelope, &encoded.data, chunk_bytes);
+                    drop(encode);
+                    span.record("codec", tracing::field::display(&codec));
                     let metrics = RequestMetrics {
                         split,
                         input_ms,
@@ -118,7 +128,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                         bytes_wire: frames.iter().map(|f| f.encoded_len() as u64).sum(),
                         ..Default::default()
                     };
-                    Produced::Remote(Prepared { id, frames, metrics, started, boundary })
+                    Produced::Remote(Prepared { id, frames, metrics, started, boundary, span })
                 }
             }
         };

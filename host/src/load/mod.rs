@@ -532,7 +532,7 @@ impl Edge {
         let frames: Vec<InferFrame> = payload_frames(d.id, payload.envelope, &payload.data, self.chunk_bytes);
         let sent = Instant::now();
         // A stream that is gone shows on its inbound side, which ends.
-        conn.send(&frames);
+        conn.send(&frames, None);
         let origin =
             if self.closed { Origin { since_start: sent - clock.start, at: sent } } else { Origin { since_start: d.at, at: clock.start + d.at } };
         in_flight.insert(d.id, origin);

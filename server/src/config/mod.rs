@@ -13,6 +13,7 @@ use serde::Deserialize;
 use cleave_common::config::{ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::logs::LogFormat;
 use cleave_common::security::ServerSecurity;
+use cleave_common::telemetry::Telemetry;
 use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 
 use crate::metrics::EndpointLimits;
@@ -65,6 +66,8 @@ struct RawServerConfig {
     cores: Option<Vec<usize>>,
     #[serde(default)]
     log_format: LogFormat,
+    #[serde(default)]
+    telemetry: Telemetry,
 }
 
 /// `limits:` in server.yaml: what a request may carry ([`Limits`], announced to hosts in
@@ -439,6 +442,8 @@ pub struct ServerConfig {
     pub cpu: CpuUse,
     /// How log lines are written (`log_format: text | json`).
     pub log_format: LogFormat,
+    /// Where traces go (`telemetry:`; none by default).
+    pub telemetry: Telemetry,
 }
 
 impl ServerConfig {
@@ -506,6 +511,7 @@ impl ServerConfig {
             return Err(file.invalid("training.max_checkpoint_bytes_total", "must be positive"));
         }
         let cpu = file.cpu(raw.threads, raw.cores.take())?;
+        raw.telemetry.check().map_err(|e| file.invalid(e.key(), e.to_string()))?;
         Ok(Self {
             listen,
             models,
@@ -518,6 +524,7 @@ impl ServerConfig {
             insecure: raw.insecure,
             cpu,
             log_format: raw.log_format,
+            telemetry: raw.telemetry,
         })
     }
 }
@@ -799,6 +806,8 @@ mod tests {
             ("bundle: b\nscheduler: {policy: edf, age: 3}", "scheduler", "unknown key"),
             ("bundle: b\nmetrics_listen: anywhere", "metrics_listen", "not an address"),
             ("bundle: b\non_device_failure: reboot", "on_device_failure", "exit or restart"),
+            ("bundle: b\ntelemetry: {sample_ratio: 1.5}", "telemetry.sample_ratio", "between 0 and 1"),
+            ("bundle: b\ntelemetry: {otlp_endpoint: collector:4317}", "telemetry.otlp_endpoint", "http://localhost:4317"),
         ] {
             let err = load_raw(yaml).unwrap_err();
             assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");

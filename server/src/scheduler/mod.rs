@@ -104,6 +104,8 @@ pub(crate) struct InferJob {
     pub(crate) sizes: BoundarySizes,
     /// Where the answer goes.
     pub(crate) reply: oneshot::Sender<JobResult>,
+    /// The request's span: its queue and compute spans go under it, its batches link to it.
+    pub(crate) trace: tracing::Span,
 }
 
 /// The answer to a job.
@@ -209,6 +211,9 @@ struct Waiting {
     started: Option<Instant>,
     compute: Duration,
     reply: oneshot::Sender<JobResult>,
+    /// The request's span, and its queue span (open until it first runs).
+    trace: tracing::Span,
+    queued: tracing::Span,
 }
 
 enum Item {
@@ -295,6 +300,8 @@ impl Worker {
                     started: None,
                     compute: Duration::ZERO,
                     reply: job.reply,
+                    queued: tracing::debug_span!(parent: &job.trace, "queue"),
+                    trace: job.trace,
                 };
                 queue.push(self.entry(waiting, arrived + self.models[job.model].batching.max_wait));
             }
@@ -362,10 +369,13 @@ impl Worker {
         for w in &mut requests {
             if w.started.is_none() {
                 w.started = Some(started);
+                w.queued = tracing::Span::none();
                 self.metrics.queued(&model.label, -1);
             }
         }
         let sizes: Vec<i64> = requests.iter().map(|w| w.sizes.batch).collect();
+        let (batch, _computing) = batch_spans(&model.label, &requests, &sizes, (group.cut, to));
+        let _in_batch = batch.enter();
         self.metrics.batch(&model.label, sizes.iter().sum());
         let range = StageRange::new(group.cut, to);
         // A batch stops at the next stage boundary once every request in it is abandoned.
@@ -434,6 +444,7 @@ impl Worker {
     /// Runs one request to the last cut by itself.
     fn run_alone(&self, mut w: Waiting) {
         let model = &self.models[w.model];
+        let _computing = tracing::debug_span!(parent: &w.trace, "compute", from = w.cut, alone = true).entered();
         let started = Instant::now();
         let range = StageRange::suffix(model.stages.bundle(), w.cut);
         let output = catch_panic(&format!("running stages {range}"), || {
@@ -470,6 +481,21 @@ impl Worker {
 /// When a request would like to run by: its arrival (`fifo`); its arrival plus its model's
 /// `slo_ms / priority` (`edf`), or plus `max_age` for a model without a target, which is
 /// also a training turn's place under either policy.
+/// A batch's span, linked to the span of each request it carries, and each request's compute
+/// span (open while the batch runs).
+fn batch_spans(model: &str, requests: &[Waiting], sizes: &[i64], (from, to): (usize, usize)) -> (tracing::Span, Vec<tracing::Span>) {
+    let samples: i64 = sizes.iter().sum();
+    let batch = tracing::debug_span!("batch", model, requests = requests.len(), samples, from, to);
+    let computing = requests
+        .iter()
+        .map(|w| {
+            cleave_common::telemetry::link(&batch, &w.trace);
+            tracing::debug_span!(parent: &w.trace, "compute", from, to, batch_requests = requests.len())
+        })
+        .collect();
+    (batch, computing)
+}
+
 fn request_key(config: &SchedulerConfig, arrived: Instant, slo: Option<Duration>, priority: f64) -> Instant {
     match (config.policy, slo) {
         (Policy::Fifo, _) => arrived,

@@ -1,0 +1,200 @@
+//! One trace per request across both processes: a `server` and a `host` run, each exporting
+//! its spans over OTLP to a collector in this test (tonic serving OpenTelemetry's trace
+//! service), and each request's spans on the server join the host's trace under the attempt
+//! that carried it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::common::v1::KeyValue;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// A span as the collector received it, with the service that sent it.
+#[derive(Debug, Clone)]
+struct Received {
+    service: String,
+    name: String,
+    trace_id: Vec<u8>,
+    span_id: Vec<u8>,
+    parent: Vec<u8>,
+    links: Vec<Vec<u8>>,
+    attributes: HashMap<String, String>,
+}
+
+#[derive(Default, Clone)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(&self, request: tonic::Request<ExportTraceServiceRequest>) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource_spans in request.into_inner().resource_spans {
+            let resource = resource_spans.resource.map(|r| texts(&r.attributes)).unwrap_or_default();
+            let service = resource.get("service.name").cloned().unwrap_or_default();
+            for span in resource_spans.scope_spans.into_iter().flat_map(|s| s.spans) {
+                spans.push(Received {
+                    service: service.clone(),
+                    name: span.name,
+                    trace_id: span.trace_id,
+                    span_id: span.span_id,
+                    parent: span.parent_span_id,
+                    links: span.links.into_iter().map(|l| l.span_id).collect(),
+                    attributes: texts(&span.attributes),
+                });
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+/// Attributes as text (numbers too).
+fn texts(attributes: &[KeyValue]) -> HashMap<String, String> {
+    attributes
+        .iter()
+        .filter_map(|kv| {
+            let value = match kv.value.as_ref()?.value.as_ref()? {
+                AnyValue::StringValue(s) => s.clone(),
+                AnyValue::IntValue(i) => i.to_string(),
+                AnyValue::BoolValue(b) => b.to_string(),
+                AnyValue::DoubleValue(d) => d.to_string(),
+                _ => return None,
+            };
+            Some((kv.key.clone(), value))
+        })
+        .collect()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn test_bundle(name: &str) -> PathBuf {
+    let bundles = PathBuf::from(std::env::var("CLEAVE_TEST_BUNDLES").unwrap_or_else(|_| "../target/test-bundles".into()));
+    std::fs::canonicalize(bundles.join(name)).expect("the test bundles (make test-bundles)")
+}
+
+/// The `server` binary, built beside `host` (`make test` builds the workspace first).
+fn server_binary() -> PathBuf {
+    let server = Path::new(env!("CARGO_BIN_EXE_host")).with_file_name("server");
+    assert!(server.is_file(), "{} is missing: build the workspace (cargo build --release --workspace)", server.display());
+    server
+}
+
+/// Stops the server on drop, as an operator would (SIGTERM: it drains, exports its last
+/// spans and exits).
+struct Server(Child);
+
+impl Server {
+    /// Waits until it listens (it loads its bundle first).
+    fn wait_until_listening(&mut self, port: u16) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(self.0.try_wait().unwrap().is_none(), "the server exited before listening");
+            assert!(Instant::now() < deadline, "the server did not listen within 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stop(&mut self) {
+        if self.0.try_wait().unwrap().is_some() {
+            return;
+        }
+        let _ = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if self.0.try_wait().unwrap().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[test]
+fn one_request_s_spans_on_the_host_and_the_server_share_its_trace() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let collector = Collector::default();
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let service = TraceServiceServer::new(collector.clone());
+    runtime.spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(TcpListenerStream::new(listener)));
+
+    let tmp = tempfile::tempdir().unwrap();
+    let bundle = test_bundle("digits");
+    let port = free_port();
+    let telemetry = format!("telemetry: {{otlp_endpoint: \"{endpoint}\"}}\n");
+    let server_yaml = tmp.path().join("server.yaml");
+    std::fs::write(&server_yaml, format!("listen: 127.0.0.1:{port}\nbundle: {}\ndevice: cpu\n{telemetry}", bundle.display())).unwrap();
+    let mut server = Server(Command::new(server_binary()).arg("--config").arg(&server_yaml).stdout(Stdio::null()).spawn().expect("start server"));
+    server.wait_until_listening(port);
+
+    let edge_yaml = tmp.path().join("edge.yaml");
+    let requests = 3;
+    std::fs::write(
+        &edge_yaml,
+        format!(
+            "server: http://127.0.0.1:{port}\nbundle: {}\nsplit: 4\ndevice: cpu\nbatch_size: 2\nrequests: {requests}\n\
+             input: {{kind: synthetic, seed: 3}}\noutput: {}\n{telemetry}",
+            bundle.display(),
+            tmp.path().join("out").display()
+        ),
+    )
+    .unwrap();
+    let host = Command::new(env!("CARGO_BIN_EXE_host")).arg("--config").arg(&edge_yaml).output().expect("run host");
+    assert!(host.status.success(), "{}{}", String::from_utf8_lossy(&host.stdout), String::from_utf8_lossy(&host.stderr));
+    server.stop();
+
+    // Both processes exported their last spans before exiting.
+    let spans = collector.spans.lock().unwrap().clone();
+    let named = |service: &str, name: &str| spans.iter().filter(|s| s.service == service && s.name == name).cloned().collect::<Vec<_>>();
+    let host_requests = named("cleave-host", "request");
+    let server_requests = named("cleave-server", "request");
+    assert_eq!(host_requests.len(), requests, "{spans:#?}");
+    assert_eq!(server_requests.len(), requests, "{spans:#?}");
+    let attempts = named("cleave-host", "attempt");
+    for on_server in &server_requests {
+        let id = &on_server.attributes["request_id"];
+        let on_host = host_requests.iter().find(|s| &s.attributes["request_id"] == id).expect("the host's span of the request");
+        assert_eq!(on_server.trace_id, on_host.trace_id, "request {id}: one trace on both sides");
+        let attempt = attempts.iter().find(|a| a.span_id == on_server.parent).expect("the server's request span is under a host attempt");
+        assert_eq!(attempt.parent, on_host.span_id, "request {id}: the attempt is the host request's");
+        assert_eq!(on_server.attributes["cut"], "4");
+        // Every step on the server is under the request, and its batch links to it.
+        for step in ["read", "decode", "queue", "compute", "encode", "answer"] {
+            let children = named("cleave-server", step);
+            assert!(
+                children.iter().any(|c| c.parent == on_server.span_id && c.trace_id == on_server.trace_id),
+                "request {id}: no {step} span under the server's request span"
+            );
+        }
+        let batches = named("cleave-server", "batch");
+        assert!(batches.iter().any(|b| b.links.contains(&on_server.span_id)), "request {id}: no batch links to it");
+        for step in ["prefix", "encode"] {
+            assert!(
+                named("cleave-host", step).iter().any(|c| c.parent == on_host.span_id),
+                "request {id}: no {step} span under the host's request span"
+            );
+        }
+    }
+    // Distinct requests, distinct traces.
+    let mut traces: Vec<_> = host_requests.iter().map(|s| s.trace_id.clone()).collect();
+    traces.sort();
+    traces.dedup();
+    assert_eq!(traces.len(), requests);
+}
