@@ -1,7 +1,7 @@
 //! One trace per request across both processes: a `server` and a `host` run, each exporting
 //! its spans over OTLP to a collector in this test (tonic serving OpenTelemetry's trace
 //! service), and each request's spans on the server join the host's trace under the attempt
-//! that carried it.
+//! that carried it; a training step's calls likewise.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -126,8 +126,9 @@ impl Drop for Server {
     }
 }
 
-#[test]
-fn one_request_s_spans_on_the_host_and_the_server_share_its_trace() {
+/// Runs a `server` and a `host` (with `edge` after the server and bundle lines of its
+/// config), both exporting to a collector here; the spans it received.
+fn traced_run(edge: &str) -> Vec<Received> {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let collector = Collector::default();
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
@@ -145,29 +146,43 @@ fn one_request_s_spans_on_the_host_and_the_server_share_its_trace() {
     server.wait_until_listening(port);
 
     let edge_yaml = tmp.path().join("edge.yaml");
-    let requests = 3;
-    std::fs::write(
-        &edge_yaml,
-        format!(
-            "server: http://127.0.0.1:{port}\nbundle: {}\nsplit: 4\ndevice: cpu\nbatch_size: 2\nrequests: {requests}\n\
-             input: {{kind: synthetic, seed: 3}}\noutput: {}\n{telemetry}",
-            bundle.display(),
-            tmp.path().join("out").display()
-        ),
-    )
-    .unwrap();
+    let out = tmp.path().join("out");
+    let yaml = format!("server: http://127.0.0.1:{port}\nbundle: {}\ndevice: cpu\noutput: {}\n{telemetry}{edge}", bundle.display(), out.display());
+    std::fs::write(&edge_yaml, yaml).unwrap();
     let host = Command::new(env!("CARGO_BIN_EXE_host")).arg("--config").arg(&edge_yaml).output().expect("run host");
     assert!(host.status.success(), "{}{}", String::from_utf8_lossy(&host.stdout), String::from_utf8_lossy(&host.stderr));
     server.stop();
-
     // Both processes exported their last spans before exiting.
     let spans = collector.spans.lock().unwrap().clone();
-    let named = |service: &str, name: &str| spans.iter().filter(|s| s.service == service && s.name == name).cloned().collect::<Vec<_>>();
-    let host_requests = named("cleave-host", "request");
-    let server_requests = named("cleave-server", "request");
+    spans
+}
+
+fn named(spans: &[Received], service: &str, name: &str) -> Vec<Received> {
+    spans.iter().filter(|s| s.service == service && s.name == name).cloned().collect()
+}
+
+/// Asserts that each of `steps` has a span of the service under `parent`.
+fn has_children(spans: &[Received], service: &str, parent: &Received, steps: &[&str]) {
+    for step in steps {
+        assert!(
+            named(spans, service, step).iter().any(|c| c.parent == parent.span_id && c.trace_id == parent.trace_id),
+            "no {step} span of {service} under {} {:?}",
+            parent.name,
+            parent.attributes
+        );
+    }
+}
+
+#[test]
+fn one_request_s_spans_on_the_host_and_the_server_share_its_trace() {
+    let requests = 3;
+    let spans = traced_run(&format!("split: 4\nbatch_size: 2\nrequests: {requests}\ninput: {{kind: synthetic, seed: 3}}\n"));
+    let host_requests = named(&spans, "cleave-host", "request");
+    let server_requests = named(&spans, "cleave-server", "request");
     assert_eq!(host_requests.len(), requests, "{spans:#?}");
     assert_eq!(server_requests.len(), requests, "{spans:#?}");
-    let attempts = named("cleave-host", "attempt");
+    let attempts = named(&spans, "cleave-host", "attempt");
+    let batches = named(&spans, "cleave-server", "batch");
     for on_server in &server_requests {
         let id = &on_server.attributes["request_id"];
         let on_host = host_requests.iter().find(|s| &s.attributes["request_id"] == id).expect("the host's span of the request");
@@ -175,26 +190,42 @@ fn one_request_s_spans_on_the_host_and_the_server_share_its_trace() {
         let attempt = attempts.iter().find(|a| a.span_id == on_server.parent).expect("the server's request span is under a host attempt");
         assert_eq!(attempt.parent, on_host.span_id, "request {id}: the attempt is the host request's");
         assert_eq!(on_server.attributes["cut"], "4");
-        // Every step on the server is under the request, and its batch links to it.
-        for step in ["read", "decode", "queue", "compute", "encode", "answer"] {
-            let children = named("cleave-server", step);
-            assert!(
-                children.iter().any(|c| c.parent == on_server.span_id && c.trace_id == on_server.trace_id),
-                "request {id}: no {step} span under the server's request span"
-            );
-        }
-        let batches = named("cleave-server", "batch");
+        // Every step on either side is under its request, and its batch links to it.
+        has_children(&spans, "cleave-server", on_server, &["read", "decode", "queue", "compute", "encode", "answer"]);
+        has_children(&spans, "cleave-host", on_host, &["prefix", "encode"]);
         assert!(batches.iter().any(|b| b.links.contains(&on_server.span_id)), "request {id}: no batch links to it");
-        for step in ["prefix", "encode"] {
-            assert!(
-                named("cleave-host", step).iter().any(|c| c.parent == on_host.span_id),
-                "request {id}: no {step} span under the host's request span"
-            );
-        }
     }
     // Distinct requests, distinct traces.
     let mut traces: Vec<_> = host_requests.iter().map(|s| s.trace_id.clone()).collect();
     traces.sort();
     traces.dedup();
     assert_eq!(traces.len(), requests);
+}
+
+#[test]
+fn a_training_step_s_calls_on_the_server_join_the_step_s_trace() {
+    let data = |name: &str| test_bundle("").join(name).display().to_string();
+    let steps = 2;
+    let spans = traced_run(&format!(
+        "split: 4\ntrain:\n  mode: split\n  data: {{train: {}, test: {}, targets: label}}\n  epochs: 1\n  batch_size: 16\n  \
+         eval_batch_size: 16\n  max_steps: {steps}\n  optimizer: {{kind: sgd, lr: 0.01}}\n  loss: cross-entropy\n",
+        data("digits-train.safetensors"),
+        data("digits-test.safetensors"),
+    ));
+    let host_steps = named(&spans, "cleave-host", "train_step");
+    assert_eq!(host_steps.len(), steps, "{spans:#?}");
+    let host_calls = named(&spans, "cleave-host", "train_call");
+    let server_calls = named(&spans, "cleave-server", "train_call");
+    for step in &host_steps {
+        let calls: Vec<_> = host_calls.iter().filter(|c| c.parent == step.span_id).collect();
+        let phases: Vec<_> = calls.iter().map(|c| c.attributes["phase"].as_str()).collect();
+        // The server computes the loss: a step is one call, answered with the gradient.
+        assert_eq!(phases, ["Forward"], "step {:?}", step.attributes);
+        for call in calls {
+            let on_server = server_calls.iter().find(|s| s.parent == call.span_id).expect("the server's span of the call");
+            assert_eq!(on_server.trace_id, step.trace_id);
+            assert_eq!(on_server.attributes["phase"], call.attributes["phase"]);
+            has_children(&spans, "cleave-server", on_server, &["decode", "compute", "encode"]);
+        }
+    }
 }

@@ -821,6 +821,7 @@ fn a_training_call_whose_stream_is_reset_while_it_waits_for_its_device_is_never_
             header: encoded.envelope,
             data: encoded.data.to_vec().into(),
             last: true,
+            ..Default::default()
         };
         session.0.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;

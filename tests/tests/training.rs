@@ -469,8 +469,14 @@ async fn call(
 ) -> Vec<pb::TrainReply> {
     let meta = PayloadMeta { request_id: id, split: meta.0, direction: meta.1 };
     let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
-    let frame =
-        pb::TrainPayloadFrame { request_id: id, phase: phase as i32, header: encoded.envelope, data: encoded.data.to_vec().into(), last: true };
+    let frame = pb::TrainPayloadFrame {
+        request_id: id,
+        phase: phase as i32,
+        header: encoded.envelope,
+        data: encoded.data.to_vec().into(),
+        last: true,
+        ..Default::default()
+    };
     stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.unwrap();
     let mut replies = Vec::new();
     loop {

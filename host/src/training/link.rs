@@ -254,11 +254,13 @@ impl TrainLink {
     /// One attempt of call `id`: `to` is the direction and cut of what is sent.
     fn try_call(&mut self, id: u64, phase: Phase, to: (Direction, u32), boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
         let (direction, split) = to;
+        let call = tracing::debug_span!("train_call", phase = ?phase, request_id = id).entered();
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
         let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
         let mut payload: Vec<pb::TrainPayloadFrame> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
         if let Some(first) = payload.first_mut() {
             first.phase = phase as i32;
+            first.traceparent = cleave_common::telemetry::traceparent(&call).unwrap_or_default();
         }
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
         let (frames, replies) = (&self.frames, &mut self.replies);

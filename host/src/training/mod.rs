@@ -383,7 +383,9 @@ impl Trainer {
                 }
                 let (inputs, targets) = train_set.batch(rows);
                 let t0 = Instant::now();
+                let step = tracing::debug_span!("train_step", step = self.step + 1, epoch = epoch + 1).entered();
                 let loss = self.step(inputs, targets).map_err(|e| e.during(format!("training step {}", self.step + 1)))?;
+                drop(step);
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 step_ms.push(ms);
                 steps_log.push((self.step, epoch + 1, ms, loss));

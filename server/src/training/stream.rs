@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
+use tracing::Instrument;
 
 use super::admission::Training;
 use super::parking::{Attached, Parking};
@@ -224,13 +225,13 @@ async fn answer_calls(
                     }
                     continue;
                 }
-                Ok(Some((assembly, (phase, bytes)))) => {
+                Ok(Some((assembly, (phase, bytes, span)))) => {
                     deadline = None;
                     // A host that leaves (its stream reset, its connection closed) takes its
                     // call with it: dropping the call before the session thread has the
                     // device means it is never run.
                     let replies = tokio::select! {
-                        replies = stream.answer(assembly, phase, session) => replies,
+                        replies = stream.answer(assembly, phase, session).instrument(span) => replies,
                         () = out.closed() => return StreamEnd::Broken,
                     };
                     // The call's reservation becomes its answer's, held until written.
@@ -272,7 +273,8 @@ struct CallStream {
     chunk_bytes: usize,
     /// The phase a call's first frame names travels with its payload, and its bytes in the
     /// memory budget.
-    frames: FrameAssembler<(Phase, Reservation)>,
+    /// Each payload's phase, its bytes in the budget and its call's span.
+    frames: FrameAssembler<(Phase, Reservation, tracing::Span)>,
 }
 
 impl CallStream {
@@ -311,7 +313,7 @@ impl CallStream {
         &mut self,
         frame: &pb::TrainPayloadFrame,
         budget: &MemoryBudget,
-    ) -> Result<Option<(Reassembly, (Phase, Reservation))>, (u64, RequestError)> {
+    ) -> Result<Option<(Reassembly, (Phase, Reservation, tracing::Span))>, (u64, RequestError)> {
         let started = if self.frames.starts_payload(frame) {
             // Only the receivers cross the await: the stream's frames hold tensors (not `Sync`).
             let receivers = (Arc::clone(&self.requests), Arc::clone(&self.gradients));
@@ -326,7 +328,7 @@ impl CallStream {
         (requests, gradients): (Arc<Mutex<PayloadReceiver>>, Arc<Mutex<PayloadReceiver>>),
         f: &pb::TrainPayloadFrame,
         budget: &MemoryBudget,
-    ) -> Result<(Reassembly, (Phase, Reservation)), RequestError> {
+    ) -> Result<(Reassembly, (Phase, Reservation, tracing::Span)), RequestError> {
         let phase = Phase::try_from(f.phase).unwrap_or(Phase::Unspecified);
         let receiver = match phase {
             Phase::Forward | Phase::Evaluate => &requests,
@@ -337,14 +339,16 @@ impl CallStream {
         };
         let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(f.request_id, &f.header)?;
         let bytes = budget.reserve(assembly.held_bytes()).await?;
-        Ok((assembly, (phase, bytes)))
+        let span = tracing::debug_span!("train_call", phase = ?phase, request_id = f.request_id);
+        cleave_common::telemetry::follow(&span, &f.traceparent);
+        Ok((assembly, (phase, bytes, span)))
     }
 
     /// Decodes a complete payload, runs its call and encodes the answer (decoding and
     /// encoding on the blocking pool, the call on the session thread).
     async fn answer(&mut self, assembly: Reassembly, phase: Phase, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
-        let (received, decode_time) = match decode_request(self.receiver(phase), assembly).await {
+        let (received, decode_time) = match decode_request(self.receiver(phase), assembly).instrument(tracing::debug_span!("decode")).await {
             Ok(r) => r,
             Err(e) => return vec![error_reply(id, &e)],
         };
@@ -363,7 +367,7 @@ impl CallStream {
             Phase::Backward => Call::Backward { grads: boundary },
             _ => Call::Evaluate { input: boundary },
         };
-        let (answer, compute) = match session.call(id, call).await {
+        let (answer, compute) = match session.call(id, call).instrument(tracing::debug_span!("compute")).await {
             Ok(a) => a,
             Err(e) => return vec![error_reply(id, &e)],
         };
@@ -373,7 +377,7 @@ impl CallStream {
             Answer::Output(out) => (None, out, spec(self.end, Direction::Result)),
             Answer::Saved { .. } => return vec![error_reply(id, &Internal::WrongAnswer("payload").into())],
         };
-        let (encoded, encode_time) = match encode_answer(&self.encoder, spec, boundary).await {
+        let (encoded, encode_time) = match encode_answer(&self.encoder, spec, boundary).instrument(tracing::debug_span!("encode")).await {
             Ok(e) => e,
             Err(e) => return vec![error_reply(id, &e)],
         };
