@@ -156,7 +156,7 @@ impl Drop for Tracing {
     fn drop(&mut self) {
         if let Some(provider) = self.provider.take() {
             if let Err(e) = provider.shutdown() {
-                eprintln!("telemetry: the last spans were not exported: {e}");
+                tracing::warn!(error = %e, "telemetry: the last spans were not exported");
             }
         }
         if let Some(runtime) = self.runtime.take() {

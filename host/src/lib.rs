@@ -45,4 +45,4 @@ pub use error::{HostError, RequestFailure, Result, StreamError};
 #[cfg(feature = "loopback")]
 pub use loopback::LoopbackServer;
 pub use run::{run, RunOptions};
-pub use verify::{print_splits, verify, VerifyOptions};
+pub use verify::{splits, verify, SplitsReport, VerifyOptions, VerifyRun};

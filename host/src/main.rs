@@ -162,10 +162,15 @@ fn main() -> ExitCode {
         let _ = logs::init(LogFormat::Text, DEFAULT_LOG_FILTER, &Telemetry::default(), SERVICE);
     }
     let result = match cli.command {
-        Some(Command::Splits { bundle, seq }) => cleave_host::print_splits(&bundle, seq).map(|()| true).map_err(anyhow::Error::from),
-        Some(Command::Verify { bundle, device, batch }) => {
-            cleave_host::verify(&VerifyOptions { bundle, device, batches: batch }).map_err(anyhow::Error::from)
+        Some(Command::Splits { bundle, seq }) => {
+            cleave_host::splits(&bundle, seq).map(|report| println!("{report}")).map(|()| true).map_err(anyhow::Error::from)
         }
+        Some(Command::Verify { bundle, device, batch }) => cleave_host::verify(&VerifyOptions { bundle, device, batches: batch })
+            .map(|run| {
+                print!("{run}");
+                run.passed()
+            })
+            .map_err(anyhow::Error::from),
         Some(Command::Plan { config, loopback, objective, repeats, measure, output }) => {
             plan(config, PlanOptions { loopback, objective, repeats, measure, output })
         }

@@ -1,10 +1,11 @@
 //! `host splits` and `host verify`: a bundle's split points, and every split run against
-//! its reference outputs on this machine.
+//! its reference outputs on this machine. Each returns a report; the binary prints it.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 
-use cleave_common::tables::{split_table, thousands, verify_table};
-use cleave_common::verify::verify_splits;
+use cleave_common::tables::{split_table, thousands, verify_table, SplitTable};
+use cleave_common::verify::{verify_splits, VerifyReport};
 use cleave_common::{Bundle, DeviceSpec};
 
 use crate::error::Result;
@@ -20,15 +21,31 @@ pub struct VerifyOptions {
     pub batches: Vec<i64>,
 }
 
-/// Prints the split-point table of a bundle, its bytes at sequence length `seq` (the
-/// bundle's longest by default) in bundles with a sequence.
-pub fn print_splits(bundle_dir: &Path, seq: Option<i64>) -> Result<()> {
+/// A bundle's split points (`host splits`): printed, a header and the table.
+pub struct SplitsReport {
+    header: String,
+    table: SplitTable,
+}
+
+impl fmt::Display for SplitsReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}\n{}", self.header, self.table)
+    }
+}
+
+/// The split-point table of a bundle, its bytes at sequence length `seq` (the bundle's
+/// longest by default) in bundles with a sequence.
+pub fn splits(bundle_dir: &Path, seq: Option<i64>) -> Result<SplitsReport> {
     let bundle = Bundle::open(bundle_dir)?;
     let seq = bundle.resolve_seq(seq)?;
     let m = bundle.manifest();
-    println!("bundle {} ({}, {} parameters), id {}", bundle_dir.display(), m.model.source, thousands(m.model.parameters), bundle.short_id());
-    println!(
-        "{} stages at granularity {:?}; split at cut s: the edge runs stages [0, s), the server [s, {}); batch {}..={}{}",
+    let header = format!(
+        "bundle {} ({}, {} parameters), id {}\n\
+         {} stages at granularity {:?}; split at cut s: the edge runs stages [0, s), the server [s, {}); batch {}..={}{}",
+        bundle_dir.display(),
+        m.model.source,
+        thousands(m.model.parameters),
+        bundle.short_id(),
         bundle.stage_count(),
         m.exporter.granularity,
         bundle.stage_count(),
@@ -36,37 +53,50 @@ pub fn print_splits(bundle_dir: &Path, seq: Option<i64>) -> Result<()> {
         m.batch.max,
         m.sequence.zip(seq).map_or(String::new(), |(r, s)| format!("; sequence {}..={}, bytes at S = {s}", r.min, r.max))
     );
-    println!("{}", split_table(&bundle, seq));
-    Ok(())
+    Ok(SplitsReport { header, table: split_table(&bundle, seq) })
 }
 
-/// Runs every split point against the references; returns whether all passed.
-pub fn verify(opts: &VerifyOptions) -> Result<bool> {
+/// Every split run against the references at each batch size (`host verify`).
+pub struct VerifyRun {
+    /// The model's source (`torchvision:resnet18`).
+    pub source: String,
+    /// Each batch size's report.
+    pub batches: Vec<(i64, VerifyReport)>,
+}
+
+impl VerifyRun {
+    /// Whether every split matched at every batch size.
+    pub fn passed(&self) -> bool {
+        self.batches.iter().all(|(_, r)| r.passed())
+    }
+}
+
+impl fmt::Display for VerifyRun {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (batch, report) in &self.batches {
+            let lengths: Vec<String> = report.seq_lens.iter().map(i64::to_string).collect();
+            let lengths = if lengths.is_empty() { String::new() } else { format!(", sequence lengths {}", lengths.join(" and ")) };
+            writeln!(
+                f,
+                "{}: split at every cut on {} at batch {batch}{lengths} (stages loaded in {:.0} ms)",
+                self.source, report.device, report.load_ms
+            )?;
+            writeln!(f, "{}", verify_table(report))?;
+            f.write_str(if report.passed() {
+                "every split matches the reference and all splits agree bit for bit"
+            } else {
+                "MISMATCH: some split differs from the reference or from the others"
+            })?;
+            writeln!(f)?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs every split point against the references.
+pub fn verify(opts: &VerifyOptions) -> Result<VerifyRun> {
     let bundle = Bundle::open(&opts.bundle)?;
     let batches = if opts.batches.is_empty() { bundle.reference_batches() } else { opts.batches.clone() };
-    let mut all_passed = true;
-    for batch in batches {
-        let report = verify_splits(&bundle, opts.device, batch)?;
-        let lengths: Vec<String> = report.seq_lens.iter().map(i64::to_string).collect();
-        let lengths = if lengths.is_empty() { String::new() } else { format!(", sequence lengths {}", lengths.join(" and ")) };
-        println!(
-            "{}: split at every cut on {} at batch {}{lengths} (stages loaded in {:.0} ms)",
-            bundle.manifest().model.source,
-            report.device,
-            batch,
-            report.load_ms
-        );
-        println!("{}", verify_table(&report));
-        let passed = report.passed();
-        println!(
-            "{}",
-            if passed {
-                "every split matches the reference and all splits agree bit for bit".to_string()
-            } else {
-                "MISMATCH: some split differs from the reference or from the others".to_string()
-            }
-        );
-        all_passed &= passed;
-    }
-    Ok(all_passed)
+    let reports = batches.into_iter().map(|batch| Ok((batch, verify_splits(&bundle, opts.device, batch)?))).collect::<Result<Vec<_>>>()?;
+    Ok(VerifyRun { source: bundle.manifest().model.source.clone(), batches: reports })
 }

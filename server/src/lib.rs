@@ -53,7 +53,7 @@ use cleave_common::device::device_name;
 use cleave_common::pb::split_inference_server::SplitInferenceServer;
 use cleave_common::security::ServerSecurity;
 use cleave_common::tables::verify_table;
-use cleave_common::verify::verify_splits;
+use cleave_common::verify::{verify_splits, VerifyReport};
 use cleave_common::{Bundle, DeviceSpec};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -369,12 +369,43 @@ pub struct CheckOptions {
     pub device: DeviceSpec,
 }
 
-/// Loads the bundle on the device and runs every split at every reference batch size;
-/// returns whether everything matched.
-pub fn check(opts: &CheckOptions) -> Result<bool, ServerError> {
+/// What `server check` found: every split at every reference batch size, and how a
+/// request lands on the device.
+pub struct CheckReport {
+    /// The bundle and the device it ran on.
+    pub header: String,
+    /// The bundle's stage count.
+    pub stages: usize,
+    /// Each reference batch size's report.
+    pub batches: Vec<(i64, VerifyReport)>,
+    /// Whether a request's bytes landed in pinned host memory (said, not failed).
+    pub pinned: String,
+}
+
+impl CheckReport {
+    /// Whether every split matched at every batch size.
+    pub fn passed(&self) -> bool {
+        self.batches.iter().all(|(_, r)| r.passed())
+    }
+}
+
+impl std::fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.header)?;
+        for (batch, report) in &self.batches {
+            writeln!(f, "batch {batch}: {} stages loaded on {} in {:.0} ms", self.stages, report.device, report.load_ms)?;
+            writeln!(f, "{}", verify_table(report))?;
+        }
+        writeln!(f, "received into pinned host memory: {}", self.pinned)?;
+        f.write_str(if self.passed() { "check passed" } else { "CHECK FAILED: outputs differ from the reference" })
+    }
+}
+
+/// Loads the bundle on the device and runs every split at every reference batch size.
+pub fn check(opts: &CheckOptions) -> Result<CheckReport, ServerError> {
     let bundle = Bundle::open(&opts.bundle)?;
     let device = opts.device.resolve()?;
-    println!(
+    let header = format!(
         "bundle {} ({}), id {}; device {} resolves to {}",
         opts.bundle.display(),
         bundle.manifest().model.source,
@@ -382,16 +413,12 @@ pub fn check(opts: &CheckOptions) -> Result<bool, ServerError> {
         opts.device,
         device_name(device)
     );
-    let mut passed = true;
-    for batch in bundle.reference_batches() {
-        let report = verify_splits(&bundle, opts.device, batch)?;
-        println!("batch {batch}: {} stages loaded on {} in {:.0} ms", bundle.stage_count(), report.device, report.load_ms);
-        println!("{}", verify_table(&report));
-        passed &= report.passed();
-    }
-    println!("received into pinned host memory: {}", pinned_landing(&bundle, device));
-    println!("{}", if passed { "check passed" } else { "CHECK FAILED: outputs differ from the reference" });
-    Ok(passed)
+    let batches = bundle
+        .reference_batches()
+        .into_iter()
+        .map(|batch| Ok((batch, verify_splits(&bundle, opts.device, batch)?)))
+        .collect::<Result<Vec<_>, ServerError>>()?;
+    Ok(CheckReport { header, stages: bundle.stage_count(), batches, pinned: pinned_landing(&bundle, device) })
 }
 
 /// On a CUDA device, a request at the middle cut received as the server receives one (raw,

@@ -54,7 +54,12 @@ fn main() -> ExitCode {
         let _ = logs::init(LogFormat::Text, DEFAULT_LOG_FILTER, &Telemetry::default(), SERVICE);
     }
     let result = match (cli.command, cli.config) {
-        (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device }).map_err(anyhow::Error::from),
+        (Some(Command::Check { bundle, device }), _) => cleave_server::check(&CheckOptions { bundle, device })
+            .map(|report| {
+                println!("{report}");
+                report.passed()
+            })
+            .map_err(anyhow::Error::from),
         (Some(Command::DevSecrets { out }), _) => cleave_server::write_dev_secrets(&out)
             .map(|s| {
                 println!("wrote ca.pem, server.pem, server.key, payload.key and token to {} (development only)", s.dir.display());
