@@ -23,6 +23,9 @@
 //! - [`error`]: the bundle runtime's error type, one variant per step that can fail.
 //! - [`examples`]: the make target that creates each example bundle and dataset (for errors).
 
+// Libraries return what they found and hand progress to their caller; binaries print.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod bundle;
 pub mod config;
 pub mod device;

@@ -11,6 +11,7 @@
 //!   one or more models, closed or open loop; a table, `load.json`, `latency.csv`, a plot.
 //! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
 //!   U-shaped or monolithic training, evaluation, checkpoints, report files.
+//! - [`progress`]: what a long command tells while it works (events the binary prints).
 //! - [`report`]: a run's `predictions.jsonl`, `metrics.csv`, `summary.json` and table.
 //! - [`plots`]: every SVG plot (a run's, a plan's, a training run's) and their chart helpers.
 //! - [`config`]: `edge.yaml`, raw then validated.
@@ -19,6 +20,9 @@
 //! - [`verify`]: `host splits` and `host verify`.
 //! - `loopback`: `--loopback`, the server in this process (the `loopback` feature).
 //! - [`error`]: the library's error type.
+
+// Libraries return what they found and hand progress to their caller; binaries print.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod client;
 pub mod config;
@@ -35,6 +39,7 @@ pub mod loopback;
 mod loopback;
 pub mod planning;
 pub mod plots;
+pub mod progress;
 pub mod report;
 pub mod run;
 pub mod session;

@@ -13,7 +13,8 @@ use cleave_host::config::{EdgeConfig, TrainMode};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
-use cleave_host::report::OutputMode;
+use cleave_host::progress::Progress;
+use cleave_host::report::{summary_text, OutputMode};
 use cleave_host::{RunOptions, VerifyOptions};
 
 #[derive(Parser)]
@@ -177,7 +178,8 @@ fn main() -> ExitCode {
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
             let mode = rate.map_or(LoadMode::Closed, |rate| LoadMode::Open { rate });
-            let opts = LoadOptions { edges, mode, duration, ratio, splits, seed, force, in_flight_cap, ..LoadOptions::default() };
+            let opts =
+                LoadOptions { edges, mode, duration, ratio, splits, seed, force, in_flight_cap, progress: printed(), ..LoadOptions::default() };
             load(&configs, output, opts)
         }
         None => run(
@@ -199,6 +201,7 @@ fn main() -> ExitCode {
                     (_, true) => OutputMode::Resume,
                     _ => OutputMode::Fresh,
                 },
+                progress: printed(),
             },
             cli.monolithic,
         ),
@@ -221,12 +224,16 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
         train.mode = TrainMode::Monolithic;
     }
     config.cpu.apply()?;
+    let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let runtime = tokio::runtime::Runtime::new()?;
     if config.train.is_some() {
-        runtime.block_on(cleave_host::training::run(config, opts))?;
+        let summary = runtime.block_on(cleave_host::training::run(config, opts))?;
+        println!("{}", summary.closing_line(&output));
         return Ok(true);
     }
     let summary = runtime.block_on(cleave_host::run(config, opts))?;
+    println!("{}", summary_text(&summary));
+    println!("results in {}", output.display());
     Ok(summary.errors == 0 && summary.counts.never_sent == 0)
 }
 
@@ -234,7 +241,8 @@ fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(&path)?;
     let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     config.cpu.apply()?;
-    tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
+    let planned = tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
+    println!("{planned}");
     Ok(true)
 }
 
@@ -249,8 +257,21 @@ fn load(paths: &[PathBuf], output: Option<PathBuf>, mut opts: LoadOptions) -> an
     // threads any of them asks for.
     let cores = configs.first().and_then(|c| c.cpu.cores.clone());
     CpuUse { threads: configs.iter().filter_map(|c| c.cpu.threads).max(), cores }.apply()?;
-    tokio::runtime::Runtime::new()?.block_on(cleave_host::load::run(configs, opts))?;
+    let output = opts.output.clone();
+    let report = tokio::runtime::Runtime::new()?.block_on(cleave_host::load::run(configs, opts))?;
+    println!("{}", report.table());
+    println!("results in {}", output.display());
+    if let Some(line) = report.first_request_line() {
+        println!("{line}");
+    }
+    // Last: the line benches parse.
+    println!("{}", report.summary_line());
     Ok(true)
+}
+
+/// A command's events, printed as they come.
+fn printed() -> Progress {
+    Progress::new(|event| println!("{event}"))
 }
 
 /// A duration like `30s`, `2m` or `1m30s`.

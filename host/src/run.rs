@@ -20,7 +20,8 @@ use crate::inputs::Inputs;
 use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::codec_choice;
 use crate::planning::profile::measure_profiles;
-use crate::report::{self, summary_text, CpuMeter, OutputMode, ReportWriter, Summary};
+use crate::progress::{Event, InferenceStart, Progress};
+use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_retrying, Link};
 
 /// Command-line overrides of `edge.yaml`.
@@ -34,9 +35,12 @@ pub struct RunOptions {
     pub output: Option<PathBuf>,
     /// What to do when `output` holds an earlier run.
     pub output_mode: OutputMode,
+    /// Where the run's events go (the cut it starts at, a resumed run, each epoch).
+    pub progress: Progress,
 }
 
-/// `host --config edge.yaml`: the whole run. Returns the summary (also written to disk).
+/// `host --config edge.yaml`: the whole run. Returns the summary (also written to
+/// `summary.json` in the output directory, beside the other files).
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let (run_started, run_cpu) = (Instant::now(), cpu_time::process());
     let bundle = open_config_bundle(&config).await?;
@@ -55,14 +59,14 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
             .map_err(|error| HostError::Task { what: "reading the inputs", error })??
     };
     if let Some(note) = inputs.reuse_note(config.requests) {
-        println!("{note}");
+        opts.progress.tell(Event::InputsReused(note));
     }
     let sample_files = inputs.sample_files();
     // An earlier run in `output` is refused, replaced or resumed before anything is sent.
     let mut writer = ReportWriter::open(&output, config.top_k, opts.output_mode)?;
     let done = writer.done();
     if writer.resumed > 0 {
-        println!("resuming {}: {} of {} requests have their outcome", output.display(), writer.resumed, config.requests);
+        opts.progress.tell(Event::Resuming { output: output.clone(), resumed: writer.resumed, requests: config.requests });
     }
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
@@ -81,20 +85,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         let measured = measure_profiles(&config, &mut session, &bundle, 3, &codec_candidates).await?;
         planned_profiles = Some(measured.profiles.clone());
         let (auto_split, plan) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
-        let took = &plan.profiling;
-        println!(
-            "split: auto ({}): the planner picks cut {}{}, predicted {:.2} ms, from the profiles measured in {:.1} s (edge {:.1} s, server {:.1} s, link {:.1} s: {:.1} Mbit/s, round trip {:.2} ms)",
-            plan.objective,
-            plan.cut,
-            plan.codec.as_ref().map_or(String::new(), |c| format!(" with {c}")),
-            plan.predicted_ms,
-            took.edge_s + took.server_s + took.link_s,
-            took.edge_s,
-            took.server_s,
-            took.link_s,
-            plan.link_mbit_per_s,
-            plan.rtt_ms
-        );
+        opts.progress.tell(Event::AutoSplitPlanned(Box::new(plan.clone())));
         planner = Some(Arc::new(Mutex::new(auto_split)));
         planned = Some(plan);
         warm_stages = Some(measured.edge_stages);
@@ -103,21 +94,17 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     // `codec: auto`: each request's codec from the rate `split: auto` estimates (probed here
     // when the split is fixed) and each codec's measured cost.
     let chooser = if config.codec_auto { Some(Arc::new(codec_choice::for_session(&session, planned_profiles.as_ref()).await?)) } else { None };
-    // The share of the FLOPs the edge runs: what `split: 40%` chose by.
-    let edge_share = bundle
-        .split_points()
-        .iter()
-        .find(|p| p.index == split)
-        .map_or(String::new(), |p| format!(", {:.1}% of the FLOPs", 100.0 * p.edge_cost_share));
-    println!(
-        "{} split at cut {split} ({}{edge_share}): edge runs stages [0, {split}) on {}, server {} runs [{split}, {}) on {}",
-        bundle.manifest().model.source,
-        bundle.cut(split).name,
-        device_name(config.device.resolve()?),
-        url,
-        bundle.stage_count(),
-        session.model.device
-    );
+    opts.progress.tell(Event::InferenceStarts(InferenceStart {
+        model: bundle.manifest().model.source.clone(),
+        split,
+        cut_name: bundle.cut(split).name.clone(),
+        // The share of the FLOPs the edge runs: what `split: 40%` chose by.
+        edge_flops_share: bundle.split_points().iter().find(|p| p.index == split).map(|p| p.edge_cost_share),
+        edge_device: device_name(config.device.resolve()?),
+        server: url.clone(),
+        stages: bundle.stage_count(),
+        server_device: session.model.device.clone(),
+    }));
     let ids: Vec<u64> = (0..config.requests).filter(|id| !done.contains(id)).collect();
     let progress = indicatif::ProgressBar::new(ids.len() as u64);
     progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
@@ -222,7 +209,5 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let json = serde_json::to_string_pretty(&summary).map_err(|error| HostError::Json { what: "the summary as JSON", error })?;
     std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;
     report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
-    println!("{}", summary_text(&summary));
-    println!("results in {}", output.display());
     Ok(summary)
 }

@@ -26,6 +26,9 @@
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
 //! - [`allocator`]: glibc set to give freed memory back at once (the `server` binary).
 
+// Libraries return what they found and hand progress to their caller; binaries print.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod allocator;
 mod budget;
 pub mod config;
@@ -304,8 +307,57 @@ fn accept(
         })
 }
 
-/// `server --config server.yaml`: validate, load, bind, serve until SIGINT or SIGTERM.
-pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
+/// What a server that has started listens on and asks of its peers: what `server` prints
+/// once its models are loaded and its sockets bound.
+#[derive(Debug, Clone)]
+pub struct Listening {
+    /// The models served, by name.
+    pub models: Vec<String>,
+    /// The gRPC address bound.
+    pub addr: std::net::SocketAddr,
+    /// The metrics endpoint's address, when `metrics_listen` is set.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Whether connections use TLS.
+    pub tls: bool,
+    /// Whether calls need the bearer token.
+    pub token: bool,
+    /// The payload keys' ids (none: payloads cannot be encrypted).
+    pub key_ids: Vec<u32>,
+    /// Whether every payload must be encrypted.
+    pub encryption_required: bool,
+    /// Where training checkpoints go (`training.checkpoint_dir`), when set.
+    pub checkpoint_dir: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Display for Listening {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(metrics) = self.metrics {
+            writeln!(f, "metrics on http://{metrics}/metrics")?;
+        }
+        write!(
+            f,
+            "serving {} on {} ({}, {}, {})",
+            self.models.join(", "),
+            self.addr,
+            if self.tls { "TLS" } else { "plaintext" },
+            if self.token { "bearer token required" } else { "no token" },
+            match (self.key_ids.is_empty(), self.encryption_required) {
+                (true, _) => "payload encryption unavailable".to_string(),
+                (false, true) => format!("AES-256-GCM payloads required, key ids {:?}", self.key_ids),
+                (false, false) => format!("AES-256-GCM payloads accepted, key ids {:?}", self.key_ids),
+            }
+        )?;
+        // Created when a training session first saves (relative to the config unless set).
+        if let Some(dir) = &self.checkpoint_dir {
+            write!(f, "\ntraining checkpoints go to {} (`training.checkpoint_dir`)", dir.display())?;
+        }
+        Ok(())
+    }
+}
+
+/// `server --config server.yaml`: validate, load, bind, tell `started` where it listens, then
+/// serve until SIGINT or SIGTERM.
+pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Result<(), ServerError> {
     // Opening the bundle hashes every file and loading it takes seconds: not on the runtime.
     let prepared = config.clone();
     let server = tokio::task::spawn_blocking(move || PreparedServer::from_config(&prepared))
@@ -313,10 +365,11 @@ pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Serve(format!("loading the bundle: {e}")))??;
     let listen_error = |error| ServerError::Listen { addr: config.listen.to_string(), error };
     let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
+    let mut metrics = None;
     if let Some(addr) = server.metrics_listen {
         let metrics_error = |error| ServerError::Metrics { addr: addr.to_string(), error };
         let metrics_listener = std::net::TcpListener::bind(addr).map_err(metrics_error)?;
-        println!("metrics on http://{}/metrics", metrics_listener.local_addr().map_err(metrics_error)?);
+        metrics = Some(metrics_listener.local_addr().map_err(metrics_error)?);
         // Served until the process exits (a scrape during the drain still sees the server), on
         // a thread and runtime of its own: scrapers never take the gRPC runtime's time.
         metrics::spawn(metrics_listener, server.metrics(), config.peers.metrics_endpoint).map_err(metrics_error)?;
@@ -325,22 +378,16 @@ pub async fn run(config: ServerConfig) -> Result<(), ServerError> {
         tracing::warn!(listen = %config.listen, "listening in plaintext on a non-loopback address: anyone on the path can read and alter boundaries; configure `tls`");
     }
     let s = &config.security;
-    println!(
-        "serving {} on {} ({}, {}, {})",
-        server.models().join(", "),
-        listener.local_addr().map_err(listen_error)?,
-        if server.uses_tls() { "TLS" } else { "plaintext" },
-        if s.token.is_some() { "bearer token required" } else { "no token" },
-        match (s.keys.is_empty(), s.policy.require_encryption) {
-            (true, _) => "payload encryption unavailable".to_string(),
-            (false, true) => format!("AES-256-GCM payloads required, key ids {:?}", s.keys.ids()),
-            (false, false) => format!("AES-256-GCM payloads accepted, key ids {:?}", s.keys.ids()),
-        }
-    );
-    // Created when a training session first saves (relative to the config unless set).
-    if let Some(dir) = &config.training.checkpoint_dir {
-        println!("training checkpoints go to {} (`training.checkpoint_dir`)", dir.display());
-    }
+    started(&Listening {
+        models: server.models(),
+        addr: listener.local_addr().map_err(listen_error)?,
+        metrics,
+        tls: server.uses_tls(),
+        token: s.token.is_some(),
+        key_ids: s.keys.ids(),
+        encryption_required: s.policy.require_encryption,
+        checkpoint_dir: config.training.checkpoint_dir.clone(),
+    });
     server.serve(listener, shutdown_signal()).await
 }
 

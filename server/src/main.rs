@@ -84,5 +84,5 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     config.cpu.apply()?;
     cleave_server::allocator::Trimmer::new(config.peers.free_memory_kept_bytes).spawn()?;
-    Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config))?)
+    Ok(tokio::runtime::Runtime::new()?.block_on(cleave_server::run(config, |listening| println!("{listening}")))?)
 }

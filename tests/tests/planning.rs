@@ -19,7 +19,7 @@ fn plan_digits(codec: &str, repeats: usize, measure: u64) -> (tempfile::TempDir,
     std::fs::write(&config, yaml).unwrap();
     let config = EdgeConfig::load(&config).unwrap();
     let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats, measure, output: None };
-    let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap();
+    let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap().report;
     (dir, report)
 }
 

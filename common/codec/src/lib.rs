@@ -11,6 +11,9 @@
 //!   the authenticated header and the data, with every size checked before allocation.
 //! - [`pb`]: the payload messages generated from `proto/cleave/v1/payload.proto`.
 
+// Libraries return what they found and hand progress to their caller; binaries print.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod codec;
 pub mod compress;
 pub mod dtype;

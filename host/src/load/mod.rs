@@ -48,6 +48,7 @@ use crate::config::EdgeConfig;
 use crate::error::{HostError, RequestFailure, Result, StreamError};
 use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
+use crate::progress::{Event, LoadStart, LoadedModel, Progress};
 use crate::session::{connect, Link};
 
 /// Requests an open-loop edge may have unanswered at once, by default.
@@ -79,6 +80,8 @@ pub struct LoadOptions {
     pub in_flight_cap: usize,
     /// How long requests still unanswered at the end are waited for.
     pub grace: Duration,
+    /// Where the run's events go (what it sends, to which servers).
+    pub progress: Progress,
 }
 
 impl Default for LoadOptions {
@@ -94,6 +97,7 @@ impl Default for LoadOptions {
             force: false,
             in_flight_cap: DEFAULT_IN_FLIGHT_CAP,
             grace: DEFAULT_GRACE,
+            progress: Progress::default(),
         }
     }
 }
@@ -106,8 +110,9 @@ struct Model {
     cuts: Vec<usize>,
 }
 
-/// Runs the load and writes its files; prints the table and, last, the line benches parse
-/// ([`LoadReport::summary_line`]). Errors in the requests are results, not errors of the run.
+/// Runs the load and writes its files; returns the report (the binary prints its table and,
+/// last, the line benches parse: [`LoadReport::summary_line`]). Errors in the requests are
+/// results, not errors of the run.
 pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadReport> {
     check_options(&configs, &opts)?;
     let mode = if opts.force { OutputMode::Force } else { OutputMode::Fresh };
@@ -144,7 +149,7 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
         served[slot.model].get_or_insert(info);
         edges.push(edge);
     }
-    print_start(&models, &counts, &served, &opts);
+    opts.progress.tell(Event::LoadStarts(load_start(&models, &counts, &served, &opts)));
 
     let clock = Clock { start: Instant::now(), duration: opts.duration, grace: opts.grace };
     let tasks: Vec<JoinHandle<Vec<RequestRecord>>> = edges.into_iter().map(|edge| tokio::spawn(edge.run(clock))).collect();
@@ -214,16 +219,10 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     if report.overall.answered > 0 {
         plot_latency_over_time(&opts.output.join(LATENCY_OVER_TIME), "latency over time (p50, p99 per second)", &series)?;
     } else {
-        println!("no request was answered: no {LATENCY_OVER_TIME}");
+        opts.progress.tell(Event::NothingAnswered { plot: LATENCY_OVER_TIME });
     }
     // Written last: a load.json means the run finished and its other files are whole.
     write_json(&opts.output.join("load.json"), &report)?;
-    println!("{}", report.table());
-    println!("results in {}", opts.output.display());
-    if let Some(line) = report.first_request_line() {
-        println!("{line}");
-    }
-    println!("{}", report.summary_line());
     Ok(report)
 }
 
@@ -306,28 +305,32 @@ async fn edge_prefixes(model: &Model) -> Result<Vec<(usize, Boundary)>> {
     .map_err(|error| HostError::Task { what: "running the prefixes", error })?
 }
 
-fn print_start(models: &[Model], counts: &[usize], served: &[Option<ServedModel>], opts: &LoadOptions) {
+fn load_start(models: &[Model], counts: &[usize], served: &[Option<ServedModel>], opts: &LoadOptions) -> LoadStart {
     let mode = match opts.mode {
         LoadMode::Closed => "closed loop".to_string(),
         LoadMode::Open { rate } => {
             format!("open loop at {rate} req/s (Poisson, seed {}, at most {} in flight per edge)", opts.seed, opts.in_flight_cap)
         }
     };
-    println!("host load: {} edges, {mode}, for {:?}", opts.edges, opts.duration);
-    for ((model, count), info) in models.iter().zip(counts).zip(served) {
-        let info = info.as_ref().expect("every model has an edge");
-        let cuts: Vec<String> = model.cuts.iter().map(usize::to_string).collect();
-        println!(
-            "  {}: {count} edges at cut {}, batch {}, codec {}, to {} (device {}, SLO {})",
-            model_name(&info.model_source, &info.bundle_id),
-            cuts.join(","),
-            model.config.batch_size,
-            model.config.codec,
-            model.config.server,
-            info.device,
-            info.slo_ms.map_or("none".to_string(), |ms| format!("{ms} ms"))
-        );
-    }
+    let models = models
+        .iter()
+        .zip(counts)
+        .zip(served)
+        .map(|((model, &edges), info)| {
+            let info = info.as_ref().expect("every model has an edge");
+            LoadedModel {
+                name: model_name(&info.model_source, &info.bundle_id),
+                edges,
+                cuts: model.cuts.clone(),
+                batch_size: model.config.batch_size,
+                codec: model.config.codec.to_string(),
+                server: model.config.server.clone(),
+                server_device: info.device.clone(),
+                slo_ms: info.slo_ms,
+            }
+        })
+        .collect();
+    LoadStart { edges: opts.edges, mode, duration: opts.duration, models }
 }
 
 /// The run's clock: when it started, how long requests are sent, how long answers are

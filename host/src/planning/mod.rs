@@ -21,4 +21,4 @@ pub mod plan;
 pub mod planner;
 pub mod profile;
 
-pub use plan::{plan, MeasuredCut, PlanOptions, PlanReport};
+pub use plan::{plan, MeasuredCut, PlanOptions, PlanReport, PlanRun};

@@ -77,8 +77,30 @@ pub struct PlanReport {
     pub best: Option<usize>,
 }
 
-/// Measures the profiles and prints the table of every cut.
-pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
+/// `host plan`'s outcome: the report (in `plan.json`), its table of every cut, and the files
+/// written. `Display` gives what the binary prints.
+#[derive(Debug, Clone)]
+pub struct PlanRun {
+    /// What `plan.json` holds.
+    pub report: PlanReport,
+    /// A line naming the model, batch, codec, server device and link, then the table.
+    pub table: String,
+    /// `plan.json`.
+    pub plan_json: PathBuf,
+    /// The stage graph and plots beside it.
+    pub written: Vec<PathBuf>,
+}
+
+impl std::fmt::Display for PlanRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let written: Vec<String> = self.written.iter().map(|p| p.display().to_string()).collect();
+        write!(f, "{}\nplan written to {} (and {})", self.table, self.plan_json.display(), written.join(", "))
+    }
+}
+
+/// Measures the profiles, predicts every cut and writes `plan.json`, the stage graph and (with
+/// `--measure`) the measured plots.
+pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
     let bundle = open_config_bundle(&config).await?;
     let batch = config.batch_size;
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
@@ -110,7 +132,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
         server.shutdown().await?;
     }
     let report = PlanReport { profiles, predictions, measured_ms, measured, objective: opts.objective, best: chosen };
-    print_plan(&bundle, &report, &session.model.device, batch, &config.codec);
+    let table = plan_table(&bundle, &report, &session.model.device, batch, &config.codec);
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     std::fs::create_dir_all(&output).map_err(|error| HostError::Io { action: "cannot create", path: output.clone(), error })?;
     let json = serde_json::to_string_pretty(&report).map_err(|error| HostError::Json { what: "the plan as JSON", error })?;
@@ -121,9 +143,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanReport> {
     if !report.measured.is_empty() {
         written.extend(plot_measured(&bundle, &report, &output)?);
     }
-    let written: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
-    println!("plan written to {} (and {})", output.join("plan.json").display(), written.join(", "));
-    Ok(report)
+    Ok(PlanRun { report, table, plan_json: output.join("plan.json"), written })
 }
 
 /// Runs `rounds` requests at every cut of `cuts` on one stream, the cuts interleaved request
@@ -218,7 +238,7 @@ fn plot_measured(bundle: &Bundle, report: &PlanReport, output: &std::path::Path)
     Ok(vec![output.join(PREDICTED_VS_MEASURED), output.join(BREAKDOWN), output.join(LATENCY_CDF)])
 }
 
-fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: i64, codec: &Codec) {
+fn plan_table(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: i64, codec: &Codec) -> String {
     // Profiles run at the longest sequence; per token is what a shorter one scales by.
     let seq = bundle.sizes_at(batch).seq;
     let wire = |bytes: u64| match seq {
@@ -256,13 +276,12 @@ fn print_plan(bundle: &Bundle, report: &PlanReport, server_device: &str, batch: 
         table.add_row(row);
     }
     let link = &report.profiles.link;
-    println!(
-        "{} at batch {batch}{}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {}",
+    format!(
+        "{} at batch {batch}{}, codec {codec}; server on {server_device}; link {:.1} Mbit/s, round trip {:.2} ms; objective {}\n{table}",
         bundle.manifest().model.source,
         seq.map_or(String::new(), |s| format!(", sequence length {s}")),
         link.bytes_per_s * 8.0 / 1e6,
         link.rtt_ms,
         report.objective
-    );
-    println!("{table}");
+    )
 }

@@ -37,6 +37,7 @@ use crate::config::{EdgeConfig, TrainConfig, TrainMode};
 use crate::error::{HostError, Result};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
+use crate::progress::{Event, Progress, TrainingStart};
 use crate::run::RunOptions;
 use crate::session::{connect, Link};
 use data::Dataset;
@@ -181,21 +182,22 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
                 opened.step
             )));
         }
-        println!(
-            "{} training {} : edge trains {} on {}, server {} trains [{split}, {tail}) on {} (session {}, {} parameters there)",
-            train.mode.name(),
-            bundle.manifest().model.source,
-            describe_edge(split, tail, n),
-            device_name(config.device.resolve()?),
-            url,
-            opened.device,
-            opened.session_id,
-            opened.parameters
-        );
+        opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
+            mode: train.mode.name(),
+            model: bundle.manifest().model.source.clone(),
+            edge_part: describe_edge(split, tail, n),
+            edge_device: device_name(config.device.resolve()?),
+            server: url,
+            server_stages: (split, tail),
+            server_device: opened.device.clone(),
+            session_id: opened.session_id.clone(),
+            server_parameters: opened.parameters,
+        }));
         server_namespace = opened.namespace;
         Some(link)
     } else {
-        println!("monolithic training {}: every stage on {}", bundle.manifest().model.source, device_name(config.device.resolve()?));
+        let (model, device) = (bundle.manifest().model.source.clone(), device_name(config.device.resolve()?));
+        opts.progress.tell(Event::TrainingStarts(TrainingStart::Monolithic { model, device }));
         None
     };
 
@@ -212,6 +214,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         server_namespace: server_namespace.clone(),
         split,
         tail_cut: tail,
+        progress: opts.progress.clone(),
     };
     let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set))
         .await
@@ -256,17 +259,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
             .await
             .map_err(|error| HostError::Task { what: "writing the trained bundle", error })??;
-        println!("trained bundle written to {} (id {})", dir.display(), written.short_id());
+        opts.progress.tell(Event::TrainedBundleWritten { dir, short_id: written.short_id().to_string() });
     }
-    println!(
-        "{} epochs, {} steps: final test accuracy {:.2}%, median epoch {:.2} s, median step {:.1} ms; results in {}",
-        summary.epochs.len(),
-        summary.total_steps,
-        summary.final_test_accuracy * 100.0,
-        summary.median_epoch_seconds,
-        summary.median_step_ms,
-        output.display()
-    );
     Ok(summary)
 }
 
@@ -354,6 +348,8 @@ struct Trainer {
     server_namespace: String,
     split: usize,
     tail_cut: usize,
+    /// Where each epoch's record goes as it ends.
+    progress: Progress,
 }
 
 impl Trainer {
@@ -413,16 +409,7 @@ impl Trainer {
                     epoch_seconds,
                     eval_seconds: eval_started.elapsed().as_secs_f64(),
                 };
-                println!(
-                    "epoch {:>3}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}% ({} steps, {:.2} s + eval {:.2} s)",
-                    record.epoch,
-                    record.train_loss,
-                    record.test_loss,
-                    record.test_accuracy * 100.0,
-                    steps,
-                    epoch_seconds,
-                    record.eval_seconds
-                );
+                self.progress.tell(Event::EpochDone(record.clone()));
                 epochs.push(record);
                 last_checkpoint = self.save_checkpoint()?;
             }

@@ -86,6 +86,21 @@ pub struct TrainingSummary {
     pub resumed_from_step: Option<u64>,
 }
 
+impl TrainingSummary {
+    /// The run in one line, ending with where its files are.
+    pub fn closing_line(&self, output: &Path) -> String {
+        format!(
+            "{} epochs, {} steps: final test accuracy {:.2}%, median epoch {:.2} s, median step {:.1} ms; results in {}",
+            self.epochs.len(),
+            self.total_steps,
+            self.final_test_accuracy * 100.0,
+            self.median_epoch_seconds,
+            self.median_step_ms,
+            output.display()
+        )
+    }
+}
+
 /// Reads a float that may be `null`: serde_json writes NaN and infinities as `null`, and a
 /// diverged run (NaN loss) or a run without steps (NaN median) must still read back.
 fn f64_or_nan<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {

@@ -478,14 +478,14 @@ impl Worker {
     }
 }
 
-/// When a request would like to run by: its arrival (`fifo`); its arrival plus its model's
-/// `slo_ms / priority` (`edf`), or plus `max_age` for a model without a target, which is
-/// also a training turn's place under either policy.
 /// A batch's span, linked to the span of each request it carries, and each request's compute
-/// span (open while the batch runs).
+/// span (open while the batch runs). Nothing to link or allocate when spans are not recorded.
 fn batch_spans(model: &str, requests: &[Waiting], sizes: &[i64], (from, to): (usize, usize)) -> (tracing::Span, Vec<tracing::Span>) {
     let samples: i64 = sizes.iter().sum();
     let batch = tracing::debug_span!("batch", model, requests = requests.len(), samples, from, to);
+    if batch.is_disabled() {
+        return (batch, Vec::new());
+    }
     let computing = requests
         .iter()
         .map(|w| {
@@ -496,6 +496,9 @@ fn batch_spans(model: &str, requests: &[Waiting], sizes: &[i64], (from, to): (us
     (batch, computing)
 }
 
+/// When a request would like to run by: its arrival (`fifo`); its arrival plus its model's
+/// `slo_ms / priority` (`edf`), or plus `max_age` for a model without a target, which is
+/// also a training turn's place under either policy.
 fn request_key(config: &SchedulerConfig, arrived: Instant, slo: Option<Duration>, priority: f64) -> Instant {
     match (config.policy, slo) {
         (Policy::Fifo, _) => arrived,
