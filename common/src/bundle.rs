@@ -14,7 +14,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::error::{BundleError, Result};
+use crate::error::{BoundaryProblem, BundleError, Result};
 use crate::spec::{BoundarySizes, DType, Dim, NamedSpec, Sizes, TensorSpec, ValueSpec};
 use crate::value::{Boundary, Value};
 
@@ -464,25 +464,26 @@ impl Bundle {
     /// inputs against their value range too); returns its batch size and sequence length.
     pub fn check_boundary(&self, cut: usize, boundary: &Boundary) -> Result<BoundarySizes> {
         let info = &self.manifest.cuts[cut];
-        let mismatch = |problem: String| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem };
+        let mismatch = |problem: BoundaryProblem| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem: Box::new(problem) };
         let names: Vec<&str> = boundary.values.iter().map(|(n, _)| n.as_str()).collect();
         let want: Vec<&str> = info.values.iter().map(|v| v.name.as_str()).collect();
         if names != want {
-            return Err(mismatch(format!("expected values {want:?}, got {names:?}")));
+            let owned = |names: Vec<&str>| names.into_iter().map(str::to_string).collect();
+            return Err(mismatch(BoundaryProblem::Values { want: owned(want), got: owned(names) }));
         }
         let mut sizes = Sizes::default();
         for ((name, value), spec) in boundary.values.iter().zip(&info.values) {
-            value.check(&spec.spec, name, &mut sizes).map_err(mismatch)?;
+            value.check(&spec.spec, name, &mut sizes).map_err(|e| mismatch(e.into()))?;
         }
         if cut == 0 {
-            self.check_input_values(boundary).map_err(mismatch)?;
+            self.check_input_values(boundary).map_err(|problem| mismatch(*problem))?;
         }
         self.check_sizes(sizes)
     }
 
     /// Integer inputs within their value range: an id past the vocabulary would index out of
     /// an embedding, which on CUDA is a device-side assert that ends every request on the GPU.
-    fn check_input_values(&self, boundary: &Boundary) -> std::result::Result<(), String> {
+    fn check_input_values(&self, boundary: &Boundary) -> std::result::Result<(), Box<BoundaryProblem>> {
         for (input, (_, value)) in self.manifest.inputs.iter().zip(&boundary.values) {
             let (Some((lo, hi)), Some(t)) = (input.range, value.as_tensor()) else { continue };
             if t.numel() == 0 {
@@ -490,7 +491,7 @@ impl Bundle {
             }
             let (min, max) = (t.min().int64_value(&[]), t.max().int64_value(&[]));
             if min < lo || max > hi {
-                return Err(format!("{}: values must lie in {lo}..={hi}, got {min}..={max}", input.name));
+                return Err(Box::new(BoundaryProblem::OutOfRange { input: input.name.clone(), lo, hi, min, max }));
             }
         }
         Ok(())
@@ -560,9 +561,9 @@ impl Bundle {
                 reason: format!("split {cut} is out of range: the bundle has cuts 0..={n}"),
             });
         };
-        let mismatch = |problem: String| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem };
+        let mismatch = |problem: BoundaryProblem| BundleError::BoundaryMismatch { cut, cut_name: info.name.clone(), problem: Box::new(problem) };
         if !info.usable && cut != n {
-            return Err(mismatch(format!("this cut cannot be split at: {}", info.reason.as_deref().unwrap_or("unusable"))));
+            return Err(mismatch(BoundaryProblem::Unusable { reason: info.reason.clone().unwrap_or_else(|| "unusable".into()) }));
         }
         let specs = info.tensors();
         let mut sizes = Sizes::default();
@@ -571,7 +572,7 @@ impl Bundle {
         let mut extra_rows = None;
         for (name, dtype, shape) in declared {
             if seen.contains(&name) {
-                return Err(mismatch(format!("tensor {name:?} is declared twice")));
+                return Err(mismatch(BoundaryProblem::DeclaredTwice { name: name.to_string() }));
             }
             seen.push(name);
             if let CutTensors::AllAndMaybe(extra) = rule {
@@ -579,31 +580,35 @@ impl Bundle {
                     match shape {
                         [rows, rest @ ..] if rest.len() < MAX_EXTRA_RANK => extra_rows = Some(*rows),
                         _ => {
-                            return Err(mismatch(format!(
-                                "{name}: a tensor of rank 1 to {MAX_EXTRA_RANK} whose first dimension is the batch, got {shape:?}"
-                            )))
+                            return Err(mismatch(BoundaryProblem::ExtraShape {
+                                name: name.to_string(),
+                                max_rank: MAX_EXTRA_RANK,
+                                shape: shape.to_vec(),
+                            }))
                         }
                     }
                     continue;
                 }
             }
             let Some((_, spec)) = specs.iter().find(|(n, _)| n == name) else {
-                let want: Vec<&str> = specs.iter().map(|(n, _)| n.as_str()).collect();
-                return Err(mismatch(format!("no tensor {name:?} crosses this cut (it carries {want:?})")));
+                let carried = specs.iter().map(|(n, _)| n.clone()).collect();
+                return Err(mismatch(BoundaryProblem::NotCarried { name: name.to_string(), carried }));
             };
             if rule == CutTensors::FloatSubset && !dtype.is_float() {
-                return Err(mismatch(format!("{name}: a gradient is floating-point, got {dtype}")));
+                return Err(mismatch(BoundaryProblem::NotFloat { name: name.to_string(), dtype }));
             }
-            spec.check_shape(dtype, shape, &mut sizes).map_err(|why| mismatch(format!("{name}: expected {spec}, got {dtype}{shape:?} ({why})")))?;
+            spec.check_shape(dtype, shape, &mut sizes).map_err(|why| {
+                mismatch(BoundaryProblem::Tensor { name: name.to_string(), spec: spec.to_string(), dtype, shape: shape.to_vec(), why })
+            })?;
         }
         if rule != CutTensors::FloatSubset {
             if let Some((missing, _)) = specs.iter().find(|(n, _)| !seen.contains(&n.as_str())) {
-                return Err(mismatch(format!("tensor {missing:?} is missing")));
+                return Err(mismatch(BoundaryProblem::Missing { name: missing.clone() }));
             }
         }
         if let (Some(rows), CutTensors::AllAndMaybe(extra)) = (extra_rows, rule) {
             match sizes.batch {
-                Some(b) if rows != b => return Err(mismatch(format!("{extra}: its first dimension is {rows}, the batch is {b}"))),
+                Some(b) if rows != b => return Err(mismatch(BoundaryProblem::ExtraRows { name: extra.to_string(), rows, batch: b })),
                 None => sizes.batch = Some(rows),
                 _ => {}
             }

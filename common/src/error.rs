@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use crate::spec::{DType, ShapeMismatch};
+
 /// Result alias for the bundle runtime.
 pub type Result<T, E = BundleError> = std::result::Result<T, E>;
 
@@ -99,8 +101,8 @@ pub enum BundleError {
         cut: usize,
         /// Cut name.
         cut_name: String,
-        /// What differs: expected against got.
-        problem: String,
+        /// What differs: expected against got (boxed: it is large, and errors are rare).
+        problem: Box<BoundaryProblem>,
     },
     /// A sequence length outside what the bundle was exported for.
     #[error("sequence length {got} is outside the bundle's range {min}..={max}")]
@@ -187,4 +189,157 @@ pub fn with_causes(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// What differs between a boundary and what the manifest says crosses its cut.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BoundaryProblem {
+    /// Other values, or in another order.
+    #[error("expected values {want:?}, got {got:?}")]
+    Values {
+        /// The manifest's.
+        want: Vec<String>,
+        /// The boundary's.
+        got: Vec<String>,
+    },
+    /// A value that does not fit its spec.
+    #[error(transparent)]
+    Value(#[from] ValueMismatch),
+    /// An integer input outside its range (an id past the vocabulary).
+    #[error("{input}: values must lie in {lo}..={hi}, got {min}..={max}")]
+    OutOfRange {
+        /// The input.
+        input: String,
+        /// Its smallest value allowed.
+        lo: i64,
+        /// Its largest.
+        hi: i64,
+        /// The smallest value sent.
+        min: i64,
+        /// The largest.
+        max: i64,
+    },
+    /// A cut the bundle cannot be split at.
+    #[error("this cut cannot be split at: {reason}")]
+    Unusable {
+        /// The exporter's reason.
+        reason: String,
+    },
+    /// A tensor named twice.
+    #[error("tensor {name:?} is declared twice")]
+    DeclaredTwice {
+        /// Its name.
+        name: String,
+    },
+    /// A training step's extra tensor (its targets) of a shape that cannot be a batch's.
+    #[error("{name}: a tensor of rank 1 to {max_rank} whose first dimension is the batch, got {shape:?}")]
+    ExtraShape {
+        /// Its name.
+        name: String,
+        /// The largest rank allowed, plus one.
+        max_rank: usize,
+        /// Its shape.
+        shape: Vec<i64>,
+    },
+    /// A tensor that does not cross this cut.
+    #[error("no tensor {name:?} crosses this cut (it carries {carried:?})")]
+    NotCarried {
+        /// Its name.
+        name: String,
+        /// The tensors that do.
+        carried: Vec<String>,
+    },
+    /// A gradient that is not floating-point.
+    #[error("{name}: a gradient is floating-point, got {dtype}")]
+    NotFloat {
+        /// Its name.
+        name: String,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// A declared tensor of another dtype or shape.
+    #[error("{name}: expected {spec}, got {dtype}{shape:?} ({why})")]
+    Tensor {
+        /// Its name.
+        name: String,
+        /// The manifest's spec.
+        spec: String,
+        /// Its dtype.
+        dtype: DType,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// What differs.
+        why: ShapeMismatch,
+    },
+    /// A tensor the cut carries that was not sent.
+    #[error("tensor {name:?} is missing")]
+    Missing {
+        /// Its name.
+        name: String,
+    },
+    /// A step's extra tensor of another batch size than the boundary's.
+    #[error("{name}: its first dimension is {rows}, the batch is {batch}")]
+    ExtraRows {
+        /// Its name.
+        name: String,
+        /// Its first dimension.
+        rows: i64,
+        /// The boundary's batch size.
+        batch: i64,
+    },
+    /// Stages that returned another number of values than the manifest lists.
+    #[error("the stages returned {got} values, the manifest lists {want}")]
+    StageValues {
+        /// Returned.
+        got: usize,
+        /// Listed.
+        want: usize,
+    },
+}
+
+/// Why a value does not fit its spec; `path` names where in the tree (`pair.1.k`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValueMismatch {
+    /// A tuple or list of another length.
+    #[error("{path}: expected {want} items, got {got}")]
+    Items {
+        /// Where.
+        path: String,
+        /// The spec's length.
+        want: usize,
+        /// The value's.
+        got: usize,
+    },
+    /// A dict with other keys, or in another order.
+    #[error("{path}: expected keys {want:?}, got {got:?}")]
+    Keys {
+        /// Where.
+        path: String,
+        /// The spec's keys.
+        want: Vec<String>,
+        /// The value's.
+        got: Vec<String>,
+    },
+    /// Another kind of value (a list for a tensor, say).
+    #[error("{path}: expected {want}, got {got}")]
+    Kind {
+        /// Where.
+        path: String,
+        /// The spec's kind.
+        want: String,
+        /// The value's.
+        got: String,
+    },
+    /// A tensor of another dtype or shape.
+    #[error("{path}: expected {spec}, got {got} ({why})")]
+    Tensor {
+        /// Where.
+        path: String,
+        /// The spec.
+        spec: String,
+        /// The tensor's dtype and shape.
+        got: String,
+        /// What differs (boxed: it is large, and mismatches are rare).
+        why: Box<ShapeMismatch>,
+    },
 }

@@ -174,27 +174,73 @@ pub struct TensorSpec {
     pub shape: Vec<Dim>,
 }
 
+/// Why a tensor does not fit a [`TensorSpec`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeMismatch {
+    /// Another element type.
+    #[error("dtype")]
+    Dtype,
+    /// Another number of dimensions.
+    #[error("rank {got} instead of {want}")]
+    Rank {
+        /// The tensor's.
+        got: usize,
+        /// The spec's.
+        want: usize,
+    },
+    /// A fixed dimension of another size.
+    #[error("dimension {axis} must be {want}")]
+    Fixed {
+        /// The dimension.
+        axis: usize,
+        /// Its size in the spec.
+        want: i64,
+    },
+    /// A batch or sequence dimension that disagrees with the size shown before it.
+    #[error("dimension {axis} must be {dim} = {want} for {what} {seen}")]
+    Sized {
+        /// The dimension.
+        axis: usize,
+        /// Its symbolic size.
+        dim: Dim,
+        /// Its size at the size shown.
+        want: i64,
+        /// `batch size` or `sequence length`.
+        what: &'static str,
+        /// The size shown.
+        seen: i64,
+    },
+    /// A first batch or sequence dimension that is not a positive multiple of its factor.
+    #[error("dimension {axis} must be a positive multiple of {multiple}")]
+    NotAMultiple {
+        /// The dimension.
+        axis: usize,
+        /// The factor (`2*S`: 2).
+        multiple: i64,
+    },
+}
+
 impl TensorSpec {
     /// Checks a tensor's dtype and shape against this spec. `sizes` are the batch size and
     /// sequence length the boundary has shown so far (the first `B` and `S` dimensions set
     /// them). Returns why not.
-    pub fn check_shape(&self, dtype: DType, shape: &[i64], sizes: &mut Sizes) -> Result<(), String> {
+    pub fn check_shape(&self, dtype: DType, shape: &[i64], sizes: &mut Sizes) -> Result<(), ShapeMismatch> {
         if dtype != self.dtype {
-            return Err("dtype".into());
+            return Err(ShapeMismatch::Dtype);
         }
         if shape.len() != self.shape.len() {
-            return Err(format!("rank {} instead of {}", shape.len(), self.shape.len()));
+            return Err(ShapeMismatch::Rank { got: shape.len(), want: self.shape.len() });
         }
         for (axis, (&dim, &size)) in self.shape.iter().zip(shape).enumerate() {
             let (k, seen, what) = match dim {
-                Dim::Fixed(n) if n != size => return Err(format!("dimension {axis} must be {n}")),
+                Dim::Fixed(n) if n != size => return Err(ShapeMismatch::Fixed { axis, want: n }),
                 Dim::Batch(k) => (k, &mut sizes.batch, "batch size"),
                 Dim::Seq(k) => (k, &mut sizes.seq, "sequence length"),
                 _ => continue,
             };
             match *seen {
-                Some(n) if k * n != size => return Err(format!("dimension {axis} must be {dim} = {} for {what} {n}", k * n)),
-                None if size % k != 0 || size <= 0 => return Err(format!("dimension {axis} must be a positive multiple of {k}")),
+                Some(n) if k * n != size => return Err(ShapeMismatch::Sized { axis, dim, want: k * n, what, seen: n }),
+                None if size % k != 0 || size <= 0 => return Err(ShapeMismatch::NotAMultiple { axis, multiple: k }),
                 None => *seen = Some(size / k),
                 _ => {}
             }
@@ -342,13 +388,14 @@ mod tests {
         let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2), Dim::Fixed(4)] };
         hidden.check_shape(DType::Float32, &[2, 14, 4], &mut sizes).unwrap();
         let err = hidden.check_shape(DType::Float32, &[2, 12, 4], &mut sizes).unwrap_err();
-        assert_eq!(err, "dimension 1 must be 2*S = 14 for sequence length 7");
+        assert_eq!(err.to_string(), "dimension 1 must be 2*S = 14 for sequence length 7");
+        assert!(matches!(err, ShapeMismatch::Sized { axis: 1, want: 14, seen: 7, .. }), "{err:?}");
         let err = mask.check_shape(DType::Bool, &[2, 1, 7, 6], &mut Sizes::default()).unwrap_err();
-        assert_eq!(err, "dimension 3 must be S = 7 for sequence length 7");
+        assert_eq!(err.to_string(), "dimension 3 must be S = 7 for sequence length 7");
         let err = hidden.check_shape(DType::Float32, &[2, 7, 4], &mut Sizes::default()).unwrap_err();
-        assert_eq!(err, "dimension 1 must be a positive multiple of 2");
+        assert_eq!(err.to_string(), "dimension 1 must be a positive multiple of 2");
         let err = mask.check_shape(DType::Bool, &[3, 1, 0, 0], &mut Sizes::default()).unwrap_err();
-        assert_eq!(err, "dimension 2 must be a positive multiple of 1");
+        assert_eq!(err.to_string(), "dimension 2 must be a positive multiple of 1");
     }
 
     #[test]

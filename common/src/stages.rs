@@ -14,7 +14,7 @@ use tch::{CModule, IValue};
 
 use crate::bundle::Bundle;
 use crate::device::DeviceSpec;
-use crate::error::{BundleError, Result};
+use crate::error::{BoundaryProblem, BundleError, Result};
 use crate::value::{synthetic_inputs, Boundary, Value};
 
 /// Stages `[start, end)`: runs from cut `start` to cut `end`.
@@ -210,7 +210,7 @@ impl LoadedStages {
             return Err(BundleError::BoundaryMismatch {
                 cut: range.end,
                 cut_name: cut.name.clone(),
-                problem: format!("the stages returned {} values, the manifest lists {}", values.len(), cut.values.len()),
+                problem: Box::new(BoundaryProblem::StageValues { got: values.len(), want: cut.values.len() }),
             });
         }
         let values =

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use rand::{Rng, SeedableRng};
 use tch::{IValue, Tensor};
 
-use crate::error::{BundleError, Result};
-use crate::spec::{DType, Sizes, TensorSpec, TorchDType, ValueSpec};
+use crate::error::{BundleError, Result, ValueMismatch};
+use crate::spec::{DType, ShapeMismatch, Sizes, TensorSpec, TorchDType, ValueSpec};
 
 /// A value that crosses a cut.
 #[derive(Debug)]
@@ -133,9 +133,9 @@ impl Value {
         }
     }
 
-    fn cat_batches(items: &[&Value], path: &str) -> std::result::Result<Value, String> {
-        let mismatch = || format!("the boundaries to merge differ at {path}");
-        let children = |get: &dyn Fn(&Value) -> Option<&Vec<Value>>| -> std::result::Result<Vec<Value>, String> {
+    fn cat_batches(items: &[&Value], path: &str) -> std::result::Result<Value, BatchMergeError> {
+        let mismatch = || BatchMergeError::Differ { at: path.to_string() };
+        let children = |get: &dyn Fn(&Value) -> Option<&Vec<Value>>| -> std::result::Result<Vec<Value>, BatchMergeError> {
             let lists = items.iter().map(|v| get(v).ok_or_else(mismatch)).collect::<std::result::Result<Vec<_>, _>>()?;
             let n = lists[0].len();
             if lists.iter().any(|l| l.len() != n) {
@@ -147,7 +147,7 @@ impl Value {
             Value::Tensor(_) => {
                 let tensors = items.iter().map(|v| v.as_tensor().ok_or_else(mismatch)).collect::<std::result::Result<Vec<_>, _>>()?;
                 if tensors.iter().any(|t| t.dim() == 0) {
-                    return Err(format!("{path} has no batch dimension"));
+                    return Err(BatchMergeError::NoBatchDimension { path: path.to_string() });
                 }
                 Ok(Value::Tensor(Tensor::cat(&tensors, 0)))
             }
@@ -168,11 +168,11 @@ impl Value {
                 }
                 Ok(Value::Dict(merged))
             }
-            other => Err(format!("{path} is {}, not a tensor: it cannot be merged into a batch", other.describe())),
+            other => Err(BatchMergeError::NotATensor { path: path.to_string(), kind: other.describe(), cannot: "merged into a batch" }),
         }
     }
 
-    fn split_batches(&self, sizes: &[i64], path: &str) -> std::result::Result<Vec<Value>, String> {
+    fn split_batches(&self, sizes: &[i64], path: &str) -> std::result::Result<Vec<Value>, BatchMergeError> {
         let transpose = |items: Vec<Vec<Value>>| -> Vec<Vec<Value>> {
             let mut parts: Vec<Vec<Value>> = sizes.iter().map(|_| Vec::with_capacity(items.len())).collect();
             for item in items {
@@ -186,7 +186,7 @@ impl Value {
             Value::Tensor(t) => {
                 let rows: i64 = sizes.iter().sum();
                 if t.dim() == 0 || t.size()[0] != rows {
-                    return Err(format!("{path} has shape {:?}, not {rows} rows to split", t.size()));
+                    return Err(BatchMergeError::Rows { path: path.to_string(), shape: t.size(), rows });
                 }
                 Ok(t.split_with_sizes(sizes, 0).into_iter().map(Value::Tensor).collect())
             }
@@ -204,7 +204,7 @@ impl Value {
                 let keys: Vec<String> = items.iter().map(|(k, _)| k.clone()).collect();
                 Ok(transpose(split).into_iter().map(|vs| Value::Dict(keys.iter().cloned().zip(vs).collect())).collect())
             }
-            other => Err(format!("{path} is {}, not a tensor: it cannot be split by request", other.describe())),
+            other => Err(BatchMergeError::NotATensor { path: path.to_string(), kind: other.describe(), cannot: "split by request" }),
         }
     }
 
@@ -252,7 +252,7 @@ impl Value {
     /// Checks this value against `spec`; `sizes` (batch size, sequence length) are inferred
     /// from the first batch and sequence dimensions
     /// seen and must agree everywhere after. Returns what differs, in words.
-    pub fn check(&self, spec: &ValueSpec, path: &str, sizes: &mut Sizes) -> Result<(), String> {
+    pub fn check(&self, spec: &ValueSpec, path: &str, sizes: &mut Sizes) -> Result<(), ValueMismatch> {
         match (spec, self) {
             (ValueSpec::Tensor(ts), Value::Tensor(t)) => check_tensor(ts, t, path, sizes),
             (ValueSpec::Int, Value::Int(_))
@@ -262,7 +262,7 @@ impl Value {
             | (ValueSpec::None, Value::None) => Ok(()),
             (ValueSpec::Tuple { items: specs }, Value::Tuple(items)) | (ValueSpec::List { items: specs }, Value::List(items)) => {
                 if specs.len() != items.len() {
-                    return Err(format!("{path}: expected {} items, got {}", specs.len(), items.len()));
+                    return Err(ValueMismatch::Items { path: path.to_string(), want: specs.len(), got: items.len() });
                 }
                 specs.iter().zip(items).enumerate().try_for_each(|(i, (s, v))| v.check(s, &format!("{path}.{i}"), sizes))
             }
@@ -270,11 +270,12 @@ impl Value {
                 let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
                 let want: Vec<&str> = specs.iter().map(|s| s.key.as_str()).collect();
                 if keys != want {
-                    return Err(format!("{path}: expected keys {want:?}, got {keys:?}"));
+                    let owned = |keys: Vec<&str>| keys.into_iter().map(str::to_string).collect();
+                    return Err(ValueMismatch::Keys { path: path.to_string(), want: owned(want), got: owned(keys) });
                 }
                 specs.iter().zip(items).try_for_each(|(s, (k, v))| v.check(&s.value, &format!("{path}.{k}"), sizes))
             }
-            (spec, value) => Err(format!("{path}: expected {}, got {}", spec.describe(), value.describe())),
+            (spec, value) => Err(ValueMismatch::Kind { path: path.to_string(), want: spec.describe(), got: value.describe() }),
         }
     }
 
@@ -299,12 +300,52 @@ fn describe_tensor(t: &Tensor) -> String {
     format!("{dtype}{:?}", t.size())
 }
 
-fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, sizes: &mut Sizes) -> Result<(), String> {
+fn check_tensor(spec: &TensorSpec, t: &Tensor, path: &str, sizes: &mut Sizes) -> Result<(), ValueMismatch> {
     let checked = match DType::from_kind(t.kind()) {
         Some(dtype) => spec.check_shape(dtype, &t.size(), sizes),
-        None => Err("dtype".into()),
+        None => Err(ShapeMismatch::Dtype),
     };
-    checked.map_err(|why| format!("{path}: expected {spec}, got {} ({why})", describe_tensor(t)))
+    checked.map_err(|why| ValueMismatch::Tensor { path: path.to_string(), spec: spec.to_string(), got: describe_tensor(t), why: Box::new(why) })
+}
+
+/// Why boundaries cannot be merged into one batch, or a batch's output split back by request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BatchMergeError {
+    /// Nothing to merge.
+    #[error("no boundary to merge")]
+    Nothing,
+    /// Parts whose names or trees differ.
+    #[error("the boundaries to merge differ at {at}")]
+    Differ {
+        /// Where (`value x`, `pair.1`).
+        at: String,
+    },
+    /// A tensor without a first dimension.
+    #[error("{path} has no batch dimension")]
+    NoBatchDimension {
+        /// Where.
+        path: String,
+    },
+    /// A value that is not a tensor (an int, a string).
+    #[error("{path} is {kind}, not a tensor: it cannot be {cannot}")]
+    NotATensor {
+        /// Where.
+        path: String,
+        /// What it is.
+        kind: String,
+        /// `merged into a batch` or `split by request`.
+        cannot: &'static str,
+    },
+    /// An output whose rows are not the requests' rows.
+    #[error("{path} has shape {shape:?}, not {rows} rows to split")]
+    Rows {
+        /// Where.
+        path: String,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// The requests' rows together.
+        rows: i64,
+    },
 }
 
 /// Seed of [`synthetic_inputs`]' own generator.
@@ -378,8 +419,8 @@ impl Boundary {
     /// concatenated along its first dimension, in order. The parts must have the same names
     /// and trees of tensors only (a cut that is
     /// [`batch_first`](crate::bundle::CutInfo::batch_first)), and one sequence length.
-    pub fn cat_batches(parts: &[Boundary]) -> std::result::Result<Boundary, String> {
-        let first = parts.first().ok_or("no boundary to merge")?;
+    pub fn cat_batches(parts: &[Boundary]) -> std::result::Result<Boundary, BatchMergeError> {
+        let first = parts.first().ok_or(BatchMergeError::Nothing)?;
         let values = first
             .values
             .iter()
@@ -389,18 +430,18 @@ impl Boundary {
                     .iter()
                     .map(|p| match p.values.get(i) {
                         Some((n, v)) if n == name => Ok(v),
-                        _ => Err(format!("the boundaries to merge differ at value {name}")),
+                        _ => Err(BatchMergeError::Differ { at: format!("value {name}") }),
                     })
                     .collect::<std::result::Result<Vec<_>, _>>()?;
                 Ok((name.clone(), Value::cat_batches(&items, name)?))
             })
-            .collect::<std::result::Result<_, String>>()?;
+            .collect::<std::result::Result<_, BatchMergeError>>()?;
         Ok(Boundary { values })
     }
 
     /// The inverse of [`Boundary::cat_batches`]: the first `sizes[0]` rows of every tensor,
     /// then the next `sizes[1]`, and so on (views of this boundary's tensors).
-    pub fn split_batches(&self, sizes: &[i64]) -> std::result::Result<Vec<Boundary>, String> {
+    pub fn split_batches(&self, sizes: &[i64]) -> std::result::Result<Vec<Boundary>, BatchMergeError> {
         let mut parts: Vec<Boundary> = sizes.iter().map(|_| Boundary { values: Vec::with_capacity(self.values.len()) }).collect();
         for (name, value) in &self.values {
             for (part, v) in parts.iter_mut().zip(value.split_batches(sizes, name)?) {
@@ -506,10 +547,12 @@ mod tests {
     #[test]
     fn what_cannot_be_merged_or_split_is_named() {
         let plain = Boundary { values: vec![("n".into(), Value::Int(3))] };
-        assert!(Boundary::cat_batches(&[plain.shallow_clone(), plain]).unwrap_err().contains("n is int, not a tensor"));
+        assert!(Boundary::cat_batches(&[plain.shallow_clone(), plain]).unwrap_err().to_string().contains("n is int, not a tensor"));
         let other = Boundary { values: vec![("y".into(), Value::Tensor(Tensor::zeros([1, 3], (tch::Kind::Float, tch::Device::Cpu))))] };
-        assert!(Boundary::cat_batches(&[request(1, 0.0), other]).unwrap_err().contains("differ at value x"));
-        assert!(request(2, 0.0).split_batches(&[1, 2]).unwrap_err().contains("not 3 rows"));
-        assert!(Boundary::cat_batches(&[]).is_err());
+        let differ = Boundary::cat_batches(&[request(1, 0.0), other]).unwrap_err();
+        assert_eq!(differ, BatchMergeError::Differ { at: "value x".into() });
+        assert!(differ.to_string().contains("differ at value x"));
+        assert!(request(2, 0.0).split_batches(&[1, 2]).unwrap_err().to_string().contains("not 3 rows"));
+        assert_eq!(Boundary::cat_batches(&[]).unwrap_err(), BatchMergeError::Nothing);
     }
 }

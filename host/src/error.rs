@@ -41,6 +41,12 @@ pub enum HostError {
     /// A plot cannot be drawn or written.
     #[error(transparent)]
     Plot(#[from] PlotError),
+    /// The inputs cannot feed the bundle.
+    #[error(transparent)]
+    Inputs(#[from] InputError),
+    /// A load run's options or configs cannot work together.
+    #[error(transparent)]
+    Load(#[from] LoadSetupError),
     /// The server started in this process (`--loopback`) failed.
     #[error("the loopback server: {0}")]
     Loopback(LoopbackError),
@@ -82,9 +88,33 @@ pub enum HostError {
     /// on a new one).
     #[error("the link to the server broke: {0}")]
     Lost(String),
-    /// The run cannot work as configured (a batch too large, a split after the tail...).
-    #[error("{0}")]
-    Invalid(String),
+    /// A command given a config of the other kind (inference without `input`, training
+    /// without `train`).
+    #[error("the config has no `{key}`: {command} needs one")]
+    NotThatKindOfConfig {
+        /// The key the config lacks.
+        key: &'static str,
+        /// The command.
+        command: &'static str,
+    },
+    /// A stream plan under which no request could be sent.
+    #[error("no request could be sent: {why}")]
+    NoRequestCanBeSent {
+        /// Why.
+        why: &'static str,
+    },
+    /// The bearer token cannot go in an HTTP header.
+    #[error("the bearer token is not a valid header value")]
+    TokenNotAHeaderValue,
+    /// The output directory cannot be written or continued.
+    #[error(transparent)]
+    Output(#[from] OutputError),
+    /// Training cannot start or report.
+    #[error(transparent)]
+    TrainingSetup(#[from] TrainingSetupError),
+    /// A measurement of the cuts (`host plan`, `split: auto`) came back without what it needs.
+    #[error(transparent)]
+    Measure(#[from] MeasureError),
     /// A file or directory the run needs does not exist.
     #[error("{what} {path} does not exist{hint}")]
     Missing {
@@ -199,7 +229,14 @@ impl HostError {
     pub fn is_lasting(&self) -> bool {
         use tonic::Code::{InvalidArgument, PermissionDenied, Unauthenticated, Unimplemented};
         match self {
-            Self::Unreachable { .. } | Self::Refused(_) | Self::Invalid(_) => true,
+            Self::Unreachable { .. }
+            | Self::Refused(_)
+            | Self::Inputs(_)
+            | Self::Load(_)
+            | Self::Output(_)
+            | Self::TrainingSetup(_)
+            | Self::Measure(_) => true,
+            Self::NotThatKindOfConfig { .. } | Self::NoRequestCanBeSent { .. } | Self::TokenNotAHeaderValue => true,
             Self::Rpc { code, .. } => matches!(code, Unauthenticated | PermissionDenied | Unimplemented | InvalidArgument),
             Self::During { error, .. } => error.is_lasting(),
             _ => false,
@@ -296,4 +333,266 @@ pub enum StreamError {
     /// The server answered UNAVAILABLE (it is draining), with this message.
     #[error("the server cannot take requests now: Unavailable: {0}")]
     Draining(String),
+}
+
+/// Why measuring the cuts (`host plan`, `split: auto`'s profile) gave nothing to plan from.
+#[derive(Debug, thiserror::Error)]
+pub enum MeasureError {
+    /// The edge's boundaries could not be profiled.
+    #[error("profiling the boundaries: {reason}")]
+    Boundaries {
+        /// Which cut, and why.
+        reason: String,
+    },
+    /// Requests of `--measure` failed.
+    #[error("measuring the cuts: {failed} of the requests failed, the first: {first}")]
+    RequestsFailed {
+        /// How many.
+        failed: usize,
+        /// The first failure.
+        first: String,
+    },
+    /// No request was measured at a cut.
+    #[error("no request measured at cut {cut}")]
+    NothingAtCut {
+        /// The cut.
+        cut: usize,
+    },
+}
+
+/// Why a run's inputs cannot feed its bundle.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    /// A bundle input is not a tensor (a tuple or a dict), which inputs cannot fill.
+    #[error("input {name} is {kind}, only tensor inputs are supported by {reader}")]
+    NotATensor {
+        /// The input's name.
+        name: String,
+        /// What it is instead.
+        kind: String,
+        /// What reads the inputs: a run or training.
+        reader: &'static str,
+    },
+    /// Images feed a bundle of one input only.
+    #[error("image inputs need a bundle with one input; this one has {inputs}")]
+    ImagesNeedOneInput {
+        /// The bundle's inputs.
+        inputs: usize,
+    },
+    /// Images feed a float32 `[B, 1 or 3, H, W]` input only.
+    #[error("image inputs need a float32 [B, 1 or 3, H, W] input; this bundle takes {spec}")]
+    NotAnImageInput {
+        /// The bundle's input.
+        spec: String,
+    },
+    /// An image directory without images.
+    #[error("image directory {} has no .png, .jpg or .jpeg files", dir.display())]
+    NoImages {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A `.npy` file for a bundle of several inputs.
+    #[error("a .npy file holds one tensor; this bundle has {inputs} inputs (use .npz or .safetensors)")]
+    NpyHoldsOneTensor {
+        /// The bundle's inputs.
+        inputs: usize,
+    },
+    /// An input file of a kind no reader knows.
+    #[error("input file {}: expected .safetensors, .npz or .npy", path.display())]
+    UnknownFileKind {
+        /// The file.
+        path: PathBuf,
+    },
+    /// An input file without a tensor the bundle needs.
+    #[error("input file {} has no tensor {name:?} (it has {held:?})", path.display())]
+    MissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The input it lacks.
+        name: String,
+        /// The tensors it holds.
+        held: Vec<String>,
+    },
+    /// An input file's tensor of another dtype or shape than the bundle's input.
+    #[error("input file {}: {name} is {found}, the bundle expects {expected}", path.display())]
+    WrongTensor {
+        /// The file.
+        path: PathBuf,
+        /// The input.
+        name: String,
+        /// The tensor's kind and shape.
+        found: String,
+        /// The bundle's spec.
+        expected: String,
+    },
+    /// An input file whose tensors have different numbers of rows, or none.
+    #[error("input file {}: tensors must have the same, non-zero number of rows", path.display())]
+    UnevenRows {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// Why a load run cannot start: options and configs that cannot work together, refused
+/// before anything is sent.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadSetupError {
+    /// No config given.
+    #[error("a load run needs at least one --config")]
+    NoConfig,
+    /// A training config.
+    #[error("{}: a training config (`train:`) cannot be load-tested: give an inference config", bundle.display())]
+    TrainingConfig {
+        /// The config's bundle.
+        bundle: PathBuf,
+    },
+    /// A count or a duration of zero.
+    #[error("{option} must be {must_be}")]
+    Zero {
+        /// The option.
+        option: &'static str,
+        /// `at least 1` or `positive`.
+        must_be: &'static str,
+    },
+    /// An open loop's rate that cannot be drawn from.
+    #[error("--rate: {reason}")]
+    Rate {
+        /// Why.
+        reason: String,
+    },
+    /// A `--ratio` with another number of weights than configs.
+    #[error("--ratio {ratio} has {weights} weights for {configs} configs: give one weight per --config")]
+    RatioWeights {
+        /// The ratio given.
+        ratio: String,
+        /// Its weights.
+        weights: usize,
+        /// The configs.
+        configs: usize,
+    },
+    /// Too few edges to give every config one.
+    #[error("{edges} edges shared {shared} leave config {config} ({}) without an edge: give more --edges", bundle.display())]
+    ConfigWithoutEdge {
+        /// Edges in all.
+        edges: usize,
+        /// How they were shared (`equally`, `by --ratio 3:1`).
+        shared: String,
+        /// The config left without one, counted from 1.
+        config: usize,
+        /// Its bundle.
+        bundle: PathBuf,
+    },
+    /// `split: auto` without `--splits`.
+    #[error("{model}: its config has `split: auto`, which moves the cut while running, and a load run needs fixed cuts: set a cut in its `split` or give --splits")]
+    AutoSplit {
+        /// The model's source.
+        model: String,
+    },
+    /// A cut that leaves the server nothing to run.
+    #[error("{model} has {stages} stages: cut {cut} leaves the server nothing to run (a load run needs cuts from 0 to {})", stages - 1)]
+    CutPastTheEnd {
+        /// The model's source.
+        model: String,
+        /// Its stage count.
+        stages: usize,
+        /// The cut.
+        cut: usize,
+    },
+}
+
+/// Why a command cannot write into its output directory, or continue what is there.
+#[derive(Debug, thiserror::Error)]
+pub enum OutputError {
+    /// The directory holds an earlier run, and neither `--force` nor a way to continue it was given.
+    #[error(
+        "the output directory {} holds an earlier {kind} ({}): give --force to replace it, {}another `output`",
+        dir.display(),
+        found.join(", "),
+        continue_with.as_ref().map(|c| format!("{c}, ")).unwrap_or_default()
+    )]
+    EarlierRun {
+        /// The directory.
+        dir: PathBuf,
+        /// What kind of run it holds (`inference run`, `training run`, `load run`).
+        kind: String,
+        /// The earlier run's files found there.
+        found: Vec<String>,
+        /// How the command continues such a run, when it can.
+        continue_with: Option<String>,
+    },
+    /// `--resume` on a training run.
+    #[error(
+        "--resume continues an inference run; a training run continues from a checkpoint: set `train.resume: step-N` (one of <output>/checkpoints)"
+    )]
+    ResumeIsForInference,
+    /// `--force` with `train.resume`.
+    #[error("--force would remove the checkpoint `train.resume` continues from: give one or the other")]
+    ForceRemovesTheCheckpoint,
+    /// An earlier inference run's files that cannot be continued.
+    #[error("cannot resume from {}: {why}", file.display())]
+    CannotResume {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+/// Why a training run cannot start or cannot report: a config, bundle, datasets or
+/// checkpoints that do not fit together.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainingSetupError {
+    /// Split or U-shaped training that leaves the server no stage.
+    #[error("the server's stages [{split}, {tail}) are empty: the split must come before the {before}")]
+    NothingForTheServer {
+        /// The split.
+        split: usize,
+        /// Where the host's tail starts (the stage count without one).
+        tail: usize,
+        /// `output` or `tail`.
+        before: &'static str,
+    },
+    /// `train.write_bundle` with the server's checkpoint on another machine.
+    #[error("`train.write_bundle` needs the server's checkpoint on this machine: use --loopback, or copy it here and run `host export-trained`")]
+    WriteBundleNeedsLoopback,
+    /// A batch size the bundle does not take.
+    #[error("train.{key} {size} is above the bundle's largest batch {max}")]
+    BatchAboveTheBundle {
+        /// `batch_size` or `eval_batch_size`.
+        key: &'static str,
+        /// The size asked for.
+        size: i64,
+        /// The bundle's largest batch.
+        max: i64,
+    },
+    /// A dataset whose last batch is below the bundle's smallest.
+    #[error("the {set} set's last batch would have {rows} rows, below the bundle's smallest batch {min}")]
+    LastBatchTooSmall {
+        /// `training` or `test`.
+        set: &'static str,
+        /// Rows of that batch.
+        rows: i64,
+        /// The bundle's smallest batch.
+        min: i64,
+    },
+    /// Host and server checkpoints of different steps.
+    #[error("the server resumed at step {server}, this host at step {host}: the checkpoints are of different moments")]
+    ResumedApart {
+        /// The server's step.
+        server: u64,
+        /// The host's.
+        host: u64,
+    },
+    /// A report without epochs.
+    #[error("cannot write the training report into {}: the run has no epochs", dir.display())]
+    NoEpochs {
+        /// Where it would have gone.
+        dir: PathBuf,
+    },
+    /// A run that had nothing left to train.
+    #[error("no step was trained: the run was already at step {step} (max_steps) or past its last epoch")]
+    NothingTrained {
+        /// The step it was at.
+        step: u64,
+    },
 }

@@ -9,7 +9,7 @@ use cleave_common::examples::missing_hint;
 use cleave_common::{Bundle, BundleError};
 
 use crate::config::EdgeConfig;
-use crate::error::{HostError, Result};
+use crate::error::{HostError, OutputError, Result};
 
 /// `Ok` when `path` exists; else an error that names it and, for an example, its make target.
 pub fn require(what: &'static str, path: &Path) -> Result<()> {
@@ -71,13 +71,13 @@ pub fn claim_output(dir: &Path, earlier: &EarlierRun, mode: OutputMode) -> Resul
     let found: Vec<&str> = earlier.files.iter().copied().filter(|f| dir.join(f).exists()).collect();
     match mode {
         _ if found.is_empty() => Ok(()),
-        OutputMode::Fresh => Err(HostError::Invalid(format!(
-            "the output directory {} holds an earlier {} ({}): give --force to replace it, {}another `output`",
-            dir.display(),
-            earlier.kind,
-            found.join(", "),
-            earlier.continue_with.map(|c| format!("{c}, ")).unwrap_or_default()
-        ))),
+        OutputMode::Fresh => Err(OutputError::EarlierRun {
+            dir: dir.into(),
+            kind: earlier.kind.to_string(),
+            found: found.iter().map(|f| f.to_string()).collect(),
+            continue_with: earlier.continue_with.map(str::to_string),
+        }
+        .into()),
         OutputMode::Force => {
             for name in found {
                 let path = dir.join(name);

@@ -8,14 +8,14 @@ use cleave_common::spec::{DType, Dim, TensorSpec};
 use image::imageops::FilterType;
 use tch::Tensor;
 
-use crate::error::{HostError, Result};
+use crate::error::{HostError, InputError, Result};
 
 /// Every PNG/JPEG in `dir` (sorted by name) as one batch-first tensor shaped for `spec`, with
 /// the file name of each row.
 pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Preprocess>) -> Result<(Tensor, Vec<String>)> {
     let (c, h, w) = match spec.shape.as_slice() {
         [Dim::Batch(1), Dim::Fixed(c @ (1 | 3)), Dim::Fixed(h), Dim::Fixed(w)] if spec.dtype == DType::Float32 => (*c, *h as u32, *w as u32),
-        _ => return Err(HostError::Invalid(format!("image inputs need a float32 [B, 1 or 3, H, W] input; this bundle takes {spec}"))),
+        _ => return Err(InputError::NotAnImageInput { spec: spec.to_string() }.into()),
     };
     let mut paths: Vec<_> = std::fs::read_dir(dir)
         .map_err(|error| HostError::Io { action: "image directory", path: dir.to_path_buf(), error })?
@@ -24,7 +24,7 @@ pub(crate) fn load_dir(dir: &Path, spec: &TensorSpec, preprocess: Option<&Prepro
         .collect();
     paths.sort();
     if paths.is_empty() {
-        return Err(HostError::Invalid(format!("image directory {} has no .png, .jpg or .jpeg files", dir.display())));
+        return Err(InputError::NoImages { dir: dir.to_path_buf() }.into());
     }
     let resize = preprocess.map_or(h.max(w), |p| p.resize.max(h.max(w)));
     let (mean, std) = match preprocess {

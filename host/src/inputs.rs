@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
-use crate::error::{HostError, Result};
+use crate::error::{HostError, InputError, Result};
 
 /// Makes the input boundary (cut 0) of each request.
 pub enum Inputs {
@@ -72,14 +72,14 @@ impl Inputs {
         for input in &bundle.manifest().inputs {
             match &input.spec {
                 ValueSpec::Tensor(t) => specs.push(InputSpec { name: input.name.clone(), spec: t.clone(), range: input.range }),
-                other => return Err(HostError::Invalid(format!("input {} is {}, only tensor inputs are supported", input.name, other.describe()))),
+                other => return Err(InputError::NotATensor { name: input.name.clone(), kind: other.describe(), reader: "a run" }.into()),
             }
         }
         match source {
             InputSource::Synthetic { seed } => Ok(Self::Synthetic { specs, sizes: bundle.sizes_at(batch), seed: *seed }),
             InputSource::Images { dir } => {
                 let [InputSpec { name, spec, .. }] = specs.as_slice() else {
-                    return Err(HostError::Invalid(format!("image inputs need a bundle with one input; this one has {}", specs.len())));
+                    return Err(InputError::ImagesNeedOneInput { inputs: specs.len() }.into());
                 };
                 crate::files::require("image directory", dir)?;
                 let (images, names) = crate::images::load_dir(dir, spec, bundle.manifest().model.preprocess.as_ref())?;
@@ -92,44 +92,30 @@ impl Inputs {
                 let read = match path.extension().and_then(|e| e.to_str()) {
                     Some("npy") => match specs.as_slice() {
                         [InputSpec { name, .. }] => Tensor::read_npy(path).map(|t| vec![(name.clone(), t)]),
-                        _ => {
-                            return Err(HostError::Invalid(format!(
-                                "a .npy file holds one tensor; this bundle has {} inputs (use .npz or .safetensors)",
-                                specs.len()
-                            )))
-                        }
+                        _ => return Err(InputError::NpyHoldsOneTensor { inputs: specs.len() }.into()),
                     },
                     Some("npz") => Tensor::read_npz(path),
                     Some("safetensors") => Tensor::read_safetensors(path),
-                    _ => return Err(HostError::Invalid(format!("input file {}: expected .safetensors, .npz or .npy", path.display()))),
+                    _ => return Err(InputError::UnknownFileKind { path: path.clone() }.into()),
                 };
                 let loaded: HashMap<String, Tensor> =
                     read.map_err(|error| HostError::TensorFile { what: "input file", path: path.clone(), error })?.into_iter().collect();
                 let mut tensors = Vec::new();
                 let mut rows = None;
                 for InputSpec { name, spec, .. } in &specs {
-                    let t = loaded.get(name).ok_or_else(|| {
-                        HostError::Invalid(format!(
-                            "input file {} has no tensor {name:?} (it has {:?})",
-                            path.display(),
-                            loaded.keys().collect::<Vec<_>>()
-                        ))
+                    let t = loaded.get(name).ok_or_else(|| InputError::MissingTensor {
+                        path: path.clone(),
+                        name: name.clone(),
+                        held: loaded.keys().cloned().collect(),
                     })?;
                     let fixed_ok = spec.shape.iter().zip(t.size()).skip(1).all(|(d, n)| d.at(Sizes::batch(1)).is_none_or(|w| w == n));
                     if DType::from_kind(t.kind()) != Some(spec.dtype) || t.dim() != spec.shape.len() || !fixed_ok {
-                        return Err(HostError::Invalid(format!(
-                            "input file {}: {name} is {:?}{:?}, the bundle expects {spec}",
-                            path.display(),
-                            t.kind(),
-                            t.size()
-                        )));
+                        let found = format!("{:?}{:?}", t.kind(), t.size());
+                        return Err(InputError::WrongTensor { path: path.clone(), name: name.clone(), found, expected: spec.to_string() }.into());
                     }
                     let n = t.size()[0];
                     if *rows.get_or_insert(n) != n || n == 0 {
-                        return Err(HostError::Invalid(format!(
-                            "input file {}: tensors must have the same, non-zero number of rows",
-                            path.display()
-                        )));
+                        return Err(InputError::UnevenRows { path: path.clone() }.into());
                     }
                     tensors.push((name.clone(), t.shallow_clone()));
                 }

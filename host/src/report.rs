@@ -12,7 +12,7 @@ use cleave_common::{Bundle, Value};
 use serde::Serialize;
 
 use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, StreamCounts};
-use crate::error::{HostError, Result};
+use crate::error::{HostError, MeasureError, OutputError, Result};
 use crate::files::{claim_output, EarlierRun};
 use crate::planning::auto_split::{Planned, Probes, SplitMove};
 use crate::planning::codec_choice::CodecChoiceReport;
@@ -345,7 +345,7 @@ fn keep_answered(dir: &Path) -> Result<Vec<(u64, RequestMetrics, bool)>> {
         let whole = text.rfind('\n').map_or("", |end| &text[..end]);
         whole.lines().filter(|l| !l.is_empty()).map(str::to_string).collect()
     };
-    let cannot = |name: &str, why: String| HostError::Invalid(format!("cannot resume from {}: {why}", dir.join(name).display()));
+    let cannot = |name: &str, why: String| HostError::from(OutputError::CannotResume { file: dir.join(name), why });
     let predictions = whole_lines(&read("predictions.jsonl")?);
     let metrics = whole_lines(&read("metrics.csv")?);
     let (header, rows) = metrics.split_first().ok_or_else(|| cannot("metrics.csv", "it has no header".into()))?;
@@ -430,7 +430,7 @@ fn codecs_text(s: &Summary) -> String {
 /// Where the time of `requests` (all split at `cut`, at least one) went: the median of each
 /// part, ms.
 pub fn median_breakdown(cut: usize, requests: &[&RequestMetrics]) -> Result<CutBreakdown> {
-    let empty = |_| HostError::Invalid(format!("no request at cut {cut} to break down"));
+    let empty = |_| HostError::from(MeasureError::NothingAtCut { cut });
     let median = |f: fn(&RequestMetrics) -> f64| median(&requests.iter().map(|m| f(m)).collect::<Vec<_>>()).map_err(empty);
     Ok(CutBreakdown {
         cut,

@@ -49,7 +49,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let split = if auto { bundle.stage_count() } else { bundle.resolve_split(&split_spec)? };
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     let Some(input) = &config.input else {
-        return Err(HostError::Invalid("the config has no `input`: inference needs one (training configs go to `training::run`)".into()));
+        return Err(HostError::NotThatKindOfConfig { key: "input", command: "inference" });
     };
     // Image inputs are decoded and resized: on the blocking pool.
     let inputs = {

@@ -136,7 +136,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         }
     })?;
     let token = match &link.token {
-        Some(t) => Some(t.bearer().parse().map_err(|_| HostError::Invalid("the bearer token is not a valid header value".into()))?),
+        Some(t) => Some(t.bearer().parse().map_err(|_| HostError::TokenNotAHeaderValue)?),
         None => None,
     };
     let mut client = SplitInferenceClient::with_interceptor(channel, BearerToken(token));

@@ -45,7 +45,7 @@ pub(crate) enum RequestError {
     UnknownModel { host: String, served: Vec<String> },
     /// Requests merged into one batch could not be concatenated or split back.
     #[error("batching: {0}")]
-    Batching(String),
+    Batching(cleave_common::value::BatchMergeError),
     /// A `Profile` or `Echo` call asks for something the server does not give.
     #[error("{0}")]
     BadCall(String),

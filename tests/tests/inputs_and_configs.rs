@@ -9,6 +9,7 @@ use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, P
 use cleave_common::SplitSpec;
 use cleave_common::{Bundle, DeviceSpec};
 use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience, RetryPolicy, TrainMode};
+use cleave_host::error::{HostError, InputError};
 use cleave_host::inputs::Inputs;
 use cleave_server::ServerConfig;
 use cleave_tests::bundle_dir;
@@ -75,9 +76,11 @@ fn images_for_a_bundle_that_is_not_an_image_model_are_refused() {
     let bundle = Bundle::open(bundle_dir("transformer")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let err = Inputs::new(&InputSource::Images { dir: dir.path().into() }, &bundle, 1).err().unwrap();
+    assert!(matches!(err, HostError::Inputs(InputError::ImagesNeedOneInput { .. })), "{err}");
     assert!(err.to_string().contains("image inputs need a bundle with one input"), "{err}");
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let err = Inputs::new(&InputSource::Images { dir: dir.path().into() }, &bundle, 1).err().unwrap();
+    assert!(matches!(&err, HostError::Inputs(InputError::NoImages { dir: d }) if d == dir.path()), "{err}");
     assert!(err.to_string().contains("has no .png, .jpg or .jpeg files"), "{err}");
 }
 
@@ -100,10 +103,12 @@ fn npy_and_safetensors_files_give_consecutive_batches() {
     let wrong = dir.path().join("wrong.safetensors");
     Tensor::write_safetensors(&[("y", &data)], &wrong).unwrap();
     let err = Inputs::new(&InputSource::File { path: wrong }, &bundle, 2).err().unwrap();
+    assert!(matches!(&err, HostError::Inputs(InputError::MissingTensor { name, held, .. }) if name == "x" && held == &["y"]), "{err}");
     assert!(err.to_string().contains("has no tensor \"x\""), "{err}");
     let bad_shape = dir.path().join("bad.npy");
     Tensor::zeros([4, 1, 9, 8], (Kind::Float, Device::Cpu)).write_npy(&bad_shape).unwrap();
     let err = Inputs::new(&InputSource::File { path: bad_shape }, &bundle, 2).err().unwrap();
+    assert!(matches!(err, HostError::Inputs(InputError::WrongTensor { .. })), "{err}");
     assert!(err.to_string().contains("the bundle expects float32[B, 1, 8, 8]"), "{err}");
 }
 

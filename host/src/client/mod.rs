@@ -50,11 +50,11 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
         session.check_accepts(codec, key_id)?;
     }
     if plan.in_flight == 0 {
-        return Err(HostError::Invalid("in_flight must be at least 1: no request could be sent".into()));
+        return Err(HostError::NoRequestCanBeSent { why: "in_flight must be at least 1" });
     }
     // Resends go in id order, which must be the order requests were sealed in.
     if plan.ids.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(HostError::Invalid("request ids must be strictly increasing".into()));
+        return Err(HostError::NoRequestCanBeSent { why: "request ids must be strictly increasing" });
     }
     let ring = KeyRing::new(plan.key.clone()).expect("one key");
     // One sender for the whole run: a request resent on a new connection goes as it was

@@ -45,7 +45,7 @@ use self::mix::{apportion, assign_edges, EdgeSlot};
 use self::report::{write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport, LOAD_FILES};
 use crate::client::connection::{Answer, Connection};
 use crate::config::EdgeConfig;
-use crate::error::{HostError, RequestFailure, Result, StreamError};
+use crate::error::{HostError, LoadSetupError, RequestFailure, Result, StreamError};
 use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
 use crate::progress::{Event, LoadStart, LoadedModel, Progress};
@@ -126,13 +126,8 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     let weights = opts.ratio.as_ref().map_or_else(|| vec![1; models.len()], |r| r.0.clone());
     let counts = apportion(&weights, opts.edges);
     if let Some(m) = counts.iter().position(|&c| c == 0) {
-        return Err(HostError::Invalid(format!(
-            "{} edges shared {} leave config {} ({}) without an edge: give more --edges",
-            opts.edges,
-            opts.ratio.as_ref().map_or("equally".to_string(), |r| format!("by --ratio {r}")),
-            m + 1,
-            models[m].config.bundle.display()
-        )));
+        let shared = opts.ratio.as_ref().map_or("equally".to_string(), |r| format!("by --ratio {r}"));
+        return Err(LoadSetupError::ConfigWithoutEdge { edges: opts.edges, shared, config: m + 1, bundle: models[m].config.bundle.clone() }.into());
     }
     let slots = assign_edges(&counts, &models.iter().map(|m| m.cuts.clone()).collect::<Vec<_>>());
     let mut prefixes = Vec::with_capacity(models.len());
@@ -228,28 +223,28 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
 
 /// Refuses options and configs a load run cannot work with, before anything is opened.
 fn check_options(configs: &[EdgeConfig], opts: &LoadOptions) -> Result<()> {
-    let invalid = |message: String| Err(HostError::Invalid(message));
     if configs.is_empty() {
-        return invalid("a load run needs at least one --config".into());
+        return Err(LoadSetupError::NoConfig.into());
     }
     if let Some(c) = configs.iter().find(|c| c.train.is_some()) {
-        return invalid(format!("{}: a training config (`train:`) cannot be load-tested: give an inference config", c.bundle.display()));
+        return Err(LoadSetupError::TrainingConfig { bundle: c.bundle.clone() }.into());
     }
+    let zero = |option, must_be| Err(LoadSetupError::Zero { option, must_be }.into());
     if opts.edges == 0 {
-        return invalid("--edges must be at least 1".into());
+        return zero("--edges", "at least 1");
     }
     if opts.duration.is_zero() {
-        return invalid("--duration must be positive".into());
+        return zero("--duration", "positive");
     }
     if opts.in_flight_cap == 0 {
-        return invalid("the in-flight cap must be at least 1".into());
+        return zero("the in-flight cap", "at least 1");
     }
     if let LoadMode::Open { rate } = opts.mode {
-        arrivals::PoissonArrivals::new(rate, 0).map_err(|e| HostError::Invalid(format!("--rate: {e}")))?;
+        arrivals::PoissonArrivals::new(rate, 0).map_err(|reason| LoadSetupError::Rate { reason })?;
     }
     if let Some(ratio) = &opts.ratio {
         if ratio.0.len() != configs.len() {
-            return invalid(format!("--ratio {ratio} has {} weights for {} configs: give one weight per --config", ratio.0.len(), configs.len()));
+            return Err(LoadSetupError::RatioWeights { ratio: ratio.to_string(), weights: ratio.0.len(), configs: configs.len() }.into());
         }
     }
     Ok(())
@@ -261,10 +256,7 @@ fn cuts_of(config: &EdgeConfig, bundle: &Bundle, splits: &[usize]) -> Result<Vec
     let source = &bundle.manifest().model.source;
     let cuts = if splits.is_empty() {
         if config.split == SplitSpec::Auto {
-            return Err(HostError::Invalid(format!(
-                "{source}: its config has `split: auto`, which moves the cut while running, and a load run needs fixed cuts: \
-                 set a cut in its `split` or give --splits"
-            )));
+            return Err(LoadSetupError::AutoSplit { model: source.clone() }.into());
         }
         vec![bundle.resolve_split(&config.split)?]
     } else {
@@ -272,10 +264,7 @@ fn cuts_of(config: &EdgeConfig, bundle: &Bundle, splits: &[usize]) -> Result<Vec
     };
     let n = bundle.stage_count();
     if let Some(cut) = cuts.iter().find(|&&cut| cut >= n) {
-        return Err(HostError::Invalid(format!(
-            "{source} has {n} stages: cut {cut} leaves the server nothing to run (a load run needs cuts from 0 to {})",
-            n - 1
-        )));
+        return Err(LoadSetupError::CutPastTheEnd { model: source.clone(), stages: n, cut: *cut }.into());
     }
     Ok(cuts)
 }
@@ -406,7 +395,7 @@ impl Edge {
         // edges number their requests alike.
         let host_session = format!("{:032x}", rand::random::<u128>());
         let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), config.resilience.connect_timeout).await?;
-        let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(HostError::Invalid)?;
+        let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(|reason| LoadSetupError::Rate { reason })?;
         let edge = Self {
             slot,
             conn: Some(conn),

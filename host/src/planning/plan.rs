@@ -16,7 +16,7 @@ use super::planner::{best, CutPrediction, Objective, Profiles};
 use super::profile::measure_profiles;
 use crate::client::{stream_requests, Codecs, RequestMetrics, Splits, StreamPlan};
 use crate::config::{EdgeConfig, InputSource};
-use crate::error::{HostError, Result};
+use crate::error::{HostError, MeasureError, Result};
 use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::plots::run::{plot_breakdown, plot_latency_cdf, plot_predicted_vs_measured, CutBreakdown, BREAKDOWN, LATENCY_CDF, PREDICTED_VS_MEASURED};
@@ -178,7 +178,7 @@ async fn measure_cuts(
     })
     .await?;
     if let Some(first) = failures.first() {
-        return Err(HostError::Invalid(format!("measuring the cuts: {} of the requests failed, the first: {first}", failures.len())));
+        return Err(MeasureError::RequestsFailed { failed: failures.len(), first: first.clone() }.into());
     }
     per_cut
         .into_iter()
@@ -186,7 +186,7 @@ async fn measure_cuts(
             let all: Vec<&RequestMetrics> = all.iter().collect();
             let b = median_breakdown(cut, &all)?;
             let e2e: Vec<f64> = all.iter().map(|m| m.e2e_ms).collect();
-            let e2e_ms = Percentiles::of(&e2e).map_err(|_| HostError::Invalid(format!("no request measured at cut {cut}")))?;
+            let e2e_ms = Percentiles::of(&e2e).map_err(|_| MeasureError::NothingAtCut { cut })?;
             Ok(MeasuredCut {
                 cut,
                 e2e_ms,

@@ -13,7 +13,7 @@ use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 use super::codec_cost::{CodecCost, CutCodecs};
 use super::planner::{Link, Profiles};
 use crate::config::{EdgeConfig, InputSource};
-use crate::error::{HostError, Result};
+use crate::error::{HostError, MeasureError, Result};
 use crate::inputs::Inputs;
 use crate::session::EdgeSession;
 
@@ -132,7 +132,7 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
         }
     })?;
     if let Some(f) = failure {
-        return Err(HostError::Invalid(format!("profiling the boundaries: {f}")));
+        return Err(MeasureError::Boundaries { reason: f }.into());
     }
     let mib = codec_bytes as f64 / (1u64 << 20) as f64;
     Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 }, codec_choices, stages })

@@ -10,7 +10,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tch::Tensor;
 
-use crate::error::{HostError, Result};
+use crate::error::{HostError, InputError, Result};
 
 /// A dataset held in memory.
 pub(crate) struct Dataset {
@@ -37,7 +37,7 @@ impl Dataset {
         let mut inputs = Vec::new();
         for input in &bundle.manifest().inputs {
             if !matches!(input.spec, ValueSpec::Tensor(_)) {
-                return Err(HostError::Invalid(format!("input {} is {}; training reads tensor inputs only", input.name, input.spec.describe())));
+                return Err(InputError::NotATensor { name: input.name.clone(), kind: input.spec.describe(), reader: "training" }.into());
             }
             inputs.push((input.name.clone(), take(&input.name)?));
         }

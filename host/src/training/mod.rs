@@ -34,7 +34,7 @@ use cleave_common::{Boundary, Bundle, StageRange, Value};
 use tch::Tensor;
 
 use crate::config::{EdgeConfig, TrainConfig, TrainMode};
-use crate::error::{HostError, Result};
+use crate::error::{HostError, OutputError, Result, TrainingSetupError};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::progress::{Event, Progress, TrainingStart};
@@ -66,7 +66,7 @@ struct Position {
 
 /// `host --config` with `train:`: trains, evaluates, checkpoints, writes the report files.
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary> {
-    let train = config.train.clone().ok_or_else(|| HostError::Invalid("the config has no `train` section".into()))?;
+    let train = config.train.clone().ok_or(HostError::NotThatKindOfConfig { key: "train", command: "training" })?;
     let bundle = crate::files::open_config_bundle(&config).await?;
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let n = bundle.stage_count();
@@ -77,21 +77,15 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     };
     let remote = train.mode != TrainMode::Monolithic;
     if remote && split >= tail {
-        return Err(HostError::Invalid(format!(
-            "the server's stages [{split}, {tail}) are empty: the split must come before the {}",
-            if tail == n { "output" } else { "tail" }
-        )));
+        return Err(TrainingSetupError::NothingForTheServer { split, tail, before: if tail == n { "output" } else { "tail" } }.into());
     }
     if train.write_bundle && remote && !opts.loopback {
-        return Err(HostError::Invalid(
-            "`train.write_bundle` needs the server's checkpoint on this machine: use --loopback, or copy it here and run `host export-trained`"
-                .into(),
-        ));
+        return Err(TrainingSetupError::WriteBundleNeedsLoopback.into());
     }
     let batch = bundle.manifest().batch;
     for (key, size) in [("batch_size", train.batch_size), ("eval_batch_size", train.eval_batch_size)] {
         if size > batch.max {
-            return Err(HostError::Invalid(format!("train.{key} {size} is above the bundle's largest batch {}", batch.max)));
+            return Err(TrainingSetupError::BatchAboveTheBundle { key, size, max: batch.max }.into());
         }
     }
     let (train_set, test_set) = {
@@ -108,10 +102,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     for (what, rows, size) in [("training", train_set.rows(), train.batch_size), ("test", test_set.rows(), train.eval_batch_size)] {
         let last = rows % size;
         if last != 0 && last < batch.min {
-            return Err(HostError::Invalid(format!(
-                "the {what} set's last batch would have {last} rows, below the bundle's smallest batch {}",
-                batch.min
-            )));
+            return Err(TrainingSetupError::LastBatchTooSmall { set: what, rows: last, min: batch.min }.into());
         }
     }
 
@@ -177,10 +168,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         let reconnect = Reconnect { bundle: bundle.clone(), retry: config.resilience.retry };
         let (link, opened) = TrainLink::open(s, request, reconnect).await?;
         if opened.step != step {
-            return Err(HostError::Invalid(format!(
-                "the server resumed at step {}, this host at step {step}: the checkpoints are of different moments",
-                opened.step
-            )));
+            return Err(TrainingSetupError::ResumedApart { server: opened.step, host: step }.into());
         }
         opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
             mode: train.mode.name(),
@@ -278,12 +266,8 @@ fn claim_training_output(dir: &Path, resume: Option<&str>, mode: OutputMode) -> 
     let continue_with = Some("`train.resume: step-N` to continue it from a checkpoint");
     let earlier = EarlierRun { kind: "training run", files: &TRAINING_FILES, continue_with };
     match (resume, mode) {
-        (None, OutputMode::Resume) => Err(HostError::Invalid(
-            "--resume continues an inference run; a training run continues from a checkpoint: set `train.resume: step-N` (one of <output>/checkpoints)".into(),
-        )),
-        (Some(_), OutputMode::Force) => {
-            Err(HostError::Invalid("--force would remove the checkpoint `train.resume` continues from: give one or the other".into()))
-        }
+        (None, OutputMode::Resume) => Err(OutputError::ResumeIsForInference.into()),
+        (Some(_), OutputMode::Force) => Err(OutputError::ForceRemovesTheCheckpoint.into()),
         (Some(_), _) => claim_output(dir, &earlier, OutputMode::Resume),
         (None, mode) => claim_output(dir, &earlier, mode),
     }
@@ -293,7 +277,7 @@ fn claim_training_output(dir: &Path, resume: Option<&str>, mode: OutputMode) -> 
 /// needed. A summary without epochs is refused before anything is written.
 pub fn write_report(dir: &Path, summary: &TrainingSummary) -> Result<()> {
     if summary.epochs.is_empty() {
-        return Err(HostError::Invalid(format!("cannot write the training report into {}: the run has no epochs", dir.display())));
+        return Err(TrainingSetupError::NoEpochs { dir: dir.into() }.into());
     }
     std::fs::create_dir_all(dir).map_err(|error| HostError::Io { action: "cannot create", path: dir.into(), error })?;
     report::write_metrics_csv(&dir.join(METRICS_CSV), &summary.epochs)?;
@@ -418,10 +402,7 @@ impl Trainer {
             }
         }
         if last_checkpoint.as_os_str().is_empty() {
-            return Err(HostError::Invalid(format!(
-                "no step was trained: the run was already at step {} (max_steps) or past its last epoch",
-                self.step
-            )));
+            return Err(TrainingSetupError::NothingTrained { step: self.step }.into());
         }
         if let Some(link) = self.link.take() {
             link.close();
