@@ -27,6 +27,11 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(3);
 /// may add fields).
 pub const MAX_TRACEPARENT_BYTES: usize = 256;
 
+/// The gRPC metadata key a unary call's trace context travels in (W3C trace context). A
+/// stream's requests carry theirs in their first frame instead: one `Infer` call carries
+/// many requests, each with a trace of its own.
+pub const TRACEPARENT_METADATA: &str = "traceparent";
+
 /// `telemetry:` in edge.yaml and server.yaml.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -455,11 +455,8 @@ pub enum LoadSetupError {
         must_be: &'static str,
     },
     /// An open loop's rate that cannot be drawn from.
-    #[error("--rate: {reason}")]
-    Rate {
-        /// Why.
-        reason: String,
-    },
+    #[error("--rate: {0}")]
+    Rate(RateError),
     /// A `--ratio` with another number of weights than configs.
     #[error("--ratio {ratio} has {weights} weights for {configs} configs: give one weight per --config")]
     RatioWeights {
@@ -595,4 +592,12 @@ pub enum TrainingSetupError {
         /// The step it was at.
         step: u64,
     },
+}
+
+/// An open loop's rate that Poisson arrivals cannot be drawn at.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("a rate of {rate} requests/s: expected a positive, finite number")]
+pub struct RateError {
+    /// The rate, requests/s.
+    pub rate: f64,
 }

@@ -12,10 +12,12 @@ use cleave_common::pb;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::protocol::{ExportFacts, ServedModel, ServerInfo, BUNDLE_ID_METADATA};
 use cleave_common::security::{ClientTls, EdgeSecurity, Token};
+use cleave_common::telemetry::{traceparent, TRACEPARENT_METADATA};
 use cleave_common::wire::{chunk_bytes_for, Codec};
 use cleave_common::Bundle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+use tracing::Instrument;
 
 use crate::config::{EdgeConfig, Resilience, RetryPolicy};
 use crate::error::{HostError, Result};
@@ -59,21 +61,26 @@ impl Link {
     }
 }
 
-/// Adds `authorization: Bearer <token>` to every call when there is a token.
+/// Adds `authorization: Bearer <token>` to every call when there is a token, and the calling
+/// span's `traceparent` when it is sampled, so that the server's span of a unary call
+/// (`Info`, `Profile`, `Echo`) continues the caller's trace.
 #[derive(Clone)]
-pub struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+pub struct CallHeaders(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
 
-impl tonic::service::Interceptor for BearerToken {
+impl tonic::service::Interceptor for CallHeaders {
     fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
         if let Some(value) = &self.0 {
             request.metadata_mut().insert("authorization", value.clone());
+        }
+        if let Some(parent) = traceparent(&tracing::Span::current()).and_then(|tp| tp.parse().ok()) {
+            request.metadata_mut().insert(TRACEPARENT_METADATA, parent);
         }
         Ok(request)
     }
 }
 
 /// A connected client.
-pub type Client = SplitInferenceClient<InterceptedService<Channel, BearerToken>>;
+pub type Client = SplitInferenceClient<InterceptedService<Channel, CallHeaders>>;
 
 /// A connection to a server that serves this host's bundle.
 #[derive(Clone)]
@@ -139,11 +146,11 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         Some(t) => Some(t.bearer().parse().map_err(|_| HostError::TokenNotAHeaderValue)?),
         None => None,
     };
-    let mut client = SplitInferenceClient::with_interceptor(channel, BearerToken(token));
+    let mut client = SplitInferenceClient::with_interceptor(channel, CallHeaders(token));
     let mut info = tonic::Request::new(pb::InfoRequest {});
     info.set_timeout(link.connect_timeout);
     // A refusal is final; a server that is not there yet (or stalls) may be tried again.
-    let reply = client.info(info).await.map_err(|s| match s.code() {
+    let reply = client.info(info).instrument(tracing::debug_span!("server_info")).await.map_err(|s| match s.code() {
         tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::Unimplemented | tonic::Code::InvalidArgument => {
             HostError::Rpc { call: "Info", code: s.code(), message: format!("{url}: {}", s.message()) }
         }

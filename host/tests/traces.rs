@@ -1,7 +1,8 @@
 //! One trace per request across both processes: a `server` and a `host` run, each exporting
 //! its spans over OTLP to a collector in this test (tonic serving OpenTelemetry's trace
 //! service), and each request's spans on the server join the host's trace under the attempt
-//! that carried it; a training step's calls likewise.
+//! that carried it; a training step's calls likewise, and the unary calls (`Info`, `Profile`,
+//! `Echo`) that carry their caller's trace in their metadata.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -226,6 +227,22 @@ fn a_training_step_s_calls_on_the_server_join_the_step_s_trace() {
             assert_eq!(on_server.trace_id, step.trace_id);
             assert_eq!(on_server.attributes["phase"], call.attributes["phase"]);
             has_children(&spans, "cleave-server", on_server, &["decode", "compute", "encode"]);
+        }
+    }
+}
+
+#[test]
+fn unary_calls_on_the_server_join_the_caller_s_trace() {
+    // `split: auto` asks the server for its info, profiles it and probes the link before the
+    // first request.
+    let spans = traced_run("split: auto\nbatch_size: 2\nrequests: 2\ninput: {kind: synthetic, seed: 3}\n");
+    for (caller, rpc) in [("server_info", "Info"), ("server_profile", "Profile"), ("link_probe", "Echo")] {
+        let callers = named(&spans, "cleave-host", caller);
+        assert!(!callers.is_empty(), "no {caller} span on the host: {spans:#?}");
+        for call in &callers {
+            let on_server: Vec<_> = named(&spans, "cleave-server", rpc).into_iter().filter(|s| s.parent == call.span_id).collect();
+            assert_eq!(on_server.len(), 1, "{rpc}: one span on the server under each {caller} of the host");
+            assert_eq!(on_server[0].trace_id, call.trace_id, "{rpc}: one trace on both sides");
         }
     }
 }

@@ -12,12 +12,14 @@ use cleave_common::pb::split_inference_server::SplitInference;
 use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::protocol::{ServerInfo, HOST_SESSION_METADATA};
 use cleave_common::security::ServerSecurity;
+use cleave_common::telemetry::TRACEPARENT_METADATA;
 use cleave_common::wire::{Direction, PayloadReceiver};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::budget::MemoryBudget;
 use crate::config::PeerLimits;
@@ -59,9 +61,67 @@ pub(crate) struct Service {
 
 type ResultStream = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
 
+impl Service {
+    async fn run_profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
+        let model = self.models.select(request.metadata(), true)?;
+        let r = request.into_inner();
+        let batch = model.bundle.manifest().batch;
+        let size = i64::from(r.batch_size);
+        if size < batch.min || size > batch.max {
+            return Err(RequestError::BadCall(format!("batch size {size} is outside the bundle's range {}..={}", batch.min, batch.max)).into());
+        }
+        let max = self.peers.max_profile_repeats;
+        let repeats = match r.repeats {
+            0 => DEFAULT_PROFILE_REPEATS.min(max as usize),
+            n if n > max => return Err(RequestError::BadCall(format!("{n} repeats: at most {max} (`limits.max_profile_repeats`)")).into()),
+            n => n as usize,
+        };
+        // One at a time: a profile holds its device between the requests it lets by.
+        let _profiling = Arc::clone(&self.profiling)
+            .try_acquire_owned()
+            .map_err(|_| RequestError::Busy("another Profile is running: this server runs one at a time, try again".into()))?;
+        // Dropping this handler (its caller went away) drops `rx`; the worker sees it and stops.
+        let (tx, rx) = oneshot::channel();
+        model.scheduler.profile(ProfileJob { model: model.index, batch: size, repeats, reply: tx }).await?;
+        // `None` only when this handler is gone: nobody reads this then.
+        let stage_ms = rx.await.map_err(|_| RequestError::from(Internal::Unanswered))??.ok_or(RequestError::from(Internal::Unanswered))?;
+        Ok(Response::new(pb::ProfileReply { device: model.device.clone(), batch_size: r.batch_size, stage_ms }))
+    }
+
+    async fn run_echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
+        let unsent = unsent_of(&request);
+        // Only the size is kept: the payload, a slice of tonic's read buffer, goes now rather
+        // than wait for room with the reply.
+        let reply_bytes = request.into_inner().reply_bytes;
+        // The reply must fit in one message, and a caller must not make the server allocate more.
+        let cap = self.limits.max_message_bytes.saturating_sub(1024);
+        if reply_bytes > cap {
+            return Err(RequestError::BadCall(format!("reply_bytes {reply_bytes} is above {cap} (the server's message limit less framing)")).into());
+        }
+        // A reply holds its bytes in the memory budget until they are written: peers that ask
+        // and never read cannot pile replies up past it.
+        let mut held = self.budget.reserve(reply_bytes).await.map_err(RequestError::from)?;
+        let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; reply_bytes as usize]) };
+        unsent.hold(&reply, &mut held);
+        Ok(answering(reply, unsent))
+    }
+}
+
+/// A span for a unary call, continuing the caller's trace when its `traceparent` metadata
+/// parses (W3C trace context; an `Infer` or `Train` stream's requests carry theirs in their
+/// frames).
+fn call_span<T>(rpc: &'static str, request: &Request<T>) -> tracing::Span {
+    let span = tracing::debug_span!("call", otel.name = rpc);
+    if let Some(parent) = request.metadata().get(TRACEPARENT_METADATA).and_then(|v| v.to_str().ok()) {
+        cleave_common::telemetry::follow(&span, parent);
+    }
+    span
+}
+
 #[tonic::async_trait]
 impl SplitInference for Service {
-    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
+    async fn info(&self, request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
+        let _call = call_span("Info", &request).entered();
         let info = ServerInfo {
             server_version: env!("CARGO_PKG_VERSION").into(),
             models: self.models.all().iter().map(|m| m.info()).collect(),
@@ -116,47 +176,13 @@ impl SplitInference for Service {
     }
 
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
-        let model = self.models.select(request.metadata(), true)?;
-        let r = request.into_inner();
-        let batch = model.bundle.manifest().batch;
-        let size = i64::from(r.batch_size);
-        if size < batch.min || size > batch.max {
-            return Err(RequestError::BadCall(format!("batch size {size} is outside the bundle's range {}..={}", batch.min, batch.max)).into());
-        }
-        let max = self.peers.max_profile_repeats;
-        let repeats = match r.repeats {
-            0 => DEFAULT_PROFILE_REPEATS.min(max as usize),
-            n if n > max => return Err(RequestError::BadCall(format!("{n} repeats: at most {max} (`limits.max_profile_repeats`)")).into()),
-            n => n as usize,
-        };
-        // One at a time: a profile holds its device between the requests it lets by.
-        let _profiling = Arc::clone(&self.profiling)
-            .try_acquire_owned()
-            .map_err(|_| RequestError::Busy("another Profile is running: this server runs one at a time, try again".into()))?;
-        // Dropping this handler (its caller went away) drops `rx`; the worker sees it and stops.
-        let (tx, rx) = oneshot::channel();
-        model.scheduler.profile(ProfileJob { model: model.index, batch: size, repeats, reply: tx }).await?;
-        // `None` only when this handler is gone: nobody reads this then.
-        let stage_ms = rx.await.map_err(|_| RequestError::from(Internal::Unanswered))??.ok_or(RequestError::from(Internal::Unanswered))?;
-        Ok(Response::new(pb::ProfileReply { device: model.device.clone(), batch_size: r.batch_size, stage_ms }))
+        let span = call_span("Profile", &request);
+        self.run_profile(request).instrument(span).await
     }
 
     async fn echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
-        let unsent = unsent_of(&request);
-        // Only the size is kept: the payload, a slice of tonic's read buffer, goes now rather
-        // than wait for room with the reply.
-        let reply_bytes = request.into_inner().reply_bytes;
-        // The reply must fit in one message, and a caller must not make the server allocate more.
-        let cap = self.limits.max_message_bytes.saturating_sub(1024);
-        if reply_bytes > cap {
-            return Err(RequestError::BadCall(format!("reply_bytes {reply_bytes} is above {cap} (the server's message limit less framing)")).into());
-        }
-        // A reply holds its bytes in the memory budget until they are written: peers that ask
-        // and never read cannot pile replies up past it.
-        let mut held = self.budget.reserve(reply_bytes).await.map_err(RequestError::from)?;
-        let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; reply_bytes as usize]) };
-        unsent.hold(&reply, &mut held);
-        Ok(answering(reply, unsent))
+        let span = call_span("Echo", &request);
+        self.run_echo(request).instrument(span).await
     }
 
     type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;

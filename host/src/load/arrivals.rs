@@ -8,6 +8,8 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Exp};
 
+use crate::error::RateError;
+
 /// How a load run sends.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LoadMode {
@@ -48,11 +50,11 @@ pub struct PoissonArrivals {
 
 impl PoissonArrivals {
     /// Arrivals at `rate` per second (finite and positive), drawn from `seed`.
-    pub fn new(rate: f64, seed: u64) -> Result<Self, String> {
+    pub fn new(rate: f64, seed: u64) -> Result<Self, RateError> {
         if !(rate.is_finite() && rate > 0.0) {
-            return Err(format!("a rate of {rate} requests/s: expected a positive number"));
+            return Err(RateError { rate });
         }
-        let gaps = Exp::new(rate).map_err(|e| format!("a rate of {rate} requests/s: {e}"))?;
+        let gaps = Exp::new(rate).map_err(|_| RateError { rate })?;
         Ok(Self { rng: StdRng::seed_from_u64(seed), gaps })
     }
 
@@ -75,7 +77,7 @@ impl Arrivals {
     /// The schedule of edge `edge` of `edges` under `mode`: an open loop's edge sends at
     /// `rate / edges`, from a generator seeded by `seed` and the edge, so that edges differ and
     /// a run with the same seed repeats.
-    pub fn for_edge(mode: LoadMode, edges: usize, edge: usize, seed: u64) -> Result<Self, String> {
+    pub fn for_edge(mode: LoadMode, edges: usize, edge: usize, seed: u64) -> Result<Self, RateError> {
         match mode {
             LoadMode::Closed => Ok(Self::Closed),
             LoadMode::Open { rate } => {
@@ -161,7 +163,8 @@ mod tests {
     #[test]
     fn rates_that_are_not_positive_are_refused() {
         for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert!(PoissonArrivals::new(rate, 0).is_err(), "rate {rate}");
+            let err = PoissonArrivals::new(rate, 0).unwrap_err();
+            assert!(err.rate.to_bits() == rate.to_bits(), "rate {rate}: {err}");
         }
         assert_eq!(LoadMode::Open { rate: 5.0 }.rate(), Some(5.0));
         assert_eq!(LoadMode::Closed.name(), "closed");

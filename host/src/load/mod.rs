@@ -240,7 +240,7 @@ fn check_options(configs: &[EdgeConfig], opts: &LoadOptions) -> Result<()> {
         return zero("the in-flight cap", "at least 1");
     }
     if let LoadMode::Open { rate } = opts.mode {
-        arrivals::PoissonArrivals::new(rate, 0).map_err(|reason| LoadSetupError::Rate { reason })?;
+        arrivals::PoissonArrivals::new(rate, 0).map_err(LoadSetupError::Rate)?;
     }
     if let Some(ratio) = &opts.ratio {
         if ratio.0.len() != configs.len() {
@@ -395,7 +395,7 @@ impl Edge {
         // edges number their requests alike.
         let host_session = format!("{:032x}", rand::random::<u128>());
         let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), config.resilience.connect_timeout).await?;
-        let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(|reason| LoadSetupError::Rate { reason })?;
+        let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(LoadSetupError::Rate)?;
         let edge = Self {
             slot,
             conn: Some(conn),

@@ -15,6 +15,8 @@ use super::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, 
 use super::profile::ProfilingTime;
 use serde::Serialize;
 
+use tracing::Instrument;
+
 use crate::client::RequestMetrics;
 use crate::session::EdgeSession;
 
@@ -200,7 +202,7 @@ pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSessi
         let size = bytes.min(largest);
         let started = Instant::now();
         let probe = cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: 0 };
-        let answer = client.echo(probe).await;
+        let answer = client.echo(probe).instrument(tracing::debug_span!("bandwidth_probe", bytes = size)).await;
         let elapsed = started.elapsed();
         pause = PROBE_EVERY.max(elapsed.div_f64(PROBE_DUTY));
         let mut a = auto.lock().expect("auto split");

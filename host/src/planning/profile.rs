@@ -12,6 +12,8 @@ use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 
 use super::codec_cost::{CodecCost, CutCodecs};
 use super::planner::{Link, Profiles};
+use tracing::Instrument;
+
 use crate::config::{EdgeConfig, InputSource};
 use crate::error::{HostError, MeasureError, Result};
 use crate::inputs::Inputs;
@@ -60,7 +62,9 @@ pub(crate) async fn measure_profiles(
     let edge_s = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let request = session.model_request(cleave_common::pb::ProfileRequest { batch_size: batch as u32, repeats: repeats as u32 });
-    let server = session.client.clone().profile(request).await.map_err(|s| HostError::rpc("Profile", &s))?.into_inner();
+    let mut client = session.client.clone();
+    let call = client.profile(request).instrument(tracing::debug_span!("server_profile", batch, repeats));
+    let server = call.await.map_err(|s| HostError::rpc("Profile", &s))?.into_inner();
     let server_s = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let link = probe_link(session).await?;
@@ -152,6 +156,7 @@ pub(crate) async fn probe_link(session: &EdgeSession) -> Result<Link> {
             let started = Instant::now();
             client
                 .echo(cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: 0 })
+                .instrument(tracing::debug_span!("link_probe", bytes = size))
                 .await
                 .map_err(|s| HostError::rpc("Echo", &s))?;
             Ok::<_, HostError>(started.elapsed().as_secs_f64() * 1e3)
