@@ -144,15 +144,15 @@ impl ConfigFile<'_> {
     /// A payload key from a file or an environment variable.
     pub fn key(&self, key: &str, file: Option<PathBuf>, env: Option<String>) -> Result<Key, ConfigError> {
         let source = SecretSource { file, env }.relative_to(|f| self.resolve(f));
-        let material = source.read().map_err(|e| self.invalid(key, e))?;
+        let material = source.read().map_err(|e| self.invalid(key, e.to_string()))?;
         Key::parse(&material).map_err(|e| self.invalid(key, e))
     }
 
     /// The bearer token of `auth:`, if any.
     pub fn token(&self, auth: Option<RawAuth>) -> Result<Option<Token>, ConfigError> {
         let Some(auth) = auth else { return Ok(None) };
-        let material = auth.token.relative_to(|f| self.resolve(f)).read().map_err(|e| self.invalid("auth.token", e))?;
-        Token::parse(&material).map(Some).map_err(|e| self.invalid("auth.token", e))
+        let material = auth.token.relative_to(|f| self.resolve(f)).read().map_err(|e| self.invalid("auth.token", e.to_string()))?;
+        Token::parse(&material).map(Some).map_err(|e| self.invalid("auth.token", e.to_string()))
     }
 
     /// A server's TLS identity at `key`, if any.

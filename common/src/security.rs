@@ -26,13 +26,13 @@ pub struct SecretSource {
 
 impl SecretSource {
     /// Reads the secret; the error names where it looked and what is wrong, never the secret.
-    pub fn read(&self) -> Result<Zeroizing<Vec<u8>>, String> {
+    pub fn read(&self) -> Result<Zeroizing<Vec<u8>>, SecretError> {
         match (&self.file, &self.env) {
-            (Some(path), None) => std::fs::read(path).map(Zeroizing::new).map_err(|e| format!("cannot read {}: {e}", path.display())),
+            (Some(path), None) => std::fs::read(path).map(Zeroizing::new).map_err(|error| SecretError::Unreadable { path: path.clone(), error }),
             (None, Some(var)) => {
-                std::env::var_os(var).map(|v| Zeroizing::new(v.into_encoded_bytes())).ok_or_else(|| format!("environment variable {var} is not set"))
+                std::env::var_os(var).map(|v| Zeroizing::new(v.into_encoded_bytes())).ok_or_else(|| SecretError::Unset { var: var.clone() })
             }
-            _ => Err("give exactly one of `file` and `env` (secrets never go in the YAML itself)".into()),
+            _ => Err(SecretError::NotOneSource),
         }
     }
 
@@ -41,6 +41,42 @@ impl SecretSource {
         self.file = self.file.map(|f| base(&f));
         self
     }
+}
+
+/// Why a secret could not be read; it names where it looked, never the secret.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// Its file cannot be read.
+    #[error("cannot read {}: {error}", path.display())]
+    Unreadable {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        error: std::io::Error,
+    },
+    /// Its environment variable is not set.
+    #[error("environment variable {var} is not set")]
+    Unset {
+        /// The variable.
+        var: String,
+    },
+    /// Both a file and a variable, or neither.
+    #[error("give exactly one of `file` and `env` (secrets never go in the YAML itself)")]
+    NotOneSource,
+}
+
+/// Why a token is refused; it says how long the token is, never what it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    /// Not text.
+    #[error("the token is not UTF-8")]
+    NotUtf8,
+    /// Too short, or with spaces or control characters.
+    #[error("a token is at least 16 printable ASCII characters without spaces; this one has {characters} characters")]
+    Weak {
+        /// Its length.
+        characters: usize,
+    },
 }
 
 /// A bearer token. Compared in constant time; never printed.
@@ -56,10 +92,10 @@ impl fmt::Debug for Token {
 impl Token {
     /// From a secret's bytes (surrounding whitespace ignored; at least 16 characters of
     /// printable ASCII, so that it fits an HTTP header and is not trivially guessed).
-    pub fn parse(material: &[u8]) -> Result<Self, String> {
-        let text = std::str::from_utf8(material).map_err(|_| "the token is not UTF-8".to_string())?.trim();
+    pub fn parse(material: &[u8]) -> Result<Self, TokenError> {
+        let text = std::str::from_utf8(material).map_err(|_| TokenError::NotUtf8)?.trim();
         if text.len() < 16 || !text.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!("a token is at least 16 printable ASCII characters without spaces; this one has {} characters", text.len()));
+            return Err(TokenError::Weak { characters: text.len() });
         }
         Ok(Self(Zeroizing::new(text.to_string())))
     }
@@ -141,15 +177,16 @@ mod tests {
         assert!(!token.matches_header(b"Bearer 0123456789abcde"));
         assert!(!token.matches_header(b"0123456789abcdef"));
         assert_eq!(format!("{token:?}"), "Token(<redacted>)");
-        assert!(Token::parse(b"short").unwrap_err().contains("at least 16"));
+        assert_eq!(Token::parse(b"short").unwrap_err(), TokenError::Weak { characters: 5 });
+        assert!(Token::parse(b"short").unwrap_err().to_string().contains("at least 16"));
         assert!(Token::parse(b"has a space inside it").is_err());
     }
 
     #[test]
     fn secrets_come_from_exactly_one_place() {
         let both = SecretSource { file: Some("k".into()), env: Some("K".into()) };
-        assert!(both.read().unwrap_err().contains("exactly one"));
+        assert!(matches!(both.read().unwrap_err(), SecretError::NotOneSource));
         let missing = SecretSource { file: None, env: Some("CLEAVE_TEST_SURELY_UNSET_VARIABLE".into()) };
-        assert_eq!(missing.read().unwrap_err(), "environment variable CLEAVE_TEST_SURELY_UNSET_VARIABLE is not set");
+        assert_eq!(missing.read().unwrap_err().to_string(), "environment variable CLEAVE_TEST_SURELY_UNSET_VARIABLE is not set");
     }
 }

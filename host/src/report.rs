@@ -20,7 +20,7 @@ use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
 
 /// `summary.json`. Each part's percentiles are over the requests that succeeded (`null`
 /// when none did).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Summary {
     /// Bundle directory.
     pub bundle: String,
@@ -103,6 +103,40 @@ pub struct Summary {
     /// `split: auto`: the bandwidth probes sent while the split sat at the last cut.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub probes: Option<Probes>,
+}
+
+impl Summary {
+    /// The figures a run's outcomes give (`(request id, metrics, answered)` each): counts,
+    /// percentiles of the answered requests (none when nothing was answered: `null` in
+    /// `summary.json`), bytes and codecs; `wall_s` for the throughput. The rest says how the
+    /// run was set up and is left empty here.
+    pub fn of_outcomes(outcomes: &[(u64, RequestMetrics, bool)], wall_s: f64) -> Self {
+        let ok: Vec<&RequestMetrics> = outcomes.iter().filter(|(_, _, ok)| *ok).map(|(_, m, _)| m).collect();
+        let pick = |f: fn(&RequestMetrics) -> f64| Percentiles::of(&ok.iter().map(|m| f(m)).collect::<Vec<_>>()).ok();
+        let sum = |f: fn(&RequestMetrics) -> u64| outcomes.iter().map(|(_, m, _)| f(m)).sum();
+        Self {
+            requests: outcomes.len() as u64,
+            errors: outcomes.iter().filter(|(_, _, ok)| !ok).count() as u64,
+            e2e_ms: pick(|m| m.e2e_ms),
+            prefix_ms: pick(|m| m.prefix_ms),
+            prefix_cpu_ms: pick(|m| m.prefix_cpu_ms),
+            encode_ms: pick(|m| m.encode_ms),
+            round_trip_ms: pick(|m| m.round_trip_ms),
+            server_ms: pick(|m| m.server.total_ms()),
+            network_ms: pick(RequestMetrics::network_ms),
+            decode_ms: pick(|m| m.decode_ms),
+            throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
+            bytes_raw: sum(|m| m.bytes_raw),
+            bytes_wire: sum(|m| m.bytes_wire),
+            copied_sent_bytes: sum(|m| m.copied_sent_bytes),
+            copied_received_bytes: sum(|m| m.copied_received_bytes),
+            codecs: outcomes.iter().filter_map(|(_, m, _)| m.codec).fold(Default::default(), |mut counts, codec| {
+                *counts.entry(codec.to_string()).or_default() += 1;
+                counts
+            }),
+            ..Self::default()
+        }
+    }
 }
 
 /// Where the edge's processor time went: on a weak or capped edge, every thread's work

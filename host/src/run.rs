@@ -9,20 +9,21 @@ use std::time::Instant;
 
 use cleave_common::bundle::SplitSpec;
 use cleave_common::device::device_name;
-use cleave_common::stats::Percentiles;
+use cleave_common::{Bundle, LoadedStages};
 
-use crate::client::{stream_requests, ChoosesCodec, Codecs, RequestMetrics, Splits, StreamPlan};
+use crate::client::{stream_requests, ChoosesCodec, Codecs, Splits, StreamPlan};
 use crate::config::EdgeConfig;
 use crate::cpu_time;
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
-use crate::planning::auto_split::{self, AutoSplit};
+use crate::planning::auto_split::{self, AutoSplit, Planned};
 use crate::planning::codec_choice;
+use crate::planning::planner::Profiles;
 use crate::planning::profile::measure_profiles;
 use crate::progress::{Event, InferenceStart, Progress};
 use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
-use crate::session::{connect_retrying, Link};
+use crate::session::{connect_retrying, EdgeSession, Link};
 
 /// Command-line overrides of `edge.yaml`.
 #[derive(Debug, Clone, Default)]
@@ -47,17 +48,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
     let auto = split_spec == SplitSpec::Auto;
     let split = if auto { bundle.stage_count() } else { bundle.resolve_split(&split_spec)? };
-    let output = opts.output.unwrap_or_else(|| config.output.clone());
-    let Some(input) = &config.input else {
-        return Err(HostError::NotThatKindOfConfig { key: "input", command: "inference" });
-    };
-    // Image inputs are decoded and resized: on the blocking pool.
-    let inputs = {
-        let (input, bundle, batch) = (input.clone(), bundle.clone(), config.batch_size);
-        tokio::task::spawn_blocking(move || Inputs::new(&input, &bundle, batch))
-            .await
-            .map_err(|error| HostError::Task { what: "reading the inputs", error })??
-    };
+    let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
+    let inputs = read_inputs(&config, &bundle).await?;
     if let Some(note) = inputs.reuse_note(config.requests) {
         opts.progress.tell(Event::InputsReused(note));
     }
@@ -70,41 +62,20 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     }
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-    let uses_tls = url.starts_with("https://");
     let mut session = connect_retrying(&url, &bundle, &Link::of(&config), &config.resilience.retry).await?;
-    // `split: auto`: plan from measured profiles, then re-plan from the bandwidth measured on
-    // every transfer; the prefix thread reads the split for each request.
-    let mut planned = None;
-    let mut planner = None;
-    let mut warm_stages = None;
-    let mut planned_profiles = None;
-    if auto {
-        // With `codec: auto` too, every candidate is measured at every cut: the plan chooses
-        // the cut and the codec together, and the chooser starts from the same costs.
-        let codec_candidates = if config.codec_auto { codec_choice::candidates(&session)? } else { Vec::new() };
-        let measured = measure_profiles(&config, &mut session, &bundle, 3, &codec_candidates).await?;
-        planned_profiles = Some(measured.profiles.clone());
-        let (auto_split, plan) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
-        opts.progress.tell(Event::AutoSplitPlanned(Box::new(plan.clone())));
-        planner = Some(Arc::new(Mutex::new(auto_split)));
-        planned = Some(plan);
-        warm_stages = Some(measured.edge_stages);
-    }
-    let split = planned.as_ref().map_or(split, |p| p.cut);
+    let auto = if auto { Some(start_auto_split(&config, &mut session, &bundle, &opts.progress).await?) } else { None };
+    let split = auto.as_ref().map_or(split, |a| a.planned.cut);
     // `codec: auto`: each request's codec from the rate `split: auto` estimates (probed here
     // when the split is fixed) and each codec's measured cost.
-    let chooser = if config.codec_auto { Some(Arc::new(codec_choice::for_session(&session, planned_profiles.as_ref()).await?)) } else { None };
-    opts.progress.tell(Event::InferenceStarts(InferenceStart {
-        model: bundle.manifest().model.source.clone(),
-        split,
-        cut_name: bundle.cut(split).name.clone(),
-        // The share of the FLOPs the edge runs: what `split: 40%` chose by.
-        edge_flops_share: bundle.split_points().iter().find(|p| p.index == split).map(|p| p.edge_cost_share),
-        edge_device: device_name(config.device.resolve()?),
-        server: url.clone(),
-        stages: bundle.stage_count(),
-        server_device: session.model.device.clone(),
-    }));
+    let chooser = match config.codec_auto {
+        true => Some(Arc::new(codec_choice::for_session(&session, auto.as_ref().map(|a| &a.profiles)).await?)),
+        false => None,
+    };
+    opts.progress.tell(Event::InferenceStarts(inference_start(&config, &bundle, split, &url, &session.model.device)?));
+    let (planned, planner, warm_stages) = match auto {
+        Some(a) => (Some(a.planned), Some(a.planner), Some(a.warm_stages)),
+        None => (None, None, None),
+    };
     let ids: Vec<u64> = (0..config.requests).filter(|id| !done.contains(id)).collect();
     let progress = indicatif::ProgressBar::new(ids.len() as u64);
     progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
@@ -158,56 +129,81 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     if let Some(server) = loopback {
         server.shutdown().await?;
     }
-    let writer_resumed = writer.resumed;
+    let resumed = writer.resumed;
     let failures = writer.failures();
     let outcomes = writer.finish()?;
-    let ok: Vec<&RequestMetrics> = outcomes.iter().filter(|(_, _, ok)| *ok).map(|(_, m, _)| m).collect();
-    // No request succeeded: no percentiles (`null` in summary.json).
-    let pick = |f: fn(&RequestMetrics) -> f64| Percentiles::of(&ok.iter().map(|m| f(m)).collect::<Vec<_>>()).ok();
     let summary = Summary {
         bundle: config.bundle.display().to_string(),
         bundle_id: bundle.id().to_string(),
-        server: url,
+        server: url.clone(),
         edge_device: device_name(config.device.resolve()?),
         server_device: session.model.device.clone(),
         split,
         split_name: bundle.cut(split).name.clone(),
         batch_size: config.batch_size,
-        requests: outcomes.len() as u64,
-        errors: outcomes.iter().filter(|(_, _, ok)| !ok).count() as u64,
         counts,
-        resumed: writer_resumed,
-        e2e_ms: pick(|m| m.e2e_ms),
-        prefix_ms: pick(|m| m.prefix_ms),
-        prefix_cpu_ms: pick(|m| m.prefix_cpu_ms),
-        encode_ms: pick(|m| m.encode_ms),
-        round_trip_ms: pick(|m| m.round_trip_ms),
-        server_ms: pick(|m| m.server.total_ms()),
-        network_ms: pick(RequestMetrics::network_ms),
-        decode_ms: pick(|m| m.decode_ms),
-        throughput_rps: if wall_s > 0.0 { ok.len() as f64 / wall_s } else { 0.0 },
-        bytes_raw: outcomes.iter().map(|(_, m, _)| m.bytes_raw).sum(),
-        bytes_wire: outcomes.iter().map(|(_, m, _)| m.bytes_wire).sum(),
-        copied_sent_bytes: outcomes.iter().map(|(_, m, _)| m.copied_sent_bytes).sum(),
-        copied_received_bytes: outcomes.iter().map(|(_, m, _)| m.copied_received_bytes).sum(),
+        resumed,
+        wall_s,
         codec: if config.codec_auto { "auto".to_string() } else { config.codec.to_string() },
-        codecs: outcomes.iter().filter_map(|(_, m, _)| m.codec).fold(Default::default(), |mut counts, codec| {
-            *counts.entry(codec.to_string()).or_default() += 1;
-            counts
-        }),
         codec_choice: chooser.map(|c| c.report()),
         encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
-        tls: uses_tls,
+        tls: url.starts_with("https://"),
         bearer_token: config.security.token.is_some(),
-        wall_s,
         planned,
         split_moves: planner.as_ref().map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
         failures,
         edge_cpu: cpu.finish(startup.0, startup.1),
         probes: planner.map(|auto| auto.lock().expect("auto split").probes()),
+        ..Summary::of_outcomes(&outcomes, wall_s)
     };
     let json = serde_json::to_string_pretty(&summary).map_err(|error| HostError::Json { what: "the summary as JSON", error })?;
     std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;
     report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
     Ok(summary)
+}
+
+/// The run's inputs, read (and images decoded and resized) on the blocking pool.
+async fn read_inputs(config: &EdgeConfig, bundle: &Bundle) -> Result<Inputs> {
+    let Some(input) = &config.input else {
+        return Err(HostError::NotThatKindOfConfig { key: "input", command: "inference" });
+    };
+    let (input, bundle, batch) = (input.clone(), bundle.clone(), config.batch_size);
+    tokio::task::spawn_blocking(move || Inputs::new(&input, &bundle, batch))
+        .await
+        .map_err(|error| HostError::Task { what: "reading the inputs", error })?
+}
+
+/// Where `split: auto` starts: the plan from measured profiles, the planner that moves the
+/// cut from the bandwidth measured on every transfer (the prefix thread reads the cut for
+/// each request), and the edge's stages the profile loaded and warmed.
+struct AutoStart {
+    planned: Planned,
+    planner: Arc<Mutex<AutoSplit>>,
+    warm_stages: LoadedStages,
+    profiles: Profiles,
+}
+
+async fn start_auto_split(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, progress: &Progress) -> Result<AutoStart> {
+    // With `codec: auto` too, every candidate is measured at every cut: the plan chooses the
+    // cut and the codec together, and the chooser starts from the same costs.
+    let codec_candidates = if config.codec_auto { codec_choice::candidates(session)? } else { Vec::new() };
+    let measured = measure_profiles(config, session, bundle, 3, &codec_candidates).await?;
+    let profiles = measured.profiles.clone();
+    let (auto_split, planned) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
+    progress.tell(Event::AutoSplitPlanned(Box::new(planned.clone())));
+    Ok(AutoStart { planned, planner: Arc::new(Mutex::new(auto_split)), warm_stages: measured.edge_stages, profiles })
+}
+
+fn inference_start(config: &EdgeConfig, bundle: &Bundle, split: usize, url: &str, server_device: &str) -> Result<InferenceStart> {
+    Ok(InferenceStart {
+        model: bundle.manifest().model.source.clone(),
+        split,
+        cut_name: bundle.cut(split).name.clone(),
+        // The share of the FLOPs the edge runs: what `split: 40%` chose by.
+        edge_flops_share: bundle.split_points().iter().find(|p| p.index == split).map(|p| p.edge_cost_share),
+        edge_device: device_name(config.device.resolve()?),
+        server: url.to_string(),
+        stages: bundle.stage_count(),
+        server_device: server_device.to_string(),
+    })
 }

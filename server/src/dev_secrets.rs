@@ -5,6 +5,24 @@ use std::path::{Path, PathBuf};
 
 use cleave_common::wire::Key;
 
+/// Why `server dev-secrets` could not write its files.
+#[derive(Debug, thiserror::Error)]
+pub enum DevSecretsError {
+    /// A key or certificate could not be made.
+    #[error("certificate generation failed: {0}")]
+    Certificate(rcgen::Error),
+    /// A directory or file could not be written.
+    #[error("cannot {action} {}: {error}", path.display())]
+    Write {
+        /// `create` or `write`.
+        action: &'static str,
+        /// The directory or file.
+        path: PathBuf,
+        /// The operating system's error.
+        error: std::io::Error,
+    },
+}
+
 /// Files `server dev-secrets` writes.
 #[derive(Debug)]
 pub struct DevSecrets {
@@ -15,10 +33,10 @@ pub struct DevSecrets {
 /// Writes a development CA, a server certificate for `localhost`/`127.0.0.1` signed by it,
 /// the server's key, a payload key and a token into `dir` (created; files readable only by
 /// the owner). For testing and demos: production keys come from your own PKI and secret store.
-pub fn write_dev_secrets(dir: &Path) -> Result<DevSecrets, String> {
+pub fn write_dev_secrets(dir: &Path) -> Result<DevSecrets, DevSecretsError> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-    let fail = |e: rcgen::Error| format!("certificate generation failed: {e}");
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let fail = DevSecretsError::Certificate;
+    std::fs::create_dir_all(dir).map_err(|error| DevSecretsError::Write { action: "create", path: dir.into(), error })?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(fail)?;
     ca_params.distinguished_name.push(DnType::CommonName, "cleave development CA");
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -48,14 +66,15 @@ pub fn write_dev_secrets(dir: &Path) -> Result<DevSecrets, String> {
     Ok(DevSecrets { dir: dir.to_path_buf() })
 }
 
-fn write_private(path: &Path, content: &[u8]) -> Result<(), String> {
+fn write_private(path: &Path, content: &[u8]) -> Result<(), DevSecretsError> {
     use std::io::Write;
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create(true).truncate(true);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let mut file = options.open(path).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    file.write_all(content).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    let failed = |error| DevSecretsError::Write { action: "write", path: path.into(), error };
+    let mut file = options.open(path).map_err(failed)?;
+    file.write_all(content).map_err(failed)
 }
 
 #[cfg(test)]

@@ -65,7 +65,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use budget::MemoryBudget;
 pub use config::{Batching, DeviceFailurePolicy, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
-pub use dev_secrets::{write_dev_secrets, DevSecrets};
+pub use dev_secrets::{write_dev_secrets, DevSecrets, DevSecretsError};
 pub use error::ServerError;
 pub use metrics::Metrics;
 pub use window::ResultWindow;

@@ -65,7 +65,7 @@ fn main() -> ExitCode {
                 println!("wrote ca.pem, server.pem, server.key, payload.key and token to {} (development only)", s.dir.display());
                 true
             })
-            .map_err(anyhow::Error::msg),
+            .map_err(anyhow::Error::from),
         (None, Some(path)) => serve(&path).map(|()| true),
         (None, None) => unreachable!("clap requires --config or a subcommand"),
     };
