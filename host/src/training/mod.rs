@@ -30,7 +30,7 @@ use cleave_common::training::loss::{correct, LossKind};
 use cleave_common::training::optim::Optimizer;
 use cleave_common::training::step::{backward, backward_from_boundary, output_tensor, step_loss, Grads};
 use cleave_common::training::{float_leaves, track_gradients, TrainableStages, TARGETS_VALUE};
-use cleave_common::{Boundary, Bundle, StageRange, Value};
+use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange, Value};
 use tch::Tensor;
 
 use crate::config::{EdgeConfig, TrainConfig, TrainMode};
@@ -69,25 +69,125 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     let train = config.train.clone().ok_or(HostError::NotThatKindOfConfig { key: "train", command: "training" })?;
     let bundle = crate::files::open_config_bundle(&config).await?;
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
-    let n = bundle.stage_count();
-    let (split, tail) = match &train.mode {
-        TrainMode::Split => (bundle.resolve_split(opts.split.as_ref().unwrap_or(&config.split))?, n),
-        TrainMode::UShaped { tail } => (bundle.resolve_split(opts.split.as_ref().unwrap_or(&config.split))?, bundle.resolve_split(tail)?),
-        TrainMode::Monolithic => (n, n),
+    let cuts = Cuts::of(&config, &train, &bundle, &opts)?;
+    check_batches(&train, &bundle)?;
+    let (train_set, test_set) = load_datasets(&train, &bundle).await?;
+
+    claim_training_output(&output, train.resume.as_deref(), opts.output_mode)?;
+    let checkpoints = output.join(CHECKPOINTS);
+    let server_checkpoints = checkpoints.join("server");
+    let loopback = if cuts.remote && opts.loopback { Some(crate::loopback::for_training(&config, &server_checkpoints).await?) } else { None };
+
+    // The edge's stages load on a blocking thread: TorchScript loading takes a while.
+    let edge = {
+        let (bundle, device, train, checkpoints) = (bundle.clone(), config.device, train.clone(), checkpoints.clone());
+        tokio::task::spawn_blocking(move || EdgeSide::load(&bundle, device, &train, &checkpoints, cuts))
+            .await
+            .map_err(|error| HostError::Task { what: "loading the edge's stages", error })??
     };
-    let remote = train.mode != TrainMode::Monolithic;
-    if remote && split >= tail {
-        return Err(TrainingSetupError::NothingForTheServer { split, tail, before: if tail == n { "output" } else { "tail" } }.into());
+    let step = edge.resumed.unwrap_or(0);
+    let (link, server_namespace) = if cuts.remote {
+        let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
+        let (link, opened) = open_session(&config, &train, &bundle, cuts, &url, edge.server_resume.clone(), step).await?;
+        opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
+            mode: train.mode.name(),
+            model: bundle.manifest().model.source.clone(),
+            edge_part: describe_edge(cuts.split, cuts.tail, cuts.stages),
+            edge_device: device_name(config.device.resolve()?),
+            server: url,
+            server_stages: (cuts.split, cuts.tail),
+            server_device: opened.device.clone(),
+            session_id: opened.session_id.clone(),
+            server_parameters: opened.parameters,
+        }));
+        (Some(link), opened.namespace)
+    } else {
+        let (model, device) = (bundle.manifest().model.source.clone(), device_name(config.device.resolve()?));
+        opts.progress.tell(Event::TrainingStarts(TrainingStart::Monolithic { model, device }));
+        (None, String::new())
+    };
+
+    let trainer = Trainer {
+        bundle: bundle.clone(),
+        train: train.clone(),
+        prefix: edge.prefix,
+        tail: edge.tail,
+        optimizer: edge.optimizer,
+        link,
+        step,
+        position: edge.position,
+        checkpoints: checkpoints.clone(),
+        server_namespace: server_namespace.clone(),
+        split: cuts.split,
+        tail_cut: cuts.tail,
+        progress: opts.progress.clone(),
+    };
+    let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set))
+        .await
+        .map_err(|error| HostError::Task { what: "the training thread failed", error })??;
+    if let Some(server) = loopback {
+        server.shutdown().await?;
     }
-    if train.write_bundle && remote && !opts.loopback {
-        return Err(TrainingSetupError::WriteBundleNeedsLoopback.into());
+
+    let summary = summarize(&train, &bundle, cuts, &outcome, edge.resumed)?;
+    write_report(&output, &summary)?;
+    write_steps(&output.join(STEPS_CSV), &outcome.steps)?;
+    if train.write_bundle {
+        let server_checkpoint =
+            cuts.remote.then(|| server_checkpoints.join(&server_namespace).join(format!("{}.safetensors", checkpoint_name(outcome.step))));
+        let dir = output.join(TRAINED_BUNDLE);
+        let short_id = write_bundle(&bundle, &outcome.last_checkpoint, server_checkpoint, &dir).await?;
+        opts.progress.tell(Event::TrainedBundleWritten { dir, short_id });
     }
-    let batch = bundle.manifest().batch;
+    Ok(summary)
+}
+
+/// Where a training run is cut: the edge trains `[0, split)` (and `[tail, stages)` when
+/// U-shaped), the server `[split, tail)` when `remote`; monolithic, the edge trains every stage.
+#[derive(Debug, Clone, Copy)]
+struct Cuts {
+    split: usize,
+    tail: usize,
+    stages: usize,
+    remote: bool,
+}
+
+impl Cuts {
+    /// Refused when the server would have no stage, or when the trained bundle cannot be
+    /// written on this machine.
+    fn of(config: &EdgeConfig, train: &TrainConfig, bundle: &Bundle, opts: &RunOptions) -> Result<Self> {
+        let stages = bundle.stage_count();
+        let split_spec = opts.split.as_ref().unwrap_or(&config.split);
+        let (split, tail) = match &train.mode {
+            TrainMode::Split => (bundle.resolve_split(split_spec)?, stages),
+            TrainMode::UShaped { tail } => (bundle.resolve_split(split_spec)?, bundle.resolve_split(tail)?),
+            TrainMode::Monolithic => (stages, stages),
+        };
+        let remote = train.mode != TrainMode::Monolithic;
+        if remote && split >= tail {
+            return Err(TrainingSetupError::NothingForTheServer { split, tail, before: if tail == stages { "output" } else { "tail" } }.into());
+        }
+        if train.write_bundle && remote && !opts.loopback {
+            return Err(TrainingSetupError::WriteBundleNeedsLoopback.into());
+        }
+        Ok(Self { split, tail, stages, remote })
+    }
+}
+
+/// Batch sizes the bundle takes.
+fn check_batches(train: &TrainConfig, bundle: &Bundle) -> Result<()> {
+    let max = bundle.manifest().batch.max;
     for (key, size) in [("batch_size", train.batch_size), ("eval_batch_size", train.eval_batch_size)] {
-        if size > batch.max {
-            return Err(TrainingSetupError::BatchAboveTheBundle { key, size, max: batch.max }.into());
+        if size > max {
+            return Err(TrainingSetupError::BatchAboveTheBundle { key, size, max }.into());
         }
     }
+    Ok(())
+}
+
+/// The training and test sets, read on the blocking pool; refused when either's last batch
+/// would be below the bundle's smallest.
+async fn load_datasets(train: &TrainConfig, bundle: &Bundle) -> Result<(Dataset, Dataset)> {
     let (train_set, test_set) = {
         let (bundle, train) = (bundle.clone(), train.clone());
         tokio::task::spawn_blocking(move || {
@@ -99,124 +199,107 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         .await
         .map_err(|error| HostError::Task { what: "loading the datasets", error })??
     };
-    for (what, rows, size) in [("training", train_set.rows(), train.batch_size), ("test", test_set.rows(), train.eval_batch_size)] {
+    let min = bundle.manifest().batch.min;
+    for (set, rows, size) in [("training", train_set.rows(), train.batch_size), ("test", test_set.rows(), train.eval_batch_size)] {
         let last = rows % size;
-        if last != 0 && last < batch.min {
-            return Err(TrainingSetupError::LastBatchTooSmall { set: what, rows: last, min: batch.min }.into());
+        if last != 0 && last < min {
+            return Err(TrainingSetupError::LastBatchTooSmall { set, rows: last, min }.into());
         }
     }
+    Ok((train_set, test_set))
+}
 
-    claim_training_output(&output, train.resume.as_deref(), opts.output_mode)?;
-    let checkpoints = output.join(CHECKPOINTS);
-    let server_checkpoints = checkpoints.join("server");
-    let loopback = if remote && opts.loopback { Some(crate::loopback::for_training(&config, &server_checkpoints).await?) } else { None };
+/// The edge's stages, optimizer and place in the data: fresh, or restored from the
+/// checkpoint `train.resume` names (with the server checkpoint, `NAMESPACE/step-N`, that
+/// holds the server's side of the same step).
+struct EdgeSide {
+    prefix: Option<TrainableStages>,
+    tail: Option<TrainableStages>,
+    optimizer: Optimizer,
+    position: Position,
+    resumed: Option<u64>,
+    server_resume: String,
+}
 
-    // The edge's stages load on a blocking thread: TorchScript loading takes a while.
-    let (prefix, tail_stages, optimizer, position, resumed, server_resume) = {
-        let (bundle, device, seed) = (bundle.clone(), config.device, train.seed);
-        let train = train.clone();
-        let checkpoints = checkpoints.clone();
-        tokio::task::spawn_blocking(move || -> Result<_> {
-            let prefix = (split > 0).then(|| TrainableStages::load(&bundle, StageRange::new(0, split), device, seed)).transpose()?;
-            let tail_stages = (remote && tail < n).then(|| TrainableStages::load(&bundle, StageRange::new(tail, n), device, seed)).transpose()?;
-            let mut optimizer = Optimizer::new(train.optimizer.clone());
-            let mut position = Position { epoch: 0, batch: 0 };
-            let mut resumed = None;
-            let mut server_resume = String::new();
-            if let Some(name) = &train.resume {
-                let path = checkpoints.join(name).join(HOST_CHECKPOINT);
-                let parts: Vec<&TrainableStages> = prefix.iter().chain(tail_stages.iter()).collect();
-                let meta = checkpoint::restore(&path, &parts, &mut optimizer)?;
-                if meta.seed != train.seed {
-                    let message = format!("trained with seed {}, this run has seed {}; resume with the same seed", meta.seed, train.seed);
-                    return Err(HostError::File { path, message });
-                }
-                position = serde_json::from_value(meta.extra["position"].clone())
-                    .map_err(|e| HostError::File { path: path.clone(), message: format!("no data position: {e}") })?;
-                resumed = Some(meta.step);
-                if remote {
-                    // The server's side of this step is in the namespace its session had.
-                    let namespace = meta.extra[SERVER_NAMESPACE_KEY].as_str().filter(|n| !n.is_empty()).ok_or_else(|| HostError::File {
-                        path: path.clone(),
-                        message: format!("it names no server checkpoint namespace (`{SERVER_NAMESPACE_KEY}`): it is not of a split run"),
-                    })?;
-                    server_resume = format!("{namespace}/{name}");
-                }
-            }
-            Ok((prefix, tail_stages, optimizer, position, resumed, server_resume))
-        })
-        .await
-        .map_err(|error| HostError::Task { what: "loading the edge's stages", error })??
-    };
-    let step = resumed.unwrap_or(0);
-
-    let mut server_namespace = String::new();
-    let link = if remote {
-        let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-        let s = connect(&url, &bundle, &Link::of(&config)).await?;
-        s.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
-        let open = pb::OpenSession {
-            start: split as u32,
-            end: tail as u32,
-            optimizer: Some(pb::Optimizer::from(&train.optimizer)),
-            loss: if tail == n { train.loss.name().to_string() } else { String::new() },
-            seed: train.seed,
-            resume: server_resume,
-            ..Default::default()
+impl EdgeSide {
+    fn load(bundle: &Bundle, device: DeviceSpec, train: &TrainConfig, checkpoints: &Path, cuts: Cuts) -> Result<Self> {
+        let Cuts { split, tail, stages, remote } = cuts;
+        let load = |range| TrainableStages::load(bundle, range, device, train.seed);
+        let prefix = (split > 0).then(|| load(StageRange::new(0, split))).transpose()?;
+        let tail = (remote && tail < stages).then(|| load(StageRange::new(tail, stages))).transpose()?;
+        let mut edge = Self {
+            prefix,
+            tail,
+            optimizer: Optimizer::new(train.optimizer.clone()),
+            position: Position { epoch: 0, batch: 0 },
+            resumed: None,
+            server_resume: String::new(),
         };
-        let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
-        let reconnect = Reconnect { bundle: bundle.clone(), retry: config.resilience.retry };
-        let (link, opened) = TrainLink::open(s, request, reconnect).await?;
-        if opened.step != step {
-            return Err(TrainingSetupError::ResumedApart { server: opened.step, host: step }.into());
+        if let Some(name) = &train.resume {
+            edge.restore(&checkpoints.join(name).join(HOST_CHECKPOINT), name, train.seed, remote)?;
         }
-        opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
-            mode: train.mode.name(),
-            model: bundle.manifest().model.source.clone(),
-            edge_part: describe_edge(split, tail, n),
-            edge_device: device_name(config.device.resolve()?),
-            server: url,
-            server_stages: (split, tail),
-            server_device: opened.device.clone(),
-            session_id: opened.session_id.clone(),
-            server_parameters: opened.parameters,
-        }));
-        server_namespace = opened.namespace;
-        Some(link)
-    } else {
-        let (model, device) = (bundle.manifest().model.source.clone(), device_name(config.device.resolve()?));
-        opts.progress.tell(Event::TrainingStarts(TrainingStart::Monolithic { model, device }));
-        None
-    };
-
-    let trainer = Trainer {
-        bundle: bundle.clone(),
-        train: train.clone(),
-        prefix,
-        tail: tail_stages,
-        optimizer,
-        link,
-        step,
-        position,
-        checkpoints: checkpoints.clone(),
-        server_namespace: server_namespace.clone(),
-        split,
-        tail_cut: tail,
-        progress: opts.progress.clone(),
-    };
-    let outcome = tokio::task::spawn_blocking(move || trainer.run(&train_set, &test_set))
-        .await
-        .map_err(|error| HostError::Task { what: "the training thread failed", error })??;
-    if let Some(server) = loopback {
-        server.shutdown().await?;
+        Ok(edge)
     }
 
-    let summary = TrainingSummary {
+    fn restore(&mut self, path: &Path, name: &str, seed: u64, remote: bool) -> Result<()> {
+        let parts: Vec<&TrainableStages> = self.prefix.iter().chain(self.tail.iter()).collect();
+        let meta = checkpoint::restore(path, &parts, &mut self.optimizer)?;
+        let bad = |message: String| HostError::File { path: path.to_path_buf(), message };
+        if meta.seed != seed {
+            return Err(bad(format!("trained with seed {}, this run has seed {seed}; resume with the same seed", meta.seed)));
+        }
+        self.position = serde_json::from_value(meta.extra["position"].clone()).map_err(|e| bad(format!("no data position: {e}")))?;
+        self.resumed = Some(meta.step);
+        if remote {
+            // The server's side of this step is in the namespace its session had.
+            let namespace = meta.extra[SERVER_NAMESPACE_KEY]
+                .as_str()
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| bad(format!("it names no server checkpoint namespace (`{SERVER_NAMESPACE_KEY}`): it is not of a split run")))?;
+            self.server_resume = format!("{namespace}/{name}");
+        }
+        Ok(())
+    }
+}
+
+/// Opens the server's session for `[split, tail)` (resuming `server_resume` when set); refused
+/// when the server resumed at another step than this host.
+async fn open_session(
+    config: &EdgeConfig,
+    train: &TrainConfig,
+    bundle: &Bundle,
+    cuts: Cuts,
+    url: &str,
+    server_resume: String,
+    step: u64,
+) -> Result<(TrainLink, pb::SessionOpened)> {
+    let session = connect(url, bundle, &Link::of(config)).await?;
+    session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
+    let open = pb::OpenSession {
+        start: cuts.split as u32,
+        end: cuts.tail as u32,
+        optimizer: Some(pb::Optimizer::from(&train.optimizer)),
+        loss: if cuts.tail == cuts.stages { train.loss.name().to_string() } else { String::new() },
+        seed: train.seed,
+        resume: server_resume,
+        ..Default::default()
+    };
+    let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
+    let reconnect = Reconnect { bundle: bundle.clone(), retry: config.resilience.retry };
+    let (link, opened) = TrainLink::open(session, request, reconnect).await?;
+    if opened.step != step {
+        return Err(TrainingSetupError::ResumedApart { server: opened.step, host: step }.into());
+    }
+    Ok((link, opened))
+}
+
+fn summarize(train: &TrainConfig, bundle: &Bundle, cuts: Cuts, outcome: &Outcome, resumed: Option<u64>) -> Result<TrainingSummary> {
+    Ok(TrainingSummary {
         mode: train.mode.name().to_string(),
         bundle_id: bundle.id().to_string(),
         model_source: bundle.manifest().model.source.clone(),
-        split: remote.then_some(split),
-        tail: matches!(train.mode, TrainMode::UShaped { .. }).then_some(tail),
+        split: cuts.remote.then_some(cuts.split),
+        tail: matches!(train.mode, TrainMode::UShaped { .. }).then_some(cuts.tail),
         optimizer: serde_json::to_value(&train.optimizer).map_err(|error| HostError::Json { what: "the optimizer as JSON", error })?,
         loss: train.loss.name().to_string(),
         batch_size: train.batch_size as usize,
@@ -229,27 +312,28 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
         total_steps: outcome.step,
         resumed_from_step: resumed,
         epochs: outcome.epochs.clone(),
-    };
-    write_report(&output, &summary)?;
+    })
+}
+
+/// `steps.csv`: `step,epoch,step_ms,loss` for every step.
+fn write_steps(path: &Path, steps: &[(u64, usize, f64, f64)]) -> Result<()> {
     let mut log = String::from("step,epoch,step_ms,loss\n");
-    for (step, epoch, ms, loss) in &outcome.steps {
+    for (step, epoch, ms, loss) in steps {
         log.push_str(&format!("{step},{epoch},{ms},{loss}\n"));
     }
-    std::fs::write(output.join(STEPS_CSV), log).map_err(|e| HostError::write(output.join(STEPS_CSV), e))?;
-    if train.write_bundle {
-        let dir = output.join(TRAINED_BUNDLE);
-        let mut files = vec![outcome.last_checkpoint.join(HOST_CHECKPOINT)];
-        if remote {
-            files.push(server_checkpoints.join(&server_namespace).join(format!("{}.safetensors", checkpoint_name(outcome.step))));
-        }
-        // Loading the stages and hashing the new bundle's files: on the blocking pool.
-        let (trained, target) = (bundle.clone(), dir.clone());
-        let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
-            .await
-            .map_err(|error| HostError::Task { what: "writing the trained bundle", error })??;
-        opts.progress.tell(Event::TrainedBundleWritten { dir, short_id: written.short_id().to_string() });
-    }
-    Ok(summary)
+    std::fs::write(path, log).map_err(|e| HostError::write(path, e))
+}
+
+/// The trained weights (the host's last checkpoint, and the server's when it trained a part)
+/// written as a bundle in `dir`, on the blocking pool (it loads the stages and hashes the
+/// files); returns the start of its id.
+async fn write_bundle(bundle: &Bundle, last_checkpoint: &Path, server_checkpoint: Option<PathBuf>, dir: &Path) -> Result<String> {
+    let files: Vec<PathBuf> = std::iter::once(last_checkpoint.join(HOST_CHECKPOINT)).chain(server_checkpoint).collect();
+    let (trained, target) = (bundle.clone(), dir.to_path_buf());
+    let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
+        .await
+        .map_err(|error| HostError::Task { what: "writing the trained bundle", error })??;
+    Ok(written.short_id().to_string())
 }
 
 /// The files and directories of a training run.
