@@ -19,7 +19,7 @@
 #![allow(unsafe_code)]
 
 use bytes::Bytes;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 /// A dense, contiguous CPU tensor whose bytes are read as they lie.
 #[derive(Debug)]
@@ -68,10 +68,10 @@ pub struct TensorBuf {
 }
 
 impl TensorBuf {
-    /// Allocates an uninitialised contiguous CPU tensor (libtorch's error, such as a shape
-    /// whose size overflows, as a message).
-    pub fn empty(shape: &[i64], kind: Kind) -> Result<Self, String> {
-        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).map_err(|e| e.to_string())?;
+    /// Allocates an uninitialised contiguous CPU tensor (libtorch's error for a shape it
+    /// cannot build, such as one whose size overflows).
+    pub fn empty(shape: &[i64], kind: Kind) -> Result<Self, TchError> {
+        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu))?;
         Ok(Self::of(tensor, kind, false))
     }
 
@@ -79,12 +79,12 @@ impl TensorBuf {
     /// stages' copy to the device can be asynchronous (see [`Tensor::to_device_`] with
     /// `non_blocking`). libtorch's caching host allocator keeps freed pinned blocks for reuse,
     /// and holds one back until the copies queued from it are done.
-    pub fn empty_pinned(shape: &[i64], kind: Kind, device: Device) -> Result<Self, String> {
+    pub fn empty_pinned(shape: &[i64], kind: Kind, device: Device) -> Result<Self, TchError> {
         // tch cannot ask libtorch for an empty pinned tensor, and a pinned storage cannot be
         // resized: an empty pageable one is pinned, which copies its untouched pages once.
         // `_pin_memory`, because tch always passes `pin_memory` the device, which libtorch
         // 2.11 deprecates with a warning on every call.
-        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).and_then(|t| t.f_internal_pin_memory(device)).map_err(|e| e.to_string())?;
+        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).and_then(|t| t.f_internal_pin_memory(device))?;
         Ok(Self::of(tensor, kind, true))
     }
 

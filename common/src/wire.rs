@@ -402,7 +402,7 @@ fn tensor_buffers(incoming: &IncomingPayload, pinned_for: Option<tch::Device>) -
             allocate(&laid_out, dtype.kind(), pinned_for).map_err(|e| WireError::BadTensor {
                 name: name.to_string(),
                 shape: shape.to_vec(),
-                message: first_line(&e),
+                message: first_line(&e.to_string()),
             })
         })
         .collect()
@@ -410,13 +410,14 @@ fn tensor_buffers(incoming: &IncomingPayload, pinned_for: Option<tch::Device>) -
 
 /// A buffer pinned for `pinned_for` where it is set and libtorch can pin it; in pageable
 /// memory otherwise (said once: the copy to the device then blocks, nothing else changes).
-fn allocate(shape: &[i64], kind: tch::Kind, pinned_for: Option<tch::Device>) -> Result<TensorBuf, String> {
+fn allocate(shape: &[i64], kind: tch::Kind, pinned_for: Option<tch::Device>) -> Result<TensorBuf, tch::TchError> {
     static WARNED: std::sync::Once = std::sync::Once::new();
     if let Some(device) = pinned_for {
         match TensorBuf::empty_pinned(shape, kind, device) {
             Ok(buffer) => return Ok(buffer),
-            Err(e) => WARNED
-                .call_once(|| tracing::warn!(error = %first_line(&e), "pinned host memory unavailable: received tensors land in pageable memory")),
+            Err(e) => WARNED.call_once(
+                || tracing::warn!(error = %first_line(&e.to_string()), "pinned host memory unavailable: received tensors land in pageable memory"),
+            ),
         }
     }
     TensorBuf::empty(shape, kind)
