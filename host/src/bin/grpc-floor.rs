@@ -10,11 +10,15 @@
 //! payload) and waits for its answer.
 //!
 //!     grpc-floor [--sizes 2355,37632,75264,100352] [--cores 0,1] [--repeats 200] [--via-thread]
+//!                [--compute-us 800]
 //!
 //! `--via-thread` answers from a thread of the server's own, as its compute worker does: the
-//! cost of that hop and the one back.
+//! cost of that hop and the one back. `--compute-us N` (implies `--via-thread`) keeps that
+//! thread busy N µs before it answers, as a suffix would, while the client's core idles as
+//! the edge's does: what the platform's wake-ups add once each side has been idle a while.
 //!
-//! Prints one line per size: `grpc floor: N bytes p50 X ms (p10 A, p90 B)`.
+//! Prints one line per size: `grpc floor: N bytes p50 X ms (p10 A, p90 B)`, times less the
+//! compute.
 
 use std::pin::Pin;
 use std::time::{Duration, Instant};
@@ -49,6 +53,9 @@ struct Args {
     /// The echo answers from a thread of its own, as the server's compute worker does.
     #[arg(long)]
     via_thread: bool,
+    /// The echo's thread computes this long (a busy loop) before it answers; implies `--via-thread`.
+    #[arg(long, default_value_t = 0)]
+    compute_us: u64,
 }
 
 /// Frames of a request, as the host cuts a payload.
@@ -61,19 +68,22 @@ const IDLE: Duration = Duration::from_millis(5);
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let [client_core, server_core] = args.cores[..] else { bail!("--cores takes two cores") };
+    let compute = Duration::from_micros(args.compute_us);
+    let worker = (args.via_thread || !compute.is_zero()).then_some(compute);
     match args.serve {
         Some(port) => {
             pin_thread(0, &[server_core])?;
-            tokio::runtime::Runtime::new()?.block_on(serve(port, args.via_thread))
+            tokio::runtime::Runtime::new()?.block_on(serve(port, worker))
         }
         None => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             let mut child = std::process::Command::new(std::env::current_exe()?)
                 .args(["--serve", &port.to_string(), "--cores", &format!("{client_core},{server_core}")])
                 .args(args.via_thread.then_some("--via-thread"))
+                .args(["--compute-us", &args.compute_us.to_string()])
                 .spawn()?;
             pin_thread(0, &[client_core])?;
-            let measured = tokio::runtime::Runtime::new()?.block_on(measure(port, &args.sizes, args.repeats));
+            let measured = tokio::runtime::Runtime::new()?.block_on(measure(port, &args.sizes, args.repeats, compute));
             let _ = child.kill();
             let _ = child.wait();
             measured
@@ -81,7 +91,7 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-async fn measure(port: u16, sizes: &[usize], repeats: usize) -> anyhow::Result<()> {
+async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) -> anyhow::Result<()> {
     let url = format!("http://127.0.0.1:{port}");
     let started = Instant::now();
     let channel = loop {
@@ -117,7 +127,7 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize) -> anyhow::Result<(
                 bail!("answer {} for request {id}", answer.request_id);
             }
             if i >= 20 {
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+                times.push(t.elapsed().saturating_sub(compute).as_secs_f64() * 1e3);
             }
         }
         times.sort_by(f64::total_cmp);
@@ -127,7 +137,8 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize) -> anyhow::Result<(
     Ok(())
 }
 
-async fn serve(port: u16, via_thread: bool) -> anyhow::Result<()> {
+/// `worker`: answer from a thread of its own after computing this long.
+async fn serve(port: u16, worker: Option<Duration>) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let incoming = TcpListenerStream::new(listener).map(|s| {
         s.and_then(|s| {
@@ -138,7 +149,7 @@ async fn serve(port: u16, via_thread: bool) -> anyhow::Result<()> {
     tonic::transport::Server::builder()
         .initial_stream_window_size(Some(1 << 20))
         .initial_connection_window_size(Some(1 << 20))
-        .add_service(SplitInferenceServer::new(Echo { worker: via_thread.then(spawn_worker) }).max_decoding_message_size(64 << 20))
+        .add_service(SplitInferenceServer::new(Echo { worker: worker.map(spawn_worker) }).max_decoding_message_size(64 << 20))
         .serve_with_incoming(incoming)
         .await?;
     Ok(())
@@ -153,10 +164,14 @@ struct Echo {
     worker: Option<std::sync::mpsc::Sender<Job>>,
 }
 
-fn spawn_worker() -> std::sync::mpsc::Sender<Job> {
+fn spawn_worker(compute: Duration) -> std::sync::mpsc::Sender<Job> {
     let (jobs, rx) = std::sync::mpsc::channel::<Job>();
     std::thread::spawn(move || {
         while let Ok((id, reply)) = rx.recv() {
+            let started = Instant::now();
+            while started.elapsed() < compute {
+                std::hint::spin_loop();
+            }
             let _ = reply.send(answer(id));
         }
     });
