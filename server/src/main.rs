@@ -47,7 +47,11 @@ const DEFAULT_LOG_FILTER: &str = "info";
 const SERVICE: &str = "cleave-server";
 
 fn main() -> ExitCode {
-    // First, before any thread starts: a process-wide setting.
+    // First, before any thread starts: process-wide settings, one of which glibc reads only
+    // when a program starts.
+    if let Some(e) = cleave_server::allocator::restart_without_thread_cache() {
+        eprintln!("server: could not start again with glibc's thread cache off, running with it: {e}");
+    }
     cleave_server::allocator::keep_freed_memory();
     let cli = Cli::parse();
     if cli.command.is_some() {
