@@ -67,7 +67,10 @@ pub fn restart_without_thread_cache() -> Option<std::io::Error> {
     use std::os::unix::process::CommandExt;
     let tunables = tunables_without_thread_cache(std::env::var_os("GLIBC_TUNABLES").as_deref())?;
     let mut args = std::env::args_os();
-    let program = std::env::current_exe().ok()?;
+    let program = match std::env::current_exe() {
+        Ok(program) => program,
+        Err(e) => return Some(e),
+    };
     let mut again = std::process::Command::new(program);
     again.arg0(args.next().unwrap_or_default()).args(args).env("GLIBC_TUNABLES", tunables);
     Some(again.exec())
