@@ -13,6 +13,7 @@ use cleave_codec::Key;
 
 use crate::device::DeviceSpec;
 use crate::security::{SecretSource, TlsIdentity, Token};
+pub use crate::yaml_errors::SchemaError;
 
 /// A configuration file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -25,13 +26,13 @@ pub enum ConfigError {
         /// Why.
         error: std::io::Error,
     },
-    /// The YAML does not fit the schema (the message names the key and the line).
-    #[error("config {path}: {message}")]
+    /// The YAML does not fit the schema.
+    #[error("config {path}: {error}")]
     Parse {
         /// The file.
         path: PathBuf,
         /// What is wrong, and where.
-        message: String,
+        error: SchemaError,
     },
     /// A value that parses but is not valid.
     #[error("config {path}: `{key}`: {message}")]
@@ -117,7 +118,7 @@ impl ConfigFile<'_> {
     pub fn read_yaml<T: serde::de::DeserializeOwned>(&self) -> Result<T, ConfigError> {
         let path = self.path.to_path_buf();
         let text = std::fs::read_to_string(self.path).map_err(|error| ConfigError::Read { path: path.clone(), error })?;
-        crate::yaml_errors::parse(&text).map_err(|message| ConfigError::Parse { path, message })
+        crate::yaml_errors::parse(&text).map_err(|error| ConfigError::Parse { path, error })
     }
 
     /// An invalid value at `key`.
@@ -145,7 +146,7 @@ impl ConfigFile<'_> {
     pub fn key(&self, key: &str, file: Option<PathBuf>, env: Option<String>) -> Result<Key, ConfigError> {
         let source = SecretSource { file, env }.relative_to(|f| self.resolve(f));
         let material = source.read().map_err(|e| self.invalid(key, e.to_string()))?;
-        Key::parse(&material).map_err(|e| self.invalid(key, e))
+        Key::parse(&material).map_err(|e| self.invalid(key, e.to_string()))
     }
 
     /// The bearer token of `auth:`, if any.

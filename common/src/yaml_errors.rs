@@ -4,12 +4,35 @@
 
 use serde::de::DeserializeOwned;
 
+/// Where a config does not fit its schema, and what was expected there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", self.place())]
+pub struct SchemaError {
+    /// The key's path (`retry.max_attempts`), or `None` for the document as a whole.
+    pub key: Option<String>,
+    /// The key's line, where known.
+    pub line: Option<usize>,
+    /// What is wrong, with types said in words.
+    pub message: String,
+}
+
+impl SchemaError {
+    fn place(&self) -> String {
+        match (&self.key, self.line) {
+            (None, Some(line)) => format!("line {line}: "),
+            (None, None) => String::new(),
+            (Some(key), Some(line)) => format!("`{key}` (line {line}): "),
+            (Some(key), None) => format!("`{key}`: "),
+        }
+    }
+}
+
 /// Parses `text`; an error names the key, its line and what was expected.
-pub(crate) fn parse<T: DeserializeOwned>(text: &str) -> Result<T, String> {
+pub(crate) fn parse<T: DeserializeOwned>(text: &str) -> Result<T, SchemaError> {
     serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text)).map_err(|e| describe(text, e))
 }
 
-fn describe(text: &str, error: serde_path_to_error::Error<serde_yaml::Error>) -> String {
+fn describe(text: &str, error: serde_path_to_error::Error<serde_yaml::Error>) -> SchemaError {
     let path = error.path().to_string();
     let inner = error.into_inner();
     let message = bare_message(&inner.to_string(), &path);
@@ -19,13 +42,7 @@ fn describe(text: &str, error: serde_path_to_error::Error<serde_yaml::Error>) ->
         (Some((path, line)), _) => (path, line),
         (None, location) => (path, location.map(|l| l.line())),
     };
-    let message = in_words(&message);
-    match (path.as_str(), line) {
-        (".", Some(line)) => format!("line {line}: {message}"),
-        (".", None) => message,
-        (path, Some(line)) => format!("`{path}` (line {line}): {message}"),
-        (path, None) => format!("`{path}`: {message}"),
-    }
+    SchemaError { key: (path != ".").then_some(path), line, message: in_words(&message) }
 }
 
 /// serde_yaml's message without the key path in front and the position after (both are
@@ -146,7 +163,7 @@ mod tests {
     }
 
     fn error(text: &str) -> String {
-        parse::<Config>(text).unwrap_err()
+        parse::<Config>(text).unwrap_err().to_string()
     }
 
     #[test]
@@ -177,5 +194,9 @@ mod tests {
             "`input.seed` (line 3): invalid type: floating point `2.5`, expected an integer"
         );
         assert!(parse::<Config>("input: {kind: synthetic, seed: 4}\nrequest_timeout: 2m\n").is_ok());
+        let error = parse::<Config>("input:\n  kind: synthetic\n  seed: 2.5\n").unwrap_err();
+        assert_eq!((error.key.as_deref(), error.line), (Some("input.seed"), Some(3)));
+        let error = parse::<Config>("- 1\n").unwrap_err();
+        assert_eq!(error.key, None, "{error}");
     }
 }

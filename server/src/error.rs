@@ -137,7 +137,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         RequestError::Wire(WireError::Codec(
             C::NotSealed | C::NoKeys { .. } | C::UnknownKeyId { .. } | C::WrongKey { .. } | C::HeaderTampered | C::DataTampered | C::Replayed { .. },
         )) => Code::Unauthenticated,
-        RequestError::Wire(WireError::Codec(C::CodecRefused { .. })) => Code::FailedPrecondition,
+        RequestError::Wire(WireError::Codec(C::CodecRefused { .. } | C::CodecNotAccepted { .. })) => Code::FailedPrecondition,
         RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } | RequestError::BadCall(_) => Code::InvalidArgument,
         RequestError::Encode(_) | RequestError::Profile(_) | RequestError::Batching(_) => Code::Internal,
         RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,

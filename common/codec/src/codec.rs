@@ -209,20 +209,41 @@ impl Default for CodecPolicy {
     }
 }
 
+/// The part of a codec a receiver does not accept.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// A precision outside the accepted ones.
+    #[error("precision {refused} is not accepted (accepted: {})", accepted.join(", "))]
+    Precision {
+        /// The precision asked for.
+        refused: &'static str,
+        /// Those accepted.
+        accepted: Vec<&'static str>,
+    },
+    /// A compression family outside the accepted ones.
+    #[error("compression {refused} is not accepted (accepted: {})", accepted.join(", "))]
+    Compression {
+        /// The family asked for.
+        refused: &'static str,
+        /// Those accepted.
+        accepted: Vec<String>,
+    },
+}
+
 impl CodecPolicy {
     /// Whether `codec` is accepted (for `auto`, both codecs it may pick); the error names
     /// the part that is not.
-    pub fn check(&self, codec: &Codec) -> Result<(), String> {
+    pub fn check(&self, codec: &Codec) -> Result<(), PolicyError> {
         codec.tensor_codecs().iter().try_for_each(|c| self.check_one(c))
     }
 
-    fn check_one(&self, codec: &Codec) -> Result<(), String> {
+    fn check_one(&self, codec: &Codec) -> Result<(), PolicyError> {
         if !self.precisions.contains(&codec.precision) {
-            let names: Vec<_> = self.precisions.iter().map(|p| p.name()).collect();
-            return Err(format!("precision {} is not accepted (accepted: {})", codec.precision.name(), names.join(", ")));
+            let accepted = self.precisions.iter().map(|p| p.name()).collect();
+            return Err(PolicyError::Precision { refused: codec.precision.name(), accepted });
         }
         if !self.compressions.iter().any(|c| c == codec.compression.family()) {
-            return Err(format!("compression {} is not accepted (accepted: {})", codec.compression.family(), self.compressions.join(", ")));
+            return Err(PolicyError::Compression { refused: codec.compression.family(), accepted: self.compressions.clone() });
         }
         Ok(())
     }
@@ -251,9 +272,9 @@ mod tests {
     fn policies_name_what_they_refuse() {
         let policy = CodecPolicy { precisions: vec![Precision::Full], compressions: vec!["lz4".into()], require_encryption: false };
         assert!(policy.check(&"shuffle+lz4".parse().unwrap()).is_ok());
-        assert!(policy.check(&"fp16+lz4".parse().unwrap()).unwrap_err().contains("precision fp16 is not accepted (accepted: full)"));
-        assert!(policy.check(&"zstd".parse().unwrap()).unwrap_err().contains("compression zstd is not accepted"));
+        assert_eq!(policy.check(&"fp16+lz4".parse().unwrap()).unwrap_err().to_string(), "precision fp16 is not accepted (accepted: full)");
+        assert_eq!(policy.check(&"zstd".parse().unwrap()).unwrap_err(), PolicyError::Compression { refused: "zstd", accepted: vec!["lz4".into()] });
         // `auto` needs both of its codecs.
-        assert!(policy.check(&Codec::AUTO).unwrap_err().contains("compression none is not accepted"));
+        assert!(policy.check(&Codec::AUTO).unwrap_err().to_string().contains("compression none is not accepted"));
     }
 }

@@ -1,5 +1,12 @@
 //! What can be wrong with a payload, one variant per check. Every payload comes from the
-//! network, so each of these is an answer to a peer, never a panic.
+//! network, so each of these is an answer to a peer, never a panic. A variant's message
+//! includes its cause, so a printed chain names each cause once.
+
+use crate::codec::PolicyError;
+use crate::compress::BlockError;
+use crate::dtype::DType;
+use crate::precision::PrecisionError;
+use crate::zeros::ZeroMaskError;
 
 /// Why a payload cannot be encoded or was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -15,13 +22,29 @@ pub enum CodecError {
         /// The direction the header names.
         got: String,
     },
-    /// The codec string does not parse, or the receiver does not accept it.
+    /// The codec string does not parse.
     #[error("codec {codec:?}: {reason}")]
     CodecRefused {
         /// The codec as sent.
         codec: String,
-        /// Why it is refused.
+        /// Why it does not parse.
         reason: String,
+    },
+    /// The receiver does not accept the codec.
+    #[error("codec {codec:?}: {error}")]
+    CodecNotAccepted {
+        /// The codec as sent.
+        codec: String,
+        /// The part refused.
+        error: PolicyError,
+    },
+    /// A tensor whose header is not what it claims to be.
+    #[error("malformed payload: tensor {name}: {error}")]
+    InvalidTensor {
+        /// Tensor name.
+        name: String,
+        /// What is wrong with it.
+        error: TensorError,
     },
     /// A dtype name this build does not know.
     #[error("tensor {name}: unknown dtype {dtype:?}")]
@@ -65,13 +88,13 @@ pub enum CodecError {
         /// Bytes received.
         got: u64,
     },
-    /// A tensor's bytes do not decompress to the declared size.
-    #[error("tensor {name}: cannot decode: {reason}")]
+    /// A tensor's bytes do not decode to what its header declared.
+    #[error("tensor {name}: cannot decode: {error}")]
     Corrupt {
         /// Tensor name.
         name: String,
         /// What failed.
-        reason: String,
+        error: TensorError,
     },
     /// Encryption is required here and the payload is not sealed.
     #[error("this side requires encrypted payloads (AES-256-GCM) and this one is not encrypted")]
@@ -115,11 +138,59 @@ pub enum CodecError {
     #[error("cannot encrypt the {0}")]
     Seal(String),
     /// A tensor that cannot be encoded with this codec.
-    #[error("tensor {name}: cannot encode: {reason}")]
+    #[error("tensor {name}: cannot encode: {error}")]
     Encode {
         /// Tensor name.
         name: String,
         /// Why.
-        reason: String,
+        error: TensorError,
+    },
+}
+
+/// What is wrong with one tensor: its header, or its bytes on the way in or out.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    /// A `dim_order` that is not an order of the tensor's dimensions.
+    #[error("dim_order {order:?} is not an order of its {rank} dimensions")]
+    DimOrder {
+        /// The order given.
+        order: Vec<u32>,
+        /// The tensor's rank.
+        rank: usize,
+    },
+    /// Bytes that are not what the dtype and shape take.
+    #[error("{bytes} bytes for {dtype}{shape:?}")]
+    DataLength {
+        /// Bytes given.
+        bytes: usize,
+        /// The dtype.
+        dtype: DType,
+        /// The shape.
+        shape: Vec<i64>,
+    },
+    /// One of its blocks declares impossible sizes.
+    #[error("block {index}: {error}")]
+    Block {
+        /// The block's place in the tensor.
+        index: usize,
+        /// What is wrong with it.
+        error: BlockError,
+    },
+    /// Its blocks cannot be compressed or decompressed.
+    #[error(transparent)]
+    Blocks(#[from] BlockError),
+    /// Its zero mask does not fit it.
+    #[error(transparent)]
+    ZeroMask(#[from] ZeroMaskError),
+    /// It cannot be narrowed or widened.
+    #[error(transparent)]
+    Precision(#[from] PrecisionError),
+    /// A bool element that is neither 0 nor 1.
+    #[error("bool element {index} is {value}, not 0 or 1")]
+    NotBool {
+        /// The element's index.
+        index: usize,
+        /// Its byte.
+        value: u8,
     },
 }

@@ -17,9 +17,9 @@ use bytes::Bytes;
 use prost::Message;
 
 use crate::codec::{Codec, CodecPolicy, Compression, Precision};
-use crate::compress::{check_block, compress, compress_blocks, decompress_blocks, worth_compressing};
+use crate::compress::{check_block, compress, compress_blocks, decompress_blocks, worth_compressing, BlockError};
 use crate::dtype::DType;
-use crate::error::CodecError;
+use crate::error::{CodecError, TensorError};
 use crate::pb::{Block, Direction, NamedValue, PayloadEnvelope, PayloadHeader, Seal, TensorHeader};
 use crate::precision::{narrow, widen};
 use crate::seal::{Opener, Sealer, TAG_BYTES};
@@ -187,31 +187,30 @@ pub fn encode_payload(
 }
 
 /// A tensor's `dim_order` is empty or an order of all of its `rank` dimensions.
-fn check_dim_order(order: &[u32], rank: usize) -> Result<(), String> {
+fn check_dim_order(order: &[u32], rank: usize) -> Result<(), TensorError> {
     let mut seen = vec![false; rank];
     if order.is_empty() || (order.len() == rank && order.iter().all(|&d| (d as usize) < rank && !std::mem::replace(&mut seen[d as usize], true))) {
         Ok(())
     } else {
-        Err(format!("dim_order {order:?} is not an order of its {rank} dimensions"))
+        Err(TensorError::DimOrder { order: order.to_vec(), rank })
     }
 }
 
 /// The one block of a tensor that protocol version 1 compressed whole (it had no blocks).
-fn whole_block(carried: u64, wire_len: u64) -> Result<Block, String> {
+fn whole_block(carried: u64, wire_len: u64) -> Result<Block, BlockError> {
     match (u32::try_from(carried), u32::try_from(wire_len)) {
         (Ok(raw_len), Ok(wire_len)) => Ok(Block { raw_len, wire_len, stored: false }),
-        _ => Err(format!("no blocks, and {carried} bytes in {wire_len} is more than one block holds")),
+        _ => Err(BlockError::TooLargeForOne { raw: carried, wire: wire_len }),
     }
 }
 
 /// A tensor's bytes must be exactly what its dtype and shape take.
 fn check_size(t: &TensorData) -> Result<(), CodecError> {
-    if let Err(reason) = check_dim_order(&t.dim_order, t.shape.len()) {
-        return Err(CodecError::Encode { name: t.name.clone(), reason });
-    }
+    let fail = |error| CodecError::Encode { name: t.name.clone(), error };
+    check_dim_order(&t.dim_order, t.shape.len()).map_err(fail)?;
     let expected = numel(&t.shape).map(|n| n * t.dtype.size() as u64);
     if expected != Some(t.data.len() as u64) {
-        return Err(CodecError::Encode { name: t.name.clone(), reason: format!("{} bytes for {}{:?}", t.data.len(), t.dtype, t.shape) });
+        return Err(fail(TensorError::DataLength { bytes: t.data.len(), dtype: t.dtype, shape: t.shape.clone() }));
     }
     Ok(())
 }
@@ -242,9 +241,9 @@ struct EncodedTensor {
 /// Precision, zero elision (where it pays), shuffle, compression (in blocks); appends the
 /// result to `out`.
 fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut [Vec<u8>; 2], out: &mut Vec<u8>) -> Result<EncodedTensor, CodecError> {
-    let fail = |reason: String| CodecError::Encode { name: t.name.clone(), reason };
+    let fail = |error: TensorError| CodecError::Encode { name: t.name.clone(), error };
     let (carried, quant) = if codec.precision.casts(t.dtype) {
-        let (bytes, quant) = narrow(codec.precision, t.dtype, &t.shape, &t.data).map_err(fail)?;
+        let (bytes, quant) = narrow(codec.precision, t.dtype, &t.shape, &t.data).map_err(|e| fail(e.into()))?;
         (std::borrow::Cow::Owned(bytes), quant)
     } else {
         (std::borrow::Cow::Borrowed(&t.data[..]), None)
@@ -256,8 +255,8 @@ fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut [Vec<u8>; 2], out:
         kept.clear();
         zeros::elide(&carried, size, &mut mask, kept);
         shuffle(kept, size, shuffled);
-        let mut blocks = compress_blocks(codec.compression, &mask, 1, out).map_err(fail)?;
-        blocks.extend(compress_blocks(codec.compression, shuffled, size, out).map_err(fail)?);
+        let mut blocks = compress_blocks(codec.compression, &mask, 1, out).map_err(|e| fail(e.into()))?;
+        blocks.extend(compress_blocks(codec.compression, shuffled, size, out).map_err(|e| fail(e.into()))?);
         return Ok(EncodedTensor { quant, copied: stored_bytes(&blocks), blocks, zeros_elided: true });
     }
     let (carried, planes) = if codec.shuffle && size > 1 {
@@ -270,7 +269,7 @@ fn encode_tensor(t: &TensorData, codec: &Codec, scratch: &mut [Vec<u8>; 2], out:
         out.extend_from_slice(carried);
         return Ok(EncodedTensor { quant, copied: carried.len() as u64, ..Default::default() });
     }
-    let blocks = compress_blocks(codec.compression, carried, planes, out).map_err(fail)?;
+    let blocks = compress_blocks(codec.compression, carried, planes, out).map_err(|e| fail(e.into()))?;
     Ok(EncodedTensor { quant, copied: stored_bytes(&blocks), blocks, zeros_elided: false })
 }
 
@@ -345,15 +344,15 @@ impl IncomingPayload {
         if direction != expected {
             return Err(CodecError::WrongDirection { expected: direction_name(expected), got: direction_name(direction).into() });
         }
-        let refused = |reason: String| CodecError::CodecRefused { codec: header.codec.clone(), reason };
-        let codec: Codec = header.codec.parse().map_err(refused)?;
-        policy.check(&codec).map_err(refused)?;
+        let codec: Codec = header.codec.parse().map_err(|reason| CodecError::CodecRefused { codec: header.codec.clone(), reason })?;
+        policy.check(&codec).map_err(|error| CodecError::CodecNotAccepted { codec: header.codec.clone(), error })?;
         let mut raw_total = 0u64;
         let mut wire_total = 0u64;
         let mut dtypes = Vec::with_capacity(header.tensors.len());
         let mut codecs = Vec::with_capacity(header.tensors.len());
         for t in &mut header.tensors {
             let malformed = |what: String| CodecError::Malformed(format!("tensor {}: {what}", t.name));
+            let invalid = |error: TensorError| CodecError::InvalidTensor { name: t.name.clone(), error };
             let codec = match (codec.auto, t.codec.as_str()) {
                 (false, "") => codec,
                 (false, own) => return Err(malformed(format!("codec {own:?} of its own in a {codec} payload"))),
@@ -365,7 +364,7 @@ impl IncomingPayload {
             let dtype = DType::from_name(&t.dtype).ok_or_else(|| CodecError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })?;
             let n = numel(&t.shape).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
             let raw = n.checked_mul(dtype.size() as u64).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
-            check_dim_order(&t.dim_order, t.shape.len()).map_err(malformed)?;
+            check_dim_order(&t.dim_order, t.shape.len()).map_err(invalid)?;
             if !t.dim_order.is_empty() && codec.precision == Precision::Int8 && codec.precision.casts(dtype) {
                 return Err(malformed("int8 quantisation of a tensor that is not row-major".into()));
             }
@@ -398,10 +397,10 @@ impl IncomingPayload {
                 }
             } else {
                 if t.blocks.is_empty() && !t.zeros_elided && carried > 0 {
-                    t.blocks.push(whole_block(carried, t.wire_len).map_err(malformed)?);
+                    t.blocks.push(whole_block(carried, t.wire_len).map_err(|e| invalid(e.into()))?);
                 }
                 for (i, block) in t.blocks.iter().enumerate() {
-                    check_block(codec.compression, block).map_err(|e| malformed(format!("block {i}: {e}")))?;
+                    check_block(codec.compression, block).map_err(|error| invalid(TensorError::Block { index: i, error }))?;
                 }
                 let raw: u64 = t.blocks.iter().map(|b| u64::from(b.raw_len)).sum();
                 let wire: u64 = t.blocks.iter().map(|b| u64::from(b.wire_len)).sum();
@@ -495,7 +494,7 @@ impl IncomingPayload {
         }
         self.check_buffers(tensors.iter().map(|b| b.len()))?;
         for ((t, &dtype), bytes) in self.header.tensors.iter().zip(&self.dtypes).zip(tensors) {
-            check_values(dtype, bytes).map_err(|reason| CodecError::Corrupt { name: t.name.clone(), reason })?;
+            check_values(dtype, bytes).map_err(|error| CodecError::Corrupt { name: t.name.clone(), error })?;
         }
         Ok(self.into_header())
     }
@@ -518,7 +517,7 @@ impl IncomingPayload {
         };
         self.check_buffers(std::iter::once(tensor.len()))?;
         opener.open_detached(seal, tensor, tag)?;
-        check_values(self.dtypes[0], tensor).map_err(|reason| CodecError::Corrupt { name: self.header.tensors[0].name.clone(), reason })?;
+        check_values(self.dtypes[0], tensor).map_err(|error| CodecError::Corrupt { name: self.header.tensors[0].name.clone(), error })?;
         Ok(self.into_header())
     }
 
@@ -536,7 +535,7 @@ impl IncomingPayload {
         for (((t, &dtype), codec), out) in self.header.tensors.iter().zip(&self.dtypes).zip(&self.codecs).zip(tensors.iter_mut()) {
             let end = offset + t.wire_len as usize;
             copied += decode_tensor(t, dtype, codec, &data[offset..end], &mut scratch, out)
-                .map_err(|reason| CodecError::Corrupt { name: t.name.clone(), reason })?;
+                .map_err(|error| CodecError::Corrupt { name: t.name.clone(), error })?;
             offset = end;
         }
         Ok(DecodedHeader { copied_bytes: copied, ..self.into_header() })
@@ -580,10 +579,10 @@ impl IncomingPayload {
 }
 
 /// What decoded bytes of `dtype` may hold: a bool is 0 or 1.
-fn check_values(dtype: DType, bytes: &[u8]) -> Result<(), String> {
+fn check_values(dtype: DType, bytes: &[u8]) -> Result<(), TensorError> {
     if dtype == DType::Bool {
-        if let Some(i) = bytes.iter().position(|&b| b > 1) {
-            return Err(format!("bool element {i} is {}, not 0 or 1", bytes[i]));
+        if let Some(index) = bytes.iter().position(|&b| b > 1) {
+            return Err(TensorError::NotBool { index, value: bytes[index] });
         }
     }
     Ok(())
@@ -593,7 +592,14 @@ fn check_values(dtype: DType, bytes: &[u8]) -> Result<(), String> {
 /// checked in `parse`) back to its dtype, in `out`. The last step writes into `out`, earlier
 /// ones into `scratch`. Returns the bytes it copied as they were: stored blocks, and the
 /// bytes of a tensor carried uncompressed or widened in a buffer of its own.
-fn decode_tensor(t: &TensorHeader, dtype: DType, codec: &Codec, encoded: &[u8], scratch: &mut [Vec<u8>; 3], out: &mut [u8]) -> Result<u64, String> {
+fn decode_tensor(
+    t: &TensorHeader,
+    dtype: DType,
+    codec: &Codec,
+    encoded: &[u8],
+    scratch: &mut [Vec<u8>; 3],
+    out: &mut [u8],
+) -> Result<u64, TensorError> {
     let stored = stored_bytes(&t.blocks);
     let size = codec.precision.carried_size(dtype);
     let n = t.byte_len as usize / dtype.size();

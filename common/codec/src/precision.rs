@@ -10,9 +10,52 @@ use crate::pb::Quantization;
 #[cfg(target_endian = "big")]
 compile_error!("cleave's payloads are little-endian and these casts assume a little-endian machine");
 
+/// Why a tensor cannot be narrowed to, or widened from, its carried precision. Values are
+/// kept as their bits, so that the error compares exactly.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PrecisionError {
+    /// int8 has no code for NaN or infinity.
+    #[error("int8 cannot carry the non-finite value {}", f32::from_bits(*bits))]
+    NonFinite {
+        /// The value's bits.
+        bits: u32,
+    },
+    /// An int8 tensor sent without its scales and zero points.
+    #[error("int8 tensor without quantisation parameters")]
+    NoQuantisation,
+    /// Quantisation parameters that do not fit the tensor's channels.
+    #[error(
+        "quantisation parameters for axis {axis} with {scales} scales and {zero_points} zero points do not fit shape {shape:?} \
+         (axis {expected_axis}, {channels} channels)"
+    )]
+    QuantisationShape {
+        /// The axis sent.
+        axis: i32,
+        /// Scales sent.
+        scales: usize,
+        /// Zero points sent.
+        zero_points: usize,
+        /// The tensor's shape.
+        shape: Vec<i64>,
+        /// The axis the shape has.
+        expected_axis: i32,
+        /// Its channels.
+        channels: usize,
+    },
+    /// A scale that is zero, negative or not finite.
+    #[error("quantisation scale {} is not a positive finite number", f32::from_bits(*bits))]
+    Scale {
+        /// The scale's bits.
+        bits: u32,
+    },
+    /// A zero point outside int8's range.
+    #[error("quantisation zero point {0} is outside -128..=127")]
+    ZeroPoint(i32),
+}
+
 /// Casts a float tensor's bytes to `precision`; returns the carried bytes and, for int8, the
 /// quantisation parameters. `shape` gives the channel axis for int8.
-pub fn narrow(precision: Precision, dtype: DType, shape: &[i64], data: &[u8]) -> Result<(Vec<u8>, Option<Quantization>), String> {
+pub fn narrow(precision: Precision, dtype: DType, shape: &[i64], data: &[u8]) -> Result<(Vec<u8>, Option<Quantization>), PrecisionError> {
     Ok(match precision {
         Precision::Full => unreachable!("full precision is never narrowed"),
         Precision::Fp16 => (narrow_half::<f16>(dtype, data), None),
@@ -25,12 +68,12 @@ pub fn narrow(precision: Precision, dtype: DType, shape: &[i64], data: &[u8]) ->
 }
 
 /// Undoes [`narrow`] (up to its loss): carried bytes back to `dtype`'s bytes.
-pub fn widen(precision: Precision, dtype: DType, shape: &[i64], carried: &[u8], quant: Option<&Quantization>) -> Result<Vec<u8>, String> {
+pub fn widen(precision: Precision, dtype: DType, shape: &[i64], carried: &[u8], quant: Option<&Quantization>) -> Result<Vec<u8>, PrecisionError> {
     Ok(match precision {
         Precision::Full => unreachable!("full precision is never widened"),
         Precision::Fp16 => widen_half::<f16>(dtype, carried),
         Precision::Bf16 => widen_half::<bf16>(dtype, carried),
-        Precision::Int8 => from_f32(dtype, &dequantize(carried, shape, quant.ok_or("int8 tensor without quantisation parameters")?)?),
+        Precision::Int8 => from_f32(dtype, &dequantize(carried, shape, quant.ok_or(PrecisionError::NoQuantisation)?)?),
     })
 }
 
@@ -136,9 +179,9 @@ fn channel_layout(shape: &[i64]) -> (i32, usize, usize, usize) {
     (1, outer, channels, inner)
 }
 
-fn quantize(values: &[f32], shape: &[i64]) -> Result<(Vec<u8>, Quantization), String> {
+fn quantize(values: &[f32], shape: &[i64]) -> Result<(Vec<u8>, Quantization), PrecisionError> {
     if let Some(bad) = values.iter().find(|v| !v.is_finite()) {
-        return Err(format!("int8 cannot carry the non-finite value {bad}"));
+        return Err(PrecisionError::NonFinite { bits: bad.to_bits() });
     }
     let (axis, outer, channels, inner) = channel_layout(shape);
     let (mut lo, mut hi) = (vec![f32::INFINITY; channels], vec![f32::NEG_INFINITY; channels]);
@@ -171,21 +214,23 @@ fn quantize(values: &[f32], shape: &[i64]) -> Result<(Vec<u8>, Quantization), St
     Ok((q, Quantization { axis, scale, zero_point }))
 }
 
-fn dequantize(q: &[u8], shape: &[i64], quant: &Quantization) -> Result<Vec<f32>, String> {
+fn dequantize(q: &[u8], shape: &[i64], quant: &Quantization) -> Result<Vec<f32>, PrecisionError> {
     let (axis, _, channels, inner) = channel_layout(shape);
     if quant.axis != axis || quant.scale.len() != channels || quant.zero_point.len() != channels {
-        return Err(format!(
-            "quantisation parameters for axis {} with {} scales and {} zero points do not fit shape {shape:?} (axis {axis}, {channels} channels)",
-            quant.axis,
-            quant.scale.len(),
-            quant.zero_point.len()
-        ));
+        return Err(PrecisionError::QuantisationShape {
+            axis: quant.axis,
+            scales: quant.scale.len(),
+            zero_points: quant.zero_point.len(),
+            shape: shape.to_vec(),
+            expected_axis: axis,
+            channels,
+        });
     }
     if let Some(bad) = quant.scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
-        return Err(format!("quantisation scale {bad} is not a positive finite number"));
+        return Err(PrecisionError::Scale { bits: bad.to_bits() });
     }
     if let Some(bad) = quant.zero_point.iter().find(|z| !(-128..=127).contains(*z)) {
-        return Err(format!("quantisation zero point {bad} is outside -128..=127"));
+        return Err(PrecisionError::ZeroPoint(*bad));
     }
     let mut out = vec![0f32; q.len()];
     for (i, (block, o)) in q.chunks_exact(inner.max(1)).zip(out.chunks_exact_mut(inner.max(1))).enumerate() {
@@ -219,15 +264,18 @@ mod tests {
                 assert_eq!(*b, 0.0);
             }
         }
-        assert!(narrow(Precision::Int8, DType::Float32, &[1], &from_f32(DType::Float32, &[f32::NAN])).unwrap_err().contains("non-finite"));
+        assert!(narrow(Precision::Int8, DType::Float32, &[1], &from_f32(DType::Float32, &[f32::NAN]))
+            .unwrap_err()
+            .to_string()
+            .contains("non-finite value NaN"));
     }
 
     #[test]
     fn bad_quantisation_parameters_are_errors() {
         let bad = Quantization { axis: 1, scale: vec![1.0], zero_point: vec![0] };
-        assert!(widen(Precision::Int8, DType::Float32, &[1, 2], &[0, 0], Some(&bad)).unwrap_err().contains("do not fit"));
+        assert!(widen(Precision::Int8, DType::Float32, &[1, 2], &[0, 0], Some(&bad)).unwrap_err().to_string().contains("do not fit"));
         let bad = Quantization { axis: -1, scale: vec![-1.0], zero_point: vec![0] };
-        assert!(widen(Precision::Int8, DType::Float32, &[2], &[0, 0], Some(&bad)).unwrap_err().contains("positive"));
-        assert!(widen(Precision::Int8, DType::Float32, &[2], &[0, 0], None).is_err());
+        assert!(widen(Precision::Int8, DType::Float32, &[2], &[0, 0], Some(&bad)).unwrap_err().to_string().contains("positive"));
+        assert_eq!(widen(Precision::Int8, DType::Float32, &[2], &[0, 0], None).unwrap_err(), PrecisionError::NoQuantisation);
     }
 }

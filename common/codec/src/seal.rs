@@ -28,6 +28,26 @@ const KEY_CHECK_BYTES: usize = 8;
 /// Largest counter: `counter << 1 | 1` must fit in 32 bits.
 const MAX_COUNTER: u32 = (u32::MAX >> 1) - 1;
 
+/// Why key material or a key ring cannot be used. Never contains the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// 64 characters that are not all hex digits.
+    #[error("the key has 64 characters but they are not all hex digits")]
+    NotHex,
+    /// Neither 64 hex digits nor 32 raw bytes.
+    #[error("a key is 64 hex digits or 32 raw bytes; this one has {bytes} bytes (make one with `head -c 32 /dev/urandom | xxd -p -c 64`)")]
+    Length {
+        /// The material's length.
+        bytes: usize,
+    },
+    /// Two keys of a ring with the same id.
+    #[error("key id {id} is given twice")]
+    DuplicateId {
+        /// The id.
+        id: u32,
+    },
+}
+
 /// A 256-bit key. Never printed: `Debug` shows only its id-free fingerprint's absence.
 #[derive(Clone)]
 pub struct Key(Zeroizing<[u8; 32]>);
@@ -46,14 +66,12 @@ impl Key {
 
     /// From the text of a key file or variable: 64 hex digits (surrounding whitespace
     /// ignored), or exactly 32 raw bytes. The error never contains the input.
-    pub fn parse(material: &[u8]) -> Result<Self, String> {
+    pub fn parse(material: &[u8]) -> Result<Self, KeyError> {
         let text = std::str::from_utf8(material).map(str::trim);
         if let Ok(text) = text {
             if text.len() == 64 {
                 let mut bytes = Zeroizing::new([0u8; 32]);
-                return hex::decode_to_slice(text, &mut bytes[..])
-                    .map(|()| Self(bytes))
-                    .map_err(|_| "the key has 64 characters but they are not all hex digits".into());
+                return hex::decode_to_slice(text, &mut bytes[..]).map(|()| Self(bytes)).map_err(|_| KeyError::NotHex);
             }
         }
         if material.len() == 32 {
@@ -61,10 +79,7 @@ impl Key {
             bytes.copy_from_slice(material);
             return Ok(Self(bytes));
         }
-        Err(format!(
-            "a key is 64 hex digits or 32 raw bytes; this one has {} bytes (make one with `head -c 32 /dev/urandom | xxd -p -c 64`)",
-            material.len()
-        ))
+        Err(KeyError::Length { bytes: material.len() })
     }
 
     /// A fresh random key (tests, dev set-up).
@@ -108,11 +123,11 @@ impl fmt::Debug for KeyRing {
 
 impl KeyRing {
     /// A ring of `(id, key)` pairs; ids must be distinct.
-    pub fn new(keys: impl IntoIterator<Item = (u32, Key)>) -> Result<Self, String> {
+    pub fn new(keys: impl IntoIterator<Item = (u32, Key)>) -> Result<Self, KeyError> {
         let mut ring = Self::default();
         for (id, key) in keys {
             if ring.ids().contains(&id) {
-                return Err(format!("key id {id} is given twice"));
+                return Err(KeyError::DuplicateId { id });
             }
             let cipher = Aes256Gcm::new_from_slice(&key.0[..]).expect("32-byte key");
             ring.keys.push(RingKey { id, check: key.check_value(), cipher });

@@ -48,20 +48,49 @@ pub fn elide(data: &[u8], size: usize, mask: &mut Vec<u8>, kept: &mut Vec<u8>) {
     kept.truncate(start + at);
 }
 
+/// Why a zero mask does not fit its tensor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ZeroMaskError {
+    /// The mask's length is not one bit per element, rounded up to bytes.
+    #[error("a zero mask of {bytes} bytes for {elements} elements")]
+    Length {
+        /// The mask's bytes.
+        bytes: usize,
+        /// The tensor's elements.
+        elements: usize,
+    },
+    /// Bits set past the last element.
+    #[error("the zero mask marks elements past the last of {elements}")]
+    PastTheEnd {
+        /// The tensor's elements.
+        elements: usize,
+    },
+    /// The mask marks another number of elements than the data holds.
+    #[error("the zero mask marks {marked} non-zero elements, the data holds {kept_bytes} bytes of {size}-byte elements")]
+    Marked {
+        /// Elements the mask marks.
+        marked: usize,
+        /// Bytes of kept elements.
+        kept_bytes: usize,
+        /// Bytes per element.
+        size: usize,
+    },
+}
+
 /// Undoes [`elide`] into `out` (the tensor's `n` elements of `size` bytes): checks that the
 /// mask has no bits past the last element and that `kept` holds exactly the elements it
 /// marks.
-pub fn restore(mask: &[u8], kept: &[u8], size: usize, out: &mut [u8]) -> Result<(), String> {
+pub fn restore(mask: &[u8], kept: &[u8], size: usize, out: &mut [u8]) -> Result<(), ZeroMaskError> {
     let n = out.len() / size;
     if mask.len() != mask_len(n) {
-        return Err(format!("a zero mask of {} bytes for {n} elements", mask.len()));
+        return Err(ZeroMaskError::Length { bytes: mask.len(), elements: n });
     }
     if !n.is_multiple_of(8) && mask[mask.len() - 1] >> (n % 8) != 0 {
-        return Err(format!("the zero mask marks elements past the last of {n}"));
+        return Err(ZeroMaskError::PastTheEnd { elements: n });
     }
     let marked: usize = mask.iter().map(|b| b.count_ones() as usize).sum();
     if marked * size != kept.len() {
-        return Err(format!("the zero mask marks {marked} non-zero elements, the data holds {} bytes of {size}-byte elements", kept.len()));
+        return Err(ZeroMaskError::Marked { marked, kept_bytes: kept.len(), size });
     }
     let (done, mut from) = match size {
         2 => restore_u16(mask, kept, out),
@@ -162,9 +191,9 @@ mod tests {
         elide(&data, 4, &mut mask, &mut kept);
         assert_eq!((mask.as_slice(), kept.len()), (&[0b11010u8][..], 12), "-0.0 is not elided");
         let mut out = vec![0u8; data.len()];
-        assert!(restore(&mask, &kept[4..], 4, &mut out).unwrap_err().contains("marks 3 non-zero elements, the data holds 8 bytes"));
-        assert!(restore(&[0b10_0000], &kept, 4, &mut out).unwrap_err().contains("past the last of 5"));
-        assert!(restore(&[0, 0], &kept, 4, &mut out).unwrap_err().contains("a zero mask of 2 bytes for 5 elements"));
+        assert_eq!(restore(&mask, &kept[4..], 4, &mut out).unwrap_err(), ZeroMaskError::Marked { marked: 3, kept_bytes: 8, size: 4 });
+        assert_eq!(restore(&[0b10_0000], &kept, 4, &mut out).unwrap_err(), ZeroMaskError::PastTheEnd { elements: 5 });
+        assert!(restore(&[0, 0], &kept, 4, &mut out).unwrap_err().to_string().contains("a zero mask of 2 bytes for 5 elements"));
     }
 
     #[test]

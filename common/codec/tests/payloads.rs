@@ -3,8 +3,8 @@
 
 use cleave_codec::pb::{self, NamedValue, PayloadEnvelope, PayloadHeader, ValueNode};
 use cleave_codec::{
-    encode_payload, Codec, CodecError, CodecPolicy, Compression, DType, Direction, EncodedPayload, IncomingPayload, Key, KeyRing, PayloadMeta,
-    Precision, TensorData,
+    encode_payload, Codec, CodecError, CodecPolicy, Compression, DType, Direction, EncodedPayload, IncomingPayload, Key, KeyError, KeyRing,
+    PayloadMeta, Precision, TensorData,
 };
 use proptest::prelude::*;
 use prost::Message;
@@ -411,12 +411,14 @@ fn keys_parse_from_hex_or_raw_bytes_and_never_print() {
     assert!(Key::parse(format!("{}\n", &*hex).as_bytes()).is_ok());
     assert!(Key::parse(&[7u8; 32]).is_ok());
     let err = Key::parse(b"too short").unwrap_err();
-    assert!(err.contains("this one has 9 bytes"), "{err}");
-    assert!(!err.contains("too short"));
+    assert_eq!(err, KeyError::Length { bytes: 9 });
+    assert!(err.to_string().contains("this one has 9 bytes"), "{err}");
+    assert!(!err.to_string().contains("too short"));
+    assert_eq!(Key::parse(&[b'g'; 64]).unwrap_err(), KeyError::NotHex);
     assert_eq!(format!("{key:?}"), "Key(<redacted>)");
     let ring = KeyRing::new([(1, key.clone()), (2, Key::random())]).unwrap();
     assert!(!format!("{ring:?}").contains(&*hex));
-    assert!(KeyRing::new([(1, key.clone()), (1, key)]).unwrap_err().contains("key id 1 is given twice"));
+    assert_eq!(KeyRing::new([(1, key.clone()), (1, key)]).unwrap_err(), KeyError::DuplicateId { id: 1 });
 }
 
 #[test]

@@ -597,7 +597,7 @@ fn server_security(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<S
             .enumerate()
             .map(|(i, k)| Ok((k.id, file.key(&format!("encryption.keys[{i}]"), k.file, k.env)?)))
             .collect::<Result<Vec<_>, ConfigError>>()?;
-        keys = KeyRing::new(pairs).map_err(|e| file.invalid("encryption.keys", e))?;
+        keys = KeyRing::new(pairs).map_err(|e| file.invalid("encryption.keys", e.to_string()))?;
         policy.require_encryption = enc.required;
     }
     Ok(ServerSecurity { policy, keys, tls: file.identity("tls", raw.tls.take())?, token: file.token(raw.auth.take())? })
