@@ -301,6 +301,29 @@ impl std::str::FromStr for SplitSpec {
     }
 }
 
+/// A config's `split:` (or `tail:`): a cut index as a number, or any form as text.
+impl<'de> serde::Deserialize<'de> for SplitSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = SplitSpec;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a cut index, after:<module path>, a percentage like 40% or auto")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<SplitSpec, E> {
+                usize::try_from(v).map(SplitSpec::Cut).map_err(E::custom)
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<SplitSpec, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
 /// Which of a cut's tensors a payload declares (see [`Bundle::check_declared_as`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CutTensors {
@@ -780,6 +803,20 @@ mod tests {
         assert_eq!("40%".parse::<SplitSpec>().unwrap(), SplitSpec::CostPercent(40.0));
         assert!("140%".parse::<SplitSpec>().unwrap_err().contains("between 0% and 100%"));
         assert!("middle".parse::<SplitSpec>().unwrap_err().contains("not a cut index"));
+    }
+
+    #[test]
+    fn split_specs_read_from_yaml_as_numbers_or_text() {
+        let yaml = |text: &str| serde_yaml::from_str::<SplitSpec>(text).map_err(|e| e.to_string());
+        assert_eq!(yaml("3"), Ok(SplitSpec::Cut(3)));
+        assert_eq!(yaml("\"3\""), Ok(SplitSpec::Cut(3)));
+        assert_eq!(yaml("auto"), Ok(SplitSpec::Auto));
+        assert_eq!(yaml("40%"), Ok(SplitSpec::CostPercent(40.0)));
+        assert_eq!(yaml("after:layer2.1"), Ok(SplitSpec::After("layer2.1".into())));
+        assert!(yaml("-1").unwrap_err().contains("expected a cut index, after:<module path>, a percentage like 40% or auto"));
+        assert!(yaml("2.5").unwrap_err().contains("expected a cut index"));
+        assert!(yaml("[3]").unwrap_err().contains("expected a cut index"));
+        assert!(yaml("middle").unwrap_err().contains("\"middle\" is not a cut index"));
     }
 
     #[test]

@@ -2,11 +2,45 @@
 //! user needs to fix it (the file, the expected and the actual value).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::spec::{DType, ShapeMismatch};
 
 /// Result alias for the bundle runtime.
 pub type Result<T, E = BundleError> = std::result::Result<T, E>;
+
+/// An error carried inside an error that must stay `Clone` and comparable (one sent to
+/// several waiters, or asserted on in tests): shared, and compared by what it says, since
+/// errors such as [`BundleError`] hold I/O errors that do not compare.
+#[derive(Debug)]
+pub struct Shared<E>(pub Arc<E>);
+
+impl<E> Shared<E> {
+    /// `error`, shared.
+    pub fn new(error: E) -> Self {
+        Self(Arc::new(error))
+    }
+}
+
+impl<E> Clone for Shared<E> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for Shared<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<E: std::fmt::Display> PartialEq for Shared<E> {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl<E: std::fmt::Display> Eq for Shared<E> {}
 
 /// Everything that can go wrong opening, loading or running a bundle.
 #[derive(Debug, thiserror::Error)]

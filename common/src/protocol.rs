@@ -4,6 +4,7 @@
 
 use crate::config::Limits;
 use crate::training::optim::OptimizerConfig;
+use crate::training::OptimizerError;
 use crate::wire::{CodecPolicy, FramePart, PayloadFrame, Precision};
 
 /// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
@@ -26,6 +27,11 @@ pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
 /// `-` or `_`, random per run): a request resent under the same session and request id is
 /// answered from the server's window of recent results, not computed again.
 pub const HOST_SESSION_METADATA: &str = "cleave-host-session";
+
+/// What a server's refusal to continue a training session says, which a host matches on
+/// (gRPC carries only a code and a message): the session may yet be continued once the
+/// server notices that its old stream broke.
+pub const SESSION_NOT_WAITING: &str = "is not waiting to be continued";
 
 /// A server's `Info` that this host cannot work with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -277,19 +283,19 @@ impl From<&OptimizerConfig> for pb::Optimizer {
 }
 
 impl TryFrom<&pb::Optimizer> for OptimizerConfig {
-    type Error = String;
+    type Error = OptimizerError;
 
     /// The optimizer a session asks for, validated as a config file's would be.
-    fn try_from(o: &pb::Optimizer) -> Result<Self, String> {
+    fn try_from(o: &pb::Optimizer) -> Result<Self, OptimizerError> {
         let config = match o.kind.as_str() {
             "sgd" => {
                 OptimizerConfig::Sgd { lr: o.lr, momentum: o.momentum, dampening: o.dampening, weight_decay: o.weight_decay, nesterov: o.nesterov }
             }
             "adam" => OptimizerConfig::Adam { lr: o.lr, betas: [o.beta1, o.beta2], eps: o.eps, weight_decay: o.weight_decay },
             "adamw" => OptimizerConfig::Adamw { lr: o.lr, betas: [o.beta1, o.beta2], eps: o.eps, weight_decay: o.weight_decay },
-            other => return Err(format!("optimizer {other:?} is not one of sgd, adam, adamw")),
+            other => return Err(OptimizerError::UnknownKind(other.into())),
         };
-        config.validate().map(|()| config).map_err(|e| format!("optimizer: {e}"))
+        config.validate().map(|()| config)
     }
 }
 
@@ -404,6 +410,6 @@ mod tests {
             assert_eq!(OptimizerConfig::try_from(&pb::Optimizer::from(&o)).unwrap(), o);
         }
         let bad = pb::Optimizer { kind: "lion".into(), ..Default::default() };
-        assert!(OptimizerConfig::try_from(&bad).unwrap_err().contains("not one of"));
+        assert!(OptimizerConfig::try_from(&bad).unwrap_err().to_string().contains("not one of"));
     }
 }

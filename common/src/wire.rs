@@ -21,9 +21,10 @@ use cleave_codec::pb::{self, NamedValue, ValueNode};
 use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
 use tch::Tensor;
 
-pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadData, PayloadMeta, Precision};
+pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadData, PayloadMeta, PolicyError, Precision};
 
 use crate::bundle::{Bundle, CutTensors};
+use crate::error::{BundleError, Shared};
 use crate::spec::{BoundarySizes, DType, TorchDType};
 use crate::tensor_memory::{TensorBuf, TensorBytes};
 use crate::value::{Boundary, Value};
@@ -66,10 +67,18 @@ pub enum WireError {
     /// The value tree names a tensor the header does not have, or names one twice.
     #[error("value tree: {0}")]
     BadTree(String),
+    /// The payload is at another cut than the stream takes.
+    #[error("the payload is at cut {payload}, this stream takes cut {stream}")]
+    WrongCut {
+        /// The payload's cut.
+        payload: usize,
+        /// The stream's.
+        stream: usize,
+    },
     /// The payload declares tensors that do not fit the cut it names (checked before its data
     /// is reserved).
     #[error("{0}")]
-    NotExpected(String),
+    NotExpected(Shared<BundleError>),
     /// libtorch cannot build a tensor of this shape.
     #[error("tensor {name}: libtorch cannot build shape {shape:?}: {message}")]
     BadTensor {
@@ -316,10 +325,10 @@ impl PayloadReceiver {
         let mut checked = None;
         if let Some((bundle, cut, rule)) = &self.expected {
             let split = incoming.split() as usize;
-            if cut.is_some_and(|cut| cut != split) {
-                return Err(WireError::NotExpected(format!("the payload is at cut {split}, this stream takes cut {}", cut.unwrap_or(split))));
+            if let Some(stream) = cut.filter(|&cut| cut != split) {
+                return Err(WireError::WrongCut { payload: split, stream });
             }
-            let sizes = bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(e.to_string()))?;
+            let sizes = bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(Shared::new(e)))?;
             checked = Some(sizes);
         }
         // The data is reserved by the first push, so that a caller may wait for room (in a

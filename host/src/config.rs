@@ -68,7 +68,7 @@ pub enum InputSource {
 struct RawEdgeConfig {
     server: String,
     bundle: PathBuf,
-    split: serde_yaml::Value,
+    split: SplitSpec,
     #[serde(default)]
     objective: Option<String>,
     #[serde(default = "auto_device")]
@@ -226,7 +226,7 @@ struct RawTrain {
     #[serde(default = "split_mode")]
     mode: String,
     #[serde(default)]
-    tail: Option<serde_yaml::Value>,
+    tail: Option<SplitSpec>,
     data: RawTrainData,
     epochs: usize,
     batch_size: i64,
@@ -436,7 +436,7 @@ impl EdgeConfig {
         }
         let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
         let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
-        let split = split_spec(&raw.split).map_err(|e| invalid("split", e))?;
+        let split = raw.split;
         let objective = raw.objective.as_deref().unwrap_or("latency").parse().map_err(|e| invalid("objective", e))?;
         let device = secrets.device("device", &raw.device)?;
         if !raw.server.starts_with("http://") && !raw.server.starts_with("https://") {
@@ -526,7 +526,7 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
     let mode = match (raw.mode.as_str(), raw.tail) {
         ("split", None) => TrainMode::Split,
         ("monolithic", None) => TrainMode::Monolithic,
-        ("u-shaped", Some(tail)) => TrainMode::UShaped { tail: split_spec(&tail).map_err(|e| invalid("tail", e))? },
+        ("u-shaped", Some(tail)) => TrainMode::UShaped { tail },
         ("u-shaped", None) => return Err(invalid("tail", "u-shaped training needs `tail`: the cut where the edge's last stages start".into())),
         ("split" | "monolithic", Some(_)) => return Err(invalid("tail", "only u-shaped training has a tail".into())),
         (other, _) => return Err(invalid("mode", format!("{other:?} is not a mode (split, u-shaped, monolithic)"))),
@@ -541,7 +541,7 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
     if eval_batch_size < 1 {
         return Err(invalid("eval_batch_size", "must be at least 1".into()));
     }
-    raw.optimizer.validate().map_err(|e| invalid("optimizer", e))?;
+    raw.optimizer.validate().map_err(|e| invalid("optimizer", e.to_string()))?;
     if raw.max_steps == Some(0) {
         return Err(invalid("max_steps", "must be at least 1".into()));
     }
@@ -561,14 +561,6 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
         max_steps: raw.max_steps,
         write_bundle: raw.write_bundle,
     })
-}
-
-fn split_spec(value: &serde_yaml::Value) -> Result<SplitSpec, String> {
-    match value {
-        serde_yaml::Value::Number(n) => n.to_string().parse(),
-        serde_yaml::Value::String(s) => s.parse(),
-        other => Err(format!("{other:?}: expected a cut index, after:<module path> or a percentage")),
-    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use cleave_common::config::ConfigError;
+use cleave_common::protocol::ProtocolError;
 use cleave_common::training::TrainError;
-use cleave_common::wire::{CodecError, WireError};
+use cleave_common::wire::{CodecError, PolicyError, WireError};
 use cleave_common::BundleError;
 
 use crate::loopback::LoopbackError;
@@ -78,16 +79,16 @@ pub enum HostError {
         message: String,
     },
     /// The server cannot serve this host as configured (another bundle, a codec or key it
-    /// refuses).
-    #[error("{0}")]
-    Refused(String),
+    /// refuses), or refused a call.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
     /// The server broke the protocol (an answer out of order, a missing reply).
-    #[error("{0}")]
-    Stream(String),
+    #[error(transparent)]
+    Stream(#[from] Breach),
     /// The connection or stream to the server broke (a training link continues its session
     /// on a new one).
     #[error("the link to the server broke: {0}")]
-    Lost(String),
+    Lost(LinkLost),
     /// A command given a config of the other kind (inference without `input`, training
     /// without `train`).
     #[error("the config has no `{key}`: {command} needs one")]
@@ -333,6 +334,141 @@ pub enum StreamError {
     /// The server answered UNAVAILABLE (it is draining), with this message.
     #[error("the server cannot take requests now: Unavailable: {0}")]
     Draining(String),
+}
+
+/// Why the server cannot serve this host as configured, or what it refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The server's `Info` describes a server this host cannot work with.
+    #[error("{url}: {error}")]
+    Info {
+        /// The server's URL.
+        url: String,
+        /// What does not fit.
+        error: ProtocolError,
+    },
+    /// The server serves no bundle with this host's id.
+    #[error(transparent)]
+    Bundle(#[from] BundleMismatch),
+    /// A codec the server does not accept.
+    #[error("codec {codec}: the server refuses it: {error}")]
+    Codec {
+        /// The codec.
+        codec: String,
+        /// The part refused.
+        error: PolicyError,
+    },
+    /// `codec: auto`, and the server accepts none of the codecs it picks from.
+    #[error("codec: auto: the server accepts none of {}", candidates.join(", "))]
+    NoAutoCodec {
+        /// The codecs `auto` picks from.
+        candidates: Vec<String>,
+    },
+    /// Payloads in the clear to a server that requires them sealed.
+    #[error("the server requires AES-256-GCM payloads: configure `encryption` with one of its key ids {held:?}")]
+    EncryptionRequired {
+        /// The server's key ids.
+        held: Vec<u32>,
+    },
+    /// A key id the server does not hold.
+    #[error("the server holds key ids {held:?}, not {id}: it could not open this host's payloads")]
+    KeyNotHeld {
+        /// This host's key id.
+        id: u32,
+        /// The server's.
+        held: Vec<u32>,
+    },
+    /// The server answered a training call with an error.
+    #[error("the server refused call {call}: {code:?}: {message}")]
+    Call {
+        /// The call's id.
+        call: u64,
+        /// The status code.
+        code: tonic::Code,
+        /// The server's message.
+        message: String,
+    },
+}
+
+/// The server serves no bundle with this host's id: the ids on each side (whole: they are
+/// what is matched) and, for each served model of the same source, what differs between the
+/// two exports.
+#[derive(Debug, thiserror::Error)]
+#[error("bundle mismatch: this host has {bundle_id} ({source_name}), the server at {url} serves {}{}", served.join(", "), self.other_exports())]
+pub struct BundleMismatch {
+    /// This host's bundle id.
+    pub bundle_id: String,
+    /// Its model's source (`torchvision:resnet18`).
+    pub source_name: String,
+    /// The server's URL.
+    pub url: String,
+    /// What the server serves: `ID (SOURCE)`.
+    pub served: Vec<String>,
+    /// Served exports of the same model: their short id and what differs.
+    pub same_model: Vec<(String, String)>,
+}
+
+impl BundleMismatch {
+    fn other_exports(&self) -> String {
+        self.same_model
+            .iter()
+            .map(|(id, differs)| format!("; {id} is another export of the same model ({differs}): copy one bundle directory to both sides"))
+            .collect()
+    }
+}
+
+/// How the server broke the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Breach {
+    /// A training step whose loss the server computes came back without it.
+    #[error("the server sent no loss")]
+    NoLoss,
+    /// The server checkpointed another step than this host.
+    #[error("the server checkpointed step {server}, this host step {host}")]
+    CheckpointStep {
+        /// The server's step.
+        server: u64,
+        /// This host's.
+        host: u64,
+    },
+    /// The first reply of a training stream is not the session's opening.
+    #[error("the server did not open the session")]
+    NotOpened,
+    /// A checkpoint request answered without a checkpoint.
+    #[error("the server answered a checkpoint request without saving")]
+    NotSaved,
+    /// A boundary at another cut than the call expects.
+    #[error("the server answered with a boundary at cut {got}, expected cut {expected}")]
+    WrongCut {
+        /// The answer's cut.
+        got: u32,
+        /// The cut expected.
+        expected: u32,
+    },
+    /// An answer to another call than the one waiting.
+    #[error("the server answered call {answered} while call {waiting} was waiting")]
+    OutOfOrder {
+        /// The call answered.
+        answered: u64,
+        /// The call waiting.
+        waiting: u64,
+    },
+}
+
+/// How a training stream to the server broke.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkLost {
+    /// The stream ended.
+    #[error("the server closed the training stream")]
+    Closed,
+    /// The stream failed with a gRPC status.
+    #[error("training stream failed: {code:?}: {message}")]
+    Failed {
+        /// The status code.
+        code: tonic::Code,
+        /// Its message.
+        message: String,
+    },
 }
 
 /// Why measuring the cuts (`host plan`, `split: auto`'s profile) gave nothing to plan from.

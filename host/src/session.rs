@@ -20,7 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
 use crate::config::{EdgeConfig, Resilience, RetryPolicy};
-use crate::error::{HostError, Result};
+use crate::error::{BundleMismatch, HostError, Refusal, Result};
 
 /// How to reach a server: TLS trust, bearer token, and how long to wait for it.
 #[derive(Debug, Clone)]
@@ -159,34 +159,36 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         }
         code => connect_error(format!("Info: {code:?}: {}", s.message())),
     })?;
-    let server = ServerInfo::try_from(reply.into_inner()).map_err(|e| HostError::Refused(format!("{url}: {e}")))?;
+    let server = ServerInfo::try_from(reply.into_inner()).map_err(|error| Refusal::Info { url: url.to_string(), error })?;
     let Some(model) = server.model(bundle.id()).cloned() else {
-        return Err(HostError::Refused(bundle_mismatch(bundle, &server, url)));
+        return Err(Refusal::from(bundle_mismatch(bundle, &server, url)).into());
     };
     let max_message = server.limits.max_message_bytes as usize;
     let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
     Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone() })
 }
 
-/// The server serves no bundle with this host's id: the ids on each side (whole: they are
-/// what is matched) and, for a served model of the same source, what differs between the two
-/// exports, with the fix.
-fn bundle_mismatch(bundle: &Bundle, server: &ServerInfo, url: &str) -> String {
+/// The server serves no bundle with this host's id: the ids on each side and, for a served
+/// model of the same source, what differs between the two exports.
+fn bundle_mismatch(bundle: &Bundle, server: &ServerInfo, url: &str) -> BundleMismatch {
     let source = &bundle.manifest().model.source;
-    let served: Vec<String> = server.models.iter().map(|m| format!("{} ({})", m.bundle_id, m.model_source)).collect();
-    let mut message = format!("bundle mismatch: this host has {} ({source}), the server at {url} serves {}", bundle.id(), served.join(", "));
     let here = ExportFacts::of(bundle);
-    for other in server.models.iter().filter(|m| m.model_source == *source) {
-        let differs = match other.export.as_ref().map(|e| e.differences(&here)) {
-            Some(d) if !d.is_empty() => d.join(", "),
-            _ => "their files differ".to_string(),
-        };
-        message.push_str(&format!(
-            "; {} is another export of the same model ({differs}): copy one bundle directory to both sides",
-            short_id(&other.bundle_id)
-        ));
+    let differences = |other: &ServedModel| match other.export.as_ref().map(|e| e.differences(&here)) {
+        Some(d) if !d.is_empty() => d.join(", "),
+        _ => "their files differ".to_string(),
+    };
+    BundleMismatch {
+        bundle_id: bundle.id().to_string(),
+        source_name: source.clone(),
+        url: url.to_string(),
+        served: server.models.iter().map(|m| format!("{} ({})", m.bundle_id, m.model_source)).collect(),
+        same_model: server
+            .models
+            .iter()
+            .filter(|m| m.model_source == *source)
+            .map(|m| (short_id(&m.bundle_id).to_string(), differences(m)))
+            .collect(),
     }
-    message
 }
 
 /// Whether a failed connection may succeed when tried again: what a server that is starting,
@@ -272,15 +274,10 @@ impl EdgeSession {
 /// Checks that a server accepts `codec` and holds `key_id` (or needs no key); the error says
 /// what the server accepts.
 pub fn check_server_accepts(server: &ServerInfo, codec: &Codec, key_id: Option<u32>) -> Result<()> {
-    server.policy.check(codec).map_err(|reason| HostError::Refused(format!("codec {codec}: the server refuses it: {reason}")))?;
+    server.policy.check(codec).map_err(|error| Refusal::Codec { codec: codec.to_string(), error })?;
     match key_id {
-        None if server.policy.require_encryption => Err(HostError::Refused(format!(
-            "the server requires AES-256-GCM payloads: configure `encryption` with one of its key ids {:?}",
-            server.key_ids
-        ))),
-        Some(id) if !server.key_ids.contains(&id) => {
-            Err(HostError::Refused(format!("the server holds key ids {:?}, not {id}: it could not open this host's payloads", server.key_ids)))
-        }
+        None if server.policy.require_encryption => Err(Refusal::EncryptionRequired { held: server.key_ids.clone() }.into()),
+        Some(id) if !server.key_ids.contains(&id) => Err(Refusal::KeyNotHeld { id, held: server.key_ids.clone() }.into()),
         _ => Ok(()),
     }
 }

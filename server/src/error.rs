@@ -5,6 +5,7 @@
 //! A variant's message includes its cause, and no variant reports the cause again as its
 //! `source`, so a printed chain names each cause once.
 
+use cleave_common::error::Shared;
 use cleave_common::training::TrainError;
 use cleave_common::wire::{CodecError, WireError};
 use cleave_common::BundleError;
@@ -87,7 +88,7 @@ pub(crate) enum Internal {
         /// The device (`cpu`, `cuda:0`).
         device: String,
         /// Why its thread died.
-        cause: String,
+        cause: DeviceFailure,
     },
     /// The request was dropped before it was answered (its scheduler stopped with it queued).
     #[error("the request was dropped before it was answered")]
@@ -147,8 +148,11 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             TrainError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. } | BundleError::InvalidRange { .. })
             | TrainError::Invalid(_)
             | TrainError::Loss(_)
-            | TrainError::Gradients(_) => Code::InvalidArgument,
-            TrainError::NotTrainable(_) | TrainError::Checkpoint { .. } => Code::FailedPrecondition,
+            | TrainError::Gradients(_)
+            | TrainError::Optimizer(_) => Code::InvalidArgument,
+            TrainError::NotTrainable(_) | TrainError::Checkpoint { .. } | TrainError::State { .. } | TrainError::NotCovered { .. } => {
+                Code::FailedPrecondition
+            }
             TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
         },
         RequestError::Session(_) | RequestError::AlreadyTraining(_) | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
@@ -190,6 +194,39 @@ pub(crate) fn catch_panic<T>(what: &str, f: impl FnOnce() -> Result<T, RequestEr
         tracing::error!(%what, panic = %message, "caught a panic");
         Err(RequestError::Panicked(format!("{what} panicked: {message}")))
     })
+}
+
+/// Why a device's scheduler thread died, or why the device stays down.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceFailure {
+    /// A panic outside any request: a bug, or a device error no request caught.
+    #[error("its scheduler panicked: {0}")]
+    Panicked(String),
+    /// The operating system would not start its thread.
+    #[error("its scheduler thread could not start: {0}")]
+    NoThread(Shared<std::io::Error>),
+    /// Its models failed their warm-up: they cannot run there, reloaded or not.
+    #[error("warming its models failed: {0}")]
+    NotWarmed(Shared<BundleError>),
+    /// The thread died and the policy is not to restart it.
+    #[error("{0} (`on_device_failure: exit`)")]
+    NotRestarted(Box<DeviceFailure>),
+    /// The thread died and its models could not be loaded again.
+    #[error("{cause}; its models could not be reloaded: {error}")]
+    NotReloaded {
+        /// Why the thread died.
+        cause: Box<DeviceFailure>,
+        /// Why reloading failed.
+        error: Shared<ServerError>,
+    },
+    /// The thread died and reloading its models panicked.
+    #[error("{cause}; reloading its models panicked: {message}")]
+    ReloadPanicked {
+        /// Why the thread died.
+        cause: Box<DeviceFailure>,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 /// Why the server could not start, or stopped serving.
@@ -243,7 +280,15 @@ pub enum ServerError {
         /// The device (`cpu`, `cuda:0`).
         device: String,
         /// Why its thread died, and why it was not restarted.
-        cause: String,
+        cause: DeviceFailure,
+    },
+    /// A device's models failed their warm-up at start.
+    #[error("device {device}: {cause}")]
+    NotWarmed {
+        /// The device.
+        device: String,
+        /// The warm-up's error.
+        cause: DeviceFailure,
     },
     /// A model's `warm_batches` lists a batch size its bundle does not take.
     #[error("`warm_batches`: {bundle} takes batches of {min} to {max}, not {batch}")]
@@ -279,7 +324,7 @@ mod tests {
             Internal::SessionGone,
             Internal::Cancelled("encoding an answer"),
             Internal::WrongAnswer("Save"),
-            Internal::DeviceFailed { device: "cuda:0".into(), cause: "its scheduler panicked: x".into() },
+            Internal::DeviceFailed { device: "cuda:0".into(), cause: DeviceFailure::Panicked("x".into()) },
         ] {
             let err = RequestError::from(internal.clone());
             assert_eq!(status_code(&err), Code::Internal, "{err}");

@@ -89,6 +89,7 @@ mod tests {
     use tonic_health::pb::HealthCheckRequest;
 
     use super::*;
+    use crate::error::DeviceFailure;
 
     /// Asks the health service until `service` reports `want` (statuses change in the order
     /// the events come, each once the one before it is set).
@@ -125,8 +126,8 @@ mod tests {
         let (gpu1, gpu1_models) = on("cuda:1", &["c"]);
 
         // Two devices fail: the server and their models are out of service.
-        events.send(DeviceEvent::Failed { device: gpu0.clone(), models: gpu0_models.clone(), cause: "x".into() }).unwrap();
-        events.send(DeviceEvent::Failed { device: gpu1.clone(), models: gpu1_models.clone(), cause: "y".into() }).unwrap();
+        events.send(DeviceEvent::Failed { device: gpu0.clone(), models: gpu0_models.clone(), cause: DeviceFailure::Panicked("x".into()) }).unwrap();
+        events.send(DeviceEvent::Failed { device: gpu1.clone(), models: gpu1_models.clone(), cause: DeviceFailure::Panicked("y".into()) }).unwrap();
         for name in ["", server_name, "a", "b", "c"] {
             until(&mut client, name, Status::NotServing).await;
         }
@@ -142,8 +143,12 @@ mod tests {
             until(&mut client, name, Status::Serving).await;
         }
         // Down for good: the follower ends with why the server exits.
-        events.send(DeviceEvent::Down { device: gpu1, cause: "y (`on_device_failure: exit`)".into() }).unwrap();
+        let exit = DeviceFailure::NotRestarted(Box::new(DeviceFailure::Panicked("y".into())));
+        events.send(DeviceEvent::Down { device: gpu1, cause: exit }).unwrap();
         let why = tokio::time::timeout(Duration::from_secs(10), follower).await.unwrap().unwrap();
-        assert_eq!(why, "device cuda:1 failed: y (`on_device_failure: exit`); the server exits for its supervisor to start it afresh");
+        assert_eq!(
+            why,
+            "device cuda:1 failed: its scheduler panicked: y (`on_device_failure: exit`); the server exits for its supervisor to start it afresh"
+        );
     }
 }

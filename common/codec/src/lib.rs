@@ -26,7 +26,7 @@ pub mod seal;
 pub mod shuffle;
 pub mod zeros;
 
-pub use codec::{Codec, CodecPolicy, Compression, Precision};
+pub use codec::{Codec, CodecPolicy, Compression, PolicyError, Precision};
 pub use dtype::DType;
 pub use error::CodecError;
 pub use payload::{encode_payload, DecodedHeader, DecodedPayload, EncodedPayload, IncomingPayload, PayloadData, PayloadMeta, TensorData};

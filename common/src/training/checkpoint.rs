@@ -162,11 +162,12 @@ pub fn restore(path: &Path, parts: &[&TrainableStages], optimizer: &mut Optimize
     if &meta.optimizer != optimizer.config() {
         return Err(fail(path, format!("it was trained with {:?}, this run uses {:?}", meta.optimizer, optimizer.config())));
     }
+    let state = |error| TrainError::State { path: path.to_path_buf(), error };
     for part in parts {
-        part.load_state(&tensors).map_err(|m| fail(path, m))?;
+        part.load_state(&tensors).map_err(state)?;
     }
     let params: Vec<(String, Tensor)> = parts.iter().flat_map(|p| p.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone()))).collect();
-    optimizer.load_state(&params, &tensors).map_err(|m| fail(path, m))?;
+    optimizer.load_state(&params, &tensors).map_err(state)?;
     Ok(meta)
 }
 

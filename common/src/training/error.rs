@@ -1,5 +1,7 @@
 //! Why a training step, or setting one up, failed.
 
+use tch::Kind;
+
 use crate::error::BundleError;
 
 /// Why a training step, or setting one up, failed.
@@ -11,9 +13,12 @@ pub enum TrainError {
     /// The bundle cannot be trained as it is.
     #[error("the bundle cannot be trained: {0}")]
     NotTrainable(String),
-    /// A configuration value that cannot work (optimizer, loss, split).
+    /// A configuration value that cannot work (loss, split).
     #[error("{0}")]
     Invalid(String),
+    /// An optimizer that PyTorch would refuse.
+    #[error("optimizer: {0}")]
+    Optimizer(#[from] OptimizerError),
     /// The loss cannot be computed from this output and these targets.
     #[error("loss: {0}")]
     Loss(String),
@@ -28,13 +33,104 @@ pub enum TrainError {
         /// libtorch's message (first line).
         message: String,
     },
-    /// A checkpoint cannot be written or read, or does not fit these stages.
+    /// A checkpoint's state does not fit the stages or optimizer it is loaded into.
+    #[error("checkpoint {path}: {error}")]
+    State {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What does not fit.
+        error: StateError,
+    },
+    /// Checkpoints exported into a bundle that do not hold the whole model's state.
+    #[error("checkpoint {path}: the checkpoints do not cover the model: {error}")]
+    NotCovered {
+        /// The first checkpoint.
+        path: std::path::PathBuf,
+        /// What is not covered.
+        error: StateError,
+    },
+    /// A checkpoint cannot be written or read, or is of other stages.
     #[error("checkpoint {path}: {message}")]
     Checkpoint {
         /// The file.
         path: std::path::PathBuf,
         /// What is wrong.
         message: String,
+    },
+}
+
+/// An optimizer's hyper-parameter that PyTorch would refuse, or a kind it does not have.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OptimizerError {
+    /// Not sgd, adam or adamw.
+    #[error("optimizer {0:?} is not one of sgd, adam, adamw")]
+    UnknownKind(String),
+    /// A learning rate that is not a finite number above 0.
+    #[error("lr must be a finite number > 0, got {0}")]
+    Lr(f64),
+    /// A field that must be a finite number, 0 or more.
+    #[error("{field} must be a finite number >= 0, got {value}")]
+    Negative {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// Nesterov momentum without momentum, or with dampening.
+    #[error("nesterov needs momentum > 0 and dampening 0")]
+    Nesterov,
+    /// A beta outside [0, 1).
+    #[error("betas[{index}] must be in [0, 1), got {value}")]
+    Beta {
+        /// Which beta.
+        index: usize,
+        /// Its value.
+        value: f64,
+    },
+}
+
+/// Why saved training state does not fit the stages or the optimizer it is loaded into.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// A parameter or buffer the stages hold is not in the state.
+    #[error("{key} is missing")]
+    Missing {
+        /// Its key (`param.NAME`, `buffer.NAME`).
+        key: String,
+    },
+    /// A tensor of another shape or dtype than the one it is loaded into.
+    #[error("{key} is {found_kind:?} {found_shape:?}; this side holds {kind:?} {shape:?}")]
+    Mismatch {
+        /// Its key.
+        key: String,
+        /// The saved tensor's dtype.
+        found_kind: Kind,
+        /// The saved tensor's shape.
+        found_shape: Vec<i64>,
+        /// The dtype here.
+        kind: Kind,
+        /// The shape here.
+        shape: Vec<i64>,
+    },
+    /// libtorch refused the copy.
+    #[error("{key}: {message}")]
+    Copy {
+        /// Its key.
+        key: String,
+        /// libtorch's message.
+        message: String,
+    },
+    /// An optimizer step count below 0.
+    #[error("{key} is negative")]
+    NegativeStep {
+        /// Its key.
+        key: String,
+    },
+    /// Adam's state for a parameter with some of its three tensors.
+    #[error("optim.{param}: step, exp_avg and exp_avg_sq must all be present")]
+    Incomplete {
+        /// The parameter.
+        param: String,
     },
 }
 

@@ -37,7 +37,7 @@ pub fn write_trained_bundle(bundle: &Bundle, checkpoints: &[PathBuf], out: &Path
     let mut stages = TrainableStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu, 0)?;
     stages
         .load_state(&state)
-        .map_err(|m| fail(checkpoints.first().map_or(out, |p| p.as_path()), format!("the checkpoints do not cover the model: {m}")))?;
+        .map_err(|error| TrainError::NotCovered { path: checkpoints.first().map_or(out, |p| p.as_path()).to_path_buf(), error })?;
 
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| fail(out, format!("cannot create {}: {e}", parent.display())))?;

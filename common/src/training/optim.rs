@@ -12,6 +12,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+use super::{OptimizerError, StateError};
+
 /// An optimizer and its hyper-parameters, as written in YAML (`kind: sgd | adam | adamw`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
@@ -90,17 +92,17 @@ impl OptimizerConfig {
         }
     }
 
-    /// Checks the values PyTorch would refuse; the message names the field.
-    pub fn validate(&self) -> Result<(), String> {
-        let finite_non_negative = |name: &str, v: f64| {
-            if v.is_finite() && v >= 0.0 {
+    /// Checks the values PyTorch would refuse; the error names the field.
+    pub fn validate(&self) -> Result<(), OptimizerError> {
+        let finite_non_negative = |field: &'static str, value: f64| {
+            if value.is_finite() && value >= 0.0 {
                 Ok(())
             } else {
-                Err(format!("{name} must be a finite number >= 0, got {v}"))
+                Err(OptimizerError::Negative { field, value })
             }
         };
         if !(self.lr().is_finite() && self.lr() > 0.0) {
-            return Err(format!("lr must be a finite number > 0, got {}", self.lr()));
+            return Err(OptimizerError::Lr(self.lr()));
         }
         match self {
             Self::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
@@ -108,13 +110,13 @@ impl OptimizerConfig {
                 finite_non_negative("dampening", *dampening)?;
                 finite_non_negative("weight_decay", *weight_decay)?;
                 if *nesterov && (*momentum <= 0.0 || *dampening != 0.0) {
-                    return Err("nesterov needs momentum > 0 and dampening 0".into());
+                    return Err(OptimizerError::Nesterov);
                 }
             }
             Self::Adam { betas, eps, weight_decay, .. } | Self::Adamw { betas, eps, weight_decay, .. } => {
-                for (i, b) in betas.iter().enumerate() {
-                    if !(0.0..1.0).contains(b) {
-                        return Err(format!("betas[{i}] must be in [0, 1), got {b}"));
+                for (index, &value) in betas.iter().enumerate() {
+                    if !(0.0..1.0).contains(&value) {
+                        return Err(OptimizerError::Beta { index, value });
                     }
                 }
                 finite_non_negative("eps", *eps)?;
@@ -248,13 +250,14 @@ impl Optimizer {
     /// Restores the state of `params` from [`Self::state_tensors`] (moved to each
     /// parameter's device). A parameter without state in `tensors` starts fresh, as it would
     /// had it never had a gradient.
-    pub fn load_state(&mut self, params: &[(String, Tensor)], tensors: &HashMap<String, Tensor>) -> Result<(), String> {
+    pub fn load_state(&mut self, params: &[(String, Tensor)], tensors: &HashMap<String, Tensor>) -> Result<(), StateError> {
         self.state.clear();
         for (name, param) in params {
             let get = |field: &str| tensors.get(&format!("optim.{name}.{field}"));
             let like_param = |field: &str, t: &Tensor| {
                 if t.size() != param.size() || t.kind() != param.kind() {
-                    Err(format!("optim.{name}.{field} is {:?} {:?}, the parameter {:?} {:?}", t.kind(), t.size(), param.kind(), param.size()))
+                    let key = format!("optim.{name}.{field}");
+                    Err(StateError::Mismatch { key, found_kind: t.kind(), found_shape: t.size(), kind: param.kind(), shape: param.size() })
                 } else {
                     Ok(t.to_device(param.device()).copy())
                 }
@@ -266,12 +269,12 @@ impl Optimizer {
                 },
                 OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => match (get("step"), get("exp_avg"), get("exp_avg_sq")) {
                     (Some(step), Some(m), Some(v)) => Some(ParamState::Adam {
-                        step: u64::try_from(step.int64_value(&[])).map_err(|_| format!("optim.{name}.step is negative"))?,
+                        step: u64::try_from(step.int64_value(&[])).map_err(|_| StateError::NegativeStep { key: format!("optim.{name}.step") })?,
                         exp_avg: like_param("exp_avg", m)?,
                         exp_avg_sq: like_param("exp_avg_sq", v)?,
                     }),
                     (None, None, None) => None,
-                    _ => return Err(format!("optim.{name}: step, exp_avg and exp_avg_sq must all be present")),
+                    _ => return Err(StateError::Incomplete { param: name.clone() }),
                 },
             };
             if let Some(state) = state {
@@ -347,10 +350,10 @@ mod tests {
     #[test]
     fn invalid_values_are_named() {
         let bad = OptimizerConfig::Adam { lr: 0.01, betas: [0.9, 1.0], eps: 1e-8, weight_decay: 0.0 };
-        assert!(bad.validate().unwrap_err().contains("betas[1]"));
+        assert_eq!(bad.validate().unwrap_err(), OptimizerError::Beta { index: 1, value: 1.0 });
         let bad = OptimizerConfig::Sgd { lr: 0.0, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
-        assert!(bad.validate().unwrap_err().contains("lr"));
+        assert!(bad.validate().unwrap_err().to_string().contains("lr"));
         let bad = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: true };
-        assert!(bad.validate().unwrap_err().contains("nesterov"));
+        assert_eq!(bad.validate().unwrap_err(), OptimizerError::Nesterov);
     }
 }

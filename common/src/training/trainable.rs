@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use tch::{IValue, Tensor};
 
-use super::error::TrainError;
+use super::error::{StateError, TrainError};
 use super::seeding::{seeded_generator, stage_seed};
 use crate::bundle::Bundle;
 use crate::device::DeviceSpec;
@@ -151,22 +151,21 @@ impl TrainableStages {
 
     /// Copies a [`Self::state`] into the stages; every parameter and buffer must be present,
     /// with its shape and dtype.
-    pub fn load_state(&self, state: &HashMap<String, Tensor>) -> Result<(), String> {
+    pub fn load_state(&self, state: &HashMap<String, Tensor>) -> Result<(), StateError> {
         let params = self.parameters.iter().map(|(n, t)| (format!("param.{n}"), t));
         let buffers = self.buffers.iter().map(|(n, t)| (format!("buffer.{n}"), t));
         tch::no_grad(|| {
             for (key, target) in params.chain(buffers) {
-                let source = state.get(&key).ok_or_else(|| format!("{key} is missing"))?;
+                let Some(source) = state.get(&key) else {
+                    return Err(StateError::Missing { key });
+                };
                 if source.size() != target.size() || source.kind() != target.kind() {
-                    return Err(format!(
-                        "{key} is {:?} {:?}; these stages hold {:?} {:?}",
-                        source.kind(),
-                        source.size(),
-                        target.kind(),
-                        target.size()
-                    ));
+                    let (found_kind, found_shape) = (source.kind(), source.size());
+                    return Err(StateError::Mismatch { key, found_kind, found_shape, kind: target.kind(), shape: target.size() });
                 }
-                target.shallow_clone().f_copy_(source).map_err(|e| format!("{key}: {e}"))?;
+                if let Err(e) = target.shallow_clone().f_copy_(source) {
+                    return Err(StateError::Copy { key, message: e.to_string() });
+                }
             }
             Ok(())
         })

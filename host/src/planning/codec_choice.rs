@@ -20,7 +20,7 @@ use serde::Serialize;
 use super::codec_cost::CodecCost;
 use super::planner::{BandwidthEstimate, Link, Profiles};
 use crate::client::{ChoosesCodec, RequestMetrics};
-use crate::error::{HostError, Result};
+use crate::error::{Refusal, Result};
 use crate::session::EdgeSession;
 
 /// What `codec: auto` chooses among, fastest first.
@@ -102,10 +102,7 @@ pub struct CodecChoiceReport {
 pub(crate) fn candidates(session: &EdgeSession) -> Result<Vec<Codec>> {
     let candidates: Vec<Codec> = CANDIDATES.into_iter().filter(|c| session.server.policy.check(c).is_ok()).collect();
     if candidates.is_empty() {
-        return Err(HostError::Refused(format!(
-            "codec: auto: the server accepts none of {}",
-            CANDIDATES.iter().map(Codec::to_string).collect::<Vec<_>>().join(", ")
-        )));
+        return Err(Refusal::NoAutoCodec { candidates: CANDIDATES.iter().map(Codec::to_string).collect() }.into());
     }
     Ok(candidates)
 }

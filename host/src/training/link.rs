@@ -10,6 +10,7 @@
 //! ends the session by closing its side of the stream ([`TrainLink::close`]).
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
+use cleave_common::protocol::SESSION_NOT_WAITING;
 use cleave_common::wire::{payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::runtime::Handle;
@@ -19,7 +20,7 @@ use tokio_stream::StreamExt;
 use tonic::Streaming;
 
 use crate::config::RetryPolicy;
-use crate::error::{HostError, Result};
+use crate::error::{Breach, HostError, LinkLost, Refusal, Result};
 use crate::session::{connect_retrying, EdgeSession};
 
 /// An answer from the server.
@@ -86,7 +87,7 @@ pub(crate) struct SessionRequest {
 }
 
 fn closed() -> HostError {
-    HostError::Lost("the server closed the training stream".into())
+    HostError::Lost(LinkLost::Closed)
 }
 
 /// Opens a `Train` stream on `session` with `open` as its first frame; returns it and the
@@ -100,7 +101,7 @@ async fn open_stream(
     frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.map_err(|_| closed())?;
     let mut replies = session.client.train(call).await.map_err(|s| HostError::rpc("Train", &s))?.into_inner();
     let first = next_reply(&mut replies).await?;
-    let opened = first.opened.ok_or_else(|| HostError::Stream("the server did not open the session".into()))?;
+    let opened = first.opened.ok_or(Breach::NotOpened)?;
     Ok((frames, replies, opened))
 }
 
@@ -216,7 +217,9 @@ impl TrainLink {
             loop {
                 match open_stream(&mut session, open.clone()).await {
                     Ok((frames, replies, _)) => return Ok((session, frames, replies)),
-                    Err(HostError::Refused(m)) if m.contains("not waiting to be continued") && asked < r.retry.max_attempts => {
+                    Err(HostError::Refused(Refusal::Call { message, .. }))
+                        if message.contains(SESSION_NOT_WAITING) && asked < r.retry.max_attempts =>
+                    {
                         asked += 1;
                         tokio::time::sleep(backoff.next().unwrap_or(r.retry.max_backoff)).await;
                     }
@@ -236,7 +239,7 @@ impl TrainLink {
             send(frames, replies, frame).await?;
             let reply = next_reply(replies).await?;
             check_id(&reply, id)?;
-            reply.saved.map(|s| s.step).ok_or_else(|| HostError::Stream("the server answered a checkpoint request without saving".into()))
+            Ok(reply.saved.ok_or(Breach::NotSaved)?.step)
         })
     }
 
@@ -279,7 +282,7 @@ impl TrainLink {
             }
         })?;
         if received.split != expect.1 {
-            return Err(HostError::Stream(format!("the server answered with a boundary at cut {}, expected cut {}", received.split, expect.1)));
+            return Err(Breach::WrongCut { got: received.split, expected: expect.1 }.into());
         }
         Ok(Answer { boundary: received.boundary, loss })
     }
@@ -301,18 +304,18 @@ async fn send(frames: &mpsc::Sender<TrainFrame>, replies: &mut Streaming<TrainRe
 async fn next_reply(replies: &mut Streaming<TrainReply>) -> Result<TrainReply> {
     let reply = match replies.next().await {
         Some(Ok(reply)) => reply,
-        Some(Err(status)) => return Err(HostError::Lost(format!("training stream failed: {:?}: {}", status.code(), status.message()))),
+        Some(Err(status)) => return Err(HostError::Lost(LinkLost::Failed { code: status.code(), message: status.message().to_string() })),
         None => return Err(closed()),
     };
     if let Some(e) = &reply.error {
-        return Err(HostError::Refused(format!("the server refused call {}: {:?}: {}", reply.request_id, tonic::Code::from_i32(e.code), e.message)));
+        return Err(Refusal::Call { call: reply.request_id, code: tonic::Code::from_i32(e.code), message: e.message.clone() }.into());
     }
     Ok(reply)
 }
 
 fn check_id(reply: &TrainReply, id: u64) -> Result<()> {
     if reply.request_id != id {
-        return Err(HostError::Stream(format!("the server answered call {} while call {id} was waiting", reply.request_id)));
+        return Err(Breach::OutOfOrder { answered: reply.request_id, waiting: id }.into());
     }
     Ok(())
 }

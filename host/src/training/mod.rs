@@ -34,7 +34,7 @@ use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange, Value};
 use tch::Tensor;
 
 use crate::config::{EdgeConfig, TrainConfig, TrainMode};
-use crate::error::{HostError, OutputError, Result, TrainingSetupError};
+use crate::error::{Breach, HostError, OutputError, Result, TrainingSetupError};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::progress::{Event, Progress, TrainingStart};
@@ -517,7 +517,7 @@ impl Trainer {
                 let mut payload = at_split.detached();
                 payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
                 let answer = link.forward(&payload)?;
-                let loss = answer.loss.ok_or_else(|| HostError::Stream("the server sent no loss".into()))?;
+                let loss = answer.loss.ok_or(Breach::NoLoss)?;
                 self.backward_prefix(&prefix_outputs, &answer.boundary, &mut params, &mut grads)?;
                 loss
             }
@@ -612,7 +612,7 @@ impl Trainer {
         if let Some(link) = self.link.as_mut() {
             let server_step = link.save(&name)?;
             if server_step != self.step {
-                return Err(HostError::Stream(format!("the server checkpointed step {server_step}, this host step {}", self.step)));
+                return Err(Breach::CheckpointStep { server: server_step, host: self.step }.into());
             }
         }
         Ok(dir)

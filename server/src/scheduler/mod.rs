@@ -32,7 +32,7 @@ use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
 use crate::config::{Batching, Policy, SchedulerConfig};
-use crate::error::{catch_panic, panic_message, Internal, RequestError};
+use crate::error::{catch_panic, panic_message, DeviceFailure, Internal, RequestError};
 use crate::metrics::Metrics;
 use queue::{Entry, Group, Pick, Queue};
 
@@ -233,11 +233,11 @@ struct Worker {
 impl Worker {
     /// Serves until every handle is dropped; `Err` with the cause when the thread failed (a
     /// panic outside any request), after answering every request it held INTERNAL.
-    fn run(&self, rx: &flume::Receiver<Work>) -> Result<(), String> {
+    fn run(&self, rx: &flume::Receiver<Work>) -> Result<(), DeviceFailure> {
         let mut queue = Queue::default();
         let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve(&mut queue, rx)));
         served.map_err(|panic| {
-            let cause = format!("its scheduler panicked: {}", panic_message(panic.as_ref()));
+            let cause = DeviceFailure::Panicked(panic_message(panic.as_ref()));
             self.fail_waiting(&mut queue, &cause);
             cause
         })
@@ -265,13 +265,13 @@ impl Worker {
 
     /// Answers every request the queue holds INTERNAL, naming the device and `cause`; the
     /// training sessions waiting for a turn see their request dropped.
-    fn fail_waiting(&self, queue: &mut Queue<Item>, cause: &str) {
+    fn fail_waiting(&self, queue: &mut Queue<Item>, cause: &DeviceFailure) {
         for entry in queue.take_where(|_| true) {
             if let Item::Request(w) = entry.item {
                 if w.started.is_none() {
                     self.metrics.queued(&self.models[w.model].label, -1);
                 }
-                answer(w, Err(Internal::DeviceFailed { device: self.device.clone(), cause: cause.to_string() }.into()));
+                answer(w, Err(Internal::DeviceFailed { device: self.device.clone(), cause: cause.clone() }.into()));
             }
         }
     }

@@ -8,11 +8,12 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc as std_mpsc;
 
+use cleave_common::error::Shared;
 use cleave_common::BundleError;
 
 use super::{DeviceModel, DeviceScheduler, Work, Worker};
 use crate::config::{DeviceFailurePolicy, SchedulerConfig};
-use crate::error::{panic_message, Internal, ServerError};
+use crate::error::{panic_message, DeviceFailure, Internal, ServerError};
 use crate::metrics::Metrics;
 
 /// What every device's scheduler shares: its rules, its queue's depth, where it counts and
@@ -40,7 +41,7 @@ pub(crate) enum DeviceEvent {
         /// The bundle ids of its models.
         models: Vec<String>,
         /// Why its thread died.
-        cause: String,
+        cause: DeviceFailure,
     },
     /// Its models were reloaded on a new thread and are served again.
     Restarted {
@@ -54,16 +55,16 @@ pub(crate) enum DeviceEvent {
         /// The device.
         device: String,
         /// Why it died, and why it was not restarted.
-        cause: String,
+        cause: DeviceFailure,
     },
 }
 
 /// Why a scheduler thread ended before every handle was dropped.
 enum Ended {
     /// It died serving (a panic outside any request): a new thread may serve again.
-    Died(String),
+    Died(DeviceFailure),
     /// Its models failed their warm-up: they cannot run there, reloaded or not.
-    NotWarmed(String),
+    NotWarmed(DeviceFailure),
 }
 
 struct DeviceWatch {
@@ -90,7 +91,7 @@ pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, reload: LoadModels, 
         .expect("spawn a device's watch thread");
     // Nothing comes when the thread died warming up: its watch reports that like any failure.
     if let Ok(Err(e)) = warm.recv() {
-        return Err(e.into());
+        return Err(ServerError::NotWarmed { device: device.to_string(), cause: DeviceFailure::NotWarmed(e) });
     }
     Ok(DeviceScheduler { work })
 }
@@ -98,7 +99,7 @@ pub(crate) fn spawn(device: &str, models: Vec<DeviceModel>, reload: LoadModels, 
 impl DeviceWatch {
     /// Runs scheduler threads one after the other until one ends normally (every handle
     /// dropped) or the device is down for good.
-    fn run(self, mut models: Vec<DeviceModel>, rx: &flume::Receiver<Work>, warmed: std_mpsc::Sender<Result<(), BundleError>>) {
+    fn run(self, mut models: Vec<DeviceModel>, rx: &flume::Receiver<Work>, warmed: std_mpsc::Sender<Result<(), Shared<BundleError>>>) {
         let mut restarted = false;
         loop {
             let cause = match self.run_scheduler(models, rx, restarted, warmed.clone()) {
@@ -130,7 +131,7 @@ impl DeviceWatch {
         models: Vec<DeviceModel>,
         rx: &flume::Receiver<Work>,
         restarted: bool,
-        warmed: std_mpsc::Sender<Result<(), BundleError>>,
+        warmed: std_mpsc::Sender<Result<(), Shared<BundleError>>>,
     ) -> Result<(), Ended> {
         let c = &self.context;
         let worker = Worker { device: self.device.clone(), models, config: c.config, depth: c.depth.max(1), metrics: c.metrics.clone() };
@@ -139,40 +140,40 @@ impl DeviceWatch {
             .name(format!("cleave-{}", self.device))
             .spawn(move || {
                 // Warm on this thread before serving; `spawn` waits for the first thread's word.
-                let warm = worker.models.iter().try_for_each(DeviceModel::warm_up);
-                let failed = warm.as_ref().err().map(ToString::to_string);
-                let _ = warmed.send(warm);
-                match failed {
-                    Some(cause) => Err(Ended::NotWarmed(format!("warming its models failed: {cause}"))),
-                    None => worker.run(&rx).map_err(Ended::Died),
+                let warm = worker.models.iter().try_for_each(DeviceModel::warm_up).map_err(Shared::new);
+                let _ = warmed.send(warm.clone());
+                match warm {
+                    Err(e) => Err(Ended::NotWarmed(DeviceFailure::NotWarmed(e))),
+                    Ok(()) => worker.run(&rx).map_err(Ended::Died),
                 }
             })
-            .map_err(|e| Ended::Died(format!("its scheduler thread could not start: {e}")))?;
+            .map_err(|e| Ended::Died(DeviceFailure::NoThread(Shared::new(e))))?;
         if restarted {
             self.context.metrics.device_restarted(&self.device);
             self.report(DeviceEvent::Restarted { device: self.device.clone(), models: self.labels.clone() });
             tracing::info!(device = %self.device, "the device's models are reloaded and served again");
         }
         // The worker catches its own panics; one that escapes it still ends here.
-        thread.join().unwrap_or_else(|panic| Err(Ended::Died(format!("its scheduler panicked: {}", panic_message(panic.as_ref())))))
+        thread.join().unwrap_or_else(|panic| Err(Ended::Died(DeviceFailure::Panicked(panic_message(panic.as_ref())))))
     }
 
     /// The device's models loaded afresh, when the policy restarts them; otherwise, or when
     /// they cannot be loaded, why the device stays down.
-    fn reload_models(&self, cause: &str) -> Result<Vec<DeviceModel>, String> {
+    fn reload_models(&self, cause: &DeviceFailure) -> Result<Vec<DeviceModel>, DeviceFailure> {
+        let cause = Box::new(cause.clone());
         if self.context.config.on_device_failure == DeviceFailurePolicy::Exit {
-            return Err(format!("{cause} (`on_device_failure: exit`)"));
+            return Err(DeviceFailure::NotRestarted(cause));
         }
         tracing::warn!(device = %self.device, "reloading the device's models on a new thread (`on_device_failure: restart`)");
         match catch_unwind(AssertUnwindSafe(|| (self.reload)())) {
             Ok(Ok(models)) => Ok(models),
-            Ok(Err(e)) => Err(format!("{cause}; its models could not be reloaded: {e}")),
-            Err(panic) => Err(format!("{cause}; reloading its models panicked: {}", panic_message(panic.as_ref()))),
+            Ok(Err(e)) => Err(DeviceFailure::NotReloaded { cause, error: Shared::new(e) }),
+            Err(panic) => Err(DeviceFailure::ReloadPanicked { cause, message: panic_message(panic.as_ref()) }),
         }
     }
 
     /// Answers everything sent to the device INTERNAL, until every handle is dropped.
-    fn refuse_all(&self, rx: &flume::Receiver<Work>, cause: String) {
+    fn refuse_all(&self, rx: &flume::Receiver<Work>, cause: DeviceFailure) {
         let failed = Internal::DeviceFailed { device: self.device.clone(), cause };
         for work in rx.iter() {
             work.refuse(&failed);

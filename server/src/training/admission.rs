@@ -127,7 +127,7 @@ impl Training {
             }
         }
         let optimizer = open.optimizer.as_ref().ok_or_else(|| invalid("no optimizer given".into()))?;
-        let optimizer = OptimizerConfig::try_from(optimizer).map_err(invalid)?;
+        let optimizer = OptimizerConfig::try_from(optimizer).map_err(|e| RequestError::Training(e.into()))?;
         let loss = match (end == n, open.loss.as_str()) {
             (true, "") => return Err(invalid("the server holds the last stage, so it computes the loss: name it (cross-entropy, mse)".into())),
             (true, name) => Some(name.parse::<LossKind>().map_err(invalid)?),

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cleave_common::pb;
+use cleave_common::protocol::SESSION_NOT_WAITING;
 use subtle::ConstantTimeEq;
 
 use super::admission::SessionSlot;
@@ -74,7 +75,7 @@ impl Parking {
         let id = &reattach.session_id;
         let Some((attached, _)) = kept.get(id) else {
             return Err(RequestError::Session(format!(
-                "session {} is not waiting to be continued: it was not opened reattachable, it closed (its stream ended cleanly, or \
+                "session {} {SESSION_NOT_WAITING}: it was not opened reattachable, it closed (its stream ended cleanly, or \
                  nothing came for `training.session_idle_timeout`, or the server restarted), or its broken stream has not been \
                  noticed yet (within the server's keepalive); try again, or open a new session resuming from a checkpoint",
                 id.chars().take(40).collect::<String>()
