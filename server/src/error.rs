@@ -146,7 +146,8 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         RequestError::Internal(_) => Code::Internal,
         RequestError::Training(e) => match e {
             TrainError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. } | BundleError::InvalidRange { .. })
-            | TrainError::Invalid(_)
+            | TrainError::Step(_)
+            | TrainError::Setup(_)
             | TrainError::Loss(_)
             | TrainError::Gradients(_)
             | TrainError::Optimizer(_) => Code::InvalidArgument,

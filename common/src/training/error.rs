@@ -13,9 +13,12 @@ pub enum TrainError {
     /// The bundle cannot be trained as it is.
     #[error("the bundle cannot be trained: {0}")]
     NotTrainable(String),
-    /// A configuration value that cannot work (loss, split).
-    #[error("{0}")]
-    Invalid(String),
+    /// A training call out of the step's order, or without what the session needs.
+    #[error(transparent)]
+    Step(#[from] StepError),
+    /// A session that cannot be set up as asked (its stages, loss or checkpoint).
+    #[error(transparent)]
+    Setup(#[from] SetupError),
     /// An optimizer that PyTorch would refuse.
     #[error("optimizer: {0}")]
     Optimizer(#[from] OptimizerError),
@@ -57,6 +60,79 @@ pub enum TrainError {
         /// What is wrong.
         message: String,
     },
+}
+
+/// A training call out of the step's order, or without what its session needs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepError {
+    /// A forward while the step before still waits for its gradient.
+    #[error("step {step} is still waiting for its gradient (PHASE_BACKWARD); it is dropped, and this step refused")]
+    StillWaiting {
+        /// The step waiting.
+        step: u64,
+    },
+    /// Targets sent to a part that does not compute the loss.
+    #[error("this session ends before the loss (U-shaped): targets stay on the edge")]
+    TargetsPastTheLoss,
+    /// A step without its targets to a part that computes the loss.
+    #[error("this session computes the loss: each step carries the targets as value {}", super::TARGETS_VALUE)]
+    NoTargets,
+    /// A gradient with no forward waiting for it.
+    #[error("a gradient arrived without a pending forward (PHASE_FORWARD comes first)")]
+    NoPendingForward,
+}
+
+/// A training session that cannot be set up as it is asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SetupError {
+    /// Stages that are not a non-empty range of the model's.
+    #[error("the server's stages [{start}, {end}) must be a non-empty range within [0, {stages}]")]
+    StageRange {
+        /// First stage.
+        start: usize,
+        /// End of the range.
+        end: usize,
+        /// The model's stages.
+        stages: usize,
+    },
+    /// A cut the model cannot be split at.
+    #[error("cut {cut} ({name}) cannot be split at: {reason}")]
+    Unsplittable {
+        /// The cut.
+        cut: usize,
+        /// Its name.
+        name: String,
+        /// Why, from the manifest.
+        reason: String,
+    },
+    /// No optimizer in the session's request.
+    #[error("no optimizer given")]
+    NoOptimizer,
+    /// The part that computes the loss was not told which.
+    #[error("the server holds the last stage, so it computes the loss: name it (cross-entropy, mse)")]
+    LossNotNamed,
+    /// A loss this build does not know.
+    #[error("{0}")]
+    UnknownLoss(String),
+    /// A loss named to a part that ends before the model's last stage.
+    #[error("loss {name:?} given, but the server's part ends at cut {end} < {stages}: the edge computes the loss")]
+    LossOnTheEdge {
+        /// The loss named.
+        name: String,
+        /// The part's end.
+        end: usize,
+        /// The model's stages.
+        stages: usize,
+    },
+    /// A checkpoint name that is not a plain file name.
+    #[error("checkpoint name {0:?}: use letters, digits, '-', '_' and '.', not starting with '.'")]
+    CheckpointName(String),
+    /// A checkpoint namespace that is not a plain directory name.
+    #[error("checkpoint namespace {0:?}: use 1 to 64 letters, digits, '-' and '_'")]
+    CheckpointNamespace(String),
+    /// A checkpoint to resume from not named `NAMESPACE/NAME`.
+    #[error("resume {0:?}: name a checkpoint as NAMESPACE/NAME, with the namespace the session that saved it was given (SessionOpened.namespace)")]
+    ResumeForm(String),
 }
 
 /// An optimizer's hyper-parameter that PyTorch would refuse, or a kind it does not have.

@@ -29,7 +29,7 @@ use tch::Tensor;
 
 use crate::value::{Boundary, Value};
 
-pub use error::{OptimizerError, StateError, TrainError};
+pub use error::{OptimizerError, SetupError, StateError, StepError, TrainError};
 pub use seeding::stage_seed;
 pub use trainable::TrainableStages;
 

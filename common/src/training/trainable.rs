@@ -182,17 +182,17 @@ fn stage_buffers(module: &tch::CModule, info: &crate::bundle::StageInfo) -> Resu
         IValue::GenericList(items) | IValue::Tuple(items) => items,
         other => return Err(TrainError::NotTrainable(format!("stage {}: cleave_buffers() returned {other:?}", info.index))),
     };
+    let returned = |item: &dyn std::fmt::Debug| TrainError::NotTrainable(format!("stage {}: cleave_buffers() returned {item:?}", info.index));
     let buffers = items
         .into_iter()
         .map(|item| match item {
             IValue::Tuple(mut pair) if pair.len() == 2 => match (pair.remove(0), pair.remove(0)) {
                 (IValue::String(name), IValue::Tensor(t)) => Ok((name, t)),
-                other => Err(format!("{other:?}")),
+                other => Err(returned(&other)),
             },
-            other => Err(format!("{other:?}")),
+            other => Err(returned(&other)),
         })
-        .collect::<Result<Vec<_>, String>>()
-        .map_err(|item| TrainError::NotTrainable(format!("stage {}: cleave_buffers() returned {item}", info.index)))?;
+        .collect::<Result<Vec<_>, TrainError>>()?;
     if buffers.iter().map(|(n, _)| n).ne(expected.iter()) {
         return Err(TrainError::NotTrainable(format!(
             "stage {} holds buffers [{}], its manifest lists [{}]",

@@ -12,7 +12,7 @@ use std::time::Instant;
 use cleave_common::pb;
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
-use cleave_common::training::TrainError;
+use cleave_common::training::SetupError;
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore};
@@ -116,25 +116,24 @@ impl Training {
     ) -> Result<SessionSetup, RequestError> {
         let n = bundle.stage_count();
         let (start, end) = (open.start as usize, open.end as usize);
-        let invalid = |m: String| RequestError::Training(TrainError::Invalid(m));
+        let refused = |e: SetupError| RequestError::Training(e.into());
         if !(start < end && end <= n) {
-            return Err(invalid(format!("the server's stages [{start}, {end}) must be a non-empty range within [0, {n}]")));
+            return Err(refused(SetupError::StageRange { start, end, stages: n }));
         }
         for cut in [start, end] {
             let info = bundle.cut(cut);
             if !info.usable && cut != n {
-                return Err(invalid(format!("cut {cut} ({}) cannot be split at: {}", info.name, info.reason.as_deref().unwrap_or("unusable"))));
+                let reason = info.reason.clone().unwrap_or_else(|| "unusable".into());
+                return Err(refused(SetupError::Unsplittable { cut, name: info.name.clone(), reason }));
             }
         }
-        let optimizer = open.optimizer.as_ref().ok_or_else(|| invalid("no optimizer given".into()))?;
+        let optimizer = open.optimizer.as_ref().ok_or_else(|| refused(SetupError::NoOptimizer))?;
         let optimizer = OptimizerConfig::try_from(optimizer).map_err(|e| RequestError::Training(e.into()))?;
         let loss = match (end == n, open.loss.as_str()) {
-            (true, "") => return Err(invalid("the server holds the last stage, so it computes the loss: name it (cross-entropy, mse)".into())),
-            (true, name) => Some(name.parse::<LossKind>().map_err(invalid)?),
+            (true, "") => return Err(refused(SetupError::LossNotNamed)),
+            (true, name) => Some(name.parse::<LossKind>().map_err(|e| refused(SetupError::UnknownLoss(e)))?),
             (false, "") => None,
-            (false, name) => {
-                return Err(invalid(format!("loss {name:?} given, but the server's part ends at cut {end} < {n}: the edge computes the loss")))
-            }
+            (false, name) => return Err(refused(SetupError::LossOnTheEdge { name: name.to_string(), end, stages: n })),
         };
         let resume = match open.resume.as_str() {
             "" => None,

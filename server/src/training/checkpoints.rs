@@ -21,7 +21,7 @@ use std::time::SystemTime;
 
 use cleave_common::training::checkpoint::{self, CheckpointMeta, TEMPORARY_SUFFIX};
 use cleave_common::training::optim::Optimizer;
-use cleave_common::training::{TrainError, TrainableStages};
+use cleave_common::training::{SetupError, TrainableStages};
 
 use crate::config::TrainingOptions;
 use crate::error::RequestError;
@@ -50,8 +50,8 @@ pub(crate) struct CheckpointRef {
     pub(crate) name: String,
 }
 
-fn invalid(message: String) -> RequestError {
-    RequestError::Training(TrainError::Invalid(message))
+fn refused(error: SetupError) -> RequestError {
+    RequestError::Training(error.into())
 }
 
 /// Checks a checkpoint name: a file name, never a path.
@@ -63,7 +63,7 @@ pub(crate) fn check_name(name: &str) -> Result<(), RequestError> {
     if valid {
         Ok(())
     } else {
-        Err(invalid(format!("checkpoint name {name:?}: use letters, digits, '-', '_' and '.', not starting with '.'")))
+        Err(refused(SetupError::CheckpointName(name.to_string())))
     }
 }
 
@@ -73,7 +73,7 @@ fn check_namespace(namespace: &str) -> Result<(), RequestError> {
     if valid {
         Ok(())
     } else {
-        Err(invalid(format!("checkpoint namespace {namespace:?}: use 1 to 64 letters, digits, '-' and '_'")))
+        Err(refused(SetupError::CheckpointNamespace(namespace.to_string())))
     }
 }
 
@@ -81,10 +81,7 @@ impl CheckpointRef {
     /// Reads `NAMESPACE/NAME`, both parts checked.
     pub(crate) fn parse(text: &str) -> Result<Self, RequestError> {
         let Some((namespace, name)) = text.split_once('/') else {
-            return Err(invalid(format!(
-                "resume {text:?}: name a checkpoint as NAMESPACE/NAME, with the namespace the session that saved it was given \
-                 (SessionOpened.namespace)"
-            )));
+            return Err(refused(SetupError::ResumeForm(text.to_string())));
         };
         check_namespace(namespace)?;
         check_name(name)?;

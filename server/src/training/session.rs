@@ -13,7 +13,7 @@ use cleave_common::training::checkpoint::{self, CheckpointMeta};
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::{Optimizer, OptimizerConfig};
 use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads};
-use cleave_common::training::{float_leaves, track_gradients, TrainError, TrainableStages, TARGETS_VALUE};
+use cleave_common::training::{float_leaves, track_gradients, StepError, TrainError, TrainableStages};
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
@@ -209,22 +209,18 @@ impl Session {
     /// keeps the graph pending and answers with the boundary at `end`.
     fn forward(&mut self, input: Boundary, targets: Option<Tensor>) -> Result<(Answer, Option<Grads>), TrainError> {
         if self.pending.take().is_some() {
-            return Err(TrainError::Invalid(format!(
-                "step {} is still waiting for its gradient (PHASE_BACKWARD); it is dropped, and this step refused",
-                self.step + 1
-            )));
+            return Err(StepError::StillWaiting { step: self.step + 1 }.into());
         }
         let leaves = track_gradients(&input);
         let output = self.stages.forward(self.step, &input)?;
         let Some(loss_kind) = self.loss else {
             if targets.is_some() {
-                return Err(TrainError::Invalid("this session ends before the loss (U-shaped): targets stay on the edge".into()));
+                return Err(StepError::TargetsPastTheLoss.into());
             }
             self.pending = Some(PendingStep { inputs: leaves, outputs: float_leaves(&output) });
             return Ok((Answer::Output(output.detached()), None));
         };
-        let targets = targets
-            .ok_or_else(|| TrainError::Invalid(format!("this session computes the loss: each step carries the targets as value {TARGETS_VALUE}")))?;
+        let targets = targets.ok_or(StepError::NoTargets)?;
         let loss = step_loss(self.stages.bundle(), loss_kind, output, &targets)?;
         let grads = backward(Some(&loss), self.stages.parameters(), &leaves)?;
         let value = loss.double_value(&[]);
@@ -233,10 +229,7 @@ impl Session {
 
     /// U-shaped: continues the pending step's backward pass from the gradient at `end`.
     fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Grads), TrainError> {
-        let PendingStep { inputs: leaves, outputs } = self
-            .pending
-            .take()
-            .ok_or_else(|| TrainError::Invalid("a gradient arrived without a pending forward (PHASE_FORWARD comes first)".into()))?;
+        let PendingStep { inputs: leaves, outputs } = self.pending.take().ok_or(StepError::NoPendingForward)?;
         let grads = backward_from_boundary(&outputs, grads, self.stages.parameters(), &leaves)?;
         Ok((Answer::Gradients { loss: None, grads: grads.boundary }, grads.parameters))
     }
