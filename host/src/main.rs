@@ -4,6 +4,7 @@ use cleave_common::logs::{self, LogFormat};
 use cleave_common::telemetry::Telemetry;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand};
@@ -13,9 +14,10 @@ use cleave_host::config::{EdgeConfig, TrainMode};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
-use cleave_host::progress::Progress;
+use cleave_host::progress::{Bar, Event, Progress};
 use cleave_host::report::{summary_text, OutputMode};
 use cleave_host::{RunOptions, VerifyOptions};
+use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser)]
 #[command(name = "host", version, about = "cleave edge host: runs the first stages of a split model")]
@@ -269,9 +271,39 @@ fn load(paths: &[PathBuf], output: Option<PathBuf>, mut opts: LoadOptions) -> an
     Ok(true)
 }
 
-/// A command's events, printed as they come.
+/// A command's events, printed as they come; work counted in steps as a bar (drawn only on
+/// a terminal), which the lines printed meanwhile go above.
 fn printed() -> Progress {
-    Progress::new(|event| println!("{event}"))
+    let current: Mutex<Option<ProgressBar>> = Mutex::new(None);
+    Progress::new(move |event| {
+        let mut current = current.lock().unwrap_or_else(PoisonError::into_inner);
+        match (event, current.as_ref()) {
+            (Event::BarStarts { bar, total }, _) => *current = Some(progress_bar(*bar, *total)),
+            (Event::Advanced { loss }, Some(shown)) => {
+                if let Some(loss) = loss {
+                    shown.set_message(format!("{loss:.4}"));
+                }
+                shown.inc(1);
+            }
+            (Event::Advanced { .. }, None) => {}
+            (Event::BarEnds, _) => current.take().iter().for_each(ProgressBar::finish_and_clear),
+            (other, Some(shown)) => shown.suspend(|| println!("{other}")),
+            (other, None) => println!("{other}"),
+        }
+    })
+}
+
+fn progress_bar(bar: Bar, total: u64) -> ProgressBar {
+    let shown = ProgressBar::new(total);
+    let template = match bar {
+        Bar::Requests => "{bar:40} {pos}/{len} requests {per_sec} eta {eta}",
+        Bar::Epoch { .. } => "epoch {prefix} {bar:30} {pos}/{len} steps {per_sec} loss {msg}",
+    };
+    shown.set_style(ProgressStyle::with_template(template).expect("template"));
+    if let Bar::Epoch { epoch, epochs } = bar {
+        shown.set_prefix(format!("{epoch}/{epochs}"));
+    }
+    shown
 }
 
 /// A duration like `30s`, `2m` or `1m30s`.

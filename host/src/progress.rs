@@ -1,6 +1,7 @@
 //! What a long command tells its user while it works: the cut a run starts at, each epoch of
-//! training, a resumed run. The library hands these events to the caller's [`Progress`]; the
-//! binary prints them, a test or a program that embeds the host keeps or drops them. What a
+//! training, a resumed run, and how far it is (a bar's start, each step, its end). The
+//! library hands these events to the caller's [`Progress`]; the binary prints them (and
+//! draws the bars), a test or a program that embeds the host keeps or drops them. What a
 //! command found is its return value, printed by the binary too.
 
 use std::fmt;
@@ -40,12 +41,40 @@ pub enum Event {
     TrainingStarts(TrainingStart),
     /// An epoch of training ended and was evaluated.
     EpochDone(EpochRecord),
+    /// Work counted in steps starts: an inference run's requests, a training epoch's steps.
+    BarStarts {
+        /// What is counted.
+        bar: Bar,
+        /// Steps in all.
+        total: u64,
+    },
+    /// One step of the current bar is done.
+    Advanced {
+        /// A training step's loss.
+        loss: Option<f64>,
+    },
+    /// The current bar's work ended (all of it, or stopped early).
+    BarEnds,
     /// The trained weights were written as a bundle.
     TrainedBundleWritten {
         /// The bundle's directory.
         dir: PathBuf,
         /// The start of its id.
         short_id: String,
+    },
+}
+
+/// What a bar counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bar {
+    /// An inference run's requests (those not answered by an earlier run it resumes).
+    Requests,
+    /// The steps of one training epoch.
+    Epoch {
+        /// The epoch, from 1.
+        epoch: usize,
+        /// Epochs in all.
+        epochs: usize,
     },
 }
 
@@ -242,6 +271,11 @@ impl fmt::Display for Event {
                 e.eval_seconds
             ),
             Self::TrainedBundleWritten { dir, short_id } => write!(f, "trained bundle written to {} (id {short_id})", dir.display()),
+            Self::BarStarts { bar: Bar::Requests, total } => write!(f, "{total} requests to answer"),
+            Self::BarStarts { bar: Bar::Epoch { epoch, epochs }, total } => write!(f, "epoch {epoch}/{epochs}: {total} steps"),
+            Self::Advanced { loss: None } => f.write_str("one more done"),
+            Self::Advanced { loss: Some(loss) } => write!(f, "one more done, loss {loss:.4}"),
+            Self::BarEnds => f.write_str("done"),
         }
     }
 }

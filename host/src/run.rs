@@ -3,7 +3,7 @@
 //! (`predictions.jsonl`, `metrics.csv`), then `summary.json`, the summary table and the
 //! plots. With `split: auto` the planner picks the cut and moves it while the run goes on.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -17,11 +17,12 @@ use crate::cpu_time;
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
+use crate::loopback::LoopbackServer;
 use crate::planning::auto_split::{self, AutoSplit, Planned};
-use crate::planning::codec_choice;
+use crate::planning::codec_choice::{self, CodecChooser};
 use crate::planning::planner::Profiles;
 use crate::planning::profile::measure_profiles;
-use crate::progress::{Event, InferenceStart, Progress};
+use crate::progress::{Bar, Event, InferenceStart, Progress};
 use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_retrying, EdgeSession, Link};
 
@@ -45,65 +46,27 @@ pub struct RunOptions {
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let (run_started, run_cpu) = (Instant::now(), cpu_time::process());
     let bundle = open_config_bundle(&config).await?;
-    let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
-    let auto = split_spec == SplitSpec::Auto;
-    let split = if auto { bundle.stage_count() } else { bundle.resolve_split(&split_spec)? };
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let inputs = read_inputs(&config, &bundle).await?;
     if let Some(note) = inputs.reuse_note(config.requests) {
         opts.progress.tell(Event::InputsReused(note));
     }
     let sample_files = inputs.sample_files();
-    // An earlier run in `output` is refused, replaced or resumed before anything is sent.
-    let mut writer = ReportWriter::open(&output, config.top_k, opts.output_mode)?;
+    let mut writer = open_output(&config, &output, &opts)?;
+    let mut connected = connect(&config, &opts, &bundle).await?;
     let done = writer.done();
-    if writer.resumed > 0 {
-        opts.progress.tell(Event::Resuming { output: output.clone(), resumed: writer.resumed, requests: config.requests });
-    }
-    let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
-    let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-    let mut session = connect_retrying(&url, &bundle, &Link::of(&config), &config.resilience.retry).await?;
-    let auto = if auto { Some(start_auto_split(&config, &mut session, &bundle, &opts.progress).await?) } else { None };
-    let split = auto.as_ref().map_or(split, |a| a.planned.cut);
-    // `codec: auto`: each request's codec from the rate `split: auto` estimates (probed here
-    // when the split is fixed) and each codec's measured cost.
-    let chooser = match config.codec_auto {
-        true => Some(Arc::new(codec_choice::for_session(&session, auto.as_ref().map(|a| &a.profiles)).await?)),
-        false => None,
-    };
-    opts.progress.tell(Event::InferenceStarts(inference_start(&config, &bundle, split, &url, &session.model.device)?));
-    let (planned, planner, warm_stages) = match auto {
-        Some(a) => (Some(a.planned), Some(a.planner), Some(a.warm_stages)),
-        None => (None, None, None),
-    };
     let ids: Vec<u64> = (0..config.requests).filter(|id| !done.contains(id)).collect();
-    let progress = indicatif::ProgressBar::new(ids.len() as u64);
-    progress.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}").expect("template"));
-    let plan = StreamPlan {
-        bundle: bundle.clone(),
-        split: match &planner {
-            Some(auto) => Splits::Moving(auto.lock().expect("auto split").cut()),
-            None => Splits::Fixed(split),
-        },
-        device: config.device,
-        warm_stages,
-        ids,
-        resilience: config.resilience,
-        in_flight: config.in_flight,
-        inputs,
-        codec: match &chooser {
-            Some(chooser) => Codecs::Chosen(Arc::clone(chooser) as Arc<dyn ChoosesCodec>),
-            None => Codecs::Fixed(config.codec),
-        },
-        key: config.security.key.clone(),
-    };
-    let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), session.clone())));
+    opts.progress.tell(Event::BarStarts { bar: Bar::Requests, total: ids.len() as u64 });
+    let plan = connected.stream_plan(&config, &bundle, ids, inputs);
+    let planner = connected.auto.as_ref().map(|a| Arc::clone(&a.planner));
+    let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), connected.session.clone())));
     let started = Instant::now();
     let startup = (run_started.elapsed(), cpu_time::process() - run_cpu);
     let mut cpu = CpuMeter::new();
     let mut record_error = None;
-    let streamed = stream_requests(&mut session, plan, |outcome| {
-        progress.inc(1);
+    let chooser = connected.chooser.clone();
+    let streamed = stream_requests(&mut connected.session, plan, |outcome| {
+        opts.progress.tell(Event::Advanced { loss: None });
         cpu.answered(&outcome.metrics);
         if let Some(auto) = &planner {
             auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
@@ -120,46 +83,127 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     if let Some(prober) = prober {
         prober.abort();
     }
+    opts.progress.tell(Event::BarEnds);
     let counts = streamed?;
     let wall_s = started.elapsed().as_secs_f64();
-    progress.finish_and_clear();
     if let Some(e) = record_error {
         return Err(e);
     }
-    if let Some(server) = loopback {
+    if let Some(server) = connected.loopback.take() {
         server.shutdown().await?;
     }
-    let resumed = writer.resumed;
-    let failures = writer.failures();
+    let (resumed, failures) = (writer.resumed, writer.failures());
     let outcomes = writer.finish()?;
     let summary = Summary {
-        bundle: config.bundle.display().to_string(),
-        bundle_id: bundle.id().to_string(),
-        server: url.clone(),
-        edge_device: device_name(config.device.resolve()?),
-        server_device: session.model.device.clone(),
-        split,
-        split_name: bundle.cut(split).name.clone(),
-        batch_size: config.batch_size,
         counts,
         resumed,
         wall_s,
-        codec: if config.codec_auto { "auto".to_string() } else { config.codec.to_string() },
-        codec_choice: chooser.map(|c| c.report()),
-        encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
-        tls: url.starts_with("https://"),
-        bearer_token: config.security.token.is_some(),
-        planned,
-        split_moves: planner.as_ref().map(|auto| auto.lock().expect("auto split").moves().to_vec()).unwrap_or_default(),
         failures,
         edge_cpu: cpu.finish(startup.0, startup.1),
-        probes: planner.map(|auto| auto.lock().expect("auto split").probes()),
-        ..Summary::of_outcomes(&outcomes, wall_s)
+        ..connected.summary(&config, &bundle, Summary::of_outcomes(&outcomes, wall_s))?
     };
-    let json = serde_json::to_string_pretty(&summary).map_err(|error| HostError::Json { what: "the summary as JSON", error })?;
-    std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))?;
+    write_summary(&summary, &output)?;
     report::plot_run(&bundle.manifest().model.source, &outcomes, &output)?;
     Ok(summary)
+}
+
+/// The run's output directory: an earlier run there is refused, replaced or resumed (said)
+/// before anything is sent.
+fn open_output(config: &EdgeConfig, output: &Path, opts: &RunOptions) -> Result<ReportWriter> {
+    let writer = ReportWriter::open(output, config.top_k, opts.output_mode)?;
+    if writer.resumed > 0 {
+        opts.progress.tell(Event::Resuming { output: output.to_path_buf(), resumed: writer.resumed, requests: config.requests });
+    }
+    Ok(writer)
+}
+
+fn write_summary(summary: &Summary, output: &Path) -> Result<()> {
+    let json = serde_json::to_string_pretty(summary).map_err(|error| HostError::Json { what: "the summary as JSON", error })?;
+    std::fs::write(output.join("summary.json"), json + "\n").map_err(|e| HostError::write(output.join("summary.json"), e))
+}
+
+/// A run connected to its server (started here with `--loopback`), at the cut it starts
+/// from, with what chooses its cut and codec as it goes.
+struct Connected {
+    url: String,
+    loopback: Option<LoopbackServer>,
+    session: EdgeSession,
+    split: usize,
+    auto: Option<AutoStart>,
+    chooser: Option<Arc<CodecChooser>>,
+}
+
+/// Connects, plans the cut (`split: auto`) and the codec (`codec: auto`), and says where the
+/// stages run.
+async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Result<Connected> {
+    let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
+    let fixed = if split_spec == SplitSpec::Auto { None } else { Some(bundle.resolve_split(&split_spec)?) };
+    let loopback = if opts.loopback { Some(crate::loopback::for_inference(config).await?) } else { None };
+    let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
+    let mut session = connect_retrying(&url, bundle, &Link::of(config), &config.resilience.retry).await?;
+    let auto = match fixed {
+        None => Some(start_auto_split(config, &mut session, bundle, &opts.progress).await?),
+        Some(_) => None,
+    };
+    let split = auto.as_ref().map_or_else(|| fixed.unwrap_or_default(), |a| a.planned.cut);
+    // `codec: auto`: each request's codec from the rate `split: auto` estimates (probed here
+    // when the split is fixed) and each codec's measured cost.
+    let chooser = match config.codec_auto {
+        true => Some(Arc::new(codec_choice::for_session(&session, auto.as_ref().map(|a| &a.profiles)).await?)),
+        false => None,
+    };
+    opts.progress.tell(Event::InferenceStarts(inference_start(config, bundle, split, &url, &session.model.device)?));
+    Ok(Connected { url, loopback, session, split, auto, chooser })
+}
+
+impl Connected {
+    /// What the run streams: requests `ids` from `inputs`, at the planner's moving cut or
+    /// the fixed one, with the chosen codec or the configured one.
+    fn stream_plan(&mut self, config: &EdgeConfig, bundle: &Bundle, ids: Vec<u64>, inputs: Inputs) -> StreamPlan {
+        StreamPlan {
+            bundle: bundle.clone(),
+            split: match &self.auto {
+                Some(auto) => Splits::Moving(auto.planner.lock().expect("auto split").cut()),
+                None => Splits::Fixed(self.split),
+            },
+            device: config.device,
+            warm_stages: self.auto.as_mut().and_then(|a| a.warm_stages.take()),
+            ids,
+            resilience: config.resilience,
+            in_flight: config.in_flight,
+            inputs,
+            codec: match &self.chooser {
+                Some(chooser) => Codecs::Chosen(Arc::clone(chooser) as Arc<dyn ChoosesCodec>),
+                None => Codecs::Fixed(config.codec),
+            },
+            key: config.security.key.clone(),
+        }
+    }
+
+    /// The run's summary from its outcomes' figures: where it ran, and how its cut and codec
+    /// were chosen.
+    fn summary(self, config: &EdgeConfig, bundle: &Bundle, figures: Summary) -> Result<Summary> {
+        let planner = self.auto.as_ref().map(|a| a.planner.lock().expect("auto split"));
+        Ok(Summary {
+            bundle: config.bundle.display().to_string(),
+            bundle_id: bundle.id().to_string(),
+            edge_device: device_name(config.device.resolve()?),
+            server_device: self.session.model.device.clone(),
+            split: self.split,
+            split_name: bundle.cut(self.split).name.clone(),
+            batch_size: config.batch_size,
+            codec: if config.codec_auto { "auto".to_string() } else { config.codec.to_string() },
+            codec_choice: self.chooser.map(|c| c.report()),
+            encryption: config.security.key.as_ref().map(|(id, _)| format!("aes-256-gcm (key id {id})")),
+            tls: self.url.starts_with("https://"),
+            bearer_token: config.security.token.is_some(),
+            planned: self.auto.as_ref().map(|a| a.planned.clone()),
+            split_moves: planner.as_ref().map(|p| p.moves().to_vec()).unwrap_or_default(),
+            probes: planner.as_ref().map(|p| p.probes()),
+            server: self.url,
+            ..figures
+        })
+    }
 }
 
 /// The run's inputs, read (and images decoded and resized) on the blocking pool.
@@ -179,7 +223,8 @@ async fn read_inputs(config: &EdgeConfig, bundle: &Bundle) -> Result<Inputs> {
 struct AutoStart {
     planned: Planned,
     planner: Arc<Mutex<AutoSplit>>,
-    warm_stages: LoadedStages,
+    /// Handed to the stream (taken once).
+    warm_stages: Option<LoadedStages>,
     profiles: Profiles,
 }
 
@@ -191,7 +236,7 @@ async fn start_auto_split(config: &EdgeConfig, session: &mut EdgeSession, bundle
     let profiles = measured.profiles.clone();
     let (auto_split, planned) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
     progress.tell(Event::AutoSplitPlanned(Box::new(planned.clone())));
-    Ok(AutoStart { planned, planner: Arc::new(Mutex::new(auto_split)), warm_stages: measured.edge_stages, profiles })
+    Ok(AutoStart { planned, planner: Arc::new(Mutex::new(auto_split)), warm_stages: Some(measured.edge_stages), profiles })
 }
 
 fn inference_start(config: &EdgeConfig, bundle: &Bundle, split: usize, url: &str, server_device: &str) -> Result<InferenceStart> {

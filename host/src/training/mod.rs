@@ -37,7 +37,7 @@ use crate::config::{EdgeConfig, TrainConfig, TrainMode};
 use crate::error::{Breach, HostError, OutputError, Result, TrainingSetupError};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
-use crate::progress::{Event, Progress, TrainingStart};
+use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::run::RunOptions;
 use crate::session::{connect, Link};
 use data::Dataset;
@@ -432,11 +432,8 @@ impl Trainer {
             let order = train_set.order(self.train.shuffle_seed, epoch);
             let batches: Vec<&[i64]> = order.chunks(batch).collect();
             let first = if epoch == start.epoch { start.batch } else { 0 };
-            let progress = indicatif::ProgressBar::new((batches.len() - first.min(batches.len())) as u64);
-            progress.set_style(
-                indicatif::ProgressStyle::with_template("epoch {prefix} {bar:30} {pos}/{len} steps {per_sec} loss {msg}").expect("template"),
-            );
-            progress.set_prefix(format!("{}/{}", epoch + 1, self.train.epochs));
+            let bar = Bar::Epoch { epoch: epoch + 1, epochs: self.train.epochs };
+            self.progress.tell(Event::BarStarts { bar, total: (batches.len() - first.min(batches.len())) as u64 });
             let (mut loss_sum, mut samples, mut steps) = (0.0f64, 0usize, 0u64);
             let mut stopped = false;
             let started = Instant::now();
@@ -457,11 +454,10 @@ impl Trainer {
                 samples += rows.len();
                 steps += 1;
                 self.position = Position { epoch, batch: index + 1 };
-                progress.set_message(format!("{loss:.4}"));
-                progress.inc(1);
+                self.progress.tell(Event::Advanced { loss: Some(loss) });
             }
             let epoch_seconds = started.elapsed().as_secs_f64();
-            progress.finish_and_clear();
+            self.progress.tell(Event::BarEnds);
             if self.position.batch >= batches.len() {
                 self.position = Position { epoch: epoch + 1, batch: 0 };
             }
