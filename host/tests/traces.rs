@@ -130,6 +130,11 @@ impl Drop for Server {
 /// Runs a `server` and a `host` (with `edge` after the server and bundle lines of its
 /// config), both exporting to a collector here; the spans it received.
 fn traced_run(edge: &str) -> Vec<Received> {
+    traced(edge, &[])
+}
+
+/// [`traced_run`] with `host_args` before the host's `--config` (a subcommand and its flags).
+fn traced(edge: &str, host_args: &[&str]) -> Vec<Received> {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let collector = Collector::default();
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
@@ -150,7 +155,7 @@ fn traced_run(edge: &str) -> Vec<Received> {
     let out = tmp.path().join("out");
     let yaml = format!("server: http://127.0.0.1:{port}\nbundle: {}\ndevice: cpu\noutput: {}\n{telemetry}{edge}", bundle.display(), out.display());
     std::fs::write(&edge_yaml, yaml).unwrap();
-    let host = Command::new(env!("CARGO_BIN_EXE_host")).arg("--config").arg(&edge_yaml).output().expect("run host");
+    let host = Command::new(env!("CARGO_BIN_EXE_host")).args(host_args).arg("--config").arg(&edge_yaml).output().expect("run host");
     assert!(host.status.success(), "{}{}", String::from_utf8_lossy(&host.stdout), String::from_utf8_lossy(&host.stderr));
     server.stop();
     // Both processes exported their last spans before exiting.
@@ -201,6 +206,25 @@ fn one_request_s_spans_on_the_host_and_the_server_share_its_trace() {
     traces.sort();
     traces.dedup();
     assert_eq!(traces.len(), requests);
+}
+
+#[test]
+fn a_load_run_s_requests_on_the_server_join_their_trace() {
+    let spans = traced("split: 4\nbatch_size: 2\ninput: {kind: synthetic, seed: 3}\n", &["load", "--edges", "2", "--closed", "--duration", "300ms"]);
+    let host_requests = named(&spans, "cleave-host", "request");
+    let server_requests = named(&spans, "cleave-server", "request");
+    assert!(!host_requests.is_empty(), "{spans:#?}");
+    assert_eq!(server_requests.len(), host_requests.len(), "every request sent was answered");
+    let edges: std::collections::BTreeSet<_> = host_requests.iter().map(|s| s.attributes["edge"].clone()).collect();
+    assert_eq!(edges.len(), 2, "both edges' requests are traced");
+    for on_server in &server_requests {
+        // Edges number their requests alike: the parent tells whose request it is.
+        let on_host = host_requests.iter().find(|s| s.span_id == on_server.parent).expect("the server's request span is under a host request");
+        assert_eq!(on_server.trace_id, on_host.trace_id);
+        assert_eq!(on_server.attributes["request_id"], on_host.attributes["request_id"]);
+        assert_eq!((on_host.attributes["cut"].as_str(), on_host.attributes["codec"].as_str()), ("4", "raw"));
+        has_children(&spans, "cleave-server", on_server, &["read", "queue", "compute", "answer"]);
+    }
 }
 
 #[test]

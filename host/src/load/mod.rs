@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::pb::InferFrame;
 use cleave_common::protocol::ServedModel;
+use cleave_common::telemetry::traceparent;
 use cleave_common::value::synthetic_inputs;
 use cleave_common::wire::{payload_frames, Codec, Direction, EncodedPayload, PayloadMeta, PayloadSender, WireError};
 use cleave_common::{Boundary, Bundle, LoadedStages, StageRange};
@@ -349,11 +350,13 @@ struct Due {
     at: Duration,
 }
 
-/// Where a sent request's latency starts: since the run's start, and as an instant.
-#[derive(Debug, Clone, Copy)]
+/// Where a sent request's latency starts: since the run's start, and as an instant; and its
+/// span, open until its answer (the server's spans of it join its trace).
+#[derive(Debug)]
 struct Origin {
     since_start: Duration,
     at: Instant,
+    span: tracing::Span,
 }
 
 /// Generator-side error codes (see [`RequestRecord::error`]).
@@ -370,6 +373,8 @@ struct Edge {
     conn: Option<Connection>,
     /// None while a request is being encoded (or after the encoder panicked).
     encoder: Option<Encoder>,
+    /// The model's bundle id, for its requests' spans.
+    bundle_id: String,
     codec: Codec,
     chunk_bytes: usize,
     arrivals: Arrivals,
@@ -400,6 +405,7 @@ impl Edge {
             slot,
             conn: Some(conn),
             encoder: Some(Encoder { sender, boundary }),
+            bundle_id: model.bundle.id().to_string(),
             codec: config.codec,
             chunk_bytes: session.chunk_bytes(),
             closed: opts.mode == LoadMode::Closed,
@@ -522,11 +528,15 @@ impl Edge {
             return self.record(d.at, None, Some(STREAM_LOST));
         };
         let frames: Vec<InferFrame> = payload_frames(d.id, payload.envelope, &payload.data, self.chunk_bytes);
+        let (edge, cut) = (self.slot.edge, self.slot.split);
+        let span = tracing::debug_span!("request", request_id = d.id, model = %self.bundle_id, cut, codec = %self.codec, edge, error = tracing::field::Empty);
         let sent = Instant::now();
         // A stream that is gone shows on its inbound side, which ends.
-        conn.send(&frames, None);
-        let origin =
-            if self.closed { Origin { since_start: sent - clock.start, at: sent } } else { Origin { since_start: d.at, at: clock.start + d.at } };
+        conn.send(&frames, traceparent(&span).as_deref());
+        let origin = match self.closed {
+            true => Origin { since_start: sent - clock.start, at: sent, span },
+            false => Origin { since_start: d.at, at: clock.start + d.at, span },
+        };
         in_flight.insert(d.id, origin);
     }
 
@@ -542,6 +552,9 @@ impl Edge {
             Err(RequestFailure::Refused { code, .. }) => Some(format!("{code:?}")),
             Err(_) => Some(UNDECODABLE.to_string()),
         };
+        if let Some(error) = &error {
+            origin.span.record("error", error.as_str());
+        }
         let latency_ms = (at - origin.at).as_secs_f64() * 1e3;
         self.records.push(RequestRecord {
             t_s: origin.since_start.as_secs_f64(),
