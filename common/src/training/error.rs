@@ -75,8 +75,11 @@ pub enum StepError {
     #[error("this session ends before the loss (U-shaped): targets stay on the edge")]
     TargetsPastTheLoss,
     /// A step without its targets to a part that computes the loss.
-    #[error("this session computes the loss: each step carries the targets as value {}", super::TARGETS_VALUE)]
-    NoTargets,
+    #[error("this session computes the loss: each step carries the targets as value {value}")]
+    NoTargets {
+        /// The value that carries them.
+        value: &'static str,
+    },
     /// A gradient with no forward waiting for it.
     #[error("a gradient arrived without a pending forward (PHASE_FORWARD comes first)")]
     NoPendingForward,

@@ -13,7 +13,7 @@ use cleave_common::training::checkpoint::{self, CheckpointMeta};
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::{Optimizer, OptimizerConfig};
 use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads};
-use cleave_common::training::{float_leaves, track_gradients, StepError, TrainError, TrainableStages};
+use cleave_common::training::{float_leaves, track_gradients, StepError, TrainError, TrainableStages, TARGETS_VALUE};
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
@@ -220,7 +220,7 @@ impl Session {
             self.pending = Some(PendingStep { inputs: leaves, outputs: float_leaves(&output) });
             return Ok((Answer::Output(output.detached()), None));
         };
-        let targets = targets.ok_or(StepError::NoTargets)?;
+        let targets = targets.ok_or(StepError::NoTargets { value: TARGETS_VALUE })?;
         let loss = step_loss(self.stages.bundle(), loss_kind, output, &targets)?;
         let grads = backward(Some(&loss), self.stages.parameters(), &leaves)?;
         let value = loss.double_value(&[]);
