@@ -107,7 +107,7 @@ struct RawEdgeConfig {
     #[serde(default)]
     retry: RawRetry,
     #[serde(default)]
-    fallback: Option<String>,
+    fallback: Fallback,
     #[serde(default)]
     threads: Option<usize>,
     #[serde(default)]
@@ -210,9 +210,11 @@ impl Default for RetryPolicy {
 }
 
 /// `fallback:` in edge.yaml.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Fallback {
     /// A request no server answers is an error (`none`, the default).
+    #[default]
     None,
     /// A request no server answers within the deadline runs wholly on the edge (the bundle is
     /// already there), and the run returns to the split once a server answers again (`edge`).
@@ -223,8 +225,8 @@ pub enum Fallback {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawTrain {
-    #[serde(default = "split_mode")]
-    mode: String,
+    #[serde(default)]
+    mode: RawMode,
     #[serde(default)]
     tail: Option<SplitSpec>,
     data: RawTrainData,
@@ -256,8 +258,14 @@ struct RawTrainData {
     targets: String,
 }
 
-fn split_mode() -> String {
-    "split".into()
+/// `train.mode:` as written; with `tail:`, it becomes a [`TrainMode`].
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum RawMode {
+    #[default]
+    Split,
+    UShaped,
+    Monolithic,
 }
 fn label() -> String {
     "label".into()
@@ -418,11 +426,44 @@ impl EdgeConfig {
     }
 }
 
+/// The deadlines, retries and fallback of `raw` (each key's default where it is absent);
+/// every duration positive, at least one attempt.
+fn resilience(raw: &RawEdgeConfig, file: &ConfigFile) -> Result<Resilience, ConfigError> {
+    let d = Resilience::default();
+    let resilience = Resilience {
+        connect_timeout: raw.connect_timeout.unwrap_or(d.connect_timeout),
+        request_timeout: raw.request_timeout.unwrap_or(d.request_timeout),
+        keepalive_interval: raw.keepalive_interval.unwrap_or(d.keepalive_interval),
+        keepalive_timeout: raw.keepalive_timeout.unwrap_or(d.keepalive_timeout),
+        retry: RetryPolicy {
+            max_attempts: raw.retry.max_attempts.unwrap_or(d.retry.max_attempts),
+            max_backoff: raw.retry.max_backoff.unwrap_or(d.retry.max_backoff),
+        },
+        fallback: raw.fallback,
+    };
+    for (key, value) in [
+        ("connect_timeout", resilience.connect_timeout),
+        ("request_timeout", resilience.request_timeout),
+        ("keepalive_interval", resilience.keepalive_interval),
+        ("keepalive_timeout", resilience.keepalive_timeout),
+        ("retry.max_backoff", resilience.retry.max_backoff),
+    ] {
+        if value.is_zero() {
+            return Err(file.invalid(key, "must be positive"));
+        }
+    }
+    if resilience.retry.max_attempts == 0 {
+        return Err(file.invalid("retry.max_attempts", "must be at least 1 (one attempt: no retry)"));
+    }
+    Ok(resilience)
+}
+
 impl EdgeConfig {
     /// Reads and validates an edge config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let secrets = ConfigFile { path };
         let raw: RawEdgeConfig = secrets.read_yaml()?;
+        let resilience = resilience(&raw, &secrets)?;
         let invalid = |key: &str, message: String| secrets.invalid(key, message);
         let codec_auto = raw.codec.as_deref() == Some("auto");
         let codec = raw.codec.as_deref().unwrap_or("raw").parse().map_err(|e| invalid("codec", e))?;
@@ -456,37 +497,7 @@ impl EdgeConfig {
             other => other,
         });
         let train = raw.train.map(|t| train_config(path, t)).transpose()?;
-        let d = Resilience::default();
-        let resilience = Resilience {
-            connect_timeout: raw.connect_timeout.unwrap_or(d.connect_timeout),
-            request_timeout: raw.request_timeout.unwrap_or(d.request_timeout),
-            keepalive_interval: raw.keepalive_interval.unwrap_or(d.keepalive_interval),
-            keepalive_timeout: raw.keepalive_timeout.unwrap_or(d.keepalive_timeout),
-            retry: RetryPolicy {
-                max_attempts: raw.retry.max_attempts.unwrap_or(d.retry.max_attempts),
-                max_backoff: raw.retry.max_backoff.unwrap_or(d.retry.max_backoff),
-            },
-            fallback: match raw.fallback.as_deref() {
-                None | Some("none") => Fallback::None,
-                Some("edge") => Fallback::Edge,
-                Some(other) => return Err(invalid("fallback", format!("{other:?}: expected `none` or `edge`"))),
-            },
-        };
-        for (key, value) in [
-            ("connect_timeout", resilience.connect_timeout),
-            ("request_timeout", resilience.request_timeout),
-            ("keepalive_interval", resilience.keepalive_interval),
-            ("keepalive_timeout", resilience.keepalive_timeout),
-            ("retry.max_backoff", resilience.retry.max_backoff),
-        ] {
-            if value.is_zero() {
-                return Err(invalid(key, "must be positive".into()));
-            }
-        }
         raw.telemetry.check().map_err(|e| invalid(e.key(), e.to_string()))?;
-        if resilience.retry.max_attempts == 0 {
-            return Err(invalid("retry.max_attempts", "must be at least 1 (one attempt: no retry)".into()));
-        }
         match (&input, &train) {
             (None, None) => return Err(invalid("input", "give `input` (inference) or `train` (training)".into())),
             (Some(_), Some(_)) => return Err(invalid("input", "`input` is for inference and `train` brings its own data: give one".into())),
@@ -523,13 +534,12 @@ impl EdgeConfig {
 fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> {
     let file = ConfigFile { path };
     let invalid = |key: &str, message: String| file.invalid(&format!("train.{key}"), message);
-    let mode = match (raw.mode.as_str(), raw.tail) {
-        ("split", None) => TrainMode::Split,
-        ("monolithic", None) => TrainMode::Monolithic,
-        ("u-shaped", Some(tail)) => TrainMode::UShaped { tail },
-        ("u-shaped", None) => return Err(invalid("tail", "u-shaped training needs `tail`: the cut where the edge's last stages start".into())),
-        ("split" | "monolithic", Some(_)) => return Err(invalid("tail", "only u-shaped training has a tail".into())),
-        (other, _) => return Err(invalid("mode", format!("{other:?} is not a mode (split, u-shaped, monolithic)"))),
+    let mode = match (raw.mode, raw.tail) {
+        (RawMode::Split, None) => TrainMode::Split,
+        (RawMode::Monolithic, None) => TrainMode::Monolithic,
+        (RawMode::UShaped, Some(tail)) => TrainMode::UShaped { tail },
+        (RawMode::UShaped, None) => return Err(invalid("tail", "u-shaped training needs `tail`: the cut where the edge's last stages start".into())),
+        (RawMode::Split | RawMode::Monolithic, Some(_)) => return Err(invalid("tail", "only u-shaped training has a tail".into())),
     };
     if raw.epochs == 0 {
         return Err(invalid("epochs", "must be at least 1".into()));

@@ -291,7 +291,7 @@ fn the_hosts_deadlines_retries_and_fallback_are_keys_with_defaults() {
         ("connect_timeout: 0s", "`connect_timeout`: must be positive"),
         ("retry: {max_attempts: 0}", "`retry.max_attempts`: must be at least 1"),
         ("retry: {max_backoff: 0s}", "`retry.max_backoff`: must be positive"),
-        ("fallback: cloud", "`fallback`: \"cloud\": expected `none` or `edge`"),
+        ("fallback: cloud", "unknown variant `cloud`, expected `none` or `edge`"),
         ("retry: {tries: 3}", "unknown field `tries`"),
     ] {
         let err = EdgeConfig::load(&write("bad.yaml", &format!("{base}{yaml}\n"))).unwrap_err().to_string();

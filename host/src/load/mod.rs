@@ -131,20 +131,7 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
         return Err(LoadSetupError::ConfigWithoutEdge { edges: opts.edges, shared, config: m + 1, bundle: models[m].config.bundle.clone() }.into());
     }
     let slots = assign_edges(&counts, &models.iter().map(|m| m.cuts.clone()).collect::<Vec<_>>());
-    let mut prefixes = Vec::with_capacity(models.len());
-    for model in &models {
-        prefixes.push(edge_prefixes(model).await?);
-    }
-    let mut served: Vec<Option<ServedModel>> = vec![None; models.len()];
-    let mut edges = Vec::with_capacity(slots.len());
-    for slot in &slots {
-        let model = &models[slot.model];
-        let boundary = prefixes[slot.model].iter().find(|(cut, _)| *cut == slot.split).map(|(_, b)| b.shallow_clone()).expect("a prefix per cut");
-        let (edge, info) =
-            Edge::open(*slot, model, boundary, &opts).await.map_err(|e| e.during(format!("edge {} ({})", slot.edge, model.config.server)))?;
-        served[slot.model].get_or_insert(info);
-        edges.push(edge);
-    }
+    let (edges, served) = open_edges(&models, &slots, &opts).await?;
     opts.progress.tell(Event::LoadStarts(load_start(&models, &counts, &served, &opts)));
 
     let clock = Clock { start: Instant::now(), duration: opts.duration, grace: opts.grace };
@@ -159,40 +146,7 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     records.sort_by(|a, b| a.t_s.total_cmp(&b.t_s).then(a.edge.cmp(&b.edge)));
 
     let slo_of = |m: usize| served.get(m).and_then(|s| s.as_ref()).and_then(|s| s.slo_ms);
-    let model_reports: Vec<ModelReport> = models
-        .iter()
-        .enumerate()
-        .map(|(i, model)| {
-            let info = served[i].as_ref().expect("every model has an edge");
-            let of_model = || records.iter().filter(move |r| r.model == i);
-            let mut cuts = model.cuts.clone();
-            cuts.sort_unstable();
-            cuts.dedup();
-            let by_split = if cuts.len() > 1 {
-                cuts.iter()
-                    .map(|&cut| SplitReport {
-                        split: cut,
-                        edges: slots.iter().filter(|s| s.model == i && s.split == cut).count(),
-                        stats: LoadStats::of(of_model().filter(|r| r.split == cut), wall_s, slo_of),
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            ModelReport {
-                name: model_name(&info.model_source, &info.bundle_id),
-                bundle_id: info.bundle_id.clone(),
-                model_source: info.model_source.clone(),
-                server: model.config.server.clone(),
-                edges: counts[i],
-                splits: cuts,
-                batch_size: model.config.batch_size,
-                codec: model.config.codec.to_string(),
-                stats: LoadStats::of(of_model(), wall_s, slo_of),
-                by_split,
-            }
-        })
-        .collect();
+    let fleet = Fleet { models: &models, served: &served, counts: &counts, slots: &slots };
     let report = LoadReport {
         mode: opts.mode.name(),
         rate: opts.mode.rate(),
@@ -202,10 +156,75 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
         seed: opts.seed,
         in_flight_cap: opts.in_flight_cap,
         overall: LoadStats::of(&records, wall_s, slo_of),
-        models: model_reports,
+        models: (0..models.len()).map(|i| fleet.model_report(i, &records, wall_s)).collect(),
     };
+    write_files(&report, &records, &opts)?;
+    Ok(report)
+}
 
-    write_latency_csv(&opts.output.join("latency.csv"), &records, &report.models)?;
+/// Opens every edge (each model's prefix run once per cut, on the blocking pool); returns
+/// them and, per model, what its server said of it.
+async fn open_edges(models: &[Model], slots: &[EdgeSlot], opts: &LoadOptions) -> Result<(Vec<Edge>, Vec<Option<ServedModel>>)> {
+    let mut prefixes = Vec::with_capacity(models.len());
+    for model in models {
+        prefixes.push(edge_prefixes(model).await?);
+    }
+    let mut served: Vec<Option<ServedModel>> = vec![None; models.len()];
+    let mut edges = Vec::with_capacity(slots.len());
+    for slot in slots {
+        let model = &models[slot.model];
+        let boundary = prefixes[slot.model].iter().find(|(cut, _)| *cut == slot.split).map(|(_, b)| b.shallow_clone()).expect("a prefix per cut");
+        let (edge, info) =
+            Edge::open(*slot, model, boundary, opts).await.map_err(|e| e.during(format!("edge {} ({})", slot.edge, model.config.server)))?;
+        served[slot.model].get_or_insert(info);
+        edges.push(edge);
+    }
+    Ok((edges, served))
+}
+
+/// The models of a load run, what their servers said of them, and how their edges were
+/// shared out.
+struct Fleet<'a> {
+    models: &'a [Model],
+    served: &'a [Option<ServedModel>],
+    counts: &'a [usize],
+    slots: &'a [EdgeSlot],
+}
+
+impl Fleet<'_> {
+    /// Model `i`'s figures from `records`, per cut too where its edges split at several.
+    fn model_report(&self, i: usize, records: &[RequestRecord], wall_s: f64) -> ModelReport {
+        let (model, info) = (&self.models[i], self.served[i].as_ref().expect("every model has an edge"));
+        let slo_of = |m: usize| self.served.get(m).and_then(|s| s.as_ref()).and_then(|s| s.slo_ms);
+        let of_model = || records.iter().filter(move |r| r.model == i);
+        let mut cuts = model.cuts.clone();
+        cuts.sort_unstable();
+        cuts.dedup();
+        let split_report = |cut: usize| SplitReport {
+            split: cut,
+            edges: self.slots.iter().filter(|s| s.model == i && s.split == cut).count(),
+            stats: LoadStats::of(of_model().filter(|r| r.split == cut), wall_s, slo_of),
+        };
+        let by_split = if cuts.len() > 1 { cuts.iter().map(|&cut| split_report(cut)).collect() } else { Vec::new() };
+        ModelReport {
+            name: model_name(&info.model_source, &info.bundle_id),
+            bundle_id: info.bundle_id.clone(),
+            model_source: info.model_source.clone(),
+            server: model.config.server.clone(),
+            edges: self.counts[i],
+            splits: cuts,
+            batch_size: model.config.batch_size,
+            codec: model.config.codec.to_string(),
+            stats: LoadStats::of(of_model(), wall_s, slo_of),
+            by_split,
+        }
+    }
+}
+
+/// `latency.csv`, the latency-over-time plot (when anything was answered), and last
+/// `load.json`: its presence means the run finished and its other files are whole.
+fn write_files(report: &LoadReport, records: &[RequestRecord], opts: &LoadOptions) -> Result<()> {
+    write_latency_csv(&opts.output.join("latency.csv"), records, &report.models)?;
     let series: Vec<(String, TimedLatencies)> = report
         .models
         .iter()
@@ -217,9 +236,7 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     } else {
         opts.progress.tell(Event::NothingAnswered { plot: LATENCY_OVER_TIME });
     }
-    // Written last: a load.json means the run finished and its other files are whole.
-    write_json(&opts.output.join("load.json"), &report)?;
-    Ok(report)
+    write_json(&opts.output.join("load.json"), report)
 }
 
 /// Refuses options and configs a load run cannot work with, before anything is opened.
