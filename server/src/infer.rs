@@ -165,7 +165,6 @@ where
     let mut read_buffer = ReadBuffer::default();
     // When the request part-way in must be complete.
     let mut deadline: Option<tokio::time::Instant> = None;
-    let answer_now = |id, e| Pending::answered(id, Err(e));
     loop {
         // A new request needs a place among the stream's requests before it is read.
         let mut slot = None;
@@ -176,25 +175,7 @@ where
                 s = Arc::clone(&slots).acquire_owned() => slot = s.ok(),
             }
         }
-        let stalled = async {
-            match deadline {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
-        let next = tokio::select! {
-            biased;
-            () = ctx.draining.cancelled() => Next::Draining,
-            () = stalled => Next::Stalled,
-            frame = inbound.next() => match frame {
-                Some(Ok(frame)) => Next::Frame(frame),
-                Some(Err(status)) => {
-                    tracing::debug!(%status, "inbound stream failed");
-                    Next::End
-                }
-                None => Next::End,
-            },
-        };
+        let next = next_event(&mut inbound, deadline, &ctx.draining).await;
         let frame = match next {
             Next::Frame(frame) => {
                 ctx.metrics.received(ctx.model.bundle.id(), (frame.header.len() + frame.data.len()) as u64);
@@ -205,9 +186,8 @@ where
                 let draining = matches!(next, Next::Draining);
                 if let Some(id) = frames.give_up() {
                     let e = if draining { RequestError::Draining } else { RequestError::Stalled(ctx.request_timeout) };
-                    tracing::info!(request_id = id, error = %e, "request given up part-way");
                     deadline = None;
-                    if pending.send(answer_now(id, e)).await.is_err() {
+                    if pending.send(given_up(id, e)).await.is_err() {
                         return;
                     }
                 }
@@ -218,54 +198,82 @@ where
             }
         };
         let covered = read_buffer.cover(&ctx.budget, &frame).await;
-        let started = match (frames.starts_payload(&frame), slot, covered) {
-            (true, Some(_), Err(e)) => Some(Err(e)),
+        let done = match (frames.starts_payload(&frame), slot, covered) {
             (false, _, Err(e)) if frames.in_progress() => {
                 let id = frames.give_up().unwrap_or(frame.request_id);
                 // Its later frames are skipped, none if this one was its last.
                 frames.skip_payload(&frame);
-                tracing::info!(request_id = id, error = %e, "request given up part-way");
-                deadline = None;
-                if pending.send(answer_now(id, e)).await.is_err() {
-                    return;
-                }
-                continue;
+                Some(given_up(id, e))
             }
             (true, Some(slot), Ok(())) => match start_request(&receiver, &ctx, &frame, slot).await {
                 Ok(Started::Recalled(answer)) => {
                     frames.skip_payload(&frame);
-                    if pending.send(answer).await.is_err() {
-                        return;
-                    }
-                    continue;
+                    Some(answer)
                 }
-                Ok(Started::New(assembly, held)) => Some(Ok((*assembly, held))),
-                Err(e) => Some(Err(e)),
+                Ok(Started::New(assembly, held)) => push(&mut frames, &frame, Some(Ok((*assembly, held))), &ctx).await,
+                Err(e) => push(&mut frames, &frame, Some(Err(e)), &ctx).await,
             },
-            _ => None,
+            (true, Some(_), Err(e)) => push(&mut frames, &frame, Some(Err(e)), &ctx).await,
+            _ => push(&mut frames, &frame, None, &ctx).await,
         };
-        let (assembly, held) = match frames.push_started(&frame, started) {
-            Ok(None) => {
-                if frames.in_progress() && deadline.is_none() {
-                    deadline = Some(tokio::time::Instant::now() + ctx.request_timeout);
-                }
-                continue;
-            }
-            Ok(Some(done)) => done,
-            Err((id, e)) => {
+        match done {
+            // A request part-way in must be complete by its deadline.
+            None if frames.in_progress() => _ = deadline.get_or_insert_with(|| tokio::time::Instant::now() + ctx.request_timeout),
+            None => {}
+            Some(done) => {
                 deadline = None;
-                if pending.send(answer_now(id, e)).await.is_err() {
+                if pending.send(done).await.is_err() {
                     return;
                 }
-                continue;
             }
-        };
-        deadline = None;
-        let next = queue_request(&receiver, &ctx, assembly, held).await;
-        if pending.send(next).await.is_err() {
-            return;
         }
     }
+}
+
+/// A request's first frame, started: its reassembly and what it holds, or why it is refused.
+type StartResult = Result<(Reassembly, Held), RequestError>;
+
+/// Adds `frame` to the request part-way in (`started` with it, when it is a request's
+/// first); the request to answer when it is complete (queued for its device) or failed.
+async fn push(frames: &mut FrameAssembler<Held>, frame: &InferFrame, started: Option<StartResult>, ctx: &InferContext) -> Option<Pending> {
+    match frames.push_started(frame, started) {
+        Ok(None) => None,
+        Ok(Some((assembly, held))) => Some(queue_request(&ctx.receiver, ctx, assembly, held).await),
+        Err((id, e)) => Some(Pending::answered(id, Err(e))),
+    }
+}
+
+/// The next thing the reader must deal with: a frame, the request part-way in stalling past
+/// `deadline`, the end of the stream (or its failure), or the server draining.
+async fn next_event<S>(inbound: &mut S, deadline: Option<tokio::time::Instant>, draining: &CancellationToken) -> Next
+where
+    S: Stream<Item = Result<InferFrame, Status>> + Unpin,
+{
+    let stalled = async {
+        match deadline {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        () = draining.cancelled() => Next::Draining,
+        () = stalled => Next::Stalled,
+        frame = inbound.next() => match frame {
+            Some(Ok(frame)) => Next::Frame(frame),
+            Some(Err(status)) => {
+                tracing::debug!(%status, "inbound stream failed");
+                Next::End
+            }
+            None => Next::End,
+        },
+    }
+}
+
+/// The answer of request `id`, given up part-way with `e`.
+fn given_up(id: u64, e: RequestError) -> Pending {
+    tracing::info!(request_id = id, error = %e, "request given up part-way");
+    Pending::answered(id, Err(e))
 }
 
 /// What the stream's read buffer holds, counted in the budget: tonic reads each message
