@@ -192,6 +192,28 @@ impl fmt::Debug for Progress {
     }
 }
 
+impl fmt::Display for LoadStart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "host load: {} edges, {}, for {:?}", self.edges, self.mode, self.duration)?;
+        for m in &self.models {
+            let cuts: Vec<String> = m.cuts.iter().map(usize::to_string).collect();
+            write!(
+                f,
+                "\n  {}: {} edges at cut {}, batch {}, codec {}, to {} (device {}, SLO {})",
+                m.name,
+                m.edges,
+                cuts.join(","),
+                m.batch_size,
+                m.codec,
+                m.server,
+                m.server_device,
+                m.slo_ms.map_or("none".to_string(), |ms| format!("{ms} ms"))
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -224,25 +246,7 @@ impl fmt::Display for Event {
                     s.model, s.split, s.cut_name, s.split, s.edge_device, s.server, s.split, s.stages, s.server_device
                 )
             }
-            Self::LoadStarts(s) => {
-                write!(f, "host load: {} edges, {}, for {:?}", s.edges, s.mode, s.duration)?;
-                for m in &s.models {
-                    let cuts: Vec<String> = m.cuts.iter().map(usize::to_string).collect();
-                    write!(
-                        f,
-                        "\n  {}: {} edges at cut {}, batch {}, codec {}, to {} (device {}, SLO {})",
-                        m.name,
-                        m.edges,
-                        cuts.join(","),
-                        m.batch_size,
-                        m.codec,
-                        m.server,
-                        m.server_device,
-                        m.slo_ms.map_or("none".to_string(), |ms| format!("{ms} ms"))
-                    )?;
-                }
-                Ok(())
-            }
+            Self::LoadStarts(s) => s.fmt(f),
             Self::NothingAnswered { plot } => write!(f, "no request was answered: no {plot}"),
             Self::TrainingStarts(TrainingStart::Split {
                 mode,

@@ -69,15 +69,7 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
     // Ends when the streaming loop hangs up: every request has its outcome, or the run stopped.
     while let Ok(ask) = ch.asks.recv() {
         let outcome = match ask {
-            ToPrefix::Finish(p) => {
-                let boundary = p.boundary.expect("requests keep their boundary with `fallback: edge`");
-                let t = Instant::now();
-                let on_edge = tracing::debug_span!(parent: &p.span, "suffix_on_edge", from = p.metrics.split).entered();
-                let output = stages.run(StageRange::new(p.metrics.split, last_cut), &boundary).map_err(|e| RequestFailure::OnEdge(Arc::new(e)));
-                drop(on_edge);
-                let metrics = RequestMetrics { served_by: ServedBy::Edge, suffix_on_edge_ms: ms(t), e2e_ms: ms(p.started), ..p.metrics };
-                Produced::Local(RequestOutcome { request_id: p.id, metrics, output })
-            }
+            ToPrefix::Finish(p) => finish_on_edge(*p, &stages, last_cut),
             ToPrefix::Go => {
                 let Some(id) = ids.next() else { continue };
                 let split = if ch.on_edge.load(Ordering::Relaxed) { last_cut } else { plan.split.for_request(id) };
@@ -137,6 +129,18 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
         }
     }
     Ok(())
+}
+
+/// A request no server answered (`fallback: edge`), its suffix run here from the boundary
+/// it kept.
+fn finish_on_edge(p: Prepared, stages: &LoadedStages, last_cut: usize) -> Produced {
+    let boundary = p.boundary.expect("requests keep their boundary with `fallback: edge`");
+    let t = Instant::now();
+    let on_edge = tracing::debug_span!(parent: &p.span, "suffix_on_edge", from = p.metrics.split).entered();
+    let output = stages.run(StageRange::new(p.metrics.split, last_cut), &boundary).map_err(|e| RequestFailure::OnEdge(Arc::new(e)));
+    drop(on_edge);
+    let metrics = RequestMetrics { served_by: ServedBy::Edge, suffix_on_edge_ms: ms(t), e2e_ms: ms(p.started), ..p.metrics };
+    Produced::Local(RequestOutcome { request_id: p.id, metrics, output })
 }
 
 /// Loads `range` and runs it twice on the first request's input: TorchScript optimises a
