@@ -246,6 +246,61 @@ mod tests {
         assert!(good.check().is_ok());
     }
 
+    /// Runs `f` with spans recorded by OpenTelemetry (nothing exported), as with telemetry on.
+    fn traced<T>(f: impl FnOnce() -> T) -> T {
+        use tracing_subscriber::layer::SubscriberExt;
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, f)
+    }
+
+    /// A peer's trace context: version 00, its trace and span ids, sampled.
+    const PEER: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn a_span_joins_the_trace_a_peer_names() {
+        let joined = traced(|| {
+            let span = tracing::info_span!("request");
+            follow(&span, PEER);
+            traceparent(&span)
+        });
+        let joined = joined.expect("a traced span has a traceparent");
+        assert!(joined.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{joined}");
+        assert!(!joined.contains("00f067aa0ba902b7"), "a span of its own under the peer's: {joined}");
+    }
+
+    proptest::proptest! {
+        /// Whatever a peer sends as its `traceparent` (any text, or a valid one with a byte
+        /// changed), following it never panics; the span joins the trace the text names in
+        /// its place (after the version) or starts one of its own, never a trace of all zeros;
+        /// and it is left unsampled only by a well-formed parent whose flags say so.
+        #[test]
+        fn any_traceparent_is_followed_or_ignored(text in "\\PC{0,80}", at in 0usize..55, byte in proptest::num::u8::ANY) {
+            let mut mutated = PEER.as_bytes().to_vec();
+            mutated[at] = byte;
+            for sent in [text, String::from_utf8_lossy(&mutated).into_owned()] {
+                let ours = traced(|| {
+                    let span = tracing::info_span!("request");
+                    follow(&span, &sent);
+                    traceparent(&span)
+                });
+                match ours {
+                    Some(ours) => {
+                        let trace = &ours[3..35];
+                        proptest::prop_assert_ne!(trace, "0".repeat(32), "{:?}", sent);
+                        if sent.contains(trace) {
+                            proptest::prop_assert_eq!(sent.get(3..35), Some(trace));
+                        }
+                    }
+                    None => {
+                        let unsampled = sent.len() == 55 && sent.get(53..).and_then(|f| u8::from_str_radix(f, 16).ok()).is_some_and(|f| f & 1 == 0);
+                        proptest::prop_assert!(unsampled, "{:?} left the span unsampled", sent);
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_span_without_telemetry_has_no_traceparent_and_ignores_one() {
         let span = tracing::info_span!("request");
