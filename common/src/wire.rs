@@ -21,7 +21,9 @@ use cleave_codec::pb::{self, NamedValue, ValueNode};
 use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
 use tch::Tensor;
 
-pub use cleave_codec::{Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, PayloadData, PayloadMeta, PolicyError, Precision};
+pub use cleave_codec::{
+    Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, Misuse, PayloadData, PayloadMeta, PolicyError, Precision,
+};
 
 use crate::bundle::{Bundle, CutTensors};
 use crate::error::{BundleError, Shared};

@@ -139,6 +139,8 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             C::NotSealed | C::NoKeys { .. } | C::UnknownKeyId { .. } | C::WrongKey { .. } | C::HeaderTampered | C::DataTampered | C::Replayed { .. },
         )) => Code::Unauthenticated,
         RequestError::Wire(WireError::Codec(C::CodecRefused { .. } | C::CodecNotAccepted { .. })) => Code::FailedPrecondition,
+        // Our own misuse of a payload checked as sound: a bug here, not the peer's.
+        RequestError::Wire(WireError::Codec(C::Misused(_))) => Code::Internal,
         RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } | RequestError::BadCall(_) => Code::InvalidArgument,
         RequestError::Encode(_) | RequestError::Profile(_) | RequestError::Batching(_) => Code::Internal,
         RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
@@ -332,6 +334,11 @@ mod tests {
             assert_eq!(err.to_string(), format!("internal error: {internal}"));
         }
         assert_eq!(RequestError::from(Internal::SchedulerGone).to_string(), "internal error: the device's scheduler thread is gone");
+        // A payload this side misused is our bug; one the peer malformed is its.
+        let misused = CodecError::Misused(cleave_common::wire::Misuse::Buffers { given: vec![1], declared: vec![2] });
+        assert_eq!(status_code(&RequestError::Wire(WireError::Codec(misused))), Code::Internal);
+        let malformed = CodecError::WireLength { tensors: 1, tagged: false, declared: 2 };
+        assert_eq!(status_code(&RequestError::Wire(WireError::Codec(malformed))), Code::InvalidArgument);
         assert_eq!(status_code(&RequestError::Draining), Code::Unavailable);
     }
 

@@ -11,9 +11,32 @@ use crate::zeros::ZeroMaskError;
 /// Why a payload cannot be encoded or was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodecError {
-    /// The envelope or header bytes are not what they claim to be.
-    #[error("malformed payload: {0}")]
-    Malformed(String),
+    /// The envelope's bytes are not a payload envelope.
+    #[error("malformed payload: envelope: {0}")]
+    Envelope(prost::DecodeError),
+    /// The header's bytes are not a payload header.
+    #[error("malformed payload: header: {0}")]
+    Header(prost::DecodeError),
+    /// The tensors' wire bytes do not add up to the payload's.
+    #[error("malformed payload: the tensors take {tensors} bytes{}, but the payload declares {declared}", if *tagged { " plus a 16-byte tag" } else { "" })]
+    WireLength {
+        /// What the tensors declare.
+        tensors: u64,
+        /// Whether a seal's tag follows them.
+        tagged: bool,
+        /// What the payload declares.
+        declared: u64,
+    },
+    /// A seal whose nonce prefix is not 8 bytes.
+    #[error("malformed payload: nonce prefix of {0} bytes, expected 8")]
+    NoncePrefix(usize),
+    /// A seal's counter past the last one a stream may use.
+    #[error("malformed payload: counter {0} is out of range")]
+    Counter(u32),
+    /// A payload finished in a way its form does not allow (a bug on the receiving side,
+    /// never the peer's: the sizes and forms were checked in `parse`).
+    #[error("internal error: {0}")]
+    Misused(Misuse),
     /// The payload was sent for another direction (a result where a request belongs).
     #[error("a {got} payload arrived where a {expected} was expected")]
     WrongDirection {
@@ -147,6 +170,35 @@ pub enum CodecError {
     },
 }
 
+/// A payload finished in a way its form does not allow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Misuse {
+    /// Finished as verbatim, and it is not.
+    #[error("a {codec} payload{} is not verbatim", if *sealed { " (sealed)" } else { "" })]
+    NotVerbatim {
+        /// Its codec.
+        codec: String,
+        /// Whether it is sealed.
+        sealed: bool,
+    },
+    /// Opened in its tensor, and it does not.
+    #[error("a {codec} payload of {tensors} tensors does not open in its tensor")]
+    NotInItsTensor {
+        /// Its codec.
+        codec: String,
+        /// Its tensors.
+        tensors: usize,
+    },
+    /// Buffers that are not one per tensor of its declared size.
+    #[error("buffers of {given:?} bytes for tensors of {declared:?}")]
+    Buffers {
+        /// The buffers' sizes.
+        given: Vec<usize>,
+        /// The tensors' declared sizes.
+        declared: Vec<usize>,
+    },
+}
+
 /// What is wrong with one tensor: its header, or its bytes on the way in or out.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TensorError {
@@ -185,6 +237,44 @@ pub enum TensorError {
     /// It cannot be narrowed or widened.
     #[error(transparent)]
     Precision(#[from] PrecisionError),
+    /// A codec of its own in a payload whose codec is not `auto`.
+    #[error("codec {own:?} of its own in a {payload} payload")]
+    OwnCodec {
+        /// The tensor's codec.
+        own: String,
+        /// The payload's.
+        payload: String,
+    },
+    /// A codec that `auto` does not pick.
+    #[error("codec {0:?} is not one `auto` picks (raw, shuffle+lz4)")]
+    NotAutoPick(String),
+    /// int8 quantisation of a tensor with a layout of its own.
+    #[error("int8 quantisation of a tensor that is not row-major")]
+    Int8NotRowMajor,
+    /// Zeros elided with a codec that does not elide them.
+    #[error("zeros elided with codec {0}")]
+    ZerosElided(String),
+    /// Blocks in a payload without compression.
+    #[error("blocks without compression")]
+    BlocksWithoutCompression,
+    /// Blocks whose sizes are not what the tensor carries.
+    #[error("its blocks hold {raw} bytes in {wire}, where it carries {carries} in {wire_len}")]
+    BlocksDoNotFit {
+        /// Raw bytes the blocks hold.
+        raw: u64,
+        /// Their wire bytes.
+        wire: u64,
+        /// What the tensor carries, in words.
+        carries: String,
+        /// The tensor's wire bytes.
+        wire_len: u64,
+    },
+    /// Quantisation parameters missing for int8, or sent for another precision.
+    #[error("{}", if *expected { "it has no quantisation parameters" } else { "it has quantisation parameters it does not use" })]
+    Quantisation {
+        /// Whether its precision needs them.
+        expected: bool,
+    },
     /// A bool element that is neither 0 nor 1.
     #[error("bool element {index} is {value}, not 0 or 1")]
     NotBool {

@@ -28,7 +28,7 @@ pub mod zeros;
 
 pub use codec::{Codec, CodecPolicy, Compression, PolicyError, Precision};
 pub use dtype::DType;
-pub use error::CodecError;
+pub use error::{CodecError, Misuse};
 pub use payload::{encode_payload, DecodedHeader, DecodedPayload, EncodedPayload, IncomingPayload, PayloadData, PayloadMeta, TensorData};
 pub use pb::Direction;
 pub use seal::{Key, KeyError, KeyRing, Opener, Sealer};

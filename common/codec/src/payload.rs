@@ -19,7 +19,7 @@ use prost::Message;
 use crate::codec::{Codec, CodecPolicy, Compression, Precision};
 use crate::compress::{check_block, compress, compress_blocks, decompress_blocks, worth_compressing, BlockError};
 use crate::dtype::DType;
-use crate::error::{CodecError, TensorError};
+use crate::error::{CodecError, Misuse, TensorError};
 use crate::pb::{Block, Direction, NamedValue, PayloadEnvelope, PayloadHeader, Seal, TensorHeader};
 use crate::precision::{narrow, widen};
 use crate::seal::{Opener, Sealer, TAG_BYTES};
@@ -331,7 +331,7 @@ impl IncomingPayload {
     /// order, the header's tag), and every declared size against dtype x shape and `limit`
     /// (which bounds the tensor bytes rebuilt, and so what is allocated).
     pub fn parse(envelope: &[u8], expected: Direction, limit: u64, policy: &CodecPolicy, opener: &Opener) -> Result<Self, CodecError> {
-        let envelope = PayloadEnvelope::decode(envelope).map_err(|e| CodecError::Malformed(format!("envelope: {e}")))?;
+        let envelope = PayloadEnvelope::decode(envelope).map_err(CodecError::Envelope)?;
         match &envelope.seal {
             None if policy.require_encryption => return Err(CodecError::NotSealed),
             None => {}
@@ -339,7 +339,7 @@ impl IncomingPayload {
             // Authenticate the header before believing anything it says.
             Some(seal) => opener.check_header(seal, &envelope.header, &envelope.header_tag)?,
         }
-        let mut header = PayloadHeader::decode(&envelope.header[..]).map_err(|e| CodecError::Malformed(format!("header: {e}")))?;
+        let mut header = PayloadHeader::decode(&envelope.header[..]).map_err(CodecError::Header)?;
         let direction = Direction::try_from(header.direction).unwrap_or(Direction::Unspecified);
         if direction != expected {
             return Err(CodecError::WrongDirection { expected: direction_name(expected), got: direction_name(direction).into() });
@@ -351,14 +351,13 @@ impl IncomingPayload {
         let mut dtypes = Vec::with_capacity(header.tensors.len());
         let mut codecs = Vec::with_capacity(header.tensors.len());
         for t in &mut header.tensors {
-            let malformed = |what: String| CodecError::Malformed(format!("tensor {}: {what}", t.name));
             let invalid = |error: TensorError| CodecError::InvalidTensor { name: t.name.clone(), error };
             let codec = match (codec.auto, t.codec.as_str()) {
                 (false, "") => codec,
-                (false, own) => return Err(malformed(format!("codec {own:?} of its own in a {codec} payload"))),
+                (false, own) => return Err(invalid(TensorError::OwnCodec { own: own.into(), payload: codec.to_string() })),
                 (true, own) => match own.parse::<Codec>() {
                     Ok(c) if codec.tensor_codecs().contains(&c) => c,
-                    _ => return Err(malformed(format!("codec {own:?} is not one `auto` picks (raw, shuffle+lz4)"))),
+                    _ => return Err(invalid(TensorError::NotAutoPick(own.into()))),
                 },
             };
             let dtype = DType::from_name(&t.dtype).ok_or_else(|| CodecError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })?;
@@ -366,7 +365,7 @@ impl IncomingPayload {
             let raw = n.checked_mul(dtype.size() as u64).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
             check_dim_order(&t.dim_order, t.shape.len()).map_err(invalid)?;
             if !t.dim_order.is_empty() && codec.precision == Precision::Int8 && codec.precision.casts(dtype) {
-                return Err(malformed("int8 quantisation of a tensor that is not row-major".into()));
+                return Err(invalid(TensorError::Int8NotRowMajor));
             }
             if raw != t.byte_len {
                 return Err(CodecError::SizeMismatch {
@@ -382,11 +381,11 @@ impl IncomingPayload {
             let size = codec.precision.carried_size(dtype) as u64;
             let carried = n * size;
             if t.zeros_elided && !(codec.shuffle && size > 1 && codec.compression != Compression::None) {
-                return Err(malformed(format!("zeros elided with codec {codec}")));
+                return Err(invalid(TensorError::ZerosElided(codec.to_string())));
             }
             if codec.compression == Compression::None {
                 if !t.blocks.is_empty() {
-                    return Err(malformed("blocks without compression".into()));
+                    return Err(invalid(TensorError::BlocksWithoutCompression));
                 }
                 if t.wire_len != carried {
                     return Err(CodecError::SizeMismatch {
@@ -409,13 +408,12 @@ impl IncomingPayload {
                 let fits = if t.zeros_elided { raw >= mask && raw - mask <= carried && (raw - mask).is_multiple_of(size) } else { raw == carried };
                 if !fits || wire != t.wire_len {
                     let carries = if t.zeros_elided { format!("a {mask}-byte mask and at most {carried} bytes") } else { format!("{carried} bytes") };
-                    return Err(malformed(format!("its blocks hold {raw} bytes in {wire}, where it carries {carries} in {}", t.wire_len)));
+                    return Err(invalid(TensorError::BlocksDoNotFit { raw, wire, carries, wire_len: t.wire_len }));
                 }
             }
             let quantised = codec.precision == Precision::Int8 && codec.precision.casts(dtype);
             if quantised != t.quant.is_some() {
-                let what = if quantised { "has no quantisation parameters" } else { "has quantisation parameters it does not use" };
-                return Err(CodecError::Malformed(format!("tensor {} {what}", t.name)));
+                return Err(invalid(TensorError::Quantisation { expected: quantised }));
             }
             wire_total += t.wire_len;
             dtypes.push(dtype);
@@ -423,11 +421,7 @@ impl IncomingPayload {
         }
         let tag = if envelope.seal.is_some() { TAG_BYTES as u64 } else { 0 };
         if wire_total + tag != header.wire_len {
-            return Err(CodecError::Malformed(format!(
-                "the tensors take {wire_total} bytes{}, but the payload declares {}",
-                if tag > 0 { " plus a 16-byte tag" } else { "" },
-                header.wire_len
-            )));
+            return Err(CodecError::WireLength { tensors: wire_total, tagged: tag > 0, declared: header.wire_len });
         }
         Ok(Self { header, seal: envelope.seal, codec, dtypes, codecs })
     }
@@ -486,11 +480,7 @@ impl IncomingPayload {
     /// dtype may hold.
     pub fn check_verbatim(self, tensors: &[&[u8]]) -> Result<DecodedHeader, CodecError> {
         if !self.is_verbatim() {
-            return Err(CodecError::Malformed(format!(
-                "a {} payload{} is not verbatim",
-                self.codec,
-                if self.seal.is_some() { " (sealed)" } else { "" }
-            )));
+            return Err(CodecError::Misused(Misuse::NotVerbatim { codec: self.codec.to_string(), sealed: self.seal.is_some() }));
         }
         self.check_buffers(tensors.iter().map(|b| b.len()))?;
         for ((t, &dtype), bytes) in self.header.tensors.iter().zip(&self.dtypes).zip(tensors) {
@@ -513,7 +503,7 @@ impl IncomingPayload {
     /// checks what the bytes of its dtype may hold.
     pub fn open_verbatim(self, opener: &mut Opener, tensor: &mut [u8], tag: &[u8]) -> Result<DecodedHeader, CodecError> {
         let Some(seal) = self.seal.as_ref().filter(|_| self.opens_in_tensor()) else {
-            return Err(CodecError::Malformed(format!("a {} payload of {} tensors does not open in its tensor", self.codec, self.codecs.len())));
+            return Err(CodecError::Misused(Misuse::NotInItsTensor { codec: self.codec.to_string(), tensors: self.codecs.len() }));
         };
         self.check_buffers(std::iter::once(tensor.len()))?;
         opener.open_detached(seal, tensor, tag)?;
@@ -561,7 +551,7 @@ impl IncomingPayload {
         let declared: Vec<usize> = self.header.tensors.iter().map(|t| t.byte_len as usize).collect();
         let given: Vec<usize> = lens.collect();
         if given != declared {
-            return Err(CodecError::Malformed(format!("internal error: buffers of {given:?} bytes for tensors of {declared:?}")));
+            return Err(CodecError::Misused(Misuse::Buffers { given, declared }));
         }
         Ok(())
     }

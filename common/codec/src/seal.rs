@@ -240,16 +240,12 @@ impl Opener {
         if !bool::from(key.check.ct_eq(&seal.key_check[..])) {
             return Err(CodecError::WrongKey { id: seal.key_id });
         }
-        let prefix: [u8; PREFIX_BYTES] = seal
-            .nonce_prefix
-            .as_slice()
-            .try_into()
-            .map_err(|_| CodecError::Malformed(format!("nonce prefix of {} bytes, expected {PREFIX_BYTES}", seal.nonce_prefix.len())))?;
+        let prefix: [u8; PREFIX_BYTES] = seal.nonce_prefix.as_slice().try_into().map_err(|_| CodecError::NoncePrefix(seal.nonce_prefix.len()))?;
         if self.prefix.is_some_and(|p| p != prefix) {
             return Err(CodecError::Replayed { detail: "the nonce prefix changed within the stream".into() });
         }
         if seal.counter > MAX_COUNTER {
-            return Err(CodecError::Malformed(format!("counter {} is out of range", seal.counter)));
+            return Err(CodecError::Counter(seal.counter));
         }
         if let Some(last) = self.last.filter(|&last| seal.counter <= last) {
             return Err(CodecError::Replayed { detail: format!("counter {} after counter {last} was accepted", seal.counter) });
@@ -273,7 +269,7 @@ impl Opener {
     /// holds the ciphertext, say); otherwise as [`Opener::open_in_place`].
     pub(crate) fn open_detached(&mut self, seal: &Seal, body: &mut [u8], tag: &[u8]) -> Result<(), CodecError> {
         let key = self.ring.get(seal.key_id).ok_or_else(|| CodecError::UnknownKeyId { id: seal.key_id, held: self.ring.ids() })?;
-        let prefix: [u8; PREFIX_BYTES] = seal.nonce_prefix.as_slice().try_into().map_err(|_| CodecError::Malformed("nonce prefix".into()))?;
+        let prefix: [u8; PREFIX_BYTES] = seal.nonce_prefix.as_slice().try_into().map_err(|_| CodecError::NoncePrefix(seal.nonce_prefix.len()))?;
         let tag: [u8; TAG_BYTES] = tag.try_into().map_err(|_| CodecError::DataTampered)?;
         key.cipher
             .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], body.into(), &Tag::from(tag))

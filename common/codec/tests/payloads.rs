@@ -338,7 +338,7 @@ fn declared_sizes_are_checked_before_anything_is_allocated() {
     let own = with_header(&enc, |h| h.tensors[0].codec = "raw".into());
     assert!(parse(&own, LIMIT).unwrap_err().to_string().contains("tensor x: codec \"raw\" of its own in a shuffle+lz4 payload"));
     let inconsistent = with_header(&enc, |h| h.wire_len += 1);
-    assert!(matches!(parse(&inconsistent, LIMIT).unwrap_err(), CodecError::Malformed(_)));
+    assert!(matches!(parse(&inconsistent, LIMIT).unwrap_err(), CodecError::WireLength { tagged: false, .. }));
     // A layout must order every dimension once, and int8 takes row-major tensors.
     let layout = with_header(&enc, |h| h.tensors[0].dim_order = vec![1, 1]);
     assert!(parse(&layout, LIMIT).unwrap_err().to_string().contains("dim_order [1, 1] is not an order of its 2 dimensions"));
