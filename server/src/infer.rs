@@ -159,7 +159,6 @@ async fn read_requests<S>(mut inbound: S, ctx: InferContext, pending: mpsc::Send
 where
     S: Stream<Item = Result<InferFrame, Status>> + Unpin,
 {
-    let receiver = Arc::clone(&ctx.receiver);
     let slots = Arc::new(Semaphore::new(ctx.max_requests));
     let mut frames = FrameAssembler::<Held>::default();
     let mut read_buffer = ReadBuffer::default();
@@ -205,7 +204,7 @@ where
                 frames.skip_payload(&frame);
                 Some(given_up(id, e))
             }
-            (true, Some(slot), Ok(())) => match start_request(&receiver, &ctx, &frame, slot).await {
+            (true, Some(slot), Ok(())) => match start_request(&ctx.receiver, &ctx, &frame, slot).await {
                 Ok(Started::Recalled(answer)) => {
                     frames.skip_payload(&frame);
                     Some(answer)

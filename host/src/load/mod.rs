@@ -145,7 +145,6 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
     let wall_s = clock.start.elapsed().max(opts.duration).as_secs_f64();
     records.sort_by(|a, b| a.t_s.total_cmp(&b.t_s).then(a.edge.cmp(&b.edge)));
 
-    let slo_of = |m: usize| served.get(m).and_then(|s| s.as_ref()).and_then(|s| s.slo_ms);
     let fleet = Fleet { models: &models, served: &served, counts: &counts, slots: &slots };
     let report = LoadReport {
         mode: opts.mode.name(),
@@ -155,7 +154,7 @@ pub async fn run(configs: Vec<EdgeConfig>, opts: LoadOptions) -> Result<LoadRepo
         edges: slots.len(),
         seed: opts.seed,
         in_flight_cap: opts.in_flight_cap,
-        overall: LoadStats::of(&records, wall_s, slo_of),
+        overall: LoadStats::of(&records, wall_s, |m| fleet.slo_ms(m)),
         models: (0..models.len()).map(|i| fleet.model_report(i, &records, wall_s)).collect(),
     };
     write_files(&report, &records, &opts)?;
@@ -192,10 +191,15 @@ struct Fleet<'a> {
 }
 
 impl Fleet<'_> {
+    /// Model `m`'s latency target on its server, if it has one.
+    fn slo_ms(&self, m: usize) -> Option<u32> {
+        self.served.get(m).and_then(|s| s.as_ref()).and_then(|s| s.slo_ms)
+    }
+
     /// Model `i`'s figures from `records`, per cut too where its edges split at several.
     fn model_report(&self, i: usize, records: &[RequestRecord], wall_s: f64) -> ModelReport {
         let (model, info) = (&self.models[i], self.served[i].as_ref().expect("every model has an edge"));
-        let slo_of = |m: usize| self.served.get(m).and_then(|s| s.as_ref()).and_then(|s| s.slo_ms);
+        let slo_of = |m: usize| self.slo_ms(m);
         let of_model = || records.iter().filter(move |r| r.model == i);
         let mut cuts = model.cuts.clone();
         cuts.sort_unstable();
