@@ -212,7 +212,7 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
 /// Makes the context a peer sent in `traceparent` the parent of `span`. A value that is too
 /// long or does not parse is ignored: the span starts a trace of its own.
 pub fn follow(span: &tracing::Span, traceparent: &str) {
-    if traceparent.is_empty() || traceparent.len() > MAX_TRACEPARENT_BYTES {
+    if traceparent.len() > MAX_TRACEPARENT_BYTES || !well_formed(traceparent) {
         return;
     }
     let carrier = std::collections::HashMap::from([("traceparent".to_string(), traceparent.to_string())]);
@@ -220,6 +220,22 @@ pub fn follow(span: &tracing::Span, traceparent: &str) {
     if parent.span().span_context().is_valid() {
         let _ = span.set_parent(parent);
     }
+}
+
+/// Whether `traceparent` has the W3C form, checked here because OpenTelemetry's parser is
+/// lenient (it trims whitespace and takes one-digit flags): `vv-<32 hex>-<16 hex>-ff`, all
+/// lowercase, the version not `ff`; version 00 ends there, a later one may go on after a `-`.
+fn well_formed(traceparent: &str) -> bool {
+    let bytes = traceparent.as_bytes();
+    let hex_at = |range: std::ops::Range<usize>| bytes.get(range).is_some_and(|b| b.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')));
+    let dash_at = |at: usize| bytes.get(at) == Some(&b'-');
+    let fields = hex_at(0..2) && dash_at(2) && hex_at(3..35) && dash_at(35) && hex_at(36..52) && dash_at(52) && hex_at(53..55);
+    let ends = match bytes.get(..2) {
+        Some(b"00") => bytes.len() == 55,
+        Some(b"ff") => false,
+        _ => bytes.len() == 55 || dash_at(55),
+    };
+    fields && ends
 }
 
 /// Links `span` to `other` (a batch to each request it carries).
@@ -267,6 +283,30 @@ mod tests {
         let joined = joined.expect("a traced span has a traceparent");
         assert!(joined.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{joined}");
         assert!(!joined.contains("00f067aa0ba902b7"), "a span of its own under the peer's: {joined}");
+    }
+
+    #[test]
+    fn what_opentelemetry_would_forgive_is_ignored() {
+        let unsampled = PEER.replace("-01", "-00");
+        let lenient = [format!("{PEER}\t"), format!(" {PEER}"), PEER.replace("-01", "-1"), PEER.to_uppercase(), format!("{unsampled}-extra")];
+        for sent in lenient.iter().chain([&unsampled.replace("-00", "-0\t")]) {
+            let ours = traced(|| {
+                let span = tracing::info_span!("request");
+                follow(&span, sent);
+                traceparent(&span)
+            });
+            let ours = ours.unwrap_or_else(|| panic!("{sent:?} left the span unsampled"));
+            assert!(!ours.contains("4bf92f3577b34da6a3ce929d0e0e4736"), "{sent:?} was followed: {ours}");
+        }
+        let later_version = traced(|| {
+            let span = tracing::info_span!("request");
+            follow(&span, &format!("01{}-extra", &PEER[2..]));
+            traceparent(&span)
+        });
+        assert!(
+            later_version.is_some_and(|ours| ours.contains("4bf92f3577b34da6a3ce929d0e0e4736")),
+            "a later version's fields after the flags are allowed"
+        );
     }
 
     proptest::proptest! {
