@@ -358,8 +358,7 @@ impl Bundle {
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         if !dir.exists() {
-            let hint = crate::examples::missing_hint(&dir, ": export one with `python -m cleave_export` (see README.md)");
-            return Err(BundleError::NotFound { dir, hint });
+            return Err(BundleError::NotFound { dir });
         }
         let path = dir.join("manifest.json");
         let bytes = std::fs::read(&path).map_err(|error| BundleError::Io { path: path.clone(), error })?;

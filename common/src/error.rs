@@ -46,12 +46,10 @@ impl<E: std::fmt::Display> Eq for Shared<E> {}
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {
     /// The bundle directory does not exist.
-    #[error("bundle {dir} does not exist{hint}")]
+    #[error("bundle {dir} does not exist: export one with `python -m cleave_export` (see README.md)")]
     NotFound {
         /// The directory.
         dir: PathBuf,
-        /// How to make it (`: run make X, which creates it`), or nothing.
-        hint: String,
     },
     /// A file of the bundle could not be read.
     #[error("cannot read {path}: {error}")]

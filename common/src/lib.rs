@@ -21,7 +21,6 @@
 //! - [`tensor_memory`]: a CPU tensor's memory as bytes without copying (the workspace's one
 //!   `unsafe` module).
 //! - [`error`]: the bundle runtime's error type, one variant per step that can fail.
-//! - [`examples`]: the make target that creates each example bundle and dataset (for errors).
 
 // Libraries return what they found and hand progress to their caller; binaries print.
 #![warn(clippy::print_stdout, clippy::print_stderr)]
@@ -30,7 +29,6 @@ pub mod bundle;
 pub mod config;
 pub mod device;
 pub mod error;
-pub mod examples;
 pub mod logs;
 pub mod protocol;
 pub mod security;

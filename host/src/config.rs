@@ -1,6 +1,6 @@
 //! `edge.yaml`: read raw (unknown keys refused), then validated into an [`EdgeConfig`] with
 //! typed values; every error names the file, the key and what was expected. A config runs
-//! inference (`input:`) or training (`train:`), never both.
+//! inference (`input:`) or training (`train:`), never both: its [`Job`].
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -377,8 +377,8 @@ pub struct EdgeConfig {
     pub requests: u64,
     /// Requests in flight at once (the prefix of the next runs while earlier ones travel).
     pub in_flight: usize,
-    /// Where inference inputs come from (absent when training).
-    pub input: Option<InputSource>,
+    /// Inference from `input:` or training with `train:`: one, never both.
+    pub job: Job,
     /// Output directory (a relative one is taken from the working directory).
     pub output: PathBuf,
     /// Classes per prediction.
@@ -398,8 +398,6 @@ pub struct EdgeConfig {
     pub codec_auto: bool,
     /// Key, TLS trust and token.
     pub security: EdgeSecurity,
-    /// Training instead of inference.
-    pub train: Option<TrainConfig>,
     /// What `split: auto` optimises (`objective:`, default latency).
     pub objective: Objective,
     /// Deadlines, reconnects and fallback.
@@ -410,6 +408,33 @@ pub struct EdgeConfig {
     pub log_format: LogFormat,
     /// Where traces go (`telemetry:`; none by default).
     pub telemetry: Telemetry,
+}
+
+/// What a config runs: inference on inputs, or training.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Job {
+    /// Inference: where the inputs come from (`input:`).
+    Infer(InputSource),
+    /// Training (`train:`).
+    Train(Box<TrainConfig>),
+}
+
+impl EdgeConfig {
+    /// The training section, when this config trains.
+    pub fn train(&self) -> Option<&TrainConfig> {
+        match &self.job {
+            Job::Train(train) => Some(train.as_ref()),
+            Job::Infer(_) => None,
+        }
+    }
+
+    /// Where inference inputs come from, when this config runs inference.
+    pub fn input(&self) -> Option<&InputSource> {
+        match &self.job {
+            Job::Infer(input) => Some(input),
+            Job::Train(_) => None,
+        }
+    }
 }
 
 impl EdgeConfig {
@@ -498,11 +523,12 @@ impl EdgeConfig {
         });
         let train = raw.train.map(|t| train_config(path, t)).transpose()?;
         raw.telemetry.check().map_err(|e| invalid(e.key(), e.to_string()))?;
-        match (&input, &train) {
+        let job = match (input, train) {
+            (Some(input), None) => Job::Infer(input),
+            (None, Some(train)) => Job::Train(Box::new(train)),
             (None, None) => return Err(invalid("input", "give `input` (inference) or `train` (training)".into())),
             (Some(_), Some(_)) => return Err(invalid("input", "`input` is for inference and `train` brings its own data: give one".into())),
-            _ => {}
-        }
+        };
         Ok(Self {
             source: path.to_path_buf(),
             server: raw.server,
@@ -512,8 +538,7 @@ impl EdgeConfig {
             batch_size: raw.batch_size,
             requests: raw.requests,
             in_flight: raw.in_flight,
-            input,
-            train,
+            job,
             objective,
             output: raw.output,
             top_k: raw.top_k,

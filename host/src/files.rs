@@ -5,11 +5,11 @@
 use std::path::Path;
 
 use cleave_common::config::relative_paths_note;
-use cleave_common::examples::missing_hint;
 use cleave_common::{Bundle, BundleError};
 
 use crate::config::EdgeConfig;
 use crate::error::{HostError, OutputError, Result};
+use crate::examples::missing_hint;
 
 /// `Ok` when `path` exists; else an error that names it and, for an example, its make target.
 pub fn require(what: &'static str, path: &Path) -> Result<()> {
@@ -23,8 +23,8 @@ pub fn require(what: &'static str, path: &Path) -> Result<()> {
 /// paths start (a config copied elsewhere looks for its bundle there).
 pub async fn open_config_bundle(config: &EdgeConfig) -> Result<Bundle> {
     open_bundle(&config.bundle).await.map_err(|e| match e {
-        HostError::Bundle(BundleError::NotFound { dir, hint }) => {
-            HostError::Bundle(BundleError::NotFound { dir, hint: format!("{}{hint}", relative_paths_note(&config.source)) })
+        HostError::Missing { what: BUNDLE, path, hint } => {
+            HostError::Missing { what: BUNDLE, path, hint: format!("{}{hint}", relative_paths_note(&config.source)) }
         }
         e => e,
     })
@@ -33,11 +33,23 @@ pub async fn open_config_bundle(config: &EdgeConfig) -> Result<Bundle> {
 /// Opens the bundle at `dir` on the blocking pool (hashing its files takes a while).
 pub async fn open_bundle(dir: &Path) -> Result<Bundle> {
     let dir = dir.to_path_buf();
-    tokio::task::spawn_blocking(move || Bundle::open(&dir))
-        .await
-        .map_err(|error| HostError::Task { what: "opening the bundle", error })?
-        .map_err(HostError::from)
+    tokio::task::spawn_blocking(move || bundle(&dir)).await.map_err(|error| HostError::Task { what: "opening the bundle", error })?
 }
+
+/// Opens the bundle at `dir`; a missing one is named with how to make it (the `make` target
+/// of an example, else the exporter).
+pub fn bundle(dir: &Path) -> Result<Bundle> {
+    Bundle::open(dir).map_err(|e| match e {
+        BundleError::NotFound { dir } => {
+            let hint = missing_hint(&dir, ": export one with `python -m cleave_export` (see README.md)");
+            HostError::Missing { what: BUNDLE, path: dir, hint }
+        }
+        e => e.into(),
+    })
+}
+
+/// What a missing bundle is called in [`HostError::Missing`].
+const BUNDLE: &str = "bundle";
 
 /// What to do with an output directory that holds an earlier run (`--force`, `--resume`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

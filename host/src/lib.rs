@@ -16,7 +16,8 @@
 //! - [`plots`]: every SVG plot (a run's, a plan's, a training run's) and their chart helpers.
 //! - [`config`]: `edge.yaml`, raw then validated.
 //! - [`inputs`], `images`: synthetic tensors, tensor files (.safetensors, .npz, .npy) or images.
-//! - [`files`]: the bundle opened off the runtime; a missing example named with its make target.
+//! - [`files`]: the bundle opened off the runtime; a missing example named with its make
+//!   target (`examples`, which knows the Makefile's targets).
 //! - [`verify`]: `host splits` and `host verify`.
 //! - `loopback`: `--loopback`, the server in this process (the `loopback` feature).
 //! - [`error`]: the library's error type.
@@ -28,6 +29,7 @@ pub mod client;
 pub mod config;
 pub mod cpu_time;
 pub mod error;
+mod examples;
 pub mod files;
 mod images;
 pub mod inputs;

@@ -108,7 +108,7 @@ pub(crate) async fn for_inference(config: &EdgeConfig) -> Result<LoopbackServer,
 /// Every epoch writes a checkpoint: the count quota holds them all (the disk is the host's own).
 pub(crate) async fn for_training(config: &EdgeConfig, checkpoints: &Path) -> Result<LoopbackServer, LoopbackError> {
     let d = TrainingOptions::default();
-    let epochs = config.train.as_ref().map_or(0, |t| t.epochs);
+    let epochs = config.train().map_or(0, |t| t.epochs);
     let options = TrainingOptions {
         checkpoint_dir: Some(checkpoints.to_path_buf()),
         concurrent_sessions: false,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::{CommandFactory, Parser, Subcommand};
 use cleave_common::config::CpuUse;
 use cleave_common::{DeviceSpec, SplitSpec};
-use cleave_host::config::{EdgeConfig, TrainMode};
+use cleave_host::config::{EdgeConfig, Job, TrainMode};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
@@ -222,13 +222,15 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
     let mut config = EdgeConfig::load(&path)?;
     let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     if monolithic {
-        let train = config.train.as_mut().ok_or_else(|| anyhow::anyhow!("--monolithic needs a training config (a `train:` section)"))?;
+        let Job::Train(train) = &mut config.job else {
+            anyhow::bail!("--monolithic needs a training config (a `train:` section)");
+        };
         train.mode = TrainMode::Monolithic;
     }
     config.cpu.apply()?;
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let runtime = tokio::runtime::Runtime::new()?;
-    if config.train.is_some() {
+    if matches!(config.job, Job::Train(_)) {
         let summary = runtime.block_on(cleave_host::training::run(config, opts))?;
         println!("{}", summary.closing_line(&output));
         return Ok(true);
@@ -312,8 +314,8 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 fn export_trained(bundle: &std::path::Path, checkpoints: &[PathBuf], out: &std::path::Path) -> anyhow::Result<bool> {
-    let bundle = cleave_common::Bundle::open(bundle)?;
-    let written = cleave_common::training::export::write_trained_bundle(&bundle, checkpoints, out)?;
+    let bundle = cleave_host::files::bundle(bundle)?;
+    let written = cleave_host::training::export::write_trained_bundle(&bundle, checkpoints, out)?;
     println!("wrote {} (bundle id {})", out.display(), written.short_id());
     Ok(true)
 }

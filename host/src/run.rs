@@ -208,7 +208,7 @@ impl Connected {
 
 /// The run's inputs, read (and images decoded and resized) on the blocking pool.
 async fn read_inputs(config: &EdgeConfig, bundle: &Bundle) -> Result<Inputs> {
-    let Some(input) = &config.input else {
+    let Some(input) = config.input() else {
         return Err(HostError::NotThatKindOfConfig { key: "input", command: "inference" });
     };
     let (input, bundle, batch) = (input.clone(), bundle.clone(), config.batch_size);

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use cleave_common::tables::{split_table, thousands, verify_table, SplitTable};
 use cleave_common::verify::{verify_splits, VerifyReport};
-use cleave_common::{Bundle, DeviceSpec};
+use cleave_common::DeviceSpec;
 
 use crate::error::Result;
 
@@ -36,7 +36,7 @@ impl fmt::Display for SplitsReport {
 /// The split-point table of a bundle, its bytes at sequence length `seq` (the bundle's
 /// longest by default) in bundles with a sequence.
 pub fn splits(bundle_dir: &Path, seq: Option<i64>) -> Result<SplitsReport> {
-    let bundle = Bundle::open(bundle_dir)?;
+    let bundle = crate::files::bundle(bundle_dir)?;
     let seq = bundle.resolve_seq(seq)?;
     let m = bundle.manifest();
     let header = format!(
@@ -95,7 +95,7 @@ impl fmt::Display for VerifyRun {
 
 /// Runs every split point against the references.
 pub fn verify(opts: &VerifyOptions) -> Result<VerifyRun> {
-    let bundle = Bundle::open(&opts.bundle)?;
+    let bundle = crate::files::bundle(&opts.bundle)?;
     let batches = if opts.batches.is_empty() { bundle.reference_batches() } else { opts.batches.clone() };
     let reports = batches.into_iter().map(|batch| Ok((batch, verify_splits(&bundle, opts.device, batch)?))).collect::<Result<Vec<_>>>()?;
     Ok(VerifyRun { source: bundle.manifest().model.source.clone(), batches: reports })

@@ -7,7 +7,6 @@
 //!   after PyTorch's single-tensor implementations, with their state exposed for checkpoints.
 //! - [`loss`]: cross-entropy and mean squared error, as `torch.nn.functional` computes them.
 //! - [`checkpoint`]: parameters, buffers and optimizer state in a safetensors file.
-//! - [`export`]: trained weights written back into a bundle for split inference.
 //! - [`step`]: the step math both sides run: the output and its loss, and a part's backward
 //!   pass from the loss or from the gradient another process sent ([`gradients`], [`vjp_root`]).
 //!
@@ -18,7 +17,6 @@
 
 pub mod checkpoint;
 mod error;
-pub mod export;
 pub mod loss;
 pub mod optim;
 mod seeding;

@@ -248,7 +248,7 @@ fn check_options(configs: &[EdgeConfig], opts: &LoadOptions) -> Result<()> {
     if configs.is_empty() {
         return Err(LoadSetupError::NoConfig.into());
     }
-    if let Some(c) = configs.iter().find(|c| c.train.is_some()) {
+    if let Some(c) = configs.iter().find(|c| c.train().is_some()) {
         return Err(LoadSetupError::TrainingConfig { bundle: c.bundle.clone() }.into());
     }
     let zero = |option, must_be| Err(LoadSetupError::Zero { option, must_be }.into());

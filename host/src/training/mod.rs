@@ -16,6 +16,7 @@
 //! `steps.csv` ([`write_report`] and the run).
 
 mod data;
+pub mod export;
 mod link;
 pub mod report;
 
@@ -66,7 +67,7 @@ struct Position {
 
 /// `host --config` with `train:`: trains, evaluates, checkpoints, writes the report files.
 pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary> {
-    let train = config.train.clone().ok_or(HostError::NotThatKindOfConfig { key: "train", command: "training" })?;
+    let train = config.train().cloned().ok_or(HostError::NotThatKindOfConfig { key: "train", command: "training" })?;
     let bundle = crate::files::open_config_bundle(&config).await?;
     let output = opts.output.clone().unwrap_or_else(|| config.output.clone());
     let cuts = Cuts::of(&config, &train, &bundle, &opts)?;
@@ -330,7 +331,7 @@ fn write_steps(path: &Path, steps: &[(u64, usize, f64, f64)]) -> Result<()> {
 async fn write_bundle(bundle: &Bundle, last_checkpoint: &Path, server_checkpoint: Option<PathBuf>, dir: &Path) -> Result<String> {
     let files: Vec<PathBuf> = std::iter::once(last_checkpoint.join(HOST_CHECKPOINT)).chain(server_checkpoint).collect();
     let (trained, target) = (bundle.clone(), dir.to_path_buf());
-    let written = tokio::task::spawn_blocking(move || cleave_common::training::export::write_trained_bundle(&trained, &files, &target))
+    let written = tokio::task::spawn_blocking(move || export::write_trained_bundle(&trained, &files, &target))
         .await
         .map_err(|error| HostError::Task { what: "writing the trained bundle", error })??;
     Ok(written.short_id().to_string())

@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 use tch::Tensor;
 
-use super::checkpoint;
-use super::{TrainError, TrainableStages};
-use crate::bundle::Bundle;
-use crate::device::DeviceSpec;
-use crate::stages::StageRange;
+use cleave_common::bundle::Bundle;
+use cleave_common::device::DeviceSpec;
+use cleave_common::stages::StageRange;
+use cleave_common::training::checkpoint;
+use cleave_common::training::{TrainError, TrainableStages};
 
 fn fail(path: &Path, message: impl Into<String>) -> TrainError {
     TrainError::Checkpoint { path: path.to_path_buf(), message: message.into() }

@@ -15,13 +15,13 @@ const MADE_BY: &[(&str, &str)] = &[
 ];
 
 /// The `make` target that creates `path`, when it is one of the examples (or inside one).
-pub fn make_target(path: &Path) -> Option<&'static str> {
+pub(crate) fn make_target(path: &Path) -> Option<&'static str> {
     MADE_BY.iter().find(|(made, _)| path.ancestors().any(|a| a.ends_with(made))).map(|(_, target)| *target)
 }
 
 /// What to tell a user whose `path` is missing: `: run make X, which creates it` for an
 /// example, `otherwise` (with its own leading `: `) or nothing for anything else.
-pub fn missing_hint(path: &Path, otherwise: &str) -> String {
+pub(crate) fn missing_hint(path: &Path, otherwise: &str) -> String {
     match make_target(path) {
         Some(target) => format!(": run `make {target}`, which creates it"),
         None => otherwise.to_string(),
