@@ -66,13 +66,15 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 test-bundles: $(TEST_BUNDLES)/.stamp
 
 # Formatting, clippy with warnings denied (the workspace, and the host without the server
-# crate), the exporter's linter, and no import circles between files.
+# crate), the exporter's linter, no import circles between files, and the claims of
+# ARCHITECTURE.md that a search can check.
 lint: $(VENV)/.installed
 	cargo fmt --all --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	cargo clippy --release -p cleave-host --no-default-features -- -D warnings
 	cd tools/export && $(CURDIR)/$(VENV)/bin/ruff check .
 	$(CYCLE_CHECK)
+	python3 tools/export/check_architecture.py
 
 # Lint first; `build` before the tests: the exporter tests run the release `host` against
 # torch.optim (and must not skip).

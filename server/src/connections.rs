@@ -41,7 +41,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::transport::server::{Connected, TlsConnectInfo};
 
 use crate::config::PeerLimits;
-use crate::error::lock;
+use crate::error::{lock, RequestError};
 use crate::metrics::Metrics;
 use crate::unsent::{AnswerClocks, Unsent};
 
@@ -220,16 +220,11 @@ impl Connection {
         match *place {
             Place::Established(_) => Ok(()),
             Place::Handshaking(_) => {
-                let slot = Arc::clone(&self.slots).try_acquire_owned().map_err(|_| {
-                    tonic::Status::resource_exhausted(format!(
-                        "the server has {} connections open, its limit (`limits.max_connections`): try again later",
-                        self.max_connections
-                    ))
-                })?;
+                let slot = Arc::clone(&self.slots).try_acquire_owned().map_err(|_| RequestError::ConnectionLimit { open: self.max_connections })?;
                 *place = Place::Established(slot);
                 Ok(())
             }
-            Place::Closed => Err(tonic::Status::cancelled("the connection is closing")),
+            Place::Closed => Err(RequestError::ConnectionClosing.into()),
         }
     }
 
@@ -437,7 +432,7 @@ where
                 Err(panic) => {
                     let message = crate::error::panic_message(panic.as_ref());
                     tracing::error!(call = %path, panic = %message, "a handler panicked");
-                    return Ok(tonic::Status::internal(format!("internal error: the {path} handler panicked: {message}")).into_http());
+                    return Ok(tonic::Status::from(RequestError::Panicked(format!("the {path} handler panicked: {message}"))).into_http());
                 }
             };
             let unsent = response.extensions_mut().remove::<Unsent>();

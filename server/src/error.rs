@@ -37,19 +37,22 @@ pub(crate) enum RequestError {
     Training(TrainError),
     /// A training call out of order (no session yet, a backward without its forward...).
     #[error("training session: {0}")]
-    Session(String),
-    /// The bundle is already being trained and the server keeps one session per bundle.
-    #[error("{0}")]
-    AlreadyTraining(String),
+    Session(SessionError),
+    /// The checkpoint namespace a session would resume is held by another open session.
+    #[error(
+        "checkpoint namespace {namespace} is held by session {holder}, which is still open: one session at a time writes a \
+         namespace; resume once it has closed"
+    )]
+    AlreadyTraining { namespace: String, holder: String },
     /// The call names a bundle id this server does not serve (or none, where it must).
     #[error("bundle mismatch: the host has bundle {host}, this server serves {}", served.join(", "))]
     UnknownModel { host: String, served: Vec<String> },
     /// Requests merged into one batch could not be concatenated or split back.
     #[error("batching: {0}")]
     Batching(cleave_common::value::BatchMergeError),
-    /// A `Profile` or `Echo` call asks for something the server does not give.
-    #[error("{0}")]
-    BadCall(String),
+    /// A `Profile` or `Echo` call, or a stream's metadata, asks for what the server does not give.
+    #[error(transparent)]
+    BadCall(BadCall),
     /// Timing the stages failed.
     #[error("profile: {0}")]
     Profile(BundleError),
@@ -65,12 +68,134 @@ pub(crate) enum RequestError {
     /// The server is draining: this request was not started; resend it to a server.
     #[error("the server is shutting down: this request was not started, resend it")]
     Draining,
-    /// A shared resource is taken (another profile running, a connection's echo bytes).
-    #[error("{0}")]
-    Busy(String),
+    /// A shared resource is taken or a quota full (a profile running, training sessions,
+    /// checkpoints).
+    #[error(transparent)]
+    Busy(Busy),
     /// A bug: something panicked while serving this request; the stream goes on.
     #[error("internal error: {0}")]
     Panicked(String),
+    /// A new connection's first call finds every place taken.
+    #[error("the server has {open} connections open, its limit (`limits.max_connections`): try again later")]
+    ConnectionLimit { open: usize },
+    /// A call on a connection the server is closing.
+    #[error("the connection is closing")]
+    ConnectionClosing,
+}
+
+/// Why a training call does not fit its session.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SessionError {
+    /// A stream's first frame is not the one that opens a session.
+    #[error("the first frame of a Train stream opens the session")]
+    NotOpened,
+    /// A second opening frame on a stream with a session.
+    #[error("this stream already has a session open")]
+    AlreadyOpen,
+    /// A frame with nothing in it.
+    #[error("an empty frame")]
+    EmptyFrame,
+    /// A payload whose first frame does not say which call it is.
+    #[error("a payload's first frame names its phase (forward, backward, evaluate)")]
+    NoPhase,
+    /// A payload at another cut than the call's.
+    #[error("the payload is at cut {cut}, this session expects cut {expected} for {phase:?}")]
+    WrongCut { cut: u32, expected: u32, phase: cleave_common::pb::Phase },
+    /// The host sent nothing for the idle timeout: the server closed the session.
+    #[error("nothing came for {idle:?} (`training.session_idle_timeout`): session {session} is closed")]
+    Idle { idle: std::time::Duration, session: String },
+    /// A reattach names a session the server does not keep.
+    #[error(
+        "session {session} {}: it was not opened reattachable, it closed (its stream ended cleanly, or nothing came for \
+         `training.session_idle_timeout`, or the server restarted), or its broken stream has not been noticed yet (within the \
+         server's keepalive); try again, or open a new session resuming from a checkpoint",
+        cleave_common::protocol::SESSION_NOT_WAITING
+    )]
+    NotWaiting { session: String },
+    /// A reattach from a stream of another model.
+    #[error("session {session} trains bundle {trains}, not {asked}")]
+    OtherBundle { session: String, trains: String, asked: String },
+    /// A checkpoint call on a server without a checkpoint directory.
+    #[error("this server has no checkpoint directory (`training.checkpoint_dir`)")]
+    NoCheckpointDir,
+    /// The checkpoint directory or a namespace in it cannot be listed.
+    #[error("cannot list {what} {}: {error}", dir.display())]
+    CheckpointsUnlisted { what: &'static str, dir: std::path::PathBuf, error: std::io::Error },
+}
+
+/// A shared resource taken, or a quota full: the call may succeed later or elsewhere.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Busy {
+    /// `Profile` calls run one at a time per server.
+    #[error("another Profile is running: this server runs one at a time, try again")]
+    Profile,
+    /// A profile reached a device that is running another.
+    #[error("another profile is running on this device: profiles run one at a time")]
+    ProfileOnDevice,
+    /// Every training session place is taken.
+    #[error("{open} training sessions are open, this server's most (`training.max_sessions`): try again when one closes")]
+    Sessions { open: usize },
+    /// The bundle has a session and the server keeps one per bundle.
+    #[error(
+        "bundle {bundle} is already being trained by session {holder} (open for {open_s} s, its host last heard from {heard_s} s \
+         ago; a session whose host sends nothing for {idle_timeout_s} s, `training.session_idle_timeout`, is closed): this \
+         server allows one training session per bundle: try again once it has closed, or set `training.concurrent_sessions: \
+         true` in server.yaml to train separate copies"
+    )]
+    BundleTrained { bundle: String, holder: String, open_s: u64, heard_s: u64, idle_timeout_s: u64 },
+    /// A new checkpoint over the namespace's count quota.
+    #[error(
+        "checkpoint {name} refused: namespace {namespace} holds {held} checkpoints, the most `training.max_checkpoints` ({max}) \
+         allows; save under one of their names to replace it, or ask the operator for a larger quota"
+    )]
+    CheckpointCount { name: String, namespace: String, held: usize, max: u32 },
+    /// A checkpoint over the namespace's byte quota (`what`: `holds` or `would hold at least`).
+    #[error(
+        "checkpoint {name} refused: it {what} {bytes} bytes and namespace {namespace}'s other checkpoints hold {others}, above \
+         `training.max_checkpoint_bytes` ({max})"
+    )]
+    CheckpointBytes { name: String, what: &'static str, bytes: u64, namespace: String, others: u64, max: u64 },
+    /// A checkpoint over the server's byte quota for every namespace together.
+    #[error(
+        "checkpoint {name} refused: it {what} {bytes} bytes and the server's other checkpoints (every namespace) hold {others}, \
+         above `training.max_checkpoint_bytes_total` ({max}); an operator must remove old checkpoints or raise the quota"
+    )]
+    CheckpointBytesTotal { name: String, what: &'static str, bytes: u64, others: u64, max: u64 },
+}
+
+/// A call that asks for what the server does not give.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BadCall {
+    /// A profile at a batch size the bundle does not take.
+    #[error("batch size {size} is outside the bundle's range {min}..={max}")]
+    BatchSize { size: i64, min: i64, max: i64 },
+    /// A profile asking for more repeats than the server allows.
+    #[error("{repeats} repeats: at most {max} (`limits.max_profile_repeats`)")]
+    Repeats { repeats: u32, max: u32 },
+    /// An echo asking for a reply larger than one message can be.
+    #[error("reply_bytes {asked} is above {cap} (the server's message limit less framing)")]
+    ReplyBytes { asked: u64, cap: u64 },
+    /// A host session id that is not one.
+    #[error("the host session id must be 1 to {max} letters, digits, '-' or '_' (`{}` metadata)", cleave_common::protocol::HOST_SESSION_METADATA)]
+    HostSession { max: usize },
+}
+
+impl From<SessionError> for RequestError {
+    fn from(e: SessionError) -> Self {
+        Self::Session(e)
+    }
+}
+
+impl From<Busy> for RequestError {
+    fn from(e: Busy) -> Self {
+        Self::Busy(e)
+    }
+}
+
+impl From<BadCall> for RequestError {
+    fn from(e: BadCall) -> Self {
+        Self::BadCall(e)
+    }
 }
 
 /// Which part of the server failed a call. UNAVAILABLE is kept for a drain (hosts resend
@@ -99,6 +224,9 @@ pub(crate) enum Internal {
     /// A task on the blocking pool was cancelled (the runtime is stopping).
     #[error("{0} was cancelled")]
     Cancelled(&'static str),
+    /// A training session's thread could not be started.
+    #[error("cannot start the session thread: {0}")]
+    SessionThread(Shared<std::io::Error>),
     /// A training session answered a call with another call's kind of answer.
     #[error("the training session answered a {0} call with another kind of answer")]
     WrongAnswer(&'static str),
@@ -158,9 +286,10 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             }
             TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
         },
-        RequestError::Session(_) | RequestError::AlreadyTraining(_) | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
+        RequestError::Session(_) | RequestError::AlreadyTraining { .. } | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
         RequestError::Unauthenticated(_) => Code::Unauthenticated,
-        RequestError::OverBudget(_) | RequestError::Busy(_) => Code::ResourceExhausted,
+        RequestError::OverBudget(_) | RequestError::Busy(_) | RequestError::ConnectionLimit { .. } => Code::ResourceExhausted,
+        RequestError::ConnectionClosing => Code::Cancelled,
         RequestError::Stalled(_) => Code::DeadlineExceeded,
         RequestError::Draining => Code::Unavailable,
         RequestError::Panicked(_) => Code::Internal,

@@ -93,7 +93,7 @@ where
             if e.is_panic() {
                 let message = crate::error::panic_message(e.into_panic().as_ref());
                 tracing::error!(panic = %message, "an Infer stream's reader panicked");
-                let _ = out.send(Err(Status::internal(format!("internal error: the stream's reader panicked: {message}")))).await;
+                let _ = out.send(Err(RequestError::Panicked(format!("the stream's reader panicked: {message}")).into())).await;
             }
         }
     });

@@ -477,7 +477,7 @@ fn pinned_landing(bundle: &Bundle, device: tch::Device) -> String {
     let tch::Device::Cuda(index) = device else {
         return format!("not used ({})", device_name(device));
     };
-    let run = || -> anyhow::Result<String> {
+    let run = || -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
         let stages = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cuda(index))?;
         let (input, reference) = bundle.reference(bundle.reference_batches()[0])?;
         let cut = bundle.stage_count() / 2;

@@ -24,7 +24,7 @@ use tracing::Instrument;
 use crate::budget::MemoryBudget;
 use crate::config::PeerLimits;
 use crate::connections::connection_of;
-use crate::error::{Internal, RequestError};
+use crate::error::{BadCall, Busy, Internal, RequestError};
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
 use crate::models::Models;
@@ -68,18 +68,16 @@ impl Service {
         let batch = model.bundle.manifest().batch;
         let size = i64::from(r.batch_size);
         if size < batch.min || size > batch.max {
-            return Err(RequestError::BadCall(format!("batch size {size} is outside the bundle's range {}..={}", batch.min, batch.max)).into());
+            return Err(RequestError::from(BadCall::BatchSize { size, min: batch.min, max: batch.max }).into());
         }
         let max = self.peers.max_profile_repeats;
         let repeats = match r.repeats {
             0 => DEFAULT_PROFILE_REPEATS.min(max as usize),
-            n if n > max => return Err(RequestError::BadCall(format!("{n} repeats: at most {max} (`limits.max_profile_repeats`)")).into()),
+            n if n > max => return Err(RequestError::from(BadCall::Repeats { repeats: n, max }).into()),
             n => n as usize,
         };
         // One at a time: a profile holds its device between the requests it lets by.
-        let _profiling = Arc::clone(&self.profiling)
-            .try_acquire_owned()
-            .map_err(|_| RequestError::Busy("another Profile is running: this server runs one at a time, try again".into()))?;
+        let _profiling = Arc::clone(&self.profiling).try_acquire_owned().map_err(|_| RequestError::from(Busy::Profile))?;
         // Dropping this handler (its caller went away) drops `rx`; the worker sees it and stops.
         let (tx, rx) = oneshot::channel();
         model.scheduler.profile(ProfileJob { model: model.index, batch: size, repeats, reply: tx }).await?;
@@ -96,7 +94,7 @@ impl Service {
         // The reply must fit in one message, and a caller must not make the server allocate more.
         let cap = self.limits.max_message_bytes.saturating_sub(1024);
         if reply_bytes > cap {
-            return Err(RequestError::BadCall(format!("reply_bytes {reply_bytes} is above {cap} (the server's message limit less framing)")).into());
+            return Err(RequestError::from(BadCall::ReplyBytes { asked: reply_bytes, cap }).into());
         }
         // A reply holds its bytes in the memory budget until they are written: peers that ask
         // and never read cannot pile replies up past it.

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use cleave_common::Boundary;
 use lru::LruCache;
 
-use crate::error::RequestError;
+use crate::error::{BadCall, RequestError};
 
 /// Longest host session id accepted.
 const MAX_SESSION_CHARS: usize = 64;
@@ -30,10 +30,7 @@ impl HostSession {
     pub(crate) fn parse(id: &str) -> Result<Self, RequestError> {
         let valid = (1..=MAX_SESSION_CHARS).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
         if !valid {
-            return Err(RequestError::BadCall(format!(
-                "the host session id must be 1 to {MAX_SESSION_CHARS} letters, digits, '-' or '_' (`{}` metadata)",
-                cleave_common::protocol::HOST_SESSION_METADATA
-            )));
+            return Err(BadCall::HostSession { max: MAX_SESSION_CHARS }.into());
         }
         Ok(Self(id.into()))
     }

@@ -32,7 +32,7 @@ use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
 use crate::config::{Batching, Policy, SchedulerConfig};
-use crate::error::{catch_panic, panic_message, DeviceFailure, Internal, RequestError};
+use crate::error::{catch_panic, panic_message, Busy, DeviceFailure, Internal, RequestError};
 use crate::metrics::Metrics;
 use queue::{Entry, Group, Pick, Queue};
 
@@ -310,7 +310,7 @@ impl Worker {
                 queue.push(Entry { group: None, samples: 0, key, ready_at: arrived, item: Item::Turn(turn) });
             }
             Work::Profile(other) if in_profile => {
-                let busy = RequestError::Busy("another profile is running on this device: profiles run one at a time".into());
+                let busy = RequestError::from(Busy::ProfileOnDevice);
                 let _ = other.reply.send(Err(busy));
             }
             Work::Profile(job) => self.profile(queue, rx, job),

@@ -18,7 +18,7 @@ use cleave_common::{Bundle, DeviceSpec, StageRange};
 use super::checkpoints::{CheckpointRef, CheckpointStore};
 use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
-use crate::error::RequestError;
+use crate::error::{Busy, RequestError};
 use crate::scheduler::DeviceScheduler;
 
 /// The training side of the service: options and the sessions open now.
@@ -80,24 +80,18 @@ impl Training {
     pub(crate) fn admit(&self, bundle: &Bundle) -> Result<SessionSlot, RequestError> {
         let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
         if self.options.concurrent_sessions && open.len() >= self.options.max_sessions as usize {
-            return Err(RequestError::Busy(format!(
-                "{} training sessions are open, this server's most (`training.max_sessions`): try again when one closes",
-                open.len()
-            )));
+            return Err(Busy::Sessions { open: open.len() }.into());
         }
         let same_bundle = open.iter().find(|e| e.bundle == bundle.id());
         if let Some(holder) = same_bundle.filter(|_| !self.options.concurrent_sessions) {
-            return Err(RequestError::Busy(format!(
-                "bundle {} is already being trained by session {} (open for {} s, its host last heard from {} s ago; a session \
-                 whose host sends nothing for {} s, `training.session_idle_timeout`, is closed): this server allows one training \
-                 session per bundle: try again once it has closed, or set `training.concurrent_sessions: true` in server.yaml to \
-                 train separate copies",
-                bundle.id(),
-                holder.id,
-                holder.opened.elapsed().as_secs(),
-                holder.heard.elapsed().as_secs(),
-                self.options.session_idle_timeout.as_secs()
-            )));
+            return Err(Busy::BundleTrained {
+                bundle: bundle.id().to_string(),
+                holder: holder.id.clone(),
+                open_s: holder.opened.elapsed().as_secs(),
+                heard_s: holder.heard.elapsed().as_secs(),
+                idle_timeout_s: self.options.session_idle_timeout.as_secs(),
+            }
+            .into());
         }
         let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
         let now = Instant::now();

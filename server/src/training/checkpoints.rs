@@ -24,7 +24,7 @@ use cleave_common::training::optim::Optimizer;
 use cleave_common::training::{SetupError, TrainableStages};
 
 use crate::config::TrainingOptions;
-use crate::error::RequestError;
+use crate::error::{Busy, RequestError, SessionError};
 
 /// A checkpoint file's extension.
 const EXTENSION: &str = ".safetensors";
@@ -108,7 +108,7 @@ impl CheckpointStore {
         let namespaces = match std::fs::read_dir(&self.dir) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-            Err(e) => return Err(RequestError::Session(format!("cannot list the checkpoint directory {}: {e}", self.dir.display()))),
+            Err(error) => return Err(SessionError::CheckpointsUnlisted { what: "the checkpoint directory", dir: self.dir.clone(), error }.into()),
         };
         let mut total = 0;
         for namespace in namespaces.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
@@ -124,10 +124,7 @@ impl CheckpointStore {
         let name = match resume {
             Some(namespace) => {
                 if let Some(holder) = held.get(namespace) {
-                    return Err(RequestError::AlreadyTraining(format!(
-                        "checkpoint namespace {namespace} is held by session {holder}, which is still open: one session at a time \
-                         writes a namespace; resume once it has closed"
-                    )));
+                    return Err(RequestError::AlreadyTraining { namespace: namespace.to_string(), holder: holder.clone() });
                 }
                 namespace.to_string()
             }
@@ -213,28 +210,17 @@ impl Namespace {
         let replaced = existing.get(name).copied();
         let (max_count, max_bytes) = (self.store.max_checkpoints, self.store.max_bytes);
         if replaced.is_none() && existing.len() >= max_count as usize {
-            return Err(RequestError::Busy(format!(
-                "checkpoint {name} refused: namespace {} holds {} checkpoints, the most `training.max_checkpoints` ({max_count}) allows; \
-                 save under one of their names to replace it, or ask the operator for a larger quota",
-                self.name,
-                existing.len()
-            )));
+            let (name, namespace) = (name.to_string(), self.name.clone());
+            return Err(Busy::CheckpointCount { name, namespace, held: existing.len(), max: max_count }.into());
         }
         let others: u64 = existing.values().sum::<u64>() - replaced.unwrap_or(0);
-        let over = |bytes: u64, what: &str| {
-            RequestError::Busy(format!(
-                "checkpoint {name} refused: it {what} {bytes} bytes and namespace {}'s other checkpoints hold {others}, above \
-                 `training.max_checkpoint_bytes` ({max_bytes})",
-                self.name
-            ))
+        let over = |bytes: u64, what: &'static str| -> RequestError {
+            let (name, namespace) = (name.to_string(), self.name.clone());
+            Busy::CheckpointBytes { name, what, bytes, namespace, others, max: max_bytes }.into()
         };
         let max_total = self.store.max_total_bytes;
-        let over_total = |bytes: u64, what: &str| {
-            RequestError::Busy(format!(
-                "checkpoint {name} refused: it {what} {bytes} bytes and the server's other checkpoints (every namespace) hold {}, \
-                 above `training.max_checkpoint_bytes_total` ({max_total}); an operator must remove old checkpoints or raise the quota",
-                elsewhere + others
-            ))
+        let over_total = |bytes: u64, what: &'static str| -> RequestError {
+            Busy::CheckpointBytesTotal { name: name.to_string(), what, bytes, others: elsewhere + others, max: max_total }.into()
         };
         let estimate = checkpoint::tensor_bytes(parts, optimizer);
         if others.saturating_add(estimate) > max_bytes {
@@ -262,7 +248,7 @@ fn checkpoints_in(dir: &std::path::Path) -> Result<HashMap<String, u64>, Request
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
-        Err(e) => return Err(RequestError::Session(format!("cannot list checkpoint namespace {}: {e}", dir.display()))),
+        Err(error) => return Err(SessionError::CheckpointsUnlisted { what: "checkpoint namespace", dir: dir.to_path_buf(), error }.into()),
     };
     let mut found = HashMap::new();
     for entry in entries.flatten() {

@@ -9,12 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cleave_common::pb;
-use cleave_common::protocol::SESSION_NOT_WAITING;
 use subtle::ConstantTimeEq;
 
 use super::admission::SessionSlot;
 use super::session::SessionHandle;
-use crate::error::{lock, RequestError};
+use crate::error::{lock, RequestError, SessionError};
 use crate::metrics::OpenGuard;
 
 /// A session and what a stream needs to answer its calls.
@@ -74,19 +73,15 @@ impl Parking {
         let mut kept = lock(&self.kept);
         let id = &reattach.session_id;
         let Some((attached, _)) = kept.get(id) else {
-            return Err(RequestError::Session(format!(
-                "session {} {SESSION_NOT_WAITING}: it was not opened reattachable, it closed (its stream ended cleanly, or \
-                 nothing came for `training.session_idle_timeout`, or the server restarted), or its broken stream has not been \
-                 noticed yet (within the server's keepalive); try again, or open a new session resuming from a checkpoint",
-                id.chars().take(40).collect::<String>()
-            )));
+            return Err(SessionError::NotWaiting { session: id.chars().take(40).collect() }.into());
         };
         let token = attached.reattach_token.as_deref().unwrap_or_default();
         if !bool::from(token.as_bytes().ct_eq(reattach.token.as_bytes())) {
             return Err(RequestError::Unauthenticated("the reattach token does not match the session's (SessionOpened.reattach_token)"));
         }
         if attached.bundle_id != bundle_id {
-            return Err(RequestError::Session(format!("session {id} trains bundle {}, not {bundle_id}", attached.bundle_id)));
+            let (session, trains, asked) = (id.clone(), attached.bundle_id.clone(), bundle_id.to_string());
+            return Err(SessionError::OtherBundle { session, trains, asked }.into());
         }
         let (attached, _) = kept.remove(id).expect("the kept session was just found");
         tracing::info!(session = %id, "training session continued by its host");

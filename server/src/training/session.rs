@@ -19,7 +19,7 @@ use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
-use crate::error::{Internal, RequestError};
+use crate::error::{Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::scheduler::DeviceScheduler;
 
@@ -41,7 +41,7 @@ pub(crate) struct SessionSetup {
 
 /// The refusal of a checkpoint call on a server without a checkpoint directory.
 pub(crate) fn no_checkpoint_dir() -> RequestError {
-    RequestError::Session("this server has no checkpoint directory (`training.checkpoint_dir`)".into())
+    SessionError::NoCheckpointDir.into()
 }
 
 /// A call for the session thread.
@@ -330,7 +330,7 @@ impl SessionHandle {
                     }
                 }
             })
-            .map_err(|e| RequestError::Session(format!("cannot start the session thread: {e}")))?;
+            .map_err(|e| Internal::SessionThread(cleave_common::error::Shared::new(e)))?;
         let (opened, step) = opened_rx.await.map_err(|_| Internal::SessionGone)??;
         Ok((Self { calls: tx, step }, opened))
     }

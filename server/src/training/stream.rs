@@ -23,7 +23,7 @@ use super::admission::Training;
 use super::parking::{Attached, Parking};
 use super::session::{Answer, Call, SessionHandle};
 use crate::budget::{MemoryBudget, Reservation};
-use crate::error::{error_frame, Internal, RequestError};
+use crate::error::{error_frame, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
@@ -84,7 +84,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
     let open = match first {
         Some(Ok(pb::TrainFrame { kind: Some(train_frame::Kind::Open(open)) })) => open,
         Some(Ok(_)) => {
-            let _ = out.send(Ok(error_reply(0, &RequestError::Session("the first frame of a Train stream opens the session".into())))).await;
+            let _ = out.send(Ok(error_reply(0, &SessionError::NotOpened.into()))).await;
             return;
         }
         _ => return,
@@ -196,10 +196,7 @@ async fn answer_calls(
                 let e = if matches!(next, Next::Draining) {
                     RequestError::Draining
                 } else {
-                    RequestError::Session(format!(
-                        "nothing came for {:?} (`training.session_idle_timeout`): session {} is closed",
-                        ctx.training.options.session_idle_timeout, slot.id
-                    ))
+                    SessionError::Idle { idle: ctx.training.options.session_idle_timeout, session: slot.id.clone() }.into()
                 };
                 tracing::info!(session = %slot.id, error = %e, "training session ended by the server");
                 let _ = out.send(Ok(error_reply(stream.frames.give_up().unwrap_or(0), &e))).await;
@@ -248,8 +245,8 @@ async fn answer_calls(
                     vec![error_reply(id, &e)]
                 }
             },
-            Some(train_frame::Kind::Open(_)) => vec![error_reply(0, &RequestError::Session("this stream already has a session open".into()))],
-            None => vec![error_reply(0, &RequestError::Session("an empty frame".into()))],
+            Some(train_frame::Kind::Open(_)) => vec![error_reply(0, &SessionError::AlreadyOpen.into())],
+            None => vec![error_reply(0, &SessionError::EmptyFrame.into())],
         };
         for r in replies {
             ctx.metrics.sent(ctx.model.bundle.id(), (r.header.len() + r.data.len()) as u64);
@@ -334,7 +331,7 @@ impl CallStream {
             Phase::Forward | Phase::Evaluate => &requests,
             Phase::Backward => &gradients,
             Phase::Unspecified => {
-                return Err(RequestError::Session("a payload's first frame names its phase (forward, backward, evaluate)".into()));
+                return Err(SessionError::NoPhase.into());
             }
         };
         let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(f.request_id, &f.header)?;
@@ -354,7 +351,7 @@ impl CallStream {
         };
         let expected_cut = if phase == Phase::Backward { self.end } else { self.start };
         if received.split != expected_cut {
-            let e = RequestError::Session(format!("the payload is at cut {}, this session expects cut {expected_cut} for {phase:?}", received.split));
+            let e = SessionError::WrongCut { cut: received.split, expected: expected_cut, phase }.into();
             return vec![error_reply(id, &e)];
         }
         let (codec, key_id) = (received.codec, received.key_id);
