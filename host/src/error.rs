@@ -4,11 +4,13 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cleave_common::config::ConfigError;
+use cleave_common::error::with_causes;
 use cleave_common::protocol::ProtocolError;
 use cleave_common::training::TrainError;
-use cleave_common::wire::{CodecError, PolicyError, WireError};
+use cleave_common::wire::{Codec, CodecError, PolicyError, WireError};
 use cleave_common::BundleError;
 
 use crate::loopback::LoopbackError;
@@ -52,21 +54,23 @@ pub enum HostError {
     #[error("the loopback server: {0}")]
     Loopback(LoopbackError),
     /// The server cannot be reached.
-    #[error("cannot connect to {url}: {reason}")]
+    #[error("cannot connect to {url}: {failure}{}", attempts_note(*attempts))]
     Connect {
         /// The server's URL.
         url: String,
-        /// Why, with every cause.
-        reason: String,
+        /// Why.
+        failure: ConnectFailure,
+        /// The attempts made in a row (`retry.max_attempts`), when more than one.
+        attempts: u32,
     },
     /// The server cannot be reached for a reason that trying again cannot fix (a name that
     /// does not resolve, a TLS handshake refused, a URL the link cannot use).
-    #[error("cannot connect to {url}: {reason} (trying again cannot fix this)")]
+    #[error("cannot connect to {url}: {failure} (trying again cannot fix this)")]
     Unreachable {
         /// The server's URL.
         url: String,
-        /// Why, with every cause.
-        reason: String,
+        /// Why.
+        failure: ConnectFailure,
     },
     /// A call to the server failed with a gRPC status.
     #[error("{call}: {code:?}: {message}")]
@@ -167,7 +171,7 @@ pub enum HostError {
     Graph(std::io::Error),
     /// libtorch refused an operation on the edge.
     #[error("{0}")]
-    Torch(String),
+    Torch(Box<tch::TchError>),
     /// A task of the host's own (on the blocking pool or the runtime) panicked or was
     /// cancelled.
     #[error("{what}: {error}")]
@@ -258,7 +262,7 @@ impl From<LoopbackError> for HostError {
 
 impl From<tch::TchError> for HostError {
     fn from(e: tch::TchError) -> Self {
-        Self::Torch(e.to_string())
+        Self::Torch(Box::new(e))
     }
 }
 
@@ -331,6 +335,9 @@ pub enum StreamError {
     /// An answer to a request this stream never carried.
     #[error("the server answered request {0}, which this connection never sent")]
     NeverSent(u64),
+    /// Nothing came back within `request_timeout`.
+    #[error("no answer within {0:?} (`request_timeout`)")]
+    Stalled(Duration),
     /// The server answered UNAVAILABLE (it is draining), with this message.
     #[error("the server cannot take requests now: Unavailable: {0}")]
     Draining(String),
@@ -455,6 +462,53 @@ pub enum Breach {
     },
 }
 
+/// Why a connection to the server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectFailure {
+    /// The transport failed: refused, reset or timed out, a name that does not resolve, a
+    /// TLS handshake refused, a URL tonic cannot use (the message names every cause).
+    #[error("{}", with_causes(.0))]
+    Transport(tonic::transport::Error),
+    /// The connection was not made within `connect_timeout`.
+    #[error("no answer within {0:?} (`connect_timeout`)")]
+    NoAnswer(Duration),
+    /// The server did not answer `Info` within `connect_timeout`.
+    #[error("no answer to Info within {0:?} (`connect_timeout`)")]
+    NoInfo(Duration),
+    /// `Info` failed with a status that may pass.
+    #[error("Info: {code:?}: {message}")]
+    Info {
+        /// The status code.
+        code: tonic::Code,
+        /// Its message.
+        message: String,
+    },
+    /// The `Infer` stream did not open in time.
+    #[error("the Infer stream did not open within {0:?}")]
+    StreamNotOpened(Duration),
+    /// The connection broke before it answered anything.
+    #[error("the connection answered nothing: {0}")]
+    AnsweredNothing(Box<StreamError>),
+    /// An `https://` URL without the `tls:` section that says whom to trust.
+    #[error("the URL starts with https:// but edge.yaml has no `tls:` (the CA to trust, and the `domain` its certificate names)")]
+    HttpsWithoutTls,
+    /// `tls:` with a URL that is not `https://`.
+    #[error("TLS is configured, so the URL must start with https://")]
+    TlsWithoutHttps,
+    /// The TLS settings could not be applied.
+    #[error("TLS configuration: {}", with_causes(.0))]
+    TlsConfig(tonic::transport::Error),
+}
+
+/// ` (N attempts, `retry.max_attempts`)` after more than one attempt.
+fn attempts_note(attempts: u32) -> String {
+    if attempts > 1 {
+        format!(" ({attempts} attempts, `retry.max_attempts`)")
+    } else {
+        String::new()
+    }
+}
+
 /// How a training stream to the server broke.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LinkLost {
@@ -471,14 +525,39 @@ pub enum LinkLost {
     },
 }
 
+/// What profiling was doing with a cut's boundary when it failed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ProfileStep {
+    /// Encoding it with the run's codec.
+    Encoding(Codec),
+    /// Decoding what was encoded.
+    Decoding,
+    /// Timing `codec: auto`'s candidates on it.
+    AutoCandidates,
+}
+
+impl std::fmt::Display for ProfileStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Encoding(codec) => write!(f, "encoding with {codec}"),
+            Self::Decoding => f.write_str("decoding"),
+            Self::AutoCandidates => f.write_str("measuring codec: auto's candidates"),
+        }
+    }
+}
+
 /// Why measuring the cuts (`host plan`, `split: auto`'s profile) gave nothing to plan from.
 #[derive(Debug, thiserror::Error)]
 pub enum MeasureError {
     /// The edge's boundaries could not be profiled.
-    #[error("profiling the boundaries: {reason}")]
+    #[error("profiling the boundaries: cut {cut}: {step}: {error}")]
     Boundaries {
-        /// Which cut, and why.
-        reason: String,
+        /// The cut.
+        cut: usize,
+        /// What was being done with its boundary.
+        step: ProfileStep,
+        /// What failed.
+        error: Box<WireError>,
     },
     /// Requests of `--measure` failed.
     #[error("measuring the cuts: {failed} of the requests failed, the first: {first}")]

@@ -20,7 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
 use crate::config::{EdgeConfig, Resilience, RetryPolicy};
-use crate::error::{BundleMismatch, HostError, Refusal, Result};
+use crate::error::{BundleMismatch, ConnectFailure, HostError, Refusal, Result};
 
 /// How to reach a server: TLS trust, bearer token, and how long to wait for it.
 #[derive(Debug, Clone)]
@@ -105,10 +105,10 @@ impl std::fmt::Debug for EdgeSession {
 
 /// Connects to `url`, asks `Info`, and checks the protocol version and the bundle id.
 pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSession> {
-    let connect_error = |reason: String| HostError::Connect { url: url.to_string(), reason };
-    let lasting_error = |reason: String| HostError::Unreachable { url: url.to_string(), reason };
+    let connect_error = |failure| HostError::Connect { url: url.to_string(), failure, attempts: 1 };
+    let lasting_error = |failure| HostError::Unreachable { url: url.to_string(), failure };
     let mut endpoint = Endpoint::from_shared(url.to_string())
-        .map_err(|e| lasting_error(cleave_common::error::with_causes(&e)))?
+        .map_err(|e| lasting_error(ConnectFailure::Transport(e)))?
         .tcp_nodelay(true)
         .connect_timeout(link.connect_timeout)
         .http2_keep_alive_interval(link.keepalive.0)
@@ -117,29 +117,26 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20));
     if link.tls.is_none() && url.starts_with("https://") {
-        return Err(lasting_error(
-            "the URL starts with https:// but edge.yaml has no `tls:` (the CA to trust, and the `domain` its certificate names)".into(),
-        ));
+        return Err(lasting_error(ConnectFailure::HttpsWithoutTls));
     }
     if let Some(tls) = &link.tls {
         if !url.starts_with("https://") {
-            return Err(lasting_error("TLS is configured, so the URL must start with https://".into()));
+            return Err(lasting_error(ConnectFailure::TlsWithoutHttps));
         }
         let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem));
         if let Some(domain) = &tls.domain {
             config = config.domain_name(domain.clone());
         }
-        endpoint = endpoint.tls_config(config).map_err(|e| lasting_error(format!("TLS configuration: {}", cleave_common::error::with_causes(&e))))?;
+        endpoint = endpoint.tls_config(config).map_err(|e| lasting_error(ConnectFailure::TlsConfig(e)))?;
     }
     // A server that accepts and then says nothing (stopped, say) must not hold the host: the
     // whole handshake and `Info` get `connect_timeout`.
-    let timed_out = || connect_error(format!("no answer within {:?} (`connect_timeout`)", link.connect_timeout));
+    let timed_out = || connect_error(ConnectFailure::NoAnswer(link.connect_timeout));
     let channel = tokio::time::timeout(link.connect_timeout, endpoint.connect()).await.map_err(|_| timed_out())?.map_err(|e| {
-        let reason = cleave_common::error::with_causes(&e);
         if may_pass(&e) {
-            connect_error(reason)
+            connect_error(ConnectFailure::Transport(e))
         } else {
-            lasting_error(reason)
+            lasting_error(ConnectFailure::Transport(e))
         }
     })?;
     let token = match &link.token {
@@ -154,10 +151,8 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::Unimplemented | tonic::Code::InvalidArgument => {
             HostError::Rpc { call: "Info", code: s.code(), message: format!("{url}: {}", s.message()) }
         }
-        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
-            connect_error(format!("no answer to Info within {:?} (`connect_timeout`)", link.connect_timeout))
-        }
-        code => connect_error(format!("Info: {code:?}: {}", s.message())),
+        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => connect_error(ConnectFailure::NoInfo(link.connect_timeout)),
+        code => connect_error(ConnectFailure::Info { code, message: s.message().to_string() }),
     })?;
     let server = ServerInfo::try_from(reply.into_inner()).map_err(|error| Refusal::Info { url: url.to_string(), error })?;
     let Some(model) = server.model(bundle.id()).cloned() else {
@@ -237,9 +232,7 @@ pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &R
                 tokio::time::sleep(wait).await;
                 attempt += 1;
             }
-            Err(HostError::Connect { url, reason }) => {
-                return Err(HostError::Connect { url, reason: format!("{reason} ({attempt} attempts, `retry.max_attempts`)") })
-            }
+            Err(HostError::Connect { url, failure, .. }) => return Err(HostError::Connect { url, failure, attempts: attempt }),
             Err(e) => return Err(e),
         }
     }

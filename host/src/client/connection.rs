@@ -14,7 +14,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::request::{ms, ServerTimes};
-use crate::error::{HostError, RequestFailure, Result, StreamError};
+use crate::error::{ConnectFailure, HostError, RequestFailure, Result, StreamError};
 use crate::session::EdgeSession;
 
 /// A live `Infer` stream.
@@ -45,7 +45,7 @@ impl Connection {
         let mut client = session.client.clone();
         let opened = tokio::time::timeout(timeout, client.infer(request))
             .await
-            .map_err(|_| HostError::Connect { url: session.url.clone(), reason: format!("the Infer stream did not open within {timeout:?}") })?
+            .map_err(|_| HostError::Connect { url: session.url.clone(), failure: ConnectFailure::StreamNotOpened(timeout), attempts: 1 })?
             .map_err(|s| HostError::rpc("Infer", &s))?;
         // Results must come back sealed when requests go sealed: a stripped seal is refused.
         let policy = CodecPolicy { require_encryption: sealed, ..CodecPolicy::default() };

@@ -37,7 +37,7 @@ use self::connection::{Answer, Connection};
 use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
 use self::request::ms;
 use crate::config::{Fallback, Resilience};
-use crate::error::{HostError, RequestFailure, Result, StreamError};
+use crate::error::{ConnectFailure, HostError, RequestFailure, Result, StreamError};
 use crate::session::{connect, EdgeSession};
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
@@ -237,7 +237,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                         }
                         Err(reason) => {
                             conn = None;
-                            if self.lost(&reason.to_string(), answered_on_conn, &mut reconnect, session) {
+                            if self.lost(reason, answered_on_conn, &mut reconnect, session) {
                                 break;
                             }
                         }
@@ -245,8 +245,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                 }
                 () = sleep_until(stalled_at) => {
                     conn = None;
-                    let reason = format!("no answer within {timeout:?} (`request_timeout`)");
-                    if self.lost(&reason, answered_on_conn, &mut reconnect, session) {
+                    if self.lost(StreamError::Stalled(timeout), answered_on_conn, &mut reconnect, session) {
                         break;
                     }
                 }
@@ -381,7 +380,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// The connection is gone: what it had not answered waits for the next one. After a
     /// connection that answered, the next is tried at once; one that answered nothing counts
     /// as a failed attempt (backoff, fallback, giving up: true when the run gives up).
-    fn lost(&mut self, reason: &str, answered: bool, reconnect: &mut Reconnect, session: &EdgeSession) -> bool {
+    fn lost(&mut self, reason: StreamError, answered: bool, reconnect: &mut Reconnect, session: &EdgeSession) -> bool {
         tracing::warn!(unanswered = self.unanswered.len(), "connection dropped: {reason}");
         for u in self.unanswered.values_mut() {
             u.sent_at = None;
@@ -391,7 +390,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             *reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));
             return false;
         }
-        let error = HostError::Connect { url: session.url.clone(), reason: format!("the connection answered nothing: {reason}") };
+        let error = HostError::Connect { url: session.url.clone(), failure: ConnectFailure::AnsweredNothing(Box::new(reason)), attempts: 1 };
         self.connect_failed(&error, reconnect)
     }
 

@@ -134,8 +134,41 @@ fn optional_codec_text<S: serde::Serializer>(codec: &Option<Codec>, s: S) -> Res
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ProfileError {
     /// Lists of different lengths.
-    #[error("profiles disagree: {0}")]
-    Shape(String),
+    #[error(
+        "profiles disagree: {edge} edge stages, {server} server stages, {cut_bytes} cut sizes and {cut_flags} cut flags \
+         (expected {edge}, {edge}, {} and {})",
+        edge + 1,
+        edge + 1
+    )]
+    Lengths {
+        /// Edge stage times.
+        edge: usize,
+        /// Server stage times.
+        server: usize,
+        /// Bytes at each cut.
+        cut_bytes: usize,
+        /// Whether each cut is usable.
+        cut_flags: usize,
+    },
+    /// Codec costs for some cuts only.
+    #[error("profiles disagree: codec costs at {got} cuts (expected none or {cuts})")]
+    CodecCuts {
+        /// Cuts with codec costs.
+        got: usize,
+        /// Cuts there are.
+        cuts: usize,
+    },
+    /// A cut with no codec to choose from.
+    #[error("profiles disagree: a cut without a codec to choose")]
+    NoCodec,
+    /// A prediction asked for a cut the profiles do not have.
+    #[error("profiles disagree: cut {cut} is past the last cut {last}")]
+    PastLastCut {
+        /// The cut asked for.
+        cut: usize,
+        /// The last cut.
+        last: usize,
+    },
     /// A negative, infinite or NaN figure.
     #[error("profile value {name} is {value}, expected a finite number >= 0")]
     Value {
@@ -155,19 +188,18 @@ impl Profiles {
     fn check(&self) -> Result<(), ProfileError> {
         let n = self.stage_count();
         if self.server_stage_ms.len() != n || self.cut_wire_bytes.len() != n + 1 || self.cut_usable.len() != n + 1 {
-            return Err(ProfileError::Shape(format!(
-                "{n} edge stages, {} server stages, {} cut sizes and {} cut flags (expected {n}, {n}, {cuts} and {cuts})",
-                self.server_stage_ms.len(),
-                self.cut_wire_bytes.len(),
-                self.cut_usable.len(),
-                cuts = n + 1
-            )));
+            return Err(ProfileError::Lengths {
+                edge: n,
+                server: self.server_stage_ms.len(),
+                cut_bytes: self.cut_wire_bytes.len(),
+                cut_flags: self.cut_usable.len(),
+            });
         }
         if !self.codec_choices.is_empty() && self.codec_choices.len() != n + 1 {
-            return Err(ProfileError::Shape(format!("codec costs at {} cuts (expected none or {})", self.codec_choices.len(), n + 1)));
+            return Err(ProfileError::CodecCuts { got: self.codec_choices.len(), cuts: n + 1 });
         }
         if self.codec_choices.iter().any(|c| c.costs.is_empty()) {
-            return Err(ProfileError::Shape("a cut without a codec to choose".into()));
+            return Err(ProfileError::NoCodec);
         }
         let finite = |name, value: f64| if value.is_finite() && value >= 0.0 { Ok(()) } else { Err(ProfileError::Value { name, value }) };
         for &v in &self.edge_stage_ms {
@@ -333,7 +365,7 @@ impl Replanner {
     /// The prediction for `cut` with the link as last updated.
     pub fn prediction(&self, cut: usize) -> Result<CutPrediction, ProfileError> {
         if cut > self.profiles.stage_count() {
-            return Err(ProfileError::Shape(format!("cut {cut} is past the last cut {}", self.profiles.stage_count())));
+            return Err(ProfileError::PastLastCut { cut, last: self.profiles.stage_count() });
         }
         self.profiles.check()?;
         Ok(self.profiles.predict_cut(cut, self.objective))
@@ -479,7 +511,7 @@ mod tests {
     fn profiles_that_do_not_fit_are_refused() {
         let mut p = profiles(25.0);
         p.cut_wire_bytes.pop();
-        assert!(matches!(p.predict(Objective::Latency), Err(ProfileError::Shape(_))));
+        assert!(matches!(p.predict(Objective::Latency), Err(ProfileError::Lengths { .. })));
         let mut p = profiles(25.0);
         p.server_stage_ms[1] = f64::NAN;
         assert!(p.predict(Objective::Latency).unwrap_err().to_string().contains("server_stage_ms"));

@@ -15,7 +15,7 @@ use super::planner::{Link, Profiles};
 use tracing::Instrument;
 
 use crate::config::{EdgeConfig, InputSource};
-use crate::error::{HostError, MeasureError, Result};
+use crate::error::{HostError, MeasureError, ProfileStep, Result};
 use crate::inputs::Inputs;
 use crate::session::EdgeSession;
 
@@ -115,28 +115,28 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
                     a.push_data(0, &e.data)?;
                     receiver.finish(a)
                 });
-                if let Err(err) = decoded {
-                    failure.get_or_insert(format!("cut {cut}: decoding: {err}"));
+                if let Err(error) = decoded {
+                    failure.get_or_insert(MeasureError::Boundaries { cut, step: ProfileStep::Decoding, error: Box::new(error) });
                 }
                 codec_ms += started.elapsed().as_secs_f64() * 1e3;
                 codec_bytes += boundary.tensor_bytes() as u64;
                 cut_wire_bytes[cut] = (e.envelope.len() + e.data.len()) as u64;
             }
-            Err(err) => {
-                failure.get_or_insert(format!("cut {cut}: encoding with {codec}: {err}"));
+            Err(error) => {
+                failure.get_or_insert(MeasureError::Boundaries { cut, step: ProfileStep::Encoding(*codec), error: Box::new(error) });
             }
         }
         if !candidates.is_empty() {
             match CodecCost::measure_all(candidates, boundary, CODEC_REPEATS) {
                 Ok(costs) => codec_choices.push(CutCodecs { tensor_bytes: boundary.tensor_bytes() as u64, costs }),
-                Err(err) => {
-                    failure.get_or_insert(format!("cut {cut}: measuring codec: auto's candidates: {err}"));
+                Err(error) => {
+                    failure.get_or_insert(MeasureError::Boundaries { cut, step: ProfileStep::AutoCandidates, error: Box::new(error) });
                 }
             }
         }
     })?;
-    if let Some(f) = failure {
-        return Err(MeasureError::Boundaries { reason: f }.into());
+    if let Some(failure) = failure {
+        return Err(failure.into());
     }
     let mib = codec_bytes as f64 / (1u64 << 20) as f64;
     Ok(EdgeProfile { stage_ms, cut_wire_bytes, codec_ms_per_mib: if mib > 0.0 { codec_ms / mib } else { 0.0 }, codec_choices, stages })
