@@ -44,9 +44,26 @@ pub enum ProtocolError {
         /// The server's.
         server: u32,
     },
-    /// The `Info` reply is incomplete or its values cannot be right.
-    #[error("the server's Info is invalid: {0}")]
-    InvalidInfo(String),
+    /// The `Info` reply has no limits.
+    #[error("the server's Info is invalid: no limits")]
+    NoLimits,
+    /// A limit in `Info` that cannot be right.
+    #[error("the server's Info is invalid: {key} {message}")]
+    InvalidLimit {
+        /// The limit's key.
+        key: &'static str,
+        /// What it must be.
+        message: String,
+    },
+    /// A model in `Info` without its bundle id.
+    #[error("the server's Info is invalid: model {index} has no bundle id")]
+    ModelWithoutId {
+        /// Its place in the list.
+        index: usize,
+    },
+    /// A bundle id listed twice in `Info`.
+    #[error("the server's Info is invalid: bundle id {0} is listed twice")]
+    ModelTwice(String),
 }
 
 /// What a server serves and accepts, from its `Info`.
@@ -206,9 +223,9 @@ impl TryFrom<pb::InfoReply> for ServerInfo {
         if info.protocol_version != PROTOCOL_VERSION {
             return Err(ProtocolError::VersionMismatch { host: PROTOCOL_VERSION, server: info.protocol_version });
         }
-        let l = info.limits.ok_or_else(|| ProtocolError::InvalidInfo("no limits".into()))?;
+        let l = info.limits.ok_or(ProtocolError::NoLimits)?;
         let limits = Limits { max_message_bytes: l.max_message_bytes, max_payload_bytes: l.max_payload_bytes, queue_depth: l.queue_depth };
-        limits.validate().map_err(|(key, message)| ProtocolError::InvalidInfo(format!("{key} {message}")))?;
+        limits.validate().map_err(|(key, message)| ProtocolError::InvalidLimit { key, message })?;
         let codecs = info.codecs.unwrap_or_default();
         let policy = CodecPolicy {
             precisions: Precision::ALL.into_iter().filter(|p| codecs.precisions.iter().any(|n| n == p.name())).collect(),
@@ -232,10 +249,10 @@ impl TryFrom<pb::InfoReply> for ServerInfo {
         };
         for (i, m) in models.iter().enumerate() {
             if m.bundle_id.is_empty() {
-                return Err(ProtocolError::InvalidInfo(format!("model {i} has no bundle id")));
+                return Err(ProtocolError::ModelWithoutId { index: i });
             }
             if models[..i].iter().any(|other| other.bundle_id == m.bundle_id) {
-                return Err(ProtocolError::InvalidInfo(format!("bundle id {} is listed twice", m.bundle_id)));
+                return Err(ProtocolError::ModelTwice(m.bundle_id.clone()));
             }
         }
         Ok(Self { server_version: info.server_version, models, limits, policy, key_ids: codecs.key_ids })

@@ -379,11 +379,14 @@ pub enum ServerError {
         error: std::io::Error,
     },
     /// The TLS identity cannot be used.
-    #[error("TLS: {0}")]
-    Tls(String),
+    #[error("TLS: {}", cleave_common::error::with_causes(.0))]
+    Tls(tonic::transport::Error),
     /// The gRPC server failed.
-    #[error("serving: {0}")]
-    Serve(String),
+    #[error("serving: {}", cleave_common::error::with_causes(.0))]
+    Serve(tonic::transport::Error),
+    /// Loading the models on the blocking pool panicked or was cancelled.
+    #[error("loading the bundle: {0}")]
+    Loading(tokio::task::JoinError),
     /// A limit that no server can enforce.
     #[error("limits: `{key}` {message}")]
     Limits {
@@ -392,9 +395,6 @@ pub enum ServerError {
         /// What it must be.
         message: String,
     },
-    /// Development secrets cannot be written.
-    #[error("dev secrets: {0}")]
-    DevSecrets(String),
     /// Two entries of `models:` are the same bundle (hosts select a model by its id).
     #[error("models: {first} and {second} are both bundle {id}: each model is served once")]
     DuplicateModel {

@@ -21,7 +21,7 @@ use cleave_common::security::ServerSecurity;
 use cleave_common::spec::{BoundarySizes, Sizes};
 use cleave_common::wire::{payload_frames, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly, Received};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
-use tokio_stream::{Stream, StreamExt};
+use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tracing::Instrument;
@@ -31,6 +31,7 @@ use crate::error::{error_frame, status_code, Internal, RequestError};
 use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
+use crate::reader::{FrameReader, Next};
 use crate::scheduler::{InferJob, JobResult};
 use crate::unsent::{answer_bytes, Unsent};
 use crate::window::{HostSession, ResultWindow};
@@ -145,25 +146,15 @@ impl Pending {
     }
 }
 
-/// What the reader waits for next.
-enum Next {
-    Frame(InferFrame),
-    /// The request part-way in did not finish in time.
-    Stalled,
-    /// The host closed its side, or it failed.
-    End,
-    Draining,
-}
-
-async fn read_requests<S>(mut inbound: S, ctx: InferContext, pending: mpsc::Sender<Pending>)
+async fn read_requests<S>(inbound: S, ctx: InferContext, pending: mpsc::Sender<Pending>)
 where
     S: Stream<Item = Result<InferFrame, Status>> + Unpin,
 {
     let slots = Arc::new(Semaphore::new(ctx.max_requests));
     let mut frames = FrameAssembler::<Held>::default();
     let mut read_buffer = ReadBuffer::default();
-    // When the request part-way in must be complete.
-    let mut deadline: Option<tokio::time::Instant> = None;
+    // An Infer stream may wait as long as it likes between requests.
+    let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, None);
     loop {
         // A new request needs a place among the stream's requests before it is read.
         let mut slot = None;
@@ -174,18 +165,19 @@ where
                 s = Arc::clone(&slots).acquire_owned() => slot = s.ok(),
             }
         }
-        let next = next_event(&mut inbound, deadline, &ctx.draining).await;
+        // Answers are sent by the responder, which goes with the stream.
+        let next = reader.next(std::future::pending()).await;
         let frame = match next {
             Next::Frame(frame) => {
                 ctx.metrics.received(ctx.model.bundle.id(), (frame.header.len() + frame.data.len()) as u64);
                 frame
             }
-            Next::End => return,
-            Next::Stalled | Next::Draining => {
+            Next::End | Next::Broken => return,
+            Next::Stalled | Next::Idle | Next::Draining => {
                 let draining = matches!(next, Next::Draining);
                 if let Some(id) = frames.give_up() {
-                    let e = if draining { RequestError::Draining } else { RequestError::Stalled(ctx.request_timeout) };
-                    deadline = None;
+                    let e = if draining { RequestError::Draining } else { reader.stalled() };
+                    reader.track(&frames);
                     if pending.send(given_up(id, e)).await.is_err() {
                         return;
                     }
@@ -215,15 +207,11 @@ where
             (true, Some(_), Err(e)) => push(&mut frames, &frame, Some(Err(e)), &ctx).await,
             _ => push(&mut frames, &frame, None, &ctx).await,
         };
-        match done {
-            // A request part-way in must be complete by its deadline.
-            None if frames.in_progress() => _ = deadline.get_or_insert_with(|| tokio::time::Instant::now() + ctx.request_timeout),
-            None => {}
-            Some(done) => {
-                deadline = None;
-                if pending.send(done).await.is_err() {
-                    return;
-                }
+        // A request part-way in must be complete by its deadline.
+        reader.track(&frames);
+        if let Some(done) = done {
+            if pending.send(done).await.is_err() {
+                return;
             }
         }
     }
@@ -239,33 +227,6 @@ async fn push(frames: &mut FrameAssembler<Held>, frame: &InferFrame, started: Op
         Ok(None) => None,
         Ok(Some((assembly, held))) => Some(queue_request(&ctx.receiver, ctx, assembly, held).await),
         Err((id, e)) => Some(Pending::answered(id, Err(e))),
-    }
-}
-
-/// The next thing the reader must deal with: a frame, the request part-way in stalling past
-/// `deadline`, the end of the stream (or its failure), or the server draining.
-async fn next_event<S>(inbound: &mut S, deadline: Option<tokio::time::Instant>, draining: &CancellationToken) -> Next
-where
-    S: Stream<Item = Result<InferFrame, Status>> + Unpin,
-{
-    let stalled = async {
-        match deadline {
-            Some(at) => tokio::time::sleep_until(at).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        biased;
-        () = draining.cancelled() => Next::Draining,
-        () = stalled => Next::Stalled,
-        frame = inbound.next() => match frame {
-            Some(Ok(frame)) => Next::Frame(frame),
-            Some(Err(status)) => {
-                tracing::debug!(%status, "inbound stream failed");
-                Next::End
-            }
-            None => Next::End,
-        },
     }
 }
 

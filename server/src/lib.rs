@@ -40,6 +40,7 @@ mod infer;
 pub mod metrics;
 mod models;
 mod payloads;
+mod reader;
 mod scheduler;
 mod service;
 mod training;
@@ -202,7 +203,7 @@ impl PreparedServer {
             let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
             builder = builder
                 .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity).timeout(peers.handshake_timeout))
-                .map_err(|e| ServerError::Tls(cleave_common::error::with_causes(&e)))?;
+                .map_err(ServerError::Tls)?;
         }
         let connections = Arc::new(connections::Connections::new(&peers, metrics));
         let incoming = accept(listener, Arc::clone(&connections));
@@ -223,9 +224,8 @@ impl PreparedServer {
                 let _ = stopped.await;
             });
         tokio::pin!(serving);
-        let serve_error = |e: tonic::transport::Error| ServerError::Serve(cleave_common::error::with_causes(&e));
         let down = tokio::select! {
-            served = &mut serving => return served.map_err(serve_error),
+            served = &mut serving => return served.map_err(ServerError::Serve),
             () = shutdown => None,
             down = health.follow(&mut device_events) => Some(down),
         };
@@ -237,7 +237,7 @@ impl PreparedServer {
         draining.cancel();
         let _ = stop.send(());
         let drained = match tokio::time::timeout(peers.drain_timeout, &mut serving).await {
-            Ok(served) => served.map_err(serve_error),
+            Ok(served) => served.map_err(ServerError::Serve),
             Err(_) => {
                 tracing::warn!(
                     open = connections.open(),
@@ -360,9 +360,7 @@ impl std::fmt::Display for Listening {
 pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Result<(), ServerError> {
     // Opening the bundle hashes every file and loading it takes seconds: not on the runtime.
     let prepared = config.clone();
-    let server = tokio::task::spawn_blocking(move || PreparedServer::from_config(&prepared))
-        .await
-        .map_err(|e| ServerError::Serve(format!("loading the bundle: {e}")))??;
+    let server = tokio::task::spawn_blocking(move || PreparedServer::from_config(&prepared)).await.map_err(ServerError::Loading)??;
     let listen_error = |error| ServerError::Listen { addr: config.listen.to_string(), error };
     let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
     let mut metrics = None;

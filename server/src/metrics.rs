@@ -15,7 +15,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::net::TcpListener;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -103,98 +103,76 @@ pub(crate) struct Answered<'a> {
     pub(crate) slo: Option<Duration>,
 }
 
+/// Registers `metric` under `name` and gives it back to be kept.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Metrics {
     /// A registry with every family; `cuda_devices` are the (name, index) of the CUDA devices
     /// models run on (their memory is read at each scrape).
     pub fn new(cuda_devices: Vec<(String, u32)>) -> Self {
         let mut registry = Registry::with_prefix("cleave");
-        let requests = Family::<CodeLabels, Counter>::default();
-        registry.register("requests", "Requests answered, by model and gRPC code", requests.clone());
-        let queue_depth = Family::<ModelLabel, Gauge>::default();
-        registry.register("queue_depth", "Requests waiting for their device, by model", queue_depth.clone());
-        let batch_samples: Histograms = Family::new_with_constructor(samples);
-        registry.register("batch_samples", "Samples in each batch a device ran, by model", batch_samples.clone());
-        let queue_seconds: Histograms = Family::new_with_constructor(seconds);
-        registry.register("queue_seconds", "Time a request waited for its device", queue_seconds.clone());
-        let compute_seconds: Histograms = Family::new_with_constructor(seconds);
-        registry.register("compute_seconds", "Time the device ran a request's batches", compute_seconds.clone());
-        let total_seconds: Histograms = Family::new_with_constructor(seconds);
-        registry.register("request_seconds", "Time from a request's first frame to its answer", total_seconds.clone());
-        let bytes_in = Family::<ModelLabel, Counter>::default();
-        registry.register("received_bytes", "Payload bytes received (requests and training calls)", bytes_in.clone());
-        let bytes_out = Family::<ModelLabel, Counter>::default();
-        registry.register("sent_bytes", "Payload bytes sent (results and training answers)", bytes_out.clone());
-        let copied_in = Family::<ModelLabel, Counter>::default();
-        registry.register(
-            "received_copied_bytes",
-            "Bytes of requests copied as they were to receive them: frames into tensors, decoding (gRPC's own copies not counted)",
-            copied_in.clone(),
-        );
-        let pinned_in = Family::<ModelLabel, Counter>::default();
-        registry.register(
-            "received_pinned_bytes",
-            "Bytes of requests received into pinned host memory (models on CUDA devices), copied to the device without blocking",
-            pinned_in.clone(),
-        );
-        let copied_out = Family::<ModelLabel, Counter>::default();
-        registry.register(
-            "sent_copied_bytes",
-            "Bytes of results copied as they were to send them (none for a raw result sent from its tensors' memory)",
-            copied_out.clone(),
-        );
-        let slo_misses = Family::<ModelLabel, Counter>::default();
-        registry.register("slo_misses", "Requests answered later than their model's slo_ms", slo_misses.clone());
-        let cut_merges = Family::<ModelLabel, Counter>::default();
-        registry.register("cut_merges", "Requests run up to a later cut to join the requests waiting there", cut_merges.clone());
-        let open_streams = Family::<KindLabel, Gauge>::default();
-        registry.register("open_streams", "Infer and Train streams open", open_streams.clone());
-        let abandoned = Family::<AbandonedLabels, Counter>::default();
-        registry.register(
-            "abandoned_requests",
-            "Requests and training calls dropped because their stream went (reset, connection closed), by model and where: queued (never started) or running (stopped at a stage boundary)",
-            abandoned.clone(),
-        );
-        let answer_timeouts = Counter::default();
-        registry.register(
-            "answer_timeouts",
-            "Connections closed because an answer on them was not written within limits.answer_timeout (their peer did not read)",
-            answer_timeouts.clone(),
-        );
-        let device_failures = Family::<DeviceLabel, Counter>::default();
-        registry.register("device_failures", "Times a device's scheduler thread died (see on_device_failure), by device", device_failures.clone());
-        let device_restarts = Family::<DeviceLabel, Counter>::default();
-        registry.register(
-            "device_restarts",
-            "Times a device's models were reloaded on a new thread after it died, by device",
-            device_restarts.clone(),
-        );
-        let training_sessions = Gauge::default();
-        registry.register("training_sessions", "Training sessions open", training_sessions.clone());
-        let device_memory = Family::<DeviceLabel, Gauge>::default();
-        registry.register("device_memory_used_bytes", "CUDA memory this process holds, by device", device_memory.clone());
+        let r = &mut registry;
         let inner = Inner {
-            registry,
-            requests,
-            queue_depth,
-            batch_samples,
-            queue_seconds,
-            compute_seconds,
-            total_seconds,
-            bytes_in,
-            bytes_out,
-            copied_in,
-            pinned_in,
-            copied_out,
-            slo_misses,
-            cut_merges,
-            open_streams,
-            abandoned,
-            answer_timeouts,
-            device_failures,
-            device_restarts,
-            training_sessions,
-            device_memory,
+            requests: registered(r, "requests", "Requests answered, by model and gRPC code", Family::default()),
+            queue_depth: registered(r, "queue_depth", "Requests waiting for their device, by model", Family::default()),
+            batch_samples: registered(r, "batch_samples", "Samples in each batch a device ran, by model", Family::new_with_constructor(samples)),
+            queue_seconds: registered(r, "queue_seconds", "Time a request waited for its device", Family::new_with_constructor(seconds)),
+            compute_seconds: registered(r, "compute_seconds", "Time the device ran a request's batches", Family::new_with_constructor(seconds)),
+            total_seconds: registered(r, "request_seconds", "Time from a request's first frame to its answer", Family::new_with_constructor(seconds)),
+            bytes_in: registered(r, "received_bytes", "Payload bytes received (requests and training calls)", Family::default()),
+            bytes_out: registered(r, "sent_bytes", "Payload bytes sent (results and training answers)", Family::default()),
+            copied_in: registered(
+                r,
+                "received_copied_bytes",
+                "Bytes of requests copied as they were to receive them: frames into tensors, decoding (gRPC's own copies not counted)",
+                Family::default(),
+            ),
+            pinned_in: registered(
+                r,
+                "received_pinned_bytes",
+                "Bytes of requests received into pinned host memory (models on CUDA devices), copied to the device without blocking",
+                Family::default(),
+            ),
+            copied_out: registered(
+                r,
+                "sent_copied_bytes",
+                "Bytes of results copied as they were to send them (none for a raw result sent from its tensors' memory)",
+                Family::default(),
+            ),
+            slo_misses: registered(r, "slo_misses", "Requests answered later than their model's slo_ms", Family::default()),
+            cut_merges: registered(r, "cut_merges", "Requests run up to a later cut to join the requests waiting there", Family::default()),
+            open_streams: registered(r, "open_streams", "Infer and Train streams open", Family::default()),
+            abandoned: registered(
+                r,
+                "abandoned_requests",
+                "Requests and training calls dropped because their stream went (reset, connection closed), by model and where: queued (never started) or running (stopped at a stage boundary)",
+                Family::default(),
+            ),
+            answer_timeouts: registered(
+                r,
+                "answer_timeouts",
+                "Connections closed because an answer on them was not written within limits.answer_timeout (their peer did not read)",
+                Counter::default(),
+            ),
+            device_failures: registered(
+                r,
+                "device_failures",
+                "Times a device's scheduler thread died (see on_device_failure), by device",
+                Family::default(),
+            ),
+            device_restarts: registered(
+                r,
+                "device_restarts",
+                "Times a device's models were reloaded on a new thread after it died, by device",
+                Family::default(),
+            ),
+            training_sessions: registered(r, "training_sessions", "Training sessions open", Gauge::default()),
+            device_memory: registered(r, "device_memory_used_bytes", "CUDA memory this process holds, by device", Family::default()),
             cuda_devices,
+            registry,
         };
         Self { inner: Arc::new(inner) }
     }

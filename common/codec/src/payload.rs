@@ -326,6 +326,74 @@ fn direction_name(d: Direction) -> &'static str {
     }
 }
 
+/// Checks what a tensor's header says of it, the payload's codec being `codec`: its own
+/// codec (under `auto`), dtype, shape, dimension order and bytes; with its codec, its dtype
+/// and its elements.
+fn check_tensor_header(t: &TensorHeader, codec: Codec) -> Result<(Codec, DType, u64), CodecError> {
+    let invalid = |error: TensorError| CodecError::InvalidTensor { name: t.name.clone(), error };
+    let codec = match (codec.auto, t.codec.as_str()) {
+        (false, "") => codec,
+        (false, own) => return Err(invalid(TensorError::OwnCodec { own: own.into(), payload: codec.to_string() })),
+        (true, own) => match own.parse::<Codec>() {
+            Ok(c) if codec.tensor_codecs().contains(&c) => c,
+            _ => return Err(invalid(TensorError::NotAutoPick(own.into()))),
+        },
+    };
+    let dtype = DType::from_name(&t.dtype).ok_or_else(|| CodecError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })?;
+    let invalid_shape = || CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() };
+    let n = numel(&t.shape).ok_or_else(invalid_shape)?;
+    let raw = n.checked_mul(dtype.size() as u64).ok_or_else(invalid_shape)?;
+    check_dim_order(&t.dim_order, t.shape.len()).map_err(invalid)?;
+    if !t.dim_order.is_empty() && codec.precision == Precision::Int8 && codec.precision.casts(dtype) {
+        return Err(invalid(TensorError::Int8NotRowMajor));
+    }
+    if raw != t.byte_len {
+        return Err(CodecError::SizeMismatch { name: t.name.clone(), declared: t.byte_len, expected: format!("{dtype}{:?} needs {raw}", t.shape) });
+    }
+    Ok((codec, dtype, n))
+}
+
+/// Checks how a tensor's data travels with `codec`: zero elision, its compressed blocks (one
+/// made for a single unsplit block) or its uncompressed bytes, and its quantisation.
+fn check_tensor_data(t: &mut TensorHeader, codec: Codec, dtype: DType, n: u64) -> Result<(), CodecError> {
+    let invalid = |error: TensorError| CodecError::InvalidTensor { name: t.name.clone(), error };
+    let size = codec.precision.carried_size(dtype) as u64;
+    let carried = n * size;
+    if t.zeros_elided && !(codec.shuffle && size > 1 && codec.compression != Compression::None) {
+        return Err(invalid(TensorError::ZerosElided(codec.to_string())));
+    }
+    if codec.compression == Compression::None {
+        if !t.blocks.is_empty() {
+            return Err(invalid(TensorError::BlocksWithoutCompression));
+        }
+        if t.wire_len != carried {
+            return Err(CodecError::SizeMismatch { name: t.name.clone(), declared: t.wire_len, expected: format!("uncompressed it is {carried}") });
+        }
+    } else {
+        if t.blocks.is_empty() && !t.zeros_elided && carried > 0 {
+            let block = whole_block(carried, t.wire_len).map_err(|e| invalid(e.into()))?;
+            t.blocks.push(block);
+        }
+        for (i, block) in t.blocks.iter().enumerate() {
+            check_block(codec.compression, block).map_err(|error| invalid(TensorError::Block { index: i, error }))?;
+        }
+        let raw: u64 = t.blocks.iter().map(|b| u64::from(b.raw_len)).sum();
+        let wire: u64 = t.blocks.iter().map(|b| u64::from(b.wire_len)).sum();
+        // Zeros elided, the carried bytes are a mask and some of the elements.
+        let mask = zeros::mask_len(n as usize) as u64;
+        let fits = if t.zeros_elided { raw >= mask && raw - mask <= carried && (raw - mask).is_multiple_of(size) } else { raw == carried };
+        if !fits || wire != t.wire_len {
+            let carries = if t.zeros_elided { format!("a {mask}-byte mask and at most {carried} bytes") } else { format!("{carried} bytes") };
+            return Err(invalid(TensorError::BlocksDoNotFit { raw, wire, carries, wire_len: t.wire_len }));
+        }
+    }
+    let quantised = codec.precision == Precision::Int8 && codec.precision.casts(dtype);
+    if quantised != t.quant.is_some() {
+        return Err(invalid(TensorError::Quantisation { expected: quantised }));
+    }
+    Ok(())
+}
+
 impl IncomingPayload {
     /// Reads and checks an envelope: direction, codec against `policy`, sealing (key, nonce
     /// order, the header's tag), and every declared size against dtype x shape and `limit`
@@ -351,70 +419,13 @@ impl IncomingPayload {
         let mut dtypes = Vec::with_capacity(header.tensors.len());
         let mut codecs = Vec::with_capacity(header.tensors.len());
         for t in &mut header.tensors {
-            let invalid = |error: TensorError| CodecError::InvalidTensor { name: t.name.clone(), error };
-            let codec = match (codec.auto, t.codec.as_str()) {
-                (false, "") => codec,
-                (false, own) => return Err(invalid(TensorError::OwnCodec { own: own.into(), payload: codec.to_string() })),
-                (true, own) => match own.parse::<Codec>() {
-                    Ok(c) if codec.tensor_codecs().contains(&c) => c,
-                    _ => return Err(invalid(TensorError::NotAutoPick(own.into()))),
-                },
-            };
-            let dtype = DType::from_name(&t.dtype).ok_or_else(|| CodecError::UnknownDtype { name: t.name.clone(), dtype: t.dtype.clone() })?;
-            let n = numel(&t.shape).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
-            let raw = n.checked_mul(dtype.size() as u64).ok_or_else(|| CodecError::InvalidShape { name: t.name.clone(), shape: t.shape.clone() })?;
-            check_dim_order(&t.dim_order, t.shape.len()).map_err(invalid)?;
-            if !t.dim_order.is_empty() && codec.precision == Precision::Int8 && codec.precision.casts(dtype) {
-                return Err(invalid(TensorError::Int8NotRowMajor));
-            }
-            if raw != t.byte_len {
-                return Err(CodecError::SizeMismatch {
-                    name: t.name.clone(),
-                    declared: t.byte_len,
-                    expected: format!("{dtype}{:?} needs {raw}", t.shape),
-                });
-            }
-            raw_total = raw_total.saturating_add(raw);
+            let (codec, dtype, n) = check_tensor_header(t, codec)?;
+            // The header checked, its bytes are its elements' (`t.byte_len`).
+            raw_total = raw_total.saturating_add(t.byte_len);
             if raw_total > limit {
                 return Err(CodecError::PayloadTooLarge { declared: raw_total, limit });
             }
-            let size = codec.precision.carried_size(dtype) as u64;
-            let carried = n * size;
-            if t.zeros_elided && !(codec.shuffle && size > 1 && codec.compression != Compression::None) {
-                return Err(invalid(TensorError::ZerosElided(codec.to_string())));
-            }
-            if codec.compression == Compression::None {
-                if !t.blocks.is_empty() {
-                    return Err(invalid(TensorError::BlocksWithoutCompression));
-                }
-                if t.wire_len != carried {
-                    return Err(CodecError::SizeMismatch {
-                        name: t.name.clone(),
-                        declared: t.wire_len,
-                        expected: format!("uncompressed it is {carried}"),
-                    });
-                }
-            } else {
-                if t.blocks.is_empty() && !t.zeros_elided && carried > 0 {
-                    t.blocks.push(whole_block(carried, t.wire_len).map_err(|e| invalid(e.into()))?);
-                }
-                for (i, block) in t.blocks.iter().enumerate() {
-                    check_block(codec.compression, block).map_err(|error| invalid(TensorError::Block { index: i, error }))?;
-                }
-                let raw: u64 = t.blocks.iter().map(|b| u64::from(b.raw_len)).sum();
-                let wire: u64 = t.blocks.iter().map(|b| u64::from(b.wire_len)).sum();
-                // Zeros elided, the carried bytes are a mask and some of the elements.
-                let mask = zeros::mask_len(n as usize) as u64;
-                let fits = if t.zeros_elided { raw >= mask && raw - mask <= carried && (raw - mask).is_multiple_of(size) } else { raw == carried };
-                if !fits || wire != t.wire_len {
-                    let carries = if t.zeros_elided { format!("a {mask}-byte mask and at most {carried} bytes") } else { format!("{carried} bytes") };
-                    return Err(invalid(TensorError::BlocksDoNotFit { raw, wire, carries, wire_len: t.wire_len }));
-                }
-            }
-            let quantised = codec.precision == Precision::Int8 && codec.precision.casts(dtype);
-            if quantised != t.quant.is_some() {
-                return Err(invalid(TensorError::Quantisation { expected: quantised }));
-            }
+            check_tensor_data(t, codec, dtype, n)?;
             wire_total += t.wire_len;
             dtypes.push(dtype);
             codecs.push(codec);

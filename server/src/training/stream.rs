@@ -27,6 +27,7 @@ use crate::error::{error_frame, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
+use crate::reader::{FrameReader, Next};
 use crate::unsent::{wire_bytes, Unsent};
 
 /// What one `Train` stream needs.
@@ -47,21 +48,6 @@ pub(crate) struct TrainContext {
     pub(crate) draining: CancellationToken,
     /// Where each answer's share of the budget waits for its bytes to be written.
     pub(crate) unsent: Unsent,
-}
-
-/// What the stream waits for next.
-enum Next {
-    /// Boxed: a frame is far larger than the other variants.
-    Frame(Box<pb::TrainFrame>),
-    /// The payload part-way in did not finish within `limits.request_timeout`.
-    Stalled,
-    /// Nothing came within `training.session_idle_timeout`.
-    Idle,
-    Draining,
-    /// The host closed its side of the stream: it is done with the session.
-    End,
-    /// The stream failed (reset, connection lost).
-    Broken,
 }
 
 /// How a stream's calls ended.
@@ -157,36 +143,24 @@ async fn answer_calls(
 ) -> StreamEnd {
     let (slot, session) = (&attached.slot, &attached.session);
     let mut stream = CallStream::new(ctx, attached.start, attached.end);
-    // When the payload part-way in must be complete.
-    let mut deadline: Option<tokio::time::Instant> = None;
+    let idle = ctx.training.options.session_idle_timeout;
+    let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
     loop {
-        let wait_until = deadline.unwrap_or_else(|| tokio::time::Instant::now() + ctx.training.options.session_idle_timeout);
-        let next = tokio::select! {
-            biased;
-            () = ctx.draining.cancelled() => Next::Draining,
-            // The response went (reset, connection closed): nobody reads the answers.
-            () = out.closed() => Next::Broken,
-            () = tokio::time::sleep_until(wait_until) => if deadline.is_some() { Next::Stalled } else { Next::Idle },
-            frame = inbound.next() => match frame {
-                Some(Ok(frame)) => Next::Frame(Box::new(frame)),
-                Some(Err(_)) => Next::Broken,
-                None => Next::End,
-            },
-        };
+        // The response went (reset, connection closed): nobody reads the answers.
+        let next = reader.next(out.closed()).await;
         let frame = match next {
             Next::Frame(frame) => {
                 slot.heard();
                 if let Some(train_frame::Kind::Payload(p)) = &frame.kind {
                     ctx.metrics.received(ctx.model.bundle.id(), (p.header.len() + p.data.len()) as u64);
                 }
-                *frame
+                frame
             }
             Next::End => return StreamEnd::Closed,
             Next::Broken => return StreamEnd::Broken,
             Next::Stalled => {
-                deadline = None;
                 if let Some(id) = stream.frames.give_up() {
-                    if out.send(Ok(error_reply(id, &RequestError::Stalled(ctx.request_timeout)))).await.is_err() {
+                    if out.send(Ok(error_reply(id, &reader.stalled()))).await.is_err() {
                         return StreamEnd::Broken;
                     }
                 }
@@ -196,57 +170,27 @@ async fn answer_calls(
                 let e = if matches!(next, Next::Draining) {
                     RequestError::Draining
                 } else {
-                    SessionError::Idle { idle: ctx.training.options.session_idle_timeout, session: slot.id.clone() }.into()
+                    SessionError::Idle { idle, session: slot.id.clone() }.into()
                 };
                 tracing::info!(session = %slot.id, error = %e, "training session ended by the server");
                 let _ = out.send(Ok(error_reply(stream.frames.give_up().unwrap_or(0), &e))).await;
                 return StreamEnd::Closed;
             }
         };
-        let mut held = Reservation::none();
-        let replies = match frame.kind {
-            Some(train_frame::Kind::Save(save)) => {
-                // The session thread checks the name and the quotas, and writes.
-                vec![match session.call(save.request_id, Call::Save { name: save.name }).await {
-                    Ok((Answer::Saved { name, step }, _)) => {
-                        TrainReply { request_id: save.request_id, last: true, saved: Some(pb::CheckpointSaved { name, step }), ..Default::default() }
-                    }
-                    Ok(_) => error_reply(save.request_id, &Internal::WrongAnswer("Save").into()),
-                    Err(e) => error_reply(save.request_id, &e),
-                }]
+        let (replies, mut held) = match frame.kind {
+            Some(train_frame::Kind::Save(save)) => (vec![save_reply(session, save).await], Reservation::none()),
+            Some(train_frame::Kind::Payload(p)) => {
+                let handled = stream.call(&p, ctx, session, out).await;
+                // A payload part-way in must be complete by its deadline.
+                reader.track(&stream.frames);
+                match handled {
+                    Handled::Replies(replies, held) => (replies, held),
+                    Handled::PartWay => continue,
+                    Handled::HostGone => return StreamEnd::Broken,
+                }
             }
-            Some(train_frame::Kind::Payload(p)) => match stream.push(&p, &ctx.budget).await {
-                Ok(None) => {
-                    if stream.frames.in_progress() && deadline.is_none() {
-                        deadline = Some(tokio::time::Instant::now() + ctx.request_timeout);
-                    }
-                    continue;
-                }
-                Ok(Some((assembly, (phase, bytes, span)))) => {
-                    deadline = None;
-                    // A host that leaves (its stream reset, its connection closed) takes its
-                    // call with it: dropping the call before the session thread has the
-                    // device means it is never run.
-                    let replies = tokio::select! {
-                        replies = stream.answer(assembly, phase, session).instrument(span) => replies,
-                        () = out.closed() => return StreamEnd::Broken,
-                    };
-                    // The call's reservation becomes its answer's, held until written.
-                    match ctx.budget.resize(bytes, replies.iter().map(wire_bytes).sum()).await {
-                        Ok(bytes) => {
-                            held = bytes;
-                            replies
-                        }
-                        Err(e) => vec![error_reply(replies.first().map_or(0, |r| r.request_id), &e.into())],
-                    }
-                }
-                Err((id, e)) => {
-                    deadline = None;
-                    vec![error_reply(id, &e)]
-                }
-            },
-            Some(train_frame::Kind::Open(_)) => vec![error_reply(0, &SessionError::AlreadyOpen.into())],
-            None => vec![error_reply(0, &SessionError::EmptyFrame.into())],
+            Some(train_frame::Kind::Open(_)) => (vec![error_reply(0, &SessionError::AlreadyOpen.into())], Reservation::none()),
+            None => (vec![error_reply(0, &SessionError::EmptyFrame.into())], Reservation::none()),
         };
         for r in replies {
             ctx.metrics.sent(ctx.model.bundle.id(), (r.header.len() + r.data.len()) as u64);
@@ -256,6 +200,27 @@ async fn answer_calls(
             }
         }
     }
+}
+
+/// A `Save` call, answered: the session thread checks the name and the quotas, and writes.
+async fn save_reply(session: &SessionHandle, save: pb::SaveCheckpoint) -> TrainReply {
+    match session.call(save.request_id, Call::Save { name: save.name }).await {
+        Ok((Answer::Saved { name, step }, _)) => {
+            TrainReply { request_id: save.request_id, last: true, saved: Some(pb::CheckpointSaved { name, step }), ..Default::default() }
+        }
+        Ok(_) => error_reply(save.request_id, &Internal::WrongAnswer("Save").into()),
+        Err(e) => error_reply(save.request_id, &e),
+    }
+}
+
+/// What a payload frame comes to.
+enum Handled {
+    /// The replies to send, and what they hold in the memory budget until written.
+    Replies(Vec<TrainReply>, Reservation),
+    /// Nothing yet: the payload is part-way in.
+    PartWay,
+    /// The host left while its call ran.
+    HostGone,
 }
 
 /// The payload side of a stream: reassembly, decoding and encoding answers.
@@ -293,6 +258,32 @@ impl CallStream {
             encoder: Arc::new(Mutex::new(ResultEncoder::new(Arc::clone(&ctx.security), ctx.limits.max_payload_bytes))),
             chunk_bytes: ctx.limits.chunk_bytes(),
             frames: FrameAssembler::default(),
+        }
+    }
+
+    /// Adds a payload frame; once the payload is complete, runs its call and answers it.
+    async fn call(
+        &mut self,
+        frame: &pb::TrainPayloadFrame,
+        ctx: &TrainContext,
+        session: &SessionHandle,
+        out: &mpsc::Sender<Result<TrainReply, Status>>,
+    ) -> Handled {
+        let (assembly, (phase, bytes, span)) = match self.push(frame, &ctx.budget).await {
+            Ok(Some(complete)) => complete,
+            Ok(None) => return Handled::PartWay,
+            Err((id, e)) => return Handled::Replies(vec![error_reply(id, &e)], Reservation::none()),
+        };
+        // A host that leaves (its stream reset, its connection closed) takes its call with
+        // it: dropping the call before the session thread has the device means it is never run.
+        let replies = tokio::select! {
+            replies = self.answer(assembly, phase, session).instrument(span) => replies,
+            () = out.closed() => return Handled::HostGone,
+        };
+        // The call's reservation becomes its answer's, held until written.
+        match ctx.budget.resize(bytes, replies.iter().map(wire_bytes).sum()).await {
+            Ok(held) => Handled::Replies(replies, held),
+            Err(e) => Handled::Replies(vec![error_reply(replies.first().map_or(0, |r| r.request_id), &e.into())], Reservation::none()),
         }
     }
 
