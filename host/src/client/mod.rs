@@ -186,19 +186,33 @@ struct Reconnect {
 
 type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(EdgeSession, Connection)>> + Send>>;
 
+/// The run's link to the server: the connection, or the one being opened, and how
+/// reconnecting goes.
+struct Link {
+    conn: Option<Connection>,
+    connecting: Option<Connecting>,
+    reconnect: Reconnect,
+    /// The caller's connection, which the first stream opens on.
+    first: Option<EdgeSession>,
+    opened_before: bool,
+    /// The connection's last sign of life: it opened, or it answered. The server answers a
+    /// stream's requests in order, so while answers come nothing is stalled.
+    progress: Instant,
+    answered_on_conn: bool,
+}
+
 impl<F: FnMut(RequestOutcome)> Run<F> {
     async fn stream(mut self, session: &mut EdgeSession, mut produced: mpsc::UnboundedReceiver<Produced>) -> Result<StreamCounts> {
-        let mut conn: Option<Connection> = None;
-        let mut reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));
-        let mut connecting: Option<Connecting> = None;
-        // The first stream opens on the caller's connection.
-        let mut first = Some(session.clone());
+        let mut link = Link {
+            conn: None,
+            connecting: None,
+            reconnect: self.fresh_reconnect(Some(tokio::time::Instant::now())),
+            first: Some(session.clone()),
+            opened_before: false,
+            progress: Instant::now(),
+            answered_on_conn: false,
+        };
         let mut produced_open = true;
-        let mut opened_before = false;
-        // The connection's last sign of life: it opened, or it answered. The server answers
-        // a stream's requests in order, so while answers come nothing is stalled.
-        let mut progress = Instant::now();
-        let mut answered_on_conn = false;
         let timeout = self.resilience.request_timeout;
         loop {
             if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty() && self.at_edge.is_empty()) {
@@ -210,73 +224,82 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
                 break;
             }
             let now = tokio::time::Instant::now();
-            if conn.is_none() && connecting.is_none() && reconnect.at.is_some_and(|at| at <= now) {
-                reconnect.at = None;
-                connecting = Some(self.connect(first.take(), session));
+            if link.conn.is_none() && link.connecting.is_none() && link.reconnect.at.is_some_and(|at| at <= now) {
+                link.reconnect.at = None;
+                link.connecting = Some(self.connect(link.first.take(), session));
             }
-            let oldest = conn.as_ref().and(self.unanswered.values().filter_map(|u| u.sent_at).min());
-            let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t.max(progress)) + timeout);
-            let retry_at = if conn.is_none() && connecting.is_none() { reconnect.at } else { None };
-            tokio::select! {
-                p = produced.recv(), if produced_open => match p {
-                    None => {
-                        produced_open = false;
-                        self.prefix_thread_gone();
-                    }
-                    Some(Produced::Local(outcome)) => self.record(outcome),
-                    Some(Produced::Remote(p)) => self.take(p, conn.as_ref()),
-                },
-                answer = next_answer(&mut conn) => {
-                    match answer.and_then(|a| self.answered(a)) {
-                        Ok(()) => {
-                            progress = Instant::now();
-                            if !answered_on_conn {
-                                answered_on_conn = true;
-                                reconnect = self.fresh_reconnect(None);
-                            }
+            let oldest = link.conn.as_ref().and(self.unanswered.values().filter_map(|u| u.sent_at).min());
+            let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t.max(link.progress)) + timeout);
+            let retry_at = if link.conn.is_none() && link.connecting.is_none() { link.reconnect.at } else { None };
+            let gave_up = tokio::select! {
+                p = produced.recv(), if produced_open => {
+                    match p {
+                        None => {
+                            produced_open = false;
+                            self.prefix_thread_gone();
                         }
-                        Err(reason) => {
-                            conn = None;
-                            if self.lost(reason, answered_on_conn, &mut reconnect, session) {
-                                break;
-                            }
-                        }
+                        Some(Produced::Local(outcome)) => self.record(outcome),
+                        Some(Produced::Remote(p)) => self.take(p, link.conn.as_ref()),
                     }
+                    false
                 }
+                answer = next_answer(&mut link.conn) => self.on_answer(answer, &mut link, session),
                 () = sleep_until(stalled_at) => {
-                    conn = None;
-                    if self.lost(StreamError::Stalled(timeout), answered_on_conn, &mut reconnect, session) {
-                        break;
-                    }
+                    link.conn = None;
+                    self.lost(StreamError::Stalled(timeout), link.answered_on_conn, &mut link.reconnect, session)
                 }
-                opened = opening(&mut connecting) => {
-                    connecting = None;
-                    match opened {
-                        Ok((s, c)) => {
-                            if opened_before {
-                                self.counts.reconnects += 1;
-                                tracing::info!(url = %s.url, unanswered = self.unanswered.len(), "reconnected: resending what was not answered");
-                            }
-                            opened_before = true;
-                            *session = s;
-                            // The backoff goes on until the connection answers something.
-                            (progress, answered_on_conn) = (Instant::now(), false);
-                            self.on_edge.store(false, Ordering::Relaxed);
-                            self.resend(&c);
-                            conn = Some(c);
-                        }
-                        Err(e) => {
-                            if self.connect_failed(&e, &mut reconnect) {
-                                break;
-                            }
-                        }
-                    }
+                opened = opening(&mut link.connecting) => {
+                    link.connecting = None;
+                    self.on_opened(opened, &mut link, session)
                 }
-                () = sleep_until(retry_at) => {}
+                () = sleep_until(retry_at) => false,
+            };
+            if gave_up {
+                break;
             }
         }
         self.counts.never_sent = (self.total - self.outcomes.len()) as u64;
         Ok(self.counts)
+    }
+
+    /// An answer on the connection, or its end; true when the run gives up.
+    fn on_answer(&mut self, answer: std::result::Result<Answer, StreamError>, link: &mut Link, session: &EdgeSession) -> bool {
+        match answer.and_then(|a| self.answered(a)) {
+            Ok(()) => {
+                link.progress = Instant::now();
+                if !link.answered_on_conn {
+                    link.answered_on_conn = true;
+                    link.reconnect = self.fresh_reconnect(None);
+                }
+                false
+            }
+            Err(reason) => {
+                link.conn = None;
+                self.lost(reason, link.answered_on_conn, &mut link.reconnect, session)
+            }
+        }
+    }
+
+    /// A connection opened (what was not answered is resent on it) or failed to; true when
+    /// the run gives up.
+    fn on_opened(&mut self, opened: Result<(EdgeSession, Connection)>, link: &mut Link, session: &mut EdgeSession) -> bool {
+        match opened {
+            Ok((s, c)) => {
+                if link.opened_before {
+                    self.counts.reconnects += 1;
+                    tracing::info!(url = %s.url, unanswered = self.unanswered.len(), "reconnected: resending what was not answered");
+                }
+                link.opened_before = true;
+                *session = s;
+                // The backoff goes on until the connection answers something.
+                (link.progress, link.answered_on_conn) = (Instant::now(), false);
+                self.on_edge.store(false, Ordering::Relaxed);
+                self.resend(&c);
+                link.conn = Some(c);
+                false
+            }
+            Err(e) => self.connect_failed(&e, &mut link.reconnect),
+        }
     }
 }
 
