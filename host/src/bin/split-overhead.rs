@@ -36,7 +36,7 @@ use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::Link;
+use cleave_host::session::{EdgeSession, Link};
 use support::{connect_when_up, start_server, ServerOptions, Side};
 
 #[derive(Parser)]
@@ -98,49 +98,14 @@ fn main() -> anyhow::Result<()> {
     let bundle = Bundle::open(&args.bundle)?;
     let n = bundle.stage_count();
     let splits = if args.splits.is_empty() { vec![n / 4, n / 2, 3 * n / 4] } else { args.splits.clone() };
-    let all_cores = allowed_cores()?;
-    let (edge_cores, server_cores) = match (args.edge_cores.is_empty(), args.server_cores.is_empty()) {
-        (true, true) if all_cores.len() >= 2 => {
-            let half = all_cores.len() / 2;
-            (all_cores[..half].to_vec(), all_cores[half..].to_vec())
-        }
-        (true, true) => (all_cores.clone(), all_cores.clone()),
-        (false, false) => (args.edge_cores.clone(), args.server_cores.clone()),
-        _ => bail!("give both --edge-cores and --server-cores, or neither"),
-    };
-    let edge = Side { threads: args.edge_threads.unwrap_or(edge_cores.len()), cores: edge_cores };
-    let server_side = Side { threads: args.server_threads.unwrap_or(server_cores.len()), cores: server_cores };
-    let whole_side = Side { cores: all_cores.clone(), threads: tch::get_num_threads() as usize };
+    let sides = Sides::of(&args)?;
     let server_bin = match &args.server_bin {
         Some(p) => p.clone(),
         None => std::env::current_exe()?.with_file_name("server"),
     };
     anyhow::ensure!(server_bin.exists(), "no server binary at {} (cargo build --release builds it)", server_bin.display());
     let key = args.encrypt.then(Key::random);
-    println!(
-        "{}: edge on the CPU, server on {}, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
-         whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration{}",
-        bundle.manifest().model.source,
-        args.server_device,
-        edge.cores,
-        edge.threads,
-        server_side.cores,
-        server_side.threads,
-        whole_side.cores,
-        whole_side.threads,
-        if key.is_some() { "; payloads sealed with AES-256-GCM" } else { "" },
-        args.rounds,
-        args.per_round,
-        if args.runs > 1 { format!("; medians of {} runs", args.runs) } else { String::new() },
-    );
-    println!(
-        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
-        "batch", "cut", "codec", "whole ms", "floor ms", "split ms", "split/", "split/", "protocol", "budget", "on the", "prefix ms", "suffix ms"
-    );
-    println!(
-        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
-        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire", "(b) / (c)", "(b) / (c)"
-    );
+    print_header(&args, &bundle, &sides, key.is_some());
     let mut worst: f64 = 0.0;
     let rt = tokio::runtime::Runtime::new()?;
     let mut parts = Vec::new();
@@ -150,8 +115,7 @@ fn main() -> anyhow::Result<()> {
     for &batch in &args.batches {
         let (mut runs, mut firsts) = (Vec::new(), Vec::new());
         for _ in 0..args.runs.max(1) {
-            let (rows, first) =
-                rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &edge, &server_side, &whole_side))?;
+            let (rows, first) = rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &sides))?;
             runs.push(rows);
             firsts.push(first);
         }
@@ -167,22 +131,7 @@ fn main() -> anyhow::Result<()> {
         for row in rows {
             worst = worst.max(row.split_per_floor);
             json_rows.push(row.to_json(batch));
-            println!(
-                "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
-                batch,
-                format!("{} ({})", row.cut, bundle.cut(row.cut).name.trim_start_matches("after ")),
-                row.codec.to_string(),
-                row.whole_ms,
-                row.floor_ms,
-                row.split_ms,
-                row.split_per_floor,
-                row.split_ms / row.whole_ms,
-                row.protocol_ms,
-                budget_ms(row.wire_bytes),
-                human_bytes(row.wire_bytes),
-                format!("{:.2} / {:.2}", row.floor_parts.0, row.split_parts.0),
-                format!("{:.2} / {:.2}", row.floor_parts.1, row.split_parts.1),
-            );
+            print_row(batch, &row, &bundle);
             parts.push((batch, row.cut, row.codec, row.protocol_parts));
         }
     }
@@ -196,6 +145,84 @@ fn main() -> anyhow::Result<()> {
     }
     println!("worst split/floor ratio: {worst:.3}");
     Ok(())
+}
+
+/// Where each part runs: the edge, the server, and the whole model in this process.
+struct Sides {
+    edge: Side,
+    server: Side,
+    whole: Side,
+}
+
+impl Sides {
+    /// The cores given, or the allowed cores halved between the edge and the server (both
+    /// on all of them on one core); the whole model on every allowed core.
+    fn of(args: &Args) -> anyhow::Result<Self> {
+        let all_cores = allowed_cores()?;
+        let (edge_cores, server_cores) = match (args.edge_cores.is_empty(), args.server_cores.is_empty()) {
+            (true, true) if all_cores.len() >= 2 => {
+                let half = all_cores.len() / 2;
+                (all_cores[..half].to_vec(), all_cores[half..].to_vec())
+            }
+            (true, true) => (all_cores.clone(), all_cores.clone()),
+            (false, false) => (args.edge_cores.clone(), args.server_cores.clone()),
+            _ => bail!("give both --edge-cores and --server-cores, or neither"),
+        };
+        Ok(Self {
+            edge: Side { threads: args.edge_threads.unwrap_or(edge_cores.len()), cores: edge_cores },
+            server: Side { threads: args.server_threads.unwrap_or(server_cores.len()), cores: server_cores },
+            whole: Side { cores: all_cores, threads: tch::get_num_threads() as usize },
+        })
+    }
+}
+
+/// The run's first line and the table's two header lines.
+fn print_header(args: &Args, bundle: &Bundle, sides: &Sides, sealed: bool) {
+    let Sides { edge, server: server_side, whole: whole_side } = sides;
+    println!(
+        "{}: edge on the CPU, server on {}, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
+         whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration{}",
+        bundle.manifest().model.source,
+        args.server_device,
+        edge.cores,
+        edge.threads,
+        server_side.cores,
+        server_side.threads,
+        whole_side.cores,
+        whole_side.threads,
+        if sealed { "; payloads sealed with AES-256-GCM" } else { "" },
+        args.rounds,
+        args.per_round,
+        if args.runs > 1 { format!("; medians of {} runs", args.runs) } else { String::new() },
+    );
+    println!(
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
+        "batch", "cut", "codec", "whole ms", "floor ms", "split ms", "split/", "split/", "protocol", "budget", "on the", "prefix ms", "suffix ms"
+    );
+    println!(
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
+        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire", "(b) / (c)", "(b) / (c)"
+    );
+}
+
+/// One row of the first table.
+fn print_row(batch: i64, row: &Row, bundle: &Bundle) {
+    println!(
+        "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
+        batch,
+        format!("{} ({})", row.cut, bundle.cut(row.cut).name.trim_start_matches("after ")),
+        row.codec.to_string(),
+        row.whole_ms,
+        row.floor_ms,
+        row.split_ms,
+        row.split_per_floor,
+        row.split_ms / row.whole_ms,
+        row.protocol_ms,
+        budget_ms(row.wire_bytes),
+        human_bytes(row.wire_bytes),
+        format!("{:.2} / {:.2}", row.floor_parts.0, row.split_parts.0),
+        format!("{:.2} / {:.2}", row.floor_parts.1, row.split_parts.1),
+    );
 }
 
 /// The second table: where each row's protocol time went.
@@ -358,7 +385,8 @@ fn medians_of_runs(runs: &[Vec<Row>]) -> anyhow::Result<Vec<Row>> {
     Ok(rows)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One run at `batch`: a fresh server, then the rounds, every configuration in each; the
+/// rows and the first request the server answered.
 async fn measure_batch(
     args: &Args,
     bundle: &Bundle,
@@ -366,115 +394,174 @@ async fn measure_batch(
     batch: i64,
     key: Option<&Key>,
     server_bin: &Path,
-    edge: &Side,
-    server_side: &Side,
-    whole_side: &Side,
+    sides: &Sides,
 ) -> anyhow::Result<(Vec<Row>, f64)> {
     let scratch = tempfile::tempdir()?;
-    let (mut server, url) = start_server(
-        server_bin,
-        bundle,
-        server_side,
-        &ServerOptions { device: args.server_device, key, limits: &args.server_limits, warm_batches: &[batch] },
-        scratch.path(),
-    )?;
+    let options = ServerOptions { device: args.server_device, key, limits: &args.server_limits, warm_batches: &[batch] };
+    let (mut server, url) = start_server(server_bin, bundle, &sides.server, &options, scratch.path())?;
     let result = async {
-        let n = bundle.stage_count();
-        let inputs = Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?;
-        let stages = LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu)?;
-        // The floor's suffix on the server's device (its output brought back, as the server does).
+        let mut bench = Bench::new(args, bundle, splits, batch, key)?;
+        let mut sessions = Vec::new();
+        for _ in &bench.configs {
+            sessions.push(connect_when_up(&url, bundle, &Link::default(), &mut server).await?);
+        }
+        for round in 0..=args.rounds {
+            let timed = round > 0;
+            bench.whole_round(sides, timed)?;
+            bench.floor_round(sides, timed)?;
+            bench.split_round(&sides.edge, &mut sessions, timed).await?;
+        }
+        bench.rows()
+    }
+    .await;
+    let _ = server.kill();
+    let _ = server.wait();
+    result
+}
+
+/// One run's configurations and what their rounds measured.
+struct Bench<'a> {
+    args: &'a Args,
+    bundle: &'a Bundle,
+    splits: &'a [usize],
+    batch: i64,
+    key: Option<&'a Key>,
+    inputs: Inputs,
+    stages: LoadedStages,
+    /// The floor's suffix on the server's device (its output brought back, as the server
+    /// does); none on the CPU, where `stages` serve.
+    server_stages: Option<LoadedStages>,
+    /// (index into `splits`, cut, codec)
+    configs: Vec<(usize, usize, Codec)>,
+    next_id: u64,
+    whole: Vec<f64>,
+    floor: Vec<Vec<f64>>,
+    floor_prefix: Vec<Vec<f64>>,
+    floor_suffix: Vec<Vec<f64>>,
+    requests: Vec<Vec<RequestMetrics>>,
+    wire: Vec<u64>,
+    /// The split's first request: the first the fresh server answers.
+    first_ms: Option<f64>,
+}
+
+impl<'a> Bench<'a> {
+    fn new(args: &'a Args, bundle: &'a Bundle, splits: &'a [usize], batch: i64, key: Option<&'a Key>) -> anyhow::Result<Self> {
         let server_stages = match args.server_device {
             DeviceSpec::Cpu => None,
             device => Some(LoadedStages::load(bundle, StageRange::all(bundle), device)?),
         };
-        let link = Link::default();
-        // (index into `splits`, cut, codec)
         let configs: Vec<(usize, usize, Codec)> = splits.iter().enumerate().flat_map(|(f, &s)| args.codecs.iter().map(move |&c| (f, s, c))).collect();
-        let mut sessions = Vec::new();
-        for _ in &configs {
-            sessions.push(connect_when_up(&url, bundle, &link, &mut server).await?);
+        Ok(Self {
+            args,
+            bundle,
+            splits,
+            batch,
+            key,
+            inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?,
+            stages: LoadedStages::load(bundle, StageRange::all(bundle), DeviceSpec::Cpu)?,
+            server_stages,
+            next_id: 0,
+            whole: Vec::new(),
+            floor: vec![Vec::new(); splits.len()],
+            floor_prefix: vec![Vec::new(); splits.len()],
+            floor_suffix: vec![Vec::new(); splits.len()],
+            requests: vec![Vec::new(); configs.len()],
+            wire: vec![0; configs.len()],
+            first_ms: None,
+            configs,
+        })
+    }
+
+    fn next_input(&mut self) -> Boundary {
+        let input = self.inputs.batch(self.next_id);
+        self.next_id += 1;
+        input
+    }
+
+    /// (a) the whole model on every core.
+    fn whole_round(&mut self, sides: &Sides, timed: bool) -> anyhow::Result<()> {
+        sides.whole.enter()?;
+        for _ in 0..self.args.per_round {
+            let input = self.next_input();
+            let t = Instant::now();
+            self.stages.run(StageRange::all(self.bundle), &input)?;
+            if timed {
+                self.whole.push(ms(t));
+            }
         }
-        let mut whole = Vec::new();
-        let mut floor = vec![Vec::new(); splits.len()];
-        let (mut floor_prefix, mut floor_suffix) = (vec![Vec::new(); splits.len()], vec![Vec::new(); splits.len()]);
-        let mut requests: Vec<Vec<RequestMetrics>> = vec![Vec::new(); configs.len()];
-        let mut wire = vec![0u64; configs.len()];
-        let mut next_id = 0u64;
-        // The split's first request: the first the fresh server answers.
-        let mut first_ms = None;
-        for round in 0..=args.rounds {
-            let timed = round > 0;
-            // (a) the whole model on every core.
-            whole_side.enter()?;
-            for _ in 0..args.per_round {
-                let input = inputs.batch(next_id);
-                next_id += 1;
+        Ok(())
+    }
+
+    /// (b) the prefix on the edge's side, the suffix on the server's.
+    fn floor_round(&mut self, sides: &Sides, timed: bool) -> anyhow::Result<()> {
+        let n = self.bundle.stage_count();
+        for (k, &s) in self.splits.iter().enumerate() {
+            for _ in 0..self.args.per_round {
+                let input = self.next_input();
+                sides.edge.enter()?;
                 let t = Instant::now();
-                stages.run(StageRange::all(bundle), &input)?;
+                let boundary: Boundary = self.stages.run(StageRange::prefix(s), &input)?;
+                let prefix = ms(t);
+                sides.server.enter()?;
+                let t = Instant::now();
+                self.server_stages.as_ref().unwrap_or(&self.stages).run(StageRange::new(s, n), &boundary)?.to_device(tch::Device::Cpu);
                 if timed {
-                    whole.push(ms(t));
-                }
-            }
-            // (b) prefix on the edge's side, suffix on the server's.
-            for (k, &s) in splits.iter().enumerate() {
-                for _ in 0..args.per_round {
-                    let input = inputs.batch(next_id);
-                    next_id += 1;
-                    edge.enter()?;
-                    let t = Instant::now();
-                    let boundary: Boundary = stages.run(StageRange::prefix(s), &input)?;
-                    let prefix = ms(t);
-                    server_side.enter()?;
-                    let t = Instant::now();
-                    server_stages.as_ref().unwrap_or(&stages).run(StageRange::new(s, n), &boundary)?.to_device(tch::Device::Cpu);
-                    if timed {
-                        let suffix = ms(t);
-                        floor[k].push(prefix + suffix);
-                        floor_prefix[k].push(prefix);
-                        floor_suffix[k].push(suffix);
-                    }
-                }
-            }
-            // (c) the split, the edge on its side.
-            edge.enter()?;
-            for (k, (&(_, s, codec), session)) in configs.iter().zip(&mut sessions).enumerate() {
-                let ids: Vec<u64> = (next_id..next_id + args.per_round).collect();
-                next_id += args.per_round;
-                let plan = StreamPlan {
-                    bundle: bundle.clone(),
-                    split: Splits::Fixed(s),
-                    device: DeviceSpec::Cpu,
-                    warm_stages: None,
-                    ids,
-                    resilience: Default::default(),
-                    in_flight: 1,
-                    inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, bundle, batch)?,
-                    codec: codec.into(),
-                    key: key.map(|k| (1, k.clone())),
-                };
-                let mut errors = Vec::new();
-                stream_requests(session, plan, |o| match &o.output {
-                    Ok(_) => {
-                        let m = &o.metrics;
-                        first_ms.get_or_insert(m.e2e_ms - m.input_ms);
-                        if timed {
-                            requests[k].push(m.clone());
-                        }
-                        wire[k] = m.bytes_wire;
-                    }
-                    Err(e) => errors.push(e.clone()),
-                })
-                .await?;
-                if let Some(e) = errors.first() {
-                    bail!("batch {batch}, cut {s}, codec {codec}: {} requests failed, first: {e}", errors.len());
+                    let suffix = ms(t);
+                    self.floor[k].push(prefix + suffix);
+                    self.floor_prefix[k].push(prefix);
+                    self.floor_suffix[k].push(suffix);
                 }
             }
         }
-        let whole_ms = median(&whole)?;
+        Ok(())
+    }
+
+    /// (c) the split, the edge on its side: each configuration's requests on its own session.
+    async fn split_round(&mut self, edge: &Side, sessions: &mut [EdgeSession], timed: bool) -> anyhow::Result<()> {
+        edge.enter()?;
+        for (k, (&(_, s, codec), session)) in self.configs.iter().zip(sessions).enumerate() {
+            let ids: Vec<u64> = (self.next_id..self.next_id + self.args.per_round).collect();
+            self.next_id += self.args.per_round;
+            let plan = StreamPlan {
+                bundle: self.bundle.clone(),
+                split: Splits::Fixed(s),
+                device: DeviceSpec::Cpu,
+                warm_stages: None,
+                ids,
+                resilience: Default::default(),
+                in_flight: 1,
+                inputs: Inputs::new(&InputSource::Synthetic { seed: 0 }, self.bundle, self.batch)?,
+                codec: codec.into(),
+                key: self.key.map(|k| (1, k.clone())),
+            };
+            let mut errors = Vec::new();
+            let (requests, wire, first_ms) = (&mut self.requests[k], &mut self.wire[k], &mut self.first_ms);
+            stream_requests(session, plan, |o| match &o.output {
+                Ok(_) => {
+                    let m = &o.metrics;
+                    first_ms.get_or_insert(m.e2e_ms - m.input_ms);
+                    if timed {
+                        requests.push(m.clone());
+                    }
+                    *wire = m.bytes_wire;
+                }
+                Err(e) => errors.push(e.clone()),
+            })
+            .await?;
+            if let Some(e) = errors.first() {
+                bail!("batch {}, cut {s}, codec {codec}: {} requests failed, first: {e}", self.batch, errors.len());
+            }
+        }
+        Ok(())
+    }
+
+    /// The table's rows, one per configuration, and the first request.
+    fn rows(&self) -> anyhow::Result<(Vec<Row>, f64)> {
+        let whole_ms = median(&self.whole)?;
         let mut rows = Vec::new();
-        for (k, &(f, cut, codec)) in configs.iter().enumerate() {
-            let requests = &requests[k];
-            let (floor_ms, split_ms) = (median(&floor[f])?, median_of(requests, |m| m.e2e_ms - m.input_ms)?);
+        for (k, &(f, cut, codec)) in self.configs.iter().enumerate() {
+            let requests = &self.requests[k];
+            let (floor_ms, split_ms) = (median(&self.floor[f])?, median_of(requests, |m| m.e2e_ms - m.input_ms)?);
             rows.push(Row {
                 cut,
                 codec,
@@ -483,18 +570,14 @@ async fn measure_batch(
                 split_ms,
                 split_per_floor: split_ms / floor_ms,
                 protocol_ms: median_of(requests, |m| m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms)?,
-                wire_bytes: wire[k],
-                floor_parts: (median(&floor_prefix[f])?, median(&floor_suffix[f])?),
+                wire_bytes: self.wire[k],
+                floor_parts: (median(&self.floor_prefix[f])?, median(&self.floor_suffix[f])?),
                 split_parts: (median_of(requests, |m| m.prefix_ms)?, median_of(requests, |m| m.server.compute_ms)?),
                 protocol_parts: ProtocolParts::of(requests)?,
             });
         }
-        Ok((rows, first_ms.context("no request was answered")?))
+        Ok((rows, self.first_ms.context("no request was answered")?))
     }
-    .await;
-    let _ = server.kill();
-    let _ = server.wait();
-    result
 }
 
 fn ms(t: Instant) -> f64 {
