@@ -159,18 +159,52 @@ fn main() -> anyhow::Result<()> {
     require_file(&args.test_set, "the test set")?;
     let bundle = Bundle::open(&args.bundle)?;
     let test = TestSet::load(&args.test_set)?;
-    let n = bundle.stage_count();
-    let samples = test.len();
     let stages = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu)?;
-
     let inputs = &bundle.cut(0).values;
     let [input_spec] = inputs.as_slice() else {
         bail!("the bundle takes {} inputs; this bench feeds one (the test set's x)", inputs.len());
     };
     let input = Boundary { values: vec![(input_spec.name.clone(), Value::Tensor(test.x.shallow_clone()))] };
-
     // The reference of the sanity check: the whole model, unsplit, on the same batch.
     let unsplit = Outcome::from_last_cut(&stages.run(StageRange::all(&bundle), &input)?)?;
+    print_header(&bundle, &test, &unsplit);
+    let mut rows = Vec::new();
+    // Cuts where the raw round trip changed a prediction, and where it changed any logit bit.
+    let (mut raw_mismatches, mut raw_not_bit_exact) = (Vec::new(), Vec::new());
+    for cut in (1..bundle.stage_count()).filter(|&s| bundle.cut(s).usable) {
+        let at_cut = CutRun { bundle: &bundle, stages: &stages, test: &test, cut, prefix: stages.run(StageRange::new(0, cut), &input)? };
+        // The fp32 reference at this cut is always the raw codec, listed or not.
+        let reference = at_cut.through(&Codec::RAW)?.0;
+        if !reference.predictions.equal(&unsplit.predictions) {
+            raw_mismatches.push(cut);
+        }
+        if !reference.logits.equal(&unsplit.logits) {
+            raw_not_bit_exact.push(cut);
+        }
+        for codec in &args.codecs {
+            let row = at_cut.row(codec, &reference)?;
+            print_row(&bundle, &row);
+            rows.push(row);
+        }
+    }
+    print_summary(&args.codecs, &rows)?;
+    println!();
+    let equal = raw_mismatches.is_empty();
+    println!("raw round trip equals the unsplit model: {}", if equal { "yes" } else { "no" });
+    if raw_not_bit_exact.is_empty() {
+        println!("(its logits are bit-identical to the unsplit model's at every cut)");
+    } else {
+        println!("(its logits differ in some bits from the unsplit model's at cuts {raw_not_bit_exact:?})");
+    }
+    // A lossless codec that changes predictions is a bug in the path, not a property of the
+    // model: every number above would be suspect, so the run fails.
+    ensure!(equal, "the raw round trip changed the predictions at cuts {raw_mismatches:?}");
+    Ok(())
+}
+
+/// What the run is, the unsplit model's accuracy and margin, and the table's header.
+fn print_header(bundle: &Bundle, test: &TestSet, unsplit: &Outcome) {
+    let samples = test.len();
     println!("{}: {} held-out test images as one batch, CPU, in process through the payload codec", bundle.manifest().model.source, samples);
     println!("unsplit fp32 model: test accuracy {:.2}%", percent(unsplit.matches(&test.label), samples));
     println!(
@@ -183,55 +217,63 @@ fn main() -> anyhow::Result<()> {
         "{:<24} {:<16} {:>11} {:>11} {:>7} {:>10} {:>9} {:>12}",
         "cut", "codec", "raw bytes", "wire bytes", "saved", "agreement", "accuracy", "max |dlogit|"
     );
+}
 
-    let mut rows = Vec::new();
-    // Cuts where the raw round trip changed a prediction, and where it changed any logit bit.
-    let (mut raw_mismatches, mut raw_not_bit_exact) = (Vec::new(), Vec::new());
-    for cut in (1..n).filter(|&s| bundle.cut(s).usable) {
-        let prefix = stages.run(StageRange::new(0, cut), &input)?;
-        let suffix = |boundary: &Boundary| -> anyhow::Result<Outcome> { Outcome::from_last_cut(&stages.run(StageRange::new(cut, n), boundary)?) };
-        // The fp32 reference at this cut is always the raw codec, listed or not.
-        let (decoded, _, _) = round_trip(&prefix, cut, &Codec::RAW)?;
-        let reference = suffix(&decoded)?;
-        if !reference.predictions.equal(&unsplit.predictions) {
-            raw_mismatches.push(cut);
-        }
-        if !reference.logits.equal(&unsplit.logits) {
-            raw_not_bit_exact.push(cut);
-        }
-        for codec in &args.codecs {
-            let (decoded, raw_bytes, wire_bytes) = round_trip(&prefix, cut, codec)?;
-            let outcome = suffix(&decoded)?;
-            let row = Row {
-                cut,
-                codec: *codec,
-                raw_bytes,
-                wire_bytes,
-                agreement: percent(outcome.matches(&reference.predictions), samples),
-                accuracy: percent(outcome.matches(&test.label), samples),
-                max_logit_diff: outcome.max_abs_diff(&reference),
-            };
-            println!(
-                "{:<24} {:<16} {:>11} {:>11} {:>6.1}% {:>9.2}% {:>8.2}% {:>12.4}",
-                format!("{cut} {}", bundle.cut(cut).name.trim_start_matches("after ")),
-                codec.to_string(),
-                thousands(row.raw_bytes),
-                thousands(row.wire_bytes),
-                row.saved_percent(),
-                row.agreement,
-                row.accuracy,
-                row.max_logit_diff
-            );
-            rows.push(row);
-        }
+/// The test set split at one cut: its boundary there, to send through each codec.
+struct CutRun<'a> {
+    bundle: &'a Bundle,
+    stages: &'a LoadedStages,
+    test: &'a TestSet,
+    cut: usize,
+    prefix: Boundary,
+}
+
+impl CutRun<'_> {
+    /// The outcome of the boundary through `codec` and the suffix, with its raw and wire bytes.
+    fn through(&self, codec: &Codec) -> anyhow::Result<(Outcome, u64, u64)> {
+        let (decoded, raw_bytes, wire_bytes) = round_trip(&self.prefix, self.cut, codec)?;
+        let output = self.stages.run(StageRange::new(self.cut, self.bundle.stage_count()), &decoded)?;
+        Ok((Outcome::from_last_cut(&output)?, raw_bytes, wire_bytes))
     }
 
+    /// The table's row for `codec`, against the raw codec's outcome at this cut.
+    fn row(&self, codec: &Codec, reference: &Outcome) -> anyhow::Result<Row> {
+        let (outcome, raw_bytes, wire_bytes) = self.through(codec)?;
+        let samples = self.test.len();
+        Ok(Row {
+            cut: self.cut,
+            codec: *codec,
+            raw_bytes,
+            wire_bytes,
+            agreement: percent(outcome.matches(&reference.predictions), samples),
+            accuracy: percent(outcome.matches(&self.test.label), samples),
+            max_logit_diff: outcome.max_abs_diff(reference),
+        })
+    }
+}
+
+fn print_row(bundle: &Bundle, row: &Row) {
+    println!(
+        "{:<24} {:<16} {:>11} {:>11} {:>6.1}% {:>9.2}% {:>8.2}% {:>12.4}",
+        format!("{} {}", row.cut, bundle.cut(row.cut).name.trim_start_matches("after ")),
+        row.codec.to_string(),
+        thousands(row.raw_bytes),
+        thousands(row.wire_bytes),
+        row.saved_percent(),
+        row.agreement,
+        row.accuracy,
+        row.max_logit_diff
+    );
+}
+
+/// The summary per codec over all cuts.
+fn print_summary(codecs: &[Codec], rows: &[Row]) -> anyhow::Result<()> {
     println!();
     println!(
         "{:<16} {:>6} {:>15} {:>10} {:>13} {:>13} {:>13}",
         "codec", "cuts", "min agreement", "worst cut", "min accuracy", "max |dlogit|", "median saved"
     );
-    for codec in &args.codecs {
+    for codec in codecs {
         let of: Vec<&Row> = rows.iter().filter(|r| r.codec == *codec).collect();
         // The worst cut: the lowest agreement, then (when they all agree) the largest logit change.
         let Some(worst) = of.iter().min_by(|a, b| a.agreement.total_cmp(&b.agreement).then(b.max_logit_diff.total_cmp(&a.max_logit_diff))) else {
@@ -251,17 +293,5 @@ fn main() -> anyhow::Result<()> {
             median(&saved)?
         );
     }
-
-    println!();
-    let equal = raw_mismatches.is_empty();
-    println!("raw round trip equals the unsplit model: {}", if equal { "yes" } else { "no" });
-    if raw_not_bit_exact.is_empty() {
-        println!("(its logits are bit-identical to the unsplit model's at every cut)");
-    } else {
-        println!("(its logits differ in some bits from the unsplit model's at cuts {raw_not_bit_exact:?})");
-    }
-    // A lossless codec that changes predictions is a bug in the path, not a property of the
-    // model: every number above would be suspect, so the run fails.
-    ensure!(equal, "the raw round trip changed the predictions at cuts {raw_mismatches:?}");
     Ok(())
 }
