@@ -74,17 +74,67 @@ impl Limits {
     }
 
     /// Checks every limit; an error names the key (under `limits.`) and what it must be.
-    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+    pub fn validate(&self) -> Result<(), LimitError> {
         if self.max_message_bytes < Self::MIN_MESSAGE_BYTES {
-            return Err(("limits.max_message_bytes", format!("must be at least {}", Self::MIN_MESSAGE_BYTES)));
+            return Err(LimitError::new("limits.max_message_bytes", LimitRule::AtLeast(Self::MIN_MESSAGE_BYTES)));
         }
         if self.max_payload_bytes == 0 {
-            return Err(("limits.max_payload_bytes", "must be positive".into()));
+            return Err(LimitError::new("limits.max_payload_bytes", LimitRule::Positive));
         }
         if self.queue_depth == 0 {
-            return Err(("limits.queue_depth", "must be positive".into()));
+            return Err(LimitError::new("limits.queue_depth", LimitRule::Positive));
         }
         Ok(())
+    }
+}
+
+/// A limit no server can enforce: its key (under `limits.`) and the rule it breaks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{rule}")]
+pub struct LimitError {
+    /// The key, `limits.` included.
+    pub key: &'static str,
+    /// What the value must be.
+    pub rule: LimitRule,
+}
+
+/// What a limit's value must be.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitRule {
+    /// Above zero.
+    #[error("must be positive")]
+    Positive,
+    /// At least this.
+    #[error("must be at least {0}")]
+    AtLeast(u64),
+    /// At least another limit.
+    #[error("must be at least {key} ({value})")]
+    AtLeastLimit {
+        /// The other limit's key.
+        key: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// Within HTTP/2's range for a window or a frame.
+    #[error("must be from {min} to {max} (HTTP/2's range)")]
+    Http2Range {
+        /// The least HTTP/2 allows.
+        min: u64,
+        /// The most.
+        max: u64,
+    },
+    /// Room for the largest request as received and decoded, and its stream's read buffer.
+    #[error(
+        "must hold the largest request as received and decoded, and its stream's read buffer: at least 2.1 x \
+         limits.max_payload_bytes + 1 MiB + the smaller of limits.max_message_bytes and 1.1 x limits.max_payload_bytes + 1 MiB = {0}"
+    )]
+    LargestRequest(u64),
+}
+
+impl LimitError {
+    /// `key` breaking `rule`.
+    pub fn new(key: &'static str, rule: LimitRule) -> Self {
+        Self { key, rule }
     }
 }
 
@@ -186,7 +236,7 @@ impl ConfigFile<'_> {
 
     /// Limits, checked; `prefix` is where they sit in the file (`""` or `"loopback."`).
     pub fn limits(&self, prefix: &str, limits: Limits) -> Result<Limits, ConfigError> {
-        limits.validate().map_err(|(key, message)| self.invalid(&format!("{prefix}{key}"), message))?;
+        limits.validate().map_err(|e| self.invalid(&format!("{prefix}{}", e.key), e.to_string()))?;
         Ok(limits)
     }
 }

@@ -48,13 +48,8 @@ pub enum ProtocolError {
     #[error("the server's Info is invalid: no limits")]
     NoLimits,
     /// A limit in `Info` that cannot be right.
-    #[error("the server's Info is invalid: {key} {message}")]
-    InvalidLimit {
-        /// The limit's key.
-        key: &'static str,
-        /// What it must be.
-        message: String,
-    },
+    #[error("the server's Info is invalid: {key} {0}", key = .0.key)]
+    InvalidLimit(crate::config::LimitError),
     /// A model in `Info` without its bundle id.
     #[error("the server's Info is invalid: model {index} has no bundle id")]
     ModelWithoutId {
@@ -225,7 +220,7 @@ impl TryFrom<pb::InfoReply> for ServerInfo {
         }
         let l = info.limits.ok_or(ProtocolError::NoLimits)?;
         let limits = Limits { max_message_bytes: l.max_message_bytes, max_payload_bytes: l.max_payload_bytes, queue_depth: l.queue_depth };
-        limits.validate().map_err(|(key, message)| ProtocolError::InvalidLimit { key, message })?;
+        limits.validate().map_err(ProtocolError::InvalidLimit)?;
         let codecs = info.codecs.unwrap_or_default();
         let policy = CodecPolicy {
             precisions: Precision::ALL.into_iter().filter(|p| codecs.precisions.iter().any(|n| n == p.name())).collect(),

@@ -388,13 +388,8 @@ pub enum ServerError {
     #[error("loading the bundle: {0}")]
     Loading(tokio::task::JoinError),
     /// A limit that no server can enforce.
-    #[error("limits: `{key}` {message}")]
-    Limits {
-        /// The key.
-        key: &'static str,
-        /// What it must be.
-        message: String,
-    },
+    #[error("limits: `{key}` {0}", key = .0.key)]
+    Limits(cleave_common::config::LimitError),
     /// Two entries of `models:` are the same bundle (hosts select a model by its id).
     #[error("models: {first} and {second} are both bundle {id}: each model is served once")]
     DuplicateModel {

@@ -92,9 +92,9 @@ impl PreparedServer {
     /// Opens every model's bundle, loads its stages on its device and starts one scheduler
     /// per device (`scheduler.on_device_failure`: what happens when one dies).
     pub fn prepare_models(models: &[ModelConfig], scheduler: SchedulerConfig, limits: Limits, security: ServerSecurity) -> Result<Self, ServerError> {
-        limits.validate().map_err(|(key, message)| ServerError::Limits { key, message })?;
+        limits.validate().map_err(ServerError::Limits)?;
         let peers = PeerLimits::fitting(&limits);
-        peers.validate(&limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
+        peers.validate(&limits).map_err(ServerError::Limits)?;
         // Each CUDA device once, however many models it holds (its memory is read per scrape).
         let mut cuda: Vec<(String, u32)> = models
             .iter()
@@ -127,7 +127,7 @@ impl PreparedServer {
 
     /// Sets what the server holds for its peers (connections, streams, memory, time).
     pub fn with_peer_limits(mut self, peers: PeerLimits) -> Result<Self, ServerError> {
-        peers.validate(&self.service.limits).map_err(|(key, message)| ServerError::Limits { key, message })?;
+        peers.validate(&self.service.limits).map_err(ServerError::Limits)?;
         self.service.peers = peers;
         self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         self.service.window = ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes);

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use cleave_common::config::{ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::config::{ConfigError, ConfigFile, CpuUse, LimitError, LimitRule, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::logs::LogFormat;
 use cleave_common::security::ServerSecurity;
 use cleave_common::telemetry::Telemetry;
@@ -282,7 +282,7 @@ impl PeerLimits {
 
     /// Checks every limit against the request limits; an error names the key (under
     /// `limits.`) and what it must be.
-    pub fn validate(&self, limits: &Limits) -> Result<(), (&'static str, String)> {
+    pub fn validate(&self, limits: &Limits) -> Result<(), LimitError> {
         let positive = [
             ("limits.max_connections", u64::from(self.max_connections)),
             ("limits.max_handshaking_connections", u64::from(self.max_handshaking_connections)),
@@ -299,30 +299,25 @@ impl PeerLimits {
             ("limits.metrics_max_connections", u64::from(self.metrics_endpoint.max_connections)),
             ("limits.metrics_timeout", self.metrics_endpoint.timeout.as_millis() as u64),
         ];
-        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err((key, "must be positive".into()));
+        if let Some(&(key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(LimitError::new(key, LimitRule::Positive));
         }
         // HTTP/2 windows run from its initial 65,535 bytes to 2^31 - 1.
         let windows = [("limits.stream_window_bytes", self.stream_window_bytes), ("limits.connection_window_bytes", self.connection_window_bytes)];
-        if let Some((key, _)) = windows.iter().find(|(_, w)| !(65_535..=i32::MAX as u32).contains(w)) {
-            return Err((key, "must be from 65535 to 2147483647 (HTTP/2's range)".into()));
+        if let Some(&(key, _)) = windows.iter().find(|(_, w)| !(65_535..=i32::MAX as u32).contains(w)) {
+            return Err(LimitError::new(key, LimitRule::Http2Range { min: 65_535, max: i32::MAX as u64 }));
         }
         // HTTP/2 frames run from 16,384 bytes to 2^24 - 1.
         if !(16_384..=(1 << 24) - 1).contains(&self.max_frame_bytes) {
-            return Err(("limits.max_frame_bytes", "must be from 16384 to 16777215 (HTTP/2's range)".into()));
+            return Err(LimitError::new("limits.max_frame_bytes", LimitRule::Http2Range { min: 16_384, max: (1 << 24) - 1 }));
         }
         if self.connection_window_bytes < self.stream_window_bytes {
-            return Err(("limits.connection_window_bytes", format!("must be at least limits.stream_window_bytes ({})", self.stream_window_bytes)));
+            let stream = LimitRule::AtLeastLimit { key: "limits.stream_window_bytes", value: u64::from(self.stream_window_bytes) };
+            return Err(LimitError::new("limits.connection_window_bytes", stream));
         }
         let largest = largest_request_bytes(limits);
         if self.memory_budget_bytes < largest {
-            return Err((
-                "limits.memory_budget_bytes",
-                format!(
-                    "must hold the largest request as received and decoded, and its stream's read buffer: at least 2.1 x \
-                     limits.max_payload_bytes + 1 MiB + the smaller of limits.max_message_bytes and 1.1 x limits.max_payload_bytes + 1 MiB = {largest}"
-                ),
-            ));
+            return Err(LimitError::new("limits.memory_budget_bytes", LimitRule::LargestRequest(largest)));
         }
         Ok(())
     }
@@ -481,7 +476,7 @@ impl ServerConfig {
         };
         let (limits, peers) = raw.limits.split();
         let limits = file.limits("", limits)?;
-        peers.validate(&limits).map_err(|(key, message)| file.invalid(key, message))?;
+        peers.validate(&limits).map_err(|e| file.invalid(e.key, e.to_string()))?;
         let d = TrainingOptions::default();
         let training = match raw.training {
             None => TrainingOptions { checkpoint_dir: Some(file.resolve(Path::new("checkpoints"))), ..d },
