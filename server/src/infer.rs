@@ -31,7 +31,7 @@ use crate::error::{error_frame, status_code, Internal, RequestError};
 use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
-use crate::reader::{FrameReader, Next};
+use crate::reader::{FrameReader, Next, ReadBuffer};
 use crate::scheduler::{InferJob, JobResult};
 use crate::unsent::{answer_bytes, Unsent};
 use crate::window::{HostSession, ResultWindow};
@@ -234,25 +234,6 @@ async fn push(frames: &mut FrameAssembler<Held>, frame: &InferFrame, started: Op
 fn given_up(id: u64, e: RequestError) -> Pending {
     tracing::info!(request_id = id, error = %e, "request given up part-way");
     Pending::answered(id, Err(e))
-}
-
-/// What the stream's read buffer holds, counted in the budget: tonic reads each message
-/// whole into one buffer, which keeps the capacity of the largest so far for the next (and
-/// the frame in hand is a slice of it), for as long as the stream lives.
-#[derive(Default)]
-struct ReadBuffer {
-    share: Reservation,
-    /// The largest message read so far (gRPC's prefix included).
-    largest: u64,
-}
-
-impl ReadBuffer {
-    /// Grows the share to the largest message read, `frame` included, waiting for room as a
-    /// request does (refused, the next frame tries again: the buffer has grown regardless).
-    async fn cover(&mut self, budget: &MemoryBudget, frame: &InferFrame) -> Result<(), RequestError> {
-        self.largest = self.largest.max(crate::unsent::wire_bytes(frame));
-        Ok(budget.grow(&mut self.share, self.largest).await?)
-    }
 }
 
 /// A request started from its first frame.

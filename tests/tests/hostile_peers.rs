@@ -148,7 +148,7 @@ async fn settles_at(what: &str, want: u64, held: impl Fn() -> u64) {
 
 /// What `frame` holds in the budget while its stream lives (its stream's read buffer is at
 /// least that large): its bytes on the wire, in the budget's whole KiB.
-fn read_buffer_bytes(frame: &InferFrame) -> u64 {
+fn read_buffer_bytes(frame: &impl prost::Message) -> u64 {
     (5 + prost::Message::encoded_len(frame) as u64).div_ceil(1024) * 1024
 }
 
@@ -538,6 +538,32 @@ fn an_idle_training_session_is_closed_and_sessions_are_capped() {
         .await
         .expect("a place frees up");
         assert!(opened.opened.is_some());
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_training_stream_s_read_buffer_is_held_in_the_budget_while_it_lives() {
+    // tonic keeps a stream's read buffer as large as its largest message: a Train stream's is
+    // counted in the memory budget as an Infer stream's is, and given back when it ends.
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, Limits::default(), PeerLimits::default(), TrainingOptions::default()).await;
+        let ((tx, mut replies), opened) = open_session(&server.url, &bundle).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let held_open = budget.held_bytes();
+        // A checkpoint call with a 1 MiB name: refused, but its message grew the read buffer.
+        let name = "x".repeat(1 << 20);
+        let save = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: 1, name })) };
+        let grown = read_buffer_bytes(&save);
+        tx.send(save).await.unwrap();
+        let refused = replies.next().await.unwrap().unwrap();
+        assert_eq!(refused.request_id, 1);
+        assert!(refused.error.is_some(), "{refused:?}");
+        held_until("the stream's read buffer", || budget.held_bytes() >= grown).await;
+        assert_eq!(budget.held_bytes(), held_open.max(grown), "the read buffer's share, grown to its largest message");
+        drop((tx, replies));
+        held_until("the ended stream giving its read buffer back", || budget.held_bytes() == 0).await;
         server.shutdown().await.unwrap();
     });
 }

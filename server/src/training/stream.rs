@@ -27,7 +27,7 @@ use crate::error::{error_frame, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
-use crate::reader::{FrameReader, Next};
+use crate::reader::{FrameReader, Next, ReadBuffer};
 use crate::unsent::{wire_bytes, Unsent};
 
 /// What one `Train` stream needs.
@@ -67,13 +67,16 @@ fn error_reply(request_id: u64, e: &RequestError) -> TrainReply {
 /// its calls in order. A reattachable session whose stream breaks is kept for its host.
 pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: TrainContext, out: mpsc::Sender<Result<TrainReply, Status>>) {
     let first = tokio::time::timeout(ctx.training.options.session_idle_timeout, inbound.next()).await.unwrap_or(None);
-    let open = match first {
-        Some(Ok(pb::TrainFrame { kind: Some(train_frame::Kind::Open(open)) })) => open,
-        Some(Ok(_)) => {
-            let _ = out.send(Ok(error_reply(0, &SessionError::NotOpened.into()))).await;
-            return;
-        }
-        _ => return,
+    let Some(Ok(first)) = first else { return };
+    // The stream's read buffer is counted in the budget from its first message on.
+    let mut read_buffer = ReadBuffer::default();
+    if let Err(e) = read_buffer.cover(&ctx.budget, &first).await {
+        let _ = out.send(Ok(error_reply(0, &e))).await;
+        return;
+    }
+    let Some(train_frame::Kind::Open(open)) = first.kind else {
+        let _ = out.send(Ok(error_reply(0, &SessionError::NotOpened.into()))).await;
+        return;
     };
     let attached = match &open.reattach {
         Some(reattach) => ctx.parking.take(reattach, ctx.model.bundle.id()),
@@ -104,7 +107,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         }
     } else {
         let _open = ctx.metrics.stream_open("train");
-        answer_calls(&mut inbound, &ctx, &out, &attached).await
+        answer_calls(&mut inbound, &ctx, &out, &attached, read_buffer).await
     };
     if ended == StreamEnd::Broken && attached.reattach_token.is_some() {
         ctx.parking.keep(attached, ctx.training.options.session_idle_timeout);
@@ -140,6 +143,7 @@ async fn answer_calls(
     ctx: &TrainContext,
     out: &mpsc::Sender<Result<TrainReply, Status>>,
     attached: &Attached,
+    mut read_buffer: ReadBuffer,
 ) -> StreamEnd {
     let (slot, session) = (&attached.slot, &attached.session);
     let mut stream = CallStream::new(ctx, attached.start, attached.end);
@@ -177,6 +181,14 @@ async fn answer_calls(
                 return StreamEnd::Closed;
             }
         };
+        let covered = read_buffer.cover(&ctx.budget, &frame).await;
+        if let Some(reply) = covered.err().and_then(|e| refused(&mut stream.frames, &frame, &e)) {
+            reader.track(&stream.frames);
+            if out.send(Ok(reply)).await.is_err() {
+                return StreamEnd::Broken;
+            }
+            continue;
+        }
         let (replies, mut held) = match frame.kind {
             Some(train_frame::Kind::Save(save)) => (vec![save_reply(session, save).await], Reservation::none()),
             Some(train_frame::Kind::Payload(p)) => {
@@ -199,6 +211,22 @@ async fn answer_calls(
                 return StreamEnd::Broken;
             }
         }
+    }
+}
+
+/// The answer to a frame whose message the stream's read buffer could not be covered for in
+/// the budget: the payload it starts or continues is given up (its later frames skipped), or
+/// the call it makes refused; none for a frame of a payload already given up (skipped as
+/// ever).
+fn refused(frames: &mut FrameAssembler<(Phase, Reservation, tracing::Span)>, frame: &pb::TrainFrame, e: &RequestError) -> Option<TrainReply> {
+    match &frame.kind {
+        Some(train_frame::Kind::Payload(p)) => {
+            let id = if frames.starts_payload(p) { p.request_id } else { frames.give_up()? };
+            frames.skip_payload(p);
+            Some(error_reply(id, e))
+        }
+        Some(train_frame::Kind::Save(save)) => Some(error_reply(save.request_id, e)),
+        Some(train_frame::Kind::Open(_)) | None => Some(error_reply(0, e)),
     }
 }
 
