@@ -769,7 +769,9 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
     Ok(manifest)
 }
 
-fn sha256_file(dir: &Path, file: &str) -> Result<String> {
+/// The hex SHA-256 of bundle file `file` in `dir`, as a manifest's `files` records it
+/// (read in 1 MiB pieces).
+pub fn sha256_file(dir: &Path, file: &str) -> Result<String> {
     // Names come from the manifest: refuse anything that would leave the bundle directory.
     if file.contains('/') || file.contains('\\') || file.starts_with('.') {
         return Err(BundleError::Manifest { path: dir.join("manifest.json"), message: format!("file name {file:?} is not a plain name") });

@@ -435,9 +435,7 @@ impl EdgeConfig {
             Job::Train(_) => None,
         }
     }
-}
 
-impl EdgeConfig {
     /// What the `--loopback` server enforces: exactly what this host brings (its key, its
     /// token, TLS when the loopback has a certificate).
     pub fn loopback_security(&self) -> ServerSecurity {

@@ -3,10 +3,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
 use tch::Tensor;
 
-use cleave_common::bundle::Bundle;
+use cleave_common::bundle::{sha256_file, Bundle};
 use cleave_common::device::DeviceSpec;
 use cleave_common::stages::StageRange;
 use cleave_common::training::checkpoint;
@@ -71,8 +70,7 @@ pub fn write_trained_bundle(bundle: &Bundle, checkpoints: &[PathBuf], out: &Path
             if !rewritten.contains(&name.as_str()) {
                 std::fs::copy(bundle.dir().join(name), tmp.join(name)).map_err(|e| fail(&tmp, format!("copying {name}: {e}")))?;
             }
-            let bytes = std::fs::read(tmp.join(name)).map_err(|e| fail(&tmp, e.to_string()))?;
-            *hash = serde_json::Value::String(hex::encode(Sha256::digest(&bytes)));
+            *hash = serde_json::Value::String(sha256_file(&tmp, name)?);
         }
         raw["trained"] = serde_json::json!({ "from_bundle": bundle.id(), "checkpoints": sources });
         let text = serde_json::to_string_pretty(&raw).map_err(|e| fail(&tmp, e.to_string()))? + "\n";
