@@ -4,7 +4,8 @@
 
 use crate::config::Limits;
 use crate::training::optim::OptimizerConfig;
-use crate::training::OptimizerError;
+use crate::training::schedule::{Decay, Schedule, Warmup};
+use crate::training::{OptimizerError, ScheduleError};
 use crate::wire::{CodecPolicy, FramePart, PayloadFrame, Precision};
 
 /// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
@@ -17,8 +18,10 @@ pub mod pb {
 /// Version of `cleave.v1` this build speaks; a host refuses a server with another. Version 2:
 /// compressed tensors travel in blocks (`TensorHeader.blocks`, decoded on several cores),
 /// and a tensor may have its zeros elided or its own codec under `auto`. Payloads of
-/// version 1 (each tensor compressed whole) are still read.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// version 1 (each tensor compressed whole) are still read. Version 3: training sessions
+/// take a learning-rate schedule and global gradient-norm clipping (`OpenSession.schedule`,
+/// `clip_grad_norm`, `ClipStep`), which an older server would ignore.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Metadata key carrying the bundle id the host expects on `Infer` and `Train` streams.
 pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
@@ -311,6 +314,35 @@ impl TryFrom<&pb::Optimizer> for OptimizerConfig {
     }
 }
 
+impl From<&Schedule> for pb::Schedule {
+    fn from(s: &Schedule) -> Self {
+        let (warmup_steps, warmup_start_factor) = s.warmup.as_ref().map_or((0, 0.0), |w| (w.steps, w.start_factor));
+        let warmup = pb::Schedule { warmup_steps, warmup_start_factor, ..Default::default() };
+        match s.decay {
+            Decay::Constant => pb::Schedule { decay: "constant".into(), ..warmup },
+            Decay::Step { step_size, gamma } => pb::Schedule { decay: "step".into(), step_size, gamma, ..warmup },
+            Decay::Cosine { total_steps, min_lr } => pb::Schedule { decay: "cosine".into(), total_steps, min_lr, ..warmup },
+        }
+    }
+}
+
+impl TryFrom<&pb::Schedule> for Schedule {
+    type Error = ScheduleError;
+
+    /// The schedule a session asks for, validated as a config file's would be.
+    fn try_from(s: &pb::Schedule) -> Result<Self, ScheduleError> {
+        let decay = match s.decay.as_str() {
+            "constant" | "" => Decay::Constant,
+            "step" => Decay::Step { step_size: s.step_size, gamma: s.gamma },
+            "cosine" => Decay::Cosine { total_steps: s.total_steps, min_lr: s.min_lr },
+            other => return Err(ScheduleError::UnknownDecay(other.into())),
+        };
+        let warmup = (s.warmup_steps > 0).then_some(Warmup { steps: s.warmup_steps, start_factor: s.warmup_start_factor });
+        let schedule = Schedule { warmup, decay };
+        schedule.validate().map(|()| schedule)
+    }
+}
+
 /// Every stream's payload frames: a request id, the envelope on the first, a slice of the
 /// data, the last marked.
 macro_rules! payload_frame {
@@ -400,8 +432,8 @@ mod tests {
     #[test]
     fn another_protocol_version_is_refused_naming_both() {
         let err = ServerInfo::try_from(pb::InfoReply { protocol_version: 1, ..info() }).unwrap_err();
-        assert_eq!(err, ProtocolError::VersionMismatch { host: 2, server: 1 });
-        assert_eq!(err.to_string(), "the server speaks protocol version 1, this host speaks version 2");
+        assert_eq!(err, ProtocolError::VersionMismatch { host: 3, server: 1 });
+        assert_eq!(err.to_string(), "the server speaks protocol version 1, this host speaks version 3");
     }
 
     #[test]
@@ -423,5 +455,20 @@ mod tests {
         }
         let bad = pb::Optimizer { kind: "lion".into(), ..Default::default() };
         assert!(OptimizerConfig::try_from(&bad).unwrap_err().to_string().contains("not one of"));
+    }
+
+    #[test]
+    fn schedules_round_trip() {
+        let warmup = Some(Warmup { steps: 10, start_factor: 0.25 });
+        for s in [
+            Schedule::default(),
+            Schedule { warmup: warmup.clone(), decay: Decay::Constant },
+            Schedule { warmup: None, decay: Decay::Step { step_size: 30, gamma: 0.1 } },
+            Schedule { warmup, decay: Decay::Cosine { total_steps: 1000, min_lr: 1e-5 } },
+        ] {
+            assert_eq!(Schedule::try_from(&pb::Schedule::from(&s)).unwrap(), s);
+        }
+        let bad = pb::Schedule { decay: "cosine".into(), total_steps: 0, ..Default::default() };
+        assert!(Schedule::try_from(&bad).unwrap_err().to_string().contains("decay.total_steps"));
     }
 }

@@ -14,6 +14,7 @@ use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdenti
 use cleave_common::telemetry::Telemetry;
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
+use cleave_common::training::schedule::{check_clip_norm, Schedule};
 use cleave_common::wire::{Codec, CodecPolicy};
 use cleave_common::DeviceSpec;
 
@@ -239,6 +240,10 @@ struct RawTrain {
     #[serde(default)]
     seed: u64,
     optimizer: OptimizerConfig,
+    #[serde(default)]
+    schedule: Schedule,
+    #[serde(default)]
+    clip_grad_norm: Option<f64>,
     loss: String,
     #[serde(default)]
     resume: Option<String>,
@@ -320,6 +325,10 @@ pub struct TrainConfig {
     pub seed: u64,
     /// The optimizer of both sides.
     pub optimizer: OptimizerConfig,
+    /// The learning rate step by step, on both sides.
+    pub schedule: Schedule,
+    /// Clips the gradients of the whole model (both sides') to this global L2 norm.
+    pub clip_grad_norm: Option<f64>,
     /// The loss.
     pub loss: LossKind,
     /// Resume from this checkpoint (a name under `<output>/checkpoints`).
@@ -575,6 +584,8 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
         return Err(invalid("eval_batch_size", "must be at least 1".into()));
     }
     raw.optimizer.validate().map_err(|e| invalid("optimizer", e.to_string()))?;
+    raw.schedule.validate().map_err(|e| invalid("schedule", e.to_string()))?;
+    let clip_grad_norm = raw.clip_grad_norm.map(check_clip_norm).transpose().map_err(|e| invalid("clip_grad_norm", e.to_string()))?;
     if raw.max_steps == Some(0) {
         return Err(invalid("max_steps", "must be at least 1".into()));
     }
@@ -589,6 +600,8 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
         shuffle_seed: raw.shuffle_seed,
         seed: raw.seed,
         optimizer: raw.optimizer,
+        schedule: raw.schedule,
+        clip_grad_norm,
         loss: raw.loss.parse().map_err(|e| invalid("loss", e))?,
         resume: raw.resume,
         max_steps: raw.max_steps,

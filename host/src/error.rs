@@ -444,6 +444,17 @@ pub enum Breach {
     /// A checkpoint request answered without a checkpoint.
     #[error("the server answered a checkpoint request without saving")]
     NotSaved,
+    /// A gradient-norm call answered without the step being taken.
+    #[error("the server answered the clipping coefficient without taking the step")]
+    NotStepped,
+    /// The server took another step than this host.
+    #[error("the server took step {server}, this host step {host}")]
+    StepApart {
+        /// The server's step.
+        server: u64,
+        /// This host's.
+        host: u64,
+    },
     /// A boundary at another cut than the call expects.
     #[error("the server answered with a boundary at cut {got}, expected cut {expected}")]
     WrongCut {

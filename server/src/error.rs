@@ -280,7 +280,10 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             | TrainError::Setup(_)
             | TrainError::Loss(_)
             | TrainError::Gradients(_)
-            | TrainError::Optimizer(_) => Code::InvalidArgument,
+            | TrainError::Optimizer(_)
+            | TrainError::Schedule(_) => Code::InvalidArgument,
+            // The model diverged: nothing in the call is malformed, the session's state is.
+            TrainError::NormNotFinite(_) => Code::FailedPrecondition,
             TrainError::NotTrainable(_) | TrainError::Checkpoint { .. } | TrainError::State { .. } | TrainError::NotCovered { .. } => {
                 Code::FailedPrecondition
             }

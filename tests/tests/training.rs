@@ -46,6 +46,8 @@ struct Run<'a> {
     server: Option<String>,
     /// `--force`, `--resume` or neither.
     output_mode: OutputMode,
+    /// More lines of `train:` (a schedule, clipping).
+    extra: &'a str,
 }
 
 impl<'a> Run<'a> {
@@ -68,6 +70,7 @@ impl<'a> Run<'a> {
             codec: "raw",
             server: None,
             output_mode: OutputMode::Fresh,
+            extra: "",
         }
     }
 
@@ -90,7 +93,7 @@ impl<'a> Run<'a> {
         let yaml = format!(
             "server: {server}\nbundle: {bundle}\nsplit: {split}\ndevice: cpu\noutput: {out}\ncodec: \"{codec}\"\nloopback: {{ device: cpu }}\n\
              train:\n  mode: {mode}\n{tail}  data: {{ train: {train}, test: {test}, targets: label }}\n  epochs: 5\n  batch_size: 16\n  \
-             eval_batch_size: 16\n  shuffle_seed: 3\n  seed: 11\n  max_steps: {steps}\n  optimizer: {opt}\n  loss: cross-entropy\n{write_bundle}{resume}",
+             eval_batch_size: 16\n  shuffle_seed: 3\n  seed: 11\n  max_steps: {steps}\n  optimizer: {opt}\n  loss: cross-entropy\n{write_bundle}{resume}{extra}",
             server = self.server.as_deref().unwrap_or("http://127.0.0.1:1"),
             bundle = bundle_dir(self.bundle).display(),
             split = self.split,
@@ -101,6 +104,7 @@ impl<'a> Run<'a> {
             steps = self.max_steps,
             opt = self.optimizer,
             codec = self.codec,
+            extra = self.extra,
         );
         std::fs::create_dir_all(out).unwrap();
         let path = out.join("edge.yaml");
@@ -205,7 +209,7 @@ fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64
 /// Split (or U-shaped) training equals monolithic training, and both moved the weights.
 fn equals_monolithic(split_run: Run, label: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let mono = Run { mode: "monolithic", tail: None, ..Run::new(split_run.bundle, "monolithic", 0, split_run.optimizer) };
+    let mono = Run { mode: "monolithic", tail: None, extra: split_run.extra, ..Run::new(split_run.bundle, "monolithic", 0, split_run.optimizer) };
     let mono_summary = mono.train(&tmp.path().join("mono"));
     let split_summary = split_run.train(&tmp.path().join("split"));
     assert_eq!((mono_summary.total_steps, split_summary.total_steps), (STEPS, STEPS), "{label}");
@@ -281,6 +285,30 @@ fn digits_u_shaped_adam_equals_monolithic() {
 #[test]
 fn bn_dropout_u_shaped_sgd_momentum_equals_monolithic() {
     equals_monolithic(Run::new("bn_dropout", "split", 2, SGD).u_shaped(8), "bn_dropout u-shaped 2..8, SGD momentum");
+}
+
+/// A warm-up, a cosine decay and clipping that the digits model's gradients exceed on some
+/// steps (their global norm is about 3 to 7 at these settings).
+const SCHEDULED_AND_CLIPPED: &str =
+    "  schedule: { warmup: { steps: 5, start_factor: 0.1 }, decay: { kind: cosine, total_steps: 15, min_lr: 0.001 } }\n  clip_grad_norm: 4.5\n";
+
+#[test]
+fn a_schedule_and_clipping_across_the_split_equal_monolithic() {
+    // Adam turns a last-bit difference in the clipped gradients into a visible one: both
+    // sides must scale by the very coefficient clip_grad_norm_ computes for the whole model.
+    equals_monolithic(Run { extra: SCHEDULED_AND_CLIPPED, ..Run::new("digits", "split", 4, ADAM) }, "digits split at 4, Adam, scheduled, clipped");
+    let u_shaped = Run { extra: SCHEDULED_AND_CLIPPED, ..Run::new("bn_dropout", "split", 2, SGD).u_shaped(8) };
+    equals_monolithic(u_shaped, "bn_dropout u-shaped 2..8, SGD momentum, scheduled, clipped");
+    // Both took effect: the same run without them ends elsewhere.
+    let tmp = tempfile::tempdir().unwrap();
+    Run { extra: SCHEDULED_AND_CLIPPED, ..Run::new("digits", "monolithic", 0, ADAM) }.train(&tmp.path().join("with"));
+    Run { extra: "  clip_grad_norm: 4.5\n", ..Run::new("digits", "monolithic", 0, ADAM) }.train(&tmp.path().join("clipped"));
+    Run::new("digits", "monolithic", 0, ADAM).train(&tmp.path().join("plain"));
+    let [with, clipped, plain] = ["with", "clipped", "plain"].map(|d| trained_state(&tmp.path().join(d), STEPS));
+    for (a, b, what) in [(&with, &clipped, "the schedule"), (&clipped, &plain, "clipping")] {
+        let diff = max_abs_diff(a, b);
+        assert!(diff > 1e-3, "{what} changed the weights by only {diff:e}");
+    }
 }
 
 #[test]
@@ -449,6 +477,26 @@ fn a_session_that_cannot_work_is_refused_with_the_reason() {
                 "betas[1]",
             ),
             (pb::OpenSession { optimizer: None, ..open_digits(7, 12, "mse") }, "no optimizer"),
+            (pb::OpenSession { clip_grad_norm: -1.0, ..open_digits(7, 12, "mse") }, "clip_grad_norm must be a finite number above 0"),
+            (pb::OpenSession { clip_grad_norm: f64::NAN, ..open_digits(7, 12, "mse") }, "clip_grad_norm must be"),
+            (
+                pb::OpenSession { schedule: Some(pb::Schedule { decay: "exponential".into(), ..Default::default() }), ..open_digits(7, 12, "mse") },
+                "decay \"exponential\" is not one of",
+            ),
+            (
+                pb::OpenSession {
+                    schedule: Some(pb::Schedule { decay: "step".into(), gamma: 0.5, ..Default::default() }),
+                    ..open_digits(7, 12, "mse")
+                },
+                "decay.step_size must be at least 1",
+            ),
+            (
+                pb::OpenSession {
+                    schedule: Some(pb::Schedule { warmup_steps: 3, warmup_start_factor: 0.0, ..Default::default() }),
+                    ..open_digits(7, 12, "mse")
+                },
+                "warmup.start_factor",
+            ),
             (pb::OpenSession { resume: "step-3".into(), ..open_digits(7, 12, "mse") }, "no checkpoint directory"),
         ];
         for (open, expected) in cases {
@@ -526,6 +574,56 @@ fn a_misused_call_gets_its_error_and_the_session_goes_on() {
         let reply = stream.1.next().await.unwrap().unwrap();
         let (_, text) = error_of(&reply);
         assert!(text.contains("no checkpoint directory") || text.contains("checkpoint name"), "{text}");
+    });
+}
+
+#[test]
+fn a_clipping_session_steps_only_on_the_host_s_coefficient() {
+    use cleave_common::{Boundary, Value};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let step_input = Boundary {
+        values: vec![
+            ("features_6".to_string(), Value::Tensor(Tensor::ones([2, 32, 4, 4], (Kind::Float, tch::Device::Cpu)))),
+            (cleave_common::training::TARGETS_VALUE.to_string(), Value::Tensor(Tensor::from_slice(&[3i64, 4]))),
+        ],
+    };
+    let clip = |id: u64, coefficient: f32| TrainFrame { kind: Some(train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient })) };
+    let forward = (7, Direction::Request);
+    runtime().block_on(async {
+        let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        // Without clipping, the server steps on its own and a coefficient has no use.
+        let (mut plain, _) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let replies = call(&mut plain, 1, pb::Phase::Forward, forward, &step_input).await;
+        assert!(replies.last().unwrap().grad_norms.is_empty(), "{:?}", replies.last());
+        plain.0.send(clip(2, 0.5)).await.unwrap();
+        let (code, text) = error_of(&plain.1.next().await.unwrap().unwrap());
+        assert!(text.contains("does not clip"), "{code:?} {text}");
+        drop(plain);
+
+        let open = pb::OpenSession { clip_grad_norm: 1.0, ..open_digits(7, 12, "cross-entropy") };
+        let (mut stream, _) = open_when_free(&server.url, &bundle, open).await;
+        stream.0.send(clip(1, 0.5)).await.unwrap();
+        let (_, text) = error_of(&stream.1.next().await.unwrap().unwrap());
+        assert!(text.contains("no step waiting"), "{text}");
+        // A step's answer carries one norm per parameter gradient of stages [7, 12).
+        let replies = call(&mut stream, 2, pb::Phase::Forward, forward, &step_input).await;
+        let norms = &replies.last().unwrap().grad_norms;
+        let parameters: usize = (7..12).map(|i| bundle.manifest().stages[i].parameter_names.as_ref().map_or(0, Vec::len)).sum();
+        assert!(parameters > 0 && norms.len() == parameters && norms.iter().all(|n| n.is_finite() && *n >= 0.0), "{norms:?}");
+        // The next step waits for the coefficient; one outside (0, 1] is refused and the step
+        // still waits.
+        let replies = call(&mut stream, 3, pb::Phase::Forward, forward, &step_input).await;
+        assert!(error_of(replies.last().unwrap()).1.contains("waiting for the host's gradient norm"), "{replies:?}");
+        for (id, bad) in [(4, 0.0), (5, 1.5), (6, f32::NAN)] {
+            stream.0.send(clip(id, bad)).await.unwrap();
+            let (code, text) = error_of(&stream.1.next().await.unwrap().unwrap());
+            assert!(code == tonic::Code::InvalidArgument && text.contains("coefficient must be in (0, 1]"), "{bad}: {code:?} {text}");
+        }
+        stream.0.send(clip(7, 0.5)).await.unwrap();
+        let reply = stream.1.next().await.unwrap().unwrap();
+        assert_eq!(reply.stepped, Some(pb::StepTaken { step: 1 }), "{reply:?}");
+        let replies = call(&mut stream, 8, pb::Phase::Forward, forward, &step_input).await;
+        assert!(replies.last().unwrap().error.is_none(), "the next step goes on: {:?}", replies.last());
     });
 }
 

@@ -22,6 +22,12 @@ pub enum TrainError {
     /// An optimizer that PyTorch would refuse.
     #[error("optimizer: {0}")]
     Optimizer(#[from] OptimizerError),
+    /// A learning-rate schedule that PyTorch would refuse.
+    #[error("schedule: {0}")]
+    Schedule(#[from] ScheduleError),
+    /// Gradients whose global norm is not finite, which clipping cannot scale.
+    #[error("the gradients' global norm is {0} at this step: clipping cannot scale it (lower the learning rate, or check the data)")]
+    NormNotFinite(f32),
     /// The loss cannot be computed from this output and these targets.
     #[error("loss: {0}")]
     Loss(String),
@@ -80,6 +86,18 @@ pub enum StepError {
         /// The value that carries them.
         value: &'static str,
     },
+    /// A forward while the step before waits for the host's gradient norm.
+    #[error("step {step}'s update is waiting for the host's gradient norm (ClipStep); this step is refused")]
+    WaitingForClip {
+        /// The step waiting.
+        step: u64,
+    },
+    /// A gradient norm sent to a session that does not clip.
+    #[error("this session does not clip gradients (OpenSession.clip_grad_norm is 0): ClipStep has no use")]
+    NotClipping,
+    /// A gradient norm with no step waiting for it.
+    #[error("a gradient norm arrived with no step waiting to be clipped (a step's gradient answer comes first)")]
+    NothingToClip,
     /// A gradient with no forward waiting for it.
     #[error("a gradient arrived without a pending forward (PHASE_FORWARD comes first)")]
     NoPendingForward,
@@ -166,6 +184,37 @@ pub enum OptimizerError {
         /// Its value.
         value: f64,
     },
+}
+
+/// A learning-rate schedule's value that PyTorch would refuse.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ScheduleError {
+    /// A count of steps that must be at least 1.
+    #[error("{field} must be at least 1")]
+    Zero {
+        /// The field.
+        field: &'static str,
+    },
+    /// A warm-up's start factor outside (0, 1].
+    #[error("warmup.start_factor must be in (0, 1], got {0}")]
+    StartFactor(f64),
+    /// A value that must be a finite number above 0 (`min_lr`: 0 or more).
+    #[error("{field} must be a finite number above 0 (min_lr: 0 or more), got {value}")]
+    NotPositive {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A decay this build does not know.
+    #[error("decay {0:?} is not one of constant, step, cosine")]
+    UnknownDecay(String),
+    /// A clipping norm that is not a finite number above 0.
+    #[error("clip_grad_norm must be a finite number above 0, got {0}")]
+    ClipNorm(f64),
+    /// A clipping coefficient outside (0, 1].
+    #[error("a clipping coefficient must be in (0, 1], got {0}")]
+    Coefficient(f32),
 }
 
 /// Why saved training state does not fit the stages or the optimizer it is loaded into.

@@ -5,6 +5,8 @@
 //!   gradients that come back later (the prefix is never recomputed).
 //! - [`optim`]: SGD (momentum, dampening, Nesterov, weight decay), Adam and AdamW, written
 //!   after PyTorch's single-tensor implementations, with their state exposed for checkpoints.
+//! - [`schedule`]: the learning rate step by step (warm-up, step and cosine decay) and global
+//!   gradient-norm clipping across the split, each side computing the same number.
 //! - [`loss`]: cross-entropy and mean squared error, as `torch.nn.functional` computes them.
 //! - [`checkpoint`]: parameters, buffers and optimizer state in a safetensors file.
 //! - [`step`]: the step math both sides run: the output and its loss, and a part's backward
@@ -19,6 +21,7 @@ pub mod checkpoint;
 mod error;
 pub mod loss;
 pub mod optim;
+pub mod schedule;
 mod seeding;
 pub mod step;
 mod trainable;
@@ -27,7 +30,7 @@ use tch::Tensor;
 
 use crate::value::{Boundary, Value};
 
-pub use error::{OptimizerError, SetupError, StateError, StepError, TrainError};
+pub use error::{OptimizerError, ScheduleError, SetupError, StateError, StepError, TrainError};
 pub use seeding::stage_seed;
 pub use trainable::TrainableStages;
 

@@ -161,22 +161,23 @@ impl Optimizer {
         &self.config
     }
 
-    /// One step: updates each parameter in place from its gradient; parameters whose
-    /// gradient is `None` are skipped (their state does not advance), as in PyTorch.
-    pub fn step(&mut self, params: &[(String, Tensor)], grads: &[Option<Tensor>]) {
+    /// One step at learning rate `lr` (the configured one, or where a schedule has taken
+    /// it): updates each parameter in place from its gradient; parameters whose gradient is
+    /// `None` are skipped (their state does not advance), as in PyTorch.
+    pub fn step(&mut self, params: &[(String, Tensor)], grads: &[Option<Tensor>], lr: f64) {
         assert_eq!(params.len(), grads.len(), "one gradient slot per parameter");
         tch::no_grad(|| {
             for ((name, param), grad) in params.iter().zip(grads) {
                 if let Some(grad) = grad {
-                    self.update(name, &mut param.shallow_clone(), grad);
+                    self.update(name, &mut param.shallow_clone(), grad, lr);
                 }
             }
         });
     }
 
-    fn update(&mut self, name: &str, param: &mut Tensor, grad: &Tensor) {
+    fn update(&mut self, name: &str, param: &mut Tensor, grad: &Tensor, lr: f64) {
         match self.config {
-            OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov } => {
+            OptimizerConfig::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
                 let mut d_p = if weight_decay != 0.0 { add_scaled(grad, param, weight_decay) } else { grad.shallow_clone() };
                 if momentum != 0.0 {
                     let buf = match self.state.get_mut(name) {
@@ -195,7 +196,7 @@ impl Optimizer {
                 }
                 let _ = param.addcmul_(&d_p, &Tensor::from(-lr));
             }
-            OptimizerConfig::Adam { lr, betas, eps, weight_decay } | OptimizerConfig::Adamw { lr, betas, eps, weight_decay } => {
+            OptimizerConfig::Adam { betas, eps, weight_decay, .. } | OptimizerConfig::Adamw { betas, eps, weight_decay, .. } => {
                 let decoupled = matches!(self.config, OptimizerConfig::Adamw { .. });
                 let [beta1, beta2] = betas;
                 let grad = if weight_decay != 0.0 && !decoupled {
@@ -292,10 +293,11 @@ mod tests {
     fn run(config: OptimizerConfig, steps: usize) -> Vec<f32> {
         let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5]).set_requires_grad(true);
         let params = vec![("w".to_string(), p.shallow_clone())];
+        let lr = config.lr();
         let mut opt = Optimizer::new(config);
         for i in 0..steps {
             let g = Tensor::from_slice(&[0.1f32 * (i as f32 + 1.0), -0.3, 0.0]);
-            opt.step(&params, &[Some(g)]);
+            opt.step(&params, &[Some(g)], lr);
         }
         Vec::<f32>::try_from(&p.detach()).unwrap()
     }
@@ -336,14 +338,14 @@ mod tests {
         let p = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
         let params = vec![("w".to_string(), p.shallow_clone())];
         let mut a = Optimizer::new(config.clone());
-        a.step(&params, &[Some(Tensor::from_slice(&[0.3f32, -0.1]))]);
+        a.step(&params, &[Some(Tensor::from_slice(&[0.3f32, -0.1]))], 0.01);
         let saved: HashMap<String, Tensor> = a.state_tensors().into_iter().map(|(n, t)| (n, t.copy())).collect();
         let mut b = Optimizer::new(config);
         b.load_state(&params, &saved).unwrap();
         let q = p.detach().copy().set_requires_grad(true);
         let params_b = vec![("w".to_string(), q.shallow_clone())];
-        a.step(&params, &[Some(Tensor::from_slice(&[0.2f32, 0.4]))]);
-        b.step(&params_b, &[Some(Tensor::from_slice(&[0.2f32, 0.4]))]);
+        a.step(&params, &[Some(Tensor::from_slice(&[0.2f32, 0.4]))], 0.01);
+        b.step(&params_b, &[Some(Tensor::from_slice(&[0.2f32, 0.4]))], 0.01);
         assert!(p.detach().equal(&q.detach()));
     }
 

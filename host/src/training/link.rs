@@ -29,6 +29,8 @@ pub(crate) struct Answer {
     pub(crate) boundary: Boundary,
     /// The loss, when the server computed it.
     pub(crate) loss: Option<f64>,
+    /// With clipping, on a step's gradient: the norm of each of the server's gradients.
+    pub(crate) norms: Vec<f32>,
 }
 
 /// What the answers of a stream are received with: each stream's answers are sealed under a
@@ -170,6 +172,13 @@ impl TrainLink {
         self.reattaching(|link| link.try_save(id, name))
     }
 
+    /// With clipping: what the gradients of the step just answered are multiplied by; the
+    /// server scales its own and takes the step. Returns the steps it has taken.
+    pub(crate) fn clip_step(&mut self, coefficient: f32) -> Result<u64> {
+        let id = self.take_id();
+        self.reattaching(|link| link.try_clip_step(id, coefficient))
+    }
+
     /// Ends the session: closes this side of the stream and waits for the server to end its
     /// own, so that it does not keep the session for a host that has finished.
     pub(crate) fn close(self) {
@@ -232,6 +241,17 @@ impl TrainLink {
         Ok(())
     }
 
+    fn try_clip_step(&mut self, id: u64, coefficient: f32) -> Result<u64> {
+        let frame = TrainFrame { kind: Some(train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient })) };
+        let (frames, replies) = (&self.frames, &mut self.replies);
+        self.runtime.block_on(async {
+            send(frames, replies, frame).await?;
+            let reply = next_reply(replies).await?;
+            check_id(&reply, id)?;
+            Ok(reply.stepped.ok_or(Breach::NotStepped)?.step)
+        })
+    }
+
     fn try_save(&mut self, id: u64, name: &str) -> Result<u64> {
         let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() })) };
         let (frames, replies) = (&self.frames, &mut self.replies);
@@ -267,7 +287,7 @@ impl TrainLink {
         }
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
         let (frames, replies) = (&self.frames, &mut self.replies);
-        let (received, loss) = self.runtime.block_on(async {
+        let (received, loss, norms) = self.runtime.block_on(async {
             for frame in payload {
                 send(frames, replies, TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await?;
             }
@@ -277,14 +297,14 @@ impl TrainLink {
                 check_id(&reply, id)?;
                 let assembled = answer.push(&reply, |r| receiver.start(r.request_id, &r.header).map(|a| (a, ()))).map_err(|(_, e)| e)?;
                 if let Some((assembly, ())) = assembled {
-                    return Ok::<_, HostError>((receiver.finish(assembly)?, reply.loss));
+                    return Ok::<_, HostError>((receiver.finish(assembly)?, reply.loss, reply.grad_norms));
                 }
             }
         })?;
         if received.split != expect.1 {
             return Err(Breach::WrongCut { got: received.split, expected: expect.1 }.into());
         }
-        Ok(Answer { boundary: received.boundary, loss })
+        Ok(Answer { boundary: received.boundary, loss, norms })
     }
 }
 

@@ -29,8 +29,9 @@ use cleave_common::stats::median;
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
 use cleave_common::training::loss::{correct, LossKind};
 use cleave_common::training::optim::Optimizer;
+use cleave_common::training::schedule::{clip_coefficient, scale, tensor_norms};
 use cleave_common::training::step::{backward, backward_from_boundary, output_tensor, step_loss, Grads};
-use cleave_common::training::{float_leaves, track_gradients, TrainableStages, TARGETS_VALUE};
+use cleave_common::training::{float_leaves, track_gradients, TrainError, TrainableStages, TARGETS_VALUE};
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange, Value};
 use tch::Tensor;
 
@@ -280,6 +281,8 @@ async fn open_session(
         start: cuts.split as u32,
         end: cuts.tail as u32,
         optimizer: Some(pb::Optimizer::from(&train.optimizer)),
+        schedule: Some(pb::Schedule::from(&train.schedule)),
+        clip_grad_norm: train.clip_grad_norm.unwrap_or(0.0),
         loss: if cuts.tail == cuts.stages { train.loss.name().to_string() } else { String::new() },
         seed: train.seed,
         resume: server_resume,
@@ -499,24 +502,22 @@ impl Trainer {
             None => inputs,
         };
         let prefix_outputs = float_leaves(&at_split);
-        let mut params: Vec<(String, Tensor)> = Vec::new();
-        let mut grads: Grads = Vec::new();
-        let loss = match self.link.as_mut() {
+        // U-shaped: the tail's parameters and gradients; with clipping, the server's norms.
+        let (mut tail_params, mut tail_grads, mut server_norms) = (Vec::new(), Grads::new(), Vec::new());
+        let (loss, prefix_grads) = match self.link.as_mut() {
             None => {
                 // Monolithic: the prefix is the whole model.
                 let loss = step_loss(&self.bundle, self.train.loss, at_split, &targets)?;
                 let prefix = self.prefix.as_ref().expect("a monolithic run holds every stage");
-                params.extend(named(prefix.parameters()));
-                grads.extend(backward(Some(&loss), prefix.parameters(), &[])?.parameters);
-                loss.double_value(&[])
+                (loss.double_value(&[]), backward(Some(&loss), prefix.parameters(), &[])?.parameters)
             }
             Some(link) if self.tail_cut == self.bundle.stage_count() => {
                 let mut payload = at_split.detached();
                 payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
                 let answer = link.forward(&payload)?;
                 let loss = answer.loss.ok_or(Breach::NoLoss)?;
-                self.backward_prefix(&prefix_outputs, &answer.boundary, &mut params, &mut grads)?;
-                loss
+                server_norms = answer.norms;
+                (loss, self.backward_prefix(&prefix_outputs, &answer.boundary)?)
             }
             Some(link) => {
                 // U-shaped: the middle's output comes back, the tail and the loss run here.
@@ -527,32 +528,50 @@ impl Trainer {
                     None => middle,
                 };
                 let loss = step_loss(&self.bundle, self.train.loss, output, &targets)?;
-                let tail_params = self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
-                let tail_grads = backward(Some(&loss), &tail_params, &leaves)?;
-                params.extend(tail_params);
-                grads.extend(tail_grads.parameters);
-                let back = self.link.as_mut().expect("linked").backward(&tail_grads.boundary)?;
-                self.backward_prefix(&prefix_outputs, &back.boundary, &mut params, &mut grads)?;
-                loss.double_value(&[])
+                tail_params = self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
+                let tail = backward(Some(&loss), &tail_params, &leaves)?;
+                tail_grads = tail.parameters;
+                let back = self.link.as_mut().expect("linked").backward(&tail.boundary)?;
+                server_norms = back.norms;
+                (loss.double_value(&[]), self.backward_prefix(&prefix_outputs, &back.boundary)?)
             }
         };
-        self.optimizer.step(&params, &grads);
+        if let Some(max_norm) = self.train.clip_grad_norm {
+            // Every gradient's norm in the model's order: the prefix, the server's, the tail.
+            let norms = [tensor_norms(&prefix_grads), server_norms, tensor_norms(&tail_grads)].concat();
+            self.clip(max_norm, &norms, [&prefix_grads, &tail_grads])?;
+        }
+        let mut params = self.prefix.as_ref().map(|p| named(p.parameters())).unwrap_or_default();
+        params.extend(tail_params);
+        let grads: Grads = prefix_grads.into_iter().chain(tail_grads).collect();
+        let lr = self.train.schedule.lr(self.train.optimizer.lr(), step);
+        self.optimizer.step(&params, &grads, lr);
         self.step += 1;
         Ok(loss)
     }
 
-    /// Continues the backward pass into the prefix from the server's gradient at the split.
-    fn backward_prefix(
-        &self,
-        outputs: &[(String, Tensor)],
-        grads_at_split: &Boundary,
-        params: &mut Vec<(String, Tensor)>,
-        grads: &mut Grads,
-    ) -> Result<()> {
-        let Some(prefix) = &self.prefix else { return Ok(()) };
-        params.extend(named(prefix.parameters()));
-        grads.extend(backward_from_boundary(outputs, grads_at_split, prefix.parameters(), &[])?.parameters);
+    /// Clips the step's gradients as `clip_grad_norm_` would clip the whole model's, from
+    /// the `norms` of all of them: this side computes the coefficient, and a server scales
+    /// its own gradients by it and takes its step.
+    fn clip(&mut self, max_norm: f64, norms: &[f32], grads: [&Grads; 2]) -> Result<()> {
+        let coefficient = clip_coefficient(max_norm, norms).map_err(TrainError::NormNotFinite)?;
+        if let Some(link) = self.link.as_mut() {
+            let server = link.clip_step(coefficient)?;
+            if server != self.step + 1 {
+                return Err(Breach::StepApart { server, host: self.step + 1 }.into());
+            }
+        }
+        for g in grads {
+            scale(g, coefficient);
+        }
         Ok(())
+    }
+
+    /// The prefix's parameter gradients, continuing the backward pass from the server's
+    /// gradient at the split (none without a prefix).
+    fn backward_prefix(&self, outputs: &[(String, Tensor)], grads_at_split: &Boundary) -> Result<Grads> {
+        let Some(prefix) = &self.prefix else { return Ok(Grads::new()) };
+        Ok(backward_from_boundary(outputs, grads_at_split, prefix.parameters(), &[])?.parameters)
     }
 
     /// Mean loss and accuracy on the held-out set, in eval mode (split inference over the session).

@@ -12,6 +12,7 @@ use std::time::Instant;
 use cleave_common::pb;
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
+use cleave_common::training::schedule::{check_clip_norm, Schedule};
 use cleave_common::training::SetupError;
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 
@@ -129,6 +130,13 @@ impl Training {
             (false, "") => None,
             (false, name) => return Err(refused(SetupError::LossOnTheEdge { name: name.to_string(), end, stages: n })),
         };
+        let schedule = match &open.schedule {
+            Some(s) => Schedule::try_from(s).map_err(|e| RequestError::Training(e.into()))?,
+            None => Schedule::default(),
+        };
+        if open.clip_grad_norm != 0.0 {
+            check_clip_norm(open.clip_grad_norm).map_err(|e| RequestError::Training(e.into()))?;
+        }
         let resume = match open.resume.as_str() {
             "" => None,
             _ if self.checkpoints.is_none() => return Err(no_checkpoint_dir()),
@@ -140,6 +148,8 @@ impl Training {
             device,
             turns,
             optimizer,
+            schedule,
+            clips: open.clip_grad_norm != 0.0,
             loss,
             seed: open.seed,
             resume,

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::{Optimizer, OptimizerConfig};
-use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads};
+use cleave_common::training::schedule::{check_coefficient, scale, tensor_norms, Schedule};
+use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads, PartGradients};
 use cleave_common::training::{float_leaves, track_gradients, StepError, TrainError, TrainableStages, TARGETS_VALUE};
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
 use tch::Tensor;
@@ -31,6 +32,10 @@ pub(crate) struct SessionSetup {
     /// The scheduler of that device: each call runs in a turn it grants.
     pub(crate) turns: DeviceScheduler,
     pub(crate) optimizer: OptimizerConfig,
+    /// The learning rate of each step.
+    pub(crate) schedule: Schedule,
+    /// Global gradient-norm clipping across the split (the host computes the coefficient).
+    pub(crate) clips: bool,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
     /// The checkpoint to resume from; the session continues in its namespace.
@@ -54,25 +59,31 @@ pub(crate) enum Call {
     Evaluate { input: Boundary },
     /// Write a checkpoint into the session's namespace.
     Save { name: String },
+    /// With clipping: what the gradients of the step answered last are multiplied by.
+    Clip { coefficient: f32 },
 }
 
 /// The session thread's answer.
 pub(crate) enum Answer {
-    /// The gradient at `start` (and the loss when the server computed it).
-    Gradients { loss: Option<f64>, grads: Boundary },
+    /// The gradient at `start` (and the loss when the server computed it); with clipping,
+    /// the norm of each of the session's parameter gradients.
+    Gradients { loss: Option<f64>, grads: Boundary, norms: Option<Vec<f32>> },
     /// The boundary at `end` (U-shaped forward, or evaluation).
     Output(Boundary),
     /// A checkpoint was written.
     Saved { name: String, step: u64 },
+    /// A clipped step was taken (`step` steps in all).
+    Stepped { step: u64 },
 }
 
 impl Answer {
     /// The same answer, its tensors shared.
     fn shallow_clone(&self) -> Self {
         match self {
-            Self::Gradients { loss, grads } => Self::Gradients { loss: *loss, grads: grads.shallow_clone() },
+            Self::Gradients { loss, grads, norms } => Self::Gradients { loss: *loss, grads: grads.shallow_clone(), norms: norms.clone() },
             Self::Output(out) => Self::Output(out.shallow_clone()),
             Self::Saved { name, step } => Self::Saved { name: name.clone(), step: *step },
+            Self::Stepped { step } => Self::Stepped { step: *step },
         }
     }
 }
@@ -107,6 +118,11 @@ struct PendingStep {
 struct Session {
     stages: TrainableStages,
     optimizer: Optimizer,
+    schedule: Schedule,
+    /// Whether the session clips (the host computes the coefficient).
+    clips: bool,
+    /// With clipping: the answered step's parameter gradients, waiting for the coefficient.
+    unclipped: Option<Grads>,
     loss: Option<LossKind>,
     seed: u64,
     step: u64,
@@ -144,7 +160,20 @@ impl Session {
             step = meta.step;
         }
         let shared_step = Arc::new(AtomicU64::new(step));
-        Ok(Self { stages, optimizer, loss: setup.loss, seed: setup.seed, step, pending: None, namespace, last: None, shared_step })
+        Ok(Self {
+            stages,
+            optimizer,
+            schedule: setup.schedule,
+            clips: setup.clips,
+            unclipped: None,
+            loss: setup.loss,
+            seed: setup.seed,
+            step,
+            pending: None,
+            namespace,
+            last: None,
+            shared_step,
+        })
     }
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
@@ -161,55 +190,60 @@ impl Session {
                 let _ = reply.send(r.map(|a| (a, started.elapsed())));
             }
         };
-        match call {
-            Call::Forward { input, targets } => match self.forward(input, targets) {
-                Ok((answer_now, Some(param_grads))) => {
-                    self.count_answered_step();
-                    answer(Ok(answer_now));
-                    self.finish_step(param_grads);
-                }
-                Ok((answer_now, None)) => answer(Ok(answer_now)),
-                Err(e) => answer(Err(e.into())),
-            },
-            Call::Backward { grads } => match self.backward(&grads) {
-                Ok((answer_now, param_grads)) => {
-                    self.count_answered_step();
-                    answer(Ok(answer_now));
-                    self.finish_step(param_grads);
-                }
-                Err(e) => answer(Err(e.into())),
-            },
-            Call::Evaluate { input } => answer(self.stages.evaluate(&input).map(|out| Answer::Output(out.detached())).map_err(RequestError::from)),
-            Call::Save { name } => {
-                let meta = CheckpointMeta {
-                    bundle_id: self.stages.bundle().id().to_string(),
-                    ranges: vec![[self.stages.range().start, self.stages.range().end]],
-                    step: self.step,
-                    optimizer: self.optimizer.config().clone(),
-                    seed: self.seed,
-                    extra: Default::default(),
-                };
-                let saved = match &self.namespace {
-                    Some(namespace) => namespace.save(&name, &meta, &[&self.stages], &self.optimizer),
-                    None => Err(no_checkpoint_dir()),
-                };
-                if let Err(e) = &saved {
-                    tracing::info!(namespace = self.namespace.as_ref().map_or("", |n| n.name()), checkpoint = %name, error = %e, "checkpoint refused");
-                }
-                answer(saved.map(|_bytes| Answer::Saved { name, step: self.step }))
+        match self.run(call) {
+            Ok((answer_now, Some(param_grads))) => {
+                self.count_answered_step();
+                answer(Ok(answer_now));
+                self.finish_step(param_grads);
             }
+            Ok((answer_now, None)) => answer(Ok(answer_now)),
+            Err(e) => answer(Err(e)),
         }
         if let Some(answer) = answered {
             self.last = Some((id, answer));
         }
     }
 
+    /// Runs a call: its answer, and the parameters' gradients when it completes a step (the
+    /// optimizer update is taken once the answer is out).
+    fn run(&mut self, call: Call) -> Result<(Answer, Option<Grads>), RequestError> {
+        Ok(match call {
+            Call::Forward { input, targets } => self.forward(input, targets)?,
+            Call::Backward { grads } => self.backward(&grads)?,
+            Call::Clip { coefficient } => self.clip_step(coefficient)?,
+            Call::Evaluate { input } => (Answer::Output(self.stages.evaluate(&input)?.detached()), None),
+            Call::Save { name } => (self.save(name)?, None),
+        })
+    }
+
+    fn save(&mut self, name: String) -> Result<Answer, RequestError> {
+        let meta = CheckpointMeta {
+            bundle_id: self.stages.bundle().id().to_string(),
+            ranges: vec![[self.stages.range().start, self.stages.range().end]],
+            step: self.step,
+            optimizer: self.optimizer.config().clone(),
+            seed: self.seed,
+            extra: Default::default(),
+        };
+        let saved = match &self.namespace {
+            Some(namespace) => namespace.save(&name, &meta, &[&self.stages], &self.optimizer),
+            None => Err(no_checkpoint_dir()),
+        };
+        if let Err(e) = &saved {
+            tracing::info!(namespace = self.namespace.as_ref().map_or("", |n| n.name()), checkpoint = %name, error = %e, "checkpoint refused");
+        }
+        saved.map(|_bytes| Answer::Saved { name, step: self.step })
+    }
+
     /// A training forward. With the loss here: backward too, returning the gradient answer
-    /// and the parameters' gradients (the step is finished after answering); U-shaped:
-    /// keeps the graph pending and answers with the boundary at `end`.
+    /// (and the parameters' gradients, unless they wait for clipping); U-shaped: keeps the
+    /// graph pending and answers with the boundary at `end`.
     fn forward(&mut self, input: Boundary, targets: Option<Tensor>) -> Result<(Answer, Option<Grads>), TrainError> {
         if self.pending.take().is_some() {
             return Err(StepError::StillWaiting { step: self.step + 1 }.into());
+        }
+        if self.unclipped.is_some() {
+            return Err(StepError::WaitingForClip { step: self.step + 1 }.into());
         }
         let leaves = track_gradients(&input);
         let output = self.stages.forward(self.step, &input)?;
@@ -223,15 +257,38 @@ impl Session {
         let targets = targets.ok_or(StepError::NoTargets { value: TARGETS_VALUE })?;
         let loss = step_loss(self.stages.bundle(), loss_kind, output, &targets)?;
         let grads = backward(Some(&loss), self.stages.parameters(), &leaves)?;
-        let value = loss.double_value(&[]);
-        Ok((Answer::Gradients { loss: Some(value), grads: grads.boundary }, Some(grads.parameters)))
+        Ok(self.gradient_answer(Some(loss.double_value(&[])), grads))
     }
 
     /// U-shaped: continues the pending step's backward pass from the gradient at `end`.
-    fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Grads), TrainError> {
+    fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Option<Grads>), TrainError> {
         let PendingStep { inputs: leaves, outputs } = self.pending.take().ok_or(StepError::NoPendingForward)?;
         let grads = backward_from_boundary(&outputs, grads, self.stages.parameters(), &leaves)?;
-        Ok((Answer::Gradients { loss: None, grads: grads.boundary }, grads.parameters))
+        Ok(self.gradient_answer(None, grads))
+    }
+
+    /// A step's gradient answer. With clipping, the parameters' gradients wait for the
+    /// host's coefficient and the answer carries their norms; without, they are stepped on
+    /// at once.
+    fn gradient_answer(&mut self, loss: Option<f64>, grads: PartGradients) -> (Answer, Option<Grads>) {
+        if !self.clips {
+            return (Answer::Gradients { loss, grads: grads.boundary, norms: None }, Some(grads.parameters));
+        }
+        let norms = tensor_norms(&grads.parameters);
+        self.unclipped = Some(grads.parameters);
+        (Answer::Gradients { loss, grads: grads.boundary, norms: Some(norms) }, None)
+    }
+
+    /// Scales the waiting step's gradients by the host's coefficient and returns them to
+    /// be stepped on.
+    fn clip_step(&mut self, coefficient: f32) -> Result<(Answer, Option<Grads>), TrainError> {
+        if !self.clips {
+            return Err(StepError::NotClipping.into());
+        }
+        let coefficient = check_coefficient(coefficient)?;
+        let grads = self.unclipped.take().ok_or(StepError::NothingToClip)?;
+        scale(&grads, coefficient);
+        Ok((Answer::Stepped { step: self.step + 1 }, Some(grads)))
     }
 
     /// Counts the step a call finishes as taken before its answer goes out: a host that has
@@ -242,7 +299,8 @@ impl Session {
     }
 
     fn finish_step(&mut self, param_grads: Grads) {
-        self.optimizer.step(self.stages.parameters(), &param_grads);
+        let lr = self.schedule.lr(self.optimizer.config().lr(), self.step);
+        self.optimizer.step(self.stages.parameters(), &param_grads, lr);
         self.step += 1;
         self.shared_step.store(self.step, Ordering::Relaxed);
     }
@@ -324,6 +382,7 @@ impl SessionHandle {
                         let message = crate::error::panic_message(panic.as_ref());
                         tracing::error!(panic = %message, "a training call panicked");
                         session.pending = None;
+                        session.unclipped = None;
                         if let Some(reply) = reply.take() {
                             let _ = reply.send(Err(RequestError::Panicked(format!("a training call panicked: {message}"))));
                         }

@@ -191,6 +191,7 @@ async fn answer_calls(
         }
         let (replies, mut held) = match frame.kind {
             Some(train_frame::Kind::Save(save)) => (vec![save_reply(session, save).await], Reservation::none()),
+            Some(train_frame::Kind::Clip(clip)) => (vec![clip_reply(session, clip).await], Reservation::none()),
             Some(train_frame::Kind::Payload(p)) => {
                 let handled = stream.call(&p, ctx, session, out).await;
                 // A payload part-way in must be complete by its deadline.
@@ -226,7 +227,20 @@ fn refused(frames: &mut FrameAssembler<(Phase, Reservation, tracing::Span)>, fra
             Some(error_reply(id, e))
         }
         Some(train_frame::Kind::Save(save)) => Some(error_reply(save.request_id, e)),
+        Some(train_frame::Kind::Clip(clip)) => Some(error_reply(clip.request_id, e)),
         Some(train_frame::Kind::Open(_)) | None => Some(error_reply(0, e)),
+    }
+}
+
+/// A `ClipStep` call, answered: the session thread scales the waiting step's gradients
+/// and takes it.
+async fn clip_reply(session: &SessionHandle, clip: pb::ClipStep) -> TrainReply {
+    match session.call(clip.request_id, Call::Clip { coefficient: clip.coefficient }).await {
+        Ok((Answer::Stepped { step }, _)) => {
+            TrainReply { request_id: clip.request_id, last: true, stepped: Some(pb::StepTaken { step }), ..Default::default() }
+        }
+        Ok(_) => error_reply(clip.request_id, &Internal::WrongAnswer("ClipStep").into()),
+        Err(e) => error_reply(clip.request_id, &e),
     }
 }
 
@@ -388,10 +402,10 @@ impl CallStream {
             Err(e) => return vec![error_reply(id, &e)],
         };
         let spec = |split, direction| ResultSpec { request_id: id, split, codec, key_id, direction, keeps_tensors: true };
-        let (loss, boundary, spec) = match answer {
-            Answer::Gradients { loss, grads } => (loss, grads, spec(self.start, Direction::Gradient)),
-            Answer::Output(out) => (None, out, spec(self.end, Direction::Result)),
-            Answer::Saved { .. } => return vec![error_reply(id, &Internal::WrongAnswer("payload").into())],
+        let (loss, norms, boundary, spec) = match answer {
+            Answer::Gradients { loss, grads, norms } => (loss, norms.unwrap_or_default(), grads, spec(self.start, Direction::Gradient)),
+            Answer::Output(out) => (None, Vec::new(), out, spec(self.end, Direction::Result)),
+            Answer::Saved { .. } | Answer::Stepped { .. } => return vec![error_reply(id, &Internal::WrongAnswer("payload").into())],
         };
         let (encoded, encode_time) = match encode_answer(&self.encoder, spec, boundary).instrument(tracing::debug_span!("encode")).await {
             Ok(e) => e,
@@ -405,7 +419,7 @@ impl CallStream {
         };
         let mut replies: Vec<TrainReply> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
         if let Some(last) = replies.last_mut() {
-            (last.loss, last.timings) = (loss, Some(timings));
+            (last.loss, last.grad_norms, last.timings) = (loss, norms, Some(timings));
         }
         replies
     }

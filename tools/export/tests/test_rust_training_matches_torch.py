@@ -107,7 +107,7 @@ def _require_inputs():
         pytest.skip(reason)
 
 
-def _run_host(tmp_path: Path, optimizer_yaml: str, steps: int, threads: int) -> dict[str, torch.Tensor]:
+def _run_host(tmp_path: Path, optimizer_yaml: str, steps: int, threads: int, extra_yaml: str = "") -> dict[str, torch.Tensor]:
     output = tmp_path / "out"
     config = tmp_path / "edge.yaml"
     config.write_text(
@@ -126,7 +126,7 @@ train:
   max_steps: {steps}
   optimizer: {optimizer_yaml}
   loss: cross-entropy
-"""
+{extra_yaml}"""
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     done = subprocess.run([str(HOST), "--config", str(config)], capture_output=True, text=True, timeout=600, env=env)
@@ -136,9 +136,11 @@ train:
     return load_file(str(checkpoint))
 
 
-def _train_reference(make_optimizer, steps: int):
+def _train_reference(make_optimizer, steps: int, make_scheduler=None, clip: float | None = None, norms: list | None = None):
     """Trains the bundle's stage files with torch.optim as the host does; returns the
-    parameters and buffers by name, the optimizer and the initial parameter values."""
+    parameters and buffers by name, the optimizer and the initial parameter values. With
+    `make_scheduler`, it steps once per step; with `clip`, `clip_grad_norm_` runs before
+    each step and each step's total norm is appended to `norms`."""
     manifest = json.loads((BUNDLE / "manifest.json").read_text())
     stages = [torch.jit.load(str(BUNDLE / s["file"]), map_location="cpu") for s in manifest["stages"]]
     params: dict[str, torch.nn.Parameter] = {}
@@ -151,6 +153,7 @@ def _train_reference(make_optimizer, steps: int):
             params[name] = p
     initial = {name: p.detach().clone() for name, p in params.items()}
     optimizer = make_optimizer(list(params.values()))
+    scheduler = make_scheduler(optimizer) if make_scheduler else None
 
     output = manifest["output"]
     assert output["type"] == "ref", output
@@ -172,7 +175,11 @@ def _train_reference(make_optimizer, steps: int):
         loss = F.cross_entropy(out, labels[batch])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(list(params.values()), clip).item())
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
 
     buffers = {name: b for stage in stages for name, b in stage.named_buffers()}
     return params, buffers, optimizer, initial
@@ -241,3 +248,52 @@ def test_rust_monolithic_training_matches_torch_optim(tmp_path, kind):
         f"{kind}: after {STEPS} steps the host differs from torch.optim by up to {diffs[worst]:.3g} "
         f"({worst}); over {TOLERANCE}: {over}"
     )
+
+
+def _warmup_cosine(optimizer):
+    lr = torch.optim.lr_scheduler
+    warmup = lr.LinearLR(optimizer, start_factor=0.1, end_factor=1.0, total_iters=5)
+    cosine = lr.CosineAnnealingLR(optimizer, T_max=15, eta_min=0.001)
+    return lr.SequentialLR(optimizer, [warmup, cosine], milestones=[5])
+
+
+# name: (the host's optimizer, its schedule and clipping, the torch.optim reference, its
+# scheduler, the clipping norm)
+SCHEDULES = {
+    "adam-warmup-cosine-clip": (
+        "{ kind: adam, lr: 0.01 }",
+        "  schedule: { warmup: { steps: 5, start_factor: 0.1 }, decay: { kind: cosine, total_steps: 15, min_lr: 0.001 } }\n"
+        "  clip_grad_norm: 4.5\n",
+        lambda params: torch.optim.Adam(params, lr=0.01, foreach=False),
+        _warmup_cosine,
+        4.5,
+    ),
+    "sgd-step-clip": (
+        "{ kind: sgd, lr: 0.05, momentum: 0.9 }",
+        "  schedule: { decay: { kind: step, step_size: 6, gamma: 0.5 } }\n  clip_grad_norm: 3.5\n",
+        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False),
+        lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=6, gamma=0.5),
+        3.5,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULES))
+def test_rust_schedules_and_clipping_match_torch(tmp_path, case):
+    """A learning-rate schedule and `clip_grad_norm` in the host's monolithic training equal
+    torch.optim.lr_scheduler and torch.nn.utils.clip_grad_norm_ on the same steps."""
+    _require_inputs()
+    optimizer_yaml, extra_yaml, make_optimizer, make_scheduler, clip = SCHEDULES[case]
+    rust = _run_host(tmp_path, optimizer_yaml, STEPS, torch.get_num_threads(), extra_yaml)
+    norms: list[float] = []
+    params, _, _, initial = _train_reference(make_optimizer, STEPS, make_scheduler, clip, norms)
+    # Clipping did something, and not everything: some steps over the norm, some under.
+    clipped = sum(n > clip for n in norms)
+    assert 0 < clipped < STEPS, f"{case}: {clipped} of {STEPS} steps clipped (norms {norms})"
+    rust_params = {k[len("param."):]: v for k, v in rust.items() if k.startswith("param.")}
+    moved = max((params[n].detach() - initial[n]).abs().max().item() for n in params)
+    assert moved > 1000 * TOLERANCE, f"{case}: torch barely moved the parameters ({moved})"
+    diffs = _max_diffs(params, rust_params)
+    worst = max(diffs, key=diffs.get)
+    print(f"{case}: {clipped} of {STEPS} steps clipped; max abs difference {diffs[worst]:.3g} ({worst})")
+    assert diffs[worst] <= TOLERANCE, f"{case}: the host differs from torch by {diffs[worst]:.3g} ({worst})"
