@@ -3,9 +3,10 @@
 //! (the server's `Info`, optimizers, the frames every stream carries).
 
 use crate::config::Limits;
+use crate::training::microbatch::Microbatch;
 use crate::training::optim::OptimizerConfig;
 use crate::training::schedule::{Decay, Schedule, Warmup};
-use crate::training::{OptimizerError, ScheduleError};
+use crate::training::{OptimizerError, ScheduleError, TrainError};
 use crate::wire::{CodecPolicy, FramePart, PayloadFrame, Precision};
 
 /// The generated gRPC types and service (from `proto/cleave/v1/cleave.proto`). Only the RPC
@@ -340,6 +341,20 @@ impl TryFrom<&pb::Schedule> for Schedule {
         let warmup = (s.warmup_steps > 0).then_some(Warmup { steps: s.warmup_steps, start_factor: s.warmup_start_factor });
         let schedule = Schedule { warmup, decay };
         schedule.validate().map(|()| schedule)
+    }
+}
+
+impl pb::TrainPayloadFrame {
+    /// The micro-batch a `PHASE_FORWARD` call's first frame says it is, checked.
+    pub fn microbatch(&self) -> Result<Microbatch, TrainError> {
+        let count = self.microbatches.max(1);
+        let weight = if self.loss_weight == 0.0 { 1.0 } else { self.loss_weight };
+        Microbatch::new(self.microbatch, count, weight)
+    }
+
+    /// Says on a call's first frame which micro-batch it is.
+    pub fn set_microbatch(&mut self, microbatch: Microbatch) {
+        (self.microbatch, self.microbatches, self.loss_weight) = (microbatch.index, microbatch.count, microbatch.weight);
     }
 }
 

@@ -244,6 +244,8 @@ struct RawTrain {
     schedule: Schedule,
     #[serde(default)]
     clip_grad_norm: Option<f64>,
+    #[serde(default = "one_microbatch")]
+    microbatches: u32,
     loss: String,
     #[serde(default)]
     resume: Option<String>,
@@ -329,6 +331,9 @@ pub struct TrainConfig {
     pub schedule: Schedule,
     /// Clips the gradients of the whole model (both sides') to this global L2 norm.
     pub clip_grad_norm: Option<f64>,
+    /// Micro-batches per step (`torch.chunk` of the batch): their gradients are summed and
+    /// both sides step once.
+    pub microbatches: u32,
     /// The loss.
     pub loss: LossKind,
     /// Resume from this checkpoint (a name under `<output>/checkpoints`).
@@ -341,6 +346,9 @@ pub struct TrainConfig {
 }
 
 fn one() -> i64 {
+    1
+}
+fn one_microbatch() -> u32 {
     1
 }
 fn two() -> usize {
@@ -586,6 +594,9 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
     raw.optimizer.validate().map_err(|e| invalid("optimizer", e.to_string()))?;
     raw.schedule.validate().map_err(|e| invalid("schedule", e.to_string()))?;
     let clip_grad_norm = raw.clip_grad_norm.map(check_clip_norm).transpose().map_err(|e| invalid("clip_grad_norm", e.to_string()))?;
+    if raw.microbatches == 0 {
+        return Err(invalid("microbatches", "must be at least 1".into()));
+    }
     if raw.max_steps == Some(0) {
         return Err(invalid("max_steps", "must be at least 1".into()));
     }
@@ -602,6 +613,7 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
         optimizer: raw.optimizer,
         schedule: raw.schedule,
         clip_grad_norm,
+        microbatches: raw.microbatches,
         loss: raw.loss.parse().map_err(|e| invalid("loss", e))?,
         resume: raw.resume,
         max_steps: raw.max_steps,

@@ -258,6 +258,7 @@ fn config_errors_name_the_file_and_the_key() {
         ("epochs.yaml", format!("{no_input}{}", train.replace("epochs: 2", "epochs: 0")), "`train.epochs`"),
         ("clip.yaml", format!("{no_input}{train}  clip_grad_norm: 0\n"), "`train.clip_grad_norm`: clip_grad_norm must be a finite number above 0"),
         ("warmup.yaml", format!("{no_input}{train}  schedule: {{warmup: {{steps: 0}}}}\n"), "`train.schedule`: warmup.steps must be at least 1"),
+        ("micro.yaml", format!("{no_input}{train}  microbatches: 0\n"), "`train.microbatches`: must be at least 1"),
         ("decay.yaml", format!("{no_input}{train}  schedule: {{decay: {{kind: linear}}}}\n"), "unknown variant `linear`"),
     ];
     for (name, text, expected) in cases {

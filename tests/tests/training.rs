@@ -48,6 +48,8 @@ struct Run<'a> {
     output_mode: OutputMode,
     /// More lines of `train:` (a schedule, clipping).
     extra: &'a str,
+    /// Micro-batches per step.
+    microbatches: u64,
 }
 
 impl<'a> Run<'a> {
@@ -71,6 +73,7 @@ impl<'a> Run<'a> {
             server: None,
             output_mode: OutputMode::Fresh,
             extra: "",
+            microbatches: 1,
         }
     }
 
@@ -93,7 +96,7 @@ impl<'a> Run<'a> {
         let yaml = format!(
             "server: {server}\nbundle: {bundle}\nsplit: {split}\ndevice: cpu\noutput: {out}\ncodec: \"{codec}\"\nloopback: {{ device: cpu }}\n\
              train:\n  mode: {mode}\n{tail}  data: {{ train: {train}, test: {test}, targets: label }}\n  epochs: 5\n  batch_size: 16\n  \
-             eval_batch_size: 16\n  shuffle_seed: 3\n  seed: 11\n  max_steps: {steps}\n  optimizer: {opt}\n  loss: cross-entropy\n{write_bundle}{resume}{extra}",
+             eval_batch_size: 16\n  shuffle_seed: 3\n  seed: 11\n  max_steps: {steps}\n  optimizer: {opt}\n  loss: cross-entropy\n{write_bundle}{resume}{extra}  microbatches: {microbatches}\n",
             server = self.server.as_deref().unwrap_or("http://127.0.0.1:1"),
             bundle = bundle_dir(self.bundle).display(),
             split = self.split,
@@ -105,6 +108,7 @@ impl<'a> Run<'a> {
             opt = self.optimizer,
             codec = self.codec,
             extra = self.extra,
+            microbatches = self.microbatches,
         );
         std::fs::create_dir_all(out).unwrap();
         let path = out.join("edge.yaml");
@@ -209,7 +213,13 @@ fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64
 /// Split (or U-shaped) training equals monolithic training, and both moved the weights.
 fn equals_monolithic(split_run: Run, label: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let mono = Run { mode: "monolithic", tail: None, extra: split_run.extra, ..Run::new(split_run.bundle, "monolithic", 0, split_run.optimizer) };
+    let mono = Run {
+        mode: "monolithic",
+        tail: None,
+        extra: split_run.extra,
+        microbatches: split_run.microbatches,
+        ..Run::new(split_run.bundle, "monolithic", 0, split_run.optimizer)
+    };
     let mono_summary = mono.train(&tmp.path().join("mono"));
     let split_summary = split_run.train(&tmp.path().join("split"));
     assert_eq!((mono_summary.total_steps, split_summary.total_steps), (STEPS, STEPS), "{label}");
@@ -223,7 +233,8 @@ fn equals_monolithic(split_run: Run, label: &str) {
     let moved = max_abs_diff(&params(&mono_state), &params(&initial_state(split_run.bundle)));
     assert!(moved > 1e-3, "{label}: training moved the weights by only {moved:e}");
     for (name, batches) in mono_state.iter().filter(|(k, _)| k.ends_with("num_batches_tracked")) {
-        assert_eq!(batches.int64_value(&[]), STEPS as i64, "{label}: {name}");
+        // Batch norm counts each micro-batch.
+        assert_eq!(batches.int64_value(&[]), (STEPS * split_run.microbatches) as i64, "{label}: {name}");
     }
     // The same model evaluates alike on the held-out data.
     let (a, b) = (mono_summary.epochs.last().unwrap(), split_summary.epochs.last().unwrap());
@@ -309,6 +320,16 @@ fn a_schedule_and_clipping_across_the_split_equal_monolithic() {
         let diff = max_abs_diff(a, b);
         assert!(diff > 1e-3, "{what} changed the weights by only {diff:e}");
     }
+}
+
+#[test]
+fn micro_batches_across_the_split_equal_monolithic_gradient_accumulation() {
+    // 16 samples a step in micro-batches of 6, 6 and 4 (torch.chunk), clipped by the norm of
+    // the summed gradients; the U-shaped model has batch norm and dropout in both parts.
+    let run = Run { extra: "  clip_grad_norm: 3.5\n", microbatches: 3, ..Run::new("digits", "split", 4, ADAM) };
+    equals_monolithic(run, "digits split at 4, Adam, 3 micro-batches, clipped");
+    let u_shaped = Run { microbatches: 4, ..Run::new("bn_dropout", "split", 2, SGD).u_shaped(8) };
+    equals_monolithic(u_shaped, "bn_dropout u-shaped 2..8, SGD momentum, 4 micro-batches");
 }
 
 #[test]
@@ -515,9 +536,20 @@ async fn call(
     meta: (u32, Direction),
     boundary: &cleave_common::Boundary,
 ) -> Vec<pb::TrainReply> {
+    call_with(stream, id, (phase, meta), boundary, |_| ()).await
+}
+
+/// [`call`] with its frame passed through `edit` before it is sent.
+async fn call_with(
+    stream: &mut TrainStream,
+    id: u64,
+    (phase, meta): (pb::Phase, (u32, Direction)),
+    boundary: &cleave_common::Boundary,
+    edit: impl FnOnce(&mut pb::TrainPayloadFrame),
+) -> Vec<pb::TrainReply> {
     let meta = PayloadMeta { request_id: id, split: meta.0, direction: meta.1 };
     let encoded = PayloadSender::plain().encode(meta, &Codec::RAW, boundary).unwrap();
-    let frame = pb::TrainPayloadFrame {
+    let mut frame = pb::TrainPayloadFrame {
         request_id: id,
         phase: phase as i32,
         header: encoded.envelope,
@@ -525,6 +557,7 @@ async fn call(
         last: true,
         ..Default::default()
     };
+    edit(&mut frame);
     stream.0.send(TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await.unwrap();
     let mut replies = Vec::new();
     loop {
@@ -578,7 +611,7 @@ fn a_misused_call_gets_its_error_and_the_session_goes_on() {
 }
 
 #[test]
-fn a_clipping_session_steps_only_on_the_host_s_coefficient() {
+fn a_clipping_session_steps_only_on_the_host_s_coefficient_after_its_last_micro_batch() {
     use cleave_common::{Boundary, Value};
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let step_input = Boundary {
@@ -622,7 +655,30 @@ fn a_clipping_session_steps_only_on_the_host_s_coefficient() {
         stream.0.send(clip(7, 0.5)).await.unwrap();
         let reply = stream.1.next().await.unwrap().unwrap();
         assert_eq!(reply.stepped, Some(pb::StepTaken { step: 1 }), "{reply:?}");
-        let replies = call(&mut stream, 8, pb::Phase::Forward, forward, &step_input).await;
+
+        // Micro-batches come in order, each within its count and weighed in (0, 1]; the
+        // step's norms come with its last, and only then does it wait for the coefficient.
+        let part = |index: u32, count: u32, weight: f64| {
+            move |f: &mut pb::TrainPayloadFrame| (f.microbatch, f.microbatches, f.loss_weight) = (index, count, weight)
+        };
+        for (id, (index, count, weight), expected) in [
+            (8, (1, 2, 0.5), "micro-batch 1 of 2 arrived where micro-batch 0 of 2 was due"),
+            (9, (2, 2, 0.5), "micro-batch 2 of 2: the index must be below the count"),
+            (10, (0, 2, 1.5), "loss weight must be in (0, 1]"),
+        ] {
+            let replies = call_with(&mut stream, id, (pb::Phase::Forward, forward), &step_input, part(index, count, weight)).await;
+            assert!(error_of(replies.last().unwrap()).1.contains(expected), "{expected}: {replies:?}");
+        }
+        let replies = call_with(&mut stream, 11, (pb::Phase::Forward, forward), &step_input, part(0, 2, 0.5)).await;
+        assert!(replies.last().unwrap().error.is_none() && replies.last().unwrap().grad_norms.is_empty(), "{replies:?}");
+        let replies = call_with(&mut stream, 12, (pb::Phase::Forward, forward), &step_input, part(0, 3, 0.5)).await;
+        assert!(error_of(replies.last().unwrap()).1.contains("micro-batch 0 of 3 arrived where micro-batch 1 of 2 was due"), "{replies:?}");
+        let replies = call_with(&mut stream, 13, (pb::Phase::Forward, forward), &step_input, part(1, 2, 0.5)).await;
+        assert_eq!(replies.last().unwrap().grad_norms.len(), parameters, "{replies:?}");
+        stream.0.send(clip(14, 1.0)).await.unwrap();
+        let reply = stream.1.next().await.unwrap().unwrap();
+        assert_eq!(reply.stepped, Some(pb::StepTaken { step: 2 }), "{reply:?}");
+        let replies = call(&mut stream, 15, pb::Phase::Forward, forward, &step_input).await;
         assert!(replies.last().unwrap().error.is_none(), "the next step goes on: {:?}", replies.last());
     });
 }
@@ -1137,8 +1193,15 @@ async fn flaky_relay(server_url: &str, cut_after: usize) -> (String, std::sync::
 
 #[test]
 fn a_split_run_whose_connection_is_cut_continues_its_session_and_trains_exactly_as_an_uncut_run() {
+    cut_run_trains_as_uncut(|| Run::new("digits", "split", 7, SGD));
+    // With micro-batches and clipping a step is several calls, each resent or answered from
+    // memory on its own.
+    cut_run_trains_as_uncut(|| Run { extra: "  clip_grad_norm: 3.5\n", microbatches: 2, ..Run::new("digits", "split", 7, SGD) });
+}
+
+fn cut_run_trains_as_uncut(run: impl Fn() -> Run<'static>) {
     let tmp = tempfile::tempdir().unwrap();
-    let uncut = Run::new("digits", "split", 7, SGD);
+    let uncut = run();
     assert_eq!(uncut.train(&tmp.path().join("uncut")).total_steps, STEPS);
     let out = tmp.path().join("cut");
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
@@ -1152,7 +1215,7 @@ fn a_split_run_whose_connection_is_cut_continues_its_session_and_trains_exactly_
         let (relay, connections) = flaky_relay(&server.url, 200_000).await;
         (server, relay, connections)
     });
-    let cut = Run { server: Some(relay), ..Run::new("digits", "split", 7, SGD) };
+    let cut = Run { server: Some(relay), ..run() };
     assert_eq!(cut.train(&out).total_steps, STEPS);
     let reconnected = connections.load(std::sync::atomic::Ordering::SeqCst);
     assert!(reconnected >= 2, "the host connected again after the cut ({reconnected} connections)");

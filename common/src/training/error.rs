@@ -98,6 +98,26 @@ pub enum StepError {
     /// A gradient norm with no step waiting for it.
     #[error("a gradient norm arrived with no step waiting to be clipped (a step's gradient answer comes first)")]
     NothingToClip,
+    /// A micro-batch index at or past its step's count.
+    #[error("micro-batch {index} of {count}: the index must be below the count")]
+    MicrobatchOutOfRange {
+        /// Its index.
+        index: u32,
+        /// The step's count.
+        count: u32,
+    },
+    /// A micro-batch out of its step's order.
+    #[error("micro-batch {got} of {count} arrived where micro-batch {expected} of {expected_count} was due (each step sends 0, 1, ... in order)")]
+    MicrobatchOrder {
+        /// The index due.
+        expected: u32,
+        /// The count of the step under way (that of the call when none is).
+        expected_count: u32,
+        /// The index that came.
+        got: u32,
+        /// Its count.
+        count: u32,
+    },
     /// A gradient with no forward waiting for it.
     #[error("a gradient arrived without a pending forward (PHASE_FORWARD comes first)")]
     NoPendingForward,

@@ -5,6 +5,8 @@
 //!   gradients that come back later (the prefix is never recomputed).
 //! - [`optim`]: SGD (momentum, dampening, Nesterov, weight decay), Adam and AdamW, written
 //!   after PyTorch's single-tensor implementations, with their state exposed for checkpoints.
+//! - [`microbatch`]: a step's batch in micro-batches, their gradients summed (gradient
+//!   accumulation), each with dropout masks of its own.
 //! - [`schedule`]: the learning rate step by step (warm-up, step and cosine decay) and global
 //!   gradient-norm clipping across the split, each side computing the same number.
 //! - [`loss`]: cross-entropy and mean squared error, as `torch.nn.functional` computes them.
@@ -20,6 +22,7 @@
 pub mod checkpoint;
 mod error;
 pub mod loss;
+pub mod microbatch;
 pub mod optim;
 pub mod schedule;
 mod seeding;

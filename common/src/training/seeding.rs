@@ -13,6 +13,12 @@ pub fn stage_seed(seed: u64, step: u64, stage: usize) -> i64 {
     ((z ^ (z >> 31)) >> 1) as i64
 }
 
+/// The session seed of micro-batch `index` of a step: the session's own for the first, so
+/// a step of one batch draws the masks it always drew.
+pub(crate) fn microbatch_seed(seed: u64, index: u32) -> u64 {
+    seed ^ u64::from(index).wrapping_mul(0xA24B_AED4_963E_E407)
+}
+
 /// libtorch's default generator is process-wide: a training stage holds this lock from
 /// seeding it to the end of its forward pass, so that two parts training in one process
 /// (`--loopback`) cannot interleave their draws.

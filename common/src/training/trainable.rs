@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use tch::{IValue, Tensor};
 
 use super::error::{StateError, TrainError};
+use super::microbatch::Microbatch;
 use super::seeding::{seeded_generator, stage_seed};
 use crate::bundle::Bundle;
 use crate::device::DeviceSpec;
@@ -110,10 +111,10 @@ impl TrainableStages {
     /// A training-mode forward pass of step `step` from the boundary at the first cut of the
     /// loaded range: gradients are recorded (the returned boundary's tensors carry the graph),
     /// batch norm uses batch statistics and updates its running ones, dropout draws masks
-    /// seeded by (session seed, step, stage).
-    pub fn forward(&mut self, step: u64, input: &Boundary) -> Result<Boundary, TrainError> {
+    /// seeded by (session seed, step, stage), the session seed that of the micro-batch.
+    pub fn forward(&mut self, step: u64, microbatch: Microbatch, input: &Boundary) -> Result<Boundary, TrainError> {
         self.set_training(true);
-        let seed = self.seed;
+        let seed = microbatch.seed(self.seed);
         let range = self.stages.range();
         Ok(self.stages.run_chain(range, input, |stage| seeded_generator(stage_seed(seed, step, stage)))?)
     }

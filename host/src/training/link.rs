@@ -11,6 +11,7 @@
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
 use cleave_common::protocol::SESSION_NOT_WAITING;
+use cleave_common::training::microbatch::Microbatch;
 use cleave_common::wire::{payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::runtime::Handle;
@@ -150,20 +151,21 @@ impl TrainLink {
         Ok((link, opened))
     }
 
-    /// A training step's boundary at `start` (with the targets when the server has the loss).
-    pub(crate) fn forward(&mut self, boundary: &Boundary) -> Result<Answer> {
+    /// A training step's boundary at `start` (with the targets when the server has the
+    /// loss), of the whole batch or one of its micro-batches.
+    pub(crate) fn forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<Answer> {
         let expect = if self.server_has_loss { (Direction::Gradient, self.start) } else { (Direction::Result, self.end) };
-        self.call(Phase::Forward, Direction::Request, self.start, boundary, expect)
+        self.call(Phase::Forward, microbatch, (Direction::Request, self.start), boundary, expect)
     }
 
     /// U-shaped: the gradient at `end` of the step just sent; answers the gradient at `start`.
     pub(crate) fn backward(&mut self, grads: &Boundary) -> Result<Answer> {
-        self.call(Phase::Backward, Direction::Gradient, self.end, grads, (Direction::Gradient, self.start))
+        self.call(Phase::Backward, Microbatch::WHOLE, (Direction::Gradient, self.end), grads, (Direction::Gradient, self.start))
     }
 
     /// An evaluation batch at `start`; answers the boundary at `end` (eval mode).
     pub(crate) fn evaluate(&mut self, boundary: &Boundary) -> Result<Answer> {
-        self.call(Phase::Evaluate, Direction::Request, self.start, boundary, (Direction::Result, self.end))
+        self.call(Phase::Evaluate, Microbatch::WHOLE, (Direction::Request, self.start), boundary, (Direction::Result, self.end))
     }
 
     /// Asks the server to write its checkpoint `name`; returns the step it holds.
@@ -269,13 +271,21 @@ impl TrainLink {
         id
     }
 
-    fn call(&mut self, phase: Phase, direction: Direction, split: u32, boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
+    fn call(&mut self, phase: Phase, microbatch: Microbatch, to: (Direction, u32), boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
         let id = self.take_id();
-        self.reattaching(|link| link.try_call(id, phase, (direction, split), boundary, expect))
+        self.reattaching(|link| link.try_call(id, (phase, microbatch), to, boundary, expect))
     }
 
     /// One attempt of call `id`: `to` is the direction and cut of what is sent.
-    fn try_call(&mut self, id: u64, phase: Phase, to: (Direction, u32), boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
+    fn try_call(
+        &mut self,
+        id: u64,
+        head: (Phase, Microbatch),
+        to: (Direction, u32),
+        boundary: &Boundary,
+        expect: (Direction, u32),
+    ) -> Result<Answer> {
+        let (phase, microbatch) = head;
         let (direction, split) = to;
         let call = tracing::debug_span!("train_call", phase = ?phase, request_id = id).entered();
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
@@ -283,6 +293,9 @@ impl TrainLink {
         let mut payload: Vec<pb::TrainPayloadFrame> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
         if let Some(first) = payload.first_mut() {
             first.phase = phase as i32;
+            if phase == Phase::Forward {
+                first.set_microbatch(microbatch);
+            }
             first.traceparent = cleave_common::telemetry::traceparent(&call).unwrap_or_default();
         }
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };

@@ -28,6 +28,7 @@ use cleave_common::pb;
 use cleave_common::stats::median;
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
 use cleave_common::training::loss::{correct, LossKind};
+use cleave_common::training::microbatch::{accumulate, Microbatch};
 use cleave_common::training::optim::Optimizer;
 use cleave_common::training::schedule::{clip_coefficient, scale, tensor_norms};
 use cleave_common::training::step::{backward, backward_from_boundary, output_tensor, step_loss, Grads};
@@ -403,6 +404,17 @@ struct Outcome {
     last_checkpoint: PathBuf,
 }
 
+/// What one micro-batch's passes leave on the edge.
+struct MicrobatchPass {
+    /// Its weighed loss.
+    loss: f64,
+    /// The gradients of the prefix's and the tail's parameters.
+    prefix: Grads,
+    tail: Grads,
+    /// With clipping, after a step's last micro-batch: the norms of the server's gradients.
+    server_norms: Vec<f32>,
+}
+
 /// The edge's side of a run, on a blocking thread.
 struct Trainer {
     bundle: Bundle,
@@ -446,10 +458,11 @@ impl Trainer {
                     stopped = true;
                     break;
                 }
-                let (inputs, targets) = train_set.batch(rows);
+                // As torch.chunk cuts a batch: micro-batches of ceil(rows / M) rows.
+                let microbatches = rows.chunks(rows.len().div_ceil(self.train.microbatches as usize)).map(|part| train_set.batch(part)).collect();
                 let t0 = Instant::now();
                 let step = tracing::debug_span!("train_step", step = self.step + 1, epoch = epoch + 1).entered();
-                let loss = self.step(inputs, targets).map_err(|e| e.during(format!("training step {}", self.step + 1)))?;
+                let loss = self.step(microbatches, rows.len()).map_err(|e| e.during(format!("training step {}", self.step + 1)))?;
                 drop(step);
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 step_ms.push(ms);
@@ -494,60 +507,72 @@ impl Trainer {
         Ok(Outcome { epochs, step_ms, steps: steps_log, step: self.step, last_checkpoint })
     }
 
-    /// One optimizer step on both sides; returns the loss.
-    fn step(&mut self, inputs: Boundary, targets: Tensor) -> Result<f64> {
-        let step = self.step;
-        let at_split = match &mut self.prefix {
-            Some(prefix) => prefix.forward(step, &inputs)?,
-            None => inputs,
-        };
-        let prefix_outputs = float_leaves(&at_split);
-        // U-shaped: the tail's parameters and gradients; with clipping, the server's norms.
-        let (mut tail_params, mut tail_grads, mut server_norms) = (Vec::new(), Grads::new(), Vec::new());
-        let (loss, prefix_grads) = match self.link.as_mut() {
-            None => {
-                // Monolithic: the prefix is the whole model.
-                let loss = step_loss(&self.bundle, self.train.loss, at_split, &targets)?;
-                let prefix = self.prefix.as_ref().expect("a monolithic run holds every stage");
-                (loss.double_value(&[]), backward(Some(&loss), prefix.parameters(), &[])?.parameters)
-            }
-            Some(link) if self.tail_cut == self.bundle.stage_count() => {
-                let mut payload = at_split.detached();
-                payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
-                let answer = link.forward(&payload)?;
-                let loss = answer.loss.ok_or(Breach::NoLoss)?;
-                server_norms = answer.norms;
-                (loss, self.backward_prefix(&prefix_outputs, &answer.boundary)?)
-            }
-            Some(link) => {
-                // U-shaped: the middle's output comes back, the tail and the loss run here.
-                let middle = link.forward(&at_split.detached())?.boundary;
-                let leaves = track_gradients(&middle);
-                let output = match &mut self.tail {
-                    Some(tail) => tail.forward(step, &middle)?,
-                    None => middle,
-                };
-                let loss = step_loss(&self.bundle, self.train.loss, output, &targets)?;
-                tail_params = self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
-                let tail = backward(Some(&loss), &tail_params, &leaves)?;
-                tail_grads = tail.parameters;
-                let back = self.link.as_mut().expect("linked").backward(&tail.boundary)?;
-                server_norms = back.norms;
-                (loss.double_value(&[]), self.backward_prefix(&prefix_outputs, &back.boundary)?)
-            }
-        };
+    /// One optimizer step on both sides over a batch given as its micro-batches (one: the
+    /// whole batch); returns the batch's loss.
+    fn step(&mut self, microbatches: Vec<(Boundary, Tensor)>, rows: usize) -> Result<f64> {
+        let count = microbatches.len() as u32;
+        let (mut loss, mut prefix_grads, mut tail_grads, mut server_norms) = (0.0, None, None, Vec::new());
+        for (index, (inputs, targets)) in (0..).zip(microbatches) {
+            let weight = targets.size()[0] as f64 / rows as f64;
+            let pass = self.microbatch(inputs, targets, Microbatch::new(index, count, weight)?)?;
+            loss += pass.loss;
+            accumulate(&mut prefix_grads, pass.prefix);
+            accumulate(&mut tail_grads, pass.tail);
+            // The server's norms are those of its summed gradients, with the last answer.
+            server_norms = pass.server_norms;
+        }
+        let (prefix_grads, tail_grads) = (prefix_grads.unwrap_or_default(), tail_grads.unwrap_or_default());
         if let Some(max_norm) = self.train.clip_grad_norm {
             // Every gradient's norm in the model's order: the prefix, the server's, the tail.
             let norms = [tensor_norms(&prefix_grads), server_norms, tensor_norms(&tail_grads)].concat();
             self.clip(max_norm, &norms, [&prefix_grads, &tail_grads])?;
         }
         let mut params = self.prefix.as_ref().map(|p| named(p.parameters())).unwrap_or_default();
-        params.extend(tail_params);
+        params.extend(self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default());
         let grads: Grads = prefix_grads.into_iter().chain(tail_grads).collect();
-        let lr = self.train.schedule.lr(self.train.optimizer.lr(), step);
+        let lr = self.train.schedule.lr(self.train.optimizer.lr(), self.step);
         self.optimizer.step(&params, &grads, lr);
         self.step += 1;
         Ok(loss)
+    }
+
+    /// The forward and backward passes of one micro-batch on both sides: its weighed loss
+    /// and this side's parameter gradients (the server sums its own).
+    fn microbatch(&mut self, inputs: Boundary, targets: Tensor, microbatch: Microbatch) -> Result<MicrobatchPass> {
+        let step = self.step;
+        let at_split = match &mut self.prefix {
+            Some(prefix) => prefix.forward(step, microbatch, &inputs)?,
+            None => inputs,
+        };
+        let prefix_outputs = float_leaves(&at_split);
+        let Some(link) = self.link.as_mut() else {
+            // Monolithic: the prefix is the whole model.
+            let loss = microbatch.weigh(&step_loss(&self.bundle, self.train.loss, at_split, &targets)?);
+            let prefix = self.prefix.as_ref().expect("a monolithic run holds every stage");
+            let prefix_grads = backward(Some(&loss), prefix.parameters(), &[])?.parameters;
+            return Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix: prefix_grads, tail: Grads::new(), server_norms: Vec::new() });
+        };
+        if self.tail_cut == self.bundle.stage_count() {
+            let mut payload = at_split.detached();
+            payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
+            let answer = link.forward(&payload, microbatch)?;
+            let loss = answer.loss.ok_or(Breach::NoLoss)?;
+            let prefix = self.backward_prefix(&prefix_outputs, &answer.boundary)?;
+            return Ok(MicrobatchPass { loss, prefix, tail: Grads::new(), server_norms: answer.norms });
+        }
+        // U-shaped: the middle's output comes back, the tail and the loss run here.
+        let middle = link.forward(&at_split.detached(), microbatch)?.boundary;
+        let leaves = track_gradients(&middle);
+        let output = match &mut self.tail {
+            Some(tail) => tail.forward(step, microbatch, &middle)?,
+            None => middle,
+        };
+        let loss = microbatch.weigh(&step_loss(&self.bundle, self.train.loss, output, &targets)?);
+        let tail_params = self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
+        let tail = backward(Some(&loss), &tail_params, &leaves)?;
+        let back = self.link.as_mut().expect("linked").backward(&tail.boundary)?;
+        let prefix = self.backward_prefix(&prefix_outputs, &back.boundary)?;
+        Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix, tail: tail.parameters, server_norms: back.norms })
     }
 
     /// Clips the step's gradients as `clip_grad_norm_` would clip the whole model's, from

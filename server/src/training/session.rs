@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
 use cleave_common::training::loss::LossKind;
+use cleave_common::training::microbatch::{accumulate, Microbatch};
 use cleave_common::training::optim::{Optimizer, OptimizerConfig};
 use cleave_common::training::schedule::{check_coefficient, scale, tensor_norms, Schedule};
 use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads, PartGradients};
@@ -51,8 +52,9 @@ pub(crate) fn no_checkpoint_dir() -> RequestError {
 
 /// A call for the session thread.
 pub(crate) enum Call {
-    /// A step's boundary (and targets when the server holds the loss).
-    Forward { input: Boundary, targets: Option<Tensor> },
+    /// A step's boundary (and targets when the server holds the loss): the whole batch, or
+    /// one of its micro-batches.
+    Forward { input: Boundary, targets: Option<Tensor>, microbatch: Microbatch },
     /// U-shaped: the gradient at `end` of the pending step.
     Backward { grads: Boundary },
     /// An evaluation batch.
@@ -108,6 +110,8 @@ pub(crate) struct Opened {
 
 /// U-shaped: a step whose backward has not come yet.
 struct PendingStep {
+    /// Which of its step's micro-batches it is.
+    microbatch: Microbatch,
     /// The received boundary's floating-point leaves (their gradients go back).
     inputs: Vec<(String, Tensor)>,
     /// The floating-point leaves of the boundary sent back (their gradients come in).
@@ -123,6 +127,9 @@ struct Session {
     clips: bool,
     /// With clipping: the answered step's parameter gradients, waiting for the coefficient.
     unclipped: Option<Grads>,
+    /// A step cut into micro-batches: the next one due (of how many) and the sum of the
+    /// earlier ones' parameter gradients.
+    microbatches: Option<(u32, u32, Grads)>,
     loss: Option<LossKind>,
     seed: u64,
     step: u64,
@@ -166,6 +173,7 @@ impl Session {
             schedule: setup.schedule,
             clips: setup.clips,
             unclipped: None,
+            microbatches: None,
             loss: setup.loss,
             seed: setup.seed,
             step,
@@ -208,7 +216,7 @@ impl Session {
     /// optimizer update is taken once the answer is out).
     fn run(&mut self, call: Call) -> Result<(Answer, Option<Grads>), RequestError> {
         Ok(match call {
-            Call::Forward { input, targets } => self.forward(input, targets)?,
+            Call::Forward { input, targets, microbatch } => self.forward(input, targets, microbatch)?,
             Call::Backward { grads } => self.backward(&grads)?,
             Call::Clip { coefficient } => self.clip_step(coefficient)?,
             Call::Evaluate { input } => (Answer::Output(self.stages.evaluate(&input)?.detached()), None),
@@ -238,44 +246,66 @@ impl Session {
     /// A training forward. With the loss here: backward too, returning the gradient answer
     /// (and the parameters' gradients, unless they wait for clipping); U-shaped: keeps the
     /// graph pending and answers with the boundary at `end`.
-    fn forward(&mut self, input: Boundary, targets: Option<Tensor>) -> Result<(Answer, Option<Grads>), TrainError> {
+    fn forward(&mut self, input: Boundary, targets: Option<Tensor>, microbatch: Microbatch) -> Result<(Answer, Option<Grads>), TrainError> {
         if self.pending.take().is_some() {
             return Err(StepError::StillWaiting { step: self.step + 1 }.into());
         }
         if self.unclipped.is_some() {
             return Err(StepError::WaitingForClip { step: self.step + 1 }.into());
         }
+        self.check_order(microbatch)?;
         let leaves = track_gradients(&input);
-        let output = self.stages.forward(self.step, &input)?;
+        let output = self.stages.forward(self.step, microbatch, &input)?;
         let Some(loss_kind) = self.loss else {
             if targets.is_some() {
                 return Err(StepError::TargetsPastTheLoss.into());
             }
-            self.pending = Some(PendingStep { inputs: leaves, outputs: float_leaves(&output) });
+            self.pending = Some(PendingStep { microbatch, inputs: leaves, outputs: float_leaves(&output) });
             return Ok((Answer::Output(output.detached()), None));
         };
         let targets = targets.ok_or(StepError::NoTargets { value: TARGETS_VALUE })?;
-        let loss = step_loss(self.stages.bundle(), loss_kind, output, &targets)?;
+        let loss = microbatch.weigh(&step_loss(self.stages.bundle(), loss_kind, output, &targets)?);
         let grads = backward(Some(&loss), self.stages.parameters(), &leaves)?;
-        Ok(self.gradient_answer(Some(loss.double_value(&[])), grads))
+        Ok(self.gradient_answer(Some(loss.double_value(&[])), grads, microbatch))
     }
 
     /// U-shaped: continues the pending step's backward pass from the gradient at `end`.
     fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Option<Grads>), TrainError> {
-        let PendingStep { inputs: leaves, outputs } = self.pending.take().ok_or(StepError::NoPendingForward)?;
+        let PendingStep { microbatch, inputs: leaves, outputs } = self.pending.take().ok_or(StepError::NoPendingForward)?;
         let grads = backward_from_boundary(&outputs, grads, self.stages.parameters(), &leaves)?;
-        Ok(self.gradient_answer(None, grads))
+        Ok(self.gradient_answer(None, grads, microbatch))
     }
 
-    /// A step's gradient answer. With clipping, the parameters' gradients wait for the
-    /// host's coefficient and the answer carries their norms; without, they are stepped on
-    /// at once.
-    fn gradient_answer(&mut self, loss: Option<f64>, grads: PartGradients) -> (Answer, Option<Grads>) {
-        if !self.clips {
-            return (Answer::Gradients { loss, grads: grads.boundary, norms: None }, Some(grads.parameters));
+    /// Refuses a micro-batch out of its step's order (the step under way is kept).
+    fn check_order(&self, microbatch: Microbatch) -> Result<(), StepError> {
+        let (expected, expected_count) = match &self.microbatches {
+            Some((next, count, _)) => (*next, *count),
+            None => (0, microbatch.count),
+        };
+        if microbatch.index == expected && microbatch.count == expected_count {
+            Ok(())
+        } else {
+            Err(StepError::MicrobatchOrder { expected, expected_count, got: microbatch.index, count: microbatch.count })
         }
-        let norms = tensor_norms(&grads.parameters);
-        self.unclipped = Some(grads.parameters);
+    }
+
+    /// A micro-batch's gradient answer. Before the last of a step, its parameters' gradients
+    /// are added to the step's; with the last they are complete: with clipping they wait
+    /// for the host's coefficient and the answer carries their norms, without they are
+    /// stepped on at once.
+    fn gradient_answer(&mut self, loss: Option<f64>, grads: PartGradients, microbatch: Microbatch) -> (Answer, Option<Grads>) {
+        let mut sum = self.microbatches.take().map(|(_, _, sum)| sum);
+        accumulate(&mut sum, grads.parameters);
+        let sum = sum.unwrap_or_default();
+        if !microbatch.is_last() {
+            self.microbatches = Some((microbatch.index + 1, microbatch.count, sum));
+            return (Answer::Gradients { loss, grads: grads.boundary, norms: None }, None);
+        }
+        if !self.clips {
+            return (Answer::Gradients { loss, grads: grads.boundary, norms: None }, Some(sum));
+        }
+        let norms = tensor_norms(&sum);
+        self.unclipped = Some(sum);
         (Answer::Gradients { loss, grads: grads.boundary, norms: Some(norms) }, None)
     }
 
@@ -383,6 +413,7 @@ impl SessionHandle {
                         tracing::error!(panic = %message, "a training call panicked");
                         session.pending = None;
                         session.unclipped = None;
+                        session.microbatches = None;
                         if let Some(reply) = reply.take() {
                             let _ = reply.send(Err(RequestError::Panicked(format!("a training call panicked: {message}"))));
                         }

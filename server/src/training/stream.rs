@@ -10,6 +10,7 @@ use std::time::Duration;
 use cleave_common::config::Limits;
 use cleave_common::pb::{self, train_frame, Phase, TrainReply};
 use cleave_common::security::ServerSecurity;
+use cleave_common::training::microbatch::Microbatch;
 use cleave_common::training::{take_targets, TARGETS_VALUE};
 use cleave_common::wire::{payload_frames, Direction, FrameAssembler, PayloadReceiver, Reassembly};
 use cleave_common::CutTensors;
@@ -219,7 +220,7 @@ async fn answer_calls(
 /// the budget: the payload it starts or continues is given up (its later frames skipped), or
 /// the call it makes refused; none for a frame of a payload already given up (skipped as
 /// ever).
-fn refused(frames: &mut FrameAssembler<(Phase, Reservation, tracing::Span)>, frame: &pb::TrainFrame, e: &RequestError) -> Option<TrainReply> {
+fn refused(frames: &mut FrameAssembler<(CallHead, Reservation, tracing::Span)>, frame: &pb::TrainFrame, e: &RequestError) -> Option<TrainReply> {
     match &frame.kind {
         Some(train_frame::Kind::Payload(p)) => {
             let id = if frames.starts_payload(p) { p.request_id } else { frames.give_up()? };
@@ -255,6 +256,13 @@ async fn save_reply(session: &SessionHandle, save: pb::SaveCheckpoint) -> TrainR
     }
 }
 
+/// What a call's first frame says of it.
+struct CallHead {
+    phase: Phase,
+    /// A training forward's place in its step.
+    microbatch: Microbatch,
+}
+
 /// What a payload frame comes to.
 enum Handled {
     /// The replies to send, and what they hold in the memory budget until written.
@@ -275,10 +283,9 @@ struct CallStream {
     gradients: Arc<Mutex<PayloadReceiver>>,
     encoder: Arc<Mutex<ResultEncoder>>,
     chunk_bytes: usize,
-    /// The phase a call's first frame names travels with its payload, and its bytes in the
-    /// memory budget.
-    /// Each payload's phase, its bytes in the budget and its call's span.
-    frames: FrameAssembler<(Phase, Reservation, tracing::Span)>,
+    /// What each payload's first frame says of its call, its bytes in the budget and its
+    /// call's span.
+    frames: FrameAssembler<(CallHead, Reservation, tracing::Span)>,
 }
 
 impl CallStream {
@@ -311,7 +318,7 @@ impl CallStream {
         session: &SessionHandle,
         out: &mpsc::Sender<Result<TrainReply, Status>>,
     ) -> Handled {
-        let (assembly, (phase, bytes, span)) = match self.push(frame, &ctx.budget).await {
+        let (assembly, (head, bytes, span)) = match self.push(frame, &ctx.budget).await {
             Ok(Some(complete)) => complete,
             Ok(None) => return Handled::PartWay,
             Err((id, e)) => return Handled::Replies(vec![error_reply(id, &e)], Reservation::none()),
@@ -319,7 +326,7 @@ impl CallStream {
         // A host that leaves (its stream reset, its connection closed) takes its call with
         // it: dropping the call before the session thread has the device means it is never run.
         let replies = tokio::select! {
-            replies = self.answer(assembly, phase, session).instrument(span) => replies,
+            replies = self.answer(assembly, head, session).instrument(span) => replies,
             () = out.closed() => return Handled::HostGone,
         };
         // The call's reservation becomes its answer's, held until written.
@@ -343,7 +350,7 @@ impl CallStream {
         &mut self,
         frame: &pb::TrainPayloadFrame,
         budget: &MemoryBudget,
-    ) -> Result<Option<(Reassembly, (Phase, Reservation, tracing::Span))>, (u64, RequestError)> {
+    ) -> Result<Option<(Reassembly, (CallHead, Reservation, tracing::Span))>, (u64, RequestError)> {
         let started = if self.frames.starts_payload(frame) {
             // Only the receivers cross the await: the stream's frames hold tensors (not `Sync`).
             let receivers = (Arc::clone(&self.requests), Arc::clone(&self.gradients));
@@ -358,7 +365,7 @@ impl CallStream {
         (requests, gradients): (Arc<Mutex<PayloadReceiver>>, Arc<Mutex<PayloadReceiver>>),
         f: &pb::TrainPayloadFrame,
         budget: &MemoryBudget,
-    ) -> Result<(Reassembly, (Phase, Reservation, tracing::Span)), RequestError> {
+    ) -> Result<(Reassembly, (CallHead, Reservation, tracing::Span)), RequestError> {
         let phase = Phase::try_from(f.phase).unwrap_or(Phase::Unspecified);
         let receiver = match phase {
             Phase::Forward | Phase::Evaluate => &requests,
@@ -367,16 +374,17 @@ impl CallStream {
                 return Err(SessionError::NoPhase.into());
             }
         };
+        let microbatch = if phase == Phase::Forward { f.microbatch()? } else { Microbatch::WHOLE };
         let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(f.request_id, &f.header)?;
         let bytes = budget.reserve(assembly.held_bytes()).await?;
         let span = tracing::debug_span!("train_call", phase = ?phase, request_id = f.request_id);
         cleave_common::telemetry::follow(&span, &f.traceparent);
-        Ok((assembly, (phase, bytes, span)))
+        Ok((assembly, (CallHead { phase, microbatch }, bytes, span)))
     }
 
     /// Decodes a complete payload, runs its call and encodes the answer (decoding and
     /// encoding on the blocking pool, the call on the session thread).
-    async fn answer(&mut self, assembly: Reassembly, phase: Phase, session: &SessionHandle) -> Vec<TrainReply> {
+    async fn answer(&mut self, assembly: Reassembly, CallHead { phase, microbatch }: CallHead, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
         let (received, decode_time) = match decode_request(self.receiver(phase), assembly).instrument(tracing::debug_span!("decode")).await {
             Ok(r) => r,
@@ -392,7 +400,7 @@ impl CallStream {
         let call = match phase {
             Phase::Forward => {
                 let targets = take_targets(&mut boundary);
-                Call::Forward { input: boundary, targets }
+                Call::Forward { input: boundary, targets, microbatch }
             }
             Phase::Backward => Call::Backward { grads: boundary },
             _ => Call::Evaluate { input: boundary },

@@ -136,11 +136,20 @@ train:
     return load_file(str(checkpoint))
 
 
-def _train_reference(make_optimizer, steps: int, make_scheduler=None, clip: float | None = None, norms: list | None = None):
+def microbatch_seed(seed: int, index: int) -> int:
+    """`cleave_common::training::seeding::microbatch_seed`: the session seed of micro-batch `index`."""
+    return seed ^ ((index * 0xA24BAED4963EE407) & MASK)
+
+
+def _train_reference(
+    make_optimizer, steps: int, make_scheduler=None, clip: float | None = None, norms: list | None = None, microbatches: int = 1
+):
     """Trains the bundle's stage files with torch.optim as the host does; returns the
     parameters and buffers by name, the optimizer and the initial parameter values. With
     `make_scheduler`, it steps once per step; with `clip`, `clip_grad_norm_` runs before
-    each step and each step's total norm is appended to `norms`."""
+    each step and each step's total norm is appended to `norms`; with `microbatches`, each
+    batch is cut by `torch.chunk` and each part's loss, weighed by its share of the batch,
+    is backpropagated into the same `.grad` before the one step."""
     manifest = json.loads((BUNDLE / "manifest.json").read_text())
     stages = [torch.jit.load(str(BUNDLE / s["file"]), map_location="cpu") for s in manifest["stages"]]
     params: dict[str, torch.nn.Parameter] = {}
@@ -166,15 +175,19 @@ def _train_reference(make_optimizer, steps: int, make_scheduler=None, clip: floa
     assert len(x) >= steps * BATCH, "the training split is too small for the steps asked"
     for t in range(steps):
         batch = slice(t * BATCH, (t + 1) * BATCH)
-        values = (x[batch],)
-        for i, stage in enumerate(stages):
-            torch.manual_seed(stage_seed(SEED, t, i))
-            values = stage(*values)
-            assert isinstance(values, tuple), f"stage {i} returned {type(values)}"
-        out = values[last_cut.index(output["name"])]
-        loss = F.cross_entropy(out, labels[batch])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        parts = zip(torch.chunk(x[batch], microbatches), torch.chunk(labels[batch], microbatches))
+        for k, (part_x, part_labels) in enumerate(parts):
+            values = (part_x,)
+            for i, stage in enumerate(stages):
+                torch.manual_seed(stage_seed(microbatch_seed(SEED, k), t, i))
+                values = stage(*values)
+                assert isinstance(values, tuple), f"stage {i} returned {type(values)}"
+            out = values[last_cut.index(output["name"])]
+            loss = F.cross_entropy(out, part_labels)
+            if microbatches > 1:
+                loss = loss * (len(part_x) / BATCH)
+            loss.backward()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(list(params.values()), clip).item())
         optimizer.step()
@@ -297,3 +310,28 @@ def test_rust_schedules_and_clipping_match_torch(tmp_path, case):
     worst = max(diffs, key=diffs.get)
     print(f"{case}: {clipped} of {STEPS} steps clipped; max abs difference {diffs[worst]:.3g} ({worst})")
     assert diffs[worst] <= TOLERANCE, f"{case}: the host differs from torch by {diffs[worst]:.3g} ({worst})"
+
+
+def test_rust_micro_batches_match_torch_gradient_accumulation(tmp_path):
+    """`train.microbatches: 3` in the host's monolithic training equals PyTorch's gradient
+    accumulation (`torch.chunk`, each part's loss weighed by its share, one step a batch),
+    with clipping by the accumulated gradients' norm; batch norm sees each micro-batch
+    on its own, in both."""
+    _require_inputs()
+    extra = "  microbatches: 3\n  clip_grad_norm: 3.5\n"
+    rust = _run_host(tmp_path, "{ kind: adam, lr: 0.01 }", STEPS, torch.get_num_threads(), extra)
+    norms: list[float] = []
+    make_optimizer = lambda params: torch.optim.Adam(params, lr=0.01, foreach=False)  # noqa: E731
+    params, buffers, _, initial = _train_reference(make_optimizer, STEPS, None, 3.5, norms, microbatches=3)
+    assert 0 < sum(n > 3.5 for n in norms) < STEPS, f"clipping did something, not everything: {norms}"
+    rust_params = {k[len("param."):]: v for k, v in rust.items() if k.startswith("param.")}
+    rust_buffers = {k[len("buffer."):]: v for k, v in rust.items() if k.startswith("buffer.")}
+    for name, b in buffers.items():
+        if name.endswith("num_batches_tracked"):
+            assert b.item() == rust_buffers[name].item() == 3 * STEPS, f"{name}: once per micro-batch"
+    moved = max((params[n].detach() - initial[n]).abs().max().item() for n in params)
+    assert moved > 1000 * TOLERANCE, f"torch barely moved the parameters ({moved})"
+    diffs = {**_max_diffs(params, rust_params), **_max_diffs(buffers, rust_buffers)}
+    worst = max(diffs, key=diffs.get)
+    print(f"microbatches 3: max abs difference {diffs[worst]:.3g} ({worst})")
+    assert diffs[worst] <= TOLERANCE, f"the host differs from torch by {diffs[worst]:.3g} ({worst})"
