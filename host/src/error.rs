@@ -444,6 +444,9 @@ pub enum Breach {
     /// A checkpoint request answered without a checkpoint.
     #[error("the server answered a checkpoint request without saving")]
     NotSaved,
+    /// An answer asked for with no call in flight (a bug of this host, not the server's).
+    #[error("an answer was awaited with no training call in flight")]
+    NothingInFlight,
     /// A gradient-norm call answered without the step being taken.
     #[error("the server answered the clipping coefficient without taking the step")]
     NotStepped,

@@ -1162,6 +1162,41 @@ fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answer
     });
 }
 
+#[test]
+fn pipelined_micro_batches_resent_after_a_break_are_all_answered_from_memory() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let forward = (pb::Phase::Forward, (7, Direction::Request));
+    let part = |index: u32| move |f: &mut pb::TrainPayloadFrame| (f.microbatch, f.microbatches, f.loss_weight) = (index, 2, 0.5);
+    runtime().block_on(async {
+        let options = TrainingOptions { session_idle_timeout: std::time::Duration::from_secs(5), ..TrainingOptions::default() };
+        let server = checkpointing_server(&bundle, dir.path(), options).await;
+        // More calls in flight than the server keeps answers for is refused, naming its key.
+        let (_, refused) = open_session(&server.url, &bundle, pb::OpenSession { pipeline_depth: 9, ..open_digits(7, 12, "cross-entropy") }).await;
+        assert!(error_of(&refused).1.contains("over this server's training.max_pipeline_depth (8)"), "{refused:?}");
+
+        let (path, cut) = relay(&server.url).await;
+        let open = pb::OpenSession { reattachable: true, pipeline_depth: 2, ..open_digits(7, 12, "cross-entropy") };
+        let (mut first, reply) = open_when_free(&path, &bundle, open).await;
+        let first_answers =
+            [call_with(&mut first, 1, forward, &digits_step(1), part(0)).await, call_with(&mut first, 2, forward, &digits_step(2), part(1)).await];
+        // Both answers lost, as far as the host knows: it continues the session and sends both
+        // again; the server ran them, so it answers both from memory and the step is taken once.
+        cut.abort();
+        let (mut second, continued) = reattach(&server.url, &bundle, &reply.session_id, &reply.reattach_token).await;
+        assert_eq!(continued.opened.as_ref().map(|o| o.step), Some(1), "{continued:?}");
+        drop(first);
+        for (id, was) in [(1u64, &first_answers[0]), (2, &first_answers[1])] {
+            let again = call_with(&mut second, id, forward, &digits_step(id), part(id as u32 - 1)).await;
+            let (was, again) = (was.last().unwrap(), again.last().unwrap());
+            assert!(again.error.is_none(), "call {id} resent: {again:?}");
+            assert!(again.loss == was.loss && again.data == was.data, "call {id} is answered as it was, not run again");
+        }
+        assert_eq!(save(&mut second, 3, "after-resend").await.saved.expect("saved").step, 1, "one step taken");
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// A TCP relay to `server_url` for any number of connections, whose first connection is cut
 /// once the server has sent `cut_after` bytes on it, as a failing network would cut it;
 /// counts the connections made.

@@ -165,6 +165,14 @@ pub enum SetupError {
         /// The model's stages.
         stages: usize,
     },
+    /// More calls in flight than the server keeps answers for.
+    #[error("pipeline depth {asked} (train.microbatches) is over this server's training.max_pipeline_depth ({max})")]
+    PipelineDepth {
+        /// What the host asked for.
+        asked: u32,
+        /// The server's limit.
+        max: u32,
+    },
     /// A checkpoint name that is not a plain file name.
     #[error("checkpoint name {0:?}: use letters, digits, '-', '_' and '.', not starting with '.'")]
     CheckpointName(String),

@@ -1,13 +1,17 @@
-//! The edge's end of a `Train` stream: one call at a time, from the trainer's thread.
+//! The edge's end of a `Train` stream, from the trainer's thread.
 //!
-//! Training is a strict sequence (a step's gradient must come back before the prefix can
-//! step), so the link offers blocking calls; each drives the async stream with the runtime
-//! handle. It must therefore be used from a blocking thread, never from an async task.
+//! The link offers blocking calls, and for a step's micro-batches sends without waiting
+//! ([`TrainLink::send_forward`]) whose answers are taken in order; each drives the async
+//! stream with the runtime handle. It must therefore be used from a blocking thread, never
+//! from an async task.
 //!
 //! The session is opened reattachable: when the connection breaks, the link connects again
-//! (`retry:`), continues the session with its token and resends the call under its id; the
-//! server answers a call it had already run from memory, so no step is taken twice. The link
-//! ends the session by closing its side of the stream ([`TrainLink::close`]).
+//! (`retry:`), continues the session with its token and resends every call in flight under
+//! its id; the server answers a call it had already run from memory (it keeps as many
+//! answers as the session's pipeline depth), so no step is taken twice. The link ends the
+//! session by closing its side of the stream ([`TrainLink::close`]).
+
+use std::collections::VecDeque;
 
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
 use cleave_common::protocol::SESSION_NOT_WAITING;
@@ -80,6 +84,10 @@ pub(crate) struct TrainLink {
     end: u32,
     /// Whether the server computes the loss (its answer to a forward is then a gradient).
     server_has_loss: bool,
+    /// Calls sent whose answers have not come, oldest first.
+    in_flight: VecDeque<InFlight>,
+    /// The stream took no more frames: mended when the next answer is asked for.
+    broken: bool,
 }
 
 /// How to open a session (frames and payloads are sized by the server's limits).
@@ -147,6 +155,8 @@ impl TrainLink {
             start,
             end,
             server_has_loss,
+            in_flight: VecDeque::new(),
+            broken: false,
         };
         Ok((link, opened))
     }
@@ -154,8 +164,23 @@ impl TrainLink {
     /// A training step's boundary at `start` (with the targets when the server has the
     /// loss), of the whole batch or one of its micro-batches.
     pub(crate) fn forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<Answer> {
+        self.send_forward(boundary, microbatch)?;
+        self.next_answer()
+    }
+
+    /// [`Self::forward`] without waiting for the answer: micro-batches are sent one after
+    /// another while the server works, and their answers taken in order with
+    /// [`Self::forward_answer`] (at most the session's pipeline depth in flight).
+    pub(crate) fn send_forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<()> {
         let expect = if self.server_has_loss { (Direction::Gradient, self.start) } else { (Direction::Result, self.end) };
-        self.call(Phase::Forward, microbatch, (Direction::Request, self.start), boundary, expect)
+        let id = self.take_id();
+        let to = (Direction::Request, self.start);
+        self.send(InFlight { id, phase: Phase::Forward, microbatch, to, boundary: boundary.shallow_clone(), expect })
+    }
+
+    /// The answer to the oldest forward sent with [`Self::send_forward`].
+    pub(crate) fn forward_answer(&mut self) -> Result<Answer> {
+        self.next_answer()
     }
 
     /// U-shaped: the gradient at `end` of the step just sent; answers the gradient at `start`.
@@ -273,37 +298,86 @@ impl TrainLink {
 
     fn call(&mut self, phase: Phase, microbatch: Microbatch, to: (Direction, u32), boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
         let id = self.take_id();
-        self.reattaching(|link| link.try_call(id, (phase, microbatch), to, boundary, expect))
+        self.send(InFlight { id, phase, microbatch, to, boundary: boundary.shallow_clone(), expect })?;
+        self.next_answer()
     }
 
-    /// One attempt of call `id`: `to` is the direction and cut of what is sent.
-    fn try_call(
-        &mut self,
-        id: u64,
-        head: (Phase, Microbatch),
-        to: (Direction, u32),
-        boundary: &Boundary,
-        expect: (Direction, u32),
-    ) -> Result<Answer> {
-        let (phase, microbatch) = head;
-        let (direction, split) = to;
-        let call = tracing::debug_span!("train_call", phase = ?phase, request_id = id).entered();
-        let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
-        let encoded = sender.encode(PayloadMeta { request_id: id, split, direction }, &self.codec, boundary)?;
-        let mut payload: Vec<pb::TrainPayloadFrame> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
-        if let Some(first) = payload.first_mut() {
-            first.phase = phase as i32;
-            if phase == Phase::Forward {
-                first.set_microbatch(microbatch);
+    /// Sends a call without waiting for its answer ([`Self::next_answer`] takes the answers
+    /// in order). A link found broken here is mended when the next answer is asked for.
+    fn send(&mut self, call: InFlight) -> Result<()> {
+        let sent = if self.broken { Ok(()) } else { self.try_send(&call) };
+        self.in_flight.push_back(call);
+        match sent {
+            Err(HostError::Lost(_)) => {
+                self.broken = true;
+                Ok(())
             }
-            first.traceparent = cleave_common::telemetry::traceparent(&call).unwrap_or_default();
+            other => other,
         }
-        let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
+    }
+
+    /// The answer to the oldest call in flight. When the link broke, continues the session
+    /// on a new connection and sends every call in flight again under its id (the server
+    /// answers those it had run from memory), up to `retry.max_attempts` times.
+    fn next_answer(&mut self) -> Result<Answer> {
+        let mut attempts = 1;
+        loop {
+            let oldest = self.in_flight.front().map(InFlight::shallow_clone).ok_or(Breach::NothingInFlight)?;
+            let received = if self.broken { Err(closed()) } else { self.try_receive(&oldest) };
+            match received {
+                Err(HostError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
+                    attempts += 1;
+                    tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
+                    match self.reattach_session().and_then(|()| self.resend_in_flight()) {
+                        Ok(()) => self.broken = false,
+                        // Lost again while continuing: the next attempt continues it again.
+                        Err(HostError::Lost(_)) => self.broken = true,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(answer) => {
+                    self.in_flight.pop_front();
+                    return Ok(answer);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn resend_in_flight(&mut self) -> Result<()> {
+        let calls: Vec<InFlight> = self.in_flight.iter().map(InFlight::shallow_clone).collect();
+        calls.iter().try_for_each(|call| self.try_send(call))
+    }
+
+    /// Encodes a call and hands its frames to the stream.
+    fn try_send(&mut self, call: &InFlight) -> Result<()> {
+        let (direction, split) = call.to;
+        let span = tracing::debug_span!("train_call", phase = ?call.phase, request_id = call.id).entered();
+        let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
+        let encoded = sender.encode(PayloadMeta { request_id: call.id, split, direction }, &self.codec, &call.boundary)?;
+        let mut payload: Vec<pb::TrainPayloadFrame> = payload_frames(call.id, encoded.envelope, &encoded.data, self.chunk_bytes);
+        if let Some(first) = payload.first_mut() {
+            first.phase = call.phase as i32;
+            if call.phase == Phase::Forward {
+                first.set_microbatch(call.microbatch);
+            }
+            first.traceparent = cleave_common::telemetry::traceparent(&span).unwrap_or_default();
+        }
         let (frames, replies) = (&self.frames, &mut self.replies);
-        let (received, loss, norms) = self.runtime.block_on(async {
+        self.runtime.block_on(async {
             for frame in payload {
                 send(frames, replies, TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await?;
             }
+            Ok(())
+        })
+    }
+
+    /// Receives the answer to `call`, the next one on the stream.
+    fn try_receive(&mut self, call: &InFlight) -> Result<Answer> {
+        let (id, expect) = (call.id, call.expect);
+        let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
+        let replies = &mut self.replies;
+        let (received, loss, norms) = self.runtime.block_on(async {
             let mut answer = FrameAssembler::default();
             loop {
                 let reply = next_reply(replies).await?;
@@ -318,6 +392,23 @@ impl TrainLink {
             return Err(Breach::WrongCut { got: received.split, expected: expect.1 }.into());
         }
         Ok(Answer { boundary: received.boundary, loss, norms })
+    }
+}
+
+/// A call sent whose answer has not come: what sends it again.
+struct InFlight {
+    id: u64,
+    phase: Phase,
+    microbatch: Microbatch,
+    /// The direction and cut of what is sent, and of the answer expected.
+    to: (Direction, u32),
+    boundary: Boundary,
+    expect: (Direction, u32),
+}
+
+impl InFlight {
+    fn shallow_clone(&self) -> Self {
+        Self { boundary: self.boundary.shallow_clone(), ..*self }
     }
 }
 

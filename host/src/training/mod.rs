@@ -284,6 +284,8 @@ async fn open_session(
         optimizer: Some(pb::Optimizer::from(&train.optimizer)),
         schedule: Some(pb::Schedule::from(&train.schedule)),
         clip_grad_norm: train.clip_grad_norm.unwrap_or(0.0),
+        // A split step's micro-batches are pipelined (U-shaped ones go one at a time).
+        pipeline_depth: if cuts.tail == cuts.stages { train.microbatches } else { 1 },
         loss: if cuts.tail == cuts.stages { train.loss.name().to_string() } else { String::new() },
         seed: train.seed,
         resume: server_resume,
@@ -511,10 +513,18 @@ impl Trainer {
     /// whole batch); returns the batch's loss.
     fn step(&mut self, microbatches: Vec<(Boundary, Tensor)>, rows: usize) -> Result<f64> {
         let count = microbatches.len() as u32;
-        let (mut loss, mut prefix_grads, mut tail_grads, mut server_norms) = (0.0, None, None, Vec::new());
+        let mut parts = Vec::with_capacity(microbatches.len());
         for (index, (inputs, targets)) in (0..).zip(microbatches) {
             let weight = targets.size()[0] as f64 / rows as f64;
-            let pass = self.microbatch(inputs, targets, Microbatch::new(index, count, weight)?)?;
+            parts.push((inputs, targets, Microbatch::new(index, count, weight)?));
+        }
+        let passes = if count > 1 && self.link.is_some() && self.tail_cut == self.bundle.stage_count() {
+            self.pipelined(parts)?
+        } else {
+            parts.into_iter().map(|(inputs, targets, microbatch)| self.microbatch(inputs, targets, microbatch)).collect::<Result<Vec<_>>>()?
+        };
+        let (mut loss, mut prefix_grads, mut tail_grads, mut server_norms) = (0.0, None, None, Vec::new());
+        for pass in passes {
             loss += pass.loss;
             accumulate(&mut prefix_grads, pass.prefix);
             accumulate(&mut tail_grads, pass.tail);
@@ -534,6 +544,32 @@ impl Trainer {
         self.optimizer.step(&params, &grads, lr);
         self.step += 1;
         Ok(loss)
+    }
+
+    /// A split step's micro-batches, pipelined: each one's prefix runs and is sent while the
+    /// server works on the ones before; then each answer's gradient is backpropagated into
+    /// its prefix while the server works on the ones after.
+    fn pipelined(&mut self, parts: Vec<(Boundary, Tensor, Microbatch)>) -> Result<Vec<MicrobatchPass>> {
+        let step = self.step;
+        let mut sent = Vec::with_capacity(parts.len());
+        for (inputs, targets, microbatch) in parts {
+            let at_split = match &mut self.prefix {
+                Some(prefix) => prefix.forward(step, microbatch, &inputs)?,
+                None => inputs,
+            };
+            sent.push(float_leaves(&at_split));
+            let mut payload = at_split.detached();
+            payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
+            self.link.as_mut().expect("linked").send_forward(&payload, microbatch)?;
+        }
+        sent.into_iter()
+            .map(|prefix_outputs| {
+                let answer = self.link.as_mut().expect("linked").forward_answer()?;
+                let loss = answer.loss.ok_or(Breach::NoLoss)?;
+                let prefix = self.backward_prefix(&prefix_outputs, &answer.boundary)?;
+                Ok(MicrobatchPass { loss, prefix, tail: Grads::new(), server_norms: answer.norms })
+            })
+            .collect()
     }
 
     /// The forward and backward passes of one micro-batch on both sides: its weighed loss

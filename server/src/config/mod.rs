@@ -341,6 +341,8 @@ struct RawServerTraining {
     max_checkpoint_bytes: Option<u64>,
     #[serde(default)]
     max_checkpoint_bytes_total: Option<u64>,
+    #[serde(default)]
+    max_pipeline_depth: Option<u32>,
 }
 
 /// How a server runs training sessions.
@@ -366,6 +368,10 @@ pub struct TrainingOptions {
     /// namespace of its own, so the per-namespace quota alone bounds nothing server-wide); a
     /// save over it is refused, and nothing is deleted without an operator.
     pub max_checkpoint_bytes_total: u64,
+    /// Calls a session's host may have in flight (pipelined micro-batches): the session keeps
+    /// that many answers (the tensors of one batch's boundary gradients, outside the memory
+    /// budget), so that every call resent after a broken connection is answered from memory.
+    pub max_pipeline_depth: u32,
 }
 
 impl Default for TrainingOptions {
@@ -378,6 +384,7 @@ impl Default for TrainingOptions {
             max_checkpoints: 64,
             max_checkpoint_bytes: 4 << 30,
             max_checkpoint_bytes_total: 16 << 30,
+            max_pipeline_depth: 8,
         }
     }
 }
@@ -488,6 +495,7 @@ impl ServerConfig {
                 max_checkpoints: t.max_checkpoints.unwrap_or(d.max_checkpoints),
                 max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
                 max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
+                max_pipeline_depth: t.max_pipeline_depth.unwrap_or(d.max_pipeline_depth),
             },
         };
         if training.session_idle_timeout.is_zero() {
@@ -495,6 +503,9 @@ impl ServerConfig {
         }
         if training.max_sessions == 0 {
             return Err(file.invalid("training.max_sessions", "must be positive"));
+        }
+        if training.max_pipeline_depth == 0 {
+            return Err(file.invalid("training.max_pipeline_depth", "must be positive"));
         }
         if training.max_checkpoints == 0 {
             return Err(file.invalid("training.max_checkpoints", "must be positive"));
@@ -704,6 +715,7 @@ mod tests {
             ("limits: {max_frame_bytes: 1024}", "limits.max_frame_bytes", "from 16384"),
             ("limits: {max_frame_bytes: 16777216}", "limits.max_frame_bytes", "to 16777215"),
             ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
+            ("training: {max_pipeline_depth: 0}", "training.max_pipeline_depth", "must be positive"),
         ] {
             let err = load(&format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap_err();
             assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");

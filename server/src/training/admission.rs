@@ -137,6 +137,10 @@ impl Training {
         if open.clip_grad_norm != 0.0 {
             check_clip_norm(open.clip_grad_norm).map_err(|e| RequestError::Training(e.into()))?;
         }
+        let pipeline_depth = open.pipeline_depth.max(1);
+        if pipeline_depth > self.options.max_pipeline_depth {
+            return Err(refused(SetupError::PipelineDepth { asked: pipeline_depth, max: self.options.max_pipeline_depth }));
+        }
         let resume = match open.resume.as_str() {
             "" => None,
             _ if self.checkpoints.is_none() => return Err(no_checkpoint_dir()),
@@ -150,6 +154,7 @@ impl Training {
             optimizer,
             schedule,
             clips: open.clip_grad_norm != 0.0,
+            pipeline_depth,
             loss,
             seed: open.seed,
             resume,

@@ -5,6 +5,7 @@
 //! its host resends on a new stream (the answer was lost with the old one) is answered again
 //! instead of run twice.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,6 +38,8 @@ pub(crate) struct SessionSetup {
     pub(crate) schedule: Schedule,
     /// Global gradient-norm clipping across the split (the host computes the coefficient).
     pub(crate) clips: bool,
+    /// Calls the host may have in flight: the answers kept for resent calls.
+    pub(crate) pipeline_depth: u32,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
     /// The checkpoint to resume from; the session continues in its namespace.
@@ -137,8 +140,10 @@ struct Session {
     pending: Option<PendingStep>,
     /// Where it saves, held while the session lives.
     namespace: Option<Namespace>,
-    /// The id of the last call that was answered, and its answer.
-    last: Option<(u64, Answer)>,
+    /// The ids of the last calls answered (as many as the host may have in flight), and
+    /// their answers, oldest first.
+    answered: VecDeque<(u64, Answer)>,
+    pipeline_depth: usize,
     /// `step`, for the streams (a continued session reports it).
     shared_step: Arc<AtomicU64>,
 }
@@ -179,7 +184,8 @@ impl Session {
             step,
             pending: None,
             namespace,
-            last: None,
+            answered: VecDeque::new(),
+            pipeline_depth: setup.pipeline_depth as usize,
             shared_step,
         })
     }
@@ -208,7 +214,10 @@ impl Session {
             Err(e) => answer(Err(e)),
         }
         if let Some(answer) = answered {
-            self.last = Some((id, answer));
+            if self.answered.len() == self.pipeline_depth {
+                self.answered.pop_front();
+            }
+            self.answered.push_back((id, answer));
         }
     }
 
@@ -335,9 +344,9 @@ impl Session {
         self.shared_step.store(self.step, Ordering::Relaxed);
     }
 
-    /// The answer to call `id` when it is the last call answered (a resend).
+    /// The answer to call `id` when it is among the last calls answered (a resend).
     fn answered(&self, id: u64) -> Option<Answer> {
-        self.last.as_ref().filter(|(last, _)| *last == id).map(|(_, answer)| answer.shallow_clone())
+        self.answered.iter().find(|(answered, _)| *answered == id).map(|(_, answer)| answer.shallow_clone())
     }
 }
 
