@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep chaos hostile-rss bench-serving clean
+.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving clean
 
 setup: build
 
@@ -159,6 +159,11 @@ bench-serving: build $(TEST_BUNDLES)/.stamp $(DEMO_BUNDLE)/manifest.json digits-
 
 link-sweep: build $(LINK_SWEEP_BUNDLE)/manifest.json
 	bench/link-sweep --bundle $(LINK_SWEEP_BUNDLE)
+
+# Split training's step time at 1, 2, 4 and 8 pipelined micro-batches, loopback and shaped
+# links (root: network namespaces); exports resnet18 at 64x64 on first use.
+train-pipeline: build digits-cnn
+	bench/train-pipeline
 
 clean:
 	rm -rf target bundles results

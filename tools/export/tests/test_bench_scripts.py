@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 BENCH = REPO / "bench"
-PROGRAMS = ["serving", "chaos", "link-sweep", "loopback-floor", "gpu", "soak", "protocol-cpu"]
+PROGRAMS = ["serving", "chaos", "link-sweep", "loopback-floor", "gpu", "soak", "protocol-cpu", "train-pipeline"]
 """Executable bench scripts, run as `bench/NAME`."""
 
 
@@ -51,15 +51,19 @@ def test_serving_runs_every_scenario_by_default_and_refuses_unknown_ones():
     assert "invalid choice: 'nonsense' (choose from batching, edf, cuts)" in bad.stderr
 
 
-def load_serving():
-    """bench/serving as a module (it has no .py suffix), to test its pure helpers."""
+def load_bench(script: str):
+    """A bench script as a module (it has no .py suffix), to test its pure helpers."""
     import importlib.machinery
     import importlib.util
 
-    loader = importlib.machinery.SourceFileLoader("bench_serving", str(BENCH / "serving"))
+    loader = importlib.machinery.SourceFileLoader(f"bench_{script.replace('-', '_')}", str(BENCH / script))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(module)
     return module
+
+
+def load_serving():
+    return load_bench("serving")
 
 
 def test_serving_edf_tightest_slo_line_gives_each_policy_p99_and_their_ratio():
@@ -72,3 +76,21 @@ def test_serving_edf_tightest_slo_line_gives_each_policy_p99_and_their_ratio():
     assert line(fifo, {"p99_ms": None, "errors": 5}) == (
         "serving edf tightest-slo: fifo light p99 42.60 ms, edf light p99 n/a, fifo/edf n/a; light errors fifo 0 edf 5 (not in the p99s)"
     )
+
+
+def test_train_pipeline_reports_each_micro_batch_count_against_one_and_the_best_per_link():
+    bench = load_bench("train-pipeline")
+    args = type("Args", (), {"models": ["digits"], "microbatches": [1, 2, 4], "bandwidths": [None, 25.0], "batch": 32,
+                             "steps": 12, "rounds": 3, "codec": "raw"})
+    runs = {"unshaped": {"1": [6.0, 5.0, 7.0], "2": [6.5, 6.6, 6.4], "4": [None, 8.0, 9.0]},
+            "25 Mbit/s": {"1": [30.0, 31.0, 29.0], "2": [22.0, 21.0, 23.0], "4": [None, None, None]}}
+    lines = bench.report(args, {"digits": runs})
+    assert lines[-3:] == [
+        "pipeline digits at unshaped: best M=1, step 6.0 ms, 1.00 x of M=1",
+        "pipeline digits at 25 Mbit/s: best M=2, step 22.0 ms, 0.73 x of M=1",
+        "",
+    ]
+    # The median over the rounds that ran; a configuration with none says so.
+    assert "8.5 ms 1.42x" in lines[2] and "failed" in lines[3]
+    assert check_args("train-pipeline", "--microbatches", "2,4").returncode != 0
+    assert "choose among digits, resnet18-64" in check_args("train-pipeline", "--models", "vgg").stderr
