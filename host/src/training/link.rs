@@ -269,24 +269,23 @@ impl TrainLink {
     }
 
     fn try_clip_step(&mut self, id: u64, coefficient: f32) -> Result<u64> {
-        let frame = TrainFrame { kind: Some(train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient })) };
-        let (frames, replies) = (&self.frames, &mut self.replies);
-        self.runtime.block_on(async {
-            send(frames, replies, frame).await?;
-            let reply = next_reply(replies).await?;
-            check_id(&reply, id)?;
-            Ok(reply.stepped.ok_or(Breach::NotStepped)?.step)
-        })
+        let reply = self.try_message(id, train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient }))?;
+        Ok(reply.stepped.ok_or(Breach::NotStepped)?.step)
     }
 
     fn try_save(&mut self, id: u64, name: &str) -> Result<u64> {
-        let frame = TrainFrame { kind: Some(train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() })) };
+        let reply = self.try_message(id, train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() }))?;
+        Ok(reply.saved.ok_or(Breach::NotSaved)?.step)
+    }
+
+    /// One attempt of a call `id` that is one message each way (no payload).
+    fn try_message(&mut self, id: u64, kind: train_frame::Kind) -> Result<TrainReply> {
         let (frames, replies) = (&self.frames, &mut self.replies);
         self.runtime.block_on(async {
-            send(frames, replies, frame).await?;
+            send(frames, replies, TrainFrame { kind: Some(kind) }).await?;
             let reply = next_reply(replies).await?;
             check_id(&reply, id)?;
-            Ok(reply.saved.ok_or(Breach::NotSaved)?.step)
+            Ok(reply)
         })
     }
 

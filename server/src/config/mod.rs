@@ -484,38 +484,7 @@ impl ServerConfig {
         let (limits, peers) = raw.limits.split();
         let limits = file.limits("", limits)?;
         peers.validate(&limits).map_err(|e| file.invalid(e.key, e.to_string()))?;
-        let d = TrainingOptions::default();
-        let training = match raw.training {
-            None => TrainingOptions { checkpoint_dir: Some(file.resolve(Path::new("checkpoints"))), ..d },
-            Some(t) => TrainingOptions {
-                checkpoint_dir: Some(file.resolve(t.checkpoint_dir.as_deref().unwrap_or(Path::new("checkpoints")))),
-                concurrent_sessions: t.concurrent_sessions,
-                session_idle_timeout: t.session_idle_timeout.unwrap_or(d.session_idle_timeout),
-                max_sessions: t.max_sessions.unwrap_or(d.max_sessions),
-                max_checkpoints: t.max_checkpoints.unwrap_or(d.max_checkpoints),
-                max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
-                max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
-                max_pipeline_depth: t.max_pipeline_depth.unwrap_or(d.max_pipeline_depth),
-            },
-        };
-        if training.session_idle_timeout.is_zero() {
-            return Err(file.invalid("training.session_idle_timeout", "must be positive"));
-        }
-        if training.max_sessions == 0 {
-            return Err(file.invalid("training.max_sessions", "must be positive"));
-        }
-        if training.max_pipeline_depth == 0 {
-            return Err(file.invalid("training.max_pipeline_depth", "must be positive"));
-        }
-        if training.max_checkpoints == 0 {
-            return Err(file.invalid("training.max_checkpoints", "must be positive"));
-        }
-        if training.max_checkpoint_bytes == 0 {
-            return Err(file.invalid("training.max_checkpoint_bytes", "must be positive"));
-        }
-        if training.max_checkpoint_bytes_total == 0 {
-            return Err(file.invalid("training.max_checkpoint_bytes_total", "must be positive"));
-        }
+        let training = training_options(&file, raw.training.take())?;
         let cpu = file.cpu(raw.threads, raw.cores.take())?;
         raw.telemetry.check().map_err(|e| file.invalid(e.key(), e.to_string()))?;
         Ok(Self {
@@ -533,6 +502,43 @@ impl ServerConfig {
             telemetry: raw.telemetry,
         })
     }
+}
+
+/// `training:` in server.yaml, checked (a checkpoint directory by default, beside the file).
+fn training_options(file: &ConfigFile<'_>, raw: Option<RawServerTraining>) -> Result<TrainingOptions, ConfigError> {
+    let d = TrainingOptions::default();
+    let training = match raw {
+        None => TrainingOptions { checkpoint_dir: Some(file.resolve(Path::new("checkpoints"))), ..d },
+        Some(t) => TrainingOptions {
+            checkpoint_dir: Some(file.resolve(t.checkpoint_dir.as_deref().unwrap_or(Path::new("checkpoints")))),
+            concurrent_sessions: t.concurrent_sessions,
+            session_idle_timeout: t.session_idle_timeout.unwrap_or(d.session_idle_timeout),
+            max_sessions: t.max_sessions.unwrap_or(d.max_sessions),
+            max_checkpoints: t.max_checkpoints.unwrap_or(d.max_checkpoints),
+            max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
+            max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
+            max_pipeline_depth: t.max_pipeline_depth.unwrap_or(d.max_pipeline_depth),
+        },
+    };
+    if training.session_idle_timeout.is_zero() {
+        return Err(file.invalid("training.session_idle_timeout", "must be positive"));
+    }
+    if training.max_sessions == 0 {
+        return Err(file.invalid("training.max_sessions", "must be positive"));
+    }
+    if training.max_pipeline_depth == 0 {
+        return Err(file.invalid("training.max_pipeline_depth", "must be positive"));
+    }
+    if training.max_checkpoints == 0 {
+        return Err(file.invalid("training.max_checkpoints", "must be positive"));
+    }
+    if training.max_checkpoint_bytes == 0 {
+        return Err(file.invalid("training.max_checkpoint_bytes", "must be positive"));
+    }
+    if training.max_checkpoint_bytes_total == 0 {
+        return Err(file.invalid("training.max_checkpoint_bytes_total", "must be positive"));
+    }
+    Ok(training)
 }
 
 /// The `bundle:` form (one model, its keys at the top level) or the `models:` list; not both.
