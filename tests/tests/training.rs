@@ -643,14 +643,14 @@ fn a_clipping_session_steps_only_on_the_host_s_coefficient_after_its_last_micro_
         let norms = &replies.last().unwrap().grad_norms;
         let parameters: usize = (7..12).map(|i| bundle.manifest().stages[i].parameter_names.as_ref().map_or(0, Vec::len)).sum();
         assert!(parameters > 0 && norms.len() == parameters && norms.iter().all(|n| n.is_finite() && *n >= 0.0), "{norms:?}");
-        // The next step waits for the coefficient; one outside (0, 1] is refused and the step
+        // The next step waits for the coefficient; one outside [0, 1] is refused and the step
         // still waits.
         let replies = call(&mut stream, 3, pb::Phase::Forward, forward, &step_input).await;
         assert!(error_of(replies.last().unwrap()).1.contains("waiting for the host's gradient norm"), "{replies:?}");
-        for (id, bad) in [(4, 0.0), (5, 1.5), (6, f32::NAN)] {
+        for (id, bad) in [(4, -0.5), (5, 1.5), (6, f32::NAN)] {
             stream.0.send(clip(id, bad)).await.unwrap();
             let (code, text) = error_of(&stream.1.next().await.unwrap().unwrap());
-            assert!(code == tonic::Code::InvalidArgument && text.contains("coefficient must be in (0, 1]"), "{bad}: {code:?} {text}");
+            assert!(code == tonic::Code::InvalidArgument && text.contains("coefficient must be in [0, 1]"), "{bad}: {code:?} {text}");
         }
         stream.0.send(clip(7, 0.5)).await.unwrap();
         let reply = stream.1.next().await.unwrap().unwrap();
@@ -1193,6 +1193,25 @@ fn pipelined_micro_batches_resent_after_a_break_are_all_answered_from_memory() {
             assert!(again.loss == was.loss && again.data == was.data, "call {id} is answered as it was, not run again");
         }
         assert_eq!(save(&mut second, 3, "after-resend").await.saved.expect("saved").step, 1, "one step taken");
+        server.shutdown().await.unwrap();
+
+        // A server that keeps no answer but the last lets the first go: resent, it is refused,
+        // not run again (it would start another step), and the last is still answered.
+        let options = TrainingOptions { max_kept_answer_bytes: 0, ..TrainingOptions::default() };
+        let server = checkpointing_server(&bundle, &dir.path().join("lean"), options).await;
+        let (path, cut) = relay(&server.url).await;
+        let open = pb::OpenSession { reattachable: true, pipeline_depth: 2, ..open_digits(7, 12, "cross-entropy") };
+        let (mut first, reply) = open_when_free(&path, &bundle, open).await;
+        call_with(&mut first, 1, forward, &digits_step(1), part(0)).await;
+        let last = call_with(&mut first, 2, forward, &digits_step(2), part(1)).await;
+        cut.abort();
+        let (mut second, _) = reattach(&server.url, &bundle, &reply.session_id, &reply.reattach_token).await;
+        drop(first);
+        let again = call_with(&mut second, 1, forward, &digits_step(1), part(0)).await;
+        assert!(error_of(again.last().unwrap()).1.contains("call 1 was answered before and its answer is no longer kept"), "{again:?}");
+        let again = call_with(&mut second, 2, forward, &digits_step(2), part(1)).await;
+        assert!(again.last().unwrap().data == last.last().unwrap().data, "the last answer is kept");
+        assert_eq!(save(&mut second, 3, "lean").await.saved.expect("saved").step, 1, "one step taken");
         server.shutdown().await.unwrap();
     });
 }

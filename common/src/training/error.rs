@@ -118,6 +118,12 @@ pub enum StepError {
         /// Its count.
         count: u32,
     },
+    /// A call resent whose answer the session no longer keeps.
+    #[error("call {id} was answered before and its answer is no longer kept (past training.max_kept_answer_bytes): it is not run again")]
+    AnswerNotKept {
+        /// The call's id.
+        id: u64,
+    },
     /// A gradient with no forward waiting for it.
     #[error("a gradient arrived without a pending forward (PHASE_FORWARD comes first)")]
     NoPendingForward,
@@ -240,8 +246,8 @@ pub enum ScheduleError {
     /// A clipping norm that is not a finite number above 0.
     #[error("clip_grad_norm must be a finite number above 0, got {0}")]
     ClipNorm(f64),
-    /// A clipping coefficient outside (0, 1].
-    #[error("a clipping coefficient must be in (0, 1], got {0}")]
+    /// A clipping coefficient outside [0, 1].
+    #[error("a clipping coefficient must be in [0, 1], got {0}")]
     Coefficient(f32),
 }
 

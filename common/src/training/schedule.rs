@@ -166,9 +166,10 @@ pub fn scale(grads: &Grads, coefficient: f32) {
     }
 }
 
-/// Checks a clipping coefficient another process computed: a finite number in (0, 1].
+/// Checks a clipping coefficient another process computed: a number in [0, 1] (0 where a
+/// tiny `max_norm` over the gradients' norm underflows float32, as it would in PyTorch).
 pub fn check_coefficient(coefficient: f32) -> Result<f32, ScheduleError> {
-    if coefficient > 0.0 && coefficient <= 1.0 {
+    if (0.0..=1.0).contains(&coefficient) {
         Ok(coefficient)
     } else {
         Err(ScheduleError::Coefficient(coefficient))
@@ -242,12 +243,12 @@ mod tests {
         assert!(got.equal(&expected));
         // Under the limit the coefficient is 1 and nothing changes.
         assert_eq!(clip_coefficient(100.0, &norms), Ok(1.0));
-        // A norm that is not finite cannot be clipped; a coefficient outside (0, 1] is refused.
+        // A norm that is not finite cannot be clipped; a coefficient outside [0, 1] is refused.
         assert!(clip_coefficient(1.0, &[f32::INFINITY, 1.0]).is_err());
         assert!(clip_coefficient(1.0, &[f32::NAN]).is_err());
-        for bad in [0.0, -0.5, 1.5, f32::NAN, f32::INFINITY] {
+        for bad in [-0.5, 1.5, f32::NAN, f32::INFINITY] {
             assert!(check_coefficient(bad).is_err(), "{bad}");
         }
-        assert_eq!(check_coefficient(0.25), Ok(0.25));
+        assert_eq!((check_coefficient(0.25), check_coefficient(0.0)), (Ok(0.25), Ok(0.0)));
     }
 }

@@ -285,7 +285,8 @@ async fn open_session(
         schedule: Some(pb::Schedule::from(&train.schedule)),
         clip_grad_norm: train.clip_grad_norm.unwrap_or(0.0),
         // A split step's micro-batches are pipelined (U-shaped ones go one at a time).
-        pipeline_depth: if cuts.tail == cuts.stages { train.microbatches } else { 1 },
+        // (a batch of fewer samples than `microbatches` is cut into one a sample).
+        pipeline_depth: if cuts.tail == cuts.stages { train.microbatches.min(train.batch_size.clamp(1, u32::MAX as i64) as u32) } else { 1 },
         loss: if cuts.tail == cuts.stages { train.loss.name().to_string() } else { String::new() },
         seed: train.seed,
         resume: server_resume,

@@ -343,6 +343,8 @@ struct RawServerTraining {
     max_checkpoint_bytes_total: Option<u64>,
     #[serde(default)]
     max_pipeline_depth: Option<u32>,
+    #[serde(default)]
+    max_kept_answer_bytes: Option<u64>,
 }
 
 /// How a server runs training sessions.
@@ -372,6 +374,11 @@ pub struct TrainingOptions {
     /// that many answers (the tensors of one batch's boundary gradients, outside the memory
     /// budget), so that every call resent after a broken connection is answered from memory.
     pub max_pipeline_depth: u32,
+    /// Tensor bytes the answers a session keeps for resent calls may hold besides its last
+    /// one (which it always keeps, outside the memory budget, as a step of one call needs):
+    /// older answers past it are let go, and a call resent for one of them is refused (its
+    /// micro-batch out of order) rather than run twice.
+    pub max_kept_answer_bytes: u64,
 }
 
 impl Default for TrainingOptions {
@@ -385,6 +392,7 @@ impl Default for TrainingOptions {
             max_checkpoint_bytes: 4 << 30,
             max_checkpoint_bytes_total: 16 << 30,
             max_pipeline_depth: 8,
+            max_kept_answer_bytes: 64 << 20,
         }
     }
 }
@@ -518,6 +526,7 @@ fn training_options(file: &ConfigFile<'_>, raw: Option<RawServerTraining>) -> Re
             max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
             max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
             max_pipeline_depth: t.max_pipeline_depth.unwrap_or(d.max_pipeline_depth),
+            max_kept_answer_bytes: t.max_kept_answer_bytes.unwrap_or(d.max_kept_answer_bytes),
         },
     };
     if training.session_idle_timeout.is_zero() {
@@ -677,7 +686,7 @@ mod tests {
              memory_budget_bytes: 3221225472\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_frame_bytes: 65536\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
-             max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n",
+             max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n  max_pipeline_depth: 3\n  max_kept_answer_bytes: 1024\n",
         )
         .unwrap();
         let want = PeerLimits {
@@ -706,6 +715,7 @@ mod tests {
         };
         assert_eq!(c.peers, want);
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
+        assert_eq!((c.training.max_pipeline_depth, c.training.max_kept_answer_bytes), (3, 1024));
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),

@@ -155,6 +155,7 @@ impl Training {
             schedule,
             clips: open.clip_grad_norm != 0.0,
             pipeline_depth,
+            max_kept_answer_bytes: self.options.max_kept_answer_bytes,
             loss,
             seed: open.seed,
             resume,

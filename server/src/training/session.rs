@@ -1,9 +1,9 @@
 //! A training session's own thread: it owns a fresh copy of the session's stages in
 //! training mode and its optimizer, and runs the calls its stream hands it one at a time
 //! (forward, U-shaped backward, evaluation, checkpoint). The step math is the one the edge
-//! runs too (`cleave_common::training::step`). It remembers its last answer, so that a call
-//! its host resends on a new stream (the answer was lost with the old one) is answered again
-//! instead of run twice.
+//! runs too (`cleave_common::training::step`). It remembers its last answers (as many as its
+//! host may have calls in flight, within a byte bound), so that a call its host resends on a
+//! new stream (the answer was lost with the old one) is answered again instead of run twice.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +40,8 @@ pub(crate) struct SessionSetup {
     pub(crate) clips: bool,
     /// Calls the host may have in flight: the answers kept for resent calls.
     pub(crate) pipeline_depth: u32,
+    /// Tensor bytes the kept answers may hold besides the last one.
+    pub(crate) max_kept_answer_bytes: u64,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
     /// The checkpoint to resume from; the session continues in its namespace.
@@ -82,6 +84,14 @@ pub(crate) enum Answer {
 }
 
 impl Answer {
+    /// The bytes of its tensors.
+    fn tensor_bytes(&self) -> u64 {
+        match self {
+            Self::Gradients { grads: b, .. } | Self::Output(b) => b.tensor_bytes() as u64,
+            Self::Saved { .. } | Self::Stepped { .. } => 0,
+        }
+    }
+
     /// The same answer, its tensors shared.
     fn shallow_clone(&self) -> Self {
         match self {
@@ -140,10 +150,14 @@ struct Session {
     pending: Option<PendingStep>,
     /// Where it saves, held while the session lives.
     namespace: Option<Namespace>,
-    /// The ids of the last calls answered (as many as the host may have in flight), and
-    /// their answers, oldest first.
-    answered: VecDeque<(u64, Answer)>,
+    /// The ids of the last calls answered (as many as the host may have in flight, within
+    /// `max_kept_answer_bytes` besides the last), their answers and tensor bytes, oldest first.
+    answered: VecDeque<(u64, Answer, u64)>,
+    /// The highest id answered: a call resent under a lower one whose answer was let go is
+    /// refused, never run again.
+    last_answered: u64,
     pipeline_depth: usize,
+    max_kept_answer_bytes: u64,
     /// `step`, for the streams (a continued session reports it).
     shared_step: Arc<AtomicU64>,
 }
@@ -185,7 +199,9 @@ impl Session {
             pending: None,
             namespace,
             answered: VecDeque::new(),
+            last_answered: 0,
             pipeline_depth: setup.pipeline_depth as usize,
+            max_kept_answer_bytes: setup.max_kept_answer_bytes,
             shared_step,
         })
     }
@@ -214,10 +230,7 @@ impl Session {
             Err(e) => answer(Err(e)),
         }
         if let Some(answer) = answered {
-            if self.answered.len() == self.pipeline_depth {
-                self.answered.pop_front();
-            }
-            self.answered.push_back((id, answer));
+            self.keep_answer(id, answer);
         }
     }
 
@@ -344,9 +357,23 @@ impl Session {
         self.shared_step.store(self.step, Ordering::Relaxed);
     }
 
+    /// Keeps an answer for a resend of its call: the last `pipeline_depth`, those before the
+    /// newest within `max_kept_answer_bytes`.
+    fn keep_answer(&mut self, id: u64, answer: Answer) {
+        let bytes = answer.tensor_bytes();
+        self.answered.push_back((id, answer, bytes));
+        self.last_answered = self.last_answered.max(id);
+        let mut older: u64 = self.answered.iter().rev().skip(1).map(|(_, _, b)| b).sum();
+        while self.answered.len() > self.pipeline_depth.max(1) || (self.answered.len() > 1 && older > self.max_kept_answer_bytes) {
+            if let Some((_, _, b)) = self.answered.pop_front() {
+                older -= b;
+            }
+        }
+    }
+
     /// The answer to call `id` when it is among the last calls answered (a resend).
     fn answered(&self, id: u64) -> Option<Answer> {
-        self.answered.iter().find(|(answered, _)| *answered == id).map(|(_, answer)| answer.shallow_clone())
+        self.answered.iter().find(|(answered, _, _)| *answered == id).map(|(_, answer, _)| answer.shallow_clone())
     }
 }
 
@@ -396,6 +423,10 @@ impl SessionHandle {
                         let _ = job.reply.send(Ok((answer, Duration::ZERO)));
                         continue;
                     }
+                    if job.id <= session.last_answered {
+                        let _ = job.reply.send(Err(TrainError::from(StepError::AnswerNotKept { id: job.id }).into()));
+                        continue;
+                    }
                     if abandoned(&job) {
                         continue;
                     }
@@ -434,8 +465,8 @@ impl SessionHandle {
         Ok((Self { calls: tx, step }, opened))
     }
 
-    /// Runs call `id` on the session thread (or answers it again, when it is the last call
-    /// answered); returns the answer and the time it took there.
+    /// Runs call `id` on the session thread (or answers it again, when it is among the last
+    /// calls answered); returns the answer and the time it took there.
     pub(crate) async fn call(&self, id: u64, call: Call) -> Result<(Answer, Duration), RequestError> {
         let (tx, rx) = oneshot::channel();
         self.calls.send(CallJob { id, call, reply: tx }).await.map_err(|_| Internal::SessionGone)?;
