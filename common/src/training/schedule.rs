@@ -136,7 +136,12 @@ pub fn check_clip_norm(max_norm: f64) -> Result<f64, ScheduleError> {
 /// `torch.nn.utils.clip_grad_norm_` leaves out parameters without a gradient), each in the
 /// gradient's own dtype as PyTorch takes it.
 pub fn tensor_norms(grads: &Grads) -> Vec<f32> {
-    grads.iter().flatten().map(|g| g.norm().double_value(&[]) as f32).collect()
+    // Stacked on their device and read back at once: one synchronisation, not one a tensor.
+    let norms: Vec<Tensor> = grads.iter().flatten().map(|g| g.norm().to_kind(tch::Kind::Float)).collect();
+    if norms.is_empty() {
+        return Vec::new();
+    }
+    Vec::<f32>::try_from(Tensor::stack(&norms, 0).to_device(tch::Device::Cpu)).expect("a float32 vector reads as one")
 }
 
 /// What `torch.nn.utils.clip_grad_norm_(max_norm)` multiplies every gradient by, from the

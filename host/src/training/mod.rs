@@ -519,7 +519,8 @@ impl Trainer {
             let weight = targets.size()[0] as f64 / rows as f64;
             parts.push((inputs, targets, Microbatch::new(index, count, weight)?));
         }
-        let passes = if count > 1 && self.link.is_some() && self.tail_cut == self.bundle.stage_count() {
+        // Split steps go through the pipeline (one micro-batch: sent, then answered).
+        let passes = if self.link.is_some() && self.tail_cut == self.bundle.stage_count() {
             self.pipelined(parts)?
         } else {
             parts.into_iter().map(|(inputs, targets, microbatch)| self.microbatch(inputs, targets, microbatch)).collect::<Result<Vec<_>>>()?
@@ -573,8 +574,8 @@ impl Trainer {
             .collect()
     }
 
-    /// The forward and backward passes of one micro-batch on both sides: its weighed loss
-    /// and this side's parameter gradients (the server sums its own).
+    /// The forward and backward passes of one micro-batch, monolithic or U-shaped: its
+    /// weighed loss and this side's parameter gradients (the server sums its own).
     fn microbatch(&mut self, inputs: Boundary, targets: Tensor, microbatch: Microbatch) -> Result<MicrobatchPass> {
         let step = self.step;
         let at_split = match &mut self.prefix {
@@ -589,14 +590,6 @@ impl Trainer {
             let prefix_grads = backward(Some(&loss), prefix.parameters(), &[])?.parameters;
             return Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix: prefix_grads, tail: Grads::new(), server_norms: Vec::new() });
         };
-        if self.tail_cut == self.bundle.stage_count() {
-            let mut payload = at_split.detached();
-            payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
-            let answer = link.forward(&payload, microbatch)?;
-            let loss = answer.loss.ok_or(Breach::NoLoss)?;
-            let prefix = self.backward_prefix(&prefix_outputs, &answer.boundary)?;
-            return Ok(MicrobatchPass { loss, prefix, tail: Grads::new(), server_norms: answer.norms });
-        }
         // U-shaped: the middle's output comes back, the tail and the loss run here.
         let middle = link.forward(&at_split.detached(), microbatch)?.boundary;
         let leaves = track_gradients(&middle);
