@@ -21,8 +21,9 @@ pub mod pb {
 /// and a tensor may have its zeros elided or its own codec under `auto`. Payloads of
 /// version 1 (each tensor compressed whole) are still read. Version 3: training sessions
 /// take a learning-rate schedule and global gradient-norm clipping (`OpenSession.schedule`,
-/// `clip_grad_norm`, `ClipStep`), which an older server would ignore.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// `clip_grad_norm`, `ClipStep`), which an older server would ignore. Version 4: several
+/// edges train one server part together (`OpenSession.clients`, `EndRound`).
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Metadata key carrying the bundle id the host expects on `Infer` and `Train` streams.
 pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
@@ -447,8 +448,8 @@ mod tests {
     #[test]
     fn another_protocol_version_is_refused_naming_both() {
         let err = ServerInfo::try_from(pb::InfoReply { protocol_version: 1, ..info() }).unwrap_err();
-        assert_eq!(err, ProtocolError::VersionMismatch { host: 3, server: 1 });
-        assert_eq!(err.to_string(), "the server speaks protocol version 1, this host speaks version 3");
+        assert_eq!(err, ProtocolError::VersionMismatch { host: 4, server: 1 });
+        assert_eq!(err.to_string(), "the server speaks protocol version 1, this host speaks version 4");
     }
 
     #[test]

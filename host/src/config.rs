@@ -253,6 +253,56 @@ struct RawTrain {
     max_steps: Option<u64>,
     #[serde(default)]
     write_bundle: bool,
+    #[serde(default)]
+    clients: Option<RawClients>,
+}
+
+/// `train.clients:` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClients {
+    mode: ClientMode,
+    #[serde(default = "default_group")]
+    group: String,
+    edges: u32,
+    edge: u32,
+}
+
+fn default_group() -> String {
+    "default".into()
+}
+
+/// How the edges of a client group take turns on the server's shared part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientMode {
+    /// Each edge in turn takes all its steps of an epoch, keeping its own weights.
+    Sequential,
+    /// One step each in turn; the edges' weights are averaged after every epoch (FedAvg).
+    SplitFed,
+}
+
+impl ClientMode {
+    /// `sequential` or `splitfed`, as the protocol names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sequential => "sequential",
+            Self::SplitFed => "splitfed",
+        }
+    }
+}
+
+/// `train.clients:`: this edge is one of several training one server part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientsConfig {
+    /// How the edges take turns.
+    pub mode: ClientMode,
+    /// The group's name on the server (every edge names the same).
+    pub group: String,
+    /// How many edges train in the group.
+    pub edges: u32,
+    /// This edge's place among them, from 0: the order of the turns.
+    pub edge: u32,
 }
 
 /// `train.data:`: safetensors files with tensors named like the bundle's inputs, plus the targets.
@@ -343,6 +393,8 @@ pub struct TrainConfig {
     /// Write the trained weights into a new bundle, `<output>/bundle` (loopback and
     /// monolithic runs, where both sides' checkpoints are on this machine).
     pub write_bundle: bool,
+    /// This edge is one of several training one server part (none: it trains alone).
+    pub clients: Option<ClientsConfig>,
 }
 
 fn one() -> i64 {
@@ -600,6 +652,8 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
     if raw.max_steps == Some(0) {
         return Err(invalid("max_steps", "must be at least 1".into()));
     }
+    let clients =
+        raw.clients.map(|c| clients_config(c, &mode, raw.resume.is_some(), raw.write_bundle)).transpose().map_err(|(key, m)| invalid(key, m))?;
     Ok(TrainConfig {
         mode,
         train_data: file.resolve(&raw.data.train),
@@ -618,7 +672,29 @@ fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> 
         resume: raw.resume,
         max_steps: raw.max_steps,
         write_bundle: raw.write_bundle,
+        clients,
     })
+}
+
+/// `train.clients:` checked: a group of at least one edge, this one's place within it, and a
+/// mode that trains a server part; refused with the key at fault.
+fn clients_config(raw: RawClients, mode: &TrainMode, resumes: bool, writes_bundle: bool) -> Result<ClientsConfig, (&'static str, String)> {
+    if *mode == TrainMode::Monolithic {
+        return Err(("clients", "several edges train a server part together: use mode split or u-shaped".into()));
+    }
+    if raw.edges == 0 {
+        return Err(("clients.edges", "must be at least 1".into()));
+    }
+    if raw.edge >= raw.edges {
+        return Err(("clients.edge", format!("{} is not a place among {} edges: 0 to {}", raw.edge, raw.edges, raw.edges - 1)));
+    }
+    if resumes {
+        return Err(("resume", "a client group's run cannot resume a checkpoint yet: start the group afresh".into()));
+    }
+    if writes_bundle {
+        return Err(("write_bundle", "the server's part of a client group is trained by every edge: write it from the server's checkpoint".into()));
+    }
+    Ok(ClientsConfig { mode: raw.mode, group: raw.group, edges: raw.edges, edge: raw.edge })
 }
 
 #[cfg(test)]

@@ -450,6 +450,9 @@ pub enum Breach {
     /// A gradient-norm call answered without the step being taken.
     #[error("the server answered the clipping coefficient without taking the step")]
     NotStepped,
+    /// The end of a client group's round answered without the round ended.
+    #[error("the server answered the end of the round without ending it")]
+    RoundNotEnded,
     /// The server took another step than this host.
     #[error("the server took step {server}, this host step {host}")]
     StepApart {
@@ -781,6 +784,15 @@ pub enum TrainingSetupError {
     /// `train.write_bundle` with the server's checkpoint on another machine.
     #[error("`train.write_bundle` needs the server's checkpoint on this machine: use --loopback, or copy it here and run `host export-trained`")]
     WriteBundleNeedsLoopback,
+    /// A client group of several edges with a server of its own in this process.
+    #[error("a client group of {edges} edges trains on one server: --loopback starts one for this edge alone; name the group's server in `server:`")]
+    GroupOverLoopback {
+        /// The group's edges.
+        edges: u32,
+    },
+    /// `train.clients.mode: splitfed` before its averaging of the edges' weights is built.
+    #[error("train.clients.mode splitfed is not built yet (the edges' weights are not averaged): use sequential")]
+    SplitFedNotYet,
     /// A batch size the bundle does not take.
     #[error("train.{key} {size} is above the bundle's largest batch {max}")]
     BatchAboveTheBundle {

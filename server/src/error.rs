@@ -38,6 +38,9 @@ pub(crate) enum RequestError {
     /// A training call out of order (no session yet, a backward without its forward...).
     #[error("training session: {0}")]
     Session(SessionError),
+    /// A session of a client group refused, or its turn not come in time.
+    #[error("client group: {0}")]
+    Group(GroupError),
     /// The checkpoint namespace a session would resume is held by another open session.
     #[error(
         "checkpoint namespace {namespace} is held by session {holder}, which is still open: one session at a time writes a \
@@ -123,6 +126,31 @@ pub(crate) enum SessionError {
     CheckpointsUnlisted { what: &'static str, dir: std::path::PathBuf, error: std::io::Error },
 }
 
+/// Several edges training one server part (`OpenSession.clients`).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GroupError {
+    #[error("group name {0:?}: use 1 to 64 letters, digits, '-', '_' or '.'")]
+    Name(String),
+    #[error("unknown mode {0:?}: sequential or splitfed")]
+    Mode(String),
+    #[error("a group of {edges} edges: this server trains 1 to {max} at once (`training.max_sessions`)")]
+    Edges { edges: u32, max: u32 },
+    #[error("edge {edge} of a group of {edges}: the places are 0 to {}", edges - 1)]
+    Place { edge: u32, edges: u32 },
+    #[error("group {group} trains with another {term} than this session asks: every edge of a group asks the same")]
+    Differs { group: String, term: &'static str },
+    #[error("edge {edge}'s place in group {group} is held by an open session")]
+    EdgeTaken { group: String, edge: usize },
+    #[error("waited {waited:?} (`training.client_wait_timeout`) in group {group} for edges {waiting_for:?}")]
+    WaitedTooLong { group: String, waited: std::time::Duration, waiting_for: Vec<usize> },
+    #[error("this session is not in a client group: EndRound is for group sessions")]
+    NotInAGroup,
+    #[error("a client group's session cannot resume a checkpoint (not supported yet): start the group afresh")]
+    NoResume,
+    #[error("step {step} is under way: a round ends after its edge's last step")]
+    StepUnderWay { step: u64 },
+}
+
 /// A shared resource taken, or a quota full: the call may succeed later or elsewhere.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Busy {
@@ -183,6 +211,12 @@ pub(crate) enum BadCall {
 impl From<SessionError> for RequestError {
     fn from(e: SessionError) -> Self {
         Self::Session(e)
+    }
+}
+
+impl From<GroupError> for RequestError {
+    fn from(e: GroupError) -> Self {
+        Self::Group(e)
     }
 }
 
@@ -290,6 +324,12 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
         },
         RequestError::Session(_) | RequestError::AlreadyTraining { .. } | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
+        RequestError::Group(e) => match e {
+            GroupError::Name(_) | GroupError::Mode(_) | GroupError::Edges { .. } | GroupError::Place { .. } => Code::InvalidArgument,
+            GroupError::Differs { .. } | GroupError::NotInAGroup | GroupError::NoResume | GroupError::StepUnderWay { .. } => Code::FailedPrecondition,
+            GroupError::EdgeTaken { .. } => Code::AlreadyExists,
+            GroupError::WaitedTooLong { .. } => Code::DeadlineExceeded,
+        },
         RequestError::Unauthenticated(_) => Code::Unauthenticated,
         RequestError::OverBudget(_) | RequestError::Busy(_) | RequestError::ConnectionLimit { .. } => Code::ResourceExhausted,
         RequestError::ConnectionClosing => Code::Cancelled,

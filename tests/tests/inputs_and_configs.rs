@@ -8,7 +8,7 @@ use cleave_common::training::loss::LossKind;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::SplitSpec;
 use cleave_common::{Bundle, DeviceSpec};
-use cleave_host::config::{EdgeConfig, Fallback, InputSource, Job, Resilience, RetryPolicy, TrainMode};
+use cleave_host::config::{ClientMode, ClientsConfig, EdgeConfig, Fallback, InputSource, Job, Resilience, RetryPolicy, TrainMode};
 use cleave_host::error::{HostError, InputError};
 use cleave_host::inputs::Inputs;
 use cleave_server::ServerConfig;
@@ -260,6 +260,23 @@ fn config_errors_name_the_file_and_the_key() {
         ("warmup.yaml", format!("{no_input}{train}  schedule: {{warmup: {{steps: 0}}}}\n"), "`train.schedule`: warmup.steps must be at least 1"),
         ("micro.yaml", format!("{no_input}{train}  microbatches: 0\n"), "`train.microbatches`: must be at least 1"),
         ("decay.yaml", format!("{no_input}{train}  schedule: {{decay: {{kind: linear}}}}\n"), "unknown variant `linear`"),
+        ("edges.yaml", format!("{no_input}{train}  clients: {{mode: splitfed, edges: 0, edge: 0}}\n"), "`train.clients.edges`: must be at least 1"),
+        (
+            "place.yaml",
+            format!("{no_input}{train}  clients: {{mode: sequential, edges: 2, edge: 2}}\n"),
+            "`train.clients.edge`: 2 is not a place among 2 edges",
+        ),
+        ("fed.yaml", format!("{no_input}{train}  clients: {{mode: fedprox, edges: 2, edge: 0}}\n"), "unknown variant `fedprox`"),
+        (
+            "mono.yaml",
+            format!("{no_input}{}  clients: {{mode: sequential, edges: 2, edge: 0}}\n", train.replace("train:\n", "train:\n  mode: monolithic\n")),
+            "`train.clients`: several edges train a server part together",
+        ),
+        (
+            "gresume.yaml",
+            format!("{no_input}{train}  resume: step-3\n  clients: {{mode: sequential, edges: 2, edge: 0}}\n"),
+            "`train.resume`: a client group's run",
+        ),
     ];
     for (name, text, expected) in cases {
         let err = EdgeConfig::load(&write(name, &text)).unwrap_err().to_string();
@@ -268,6 +285,9 @@ fn config_errors_name_the_file_and_the_key() {
     let p = write("training.yaml", "listen: 127.0.0.1:0\nbundle: b\ntraining: {concurrent_sessions: true, checkpoint_dir: ck}\n");
     let training = ServerConfig::load(&p).unwrap().training;
     assert!(training.concurrent_sessions && training.checkpoint_dir == Some(dir.path().join("ck")));
+    let group = format!("{no_input}{train}  clients: {{mode: splitfed, group: ward-3, edges: 4, edge: 1}}\n");
+    let clients = EdgeConfig::load(&write("group.yaml", &group)).unwrap().train().unwrap().clients.clone().unwrap();
+    assert_eq!(clients, ClientsConfig { mode: ClientMode::SplitFed, group: "ward-3".into(), edges: 4, edge: 1 });
 }
 
 #[test]

@@ -1277,3 +1277,104 @@ fn cut_run_trains_as_uncut(run: impl Fn() -> Run<'static>) {
     assert_eq!(diff, 0.0, "a run whose link was cut differs from an uncut one by {diff:e}: a step taken twice or lost");
     serving.block_on(server.shutdown()).unwrap();
 }
+
+/// A digits session over [7, 12) in client group `g` of `edges`, at place `edge`.
+fn open_in_group(mode: &str, edges: u32, edge: u32) -> pb::OpenSession {
+    pb::OpenSession { clients: Some(pb::ClientGroup { name: "g".into(), mode: mode.into(), edges, edge }), ..open_digits(7, 12, "cross-entropy") }
+}
+
+/// Sends `EndRound` and returns the reply.
+async fn end_round(stream: &mut TrainStream, id: u64) -> pb::TrainReply {
+    stream.0.send(TrainFrame { kind: Some(train_frame::Kind::EndRound(pb::EndRound { request_id: id })) }).await.unwrap();
+    let reply = stream.1.next().await.unwrap().unwrap();
+    assert_eq!(reply.request_id, id);
+    reply
+}
+
+#[test]
+fn a_client_group_s_sessions_are_checked_share_the_bundle_and_wait_for_each_other_s_turns() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let wait = std::time::Duration::from_secs(2);
+        let options = TrainingOptions { checkpoint_dir: None, max_sessions: 2, client_wait_timeout: wait, ..TrainingOptions::default() };
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let (mut a, opened) = open_session(&server.url, &bundle, open_in_group("sequential", 2, 0)).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+
+        // Refused: more edges than sessions, a place taken, other terms, a resume, no group.
+        let differs = pb::OpenSession {
+            optimizer: Some(pb::Optimizer { kind: "sgd".into(), lr: 0.2, ..Default::default() }),
+            ..open_in_group("sequential", 2, 1)
+        };
+        let resumes = pb::OpenSession { resume: "ns/step-1".into(), ..open_in_group("sequential", 2, 1) };
+        for (open, code, says) in [
+            (
+                open_in_group("sequential", 3, 1),
+                tonic::Code::InvalidArgument,
+                "a group of 3 edges: this server trains 1 to 2 at once (`training.max_sessions`)",
+            ),
+            (open_in_group("sequential", 2, 2), tonic::Code::InvalidArgument, "edge 2 of a group of 2"),
+            (open_in_group("fedavg", 2, 1), tonic::Code::InvalidArgument, "unknown mode \"fedavg\""),
+            (open_in_group("sequential", 2, 0), tonic::Code::AlreadyExists, "edge 0's place in group g is held by an open session"),
+            (open_in_group("splitfed", 2, 1), tonic::Code::FailedPrecondition, "group g trains with another mode"),
+            (differs, tonic::Code::FailedPrecondition, "group g trains with another optimizer"),
+            (resumes, tonic::Code::FailedPrecondition, "cannot resume a checkpoint"),
+            (open_digits(7, 12, "cross-entropy"), tonic::Code::ResourceExhausted, "already being trained by session s1"),
+        ] {
+            let (_stream, refused) = open_session(&server.url, &bundle, open).await;
+            let (got, message) = error_of(&refused);
+            assert!(got == code && message.contains(says), "{says:?}: {got:?} {message}");
+        }
+
+        // Edge 1 has not come: edge 0's step waits for it, then is refused naming it.
+        let features = noise(&[2, 32, 4, 4], 0);
+        let step = cleave_common::Boundary {
+            values: vec![
+                ("features_6".into(), cleave_common::Value::Tensor(features)),
+                ("@targets".into(), cleave_common::Value::Tensor(Tensor::from_slice(&[3i64, 4]))),
+            ],
+        };
+        let replies = call(&mut a, 1, pb::Phase::Forward, (7, Direction::Request), &step).await;
+        let (code, message) = error_of(replies.last().unwrap());
+        assert_eq!(code, tonic::Code::DeadlineExceeded);
+        assert!(message.contains("(`training.client_wait_timeout`) in group g for edges [1]"), "{message}");
+
+        // Sequential: edge 1's step waits until edge 0 has ended its round.
+        let (mut b, opened) = open_session(&server.url, &bundle, open_in_group("sequential", 2, 1)).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        // Tensors are not `Sync`: edge 1 runs as a task on this thread.
+        let local = tokio::task::LocalSet::new();
+        let edge_1 = local.spawn_local(async move {
+            let step = cleave_common::Boundary {
+                values: vec![
+                    ("features_6".into(), cleave_common::Value::Tensor(noise(&[2, 32, 4, 4], 1))),
+                    ("@targets".into(), cleave_common::Value::Tensor(Tensor::from_slice(&[1i64, 2]))),
+                ],
+            };
+            let stepped = call(&mut b, 1, pb::Phase::Forward, (7, Direction::Request), &step).await;
+            let round = end_round(&mut b, 2).await;
+            (b, stepped, round)
+        });
+        let (a, (b, stepped, round)) = local
+            .run_until(async move {
+                train_step(&mut a, 2).await;
+                // Edge 1's step is still waiting for the turn edge 0 holds.
+                tokio::time::sleep(wait / 4).await;
+                assert!(!edge_1.is_finished());
+                let round = end_round(&mut a, 3).await;
+                assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 1 }), "{round:?}");
+                (a, edge_1.await.unwrap())
+            })
+            .await;
+        assert!(stepped.last().unwrap().loss.is_some(), "{stepped:?}");
+        assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 1 }), "{round:?}");
+
+        // EndRound outside a group is refused, and the session goes on.
+        drop((a, b));
+        let (mut alone, _) = open_when_free(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
+        let (code, message) = error_of(&end_round(&mut alone, 1).await);
+        assert!(code == tonic::Code::FailedPrecondition && message.contains("not in a client group"), "{code:?} {message}");
+        train_step(&mut alone, 2).await;
+    });
+}

@@ -113,8 +113,14 @@ impl TrainableStages {
     /// batch norm uses batch statistics and updates its running ones, dropout draws masks
     /// seeded by (session seed, step, stage), the session seed that of the micro-batch.
     pub fn forward(&mut self, step: u64, microbatch: Microbatch, input: &Boundary) -> Result<Boundary, TrainError> {
+        self.forward_seeded(self.seed, step, microbatch, input)
+    }
+
+    /// [`Self::forward`] with the dropout masks of session seed `seed` (stages several
+    /// sessions train in turn draw each session's own).
+    pub fn forward_seeded(&mut self, seed: u64, step: u64, microbatch: Microbatch, input: &Boundary) -> Result<Boundary, TrainError> {
         self.set_training(true);
-        let seed = microbatch.seed(self.seed);
+        let seed = microbatch.seed(seed);
         let range = self.stages.range();
         Ok(self.stages.run_chain(range, input, |stage| seeded_generator(stage_seed(seed, step, stage)))?)
     }

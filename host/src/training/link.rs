@@ -206,6 +206,13 @@ impl TrainLink {
         self.reattaching(|link| link.try_clip_step(id, coefficient))
     }
 
+    /// In a client group: this edge's steps of the round are taken; returns once every edge
+    /// of the group has ended the round, with the rounds ended.
+    pub(crate) fn end_round(&mut self) -> Result<u64> {
+        let id = self.take_id();
+        self.reattaching(|link| link.try_end_round(id))
+    }
+
     /// Ends the session: closes this side of the stream and waits for the server to end its
     /// own, so that it does not keep the session for a host that has finished.
     pub(crate) fn close(self) {
@@ -271,6 +278,11 @@ impl TrainLink {
     fn try_clip_step(&mut self, id: u64, coefficient: f32) -> Result<u64> {
         let reply = self.try_message(id, train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient }))?;
         Ok(reply.stepped.ok_or(Breach::NotStepped)?.step)
+    }
+
+    fn try_end_round(&mut self, id: u64) -> Result<u64> {
+        let reply = self.try_message(id, train_frame::Kind::EndRound(pb::EndRound { request_id: id }))?;
+        Ok(reply.round_ended.ok_or(Breach::RoundNotEnded)?.round)
     }
 
     fn try_save(&mut self, id: u64, name: &str) -> Result<u64> {

@@ -36,7 +36,7 @@ use cleave_common::training::{float_leaves, track_gradients, TrainError, Trainab
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange, Value};
 use tch::Tensor;
 
-use crate::config::{EdgeConfig, TrainConfig, TrainMode};
+use crate::config::{ClientMode, EdgeConfig, TrainConfig, TrainMode};
 use crate::error::{Breach, HostError, OutputError, Result, TrainingSetupError};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
@@ -173,6 +173,13 @@ impl Cuts {
         if train.write_bundle && remote && !opts.loopback {
             return Err(TrainingSetupError::WriteBundleNeedsLoopback.into());
         }
+        if let Some(clients) = train.clients.as_ref().filter(|c| c.edges > 1 && opts.loopback) {
+            return Err(TrainingSetupError::GroupOverLoopback { edges: clients.edges }.into());
+        }
+        if train.clients.as_ref().is_some_and(|c| c.mode == ClientMode::SplitFed) {
+            // The server takes splitfed's turns already; the edges' averaging is still to come.
+            return Err(TrainingSetupError::SplitFedNotYet.into());
+        }
         Ok(Self { split, tail, stages, remote })
     }
 }
@@ -290,6 +297,7 @@ async fn open_session(
         loss: if cuts.tail == cuts.stages { train.loss.name().to_string() } else { String::new() },
         seed: train.seed,
         resume: server_resume,
+        clients: train.clients.as_ref().map(|c| pb::ClientGroup { name: c.group.clone(), mode: c.mode.name().into(), edges: c.edges, edge: c.edge }),
         ..Default::default()
     };
     let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
@@ -475,6 +483,11 @@ impl Trainer {
                 steps += 1;
                 self.position = Position { epoch, batch: index + 1 };
                 self.progress.tell(Event::Advanced { loss: Some(loss) });
+            }
+            if steps > 0 && self.train.clients.is_some() {
+                // The group's next round starts once every edge has ended this one and
+                // evaluated (its first step of the next round tells the server so).
+                self.link.as_mut().expect("a group trains a server part").end_round().map_err(|e| e.during("ending the round"))?;
             }
             let epoch_seconds = started.elapsed().as_secs_f64();
             self.progress.tell(Event::BarEnds);

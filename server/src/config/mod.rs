@@ -345,6 +345,8 @@ struct RawServerTraining {
     max_pipeline_depth: Option<u32>,
     #[serde(default)]
     max_kept_answer_bytes: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    client_wait_timeout: Option<Duration>,
 }
 
 /// How a server runs training sessions.
@@ -379,6 +381,10 @@ pub struct TrainingOptions {
     /// older answers past it are let go, and a call resent for one of them is refused (its
     /// micro-batch out of order) rather than run twice.
     pub max_kept_answer_bytes: u64,
+    /// How long a session of a client group waits for the others (its turn to step, the
+    /// end of a round) before its call is refused naming the edges it waited for. A waiting
+    /// session is not idle.
+    pub client_wait_timeout: Duration,
 }
 
 impl Default for TrainingOptions {
@@ -393,6 +399,7 @@ impl Default for TrainingOptions {
             max_checkpoint_bytes_total: 16 << 30,
             max_pipeline_depth: 8,
             max_kept_answer_bytes: 64 << 20,
+            client_wait_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -527,10 +534,14 @@ fn training_options(file: &ConfigFile<'_>, raw: Option<RawServerTraining>) -> Re
             max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
             max_pipeline_depth: t.max_pipeline_depth.unwrap_or(d.max_pipeline_depth),
             max_kept_answer_bytes: t.max_kept_answer_bytes.unwrap_or(d.max_kept_answer_bytes),
+            client_wait_timeout: t.client_wait_timeout.unwrap_or(d.client_wait_timeout),
         },
     };
     if training.session_idle_timeout.is_zero() {
         return Err(file.invalid("training.session_idle_timeout", "must be positive"));
+    }
+    if training.client_wait_timeout.is_zero() {
+        return Err(file.invalid("training.client_wait_timeout", "must be positive"));
     }
     if training.max_sessions == 0 {
         return Err(file.invalid("training.max_sessions", "must be positive"));
@@ -686,7 +697,7 @@ mod tests {
              memory_budget_bytes: 3221225472\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_frame_bytes: 65536\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
-             max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n  max_pipeline_depth: 3\n  max_kept_answer_bytes: 1024\n",
+             max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n  max_pipeline_depth: 3\n  max_kept_answer_bytes: 1024\n  client_wait_timeout: 7s\n",
         )
         .unwrap();
         let want = PeerLimits {
@@ -716,6 +727,7 @@ mod tests {
         assert_eq!(c.peers, want);
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
         assert_eq!((c.training.max_pipeline_depth, c.training.max_kept_answer_bytes), (3, 1024));
+        assert_eq!(c.training.client_wait_timeout, Duration::from_secs(7));
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
@@ -732,6 +744,7 @@ mod tests {
             ("limits: {max_frame_bytes: 16777216}", "limits.max_frame_bytes", "to 16777215"),
             ("training: {max_sessions: 0}", "training.max_sessions", "must be positive"),
             ("training: {max_pipeline_depth: 0}", "training.max_pipeline_depth", "must be positive"),
+            ("training: {client_wait_timeout: 0s}", "training.client_wait_timeout", "must be positive"),
         ] {
             let err = load(&format!("listen: 127.0.0.1:1\n{yaml}\n")).unwrap_err();
             assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");

@@ -3,7 +3,8 @@
 //! from named `NAMESPACE/NAME`), and
 //! the sessions open now. By default a bundle has at most one session at a time, so two
 //! hosts cannot train the same weights unknowingly; `training.concurrent_sessions` lets each
-//! train its own copy.
+//! train its own copy, and the sessions of one client group ([`super::group`]) train one
+//! copy together.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,9 +18,10 @@ use cleave_common::training::SetupError;
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore};
+use super::group::{Groups, Member};
 use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
-use crate::error::{Busy, RequestError};
+use crate::error::{Busy, GroupError, RequestError};
 use crate::scheduler::DeviceScheduler;
 
 /// The training side of the service: options and the sessions open now.
@@ -29,6 +31,7 @@ pub(crate) struct Training {
     sessions: Arc<Sessions>,
     /// The checkpoint directory's namespaces (none without `training.checkpoint_dir`).
     checkpoints: Option<CheckpointStore>,
+    groups: Arc<Groups>,
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +45,8 @@ struct Sessions {
 struct OpenEntry {
     id: String,
     bundle: String,
+    /// Its client group's name: the sessions of one group train the bundle together.
+    group: Option<String>,
     opened: Instant,
     /// When its host last sent a frame (a session idle for `training.session_idle_timeout`
     /// is closed).
@@ -74,16 +79,16 @@ impl Drop for SessionSlot {
 impl Training {
     pub(crate) fn new(options: TrainingOptions) -> Self {
         let checkpoints = CheckpointStore::new(&options);
-        Self { options, sessions: Arc::default(), checkpoints }
+        Self { options, sessions: Arc::default(), checkpoints, groups: Arc::default() }
     }
 
-    /// Takes a place for a new session on `bundle`, or says why not.
-    pub(crate) fn admit(&self, bundle: &Bundle) -> Result<SessionSlot, RequestError> {
+    /// Takes a place for a new session on `bundle` (of client group `group`), or says why not.
+    pub(crate) fn admit(&self, bundle: &Bundle, group: Option<&str>) -> Result<SessionSlot, RequestError> {
         let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
-        if self.options.concurrent_sessions && open.len() >= self.options.max_sessions as usize {
+        if (self.options.concurrent_sessions || group.is_some()) && open.len() >= self.options.max_sessions as usize {
             return Err(Busy::Sessions { open: open.len() }.into());
         }
-        let same_bundle = open.iter().find(|e| e.bundle == bundle.id());
+        let same_bundle = open.iter().find(|e| e.bundle == bundle.id() && (group.is_none() || e.group.as_deref() != group));
         if let Some(holder) = same_bundle.filter(|_| !self.options.concurrent_sessions) {
             return Err(Busy::BundleTrained {
                 bundle: bundle.id().to_string(),
@@ -96,8 +101,17 @@ impl Training {
         }
         let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
         let now = Instant::now();
-        open.push(OpenEntry { id: id.clone(), bundle: bundle.id().to_string(), opened: now, heard: now });
+        open.push(OpenEntry { id: id.clone(), bundle: bundle.id().to_string(), group: group.map(str::to_string), opened: now, heard: now });
         Ok(SessionSlot { sessions: Arc::clone(&self.sessions), id })
+    }
+
+    /// Places a session of a client group among its edges (none for a session alone).
+    pub(crate) fn join(&self, bundle: &Bundle, open: &pb::OpenSession) -> Result<Option<Member>, RequestError> {
+        if open.clients.is_none() {
+            return Ok(None);
+        }
+        let (max_edges, wait) = (self.options.max_sessions, self.options.client_wait_timeout);
+        self.groups.join(bundle.id(), open, max_edges, wait).map(Some)
     }
 
     /// Checks an `OpenSession` against `bundle`; the session then loads on `device` and runs
@@ -143,6 +157,7 @@ impl Training {
         }
         let resume = match open.resume.as_str() {
             "" => None,
+            _ if open.clients.is_some() => return Err(GroupError::NoResume.into()),
             _ if self.checkpoints.is_none() => return Err(no_checkpoint_dir()),
             text => Some(CheckpointRef::parse(text)?),
         };
@@ -160,6 +175,7 @@ impl Training {
             seed: open.seed,
             resume,
             checkpoints: self.checkpoints.clone(),
+            member: None,
         })
     }
 }

@@ -1,13 +1,14 @@
 //! A training session's own thread: it owns a fresh copy of the session's stages in
-//! training mode and its optimizer, and runs the calls its stream hands it one at a time
-//! (forward, U-shaped backward, evaluation, checkpoint). The step math is the one the edge
+//! training mode and its optimizer (or shares its client group's, taking its turns), and runs
+//! the calls its stream hands it one at a time (forward, U-shaped backward, evaluation,
+//! checkpoint, the end of a group's round). The step math is the one the edge
 //! runs too (`cleave_common::training::step`). It remembers its last answers (as many as its
 //! host may have calls in flight, within a byte bound), so that a call its host resends on a
 //! new stream (the answer was lost with the old one) is answered again instead of run twice.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cleave_common::training::checkpoint::{self, CheckpointMeta};
@@ -22,7 +23,8 @@ use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
-use crate::error::{Internal, RequestError, SessionError};
+use super::group::{Member, SharedPart, TrainedPart, Waited};
+use crate::error::{GroupError, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::scheduler::DeviceScheduler;
 
@@ -48,6 +50,8 @@ pub(crate) struct SessionSetup {
     pub(crate) resume: Option<CheckpointRef>,
     /// Where the session keeps its checkpoints; none: it cannot save.
     pub(crate) checkpoints: Option<CheckpointStore>,
+    /// Its place in a client group, whose stages it trains (none: it trains its own).
+    pub(crate) member: Option<Member>,
 }
 
 /// The refusal of a checkpoint call on a server without a checkpoint directory.
@@ -68,6 +72,8 @@ pub(crate) enum Call {
     Save { name: String },
     /// With clipping: what the gradients of the step answered last are multiplied by.
     Clip { coefficient: f32 },
+    /// In a client group: this edge's steps of the round are taken.
+    EndRound,
 }
 
 /// The session thread's answer.
@@ -81,6 +87,8 @@ pub(crate) enum Answer {
     Saved { name: String, step: u64 },
     /// A clipped step was taken (`step` steps in all).
     Stepped { step: u64 },
+    /// Every edge of the group has ended the round (`round` rounds in all).
+    RoundEnded { round: u64 },
 }
 
 impl Answer {
@@ -88,7 +96,7 @@ impl Answer {
     fn tensor_bytes(&self) -> u64 {
         match self {
             Self::Gradients { grads: b, .. } | Self::Output(b) => b.tensor_bytes() as u64,
-            Self::Saved { .. } | Self::Stepped { .. } => 0,
+            Self::Saved { .. } | Self::Stepped { .. } | Self::RoundEnded { .. } => 0,
         }
     }
 
@@ -99,6 +107,7 @@ impl Answer {
             Self::Output(out) => Self::Output(out.shallow_clone()),
             Self::Saved { name, step } => Self::Saved { name: name.clone(), step: *step },
             Self::Stepped { step } => Self::Stepped { step: *step },
+            Self::RoundEnded { round } => Self::RoundEnded { round: *round },
         }
     }
 }
@@ -133,8 +142,10 @@ struct PendingStep {
 
 /// The state the session thread owns.
 struct Session {
-    stages: TrainableStages,
-    optimizer: Optimizer,
+    /// The stages and their optimizer: the session's own, or its group's.
+    part: SharedPart,
+    /// Its place in a client group.
+    member: Option<Member>,
     schedule: Schedule,
     /// Whether the session clips (the host computes the coefficient).
     clips: bool,
@@ -171,24 +182,23 @@ impl Session {
             (None, Some(_)) => return Err(no_checkpoint_dir()),
             (None, None) => None,
         };
-        let stages = TrainableStages::load(&setup.bundle, setup.range, setup.device, setup.seed)?;
-        let mut optimizer = Optimizer::new(setup.optimizer);
-        let mut step = 0;
-        if let (Some(resume), Some(namespace)) = (&setup.resume, &namespace) {
-            let path = namespace.path(&resume.name)?;
-            let meta = checkpoint::restore(&path, &[&stages], &mut optimizer)?;
-            if meta.seed != setup.seed {
-                return Err(RequestError::Training(TrainError::Checkpoint {
-                    path,
-                    message: format!("it was trained with seed {}, this session has seed {}: resume with the same seed", meta.seed, setup.seed),
-                }));
+        let load = || -> Result<TrainedPart, RequestError> {
+            let stages = TrainableStages::load(&setup.bundle, setup.range, setup.device, setup.seed)?;
+            Ok(TrainedPart { stages, optimizer: Optimizer::new(setup.optimizer.clone()) })
+        };
+        let (part, step) = match &setup.member {
+            // A group's session starts afresh (resuming is refused when it opens).
+            Some(member) => (member.part(load)?, 0),
+            None => {
+                let mut part = load()?;
+                let step = Self::resume(&setup, namespace.as_ref(), &mut part)?;
+                (Arc::new(Mutex::new(part)), step)
             }
-            step = meta.step;
-        }
+        };
         let shared_step = Arc::new(AtomicU64::new(step));
         Ok(Self {
-            stages,
-            optimizer,
+            part,
+            member: setup.member,
             schedule: setup.schedule,
             clips: setup.clips,
             unclipped: None,
@@ -204,6 +214,69 @@ impl Session {
             max_kept_answer_bytes: setup.max_kept_answer_bytes,
             shared_step,
         })
+    }
+
+    /// Restores the checkpoint the session resumes from into `part`; returns its step (0
+    /// without one).
+    fn resume(setup: &SessionSetup, namespace: Option<&Namespace>, part: &mut TrainedPart) -> Result<u64, RequestError> {
+        let mut step = 0;
+        if let (Some(resume), Some(namespace)) = (&setup.resume, namespace) {
+            let path = namespace.path(&resume.name)?;
+            let meta = checkpoint::restore(&path, &[&part.stages], &mut part.optimizer)?;
+            if meta.seed != setup.seed {
+                return Err(RequestError::Training(TrainError::Checkpoint {
+                    path,
+                    message: format!("it was trained with seed {}, this session has seed {}: resume with the same seed", meta.seed, setup.seed),
+                }));
+            }
+            step = meta.step;
+        }
+        Ok(step)
+    }
+
+    /// The stages and optimizer, held for a call (a group's sessions take turns with them).
+    fn part(&self) -> MutexGuard<'_, TrainedPart> {
+        self.part.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a step has begun and not been taken.
+    fn step_under_way(&self) -> bool {
+        self.pending.is_some() || self.unclipped.is_some() || self.microbatches.is_some()
+    }
+
+    /// Before the device, in a client group: a step's first call waits for the edge's turn,
+    /// and `EndRound` for the other edges (answered here). Returns the job when it goes on.
+    fn wait_in_group(&mut self, job: CallJob) -> Option<CallJob> {
+        let starts_step = matches!(&job.call, Call::Forward { microbatch, .. } if microbatch.index == 0) && !self.step_under_way();
+        let ends_round = matches!(job.call, Call::EndRound);
+        let (Some(member), true) = (&self.member, starts_step || ends_round) else {
+            if ends_round {
+                let _ = job.reply.send(Err(GroupError::NotInAGroup.into()));
+                return None;
+            }
+            return Some(job);
+        };
+        let gone = || job.reply.is_closed();
+        let waited = if ends_round && self.step_under_way() {
+            Err(Waited::TooLong(GroupError::StepUnderWay { step: self.step + 1 }))
+        } else if ends_round {
+            member.end_round(&gone).map(Some)
+        } else {
+            member.wait_for_step(&gone).map(|()| None)
+        };
+        match waited {
+            Ok(None) => Some(job),
+            Ok(Some(round)) => {
+                self.keep_answer(job.id, Answer::RoundEnded { round });
+                let _ = job.reply.send(Ok((Answer::RoundEnded { round }, Duration::ZERO)));
+                None
+            }
+            Err(Waited::Gone) => None,
+            Err(Waited::TooLong(e)) => {
+                let _ = job.reply.send(Err(e.into()));
+                None
+            }
+        }
     }
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
@@ -241,22 +314,25 @@ impl Session {
             Call::Forward { input, targets, microbatch } => self.forward(input, targets, microbatch)?,
             Call::Backward { grads } => self.backward(&grads)?,
             Call::Clip { coefficient } => self.clip_step(coefficient)?,
-            Call::Evaluate { input } => (Answer::Output(self.stages.evaluate(&input)?.detached()), None),
+            Call::Evaluate { input } => (Answer::Output(self.part().stages.evaluate(&input)?.detached()), None),
             Call::Save { name } => (self.save(name)?, None),
+            // Answered before the device (`wait_in_group`).
+            Call::EndRound => return Err(Internal::WrongAnswer("EndRound").into()),
         })
     }
 
     fn save(&mut self, name: String) -> Result<Answer, RequestError> {
+        let part = self.part();
         let meta = CheckpointMeta {
-            bundle_id: self.stages.bundle().id().to_string(),
-            ranges: vec![[self.stages.range().start, self.stages.range().end]],
+            bundle_id: part.stages.bundle().id().to_string(),
+            ranges: vec![[part.stages.range().start, part.stages.range().end]],
             step: self.step,
-            optimizer: self.optimizer.config().clone(),
+            optimizer: part.optimizer.config().clone(),
             seed: self.seed,
             extra: Default::default(),
         };
         let saved = match &self.namespace {
-            Some(namespace) => namespace.save(&name, &meta, &[&self.stages], &self.optimizer),
+            Some(namespace) => namespace.save(&name, &meta, &[&part.stages], &part.optimizer),
             None => Err(no_checkpoint_dir()),
         };
         if let Err(e) = &saved {
@@ -277,7 +353,9 @@ impl Session {
         }
         self.check_order(microbatch)?;
         let leaves = track_gradients(&input);
-        let output = self.stages.forward(self.step, microbatch, &input)?;
+        let part = Arc::clone(&self.part);
+        let mut part = part.lock().unwrap_or_else(|p| p.into_inner());
+        let output = part.stages.forward_seeded(self.seed, self.step, microbatch, &input)?;
         let Some(loss_kind) = self.loss else {
             if targets.is_some() {
                 return Err(StepError::TargetsPastTheLoss.into());
@@ -286,15 +364,16 @@ impl Session {
             return Ok((Answer::Output(output.detached()), None));
         };
         let targets = targets.ok_or(StepError::NoTargets { value: TARGETS_VALUE })?;
-        let loss = microbatch.weigh(&step_loss(self.stages.bundle(), loss_kind, output, &targets)?);
-        let grads = backward(Some(&loss), self.stages.parameters(), &leaves)?;
+        let loss = microbatch.weigh(&step_loss(part.stages.bundle(), loss_kind, output, &targets)?);
+        let grads = backward(Some(&loss), part.stages.parameters(), &leaves)?;
+        drop(part);
         Ok(self.gradient_answer(Some(loss.double_value(&[])), grads, microbatch))
     }
 
     /// U-shaped: continues the pending step's backward pass from the gradient at `end`.
     fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Option<Grads>), TrainError> {
         let PendingStep { microbatch, inputs: leaves, outputs } = self.pending.take().ok_or(StepError::NoPendingForward)?;
-        let grads = backward_from_boundary(&outputs, grads, self.stages.parameters(), &leaves)?;
+        let grads = backward_from_boundary(&outputs, grads, self.part().stages.parameters(), &leaves)?;
         Ok(self.gradient_answer(None, grads, microbatch))
     }
 
@@ -351,10 +430,17 @@ impl Session {
     }
 
     fn finish_step(&mut self, param_grads: Grads) {
-        let lr = self.schedule.lr(self.optimizer.config().lr(), self.step);
-        self.optimizer.step(self.stages.parameters(), &param_grads, lr);
+        {
+            let mut part = self.part();
+            let TrainedPart { stages, optimizer } = &mut *part;
+            let lr = self.schedule.lr(optimizer.config().lr(), self.step);
+            optimizer.step(stages.parameters(), &param_grads, lr);
+        }
         self.step += 1;
         self.shared_step.store(self.step, Ordering::Relaxed);
+        if let Some(member) = &self.member {
+            member.stepped();
+        }
     }
 
     /// Keeps an answer for a resend of its call: the last `pipeline_depth`, those before the
@@ -407,9 +493,12 @@ impl SessionHandle {
             .spawn(move || {
                 let mut session = match Session::open(setup, &id) {
                     Ok(s) => {
-                        let device = cleave_common::device::device_name(s.stages.device());
+                        let (device, parameters) = {
+                            let part = s.part();
+                            (cleave_common::device::device_name(part.stages.device()), part.stages.parameter_count())
+                        };
                         let namespace = s.namespace.as_ref().map(|n| n.name().to_string()).unwrap_or_default();
-                        let opened = Opened { step: s.step, parameters: s.stages.parameter_count(), device, namespace };
+                        let opened = Opened { step: s.step, parameters, device, namespace };
                         let _ = opened_tx.send(Ok((opened, Arc::clone(&s.shared_step))));
                         s
                     }
@@ -430,6 +519,7 @@ impl SessionHandle {
                     if abandoned(&job) {
                         continue;
                     }
+                    let Some(job) = session.wait_in_group(job) else { continue };
                     // The device runs this call between inference batches; it is given back
                     // when the call is done (the optimizer step included).
                     let _turn = match turns.turn() {

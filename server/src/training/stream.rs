@@ -117,8 +117,9 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
 
 /// Opens a new session for `open` on the stream's model.
 async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Attached, RequestError> {
-    let setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), open)?;
-    let slot = ctx.training.admit(&ctx.model.bundle)?;
+    let mut setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), open)?;
+    let slot = ctx.training.admit(&ctx.model.bundle, open.clients.as_ref().map(|c| c.name.as_str()))?;
+    setup.member = ctx.training.join(&ctx.model.bundle, open)?;
     let (session, opened) = SessionHandle::spawn(setup, &slot.id, ctx.metrics.clone()).await?;
     tracing::info!(
         session = %slot.id, start = open.start, end = open.end, step = opened.step, device = %opened.device, namespace = %opened.namespace,
@@ -193,6 +194,7 @@ async fn answer_calls(
         let (replies, mut held) = match frame.kind {
             Some(train_frame::Kind::Save(save)) => (vec![save_reply(session, save).await], Reservation::none()),
             Some(train_frame::Kind::Clip(clip)) => (vec![clip_reply(session, clip).await], Reservation::none()),
+            Some(train_frame::Kind::EndRound(end)) => (vec![end_round_reply(session, end).await], Reservation::none()),
             Some(train_frame::Kind::Payload(p)) => {
                 let handled = stream.call(&p, ctx, session, out).await;
                 // A payload part-way in must be complete by its deadline.
@@ -229,6 +231,7 @@ fn refused(frames: &mut FrameAssembler<(CallHead, Reservation, tracing::Span)>, 
         }
         Some(train_frame::Kind::Save(save)) => Some(error_reply(save.request_id, e)),
         Some(train_frame::Kind::Clip(clip)) => Some(error_reply(clip.request_id, e)),
+        Some(train_frame::Kind::EndRound(end)) => Some(error_reply(end.request_id, e)),
         Some(train_frame::Kind::Open(_)) | None => Some(error_reply(0, e)),
     }
 }
@@ -242,6 +245,17 @@ async fn clip_reply(session: &SessionHandle, clip: pb::ClipStep) -> TrainReply {
         }
         Ok(_) => error_reply(clip.request_id, &Internal::WrongAnswer("ClipStep").into()),
         Err(e) => error_reply(clip.request_id, &e),
+    }
+}
+
+/// An `EndRound` call, answered once every edge of the session's group has ended the round.
+async fn end_round_reply(session: &SessionHandle, end: pb::EndRound) -> TrainReply {
+    match session.call(end.request_id, Call::EndRound).await {
+        Ok((Answer::RoundEnded { round }, _)) => {
+            TrainReply { request_id: end.request_id, last: true, round_ended: Some(pb::RoundEnded { round }), ..Default::default() }
+        }
+        Ok(_) => error_reply(end.request_id, &Internal::WrongAnswer("EndRound").into()),
+        Err(e) => error_reply(end.request_id, &e),
     }
 }
 
@@ -413,7 +427,9 @@ impl CallStream {
         let (loss, norms, boundary, spec) = match answer {
             Answer::Gradients { loss, grads, norms } => (loss, norms.unwrap_or_default(), grads, spec(self.start, Direction::Gradient)),
             Answer::Output(out) => (None, Vec::new(), out, spec(self.end, Direction::Result)),
-            Answer::Saved { .. } | Answer::Stepped { .. } => return vec![error_reply(id, &Internal::WrongAnswer("payload").into())],
+            Answer::Saved { .. } | Answer::Stepped { .. } | Answer::RoundEnded { .. } => {
+                return vec![error_reply(id, &Internal::WrongAnswer("payload").into())]
+            }
         };
         let (encoded, encode_time) = match encode_answer(&self.encoder, spec, boundary).instrument(tracing::debug_span!("encode")).await {
             Ok(e) => e,
