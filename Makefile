@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles demo demo-secure demo-train digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving clean
+.PHONY: setup build lint test test-bundles demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving clean
 
 setup: build
 
@@ -128,6 +128,11 @@ demo-train: build digits-cnn
 	s = {name: json.load(open(d + "/summary.json")) for name, d in runs}; \
 	[print("%20s: final test accuracy %.2f%%, median epoch %.3f s, median step %.2f ms" % (n, v["final_test_accuracy"] * 100, v["median_epoch_seconds"], v["median_step_ms"])) for n, v in s.items()]; \
 	print("accuracy difference: %.2f points" % (abs(s["split over loopback"]["final_test_accuracy"] - s["monolithic"]["final_test_accuracy"]) * 100))'
+
+# SplitFed over 127.0.0.1: a server and four edges, each on its own quarter of the digits
+# training split, FedAvg after every epoch; then one edge with all the data, for comparison.
+demo-train-fed: build digits-cnn
+	tools/demo/train-fed
 
 # Development secrets for the secured demo (a CA, a server certificate for localhost, a
 # payload key, a token), written once into the git-ignored .dev-secrets/.

@@ -81,6 +81,10 @@ pub enum WireError {
     /// is reserved).
     #[error("{0}")]
     NotExpected(Shared<BundleError>),
+    /// The payload declares other tensors than the exact ones expected (checked before its
+    /// data is reserved).
+    #[error("the payload's tensors are not the ones expected: {0}")]
+    NotTheTensors(String),
     /// libtorch cannot build a tensor of this shape.
     #[error("tensor {name}: libtorch cannot build shape {shape:?}: {message}")]
     BadTensor {
@@ -257,11 +261,53 @@ pub struct PayloadReceiver {
     limit: u64,
     policy: CodecPolicy,
     opener: Opener,
-    /// When set, what each payload declares is checked against this bundle's cut before its
-    /// data is reserved: the cut its header names, or only this one, under this rule.
-    expected: Option<(Bundle, Option<usize>, CutTensors)>,
+    /// When set, what each payload declares is checked against it before its data is reserved.
+    expected: Option<Expected>,
     /// The CUDA device received tensors go to, when they land in memory pinned for it.
     pinned_for: Option<tch::Device>,
+}
+
+/// What a receiver checks each payload's declared tensors against.
+#[derive(Debug)]
+enum Expected {
+    /// A bundle's cut: the one the header names, or only this one, under this rule.
+    Cut(Bundle, Option<usize>, CutTensors),
+    /// Exactly these tensors, in any order.
+    Tensors(std::sync::Arc<[TensorSpec]>),
+}
+
+/// A tensor a payload must declare: its name, type and shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Its name in the payload.
+    pub name: String,
+    /// Its element type.
+    pub dtype: DType,
+    /// Its shape.
+    pub shape: Vec<i64>,
+}
+
+impl TensorSpec {
+    /// The spec of `tensor` under `name`; none for a type payloads do not carry.
+    pub fn of(name: &str, tensor: &Tensor) -> Option<Self> {
+        Some(Self { name: name.to_string(), dtype: DType::from_kind(tensor.kind())?, shape: tensor.size() })
+    }
+}
+
+/// Checks that `declared` are exactly the tensors of `specs`.
+fn check_tensors<'a>(specs: &[TensorSpec], declared: impl Iterator<Item = (&'a str, DType, &'a [i64])>) -> Result<(), WireError> {
+    let mut seen = 0;
+    for (name, dtype, shape) in declared {
+        let spec = specs.iter().find(|s| s.name == name).ok_or_else(|| WireError::NotTheTensors(format!("{name} is not expected")))?;
+        if spec.dtype != dtype || spec.shape != shape {
+            return Err(WireError::NotTheTensors(format!("{name} is {dtype} {shape:?}, expected {} {:?}", spec.dtype, spec.shape)));
+        }
+        seen += 1;
+    }
+    if seen != specs.len() {
+        return Err(WireError::NotTheTensors(format!("{seen} tensors declared, {} expected", specs.len())));
+    }
+    Ok(())
 }
 
 /// A payload received whole.
@@ -302,7 +348,7 @@ impl PayloadReceiver {
     /// names (exactly the cut's tensors, one batch size within range) before reserving its
     /// data: nothing is allocated on a peer's word beyond what the manifest allows.
     pub fn checked_against(mut self, bundle: &Bundle) -> Self {
-        self.expected = Some((bundle.clone(), None, CutTensors::All));
+        self.expected = Some(Expected::Cut(bundle.clone(), None, CutTensors::All));
         self
     }
 
@@ -310,7 +356,14 @@ impl PayloadReceiver {
     /// cut (a training session's boundaries at its start, gradients at its end): a payload
     /// naming another cut is refused, and `rule` says which of the cut's tensors it carries.
     pub fn checked_at(mut self, bundle: &Bundle, cut: usize, rule: CutTensors) -> Self {
-        self.expected = Some((bundle.clone(), Some(cut), rule));
+        self.expected = Some(Expected::Cut(bundle.clone(), Some(cut), rule));
+        self
+    }
+
+    /// Checks that each payload declares exactly `tensors` (names, types and shapes, none
+    /// twice) before reserving its data: a client group's weights, say.
+    pub fn checked_as(mut self, tensors: std::sync::Arc<[TensorSpec]>) -> Self {
+        self.expected = Some(Expected::Tensors(tensors));
         self
     }
 
@@ -325,13 +378,18 @@ impl PayloadReceiver {
             return Err(WireError::RequestIdMismatch { frame: request_id, header: incoming.request_id() });
         }
         let mut checked = None;
-        if let Some((bundle, cut, rule)) = &self.expected {
-            let split = incoming.split() as usize;
-            if let Some(stream) = cut.filter(|&cut| cut != split) {
-                return Err(WireError::WrongCut { payload: split, stream });
+        match &self.expected {
+            Some(Expected::Cut(bundle, cut, rule)) => {
+                let split = incoming.split() as usize;
+                if let Some(stream) = cut.filter(|&cut| cut != split) {
+                    return Err(WireError::WrongCut { payload: split, stream });
+                }
+                let sizes =
+                    bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(Shared::new(e)))?;
+                checked = Some(sizes);
             }
-            let sizes = bundle.check_declared_as(split, *rule, incoming.declared_tensors()).map_err(|e| WireError::NotExpected(Shared::new(e)))?;
-            checked = Some(sizes);
+            Some(Expected::Tensors(specs)) => check_tensors(specs, incoming.declared_tensors())?,
+            None => {}
         }
         // The data is reserved by the first push, so that a caller may wait for room (in a
         // memory budget) between the checks and the reservation.

@@ -453,6 +453,12 @@ pub enum Breach {
     /// The end of a client group's round answered without the round ended.
     #[error("the server answered the end of the round without ending it")]
     RoundNotEnded,
+    /// A `splitfed` round's average lacks one of this edge's weights, or has another shape.
+    #[error("the server's average of the edges' weights has no {name} of its shape and type")]
+    Average {
+        /// The weight.
+        name: String,
+    },
     /// The server took another step than this host.
     #[error("the server took step {server}, this host step {host}")]
     StepApart {
@@ -790,9 +796,9 @@ pub enum TrainingSetupError {
         /// The group's edges.
         edges: u32,
     },
-    /// `train.clients.mode: splitfed` before its averaging of the edges' weights is built.
-    #[error("train.clients.mode splitfed is not built yet (the edges' weights are not averaged): use sequential")]
-    SplitFedNotYet,
+    /// A `splitfed` edge that trains no stage: it has no weights to average.
+    #[error("a splitfed edge averages its weights with the others': give it stages (a split after 0, or a tail)")]
+    NothingToAverage,
     /// A batch size the bundle does not take.
     #[error("train.{key} {size} is above the bundle's largest batch {max}")]
     BatchAboveTheBundle {

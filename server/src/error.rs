@@ -147,6 +147,14 @@ pub(crate) enum GroupError {
     NotInAGroup,
     #[error("a client group's session cannot resume a checkpoint (not supported yet): start the group afresh")]
     NoResume,
+    #[error("a splitfed edge says how many samples it trains on each round (`ClientGroup.samples`): its weight in the average")]
+    NoSamples,
+    #[error("the edges of this splitfed group hold no floating-point weights to average: give them stages (a split after 0)")]
+    NothingToAverage,
+    #[error("PHASE_AVERAGE is for the sessions of a splitfed group")]
+    NotSplitFed,
+    #[error("a {mode} group's round ends with {expected}")]
+    RoundEndsOtherwise { mode: &'static str, expected: &'static str },
     #[error("step {step} is under way: a round ends after its edge's last step")]
     StepUnderWay { step: u64 },
 }
@@ -325,8 +333,16 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         },
         RequestError::Session(_) | RequestError::AlreadyTraining { .. } | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
         RequestError::Group(e) => match e {
-            GroupError::Name(_) | GroupError::Mode(_) | GroupError::Edges { .. } | GroupError::Place { .. } => Code::InvalidArgument,
-            GroupError::Differs { .. } | GroupError::NotInAGroup | GroupError::NoResume | GroupError::StepUnderWay { .. } => Code::FailedPrecondition,
+            GroupError::Name(_) | GroupError::Mode(_) | GroupError::Edges { .. } | GroupError::Place { .. } | GroupError::NoSamples => {
+                Code::InvalidArgument
+            }
+            GroupError::Differs { .. }
+            | GroupError::NotInAGroup
+            | GroupError::NoResume
+            | GroupError::NothingToAverage
+            | GroupError::RoundEndsOtherwise { .. }
+            | GroupError::NotSplitFed
+            | GroupError::StepUnderWay { .. } => Code::FailedPrecondition,
             GroupError::EdgeTaken { .. } => Code::AlreadyExists,
             GroupError::WaitedTooLong { .. } => Code::DeadlineExceeded,
         },

@@ -1280,7 +1280,10 @@ fn cut_run_trains_as_uncut(run: impl Fn() -> Run<'static>) {
 
 /// A digits session over [7, 12) in client group `g` of `edges`, at place `edge`.
 fn open_in_group(mode: &str, edges: u32, edge: u32) -> pb::OpenSession {
-    pb::OpenSession { clients: Some(pb::ClientGroup { name: "g".into(), mode: mode.into(), edges, edge }), ..open_digits(7, 12, "cross-entropy") }
+    pb::OpenSession {
+        clients: Some(pb::ClientGroup { name: "g".into(), mode: mode.into(), edges, edge, samples: 1 }),
+        ..open_digits(7, 12, "cross-entropy")
+    }
 }
 
 /// Sends `EndRound` and returns the reply.
@@ -1376,5 +1379,86 @@ fn a_client_group_s_sessions_are_checked_share_the_bundle_and_wait_for_each_othe
         let (code, message) = error_of(&end_round(&mut alone, 1).await);
         assert!(code == tonic::Code::FailedPrecondition && message.contains("not in a client group"), "{code:?} {message}");
         train_step(&mut alone, 2).await;
+    });
+}
+
+#[test]
+fn a_splitfed_round_ends_with_the_edges_checked_weights_and_answers_their_average() {
+    use cleave_common::{Boundary, Value};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    // The weights a splitfed edge of a [7, 12) session sends: its stages' floating-point
+    // parameters and buffers.
+    let prefix = TrainableStages::load(&bundle, StageRange::new(0, 7), DeviceSpec::Cpu, 0).unwrap();
+    let weights = |shift: f64| Boundary {
+        values: prefix
+            .parameters()
+            .iter()
+            .chain(prefix.buffers())
+            .filter(|(_, t)| t.is_floating_point())
+            .map(|(n, t)| (n.clone(), Value::Tensor(t.detach() + shift)))
+            .collect(),
+    };
+    let splitfed = |edge, samples| pb::OpenSession {
+        clients: Some(pb::ClientGroup { name: "g".into(), mode: "splitfed".into(), edges: 2, edge, samples }),
+        ..open_digits(7, 12, "cross-entropy")
+    };
+    let average = (7, Direction::Request);
+    runtime().block_on(async {
+        let options = TrainingOptions { checkpoint_dir: None, max_sessions: 2, ..TrainingOptions::default() };
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let (_stream, refused) = open_session(&server.url, &bundle, splitfed(0, 0)).await;
+        let (code, message) = error_of(&refused);
+        assert!(code == tonic::Code::InvalidArgument && message.contains("`ClientGroup.samples`"), "{message}");
+        let (mut a, opened) = open_session(&server.url, &bundle, splitfed(0, 1)).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let (mut b, opened) = open_session(&server.url, &bundle, splitfed(1, 3)).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+
+        // A splitfed round ends with the edge's weights, exactly its stages' tensors.
+        let (code, message) = error_of(&end_round(&mut a, 1).await);
+        assert!(code == tonic::Code::FailedPrecondition && message.contains("a splitfed group's round ends with the edge's weights"), "{message}");
+        let mut short = weights(0.0);
+        short.values.pop();
+        let replies = call(&mut a, 2, pb::Phase::Average, average, &short).await;
+        let (code, message) = error_of(replies.last().unwrap());
+        assert!(code == tonic::Code::InvalidArgument && message.contains("tensors declared"), "{message}");
+
+        // Both edges end the round: each gets the average, edge b weighing 3 to a's 1.
+        let local = tokio::task::LocalSet::new();
+        let b_weights = weights(4.0);
+        let edge_b = local.spawn_local(async move { call(&mut b, 1, pb::Phase::Average, average, &b_weights).await });
+        let (answer_a, answer_b) = local
+            .run_until(async move {
+                let answer_a = call(&mut a, 3, pb::Phase::Average, average, &weights(0.0)).await;
+                (answer_a, edge_b.await.unwrap())
+            })
+            .await;
+        for answer in [&answer_a, &answer_b] {
+            let last = answer.last().unwrap();
+            assert!(last.error.is_none() && !answer[0].header.is_empty(), "{last:?}");
+        }
+        let received = |replies: &[pb::TrainReply]| {
+            let mut receiver = cleave_common::wire::PayloadReceiver::new(
+                Direction::Result,
+                u64::MAX,
+                Default::default(),
+                &cleave_common::wire::KeyRing::new(None::<(u32, cleave_common::wire::Key)>).unwrap(),
+            );
+            let mut assembly = receiver.start(replies[0].request_id, &replies[0].header).unwrap();
+            for r in replies {
+                assembly.push(r.request_id, &r.data).unwrap();
+            }
+            receiver.finish(assembly).unwrap().boundary
+        };
+        let (got_a, got_b) = (received(&answer_a), received(&answer_b));
+        for (name, value) in &got_a.values {
+            let original = prefix.parameters().iter().chain(prefix.buffers()).find(|(n, _)| n == name).unwrap().1.detach();
+            let expected = &original * 0.25 + (&original + 4.0) * 0.75;
+            assert!(value.as_tensor().unwrap().equal(&expected), "{name}");
+            let (_, in_b) = got_b.values.iter().find(|(n, _)| n == name).unwrap();
+            assert!(in_b.as_tensor().unwrap().equal(&expected), "{name} in b's answer");
+        }
+        assert_eq!(got_a.values.len(), weights(0.0).values.len());
     });
 }

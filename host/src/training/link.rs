@@ -213,6 +213,13 @@ impl TrainLink {
         self.reattaching(|link| link.try_end_round(id))
     }
 
+    /// In a `splitfed` group: [`Self::end_round`] with this edge's weights; answers the
+    /// average of every edge's.
+    pub(crate) fn average(&mut self, weights: &Boundary) -> Result<Boundary> {
+        let at_start = (Direction::Request, self.start);
+        Ok(self.call(Phase::Average, Microbatch::WHOLE, at_start, weights, (Direction::Result, self.start))?.boundary)
+    }
+
     /// Ends the session: closes this side of the stream and waits for the server to end its
     /// own, so that it does not keep the session for a host that has finished.
     pub(crate) fn close(self) {

@@ -91,7 +91,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     let step = edge.resumed.unwrap_or(0);
     let (link, server_namespace) = if cuts.remote {
         let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-        let (link, opened) = open_session(&config, &train, &bundle, cuts, &url, edge.server_resume.clone(), step).await?;
+        let start = SessionStart { server_resume: edge.server_resume.clone(), step, samples: train_set.rows() as u64 };
+        let (link, opened) = open_session(&config, &train, &bundle, cuts, &url, start).await?;
         opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
             mode: train.mode.name(),
             model: bundle.manifest().model.source.clone(),
@@ -176,9 +177,8 @@ impl Cuts {
         if let Some(clients) = train.clients.as_ref().filter(|c| c.edges > 1 && opts.loopback) {
             return Err(TrainingSetupError::GroupOverLoopback { edges: clients.edges }.into());
         }
-        if train.clients.as_ref().is_some_and(|c| c.mode == ClientMode::SplitFed) {
-            // The server takes splitfed's turns already; the edges' averaging is still to come.
-            return Err(TrainingSetupError::SplitFedNotYet.into());
+        if train.clients.as_ref().is_some_and(|c| c.mode == ClientMode::SplitFed) && split == 0 && tail == stages {
+            return Err(TrainingSetupError::NothingToAverage.into());
         }
         Ok(Self { split, tail, stages, remote })
     }
@@ -272,6 +272,15 @@ impl EdgeSide {
     }
 }
 
+/// Where the server's session starts: the server checkpoint it resumes (none: empty), the step
+/// this host is at, and the samples this edge trains on each epoch (a `splitfed` edge's weight
+/// in the average).
+struct SessionStart {
+    server_resume: String,
+    step: u64,
+    samples: u64,
+}
+
 /// Opens the server's session for `[split, tail)` (resuming `server_resume` when set); refused
 /// when the server resumed at another step than this host.
 async fn open_session(
@@ -280,8 +289,7 @@ async fn open_session(
     bundle: &Bundle,
     cuts: Cuts,
     url: &str,
-    server_resume: String,
-    step: u64,
+    SessionStart { server_resume, step, samples }: SessionStart,
 ) -> Result<(TrainLink, pb::SessionOpened)> {
     let session = connect(url, bundle, &Link::of(config)).await?;
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
@@ -297,7 +305,13 @@ async fn open_session(
         loss: if cuts.tail == cuts.stages { train.loss.name().to_string() } else { String::new() },
         seed: train.seed,
         resume: server_resume,
-        clients: train.clients.as_ref().map(|c| pb::ClientGroup { name: c.group.clone(), mode: c.mode.name().into(), edges: c.edges, edge: c.edge }),
+        clients: train.clients.as_ref().map(|c| pb::ClientGroup {
+            name: c.group.clone(),
+            mode: c.mode.name().into(),
+            edges: c.edges,
+            edge: c.edge,
+            samples,
+        }),
         ..Default::default()
     };
     let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
@@ -484,10 +498,8 @@ impl Trainer {
                 self.position = Position { epoch, batch: index + 1 };
                 self.progress.tell(Event::Advanced { loss: Some(loss) });
             }
-            if steps > 0 && self.train.clients.is_some() {
-                // The group's next round starts once every edge has ended this one and
-                // evaluated (its first step of the next round tells the server so).
-                self.link.as_mut().expect("a group trains a server part").end_round().map_err(|e| e.during("ending the round"))?;
+            if steps > 0 {
+                self.end_round().map_err(|e| e.during("ending the round"))?;
             }
             let epoch_seconds = started.elapsed().as_secs_f64();
             self.progress.tell(Event::BarEnds);
@@ -616,6 +628,36 @@ impl Trainer {
         let back = self.link.as_mut().expect("linked").backward(&tail.boundary)?;
         let prefix = self.backward_prefix(&prefix_outputs, &back.boundary)?;
         Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix, tail: tail.parameters, server_norms: back.norms })
+    }
+
+    /// In a client group, after this edge's steps of an epoch: ends its round on the server
+    /// (the group's next round starts once every edge has ended this one and evaluated: its
+    /// first step of the next round tells the server so). `splitfed`: sends this edge's
+    /// weights and takes the group's average in their place (FedAvg); the optimizer's state
+    /// stays this edge's own.
+    fn end_round(&mut self) -> Result<()> {
+        let Some(clients) = &self.train.clients else { return Ok(()) };
+        let link = self.link.as_mut().expect("a client group trains a server part");
+        if clients.mode == ClientMode::Sequential {
+            return link.end_round().map(drop);
+        }
+        let weights: Vec<(String, Tensor)> = self
+            .prefix
+            .iter()
+            .chain(self.tail.iter())
+            .flat_map(|p| p.parameters().iter().chain(p.buffers()))
+            .filter(|(_, t)| t.is_floating_point())
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let sent = Boundary { values: weights.iter().map(|(n, t)| (n.clone(), Value::Tensor(t.detach()))).collect() };
+        let averaged = link.average(&sent)?;
+        for (name, weight) in &weights {
+            let average = averaged.values.iter().find(|(n, _)| n == name).and_then(|(_, v)| v.as_tensor());
+            let average =
+                average.filter(|a| a.size() == weight.size() && a.kind() == weight.kind()).ok_or_else(|| Breach::Average { name: name.clone() })?;
+            tch::no_grad(|| weight.shallow_clone().copy_(average));
+        }
+        Ok(())
     }
 
     /// Clips the step's gradients as `clip_grad_norm_` would clip the whole model's, from

@@ -3,7 +3,9 @@
 //! steps in an order fixed by the edges' places, so that a run gives the same weights
 //! whatever the timing:
 //! - `sequential`: each edge in turn takes all its steps of a round (vanilla split learning);
-//! - `splitfed`: one step each in turn.
+//! - `splitfed`: one step each in turn; at the end of each round every edge sends its weights
+//!   and gets back their average (FedAvg, each edge weighed by its samples, summed in the
+//!   edges' order).
 //!
 //! A round ends when every edge still in the group has ended it; the next round's first step
 //! waits until every edge has sent its next step (each evaluates in between, on the weights
@@ -18,6 +20,9 @@ use std::time::{Duration, Instant};
 use cleave_common::pb;
 use cleave_common::training::optim::Optimizer;
 use cleave_common::training::TrainableStages;
+use cleave_common::wire::TensorSpec;
+use cleave_common::{Boundary, Value};
+use tch::Tensor;
 
 use crate::error::{GroupError, RequestError};
 
@@ -109,7 +114,7 @@ impl Groups {
         let edge = clients.edge as usize;
         group.order().join(edge).map_err(|()| GroupError::EdgeTaken { group: group.name.clone(), edge })?;
         group.changed.notify_all();
-        Ok(Member { group, edge })
+        Ok(Member { group, edge, samples: clients.samples })
     }
 }
 
@@ -131,6 +136,9 @@ fn check(clients: &pb::ClientGroup, max_edges: u32) -> Result<ClientMode, GroupE
     if clients.edge >= clients.edges {
         return Err(GroupError::Place { edge: clients.edge, edges: clients.edges });
     }
+    if mode == ClientMode::SplitFed && clients.samples == 0 {
+        return Err(GroupError::NoSamples);
+    }
     Ok(mode)
 }
 
@@ -140,6 +148,8 @@ pub(crate) struct Group {
     name: String,
     terms: Terms,
     part: Mutex<Option<SharedPart>>,
+    /// `splitfed`: the edges' weights each round's average takes, by name, type and shape.
+    weights: Mutex<Option<Arc<[TensorSpec]>>>,
     order: Mutex<Order>,
     changed: Condvar,
     wait: Duration,
@@ -154,7 +164,7 @@ impl std::fmt::Debug for TrainedPart {
 impl Group {
     fn new(name: String, terms: Terms, wait: Duration) -> Self {
         let order = Order::new(terms.edges as usize);
-        Self { name, terms, part: Mutex::new(None), order: Mutex::new(order), changed: Condvar::new(), wait }
+        Self { name, terms, part: Mutex::new(None), weights: Mutex::new(None), order: Mutex::new(order), changed: Condvar::new(), wait }
     }
 
     fn order(&self) -> MutexGuard<'_, Order> {
@@ -173,7 +183,7 @@ impl Group {
             let now = Instant::now();
             if now >= deadline {
                 let waiting_for = order.holding_up(edge);
-                return Err(Waited::TooLong(GroupError::WaitedTooLong { group: self.name.clone(), waited: self.wait, waiting_for }));
+                return Err(Waited::Refused(GroupError::WaitedTooLong { group: self.name.clone(), waited: self.wait, waiting_for }));
             }
             // Woken by every change; the short bound notices a caller that left.
             let slice = (deadline - now).min(Duration::from_millis(100));
@@ -187,14 +197,16 @@ impl Group {
 pub(crate) enum Waited {
     /// The caller left: nobody reads the answer.
     Gone,
-    /// The others did not come in time.
-    TooLong(GroupError),
+    /// Refused: the others did not come in time, or the call cannot wait.
+    Refused(GroupError),
 }
 
 /// An edge's place in a group, held by its session; dropping it leaves the group.
 pub(crate) struct Member {
     group: Arc<Group>,
     edge: usize,
+    /// `splitfed`: the samples the edge trains on each round, its weight in the average.
+    samples: u64,
 }
 
 impl Member {
@@ -207,6 +219,26 @@ impl Member {
         let shared = Arc::new(Mutex::new(load()?));
         *part = Some(Arc::clone(&shared));
         Ok(shared)
+    }
+
+    /// How the group's edges take turns.
+    pub(crate) fn mode(&self) -> ClientMode {
+        self.group.terms.mode
+    }
+
+    /// `splitfed`: the weights an edge sends at the end of a round, found by the first
+    /// session to ask (`list` loads the edges' stages).
+    pub(crate) fn weights(&self, list: impl FnOnce() -> Result<Vec<TensorSpec>, RequestError>) -> Result<Arc<[TensorSpec]>, RequestError> {
+        let mut weights = self.group.weights.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(known) = weights.as_ref() {
+            return Ok(Arc::clone(known));
+        }
+        let listed: Arc<[TensorSpec]> = list()?.into();
+        if listed.is_empty() {
+            return Err(GroupError::NothingToAverage.into());
+        }
+        *weights = Some(Arc::clone(&listed));
+        Ok(listed)
     }
 
     /// Waits for this edge's turn to start a step: every edge in the group has come to this
@@ -226,18 +258,21 @@ impl Member {
         }
     }
 
-    /// Ends this edge's round and waits until every edge still in the group has ended it;
-    /// returns the rounds ended.
-    pub(crate) fn end_round(&self, gone: &dyn Fn() -> bool) -> Result<u64, Waited> {
+    /// Ends this edge's round (`splitfed`: with its weights and samples) and waits until
+    /// every edge still in the group has ended it; returns the rounds ended and, `splitfed`,
+    /// the average of the edges' weights.
+    pub(crate) fn end_round(&self, gone: &dyn Fn() -> bool, weights: Option<Boundary>) -> Result<(u64, Option<Boundary>), Waited> {
         let round = {
             let mut order = self.group.order();
             let round = order.round;
+            order.contributions[self.edge] = weights.map(|w| (w, self.samples));
             order.end_round(self.edge);
             round
         };
         self.group.changed.notify_all();
         let edge = self.edge;
-        self.group.wait_until(edge, gone, |order| order.round > round).map(|order| order.round)
+        let order = self.group.wait_until(edge, gone, |order| order.round > round)?;
+        Ok((order.round, order.averaged.as_ref().map(Boundary::shallow_clone)))
     }
 }
 
@@ -267,11 +302,15 @@ struct Order {
     round: u64,
     /// The edge whose step is next.
     turn: usize,
+    /// `splitfed`: each edge's weights and samples, from its end of this round.
+    contributions: Vec<Option<(Boundary, u64)>>,
+    /// `splitfed`: the average the last round ended with.
+    averaged: Option<Boundary>,
 }
 
 impl Order {
     fn new(edges: usize) -> Self {
-        Self { places: vec![Place::Expected; edges], round: 0, turn: 0 }
+        Self { places: vec![Place::Expected; edges], round: 0, turn: 0, contributions: (0..edges).map(|_| None).collect(), averaged: None }
     }
 
     /// An edge comes (or comes back after a failed open); refused while its place is held.
@@ -338,6 +377,8 @@ impl Order {
         }
         let everyone_ended = self.places.iter().all(|p| matches!(p, Place::Left | Place::In { ended: true, .. }));
         if everyone_ended && self.places.iter().any(|p| matches!(p, Place::In { .. })) {
+            let weights: Vec<(Boundary, u64)> = self.contributions.iter_mut().filter_map(Option::take).collect();
+            self.averaged = average(&weights);
             self.round += 1;
             for place in &mut self.places {
                 if let Place::In { .. } = place {
@@ -348,6 +389,25 @@ impl Order {
             self.pass_turn(self.places.len() - 1);
         }
     }
+}
+
+/// FedAvg: each tensor's average over the edges' weights, each weighed by its share of the
+/// samples, summed in the edges' order (as `sum(t_i * (n_i / n))` in PyTorch); none without
+/// weights. Every edge's weights hold the same tensors (the receiver checked them).
+fn average(weights: &[(Boundary, u64)]) -> Option<Boundary> {
+    let total = weights.iter().map(|(_, n)| *n).sum::<u64>() as f64;
+    let (first, _) = weights.first()?;
+    let tensor = |b: &Boundary, name: &str| b.values.iter().find(|(n, _)| n == name).and_then(|(_, v)| v.as_tensor()).map(Tensor::shallow_clone);
+    let values = first
+        .values
+        .iter()
+        .map(|(name, _)| {
+            let terms = weights.iter().filter_map(|(b, n)| tensor(b, name).map(|t| t * (*n as f64 / total)));
+            let sum = terms.reduce(|acc, term| acc + term).expect("the first edge holds it");
+            (name.clone(), Value::Tensor(sum))
+        })
+        .collect();
+    Some(Boundary { values })
 }
 
 #[cfg(test)]
@@ -403,5 +463,22 @@ mod tests {
         assert_eq!(order.holding_up(0), vec![1]);
         order.leave(0);
         order.join(0).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod average_tests {
+    use super::*;
+
+    #[test]
+    fn fedavg_weighs_each_edge_by_its_samples() {
+        let weights = |w: &[f32], b: f32| Boundary {
+            values: vec![("w".into(), Value::Tensor(Tensor::from_slice(w))), ("b".into(), Value::Tensor(Tensor::from_slice(&[b])))],
+        };
+        let averaged = average(&[(weights(&[1.0, 2.0], 4.0), 1), (weights(&[5.0, 6.0], 8.0), 3)]).unwrap();
+        let get = |name: &str| Vec::<f32>::try_from(averaged.values.iter().find(|(n, _)| n == name).unwrap().1.as_tensor().unwrap()).unwrap();
+        assert_eq!(get("w"), vec![4.0, 5.0]);
+        assert_eq!(get("b"), vec![7.0]);
+        assert!(average(&[]).is_none());
     }
 }

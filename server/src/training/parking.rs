@@ -32,6 +32,8 @@ pub(crate) struct Attached {
     pub(crate) parameters: u64,
     pub(crate) device: String,
     pub(crate) namespace: String,
+    /// In a `splitfed` group: the weights its edge sends at the end of a round.
+    pub(crate) weights: Option<std::sync::Arc<[cleave_common::wire::TensorSpec]>>,
     /// Counted among the open training sessions while it lives, kept or attached.
     pub(crate) _open: OpenGuard,
 }

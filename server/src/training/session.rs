@@ -18,12 +18,13 @@ use cleave_common::training::optim::{Optimizer, OptimizerConfig};
 use cleave_common::training::schedule::{check_coefficient, scale, tensor_norms, Schedule};
 use cleave_common::training::step::{backward, backward_from_boundary, step_loss, Grads, PartGradients};
 use cleave_common::training::{float_leaves, track_gradients, StepError, TrainError, TrainableStages, TARGETS_VALUE};
+use cleave_common::wire::TensorSpec;
 use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
-use super::group::{Member, SharedPart, TrainedPart, Waited};
+use super::group::{ClientMode, Member, SharedPart, TrainedPart, Waited};
 use crate::error::{GroupError, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::scheduler::DeviceScheduler;
@@ -54,6 +55,19 @@ pub(crate) struct SessionSetup {
     pub(crate) member: Option<Member>,
 }
 
+/// The floating-point parameters and buffers of the stages the session's edge trains
+/// (`[0, start)` and `[end, N)`), as a `splitfed` edge sends them at the end of a round.
+fn edge_weights(setup: &SessionSetup) -> Result<Vec<TensorSpec>, RequestError> {
+    let (start, end, n) = (setup.range.start, setup.range.end, setup.bundle.stage_count());
+    let mut weights = Vec::new();
+    for (from, to) in [(0, start), (end, n)].into_iter().filter(|(from, to)| from < to) {
+        let stages = TrainableStages::load(&setup.bundle, StageRange::new(from, to), DeviceSpec::Cpu, setup.seed)?;
+        let floating = stages.parameters().iter().chain(stages.buffers()).filter(|(_, t)| t.is_floating_point());
+        weights.extend(floating.filter_map(|(name, t)| TensorSpec::of(name, t)));
+    }
+    Ok(weights)
+}
+
 /// The refusal of a checkpoint call on a server without a checkpoint directory.
 pub(crate) fn no_checkpoint_dir() -> RequestError {
     SessionError::NoCheckpointDir.into()
@@ -74,6 +88,9 @@ pub(crate) enum Call {
     Clip { coefficient: f32 },
     /// In a client group: this edge's steps of the round are taken.
     EndRound,
+    /// In a `splitfed` group: [`Call::EndRound`] with the edge's weights, answered with
+    /// the average.
+    Average { weights: Boundary },
 }
 
 /// The session thread's answer.
@@ -81,7 +98,8 @@ pub(crate) enum Answer {
     /// The gradient at `start` (and the loss when the server computed it); with clipping,
     /// the norm of each of the session's parameter gradients.
     Gradients { loss: Option<f64>, grads: Boundary, norms: Option<Vec<f32>> },
-    /// The boundary at `end` (U-shaped forward, or evaluation).
+    /// The boundary at `end` (U-shaped forward, or evaluation), or a `splitfed` round's
+    /// average of the edges' weights.
     Output(Boundary),
     /// A checkpoint was written.
     Saved { name: String, step: u64 },
@@ -128,6 +146,8 @@ pub(crate) struct Opened {
     pub(crate) device: String,
     /// The session's checkpoint namespace (empty without a checkpoint directory).
     pub(crate) namespace: String,
+    /// In a `splitfed` group: the weights its edge sends at the end of a round.
+    pub(crate) weights: Option<Arc<[TensorSpec]>>,
 }
 
 /// U-shaped: a step whose backward has not come yet.
@@ -146,6 +166,8 @@ struct Session {
     part: SharedPart,
     /// Its place in a client group.
     member: Option<Member>,
+    /// In a `splitfed` group: the weights its edge sends at the end of a round.
+    weights: Option<Arc<[TensorSpec]>>,
     schedule: Schedule,
     /// Whether the session clips (the host computes the coefficient).
     clips: bool,
@@ -186,6 +208,10 @@ impl Session {
             let stages = TrainableStages::load(&setup.bundle, setup.range, setup.device, setup.seed)?;
             Ok(TrainedPart { stages, optimizer: Optimizer::new(setup.optimizer.clone()) })
         };
+        let weights = match &setup.member {
+            Some(member) if member.mode() == ClientMode::SplitFed => Some(member.weights(|| edge_weights(&setup))?),
+            _ => None,
+        };
         let (part, step) = match &setup.member {
             // A group's session starts afresh (resuming is refused when it opens).
             Some(member) => (member.part(load)?, 0),
@@ -199,6 +225,7 @@ impl Session {
         Ok(Self {
             part,
             member: setup.member,
+            weights,
             schedule: setup.schedule,
             clips: setup.clips,
             unclipped: None,
@@ -245,38 +272,62 @@ impl Session {
     }
 
     /// Before the device, in a client group: a step's first call waits for the edge's turn,
-    /// and `EndRound` for the other edges (answered here). Returns the job when it goes on.
+    /// and the end of a round for the other edges (answered here). Returns the job when it
+    /// goes on.
     fn wait_in_group(&mut self, job: CallJob) -> Option<CallJob> {
         let starts_step = matches!(&job.call, Call::Forward { microbatch, .. } if microbatch.index == 0) && !self.step_under_way();
-        let ends_round = matches!(job.call, Call::EndRound);
-        let (Some(member), true) = (&self.member, starts_step || ends_round) else {
+        let ends_round = matches!(job.call, Call::EndRound | Call::Average { .. });
+        if !(starts_step || ends_round) {
+            return Some(job);
+        }
+        let Some(member) = &self.member else {
             if ends_round {
                 let _ = job.reply.send(Err(GroupError::NotInAGroup.into()));
                 return None;
             }
             return Some(job);
         };
-        let gone = || job.reply.is_closed();
-        let waited = if ends_round && self.step_under_way() {
-            Err(Waited::TooLong(GroupError::StepUnderWay { step: self.step + 1 }))
-        } else if ends_round {
-            member.end_round(&gone).map(Some)
-        } else {
-            member.wait_for_step(&gone).map(|()| None)
-        };
-        match waited {
-            Ok(None) => Some(job),
-            Ok(Some(round)) => {
-                self.keep_answer(job.id, Answer::RoundEnded { round });
-                let _ = job.reply.send(Ok((Answer::RoundEnded { round }, Duration::ZERO)));
-                None
+        let CallJob { id, call, reply } = job;
+        let gone = || reply.is_closed();
+        let answered = if starts_step {
+            match member.wait_for_step(&gone) {
+                Ok(()) => return Some(CallJob { id, call, reply }),
+                Err(waited) => Err(waited),
             }
-            Err(Waited::Gone) => None,
-            Err(Waited::TooLong(e)) => {
-                let _ = job.reply.send(Err(e.into()));
-                None
+        } else {
+            self.end_round(member, call, &gone)
+        };
+        match answered {
+            Ok(answer) => {
+                self.keep_answer(id, answer.shallow_clone());
+                let _ = reply.send(Ok((answer, Duration::ZERO)));
+            }
+            Err(Waited::Gone) => {}
+            Err(Waited::Refused(e)) => {
+                let _ = reply.send(Err(e.into()));
             }
         }
+        None
+    }
+
+    /// Ends the edge's round in its group once no step is under way, as the group's mode
+    /// ends one: `EndRound`, or `splitfed`'s weights, answered with their average.
+    fn end_round(&self, member: &Member, call: Call, gone: &dyn Fn() -> bool) -> Result<Answer, Waited> {
+        if self.step_under_way() {
+            return Err(Waited::Refused(GroupError::StepUnderWay { step: self.step + 1 }));
+        }
+        let weights = match (member.mode(), call) {
+            (ClientMode::Sequential, Call::EndRound) => None,
+            (ClientMode::SplitFed, Call::Average { weights }) => Some(weights),
+            (ClientMode::SplitFed, _) => {
+                return Err(Waited::Refused(GroupError::RoundEndsOtherwise { mode: "splitfed", expected: "the edge's weights" }))
+            }
+            (ClientMode::Sequential, _) => return Err(Waited::Refused(GroupError::RoundEndsOtherwise { mode: "sequential", expected: "EndRound" })),
+        };
+        Ok(match member.end_round(gone, weights)? {
+            (_, Some(averaged)) => Answer::Output(averaged),
+            (round, None) => Answer::RoundEnded { round },
+        })
     }
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
@@ -317,7 +368,7 @@ impl Session {
             Call::Evaluate { input } => (Answer::Output(self.part().stages.evaluate(&input)?.detached()), None),
             Call::Save { name } => (self.save(name)?, None),
             // Answered before the device (`wait_in_group`).
-            Call::EndRound => return Err(Internal::WrongAnswer("EndRound").into()),
+            Call::EndRound | Call::Average { .. } => return Err(Internal::WrongAnswer("EndRound").into()),
         })
     }
 
@@ -498,7 +549,7 @@ impl SessionHandle {
                             (cleave_common::device::device_name(part.stages.device()), part.stages.parameter_count())
                         };
                         let namespace = s.namespace.as_ref().map(|n| n.name().to_string()).unwrap_or_default();
-                        let opened = Opened { step: s.step, parameters, device, namespace };
+                        let opened = Opened { step: s.step, parameters, device, namespace, weights: s.weights.clone() };
                         let _ = opened_tx.send(Ok((opened, Arc::clone(&s.shared_step))));
                         s
                     }

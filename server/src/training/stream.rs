@@ -24,7 +24,7 @@ use super::admission::Training;
 use super::parking::{Attached, Parking};
 use super::session::{Answer, Call, SessionHandle};
 use crate::budget::{MemoryBudget, Reservation};
-use crate::error::{error_frame, Internal, RequestError, SessionError};
+use crate::error::{error_frame, GroupError, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
@@ -135,6 +135,7 @@ async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Atta
         parameters: opened.parameters,
         device: opened.device,
         namespace: opened.namespace,
+        weights: opened.weights,
         _open: ctx.metrics.session_open(),
     })
 }
@@ -148,7 +149,7 @@ async fn answer_calls(
     mut read_buffer: ReadBuffer,
 ) -> StreamEnd {
     let (slot, session) = (&attached.slot, &attached.session);
-    let mut stream = CallStream::new(ctx, attached.start, attached.end);
+    let mut stream = CallStream::new(ctx, attached);
     let idle = ctx.training.options.session_idle_timeout;
     let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
     loop {
@@ -287,14 +288,34 @@ enum Handled {
     HostGone,
 }
 
+/// A stream's payload receivers, each with its own replay window; shared with the blocking pool.
+#[derive(Clone)]
+struct Receivers {
+    /// Boundaries in (steps and evaluations).
+    requests: Arc<Mutex<PayloadReceiver>>,
+    /// Gradients in (U-shaped backward).
+    gradients: Arc<Mutex<PayloadReceiver>>,
+    /// In a `splitfed` group: the edge's weights at the end of a round.
+    weights: Option<Arc<Mutex<PayloadReceiver>>>,
+}
+
+impl Receivers {
+    /// The receiver of `phase`'s payloads, or why the session takes none.
+    fn of(&self, phase: Phase) -> Result<&Arc<Mutex<PayloadReceiver>>, RequestError> {
+        match phase {
+            Phase::Forward | Phase::Evaluate => Ok(&self.requests),
+            Phase::Backward => Ok(&self.gradients),
+            Phase::Average => self.weights.as_ref().ok_or_else(|| GroupError::NotSplitFed.into()),
+            Phase::Unspecified => Err(SessionError::NoPhase.into()),
+        }
+    }
+}
+
 /// The payload side of a stream: reassembly, decoding and encoding answers.
 struct CallStream {
     start: u32,
     end: u32,
-    /// Boundaries in (steps and evaluations) and gradients in (U-shaped backward), each with
-    /// its own replay window; shared with the blocking pool.
-    requests: Arc<Mutex<PayloadReceiver>>,
-    gradients: Arc<Mutex<PayloadReceiver>>,
+    receivers: Receivers,
     encoder: Arc<Mutex<ResultEncoder>>,
     chunk_bytes: usize,
     /// What each payload's first frame says of its call, its bytes in the budget and its
@@ -303,7 +324,8 @@ struct CallStream {
 }
 
 impl CallStream {
-    fn new(ctx: &TrainContext, start: u32, end: u32) -> Self {
+    fn new(ctx: &TrainContext, attached: &Attached) -> Self {
+        let (start, end) = (attached.start, attached.end);
         // What each payload declares is checked before its data is reserved: boundaries at
         // the session's start (with the targets when the server computes the loss), gradients
         // at its end (its floating-point tensors).
@@ -316,8 +338,16 @@ impl CallStream {
         Self {
             start,
             end,
-            requests: receiver(Direction::Request, start, boundaries),
-            gradients: receiver(Direction::Gradient, end, CutTensors::FloatSubset),
+            receivers: Receivers {
+                requests: receiver(Direction::Request, start, boundaries),
+                gradients: receiver(Direction::Gradient, end, CutTensors::FloatSubset),
+                // The weights travel as requests at `start`, with a replay window of their own.
+                weights: attached.weights.as_ref().map(|specs| {
+                    let receiver =
+                        PayloadReceiver::new(Direction::Request, ctx.limits.max_payload_bytes, ctx.security.policy.clone(), &ctx.security.keys);
+                    Arc::new(Mutex::new(receiver.checked_as(Arc::clone(specs))))
+                }),
+            },
             encoder: Arc::new(Mutex::new(ResultEncoder::new(Arc::clone(&ctx.security), ctx.limits.max_payload_bytes))),
             chunk_bytes: ctx.limits.chunk_bytes(),
             frames: FrameAssembler::default(),
@@ -350,14 +380,6 @@ impl CallStream {
         }
     }
 
-    fn receiver(&self, phase: Phase) -> &Arc<Mutex<PayloadReceiver>> {
-        if phase == Phase::Backward {
-            &self.gradients
-        } else {
-            &self.requests
-        }
-    }
-
     /// Adds a frame; a complete payload comes back with its phase (not yet decoded) and its
     /// bytes in the budget (reserved, waiting briefly for room, before its data is).
     async fn push(
@@ -367,7 +389,7 @@ impl CallStream {
     ) -> Result<Option<(Reassembly, (CallHead, Reservation, tracing::Span))>, (u64, RequestError)> {
         let started = if self.frames.starts_payload(frame) {
             // Only the receivers cross the await: the stream's frames hold tensors (not `Sync`).
-            let receivers = (Arc::clone(&self.requests), Arc::clone(&self.gradients));
+            let receivers = self.receivers.clone();
             Some(Self::start_payload(receivers, frame, budget).await)
         } else {
             None
@@ -376,18 +398,12 @@ impl CallStream {
     }
 
     async fn start_payload(
-        (requests, gradients): (Arc<Mutex<PayloadReceiver>>, Arc<Mutex<PayloadReceiver>>),
+        receivers: Receivers,
         f: &pb::TrainPayloadFrame,
         budget: &MemoryBudget,
     ) -> Result<(Reassembly, (CallHead, Reservation, tracing::Span)), RequestError> {
         let phase = Phase::try_from(f.phase).unwrap_or(Phase::Unspecified);
-        let receiver = match phase {
-            Phase::Forward | Phase::Evaluate => &requests,
-            Phase::Backward => &gradients,
-            Phase::Unspecified => {
-                return Err(SessionError::NoPhase.into());
-            }
-        };
+        let receiver = receivers.of(phase)?;
         let microbatch = if phase == Phase::Forward { f.microbatch()? } else { Microbatch::WHOLE };
         let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(f.request_id, &f.header)?;
         let bytes = budget.reserve(assembly.held_bytes()).await?;
@@ -400,7 +416,11 @@ impl CallStream {
     /// encoding on the blocking pool, the call on the session thread).
     async fn answer(&mut self, assembly: Reassembly, CallHead { phase, microbatch }: CallHead, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
-        let (received, decode_time) = match decode_request(self.receiver(phase), assembly).instrument(tracing::debug_span!("decode")).await {
+        let receiver = match self.receivers.of(phase) {
+            Ok(receiver) => receiver,
+            Err(e) => return vec![error_reply(id, &e)],
+        };
+        let (received, decode_time) = match decode_request(receiver, assembly).instrument(tracing::debug_span!("decode")).await {
             Ok(r) => r,
             Err(e) => return vec![error_reply(id, &e)],
         };
@@ -417,6 +437,7 @@ impl CallStream {
                 Call::Forward { input: boundary, targets, microbatch }
             }
             Phase::Backward => Call::Backward { grads: boundary },
+            Phase::Average => Call::Average { weights: boundary },
             _ => Call::Evaluate { input: boundary },
         };
         let (answer, compute) = match session.call(id, call).instrument(tracing::debug_span!("compute")).await {
@@ -426,6 +447,8 @@ impl CallStream {
         let spec = |split, direction| ResultSpec { request_id: id, split, codec, key_id, direction, keeps_tensors: true };
         let (loss, norms, boundary, spec) = match answer {
             Answer::Gradients { loss, grads, norms } => (loss, norms.unwrap_or_default(), grads, spec(self.start, Direction::Gradient)),
+            // A round's average of the edges' weights comes back at `start`.
+            Answer::Output(out) if phase == Phase::Average => (None, Vec::new(), out, spec(self.start, Direction::Result)),
             Answer::Output(out) => (None, Vec::new(), out, spec(self.end, Direction::Result)),
             Answer::Saved { .. } | Answer::Stepped { .. } | Answer::RoundEnded { .. } => {
                 return vec![error_reply(id, &Internal::WrongAnswer("payload").into())]

@@ -4,12 +4,14 @@ inputs whose predictions can be scored.
 
     python -m cleave_export.datasets digits --out bundles/digits-test.safetensors [--part test] [--report]
     python -m cleave_export.datasets digits --out bundles/digits-train.safetensors --part train
+    python -m cleave_export.datasets digits --out bundles/fed/digits-train-1.safetensors --part train --shard 1/4
 
 writes one split as a safetensors file (`--part test`, the default: the 359 held-out rows;
 `--part train`: the 1,438 training rows): tensor `x` ([N, 1, 8, 8] float32, the input name of
 bundles exported from `cleave_export.zoo:digits_cnn` and `digits_cnn_trained`) and tensor
 `label` ([N] int64). The host reads the tensors named like the bundle's inputs and ignores the
-others; split training reads both.
+others; split training reads both. `--shard I/N` writes shard I (from 0) of N: rows I, I + N,
+I + 2N, ... of the split, an edge's own data when several edges train together.
 """
 
 from __future__ import annotations
@@ -55,15 +57,20 @@ DIGITS_PARTS = ("train", "test")
 """The splits `write_digits` can write."""
 
 
-def write_digits(out: Path, part: str = "test", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def write_digits(out: Path, part: str = "test", seed: int = 0, shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes one split of `digits_split(seed)` to `out` (tensors `x` float32 [N, 1, 8, 8] and
-    `label` int64 [N]); `part` is "train" (1,438 rows) or "test" (359 rows). Returns the tensors."""
+    `label` int64 [N]); `part` is "train" (1,438 rows) or "test" (359 rows); `shard` (I, N) keeps
+    rows I, I + N, ... of it. Returns the tensors."""
     from safetensors.torch import save_file
 
     if part not in DIGITS_PARTS:
         raise ValueError(f"part {part!r}: expected one of {', '.join(DIGITS_PARTS)}")
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: expected I/N with 0 <= I < N")
     x_train, y_train, x_test, y_test = digits_split(seed)
     x, y = (x_train, y_train) if part == "train" else (x_test, y_test)
+    x, y = x[index::count].contiguous(), y[index::count].contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({DIGITS_INPUT_NAME: x, "label": y}, str(out))
     return x, y
@@ -72,6 +79,16 @@ def write_digits(out: Path, part: str = "test", seed: int = 0) -> tuple[torch.Te
 def write_digits_test(out: Path, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes the test split to `out` (tensors `x` and `label`); returns them."""
     return write_digits(out, "test", seed)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N, like 1/4") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0 <= I < N")
+    return index, count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=DIGITS_PARTS, default="test",
                    help="which split to write: test (held out, 359 rows; the default) or train (1,438 rows)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default 0)")
+    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+                   help="write shard I (from 0) of N: rows I, I + N, ... of the split (default: all of it)")
     p.add_argument("--report", action="store_true",
                    help="also train cleave_export.zoo:digits_cnn_trained and print its test accuracy")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    x, y = write_digits(a.out, a.part, a.seed)
+    x, y = write_digits(a.out, a.part, a.seed, a.shard)
     print(f"wrote {a.out} ({a.part} split): {DIGITS_INPUT_NAME} {list(x.shape)} float32, label {list(y.shape)} int64")
     if a.report:
         import time

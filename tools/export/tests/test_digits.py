@@ -89,6 +89,19 @@ def test_digits_cnn_trained_is_bit_identical_and_leaves_global_state_alone(train
         assert torch.equal(a[k], b[k]), k
 
 
+def test_digits_shards_partition_the_train_split(tmp_path, split):
+    x_train, y_train, _, _ = split
+    shards = []
+    for i in range(4):
+        out = tmp_path / f"shard-{i}.safetensors"
+        assert datasets.main(["digits", "--part", "train", "--shard", f"{i}/4", "--out", str(out)]) == 0
+        shards.append(load_file(str(out)))
+    assert sum(len(s["label"]) for s in shards) == len(y_train)
+    assert torch.equal(shards[1][DIGITS_INPUT_NAME], x_train[1::4]) and torch.equal(shards[3]["label"], y_train[3::4])
+    with pytest.raises(SystemExit):
+        datasets.main(["digits", "--shard", "4/4", "--out", str(tmp_path / "bad.safetensors")])
+
+
 def test_digits_cli_writes_the_test_split(tmp_path, split, capsys):
     out = tmp_path / "sub" / "digits-test.safetensors"
     assert datasets.main(["digits", "--out", str(out)]) == 0

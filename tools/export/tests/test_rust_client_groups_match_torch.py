@@ -5,8 +5,9 @@ A `server` process and two `host` processes train the digits bundle split at cut
 on its own shard of the training split (64 and 48 rows, so 4 and 3 steps an epoch) with its
 own dropout seed, for two epochs. Here the same TorchScript stage files are trained in
 Python: one copy of the server's stages and its optimizer, one copy of the prefix and its
-optimizer per edge, the steps in the group's order. Every edge's prefix and the server's part
-must match within 1e-5.
+optimizer per edge, the steps in the group's order (sequential: each edge's epoch in turn;
+splitfed: a step each in turn, then FedAvg of the prefixes weighed by the shards' rows). Every
+edge's prefix and the server's part must match within 1e-5.
 
 Needs the release binaries and the test bundles (`make test-bundles`); skips without them.
 """
@@ -30,6 +31,8 @@ from tests.test_rust_training_matches_torch import BUNDLE, HOST, REPO, TEST, TRA
 
 SERVER = REPO / "target" / "release" / "server"
 SPLIT = 4
+# U-shaped runs keep [TAIL, N) and the loss on the edges too.
+TAIL = 10
 BATCH = 16
 EPOCHS = 2
 SHARDS = [(0, 64), (64, 112)]
@@ -55,7 +58,7 @@ def _wait_for_port(port: int, server: subprocess.Popen, seconds: float = 60.0) -
     pytest.fail(f"the server did not listen on {port} within {seconds} s")
 
 
-def _run_group(tmp_path: Path, mode: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def _run_group(tmp_path: Path, mode: str, u_shaped: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Trains the group; returns each edge's last host checkpoint and the server's part."""
     port = _free_port()
     server_yaml = tmp_path / "server.yaml"
@@ -72,6 +75,7 @@ def _run_group(tmp_path: Path, mode: str) -> tuple[list[dict[str, torch.Tensor]]
     try:
         _wait_for_port(port, server)
         hosts = []
+        train_mode = f"mode: u-shaped\n  tail: {TAIL}" if u_shaped else "mode: split"
         for edge, ((lo, hi), seed) in enumerate(zip(SHARDS, SEEDS)):
             shard = tmp_path / f"shard-{edge}.safetensors"
             save_file({name: t[lo:hi].contiguous() for name, t in data.items()}, str(shard))
@@ -83,7 +87,7 @@ split: {SPLIT}
 device: cpu
 output: {tmp_path / f"out-{edge}"}
 train:
-  mode: split
+  {train_mode}
   data: {{ train: {shard}, test: {TEST}, targets: label }}
   epochs: {EPOCHS}
   batch_size: {BATCH}
@@ -134,15 +138,17 @@ def _state(stages) -> dict[str, torch.Tensor]:
     return params | {f"buffer.{name}": t for s in stages for name, t in s.named_buffers()}
 
 
-def _train_reference(mode: str):
-    """The group's training in PyTorch: each edge's prefix and the one server part."""
+def _train_reference(mode: str, u_shaped: bool):
+    """The group's training in PyTorch: each edge's stages (its prefix, and its tail when
+    U-shaped) and the one server part."""
     manifest = json.loads((BUNDLE / "manifest.json").read_text())
     n = len(manifest["stages"])
     output = manifest["output"]
     last_cut = [v["name"] for v in manifest["cuts"][-1]["values"]]
     data = load_file(str(TRAIN))
-    prefixes = [_stages(0, SPLIT) for _ in SHARDS]
-    server = _stages(SPLIT, n)
+    end = TAIL if u_shaped else n
+    prefixes = [_stages(0, SPLIT) + (_stages(TAIL, n) if u_shaped else []) for _ in SHARDS]
+    server = _stages(SPLIT, end)
     edge_optimizers = [torch.optim.Adam(_params(p), lr=LR, foreach=False) for p in prefixes]
     server_optimizer = torch.optim.Adam(_params(server), lr=LR, foreach=False)
     steps = [0 for _ in SHARDS]
@@ -150,7 +156,9 @@ def _train_reference(mode: str):
     def step(edge: int, rows: slice) -> None:
         t, seed = steps[edge], SEEDS[edge]
         values = (data["x"][rows],)
-        for i, stage in enumerate(prefixes[edge] + server):
+        edge_stages = prefixes[edge]
+        chain = edge_stages[:SPLIT] + server + edge_stages[SPLIT:]
+        for i, stage in enumerate(chain):
             torch.manual_seed(stage_seed(seed, t, i))
             values = stage(*values)
         loss = F.cross_entropy(values[last_cut.index(output["name"])], data["label"][rows])
@@ -170,20 +178,38 @@ def _train_reference(mode: str):
             order = [(edge, batches[edge][k]) for k in range(longest) for edge in range(len(SHARDS)) if k < len(batches[edge])]
         for edge, rows in order:
             step(edge, rows)
+        if mode == "splitfed":
+            _fedavg(prefixes)
     return [_state(p) for p in prefixes], _state(server)
 
 
-@pytest.mark.parametrize("mode", ["sequential"])
-def test_a_client_group_trains_as_pytorch_does_in_the_group_s_order(tmp_path, mode):
+def _fedavg(prefixes) -> None:
+    """Every prefix's floating-point parameters and buffers set to their average, each edge
+    weighed by its share of the rows, summed in the edges' order."""
+    total = sum(hi - lo for lo, hi in SHARDS)
+    states = [{n: t for s in p for n, t in [*s.named_parameters(), *s.named_buffers()] if t.is_floating_point()} for p in prefixes]
+    with torch.no_grad():
+        for name in states[0]:
+            average = None
+            for state, (lo, hi) in zip(states, SHARDS):
+                term = state[name] * ((hi - lo) / total)
+                average = term if average is None else average + term
+            for state in states:
+                state[name].copy_(average)
+
+
+@pytest.mark.parametrize(("mode", "u_shaped"), [("sequential", False), ("splitfed", False), ("splitfed", True)])
+def test_a_client_group_trains_as_pytorch_does_in_the_group_s_order(tmp_path, mode, u_shaped):
     _require_inputs()
     if not SERVER.exists():
         pytest.fail(f"no server binary at {SERVER}")
-    checkpoints, server_part = _run_group(tmp_path, mode)
-    prefixes, server = _train_reference(mode)
+    checkpoints, server_part = _run_group(tmp_path, mode, u_shaped)
+    prefixes, server = _train_reference(mode, u_shaped)
     for edge, (expected, got) in enumerate(zip(prefixes, checkpoints)):
         diffs = _max_diffs(expected, got)
         assert max(diffs.values()) <= TOLERANCE, f"edge {edge}: {diffs}"
     diffs = _max_diffs(server, server_part)
     assert max(diffs.values()) <= TOLERANCE, f"the server's part: {diffs}"
-    # The edges trained apart: their prefixes differ (each kept its own weights).
-    assert any(not torch.equal(checkpoints[0][name], checkpoints[1][name]) for name in prefixes[0] if name.startswith("param."))
+    # Sequential: each edge kept its own weights; splitfed: every epoch ended with their average.
+    differ = [not torch.equal(checkpoints[0][name], checkpoints[1][name]) for name in prefixes[0] if name.startswith("param.")]
+    assert any(differ) if mode == "sequential" else not any(differ)
