@@ -147,8 +147,10 @@ pub(crate) enum GroupError {
     NotInAGroup,
     #[error("a client group's session cannot resume a checkpoint (not supported yet): start the group afresh")]
     NoResume,
-    #[error("a splitfed edge says how many samples it trains on each round (`ClientGroup.samples`): its weight in the average")]
-    NoSamples,
+    #[error("a splitfed edge's samples each round (`ClientGroup.samples`, its weight in the average) must be 1 to {max}, not {samples}")]
+    Samples { samples: u64, max: u64 },
+    #[error("the edge's weights are not its stages' tensors: {0}")]
+    Weights(String),
     #[error("the edges of this splitfed group hold no floating-point weights to average: give them stages (a split after 0)")]
     NothingToAverage,
     #[error("PHASE_AVERAGE is for the sessions of a splitfed group")]
@@ -333,9 +335,12 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         },
         RequestError::Session(_) | RequestError::AlreadyTraining { .. } | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
         RequestError::Group(e) => match e {
-            GroupError::Name(_) | GroupError::Mode(_) | GroupError::Edges { .. } | GroupError::Place { .. } | GroupError::NoSamples => {
-                Code::InvalidArgument
-            }
+            GroupError::Name(_)
+            | GroupError::Mode(_)
+            | GroupError::Edges { .. }
+            | GroupError::Place { .. }
+            | GroupError::Samples { .. }
+            | GroupError::Weights(_) => Code::InvalidArgument,
             GroupError::Differs { .. }
             | GroupError::NotInAGroup
             | GroupError::NoResume

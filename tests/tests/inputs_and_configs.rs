@@ -171,7 +171,8 @@ fn every_example_config_parses() {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         if name.starts_with("server") {
             let c = ServerConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
-            assert!(c.models[0].bundle.ends_with("bundles/resnet18"), "{name}");
+            let bundle = if name == "server-fed.yaml" { "bundles/digits-cnn" } else { "bundles/resnet18" };
+            assert!(c.models[0].bundle.ends_with(bundle), "{name}");
             seen += 1;
         } else if name.ends_with(".yaml") {
             EdgeConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
@@ -197,6 +198,9 @@ fn every_example_config_parses() {
     assert!(train.train_data.ends_with("bundles/digits-train.safetensors"));
     let server = ServerConfig::load(&config_dir().join("server.yaml")).unwrap();
     assert!(server.training.checkpoint_dir.is_some() && !server.training.concurrent_sessions);
+    let fed = EdgeConfig::load(&config_dir().join("train-fed.yaml")).unwrap().train().cloned().expect("a training config");
+    assert_eq!(fed.clients, Some(ClientsConfig { mode: ClientMode::SplitFed, group: "digits".into(), edges: 4, edge: 0 }));
+    assert_eq!(ServerConfig::load(&config_dir().join("server-fed.yaml")).unwrap().training.max_sessions, 4);
 }
 
 /// The fewest keys an inference edge.yaml takes.

@@ -1462,3 +1462,44 @@ fn a_splitfed_round_ends_with_the_edges_checked_weights_and_answers_their_averag
         assert_eq!(got_a.values.len(), weights(0.0).values.len());
     });
 }
+
+#[test]
+fn an_end_of_round_resent_after_its_host_left_is_answered_from_memory_and_ends_no_second_round() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let options = TrainingOptions { checkpoint_dir: None, max_sessions: 2, ..TrainingOptions::default() };
+        let server =
+            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let reattachable = pb::OpenSession { reattachable: true, ..open_in_group("sequential", 2, 0) };
+        let (a, opened) = open_session(&server.url, &bundle, reattachable).await;
+        let opened = opened.opened.expect("edge 0 opened");
+        let (mut b, _) = open_session(&server.url, &bundle, open_in_group("sequential", 2, 1)).await;
+
+        // Edge 0 ends its round and leaves while it waits for edge 1.
+        a.0.send(TrainFrame { kind: Some(train_frame::Kind::EndRound(pb::EndRound { request_id: 1 })) }).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        drop(a);
+        let round = end_round(&mut b, 1).await;
+        assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 1 }), "{round:?}");
+
+        // Its host continues the session and resends the call: the answer it missed.
+        let reattach = pb::Reattach { session_id: opened.session_id, token: opened.reattach_token };
+        let (mut a, _) = open_when_free(&server.url, &bundle, pb::OpenSession { reattach: Some(reattach), ..Default::default() }).await;
+        let round = end_round(&mut a, 1).await;
+        assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 1 }), "{round:?}");
+
+        // The group is in round 1 with both edges: edge 1's end of it waits for edge 0's.
+        let local = tokio::task::LocalSet::new();
+        let edge_1 = local.spawn_local(async move { end_round(&mut b, 2).await });
+        let round = local
+            .run_until(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                assert!(!edge_1.is_finished(), "one call ended no second round");
+                let mine = end_round(&mut a, 2).await;
+                assert_eq!(mine.round_ended, Some(pb::RoundEnded { round: 2 }), "{mine:?}");
+                edge_1.await.unwrap()
+            })
+            .await;
+        assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 2 }), "{round:?}");
+    });
+}

@@ -382,8 +382,9 @@ pub struct TrainingOptions {
     /// micro-batch out of order) rather than run twice.
     pub max_kept_answer_bytes: u64,
     /// How long a session of a client group waits for the others (its turn to step, the
-    /// end of a round) before its call is refused naming the edges it waited for. A waiting
-    /// session is not idle.
+    /// end of a round) while the group makes no progress, before its call is refused naming
+    /// the edges it waited for. A waiting session is not idle. Longer than
+    /// `session_idle_timeout` by default: a vanished edge's session keeps its place that long.
     pub client_wait_timeout: Duration,
 }
 
@@ -399,7 +400,7 @@ impl Default for TrainingOptions {
             max_checkpoint_bytes_total: 16 << 30,
             max_pipeline_depth: 8,
             max_kept_answer_bytes: 64 << 20,
-            client_wait_timeout: Duration::from_secs(600),
+            client_wait_timeout: Duration::from_secs(900),
         }
     }
 }

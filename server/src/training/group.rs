@@ -10,7 +10,8 @@
 //! A round ends when every edge still in the group has ended it; the next round's first step
 //! waits until every edge has sent its next step (each evaluates in between, on the weights
 //! the round left). An edge that leaves (its session closed) is skipped from then on. Waiting
-//! happens on the session's own thread, never holding the device, and for at most
+//! happens on the session's own thread, never holding the device, and ends when the group has
+//! made no progress (a step, an arrival, an end of round, an edge leaving) for
 //! `training.client_wait_timeout`.
 
 use std::collections::HashMap;
@@ -136,11 +137,15 @@ fn check(clients: &pb::ClientGroup, max_edges: u32) -> Result<ClientMode, GroupE
     if clients.edge >= clients.edges {
         return Err(GroupError::Place { edge: clients.edge, edges: clients.edges });
     }
-    if mode == ClientMode::SplitFed && clients.samples == 0 {
-        return Err(GroupError::NoSamples);
+    if mode == ClientMode::SplitFed && !(1..=MAX_SAMPLES).contains(&clients.samples) {
+        return Err(GroupError::Samples { samples: clients.samples, max: MAX_SAMPLES });
     }
     Ok(mode)
 }
+
+/// The most samples an edge may weigh: every count, and their sum over a group, stays exact
+/// in a double.
+const MAX_SAMPLES: u64 = 1 << 40;
 
 /// A group: its part, once the first session has loaded it, and the order of its turns.
 #[derive(Debug)]
@@ -172,15 +177,31 @@ impl Group {
     }
 
     /// Waits, on the calling session's thread, until `ready` holds (`gone`: the caller has
-    /// left, its call is dropped), at most `training.client_wait_timeout`.
-    fn wait_until(&self, edge: usize, gone: &dyn Fn() -> bool, ready: impl Fn(&Order) -> bool) -> Result<MutexGuard<'_, Order>, Waited> {
-        let deadline = Instant::now() + self.wait;
+    /// left, its call is dropped), or until the group has made no progress for
+    /// `training.client_wait_timeout`. `mark` runs before each check: what the caller is
+    /// waiting as (arrived at this round) is marked again in a round that began meanwhile.
+    fn wait_until(
+        &self,
+        edge: usize,
+        gone: &dyn Fn() -> bool,
+        mark: impl Fn(&mut Order),
+        ready: impl Fn(&Order) -> bool,
+    ) -> Result<MutexGuard<'_, Order>, Waited> {
+        let mut deadline = Instant::now() + self.wait;
         let mut order = self.order();
-        while !ready(&order) {
+        let mut progress = order.progress;
+        loop {
+            mark(&mut order);
+            if ready(&order) {
+                return Ok(order);
+            }
             if gone() {
                 return Err(Waited::Gone);
             }
             let now = Instant::now();
+            if order.progress != progress {
+                (progress, deadline) = (order.progress, now + self.wait);
+            }
             if now >= deadline {
                 let waiting_for = order.holding_up(edge);
                 return Err(Waited::Refused(GroupError::WaitedTooLong { group: self.name.clone(), waited: self.wait, waiting_for }));
@@ -189,7 +210,6 @@ impl Group {
             let slice = (deadline - now).min(Duration::from_millis(100));
             order = self.changed.wait_timeout(order, slice).unwrap_or_else(|p| p.into_inner()).0;
         }
-        Ok(order)
     }
 }
 
@@ -244,10 +264,13 @@ impl Member {
     /// Waits for this edge's turn to start a step: every edge in the group has come to this
     /// round's steps, and the turn is this edge's.
     pub(crate) fn wait_for_step(&self, gone: &dyn Fn() -> bool) -> Result<(), Waited> {
-        self.group.order().arrive(self.edge);
-        self.group.changed.notify_all();
         let edge = self.edge;
-        self.group.wait_until(edge, gone, |order| order.may_step(edge)).map(drop)
+        let arrive = |order: &mut Order| {
+            if order.arrive(edge) {
+                self.group.changed.notify_all();
+            }
+        };
+        self.group.wait_until(edge, gone, arrive, |order| order.may_step(edge)).map(drop)
     }
 
     /// This edge's step is taken: in `splitfed` the turn goes to the next edge.
@@ -258,10 +281,15 @@ impl Member {
         }
     }
 
-    /// Ends this edge's round (`splitfed`: with its weights and samples) and waits until
-    /// every edge still in the group has ended it; returns the rounds ended and, `splitfed`,
-    /// the average of the edges' weights.
-    pub(crate) fn end_round(&self, gone: &dyn Fn() -> bool, weights: Option<Boundary>) -> Result<(u64, Option<Boundary>), Waited> {
+    /// Ends this edge's round (`splitfed`: with its weights, checked, and samples) and waits
+    /// until every edge still in the group has ended it, even when the caller has left: the
+    /// answer is kept for the call resent on its next stream, which must not end a round
+    /// again. Returns the rounds ended and, `splitfed`, the average of the edges' weights.
+    pub(crate) fn end_round(&self, weights: Option<Boundary>) -> Result<(u64, Option<Boundary>), Waited> {
+        if let Some(weights) = &weights {
+            let specs = self.group.weights.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_else(|| Arc::from([]));
+            check_weights(weights, &specs).map_err(Waited::Refused)?;
+        }
         let round = {
             let mut order = self.group.order();
             let round = order.round;
@@ -271,7 +299,7 @@ impl Member {
         };
         self.group.changed.notify_all();
         let edge = self.edge;
-        let order = self.group.wait_until(edge, gone, |order| order.round > round)?;
+        let order = self.group.wait_until(edge, &|| false, |_| (), |order| order.round > round)?;
         Ok((order.round, order.averaged.as_ref().map(Boundary::shallow_clone)))
     }
 }
@@ -306,11 +334,20 @@ struct Order {
     contributions: Vec<Option<(Boundary, u64)>>,
     /// `splitfed`: the average the last round ended with.
     averaged: Option<Boundary>,
+    /// Counts every change: a wait times out only after a while without one.
+    progress: u64,
 }
 
 impl Order {
     fn new(edges: usize) -> Self {
-        Self { places: vec![Place::Expected; edges], round: 0, turn: 0, contributions: (0..edges).map(|_| None).collect(), averaged: None }
+        Self {
+            places: vec![Place::Expected; edges],
+            round: 0,
+            turn: 0,
+            contributions: (0..edges).map(|_| None).collect(),
+            averaged: None,
+            progress: 0,
+        }
     }
 
     /// An edge comes (or comes back after a failed open); refused while its place is held.
@@ -319,14 +356,21 @@ impl Order {
             Place::In { .. } => Err(()),
             Place::Expected | Place::Left => {
                 self.places[edge] = Place::In { arrived: false, ended: false };
+                self.progress += 1;
                 Ok(())
             }
         }
     }
 
-    fn arrive(&mut self, edge: usize) {
-        if let Place::In { ended, .. } = self.places[edge] {
-            self.places[edge] = Place::In { arrived: true, ended };
+    /// `edge` has sent a step of this round; whether that is news.
+    fn arrive(&mut self, edge: usize) -> bool {
+        match self.places[edge] {
+            Place::In { arrived: false, ended } => {
+                self.places[edge] = Place::In { arrived: true, ended };
+                self.progress += 1;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -357,6 +401,7 @@ impl Order {
         if let Some(next) = (1..=n).map(|k| (edge + k) % n).find(|&e| self.stepping(e)) {
             self.turn = next;
         }
+        self.progress += 1;
     }
 
     fn end_round(&mut self, edge: usize) {
@@ -395,19 +440,40 @@ impl Order {
 /// samples, summed in the edges' order (as `sum(t_i * (n_i / n))` in PyTorch); none without
 /// weights. Every edge's weights hold the same tensors (the receiver checked them).
 fn average(weights: &[(Boundary, u64)]) -> Option<Boundary> {
-    let total = weights.iter().map(|(_, n)| *n).sum::<u64>() as f64;
+    let total = weights.iter().map(|(_, n)| u128::from(*n)).sum::<u128>() as f64;
     let (first, _) = weights.first()?;
     let tensor = |b: &Boundary, name: &str| b.values.iter().find(|(n, _)| n == name).and_then(|(_, v)| v.as_tensor()).map(Tensor::shallow_clone);
-    let values = first
-        .values
-        .iter()
-        .map(|(name, _)| {
-            let terms = weights.iter().filter_map(|(b, n)| tensor(b, name).map(|t| t * (*n as f64 / total)));
-            let sum = terms.reduce(|acc, term| acc + term).expect("the first edge holds it");
-            (name.clone(), Value::Tensor(sum))
-        })
-        .collect();
+    let mut values = Vec::with_capacity(first.values.len());
+    for (name, _) in &first.values {
+        let mut sum: Option<Tensor> = None;
+        for (b, n) in weights {
+            let term = tensor(b, name)?.f_mul_scalar(*n as f64 / total).ok()?;
+            sum = Some(match sum {
+                None => term,
+                Some(acc) => acc.f_add(&term).ok()?,
+            });
+        }
+        values.push((name.clone(), Value::Tensor(sum?)));
+    }
     Some(Boundary { values })
+}
+
+/// Checks that `weights` are exactly the tensors of `specs` (their names, types and shapes):
+/// what the payload's header declared was checked before its data; this checks what its
+/// values name.
+fn check_weights(weights: &Boundary, specs: &[TensorSpec]) -> Result<(), GroupError> {
+    let refused = |why: String| Err(GroupError::Weights(why));
+    if weights.values.len() != specs.len() {
+        return refused(format!("{} values, expected {}", weights.values.len(), specs.len()));
+    }
+    for (name, value) in &weights.values {
+        let Some(spec) = specs.iter().find(|s| &s.name == name) else { return refused(format!("{name} is not expected")) };
+        let matches = value.as_tensor().is_some_and(|t| TensorSpec::of(name, t).as_ref() == Some(spec));
+        if !matches {
+            return refused(format!("{name} is not a {} tensor of shape {:?}", spec.dtype, spec.shape));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -439,7 +505,7 @@ mod tests {
     #[test]
     fn an_edge_that_ended_its_round_or_left_is_skipped_and_the_next_round_waits_for_all() {
         let mut order = joined(3);
-        (0..3).for_each(|e| order.arrive(e));
+        (0..3).for_each(|e| assert!(order.arrive(e)));
         order.end_round(1);
         order.pass_turn(0);
         assert!(order.may_step(2), "edge 1 ended its round");
@@ -480,5 +546,30 @@ mod average_tests {
         assert_eq!(get("w"), vec![4.0, 5.0]);
         assert_eq!(get("b"), vec![7.0]);
         assert!(average(&[]).is_none());
+    }
+}
+
+#[cfg(test)]
+mod weight_tests {
+    use super::*;
+
+    #[test]
+    fn an_edge_s_weights_must_be_exactly_its_stages_tensors() {
+        let t = |shape: &[i64]| Value::Tensor(Tensor::zeros(shape, (tch::Kind::Float, tch::Device::Cpu)));
+        let specs: Vec<TensorSpec> = [("w", vec![2, 3]), ("b", vec![3])]
+            .into_iter()
+            .map(|(n, shape)| TensorSpec { name: n.into(), dtype: cleave_common::spec::DType::Float32, shape })
+            .collect();
+        let weights = |values: Vec<(&str, Value)>| Boundary { values: values.into_iter().map(|(n, v)| (n.to_string(), v)).collect() };
+        assert!(check_weights(&weights(vec![("b", t(&[3])), ("w", t(&[2, 3]))]), &specs).is_ok());
+        for (values, says) in [
+            (vec![("w", t(&[2, 3]))], "1 values, expected 2"),
+            (vec![("w", t(&[2, 3])), ("x", t(&[3]))], "x is not expected"),
+            (vec![("w", t(&[3, 2])), ("b", t(&[3]))], "w is not a float32 tensor of shape [2, 3]"),
+            (vec![("w", t(&[2, 3])), ("b", Value::Int(3))], "b is not a float32 tensor"),
+        ] {
+            let err = check_weights(&weights(values), &specs).unwrap_err().to_string();
+            assert!(err.contains(says), "{says}: {err}");
+        }
     }
 }

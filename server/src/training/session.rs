@@ -295,7 +295,7 @@ impl Session {
                 Err(waited) => Err(waited),
             }
         } else {
-            self.end_round(member, call, &gone)
+            self.end_round(member, call)
         };
         match answered {
             Ok(answer) => {
@@ -312,7 +312,7 @@ impl Session {
 
     /// Ends the edge's round in its group once no step is under way, as the group's mode
     /// ends one: `EndRound`, or `splitfed`'s weights, answered with their average.
-    fn end_round(&self, member: &Member, call: Call, gone: &dyn Fn() -> bool) -> Result<Answer, Waited> {
+    fn end_round(&self, member: &Member, call: Call) -> Result<Answer, Waited> {
         if self.step_under_way() {
             return Err(Waited::Refused(GroupError::StepUnderWay { step: self.step + 1 }));
         }
@@ -324,7 +324,7 @@ impl Session {
             }
             (ClientMode::Sequential, _) => return Err(Waited::Refused(GroupError::RoundEndsOtherwise { mode: "sequential", expected: "EndRound" })),
         };
-        Ok(match member.end_round(gone, weights)? {
+        Ok(match member.end_round(weights)? {
             (_, Some(averaged)) => Answer::Output(averaged),
             (round, None) => Answer::RoundEnded { round },
         })

@@ -195,7 +195,12 @@ async fn answer_calls(
         let (replies, mut held) = match frame.kind {
             Some(train_frame::Kind::Save(save)) => (vec![save_reply(session, save).await], Reservation::none()),
             Some(train_frame::Kind::Clip(clip)) => (vec![clip_reply(session, clip).await], Reservation::none()),
-            Some(train_frame::Kind::EndRound(end)) => (vec![end_round_reply(session, end).await], Reservation::none()),
+            // The end of a round may wait long for the other edges: a host that leaves
+            // meanwhile leaves the session kept (its answer is kept for the call resent).
+            Some(train_frame::Kind::EndRound(end)) => tokio::select! {
+                reply = end_round_reply(session, end) => (vec![reply], Reservation::none()),
+                () = out.closed() => return StreamEnd::Broken,
+            },
             Some(train_frame::Kind::Payload(p)) => {
                 let handled = stream.call(&p, ctx, session, out).await;
                 // A payload part-way in must be complete by its deadline.
