@@ -850,11 +850,7 @@ async fn save(stream: &mut TrainStream, id: u64, name: &str) -> pb::TrainReply {
 
 /// One training step of a digits session over [7, 12); panics unless it trained.
 async fn train_step(stream: &mut TrainStream, id: u64) {
-    use cleave_common::{Boundary, Value};
-    let features = noise(&[2, 32, 4, 4], id as i64 * 1024);
-    let targets = Tensor::from_slice(&[3i64, 4]);
-    let step = Boundary { values: vec![("features_6".into(), Value::Tensor(features)), ("@targets".into(), Value::Tensor(targets))] };
-    let replies = call(stream, id, pb::Phase::Forward, (7, Direction::Request), &step).await;
+    let replies = call(stream, id, pb::Phase::Forward, (7, Direction::Request), &digits_step(id)).await;
     let last = replies.last().unwrap();
     assert!(last.error.is_none() && last.loss.is_some(), "{last:?}");
 }
@@ -1331,14 +1327,7 @@ fn a_client_group_s_sessions_are_checked_share_the_bundle_and_wait_for_each_othe
         }
 
         // Edge 1 has not come: edge 0's step waits for it, then is refused naming it.
-        let features = noise(&[2, 32, 4, 4], 0);
-        let step = cleave_common::Boundary {
-            values: vec![
-                ("features_6".into(), cleave_common::Value::Tensor(features)),
-                ("@targets".into(), cleave_common::Value::Tensor(Tensor::from_slice(&[3i64, 4]))),
-            ],
-        };
-        let replies = call(&mut a, 1, pb::Phase::Forward, (7, Direction::Request), &step).await;
+        let replies = call(&mut a, 1, pb::Phase::Forward, (7, Direction::Request), &digits_step(0)).await;
         let (code, message) = error_of(replies.last().unwrap());
         assert_eq!(code, tonic::Code::DeadlineExceeded);
         assert!(message.contains("(`training.client_wait_timeout`) in group g for edges [1]"), "{message}");
@@ -1349,13 +1338,7 @@ fn a_client_group_s_sessions_are_checked_share_the_bundle_and_wait_for_each_othe
         // Tensors are not `Sync`: edge 1 runs as a task on this thread.
         let local = tokio::task::LocalSet::new();
         let edge_1 = local.spawn_local(async move {
-            let step = cleave_common::Boundary {
-                values: vec![
-                    ("features_6".into(), cleave_common::Value::Tensor(noise(&[2, 32, 4, 4], 1))),
-                    ("@targets".into(), cleave_common::Value::Tensor(Tensor::from_slice(&[1i64, 2]))),
-                ],
-            };
-            let stepped = call(&mut b, 1, pb::Phase::Forward, (7, Direction::Request), &step).await;
+            let stepped = call(&mut b, 1, pb::Phase::Forward, (7, Direction::Request), &digits_step(1)).await;
             let round = end_round(&mut b, 2).await;
             (b, stepped, round)
         });
@@ -1477,7 +1460,9 @@ fn an_end_of_round_resent_after_its_host_left_is_answered_from_memory_and_ends_n
 
         // Edge 0 ends its round and leaves while it waits for edge 1.
         a.0.send(TrainFrame { kind: Some(train_frame::Kind::EndRound(pb::EndRound { request_id: 1 })) }).await.unwrap();
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        // (Long enough for the server to be waiting in the call: a stream that ends before
+        // the call is read closes its session instead.)
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         drop(a);
         let round = end_round(&mut b, 1).await;
         assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 1 }), "{round:?}");

@@ -213,6 +213,18 @@ impl Group {
     }
 }
 
+/// What `slot` holds, made by `make` if it holds nothing yet (the first session of a group
+/// makes it while the others wait for it; a failure leaves the slot for the next to try).
+fn first_made<T: Clone>(slot: &Mutex<Option<T>>, make: impl FnOnce() -> Result<T, RequestError>) -> Result<T, RequestError> {
+    let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(made) = held.as_ref() {
+        return Ok(made.clone());
+    }
+    let made = make()?;
+    *held = Some(made.clone());
+    Ok(made)
+}
+
 /// Why a wait ended without its turn.
 pub(crate) enum Waited {
     /// The caller left: nobody reads the answer.
@@ -232,13 +244,7 @@ pub(crate) struct Member {
 impl Member {
     /// The group's part, loaded by the first session to ask.
     pub(crate) fn part(&self, load: impl FnOnce() -> Result<TrainedPart, RequestError>) -> Result<SharedPart, RequestError> {
-        let mut part = self.group.part.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(shared) = part.as_ref() {
-            return Ok(Arc::clone(shared));
-        }
-        let shared = Arc::new(Mutex::new(load()?));
-        *part = Some(Arc::clone(&shared));
-        Ok(shared)
+        first_made(&self.group.part, || Ok(Arc::new(Mutex::new(load()?))))
     }
 
     /// How the group's edges take turns.
@@ -249,16 +255,13 @@ impl Member {
     /// `splitfed`: the weights an edge sends at the end of a round, found by the first
     /// session to ask (`list` loads the edges' stages).
     pub(crate) fn weights(&self, list: impl FnOnce() -> Result<Vec<TensorSpec>, RequestError>) -> Result<Arc<[TensorSpec]>, RequestError> {
-        let mut weights = self.group.weights.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(known) = weights.as_ref() {
-            return Ok(Arc::clone(known));
-        }
-        let listed: Arc<[TensorSpec]> = list()?.into();
-        if listed.is_empty() {
-            return Err(GroupError::NothingToAverage.into());
-        }
-        *weights = Some(Arc::clone(&listed));
-        Ok(listed)
+        first_made(&self.group.weights, || {
+            let listed = list()?;
+            if listed.is_empty() {
+                return Err(GroupError::NothingToAverage.into());
+            }
+            Ok(listed.into())
+        })
     }
 
     /// Waits for this edge's turn to start a step: every edge in the group has come to this
