@@ -2,7 +2,7 @@
 
 use cleave_common::logs::{self, LogFormat};
 use cleave_common::telemetry::Telemetry;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -73,11 +73,17 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         batch: Vec<i64>,
     },
-    /// Profile the edge, the server and the link, and predict every cut's latency and throughput.
+    /// Profile the edge, the server and the link, and predict every cut's latency and
+    /// throughput; or, with --fleet, place several models on GPUs and their MIG slices.
+    #[command(group(clap::ArgGroup::new("what").required(true).args(["config", "fleet"])))]
     Plan {
         /// edge.yaml (bundle, device, batch size, codec, server).
         #[arg(long)]
-        config: PathBuf,
+        config: Option<PathBuf>,
+        /// fleet.yaml (models, their profiles, rates, targets and edges; GPUs and their MIG
+        /// layouts): fleet-plan.json, a server.yaml per slice, MIG commands (never run).
+        #[arg(long, conflicts_with_all = ["loopback", "measure"])]
+        fleet: Option<PathBuf>,
         /// Start the server in this process on 127.0.0.1 and use it.
         #[arg(long)]
         loopback: bool,
@@ -90,7 +96,8 @@ enum Command {
         /// Also run this many requests at every usable cut and show the measured median.
         #[arg(long, default_value_t = 0)]
         measure: u64,
-        /// Where plan.json goes (default: the config's output directory).
+        /// Where plan.json goes (default: the config's output directory; with --fleet,
+        /// results/fleet).
         #[arg(long)]
         output: Option<PathBuf>,
     },
@@ -174,8 +181,9 @@ fn main() -> ExitCode {
                 run.passed()
             })
             .map_err(anyhow::Error::from),
-        Some(Command::Plan { config, loopback, objective, repeats, measure, output }) => {
-            plan(config, PlanOptions { loopback, objective, repeats, measure, output })
+        Some(Command::Plan { fleet: Some(fleet), output, .. }) => plan_fleet(&fleet, &output.unwrap_or_else(|| PathBuf::from("results/fleet"))),
+        Some(Command::Plan { config, loopback, objective, repeats, measure, output, .. }) => {
+            plan(config.expect("clap asks for --config or --fleet"), PlanOptions { loopback, objective, repeats, measure, output })
         }
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
@@ -247,6 +255,13 @@ fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     config.cpu.apply()?;
     let planned = tokio::runtime::Runtime::new()?.block_on(cleave_host::planning::plan(config, opts))?;
     println!("{planned}");
+    Ok(true)
+}
+
+fn plan_fleet(path: &Path, output: &Path) -> anyhow::Result<bool> {
+    let planned = cleave_host::planning::fleet::plan_fleet(path, output)?;
+    println!("{planned}");
+    println!("plan in {}", output.join("fleet-plan.json").display());
     Ok(true)
 }
 

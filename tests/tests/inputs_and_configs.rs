@@ -11,6 +11,7 @@ use cleave_common::{Bundle, DeviceSpec};
 use cleave_host::config::{ClientMode, ClientsConfig, EdgeConfig, Fallback, InputSource, Job, Resilience, RetryPolicy, TrainMode};
 use cleave_host::error::{HostError, InputError};
 use cleave_host::inputs::Inputs;
+use cleave_host::planning::fleet::Fleet;
 use cleave_server::ServerConfig;
 use cleave_tests::bundle_dir;
 use tch::{Device, Kind, Tensor};
@@ -163,7 +164,9 @@ fn every_example_config_parses() {
     std::fs::create_dir(root.path().join("config")).unwrap();
     for entry in std::fs::read_dir(config_dir()).unwrap() {
         let path = entry.unwrap().path();
-        std::fs::copy(&path, root.path().join("config").join(path.file_name().unwrap())).unwrap();
+        if path.is_file() {
+            std::fs::copy(&path, root.path().join("config").join(path.file_name().unwrap())).unwrap();
+        }
     }
     let mut seen = 0;
     for entry in std::fs::read_dir(root.path().join("config")).unwrap() {
@@ -173,6 +176,11 @@ fn every_example_config_parses() {
             let c = ServerConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
             let bundle = if name == "server-fed.yaml" { "bundles/digits-cnn" } else { "bundles/resnet18" };
             assert!(c.models[0].bundle.ends_with(bundle), "{name}");
+            seen += 1;
+        } else if name.starts_with("fleet") {
+            // Its profiles are in config/fleet/: read it where it is.
+            let fleet = Fleet::load(&config_dir().join(&name)).unwrap_or_else(|e| panic!("{e}"));
+            assert!(fleet.models.len() >= 2 && fleet.gpus.len() >= 2, "{name}");
             seen += 1;
         } else if name.ends_with(".yaml") {
             EdgeConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));

@@ -12,10 +12,12 @@
 //! - [`codec_choice`]: `codec: auto`: each request's codec from the estimated rate and each
 //!   codec's cost, measured on the first boundary at each cut (or by `split: auto`'s profile).
 //! - [`graph`]: the stage graph as Graphviz DOT, folded to module level, the chosen cut marked.
+//! - [`fleet`]: `host plan --fleet`: several models placed on GPUs and MIG slices.
 
 pub mod auto_split;
 pub mod codec_choice;
 pub mod codec_cost;
+pub mod fleet;
 pub mod graph;
 pub mod plan;
 pub mod planner;
