@@ -31,6 +31,7 @@ pub mod device;
 pub mod error;
 pub mod logs;
 pub mod protocol;
+pub mod scheduling;
 pub mod security;
 pub mod spec;
 pub mod stages;

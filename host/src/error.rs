@@ -93,6 +93,9 @@ pub enum HostError {
     /// on a new one).
     #[error("the link to the server broke: {0}")]
     Lost(LinkLost),
+    /// `host plan --fleet-profile` cannot write its profiles.
+    #[error("--fleet-profile: {0}")]
+    FleetProfile(String),
     /// A command given a config of the other kind (inference without `input`, training
     /// without `train`).
     #[error("the config has no `{key}`: {command} needs one")]

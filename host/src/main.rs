@@ -84,6 +84,10 @@ enum Command {
         /// layouts): fleet-plan.json, a server.yaml per slice, MIG commands (never run).
         #[arg(long, conflicts_with_all = ["loopback", "measure"])]
         fleet: Option<PathBuf>,
+        /// With --fleet: simulate the planned servers (their scheduling rules, 60 s of each)
+        /// and print each model's p50 and p95.
+        #[arg(long, requires = "fleet")]
+        simulate: bool,
         /// Start the server in this process on 127.0.0.1 and use it.
         #[arg(long)]
         loopback: bool,
@@ -100,6 +104,10 @@ enum Command {
         /// results/fleet).
         #[arg(long)]
         output: Option<PathBuf>,
+        /// Also profile the server's stages at these batch sizes (like 1,2,4,8) and write
+        /// stage-profile.json and edge-profile.json for a fleet.yaml (batch_size: 1 only).
+        #[arg(long, value_delimiter = ',', conflicts_with = "fleet")]
+        fleet_profile: Vec<u32>,
     },
     /// Load the server(s): N edges' streams from this process, closed loop or at a Poisson
     /// rate, for a duration; a table per model, load.json, latency.csv and latency.svg. The
@@ -181,9 +189,11 @@ fn main() -> ExitCode {
                 run.passed()
             })
             .map_err(anyhow::Error::from),
-        Some(Command::Plan { fleet: Some(fleet), output, .. }) => plan_fleet(&fleet, &output.unwrap_or_else(|| PathBuf::from("results/fleet"))),
-        Some(Command::Plan { config, loopback, objective, repeats, measure, output, .. }) => {
-            plan(config.expect("clap asks for --config or --fleet"), PlanOptions { loopback, objective, repeats, measure, output })
+        Some(Command::Plan { fleet: Some(fleet), output, simulate, .. }) => {
+            plan_fleet(&fleet, &output.unwrap_or_else(|| PathBuf::from("results/fleet")), simulate)
+        }
+        Some(Command::Plan { config, loopback, objective, repeats, measure, output, fleet_profile, .. }) => {
+            plan(config.expect("clap asks for --config or --fleet"), PlanOptions { loopback, objective, repeats, measure, output, fleet_profile })
         }
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
         Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
@@ -258,8 +268,8 @@ fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-fn plan_fleet(path: &Path, output: &Path) -> anyhow::Result<bool> {
-    let planned = cleave_host::planning::fleet::plan_fleet(path, output)?;
+fn plan_fleet(path: &Path, output: &Path, simulate: bool) -> anyhow::Result<bool> {
+    let planned = cleave_host::planning::fleet::plan_fleet(path, output, simulate)?;
     println!("{planned}");
     println!("plan in {}", output.join("fleet-plan.json").display());
     Ok(true)

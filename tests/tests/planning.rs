@@ -2,6 +2,7 @@
 //! cut, a usable best cut, and measured latencies beside the predictions.
 
 use cleave_host::config::EdgeConfig;
+use cleave_host::planning::fleet::profile::{EdgeProfile, StageProfile};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::{plan, PlanOptions};
 use cleave_tests::bundle_dir;
@@ -9,16 +10,27 @@ use cleave_tests::bundle_dir;
 /// `host plan` over loopback for the digits bundle at batch 4 with `codec`, `repeats` timed
 /// passes and `measure` requests at every cut; its output directory is `out` in the first.
 fn plan_digits(codec: &str, repeats: usize, measure: u64) -> (tempfile::TempDir, cleave_host::planning::PlanReport) {
+    plan_digits_at(4, codec, repeats, measure, Vec::new())
+}
+
+/// The same at `batch`, profiling the server at `fleet_profile` batch sizes for a fleet.
+fn plan_digits_at(
+    batch: i64,
+    codec: &str,
+    repeats: usize,
+    measure: u64,
+    fleet_profile: Vec<u32>,
+) -> (tempfile::TempDir, cleave_host::planning::PlanReport) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("edge.yaml");
     let yaml = format!(
-        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ncodec: {codec}\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: {batch}\ncodec: {codec}\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
         bundle_dir("digits").display(),
         dir.path().join("out").display()
     );
     std::fs::write(&config, yaml).unwrap();
     let config = EdgeConfig::load(&config).unwrap();
-    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats, measure, output: None };
+    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats, measure, output: None, fleet_profile };
     let report = tokio::runtime::Runtime::new().unwrap().block_on(plan(config, opts)).unwrap().report;
     (dir, report)
 }
@@ -62,6 +74,35 @@ fn plan_profiles_both_sides_and_the_link_and_predicts_every_cut() {
     assert!(bars.matches("<rect").count() >= usable, "a bar per cut");
     let cdf = std::fs::read_to_string(dir.path().join("out").join(cleave_host::plots::run::LATENCY_CDF)).unwrap();
     assert!(cdf.contains("<polyline") && cdf.contains(&format!("cut {best} (planned best")), "{cdf}");
+}
+
+#[test]
+fn plan_writes_the_profiles_a_fleet_is_planned_from() {
+    let (dir, report) = plan_digits_at(1, "shuffle+lz4", 2, 0, vec![4, 1, 2]);
+    let stages = StageProfile::read(&dir.path().join("out/stage-profile.json")).unwrap();
+    let n = report.profiles.stage_count();
+    assert_eq!((stages.batches.as_slice(), stages.stages.len(), stages.cuts.len()), ([1, 2, 4].as_slice(), n, n + 1));
+    assert!(stages.stages.iter().all(|s| s.ms.len() == 3 && s.ms.iter().all(|&t| t >= 0.0)));
+    let usable: Vec<bool> = stages.cuts.iter().map(|c| c.usable).collect();
+    assert_eq!(usable, report.profiles.cut_usable);
+    let wire: Vec<f64> = report.profiles.cut_wire_bytes.iter().map(|&b| b as f64).collect();
+    assert_eq!(stages.cuts.iter().map(|c| c.wire_bytes).collect::<Vec<_>>(), wire);
+    let edge = EdgeProfile::read(&dir.path().join("out/edge-profile.json")).unwrap();
+    // JSON keeps a time to its last bit or so (serde_json parses floats fast, not exactly).
+    assert_eq!(edge.stage_ms.len(), report.profiles.edge_stage_ms.len());
+    assert!(edge.stage_ms.iter().zip(&report.profiles.edge_stage_ms).all(|(a, b)| (a - b).abs() <= 1e-12 * b.abs()));
+    // A batch of 4 a request is refused: a fleet's rates count requests of one sample.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("edge.yaml");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 3\ndevice: cpu\nbatch_size: 4\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle_dir("digits").display(),
+        dir.path().join("out").display()
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let opts = PlanOptions { loopback: true, objective: Objective::Latency, repeats: 1, measure: 0, output: None, fleet_profile: vec![1] };
+    let error = tokio::runtime::Runtime::new().unwrap().block_on(plan(EdgeConfig::load(&config).unwrap(), opts)).unwrap_err();
+    assert!(error.to_string().contains("batch_size is 4: it must be 1"), "{error}");
 }
 
 #[test]

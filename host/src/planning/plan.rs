@@ -11,6 +11,7 @@ use cleave_common::Bundle;
 use serde::Serialize;
 
 use super::codec_choice;
+use super::fleet::profile::{Cut, EdgeProfile, Stage, StageProfile};
 use super::graph::write_stage_graph;
 use super::planner::{best, CutPrediction, Objective, Profiles};
 use super::profile::measure_profiles;
@@ -58,6 +59,9 @@ pub struct PlanOptions {
     pub measure: u64,
     /// Where `plan.json` goes (default: the config's output directory).
     pub output: Option<PathBuf>,
+    /// Batch sizes to profile the server's stages at for `host plan --fleet`: with any,
+    /// `stage-profile.json` and `edge-profile.json` are written beside `plan.json`.
+    pub fleet_profile: Vec<u32>,
 }
 
 /// The result of `host plan`, also written to `plan.json`.
@@ -110,6 +114,10 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
 
     let codec_candidates = if config.codec_auto { codec_choice::candidates(&session)? } else { Vec::new() };
     let profiles = measure_profiles(&config, &mut session, &bundle, opts.repeats, &codec_candidates).await?.profiles;
+    let fleet_profiles = match opts.fleet_profile.is_empty() {
+        true => None,
+        false => Some(fleet_profiles(&config, &mut session, &bundle, &profiles, &opts.fleet_profile, opts.repeats).await?),
+    };
     let n = bundle.stage_count();
     let predictions = profiles.predict(opts.objective)?;
     let chosen = best(&predictions, opts.objective).map(|p| p.cut);
@@ -139,11 +147,68 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
     std::fs::write(output.join("plan.json"), json + "\n").map_err(|e| HostError::write(output.join("plan.json"), e))?;
     let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(HostError::Graph)?;
     let mut written = vec![dot];
+    if let Some((stages, edge)) = fleet_profiles {
+        written.push(write_json(&output.join("stage-profile.json"), &stages)?);
+        written.push(write_json(&output.join("edge-profile.json"), &edge)?);
+    }
     written.extend(svg);
     if !report.measured.is_empty() {
         written.extend(plot_measured(&bundle, &report, &output)?);
     }
     Ok(PlanRun { report, table, plan_json: output.join("plan.json"), written })
+}
+
+/// The profiles `host plan --fleet` reads: the server's stages at each of `batches` (the
+/// `Profile` RPC), each stage's weights (its parameters, 4 bytes each) and activations (its
+/// input and output cuts' bytes a sample), the wire bytes a sample at each cut, and the
+/// edge's stages. A fleet's rates count requests of one sample: the config's batch must be 1.
+async fn fleet_profiles(
+    config: &EdgeConfig,
+    session: &mut EdgeSession,
+    bundle: &Bundle,
+    profiles: &Profiles,
+    batches: &[u32],
+    repeats: usize,
+) -> Result<(StageProfile, EdgeProfile)> {
+    if config.batch_size != 1 {
+        let why = format!("the config's batch_size is {}: it must be 1 (a fleet's rates count requests of one sample)", config.batch_size);
+        return Err(HostError::FleetProfile(why));
+    }
+    let mut batches = batches.to_vec();
+    batches.sort_unstable();
+    batches.dedup();
+    let mut per_batch = Vec::new();
+    for &batch_size in &batches {
+        let request = session.model_request(cleave_common::pb::ProfileRequest { batch_size, repeats: repeats as u32 });
+        let mut client = session.client.clone();
+        let stage_ms = client.profile(request).await.map_err(|s| HostError::rpc("Profile", &s))?.into_inner().stage_ms;
+        if stage_ms.len() != bundle.stage_count() || stage_ms.iter().any(|ms| !(ms.is_finite() && *ms >= 0.0)) {
+            return Err(HostError::FleetProfile(format!(
+                "the server's profile at batch {batch_size} is not one time for each of the {} stages",
+                bundle.stage_count()
+            )));
+        }
+        per_batch.push(stage_ms);
+    }
+    let manifest = bundle.manifest();
+    let stages = (0..bundle.stage_count())
+        .map(|i| Stage {
+            ms: per_batch.iter().map(|ms| ms[i]).collect(),
+            weight_bytes: manifest.stages[i].parameters as f64 * 4.0,
+            activation_bytes: (bundle.cut(i).bytes_per_sample + bundle.cut(i + 1).bytes_per_sample) as f64,
+        })
+        .collect();
+    let cuts = (0..=bundle.stage_count()).map(|k| Cut { usable: profiles.cut_usable[k], wire_bytes: profiles.cut_wire_bytes[k] as f64 }).collect();
+    let device = session.model.device.clone();
+    let stages = StageProfile { format: StageProfile::FORMAT.into(), device, batches, stages, cuts };
+    let edge = EdgeProfile { format: EdgeProfile::FORMAT.into(), device: config.device.to_string(), stage_ms: profiles.edge_stage_ms.clone() };
+    Ok((stages, edge))
+}
+
+fn write_json(path: &std::path::Path, value: &impl Serialize) -> Result<PathBuf> {
+    let json = serde_json::to_string_pretty(value).map_err(|error| HostError::Json { what: "a profile as JSON", error })?;
+    std::fs::write(path, json + "\n").map_err(|e| HostError::write(path.to_path_buf(), e))?;
+    Ok(path.to_path_buf())
 }
 
 /// Runs `rounds` requests at every cut of `cuts` on one stream, the cuts interleaved request

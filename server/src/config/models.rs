@@ -130,15 +130,7 @@ impl ModelConfig {
     }
 }
 
-/// What a device's scheduler runs first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// In arrival order.
-    Fifo,
-    /// Earliest deadline first: a request's deadline is its arrival plus its model's
-    /// `slo_ms` divided by its `priority`.
-    Edf,
-}
+pub use cleave_common::scheduling::Policy;
 
 /// `scheduler:` in server.yaml: `fifo`, `edf`, or `{policy: edf, max_age_ms: 2000}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

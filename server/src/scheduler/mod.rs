@@ -1,5 +1,6 @@
 //! One scheduler per device: a thread that owns the stages of every model loaded there and
-//! decides what runs next ([`queue`]): inference batches, profiles, and training steps.
+//! decides what runs next (`cleave_common::scheduling`, the rules shared with the fleet
+//! planner's simulation): inference batches, profiles, and training steps.
 //!
 //! libtorch modules are not `Sync` and autograd mode is per thread, so compute never runs on
 //! the async runtime. Streams hand requests over a bounded channel (backpressure) and get
@@ -21,7 +22,6 @@
 //! it holds are answered INTERNAL once, and `watch`, which starts each device's scheduler,
 //! restarts it or reports the device down.
 
-mod queue;
 pub(crate) mod watch;
 
 use std::sync::mpsc as std_mpsc;
@@ -31,10 +31,10 @@ use cleave_common::spec::BoundarySizes;
 use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
-use crate::config::{Batching, Policy, SchedulerConfig};
+use crate::config::{Batching, SchedulerConfig};
 use crate::error::{catch_panic, panic_message, Busy, DeviceFailure, Internal, RequestError};
 use crate::metrics::Metrics;
-use queue::{Entry, Group, Pick, Queue};
+use cleave_common::scheduling::{Entry, Group, Pick, Queue};
 
 /// A model's stages on a device and how the scheduler treats its requests.
 pub(crate) struct DeviceModel {
@@ -482,15 +482,9 @@ fn batch_spans(model: &str, requests: &[Waiting], sizes: &[i64], (from, to): (us
     (batch, computing)
 }
 
-/// When a request would like to run by: its arrival (`fifo`); its arrival plus its model's
-/// `slo_ms / priority` (`edf`), or plus `max_age` for a model without a target, which is
-/// also a training turn's place under either policy.
+/// When a request would like to run by (the shared rule, with this scheduler's policy).
 fn request_key(config: &SchedulerConfig, arrived: Instant, slo: Option<Duration>, priority: f64) -> Instant {
-    match (config.policy, slo) {
-        (Policy::Fifo, _) => arrived,
-        (Policy::Edf, Some(slo)) => arrived + slo.div_f64(priority),
-        (Policy::Edf, None) => arrived + config.max_age,
-    }
+    cleave_common::scheduling::request_key(config.policy, config.max_age, arrived, slo, priority)
 }
 
 fn answer(w: Waiting, output: Result<Boundary, RequestError>) {
@@ -547,6 +541,7 @@ fn run_batch(model: &DeviceModel, requests: &[Waiting], range: StageRange, sizes
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Policy;
 
     #[test]
     fn keys_follow_the_policy_and_training_yields_for_at_most_max_age() {

@@ -7,12 +7,14 @@
 //! - [`choices`]: the ways one model can run on one slice kind, and why none is left.
 //! - [`solve`]: the integer program and its leximin objective (`good_lp` + `microlp`).
 //! - [`output`]: the table, `fleet-plan.json`, MIG commands, a `server.yaml` per slice.
+//! - [`simulate`]: the planned servers simulated with the server's own scheduling rules.
 
 pub mod choices;
 pub mod config;
 pub mod output;
 pub mod profile;
 pub mod queueing;
+pub mod simulate;
 pub mod solve;
 
 use std::path::Path;
@@ -67,11 +69,19 @@ pub fn place(fleet: &Fleet) -> Result<Placement, FleetError> {
     }
 }
 
-/// Reads `fleet.yaml`, plans it, and writes the plan into `output`.
-pub fn plan_fleet(path: &Path, output: &Path) -> Result<FleetPlan, FleetError> {
+/// Virtual seconds of each slice's server that `--simulate` runs.
+pub const SIMULATED_SECONDS: f64 = 60.0;
+
+/// Reads `fleet.yaml`, plans it (and simulates the plan when asked), and writes the plan
+/// into `output`.
+pub fn plan_fleet(path: &Path, output: &Path, simulate: bool) -> Result<FleetPlan, FleetError> {
     let fleet = Fleet::load(path)?;
     let placement = place(&fleet)?;
     let mut plan = output::fleet_plan(&fleet, &placement);
+    if simulate {
+        let simulated = simulate::simulate(&fleet, &placement, SIMULATED_SECONDS, 0);
+        plan.models.iter_mut().zip(simulated).for_each(|(m, s)| m.simulated = s);
+    }
     output::write(&mut plan, &fleet, output).map_err(|error| FleetError::Write { dir: output.to_path_buf(), error })?;
     Ok(plan)
 }

@@ -93,6 +93,8 @@ pub struct ModelPlan {
     pub weight: f64,
     /// Where its edges send their requests.
     pub routes: Vec<Route>,
+    /// Its latencies in the simulation of the plan (`--simulate`).
+    pub simulated: Option<super::simulate::Simulated>,
 }
 
 /// Where some of a model's edges send: the slice's server and the split to use.
@@ -137,6 +139,7 @@ pub fn fleet_plan(fleet: &Fleet, placement: &Placement) -> FleetPlan {
                 headroom: placement.headroom[m],
                 weight: model.weight,
                 routes,
+                simulated: None,
             }
         })
         .collect();
@@ -259,7 +262,12 @@ impl std::fmt::Display for FleetPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut table = comfy_table::Table::new();
         table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
-        table.set_header(["model", "rate/s", "p95 target ms", "p95 predicted ms", "headroom", "slices (split, batch, share)"]);
+        let simulated = self.models.iter().any(|m| m.simulated.is_some());
+        let mut header = vec!["model", "rate/s", "p95 target ms", "p95 predicted ms", "headroom", "slices (split, batch, share)"];
+        if simulated {
+            header.extend(["simulated p50 ms", "simulated p95 ms"]);
+        }
+        table.set_header(header);
         for m in &self.models {
             let routes: Vec<String> = self
                 .slices
@@ -271,14 +279,19 @@ impl std::fmt::Display for FleetPlan {
                         .map(move |sm| format!("{} (split {}, batch {}, {:.0}%)", s.name, sm.split, sm.max_batch, sm.share * 100.0))
                 })
                 .collect();
-            table.add_row([
+            let mut row = vec![
                 m.name.clone(),
                 format!("{:.1}", m.rate),
                 format!("{:.1}", m.p95_target_ms),
                 format!("{:.1}", m.p95_ms),
                 format!("{:+.0}%", m.headroom * 100.0),
                 routes.join("\n"),
-            ]);
+            ];
+            if simulated {
+                let (p50, p95) = m.simulated.as_ref().map_or(("-".into(), "-".into()), |s| (format!("{:.1}", s.p50_ms), format!("{:.1}", s.p95_ms)));
+                row.extend([p50, p95]);
+            }
+            table.add_row(row);
         }
         writeln!(f, "{table}")?;
         for gpu in &self.gpus {

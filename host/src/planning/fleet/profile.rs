@@ -57,9 +57,6 @@ pub struct EdgeProfile {
     pub stage_ms: Vec<f64>,
 }
 
-const STAGE_FORMAT: &str = "cleave-stage-profile/1";
-const EDGE_FORMAT: &str = "cleave-edge-profile/1";
-
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
@@ -73,6 +70,9 @@ fn finite_non_negative(what: &str, values: impl IntoIterator<Item = f64>) -> Res
 }
 
 impl StageProfile {
+    /// The format this is.
+    pub const FORMAT: &str = "cleave-stage-profile/1";
+
     /// Reads and checks a stage profile.
     pub fn read(path: &Path) -> Result<Self, String> {
         let profile: Self = read_json(path)?;
@@ -82,8 +82,8 @@ impl StageProfile {
 
     /// Checks the shapes and values agree.
     pub fn check(&self) -> Result<(), String> {
-        if self.format != STAGE_FORMAT {
-            return Err(format!("format {:?}: expected {STAGE_FORMAT:?}", self.format));
+        if self.format != Self::FORMAT {
+            return Err(format!("format {:?}: expected {:?}", self.format, Self::FORMAT));
         }
         if self.batches.is_empty() || self.batches[0] == 0 || self.batches.windows(2).any(|w| w[0] >= w[1]) {
             return Err(format!("batches {:?}: expected ascending sizes from 1 up", self.batches));
@@ -106,6 +106,19 @@ impl StageProfile {
         self.stages[cut..].iter().map(|s| s.ms[batch]).sum()
     }
 
+    /// Milliseconds the server's stages `[cut, N)` take for a batch of `samples`, on a whole
+    /// GPU: linear between the measured batch sizes, in proportion beyond the largest.
+    pub fn server_ms_at(&self, cut: usize, samples: u32) -> f64 {
+        let n = f64::from(samples);
+        let sizes: Vec<f64> = self.batches.iter().map(|&b| f64::from(b)).collect();
+        let at = |i: usize| self.server_ms(cut, i);
+        match sizes.iter().position(|&b| b >= n) {
+            Some(0) => at(0),
+            Some(i) => at(i - 1) + (at(i) - at(i - 1)) * (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1]),
+            None => at(sizes.len() - 1) * n / sizes[sizes.len() - 1],
+        }
+    }
+
     /// Bytes the server's stages `[cut, N)` hold at a batch of `samples`: every weight, and the
     /// largest stage's activations.
     pub fn server_bytes(&self, cut: usize, samples: u32) -> f64 {
@@ -121,11 +134,14 @@ impl StageProfile {
 }
 
 impl EdgeProfile {
+    /// The format this is.
+    pub const FORMAT: &str = "cleave-edge-profile/1";
+
     /// Reads and checks an edge profile.
     pub fn read(path: &Path) -> Result<Self, String> {
         let profile: Self = read_json(path)?;
-        if profile.format != EDGE_FORMAT {
-            return Err(format!("{}: format {:?}: expected {EDGE_FORMAT:?}", path.display(), profile.format));
+        if profile.format != Self::FORMAT {
+            return Err(format!("{}: format {:?}: expected {:?}", path.display(), profile.format, Self::FORMAT));
         }
         finite_non_negative(&format!("{}: stage_ms", path.display()), profile.stage_ms.iter().copied())?;
         Ok(profile)

@@ -128,7 +128,7 @@ struct Handles {
 }
 
 /// The relative gap at which a program stops: its objective within 0.01% of the best possible.
-const MIP_GAP: f32 = 1e-2;
+const MIP_GAP: f32 = 1e-4;
 
 /// What a program asks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@ fn kind(name: &str, compute: f64, memory_gb: f64) -> SliceKind {
 }
 
 /// A model of one stage taking `ms` a request on a whole GPU, holding `weight_gb`.
-fn model(name: &str, rate: f64, ms: f64, weight_gb: f64) -> FleetModel {
+pub(super) fn model(name: &str, rate: f64, ms: f64, weight_gb: f64) -> FleetModel {
     let profile = StageProfile {
         format: "cleave-stage-profile/1".into(),
         device: "toy".into(),
@@ -36,7 +36,7 @@ fn model(name: &str, rate: f64, ms: f64, weight_gb: f64) -> FleetModel {
 }
 
 /// One GPU that may be whole (7g) or cut into 4g + 3g.
-fn fleet(models: Vec<FleetModel>, layouts: Vec<Vec<usize>>) -> Fleet {
+pub(super) fn fleet(models: Vec<FleetModel>, layouts: Vec<Vec<usize>>) -> Fleet {
     Fleet {
         slice_kinds: vec![kind("7g.80gb", 1.0, 80.0), kind("4g.40gb", 4.0 / 7.0, 40.0), kind("3g.40gb", 3.0 / 7.0, 40.0)],
         gpus: vec![Gpu { name: "gpu0".into(), index: 0, layouts }],
@@ -154,11 +154,13 @@ fn a_model_too_large_for_one_slice_s_time_is_served_by_two() {
 fn the_example_fleet_plans_and_writes_a_server_config_per_slice_in_use() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/fleet.yaml");
     let dir = tempfile::tempdir().expect("a temporary folder");
-    let plan = plan_fleet(&path, dir.path()).expect("the example fleet plans");
+    let plan = plan_fleet(&path, dir.path(), true).expect("the example fleet plans");
     assert!(!plan.models.is_empty());
     for m in &plan.models {
         assert!(m.headroom >= 0.0 && m.p95_ms <= m.p95_target_ms, "{m:?}");
         assert!(close(m.routes.iter().map(|r| r.share).sum::<f64>(), 1.0), "{m:?}");
+        let simulated = m.simulated.as_ref().expect("simulated");
+        assert!(simulated.requests as f64 > 0.9 * m.rate * SIMULATED_SECONDS && simulated.p50_ms <= simulated.p95_ms, "{m:?}");
     }
     for slice in plan.slices.iter().filter(|s| !s.models.is_empty()) {
         let config = slice.server_config.as_ref().expect("a server config");

@@ -1,48 +1,71 @@
-//! The work waiting for one device, and the choice of what runs next: no libtorch here, so
-//! that the rules are tested alone.
+//! The rules a device's scheduler follows, without libtorch or threads, so that they are
+//! tested alone and shared: the server's scheduler runs them on a device, the fleet planner's
+//! simulation (`host plan --fleet --simulate`) in virtual time.
 //!
 //! Every entry has a *key*, the instant it would like to run by: its arrival (`fifo`), its
 //! deadline (`edf`), or its arrival plus the scheduler's `max_age` (training steps, and
-//! requests of models without a latency target). Smaller keys run first. Because a key is
-//! fixed when the entry arrives and later arrivals get later keys, an entry's priority rises
-//! as it ages: nothing waits forever.
+//! requests of models without a latency target): [`request_key`]. Smaller keys run first.
+//! Because a key is fixed when the entry arrives and later arrivals get later keys, an
+//! entry's priority rises as it ages: nothing waits forever.
 //!
 //! Requests of one model at one batchable cut (and of one sequence length, in bundles with
 //! one: only tensors of equal lengths concatenate along the batch) form a *group* and run as
-//! one batch, in key order, up to the model's batch limit. A group runs once it is full or its oldest member
-//! has waited its `max_wait`; a group still filling lets a later group that is ready run.
+//! one batch, in key order, up to the model's batch limit. A group runs once it is full or
+//! its oldest member has waited its `max_wait`; a group still filling lets a later group that
+//! is ready run.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// What a device's scheduler runs first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// In arrival order.
+    Fifo,
+    /// Earliest deadline first: a request's deadline is its arrival plus its model's
+    /// `slo_ms` divided by its `priority`.
+    Edf,
+}
+
+/// When a request would like to run by: its arrival (`fifo`); its arrival plus its model's
+/// `slo / priority` (`edf`), or plus `max_age` for a model without a target, which is also a
+/// training turn's place under either policy.
+pub fn request_key(policy: Policy, max_age: Duration, arrived: Instant, slo: Option<Duration>, priority: f64) -> Instant {
+    match (policy, slo) {
+        (Policy::Fifo, _) => arrived,
+        (Policy::Edf, Some(slo)) => arrived + slo.div_f64(priority),
+        (Policy::Edf, None) => arrived + max_age,
+    }
+}
 
 /// The requests that may run as one batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Group {
+pub struct Group {
     /// The model's index on its device.
-    pub(crate) model: usize,
+    pub model: usize,
     /// The cut their boundaries are at.
-    pub(crate) cut: usize,
+    pub cut: usize,
     /// Their sequence length, in bundles with a sequence.
-    pub(crate) seq: Option<i64>,
+    pub seq: Option<i64>,
 }
 
 /// One waiting entry.
 #[derive(Debug)]
-pub(crate) struct Entry<T> {
+pub struct Entry<T> {
     /// The group it merges with; `None`: it runs alone.
-    pub(crate) group: Option<Group>,
+    pub group: Option<Group>,
     /// Samples it carries.
-    pub(crate) samples: i64,
+    pub samples: i64,
     /// When it would like to run by (smaller first).
-    pub(crate) key: Instant,
+    pub key: Instant,
     /// When it stops waiting for others to fill its batch.
-    pub(crate) ready_at: Instant,
+    pub ready_at: Instant,
     /// What the caller runs.
-    pub(crate) item: T,
+    pub item: T,
 }
 
 /// What to do next.
 #[derive(Debug)]
-pub(crate) enum Pick<T> {
+pub enum Pick<T> {
     /// Run these together (one entry, or a group's members in key order).
     Run(Vec<Entry<T>>),
     /// Nothing is ready before this instant (a group is filling).
@@ -53,7 +76,7 @@ pub(crate) enum Pick<T> {
 
 /// The waiting entries of one device.
 #[derive(Debug)]
-pub(crate) struct Queue<T> {
+pub struct Queue<T> {
     entries: Vec<Entry<T>>,
 }
 
@@ -64,29 +87,36 @@ impl<T> Default for Queue<T> {
 }
 
 impl<T> Queue<T> {
-    pub(crate) fn len(&self) -> usize {
+    /// How many entries wait.
+    pub fn len(&self) -> usize {
         self.entries.len()
     }
 
-    pub(crate) fn push(&mut self, entry: Entry<T>) {
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Adds an entry.
+    pub fn push(&mut self, entry: Entry<T>) {
         self.entries.push(entry);
     }
 
     /// Takes out every entry `unwanted` says, in arrival order.
-    pub(crate) fn take_where(&mut self, mut unwanted: impl FnMut(&Entry<T>) -> bool) -> Vec<Entry<T>> {
+    pub fn take_where(&mut self, mut unwanted: impl FnMut(&Entry<T>) -> bool) -> Vec<Entry<T>> {
         self.entries.extract_if(.., |e| unwanted(e)).collect()
     }
 
     /// The first cut after `group`'s where requests it could merge with (its model, its
     /// sequence length) wait, if any: a batch entering at its cut runs up to it and joins them.
-    pub(crate) fn next_cut_waiting(&self, group: Group) -> Option<usize> {
+    pub fn next_cut_waiting(&self, group: Group) -> Option<usize> {
         self.entries.iter().filter_map(|e| e.group).filter(|g| g.model == group.model && g.seq == group.seq && g.cut > group.cut).map(|g| g.cut).min()
     }
 
     /// Takes what runs next at `now`; `limit(model)` is the samples one batch of that model
     /// may hold; entries for which `may_run` is false are held back (a profile runs waiting
     /// requests between its stages, not training steps).
-    pub(crate) fn pick(&mut self, now: Instant, limit: impl Fn(usize) -> i64, may_run: impl Fn(&Entry<T>) -> bool) -> Pick<T> {
+    pub fn pick(&mut self, now: Instant, limit: impl Fn(usize) -> i64, may_run: impl Fn(&Entry<T>) -> bool) -> Pick<T> {
         let mut order: Vec<usize> = (0..self.entries.len()).collect();
         // Stable: equal keys keep their arrival order.
         order.sort_by_key(|&i| self.entries[i].key);
