@@ -269,3 +269,43 @@ fn with_codec_auto_the_plan_chooses_the_cut_and_the_codec_together() {
     let plan_json = std::fs::read_to_string(dir.path().join("out/plan.json")).unwrap();
     assert!(plan_json.contains("\"codec_choices\"") && plan_json.contains("\"shuffle+lz4\""), "{plan_json}");
 }
+
+#[test]
+fn a_planned_fleet_s_server_configs_load_as_the_server_reads_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/fleet");
+    // A bundle path relative to fleet.yaml, which the server's configs (elsewhere) must find.
+    std::fs::create_dir(dir.path().join("bundles")).unwrap();
+    std::os::unix::fs::symlink(bundle_dir("digits"), dir.path().join("bundles/digits")).unwrap();
+    let model = |name: &str, bundle: &str, rate: u32| {
+        format!(
+            "  - {{name: {name}, bundle: {bundle}, profile: {}, rate: {rate}, p95_ms: 60,\n     edges: [{{name: e, count: 4, profile: {}, bandwidth_mbps: 200, rtt_ms: 4}}]}}\n",
+            profiles.join("resnet50.server.json").display(),
+            profiles.join("resnet50.jetson.json").display()
+        )
+    };
+    let yaml = format!(
+        "slice_kinds: {{full: {{compute: 1.0, memory_gb: 80}}, 4g.40gb: {{compute: 0.571, memory_gb: 40}}, 3g.40gb: {{compute: 0.429, memory_gb: 40}}}}\n\
+         gpus: [{{name: gpu0, layouts: [[full], [4g.40gb, 3g.40gb]]}}]\nmodels:\n{}{}",
+        model("digits", "bundles/digits", 300),
+        model("mobile", &bundle_dir("mobilenet_v3_small").display().to_string(), 200)
+    );
+    let fleet = dir.path().join("fleet.yaml");
+    std::fs::write(&fleet, yaml).unwrap();
+    let out = dir.path().join("plan");
+    let plan = cleave_host::planning::fleet::plan_fleet(&fleet, &out, false).unwrap();
+    // The configs name their secrets in secrets/ beside them.
+    cleave_server::write_dev_secrets(&out.join("secrets")).unwrap();
+    let mut loaded = 0;
+    for slice in plan.slices.iter().filter(|s| !s.models.is_empty()) {
+        let config = cleave_server::config::ServerConfig::load(slice.server_config.as_ref().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+        for (served, planned) in config.models.iter().zip(&slice.models) {
+            let bundle = if planned.model == "digits" { dir.path().join("bundles/digits") } else { bundle_dir("mobilenet_v3_small") };
+            assert_eq!(served.bundle, bundle);
+            assert_eq!((served.batching.max_batch, served.batching.max_wait.as_millis() as u64), (planned.max_batch, planned.max_wait_ms));
+            assert_eq!(served.slo, Some(std::time::Duration::from_millis(60)));
+        }
+        loaded += 1;
+    }
+    assert!(loaded >= 1);
+}

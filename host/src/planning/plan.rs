@@ -198,7 +198,10 @@ async fn fleet_profiles(
             activation_bytes: (bundle.cut(i).bytes_per_sample + bundle.cut(i + 1).bytes_per_sample) as f64,
         })
         .collect();
-    let cuts = (0..=bundle.stage_count()).map(|k| Cut { usable: profiles.cut_usable[k], wire_bytes: profiles.cut_wire_bytes[k] as f64 }).collect();
+    let batchable = bundle.batchable_cuts();
+    let cuts = (0..=bundle.stage_count())
+        .map(|k| Cut { usable: profiles.cut_usable[k], batchable: batchable.contains(&k), wire_bytes: profiles.cut_wire_bytes[k] as f64 })
+        .collect();
     let device = session.model.device.clone();
     let stages = StageProfile { format: StageProfile::FORMAT.into(), device, batches, stages, cuts };
     let edge = EdgeProfile { format: EdgeProfile::FORMAT.into(), device: config.device.to_string(), stage_ms: profiles.edge_stage_ms.clone() };

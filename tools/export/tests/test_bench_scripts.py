@@ -18,7 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 BENCH = REPO / "bench"
-PROGRAMS = ["serving", "chaos", "link-sweep", "loopback-floor", "gpu", "soak", "protocol-cpu", "train-pipeline", "fleet-solve", "fleet-check"]
+PROGRAMS = [
+    "serving", "chaos", "link-sweep", "loopback-floor", "gpu", "soak", "protocol-cpu", "train-pipeline", "fleet-solve", "fleet-check",
+]
 """Executable bench scripts, run as `bench/NAME`."""
 
 

@@ -34,9 +34,16 @@ impl Choice {
         self.max_load / self.load_per_rate
     }
 
-    /// Its p95 on a slice busy `load` of the time, milliseconds.
-    pub fn p95_ms(&self, load: f64) -> f64 {
-        queueing::p95_ms(self.fixed_ms, self.max_wait_ms as f64, self.service_ms, load)
+    /// Its p95 on a slice busy `load` of the time with batches of residual time
+    /// `residual_ms`, milliseconds.
+    pub fn p95_ms(&self, residual_ms: f64, load: f64) -> f64 {
+        queueing::p95_ms(self.fixed_ms, self.max_wait_ms as f64, self.service_ms, residual_ms, load)
+    }
+
+    /// Its highest load of a slice with batches of residual time `residual_ms`, within its
+    /// target and `cap`.
+    pub fn max_load_beside(&self, target_ms: f64, residual_ms: f64, cap: f64) -> Option<f64> {
+        queueing::max_load(target_ms, self.fixed_ms, self.max_wait_ms as f64, self.service_ms, residual_ms, cap)
     }
 }
 
@@ -112,7 +119,8 @@ impl Unplaceable {
     pub fn nearer(self, other: Self) -> Self {
         let better = match (&self, &other) {
             (Self::Link { needed_mbps: a, .. }, Self::Link { needed_mbps: b, .. }) => a <= b,
-            (Self::Memory { needed_gb: a, .. }, Self::Memory { needed_gb: b, .. }) => a <= b,
+            // The same model on another kind: the largest slice says how far it is.
+            (Self::Memory { needed_gb: a, have_gb: x, .. }, Self::Memory { needed_gb: b, have_gb: y, .. }) => (a - x) <= (b - y),
             (Self::Latency { best_ms: a, .. }, Self::Latency { best_ms: b, .. }) => a <= b,
             (Self::Throughput { capacity: a, .. }, Self::Throughput { capacity: b, .. }) => a >= b,
             _ => self.rank() >= other.rank(),
@@ -130,8 +138,12 @@ impl Unplaceable {
 pub fn best_choice(fleet: &Fleet, model: &FleetModel, kind: &SliceKind) -> Result<Choice, Unplaceable> {
     let mut miss = Unplaceable::NoUsableCut;
     let mut feasible = Vec::new();
+    let profile = &model.profile;
     for cut in cuts_within_links(fleet, model, &mut miss) {
-        for batch in 0..model.profile.batches.len() {
+        // The server merges requests only at a batchable cut (a batch-first boundary and
+        // output): elsewhere each runs alone.
+        let batches = if profile.cuts[cut].batchable { profile.batches.len() } else { 1 };
+        for batch in 0..batches {
             match choice(fleet, model, kind, cut, batch) {
                 Ok(c) => feasible.push(c),
                 Err(why) => miss = miss.nearer(why),
@@ -167,6 +179,16 @@ fn cuts_within_links(fleet: &Fleet, model: &FleetModel, miss: &mut Unplaceable) 
     cuts
 }
 
+/// The longest `batching.max_wait_ms` the server takes.
+const MAX_WAIT_MS: u64 = 10_000;
+
+/// How long `rate` requests a second take to bring a batch of `samples`, in the server's
+/// whole milliseconds: a batch's `max_wait_ms`. (A slice given part of a model's rate gets
+/// the same wait, so that the target holds; its batches then fill less on average.)
+fn fill_ms(samples: u32, rate: f64) -> u64 {
+    (f64::from(samples - 1) / rate * 1000.0).ceil() as u64
+}
+
 /// The model at `cut` with the `batch`-th measured batch size on a slice of `kind`.
 fn choice(fleet: &Fleet, model: &FleetModel, kind: &SliceKind, cut: usize, batch: usize) -> Result<Choice, Unplaceable> {
     let profile = &model.profile;
@@ -178,10 +200,12 @@ fn choice(fleet: &Fleet, model: &FleetModel, kind: &SliceKind, cut: usize, batch
     }
     let service_ms = profile.server_ms(cut, batch) / kind.compute;
     let fixed_ms = model.edges.iter().map(|e| fixed_ms(model, e, cut)).fold(0.0, f64::max);
-    // Long enough for the model's rate to bring the batch, in the server's whole milliseconds.
-    let max_wait_ms = (f64::from(samples - 1) / model.rate * 1000.0).ceil() as u64;
-    let Some(max_load) = queueing::max_load(model.p95_ms, fixed_ms, max_wait_ms as f64, service_ms, fleet.max_utilisation) else {
-        let best_ms = queueing::p95_ms(fixed_ms, max_wait_ms as f64, service_ms, 0.0);
+    let max_wait_ms = fill_ms(samples, model.rate);
+    let within = max_wait_ms <= MAX_WAIT_MS;
+    let Some(max_load) =
+        queueing::max_load(model.p95_ms, fixed_ms, max_wait_ms as f64, service_ms, service_ms, fleet.max_utilisation).filter(|_| within)
+    else {
+        let best_ms = queueing::p95_ms(fixed_ms, max_wait_ms as f64, service_ms, service_ms, 0.0);
         return Err(Unplaceable::Latency { kind: kind.name.clone(), cut, batch: samples, best_ms, target_ms: model.p95_ms });
     };
     let load_per_rate = model.rate * service_ms / 1000.0 / f64::from(samples);

@@ -200,6 +200,8 @@ impl Fleet {
         }
         unique(&file, "gpus", gpus.iter().map(|g| g.name.as_str()))?;
         unique(&file, "models", models.iter().map(|m| m.name.as_str()))?;
+        // A server refuses a bundle listed twice, and two models may share a slice.
+        unique(&file, "models[].bundle", models.iter().map(|m| m.bundle.to_str().unwrap_or_default()))?;
         share(&file, "max_utilisation", raw.max_utilisation)?;
         share(&file, "max_link_utilisation", raw.max_link_utilisation)?;
         if !(raw.context_gb.is_finite() && raw.context_gb >= 0.0) {
@@ -208,8 +210,8 @@ impl Fleet {
         if !(1..=MAX_SLICES).contains(&raw.max_models_per_slice) {
             return Err(file.invalid("max_models_per_slice", format!("{}: expected 1 to {MAX_SLICES}", raw.max_models_per_slice)));
         }
-        if raw.time_limit.is_zero() {
-            return Err(file.invalid("time_limit", "must be more than 0"));
+        if raw.time_limit.is_zero() || raw.time_limit > MAX_TIME_LIMIT {
+            return Err(file.invalid("time_limit", format!("{:?}: expected more than 0 and at most an hour", raw.time_limit)));
         }
         Ok(Self {
             slice_kinds,
@@ -225,6 +227,17 @@ impl Fleet {
 }
 
 const GB: f64 = 1e9;
+
+/// The longest `time_limit`.
+const MAX_TIME_LIMIT: Duration = Duration::from_secs(3600);
+
+/// A name that goes into commands and file names: not empty, no spaces, commas or slashes.
+fn name(file: &ConfigFile, key: &str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.chars().any(|c| c.is_whitespace() || matches!(c, ',' | '/' | '\\')) {
+        return Err(file.invalid(key, format!("{name:?}: expected a name without spaces, commas or slashes")));
+    }
+    Ok(())
+}
 
 fn share(file: &ConfigFile, key: &str, value: f64) -> Result<(), ConfigError> {
     if value > 0.0 && value < 1.0 {
@@ -256,6 +269,7 @@ fn slice_kinds(file: &ConfigFile, raw: &BTreeMap<String, RawSliceKind>) -> Resul
     raw.iter()
         .map(|(name, kind)| {
             let key = format!("slice_kinds.{name}");
+            self::name(file, &key, name)?;
             let compute = positive(file, &format!("{key}.compute"), kind.compute)?;
             if compute > 1.0 {
                 return Err(file.invalid(&format!("{key}.compute"), "a slice is at most the whole GPU (1)"));
@@ -268,6 +282,7 @@ fn slice_kinds(file: &ConfigFile, raw: &BTreeMap<String, RawSliceKind>) -> Resul
 
 fn gpu(file: &ConfigFile, kinds: &[SliceKind], i: usize, raw: &RawGpu) -> Result<Gpu, ConfigError> {
     let key = format!("gpus[{i}]");
+    name(file, &format!("{key}.name"), &raw.name)?;
     if raw.layouts.is_empty() {
         return Err(file.invalid(&format!("{key}.layouts"), "no layout: list at least one, like [7g.80gb]"));
     }
@@ -296,13 +311,18 @@ fn gpu(file: &ConfigFile, kinds: &[SliceKind], i: usize, raw: &RawGpu) -> Result
 
 fn model(file: &ConfigFile, i: usize, raw: &RawModel) -> Result<FleetModel, ConfigError> {
     let key = format!("models[{i}]");
+    name(file, &format!("{key}.name"), &raw.name)?;
     let profile_key = format!("{key}.profile");
     let profile = StageProfile::read(&file.resolve(&raw.profile)).map_err(|e| file.invalid(&profile_key, e))?;
     if raw.edges.is_empty() {
         return Err(file.invalid(&format!("{key}.edges"), "no edge sends this model's requests"));
     }
-    let edges =
+    let edges: Vec<EdgeClass> =
         raw.edges.iter().enumerate().map(|(e, edges)| edge_class(file, &format!("{key}.edges[{e}]"), &profile, edges)).collect::<Result<_, _>>()?;
+    unique(file, &format!("{key}.edges"), edges.iter().map(|e| e.name.as_str()))?;
+    if edges.iter().try_fold(0u32, |n, e| n.checked_add(e.count)).is_none() {
+        return Err(file.invalid(&format!("{key}.edges"), "more edges than a count holds"));
+    }
     let weight = positive(file, &format!("{key}.weight"), raw.weight)?;
     Ok(FleetModel {
         name: raw.name.clone(),

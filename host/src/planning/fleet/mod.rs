@@ -112,11 +112,13 @@ fn choices_of(fleet: &Fleet) -> Result<Choices, FleetError> {
         .collect()
 }
 
-/// The first model, in the config's order, whose addition leaves no placement.
+/// The first model, in the config's order, whose addition leaves no placement (each set of
+/// models looked at within an equal part of the time limit).
 fn binding_model(fleet: &Fleet, choices: &Choices) -> FleetError {
+    let budget = fleet.time_limit / fleet.models.len() as u32;
     for n in 1..=fleet.models.len() {
         let fewer = Fleet { models: fleet.models[..n].to_vec(), ..fleet.clone() };
-        if let Err(SolveError::Infeasible) = solve::solve(&fewer, &choices[..n].to_vec()) {
+        if let Err(SolveError::Infeasible) = solve::feasible(&fewer, &choices[..n].to_vec(), budget) {
             let beside = fleet.models[..n - 1].iter().map(|m| m.name.clone()).collect();
             return FleetError::Capacity { model: fleet.models[n - 1].name.clone(), beside };
         }

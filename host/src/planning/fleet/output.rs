@@ -180,6 +180,8 @@ fn slice_plans(fleet: &Fleet, placement: &Placement) -> Vec<SlicePlan> {
             let name = format!("{}/{}-{}", fleet.gpus[slice.gpu].name, nth[slice.gpu], kind.name);
             nth[slice.gpu] += 1;
             let load: f64 = slice.members.iter().map(|m| m.choice.load_per_rate * m.share).sum();
+            let batches = slice.members.iter().map(|m| (m.choice.service_ms, fleet.models[m.model].rate * m.share / f64::from(m.choice.batch)));
+            let residual = super::queueing::residual_ms(batches);
             let memory = fleet.context_bytes + slice.members.iter().map(|m| m.choice.memory_bytes).sum::<f64>();
             let models = slice
                 .members
@@ -190,7 +192,7 @@ fn slice_plans(fleet: &Fleet, placement: &Placement) -> Vec<SlicePlan> {
                     max_batch: m.choice.batch,
                     max_wait_ms: m.choice.max_wait_ms,
                     share: m.share,
-                    p95_ms: m.choice.p95_ms(load),
+                    p95_ms: m.choice.p95_ms(residual, load),
                 })
                 .collect();
             SlicePlan { name, kind: kind.name.clone(), load, memory_gb: memory / 1e9, server_config: None, models }
@@ -238,7 +240,8 @@ fn server_yaml(fleet: &Fleet, slice: &SlicePlan, port: u32) -> String {
     let mut text = format!(
         "# Planned by `host plan --fleet`: slice {} ({}).\n\
          # Start it with CUDA_VISIBLE_DEVICES set to this slice's MIG device (`nvidia-smi -L` lists them).\n\
-         # Edges on other machines reach it: TLS and a token, from files (a Kubernetes Secret, say).\n\
+         # Edges on other machines reach it: TLS and a token, from files in secrets/ beside this\n\
+         # file (a Kubernetes Secret, say; `server dev-secrets secrets` writes ones for trying it).\n\
          listen: 0.0.0.0:{port}\n\
          tls: {{cert: secrets/server.pem, key: secrets/server.key}}\n\
          auth: {{token: {{file: secrets/token}}}}\n\
@@ -249,7 +252,8 @@ fn server_yaml(fleet: &Fleet, slice: &SlicePlan, port: u32) -> String {
         let model = fleet.models.iter().find(|m| m.name == sm.model).expect("a planned model is the fleet's");
         text += &format!(
             "  - bundle: {}\n    device: cuda:0\n    batching: {{max_batch: {}, max_wait_ms: {}}}\n    slo_ms: {}\n",
-            model.bundle.display(),
+            // Absolute and quoted: the server reads paths relative to its config's folder.
+            serde_json::Value::from(std::path::absolute(&model.bundle).unwrap_or_else(|_| model.bundle.clone()).display().to_string()),
             sm.max_batch,
             sm.max_wait_ms,
             model.p95_ms.ceil() as u64

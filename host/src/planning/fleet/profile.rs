@@ -41,6 +41,9 @@ pub struct Stage {
 pub struct Cut {
     /// Whether a split may be made here.
     pub usable: bool,
+    /// Whether the server merges requests split here into batches (a batch-first boundary
+    /// and output).
+    pub batchable: bool,
     /// Bytes on the wire per sample (encoded with the edges' codec).
     pub wire_bytes: f64,
 }
@@ -85,8 +88,8 @@ impl StageProfile {
         if self.format != Self::FORMAT {
             return Err(format!("format {:?}: expected {:?}", self.format, Self::FORMAT));
         }
-        if self.batches.is_empty() || self.batches[0] == 0 || self.batches.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(format!("batches {:?}: expected ascending sizes from 1 up", self.batches));
+        if self.batches.first() != Some(&1) || self.batches.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(format!("batches {:?}: expected ascending sizes, the first 1", self.batches));
         }
         if self.stages.is_empty() || self.cuts.len() != self.stages.len() + 1 {
             return Err(format!("{} stages and {} cuts: expected stages + 1 cuts", self.stages.len(), self.cuts.len()));
@@ -96,6 +99,10 @@ impl StageProfile {
                 return Err(format!("stages[{i}].ms: {} times for {} batch sizes", stage.ms.len(), self.batches.len()));
             }
             finite_non_negative(&format!("stages[{i}]"), stage.ms.iter().copied().chain([stage.weight_bytes, stage.activation_bytes]))?;
+            // A stage that takes no time would make a model's capacity infinite.
+            if stage.ms.iter().any(|&ms| ms <= 0.0) {
+                return Err(format!("stages[{i}].ms: {:?}: every time must be above 0", stage.ms));
+            }
         }
         finite_non_negative("cuts", self.cuts.iter().map(|c| c.wire_bytes))
     }

@@ -2,18 +2,31 @@
 //! time; requests wait for their batch to fill (at most the batcher's `max_wait`), then for
 //! the batches ahead of theirs, then for their own.
 //!
-//! The wait for the batches ahead is M/D/1's (Pollaczek-Khinchine) mean, `ρ S / 2(1 - ρ)`,
-//! with an exponential tail of that mean conditioned on waiting at all (probability `ρ`), as
-//! in Kingman's approximation: its 95th percentile is `S ln(20ρ) / 2(1 - ρ)` (0 below
-//! `ρ = 0.05`). The batch's own time `S` is its model's; other models' batches on the same
-//! slice are counted in `ρ` only. The simulation (`--simulate`) checks the plan with the
-//! server's own scheduling rules instead of these formulas.
+//! The wait for the batches ahead is M/G/1's (Pollaczek-Khinchine) mean, `ρ R / 2(1 - ρ)`,
+//! where `R = E[S²] / E[S]` over the batches the slice runs (the batch time `S` itself for a
+//! model alone, weighted by each model's batches per second on a shared slice, so that a
+//! model sharing with one of long batches waits behind them), with an exponential tail of
+//! that mean conditioned on waiting at all (probability `ρ`), as in Kingman's
+//! approximation: its 95th percentile is `R ln(20ρ) / 2(1 - ρ)` (0 below `ρ = 0.05`). The
+//! simulation (`--simulate`) checks the plan with the server's own scheduling rules instead
+//! of these formulas.
 
 /// The 95th percentile latency, milliseconds, of a request whose fixed part (edge, link) is
 /// `fixed_ms`, whose batch waits at most `wait_ms` to fill and takes `service_ms`, on a slice
-/// busy `load` of the time.
-pub fn p95_ms(fixed_ms: f64, wait_ms: f64, service_ms: f64, load: f64) -> f64 {
-    fixed_ms + wait_ms + queue_p95_ms(service_ms, load) + service_ms
+/// busy `load` of the time with batches of residual time `residual_ms` (`E[S²] / E[S]`).
+pub fn p95_ms(fixed_ms: f64, wait_ms: f64, service_ms: f64, residual_ms: f64, load: f64) -> f64 {
+    fixed_ms + wait_ms + queue_p95_ms(residual_ms, load) + service_ms
+}
+
+/// `E[S²] / E[S]` of batches of times `service_ms` run `per_s` times a second each.
+pub fn residual_ms(batches: impl IntoIterator<Item = (f64, f64)>) -> f64 {
+    let (square, sum) =
+        batches.into_iter().fold((0.0, 0.0), |(q, s), (service_ms, per_s)| (q + per_s * service_ms * service_ms, s + per_s * service_ms));
+    if sum > 0.0 {
+        square / sum
+    } else {
+        0.0
+    }
 }
 
 /// The 95th percentile of the wait for the batches ahead.
@@ -29,18 +42,19 @@ pub fn queue_p95_ms(service_ms: f64, load: f64) -> f64 {
 
 /// The highest load of the slice (at most `cap`) at which the p95 stays within `target_ms`;
 /// `None` when even an idle slice misses it.
-pub fn max_load(target_ms: f64, fixed_ms: f64, wait_ms: f64, service_ms: f64, cap: f64) -> Option<f64> {
-    if p95_ms(fixed_ms, wait_ms, service_ms, 0.0) > target_ms {
+pub fn max_load(target_ms: f64, fixed_ms: f64, wait_ms: f64, service_ms: f64, residual_ms: f64, cap: f64) -> Option<f64> {
+    let p95 = |load: f64| p95_ms(fixed_ms, wait_ms, service_ms, residual_ms, load);
+    if p95(0.0) > target_ms {
         return None;
     }
-    if p95_ms(fixed_ms, wait_ms, service_ms, cap) <= target_ms {
+    if p95(cap) <= target_ms {
         return Some(cap);
     }
     // The p95 rises with the load: bisect.
     let (mut low, mut high) = (0.0, cap);
     for _ in 0..60 {
         let mid = 0.5 * (low + high);
-        if p95_ms(fixed_ms, wait_ms, service_ms, mid) <= target_ms {
+        if p95(mid) <= target_ms {
             low = mid;
         } else {
             high = mid;
@@ -65,9 +79,19 @@ mod tests {
     #[test]
     fn the_highest_load_meets_the_target_exactly_or_is_the_cap() {
         // fixed 5 + wait 2 + service 10 = 17 ms idle.
-        assert_eq!(max_load(16.0, 5.0, 2.0, 10.0, 0.9), None);
-        assert_eq!(max_load(1000.0, 5.0, 2.0, 10.0, 0.9), Some(0.9));
-        let load = max_load(30.0, 5.0, 2.0, 10.0, 0.9).expect("an idle slice meets 30 ms");
-        assert!((p95_ms(5.0, 2.0, 10.0, load) - 30.0).abs() < 1e-6, "{load}");
+        assert_eq!(max_load(16.0, 5.0, 2.0, 10.0, 10.0, 0.9), None);
+        assert_eq!(max_load(1000.0, 5.0, 2.0, 10.0, 10.0, 0.9), Some(0.9));
+        let load = max_load(30.0, 5.0, 2.0, 10.0, 10.0, 0.9).expect("an idle slice meets 30 ms");
+        assert!((p95_ms(5.0, 2.0, 10.0, 10.0, load) - 30.0).abs() < 1e-6, "{load}");
+        // Behind longer batches of another model, the same target allows less load.
+        let shared = max_load(30.0, 5.0, 2.0, 10.0, 40.0, 0.9).expect("an idle slice meets 30 ms");
+        assert!(shared < load, "{shared} {load}");
+    }
+
+    #[test]
+    fn the_residual_time_weighs_each_batch_by_how_often_it_runs() {
+        assert_eq!(residual_ms([(10.0, 5.0)]), 10.0);
+        // 100 batches of 2 ms and 1 of 100 ms a second: (100 * 4 + 10000) / (200 + 100) = 34.67.
+        assert!((residual_ms([(2.0, 100.0), (100.0, 1.0)]) - 10400.0 / 300.0).abs() < 1e-12);
     }
 }

@@ -31,6 +31,7 @@ use good_lp::{
 
 use super::choices::Choice;
 use super::config::Fleet;
+use super::queueing;
 
 /// A model's choices per slice kind (empty where it cannot run there), best first.
 pub type Choices = Vec<Vec<Option<Choice>>>;
@@ -181,20 +182,23 @@ pub fn solve(fleet: &Fleet, choices: &Choices) -> Result<Placement, SolveError> 
                 values = Some(found);
                 k += 1;
             }
-            // A later program out of time: keep the plan of the one before.
-            Err(SolveError::TimedOut(_)) if values.is_some() => {
+            // A later program out of time (or failing on its held sums' rounding), or the first
+            // again: keep the plan found before.
+            Err(_) if values.is_some() => {
                 proven = false;
                 break;
             }
             // No plan yet: any placement is quicker to find than a good one, so look for one
-            // and start the first program again from it (once: then it has a start).
-            Err(SolveError::TimedOut(_)) if k == 1 && sums.is_empty() && proven => {
+            // and start the first program again from it.
+            Err(SolveError::TimedOut(_)) => {
                 proven = false;
                 let budget = deadline.saturating_duration_since(Instant::now()) / 2;
-                values = Some(shape.program(&[], None, budget, Mode::Feasible)?.1);
-                continue;
+                let (_, found) = shape.program(&[], None, budget, Mode::Feasible).map_err(|e| match e {
+                    SolveError::TimedOut(_) => SolveError::TimedOut(fleet.time_limit),
+                    other => other,
+                })?;
+                values = Some(found);
             }
-            Err(SolveError::TimedOut(_)) => return Err(SolveError::TimedOut(fleet.time_limit)),
             Err(other) => return Err(other),
         }
     }
@@ -202,6 +206,11 @@ pub fn solve(fleet: &Fleet, choices: &Choices) -> Result<Placement, SolveError> 
     let mut placement = shape.placement(&values, proven, started.elapsed().as_secs_f64(), sums.len());
     placement.bound = bound;
     Ok(placement)
+}
+
+/// Whether any placement serves every model's rate, looked for within `budget`.
+pub fn feasible(fleet: &Fleet, choices: &Choices, budget: Duration) -> Result<(), SolveError> {
+    Shape::new(fleet, choices).program(&[], None, budget, Mode::Feasible).map(|_| ())
 }
 
 impl Values {
@@ -382,34 +391,41 @@ impl<'a> Shape<'a> {
 }
 
 /// Every set of at most `max_models_per_slice` models with a choice on `kind` whose memory
-/// fits one slice and, for two or more, whose whole rates fit it together: sharing is for
-/// models too small to fill a slice (a larger one takes slices of its own, and shares only
-/// through them), and leaving out the sets that cannot even carry their rates keeps the
-/// program small.
+/// fits one slice, each within its target behind the others' batches, and, for two or more,
+/// whose whole rates fit it together: sharing is for models too small to fill a slice (a
+/// larger one takes slices of its own, and shares only through them), and leaving out the
+/// sets that cannot even carry their rates keeps the program small.
 fn patterns_of(fleet: &Fleet, choices: &Choices, kind: usize) -> Vec<Pattern> {
     let slice = &fleet.slice_kinds[kind];
     let room = slice.memory_bytes - fleet.context_bytes;
     let here: Vec<(usize, &Choice)> = (0..fleet.models.len()).filter_map(|m| choices[m][kind].as_ref().map(|c| (m, c))).collect();
-    let choice = |m: usize| here.iter().find(|(model, _)| *model == m).map(|(_, c)| *c).expect("a model here");
     let mut patterns = Vec::new();
-    let mut stack: Vec<(Vec<usize>, usize)> = vec![(Vec::new(), 0)];
-    while let Some((models, next)) = stack.pop() {
-        if !models.is_empty() {
-            let limit = models.iter().map(|&m| choice(m).max_load).fold(fleet.max_utilisation, f64::min);
-            patterns.push(Pattern { kind, models: models.clone(), limit });
+    let mut stack: Vec<(Vec<(usize, &Choice)>, usize)> = vec![(Vec::new(), 0)];
+    while let Some((members, next)) = stack.pop() {
+        if let Some(limit) = pattern_limit(fleet, &members).filter(|_| !members.is_empty()) {
+            patterns.push(Pattern { kind, models: members.iter().map(|&(m, _)| m).collect(), limit });
         }
-        if models.len() == fleet.max_models_per_slice {
+        if members.len() == fleet.max_models_per_slice {
             continue;
         }
-        let memory: f64 = models.iter().map(|&m| choice(m).memory_bytes).sum();
-        let load: f64 = models.iter().map(|&m| choice(m).load_per_rate).sum();
-        let limit = models.iter().map(|&m| choice(m).max_load).fold(fleet.max_utilisation, f64::min);
+        let memory: f64 = members.iter().map(|(_, c)| c.memory_bytes).sum();
         for (i, &(m, c)) in here.iter().enumerate().skip(next) {
-            let carried = models.is_empty() || load + c.load_per_rate <= limit.min(c.max_load);
+            let more = [members.as_slice(), &[(m, c)]].concat();
+            let load: f64 = more.iter().map(|(_, c)| c.load_per_rate).sum();
+            let carried = members.is_empty() || pattern_limit(fleet, &more).is_some_and(|limit| load <= limit);
             if memory + c.memory_bytes <= room && carried {
-                stack.push(([models.as_slice(), &[m]].concat(), i + 1));
+                stack.push((more, i + 1));
             }
         }
     }
     patterns
+}
+
+/// The highest load a slice running `members` may take: within `max_utilisation` and every
+/// member's target, each waiting behind the mix of all their batches (at their whole rates);
+/// `None` when some member misses its target even on an idle slice.
+fn pattern_limit(fleet: &Fleet, members: &[(usize, &Choice)]) -> Option<f64> {
+    let batches = members.iter().map(|&(m, c)| (c.service_ms, fleet.models[m].rate / f64::from(c.batch)));
+    let residual = queueing::residual_ms(batches);
+    members.iter().try_fold(fleet.max_utilisation, |limit, &(m, c)| c.max_load_beside(fleet.models[m].p95_ms, residual, limit))
 }

@@ -21,7 +21,7 @@ pub(super) fn model(name: &str, rate: f64, ms: f64, weight_gb: f64) -> FleetMode
         device: "toy".into(),
         batches: vec![1],
         stages: vec![Stage { ms: vec![ms], weight_bytes: weight_gb * GB, activation_bytes: 0.0 }],
-        cuts: vec![Cut { usable: true, wire_bytes: 1000.0 }, Cut { usable: false, wire_bytes: 10.0 }],
+        cuts: vec![Cut { usable: true, batchable: true, wire_bytes: 1000.0 }, Cut { usable: false, batchable: true, wire_bytes: 10.0 }],
     };
     let edge = EdgeProfile { format: "cleave-edge-profile/1".into(), device: "toy".into(), stage_ms: vec![1.0] };
     FleetModel {
@@ -79,6 +79,29 @@ fn a_model_whose_weights_fit_no_slice_is_refused_naming_memory() {
         other => panic!("expected a memory refusal, got {other}"),
     }
     assert!(error.to_string().contains("memory"), "{error}");
+}
+
+#[test]
+fn a_memory_refusal_names_the_largest_slice() {
+    // 85 GB: on each kind the same need; the whole GPU's 79.5 GB is the nearest miss.
+    let fleet = fleet(vec![model("huge", 10.0, 10.0, 85.0)], vec![vec![0], vec![1, 2]]);
+    match place(&fleet).expect_err("85 GB fits no slice") {
+        FleetError::Unplaceable { why: Unplaceable::Memory { have_gb, .. }, .. } => assert!(close(have_gb, 79.5), "{have_gb}"),
+        other => panic!("expected a memory refusal, got {other}"),
+    }
+}
+
+#[test]
+fn a_model_waiting_behind_long_batches_of_another_does_not_share_their_slice() {
+    // a: 2 ms, target 15 ms (edge 1 ms, round trip 1 ms); b: 100 ms batches. Alone on the
+    // whole GPU, a's p95 is within its target; behind b's batches it is not, so each gets
+    // its own slice (4g + 3g) rather than sharing the whole GPU.
+    let mut quick = model("a", 10.0, 2.0, 1.0);
+    quick.p95_ms = 15.0;
+    let fleet = fleet(vec![quick, model("b", 1.0, 100.0, 1.0)], vec![vec![0], vec![1, 2]]);
+    let placed = place(&fleet).expect("a placement");
+    assert_eq!(placed.layouts, [1]);
+    assert!(placed.slices.iter().all(|s| s.members.len() == 1), "{:?}", placed.slices);
 }
 
 #[test]
@@ -161,6 +184,7 @@ fn the_example_fleet_plans_and_writes_a_server_config_per_slice_in_use() {
         assert!(close(m.routes.iter().map(|r| r.share).sum::<f64>(), 1.0), "{m:?}");
         let simulated = m.simulated.as_ref().expect("simulated");
         assert!(simulated.requests as f64 > 0.9 * m.rate * SIMULATED_SECONDS && simulated.p50_ms <= simulated.p95_ms, "{m:?}");
+        assert!(simulated.p95_ms <= m.p95_target_ms, "the simulation keeps the target: {m:?}");
     }
     for slice in plan.slices.iter().filter(|s| !s.models.is_empty()) {
         let config = slice.server_config.as_ref().expect("a server config");
