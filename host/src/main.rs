@@ -105,7 +105,8 @@ enum Command {
         #[arg(long)]
         output: Option<PathBuf>,
         /// Also profile the server's stages at these batch sizes (like 1,2,4,8) and write
-        /// stage-profile.json and edge-profile.json for a fleet.yaml (batch_size: 1 only).
+        /// stage-profile.json and edge-profile.json for a fleet.yaml (batch_size: 1 only; with
+        /// --measure, the server's own time per request too).
         #[arg(long, value_delimiter = ',', conflicts_with = "fleet")]
         fleet_profile: Vec<u32>,
     },

@@ -147,7 +147,8 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
     std::fs::write(output.join("plan.json"), json + "\n").map_err(|e| HostError::write(output.join("plan.json"), e))?;
     let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(HostError::Graph)?;
     let mut written = vec![dot];
-    if let Some((stages, edge)) = fleet_profiles {
+    if let Some((mut stages, edge)) = fleet_profiles {
+        stages.request_ms = request_ms(&report);
         written.push(write_json(&output.join("stage-profile.json"), &stages)?);
         written.push(write_json(&output.join("edge-profile.json"), &edge)?);
     }
@@ -203,9 +204,19 @@ async fn fleet_profiles(
         .map(|k| Cut { usable: profiles.cut_usable[k], batchable: batchable.contains(&k), wire_bytes: profiles.cut_wire_bytes[k] as f64 })
         .collect();
     let device = session.model.device.clone();
-    let stages = StageProfile { format: StageProfile::FORMAT.into(), device, batches, stages, cuts };
+    let stages = StageProfile { format: StageProfile::FORMAT.into(), device, batches, stages, cuts, request_ms: 0.0 };
     let edge = EdgeProfile { format: EdgeProfile::FORMAT.into(), device: config.device.to_string(), stage_ms: profiles.edge_stage_ms.clone() };
     Ok((stages, edge))
+}
+
+/// The server's own time per request besides its stages, from `--measure`: at each cut
+/// measured (the last, where nothing reaches the server, aside), its measured time less its
+/// stages' profiled time; the median over the cuts, at least 0; 0 without `--measure`.
+fn request_ms(report: &PlanReport) -> f64 {
+    let n = report.profiles.stage_count();
+    let own: Vec<f64> =
+        report.measured.iter().filter(|m| m.cut < n).map(|m| m.server_ms - report.profiles.server_stage_ms[m.cut..].iter().sum::<f64>()).collect();
+    cleave_common::stats::median(&own).map_or(0.0, |ms| ms.max(0.0))
 }
 
 fn write_json(path: &std::path::Path, value: &impl Serialize) -> Result<PathBuf> {

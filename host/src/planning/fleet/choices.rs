@@ -198,7 +198,7 @@ fn choice(fleet: &Fleet, model: &FleetModel, kind: &SliceKind, cut: usize, batch
     if memory_bytes > room {
         return Err(Unplaceable::Memory { cut, needed_gb: profile.server_bytes(cut, 1) / 1e9, have_gb: room / 1e9 });
     }
-    let service_ms = profile.server_ms(cut, batch) / kind.compute;
+    let service_ms = profile.batch_ms(cut, samples, kind.compute);
     let fixed_ms = model.edges.iter().map(|e| fixed_ms(model, e, cut)).fold(0.0, f64::max);
     let max_wait_ms = fill_ms(samples, model.rate);
     let within = max_wait_ms <= MAX_WAIT_MS;

@@ -21,6 +21,12 @@ pub struct StageProfile {
     /// Each cut, `0..=stages` (cut `s`: the edge runs stages `[0, s)`); the last one's bytes
     /// are the result's.
     pub cuts: Vec<Cut>,
+    /// The server's own time per request besides the stages (decoding it, merging and
+    /// splitting batches, answering), milliseconds: measured by `host plan --fleet-profile
+    /// --measure N`, 0 when not. Counted as if it ran on the slice: true of a CPU server; on
+    /// a GPU it overlaps the compute, so it overstates there.
+    #[serde(default)]
+    pub request_ms: f64,
 }
 
 /// One stage.
@@ -104,7 +110,14 @@ impl StageProfile {
                 return Err(format!("stages[{i}].ms: {:?}: every time must be above 0", stage.ms));
             }
         }
-        finite_non_negative("cuts", self.cuts.iter().map(|c| c.wire_bytes))
+        finite_non_negative("cuts", self.cuts.iter().map(|c| c.wire_bytes))?;
+        finite_non_negative("request_ms", [self.request_ms])
+    }
+
+    /// Milliseconds a batch of `samples` takes on a slice of `compute`: the stages `[cut, N)`
+    /// (see [`Self::server_ms_at`]) and the server's own time for each request.
+    pub fn batch_ms(&self, cut: usize, samples: u32, compute: f64) -> f64 {
+        self.server_ms_at(cut, samples) / compute + f64::from(samples) * self.request_ms
     }
 
     /// Milliseconds the server's stages `[cut, N)` take for a batch at `batch` (one of

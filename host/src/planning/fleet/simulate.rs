@@ -79,7 +79,7 @@ fn simulate_slice(fleet: &Fleet, members: &[Member], compute: f64, mut arrivals:
             Pick::Run(batch) => {
                 let m = &members[batch[0].item.member];
                 let samples = batch.len() as u32;
-                let took = fleet.models[m.model].profile.server_ms_at(m.choice.cut, samples) / compute / 1000.0;
+                let took = fleet.models[m.model].profile.batch_ms(m.choice.cut, samples, compute) / 1000.0;
                 now += took;
                 for entry in batch {
                     let r = entry.item;
@@ -160,6 +160,11 @@ mod tests {
         // Half the GPU: twice as long.
         let latencies = simulate_slice(&fleet, &members, 0.5, vec![(0, 0.0)]);
         assert!(close(&latencies[0].1, &[2.0 + 5.0 + 20.0]), "{latencies:?}");
+        // The server's own 1.5 ms a request, on either.
+        let mut fleet = fleet;
+        fleet.models[0].profile.request_ms = 1.5;
+        let latencies = simulate_slice(&fleet, &members, 0.5, vec![(0, 0.0)]);
+        assert!(close(&latencies[0].1, &[2.0 + 5.0 + 20.0 + 1.5]), "{latencies:?}");
     }
 
     #[test]

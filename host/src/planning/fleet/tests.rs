@@ -22,6 +22,7 @@ pub(super) fn model(name: &str, rate: f64, ms: f64, weight_gb: f64) -> FleetMode
         batches: vec![1],
         stages: vec![Stage { ms: vec![ms], weight_bytes: weight_gb * GB, activation_bytes: 0.0 }],
         cuts: vec![Cut { usable: true, batchable: true, wire_bytes: 1000.0 }, Cut { usable: false, batchable: true, wire_bytes: 10.0 }],
+        request_ms: 0.0,
     };
     let edge = EdgeProfile { format: "cleave-edge-profile/1".into(), device: "toy".into(), stage_ms: vec![1.0] };
     FleetModel {
