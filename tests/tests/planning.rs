@@ -82,12 +82,10 @@ fn plan_writes_the_profiles_a_fleet_is_planned_from() {
     let stages = StageProfile::read(&dir.path().join("out/stage-profile.json")).unwrap();
     // The server's own time per request: its measured time less its stages', at the median cut.
     let n = report.profiles.stage_count();
-    let mut own: Vec<f64> =
+    let own: Vec<f64> =
         report.measured.iter().filter(|m| m.cut < n).map(|m| m.server_ms - report.profiles.server_stage_ms[m.cut..].iter().sum::<f64>()).collect();
-    own.sort_by(f64::total_cmp);
-    let median = if own.len() % 2 == 1 { own[own.len() / 2] } else { (own[own.len() / 2 - 1] + own[own.len() / 2]) / 2.0 };
+    let median = cleave_common::stats::median(&own).unwrap();
     assert!((stages.request_ms - median.max(0.0)).abs() < 1e-9, "{} {own:?}", stages.request_ms);
-    let n = report.profiles.stage_count();
     assert_eq!((stages.batches.as_slice(), stages.stages.len(), stages.cuts.len()), ([1, 2, 4].as_slice(), n, n + 1));
     assert!(stages.stages.iter().all(|s| s.ms.len() == 3 && s.ms.iter().all(|&t| t >= 0.0)));
     let usable: Vec<bool> = stages.cuts.iter().map(|c| c.usable).collect();

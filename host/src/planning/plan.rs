@@ -143,14 +143,13 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
     let table = plan_table(&bundle, &report, &session.model.device, batch, &config.codec);
     let output = opts.output.unwrap_or_else(|| config.output.clone());
     std::fs::create_dir_all(&output).map_err(|error| HostError::Io { action: "cannot create", path: output.clone(), error })?;
-    let json = serde_json::to_string_pretty(&report).map_err(|error| HostError::Json { what: "the plan as JSON", error })?;
-    std::fs::write(output.join("plan.json"), json + "\n").map_err(|e| HostError::write(output.join("plan.json"), e))?;
+    write_json(&output.join("plan.json"), "the plan as JSON", &report)?;
     let (dot, svg) = write_stage_graph(&bundle, report.best, &output).map_err(HostError::Graph)?;
     let mut written = vec![dot];
     if let Some((mut stages, edge)) = fleet_profiles {
         stages.request_ms = request_ms(&report);
-        written.push(write_json(&output.join("stage-profile.json"), &stages)?);
-        written.push(write_json(&output.join("edge-profile.json"), &edge)?);
+        written.push(write_json(&output.join("stage-profile.json"), "a profile as JSON", &stages)?);
+        written.push(write_json(&output.join("edge-profile.json"), "a profile as JSON", &edge)?);
     }
     written.extend(svg);
     if !report.measured.is_empty() {
@@ -219,8 +218,9 @@ fn request_ms(report: &PlanReport) -> f64 {
     cleave_common::stats::median(&own).map_or(0.0, |ms| ms.max(0.0))
 }
 
-fn write_json(path: &std::path::Path, value: &impl Serialize) -> Result<PathBuf> {
-    let json = serde_json::to_string_pretty(value).map_err(|error| HostError::Json { what: "a profile as JSON", error })?;
+/// Writes `value` as pretty JSON to `path` (`what` names it in an error).
+fn write_json(path: &std::path::Path, what: &'static str, value: &impl Serialize) -> Result<PathBuf> {
+    let json = serde_json::to_string_pretty(value).map_err(|error| HostError::Json { what, error })?;
     std::fs::write(path, json + "\n").map_err(|e| HostError::write(path.to_path_buf(), e))?;
     Ok(path.to_path_buf())
 }
