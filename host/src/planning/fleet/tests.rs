@@ -69,6 +69,17 @@ fn two_models_sharing_the_whole_gpu_beat_a_slice_each() {
 }
 
 #[test]
+fn one_model_a_slice_gives_each_its_own() {
+    // The first test's fleet with `max_models_per_slice: 1`: 4g + 3g, headroom 2.857 at worst.
+    let mut fleet = fleet(vec![model("a", 10.0, 10.0, 1.0), model("b", 10.0, 10.0, 1.0)], vec![vec![0], vec![1, 2]]);
+    fleet.max_models_per_slice = 1;
+    let placed = place(&fleet).expect("a placement");
+    assert_eq!(placed.layouts, [1]);
+    assert!(placed.slices.iter().all(|s| s.members.len() == 1), "{:?}", placed.slices);
+    assert!(close(placed.headroom.iter().copied().fold(f64::INFINITY, f64::min), 0.9 * 3.0 / 7.0 / 0.1 - 1.0), "{:?}", placed.headroom);
+}
+
+#[test]
 fn a_model_whose_weights_fit_no_slice_is_refused_naming_memory() {
     let fleet = fleet(vec![model("small", 10.0, 10.0, 1.0), model("huge", 10.0, 10.0, 45.0)], vec![vec![1, 2]]);
     let error = place(&fleet).expect_err("45 GB fits no 40 GB slice");
@@ -236,6 +247,12 @@ fn a_fleet_config_s_errors_name_the_key() {
     assert!(share.contains("`max_utilisation`"), "{share}");
     let twice = error_of(fleet("{name: g, layouts: [[full]]}, {name: g, layouts: [[full]]}", ""));
     assert!(twice.contains("`gpus`") && twice.contains("named twice"), "{twice}");
+    for (key, extra) in
+        [("time_limit", "time_limit: 0s\n"), ("time_limit", "time_limit: 2h\n"), ("max_models_per_slice", "max_models_per_slice: 0\n")]
+    {
+        let refused = error_of(fleet("{name: g, layouts: [[full]]}", extra));
+        assert!(refused.contains(&format!("`{key}`")), "{refused}");
+    }
     let stray = error_of(fleet("{name: g, layouts: [[full]], mig: true}", ""));
     assert!(stray.contains("mig"), "{stray}");
 }
