@@ -856,15 +856,28 @@ async fn train_step(stream: &mut TrainStream, id: u64) {
 }
 
 /// Opens a session, retrying while the one before it is still closing.
+/// Waits (up to 30 s) until the server has `streams` `Train` streams open.
+async fn train_streams_fall_to(metrics: &cleave_server::Metrics, streams: f64) {
+    let open = || cleave_tests::metric_sample(&cleave_tests::parse_metrics(&metrics.render()), "cleave_open_streams", &[("kind", "train")]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while open() > streams {
+        assert!(std::time::Instant::now() < deadline, "{} Train streams still open after 30 s", open());
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 async fn open_when_free(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (TrainStream, pb::SessionOpened) {
-    for _ in 0..100 {
+    // The server frees a session (or keeps a broken one) once it sees its stream go, which
+    // on a loaded machine can take a while: wait generously, and say what it last answered.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
         let (stream, reply) = open_session(url, bundle, open.clone()).await;
         if let Some(opened) = reply.opened {
             return (stream, opened);
         }
+        assert!(std::time::Instant::now() < deadline, "no session opened in 30 s; the last answer: {reply:?}");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    panic!("no session opened");
 }
 
 #[test]
@@ -1451,8 +1464,15 @@ fn an_end_of_round_resent_after_its_host_left_is_answered_from_memory_and_ends_n
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let options = TrainingOptions { checkpoint_dir: None, max_sessions: 2, ..TrainingOptions::default() };
-        let server =
-            LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
+        let dir = bundle.dir().to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || {
+            cleave_server::PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), ServerSecurity::default()).unwrap()
+        })
+        .await
+        .unwrap()
+        .with_training(options);
+        let metrics = prepared.metrics();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
         let reattachable = pb::OpenSession { reattachable: true, ..open_in_group("sequential", 2, 0) };
         let (a, opened) = open_session(&server.url, &bundle, reattachable).await;
         let opened = opened.opened.expect("edge 0 opened");
@@ -1464,6 +1484,10 @@ fn an_end_of_round_resent_after_its_host_left_is_answered_from_memory_and_ends_n
         // the call is read closes its session instead.)
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         drop(a);
+        // Edge 1 ends the round only once the server has seen edge 0 go: an answer ready
+        // before that is handed to the half-closed stream, which then ends as a clean
+        // close (the request's end reaches the server before the reset) and closes the session.
+        train_streams_fall_to(&metrics, 1.0).await;
         let round = end_round(&mut b, 1).await;
         assert_eq!(round.round_ended, Some(pb::RoundEnded { round: 1 }), "{round:?}");
 
