@@ -7,7 +7,7 @@
 //! declared length (already bounded by the limit and the codec), and never grows past it.
 //!
 //! Each stream has a [`PayloadSender`] and a [`PayloadReceiver`] per direction: they hold
-//! the nonce state that refuses replayed and reordered payloads.
+//! the nonce state that refuses replayed payloads and those past the replay window.
 //!
 //! Zero copy: a boundary given up to [`PayloadSender::encode_owned`] with the raw codec and no
 //! key travels as its tensors' own memory (frames slice it), and a received raw payload is

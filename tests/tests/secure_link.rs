@@ -311,7 +311,7 @@ fn attacks_on_sealed_payloads_are_each_refused_with_their_own_error() {
             (1, "wrong key: key id 1 here is not the key the sender used"),
             (2, "the payload data was altered in flight"),
             (3, "the payload header was altered in flight"),
-            (4, "replayed or reordered payload refused: counter 0 after counter 0 was accepted"),
+            (4, "replayed or reordered payload refused: counter 0 was accepted before"),
             (5, "this side requires encrypted payloads"),
         ];
         for (i, text) in expected {

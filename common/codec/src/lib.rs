@@ -31,4 +31,4 @@ pub use dtype::DType;
 pub use error::{CodecError, Misuse};
 pub use payload::{encode_payload, DecodedHeader, DecodedPayload, EncodedPayload, IncomingPayload, PayloadData, PayloadMeta, TensorData};
 pub use pb::Direction;
-pub use seal::{Key, KeyError, KeyRing, Opener, Sealer};
+pub use seal::{Key, KeyError, KeyRing, Opener, Sealer, REPLAY_WINDOW};

@@ -6,8 +6,11 @@
 //! that would wrap its counter is refused rather than reuse a nonce. Two streams collide
 //! only if their random prefixes do (2^-64 per pair).
 //!
-//! The opener accepts one prefix per stream and only increasing counters, so a replayed or
-//! reordered payload is refused; state advances only after a payload authenticates.
+//! The opener accepts one prefix per stream and each counter at most once, within a window of
+//! [`REPLAY_WINDOW`] counters below the highest accepted (the anti-replay window of IPsec's
+//! RFC 4303): a replayed payload, or one older than the window, is refused. The window lets a
+//! host seal once for several servers: a request moved from a server that died to another
+//! arrives there after later ones. State advances only after a payload authenticates.
 
 use std::fmt;
 
@@ -25,6 +28,8 @@ use crate::pb::Seal;
 pub const TAG_BYTES: usize = 16;
 const PREFIX_BYTES: usize = 8;
 const KEY_CHECK_BYTES: usize = 8;
+/// How far below the highest counter accepted on a stream an unseen counter is still accepted.
+pub const REPLAY_WINDOW: u32 = 1024;
 /// Largest counter: `counter << 1 | 1` must fit in 32 bits.
 const MAX_COUNTER: u32 = (u32::MAX >> 1) - 1;
 
@@ -159,7 +164,7 @@ impl KeyRing {
 
     /// An opener for one stream.
     pub fn opener(&self) -> Opener {
-        Opener { ring: self.clone(), prefix: None, last: None }
+        Opener { ring: self.clone(), prefix: None, seen: SeenCounters::default() }
     }
 }
 
@@ -218,12 +223,12 @@ impl Sealer {
 pub struct Opener {
     ring: KeyRing,
     prefix: Option<[u8; PREFIX_BYTES]>,
-    last: Option<u32>,
+    seen: SeenCounters,
 }
 
 impl fmt::Debug for Opener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Opener(ids {:?}, last counter {:?})", self.ring.ids(), self.last)
+        write!(f, "Opener(ids {:?}, highest counter {:?})", self.ring.ids(), self.seen.highest)
     }
 }
 
@@ -247,9 +252,7 @@ impl Opener {
         if seal.counter > MAX_COUNTER {
             return Err(CodecError::Counter(seal.counter));
         }
-        if let Some(last) = self.last.filter(|&last| seal.counter <= last) {
-            return Err(CodecError::Replayed { detail: format!("counter {} after counter {last} was accepted", seal.counter) });
-        }
+        self.seen.check(seal.counter)?;
         let tag: [u8; TAG_BYTES] = header_tag.try_into().map_err(|_| CodecError::HeaderTampered)?;
         key.cipher
             .decrypt_inout_detached(&nonce(&prefix, seal.counter, 0), header, (&mut [][..]).into(), &Tag::from(tag))
@@ -275,7 +278,60 @@ impl Opener {
             .decrypt_inout_detached(&nonce(&prefix, seal.counter, 1), &[], body.into(), &Tag::from(tag))
             .map_err(|_| CodecError::DataTampered)?;
         self.prefix = Some(prefix);
-        self.last = Some(seal.counter);
+        self.seen.accept(seal.counter);
         Ok(())
+    }
+}
+
+/// The counters accepted on a stream: the highest, and which of the [`REPLAY_WINDOW`] below
+/// it were (bit `i` of the map: counter `highest - i`).
+#[derive(Default)]
+struct SeenCounters {
+    highest: Option<u32>,
+    map: [u64; (REPLAY_WINDOW / 64) as usize],
+}
+
+impl SeenCounters {
+    fn check(&self, counter: u32) -> Result<(), CodecError> {
+        let Some(highest) = self.highest else { return Ok(()) };
+        let replayed = |why: String| Err(CodecError::Replayed { detail: format!("counter {counter} {why}") });
+        match highest.checked_sub(counter) {
+            None => Ok(()),
+            Some(behind) if behind >= REPLAY_WINDOW => replayed(format!("is {behind} behind counter {highest}, past the window of {REPLAY_WINDOW}")),
+            Some(behind) if self.bit(behind) => replayed("was accepted before".into()),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn accept(&mut self, counter: u32) {
+        let highest = self.highest.unwrap_or(counter);
+        if counter > highest || self.highest.is_none() {
+            let ahead = counter - highest;
+            self.shift(ahead);
+            self.highest = Some(counter);
+            self.set(0);
+        } else {
+            self.set(highest - counter);
+        }
+    }
+
+    fn bit(&self, behind: u32) -> bool {
+        self.map[(behind / 64) as usize] >> (behind % 64) & 1 == 1
+    }
+
+    fn set(&mut self, behind: u32) {
+        self.map[(behind / 64) as usize] |= 1 << (behind % 64);
+    }
+
+    /// Moves every bit `by` counters further behind; those past the window drop out.
+    fn shift(&mut self, by: u32) {
+        let (words, bits) = ((by / 64) as usize, by % 64);
+        let old = self.map;
+        for (i, word) in self.map.iter_mut().enumerate() {
+            let from = |j: Option<usize>| j.and_then(|j| old.get(j)).copied().unwrap_or(0);
+            let whole = from(i.checked_sub(words));
+            let carried = if bits == 0 { 0 } else { from(i.checked_sub(words + 1)) >> (64 - bits) };
+            *word = if bits == 0 { whole } else { whole << bits | carried };
+        }
     }
 }

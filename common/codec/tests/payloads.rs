@@ -4,7 +4,7 @@
 use cleave_codec::pb::{self, NamedValue, PayloadEnvelope, PayloadHeader, ValueNode};
 use cleave_codec::{
     encode_payload, Codec, CodecError, CodecPolicy, Compression, DType, Direction, EncodedPayload, IncomingPayload, Key, KeyError, KeyRing,
-    PayloadMeta, Precision, TensorData,
+    PayloadMeta, Precision, TensorData, REPLAY_WINDOW,
 };
 use proptest::prelude::*;
 use prost::Message;
@@ -249,12 +249,13 @@ fn tampered_header_is_refused_whatever_field_changed() {
 }
 
 #[test]
-fn replayed_and_reordered_payloads_are_refused() {
+fn replayed_payloads_and_those_past_the_window_are_refused_reordered_ones_within_it_accepted() {
     let ring = KeyRing::new([(1, Key::random())]).unwrap();
     let mut sealer = ring.sealer(1).unwrap();
     let codec: Codec = "lz4".parse().unwrap();
+    let n = REPLAY_WINDOW as u64 + 40;
     let sent: Vec<EncodedPayload> =
-        (0..3).map(|i| encode_payload(meta(i), values_for(&sample()), &sample(), &codec, Some(&mut sealer)).unwrap()).collect();
+        (0..n).map(|i| encode_payload(meta(i), values_for(&sample()), &sample(), &codec, Some(&mut sealer)).unwrap()).collect();
     let mut opener = ring.opener();
     let mut accept = |enc: &EncodedPayload| {
         let incoming = IncomingPayload::parse(&enc.envelope, Direction::Request, LIMIT, &CodecPolicy::default(), &opener)?;
@@ -262,10 +263,29 @@ fn replayed_and_reordered_payloads_are_refused() {
     };
     accept(&sent[0]).unwrap();
     let replay = accept(&sent[0]).unwrap_err();
-    assert_eq!(replay.to_string(), "replayed or reordered payload refused: counter 0 after counter 0 was accepted");
+    assert_eq!(replay.to_string(), "replayed or reordered payload refused: counter 0 was accepted before");
+    // A payload that arrives after a later one (a request moved from another server) is
+    // accepted once, within the window.
     accept(&sent[2]).unwrap();
-    let reordered = accept(&sent[1]).unwrap_err();
-    assert!(matches!(reordered, CodecError::Replayed { .. }), "{reordered}");
+    accept(&sent[1]).unwrap();
+    assert!(matches!(accept(&sent[1]).unwrap_err(), CodecError::Replayed { .. }));
+    assert!(matches!(accept(&sent[2]).unwrap_err(), CodecError::Replayed { .. }));
+    // Far ahead: what was seen stays seen across the shift, and what falls past the window
+    // is refused whether seen or not.
+    accept(&sent[70]).unwrap();
+    accept(&sent[66]).unwrap();
+    let last = n as usize - 1;
+    accept(&sent[last]).unwrap();
+    let behind = (last - 66) as u32;
+    assert!(behind < REPLAY_WINDOW);
+    assert_eq!(accept(&sent[66]).unwrap_err().to_string(), "replayed or reordered payload refused: counter 66 was accepted before");
+    assert!(matches!(accept(&sent[70]).unwrap_err(), CodecError::Replayed { .. }));
+    accept(&sent[67]).unwrap();
+    let err = accept(&sent[3]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!("replayed or reordered payload refused: counter 3 is {} behind counter {last}, past the window of {REPLAY_WINDOW}", last - 3)
+    );
     // Another stream's payload (another nonce prefix) is refused on this one.
     let mut other = ring.sealer(1).unwrap();
     let foreign = encode_payload(meta(9), values_for(&sample()), &sample(), &codec, Some(&mut other)).unwrap();
