@@ -64,10 +64,18 @@ pub enum InputSource {
     },
 }
 
+/// `server:`, one URL or a list of them.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ServerUrls {
+    One(String),
+    Many(Vec<String>),
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawEdgeConfig {
-    server: String,
+    server: ServerUrls,
     bundle: PathBuf,
     split: SplitSpec,
     #[serde(default)]
@@ -431,8 +439,10 @@ struct LoopbackConfig {
 pub struct EdgeConfig {
     /// The file it was read from.
     pub source: PathBuf,
-    /// The server's URL (`http://host:port`).
+    /// The server's URL (`http://host:port`): the first of `servers`.
     pub server: String,
+    /// Every server's URL (`server:` as a list): each request goes to one of them.
+    pub servers: Vec<String>,
     /// Bundle directory (a relative one is taken from the config's directory, see
     /// [`cleave_common::config::relative_to`]).
     pub bundle: PathBuf,
@@ -564,17 +574,12 @@ impl EdgeConfig {
             None => None,
             Some(t) => Some(ClientTls { ca_pem: secrets.file("tls.ca", &t.ca)?, domain: t.domain }),
         };
-        if tls.is_some() && raw.server.starts_with("http://") {
-            return Err(invalid("server", format!("{:?}: with `tls`, the URL starts with https://", raw.server)));
-        }
+        let servers = server_urls(raw.server, tls.is_some()).map_err(|message| invalid("server", message))?;
         let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
         let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
         let split = raw.split;
         let objective = raw.objective.as_deref().unwrap_or("latency").parse().map_err(|e| invalid("objective", e))?;
         let device = secrets.device("device", &raw.device)?;
-        if !raw.server.starts_with("http://") && !raw.server.starts_with("https://") {
-            return Err(invalid("server", format!("{:?}: expected a URL like http://gpu-host:50051", raw.server)));
-        }
         if raw.batch_size < 1 {
             return Err(invalid("batch_size", "must be at least 1".into()));
         }
@@ -598,7 +603,8 @@ impl EdgeConfig {
         };
         Ok(Self {
             source: path.to_path_buf(),
-            server: raw.server,
+            server: servers[0].clone(),
+            servers,
             bundle: secrets.resolve(&raw.bundle),
             split,
             device,
@@ -621,6 +627,29 @@ impl EdgeConfig {
             telemetry: raw.telemetry,
         })
     }
+}
+
+/// `server:` as a list of URLs, each checked; with `tls`, each https://.
+fn server_urls(raw: ServerUrls, tls: bool) -> Result<Vec<String>, String> {
+    let urls = match raw {
+        ServerUrls::One(url) => vec![url],
+        ServerUrls::Many(urls) => urls,
+    };
+    if urls.is_empty() {
+        return Err("give at least one server URL".into());
+    }
+    for (i, url) in urls.iter().enumerate() {
+        if !url.starts_with("http://") && !url.starts_with("https://") {
+            return Err(format!("{url:?}: expected a URL like http://gpu-host:50051"));
+        }
+        if tls && url.starts_with("http://") {
+            return Err(format!("{url:?}: with `tls`, the URL starts with https://"));
+        }
+        if urls[..i].contains(url) {
+            return Err(format!("{url:?} is listed twice"));
+        }
+    }
+    Ok(urls)
 }
 
 fn train_config(path: &Path, raw: RawTrain) -> Result<TrainConfig, ConfigError> {

@@ -568,6 +568,10 @@ pub fn summary_text(s: &Summary) -> String {
             c.reconnects
         ),
     ]);
+    if !c.by_server.is_empty() {
+        let each: Vec<String> = c.by_server.iter().map(|(url, n)| format!("{url} {n}")).collect();
+        run.add_row(vec!["answered by".to_string(), each.join(", ")]);
+    }
     let security = format!("{}{}", if s.encryption.is_some() { ", aes-256-gcm" } else { "" }, if s.tls { ", TLS" } else { "" });
     run.add_row(vec![
         "bytes sent".to_string(),

@@ -11,7 +11,7 @@ use cleave_common::bundle::SplitSpec;
 use cleave_common::device::device_name;
 use cleave_common::{Bundle, LoadedStages};
 
-use crate::client::{stream_requests, ChoosesCodec, Codecs, Splits, StreamPlan};
+use crate::client::{stream_balanced, stream_requests, ChoosesCodec, Codecs, Splits, StreamPlan};
 use crate::config::EdgeConfig;
 use crate::cpu_time;
 use crate::error::{HostError, Result};
@@ -24,7 +24,7 @@ use crate::planning::planner::Profiles;
 use crate::planning::profile::measure_profiles;
 use crate::progress::{Bar, Event, InferenceStart, Progress};
 use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
-use crate::session::{connect_retrying, EdgeSession, Link};
+use crate::session::{self, connect_retrying, EdgeSession, Link};
 
 /// Command-line overrides of `edge.yaml`.
 #[derive(Debug, Clone, Default)]
@@ -65,7 +65,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let mut cpu = CpuMeter::new();
     let mut record_error = None;
     let chooser = connected.chooser.clone();
-    let streamed = stream_requests(&mut connected.session, plan, |outcome| {
+    let servers = connected.servers.clone();
+    let streamed = stream_to_servers(&mut connected.session, &servers, plan, |outcome| {
         opts.progress.tell(Event::Advanced { loss: None });
         cpu.answered(&outcome.metrics);
         if let Some(auto) = &planner {
@@ -126,6 +127,8 @@ fn write_summary(summary: &Summary, output: &Path) -> Result<()> {
 /// from, with what chooses its cut and codec as it goes.
 struct Connected {
     url: String,
+    /// Every server requests go to (the loopback server alone with `--loopback`).
+    servers: Vec<String>,
     loopback: Option<LoopbackServer>,
     session: EdgeSession,
     split: usize,
@@ -139,8 +142,9 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
     let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
     let fixed = if split_spec == SplitSpec::Auto { None } else { Some(bundle.resolve_split(&split_spec)?) };
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(config).await?) } else { None };
-    let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-    let mut session = connect_retrying(&url, bundle, &Link::of(config), &config.resilience.retry).await?;
+    let servers = loopback.as_ref().map_or(config.servers.clone(), |l| vec![l.url.clone()]);
+    let mut session = connect_first(&servers, bundle, config).await?;
+    let url = session.url.clone();
     let auto = match fixed {
         None => Some(start_auto_split(config, &mut session, bundle, &opts.progress).await?),
         Some(_) => None,
@@ -153,7 +157,35 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
         false => None,
     };
     opts.progress.tell(Event::InferenceStarts(inference_start(config, bundle, split, &url, &session.model.device)?));
-    Ok(Connected { url, loopback, session, split, auto, chooser })
+    Ok(Connected { url, servers, loopback, session, split, auto, chooser })
+}
+
+/// A connection to the first of `servers` that answers, tried in turn; when none does, the
+/// first is tried again as `retry:` says.
+async fn connect_first(servers: &[String], bundle: &Bundle, config: &EdgeConfig) -> Result<EdgeSession> {
+    let link = Link::of(config);
+    if let [_, _, ..] = servers {
+        for url in servers {
+            match session::connect(url, bundle, &link).await {
+                Ok(session) => return Ok(session),
+                Err(e) => tracing::warn!(server = %url, error = %e, "cannot reach the server; trying the next"),
+            }
+        }
+    }
+    connect_retrying(&servers[0], bundle, &link, &config.resilience.retry).await
+}
+
+/// Streams over every server in `servers`, or the one `session` is connected to.
+async fn stream_to_servers(
+    session: &mut EdgeSession,
+    servers: &[String],
+    plan: StreamPlan,
+    on_outcome: impl FnMut(crate::client::RequestOutcome),
+) -> Result<crate::client::StreamCounts> {
+    match servers {
+        [_, _, ..] => stream_balanced(session, servers, plan, on_outcome).await,
+        _ => stream_requests(session, plan, on_outcome).await,
+    }
 }
 
 impl Connected {

@@ -95,6 +95,8 @@ pub struct EdgeSession {
     pub url: String,
     /// How it was reached (to reach it again).
     pub link: Link,
+    /// The connection itself, for the services beside cleave's (the health service).
+    pub channel: Channel,
 }
 
 impl std::fmt::Debug for EdgeSession {
@@ -143,7 +145,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         Some(t) => Some(t.bearer().parse().map_err(|_| HostError::TokenNotAHeaderValue)?),
         None => None,
     };
-    let mut client = SplitInferenceClient::with_interceptor(channel, CallHeaders(token));
+    let mut client = SplitInferenceClient::with_interceptor(channel.clone(), CallHeaders(token));
     let mut info = tonic::Request::new(pb::InfoRequest {});
     info.set_timeout(link.connect_timeout);
     // A refusal is final; a server that is not there yet (or stalls) may be tried again.
@@ -160,7 +162,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     };
     let max_message = server.limits.max_message_bytes as usize;
     let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
-    Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone() })
+    Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone(), channel })
 }
 
 /// The server serves no bundle with this host's id: the ids on each side and, for a served

@@ -58,3 +58,12 @@ pub fn metric_sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&
         })
         .sum()
 }
+
+/// A release binary of the workspace (`server`, `host`), which `make test` builds before the
+/// tests; panics with the command to run when it is missing.
+pub fn release_binary(name: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let path = target.join("release").join(name);
+    assert!(path.is_file(), "{} is missing: run `make build` (or `make test`)", path.display());
+    path
+}

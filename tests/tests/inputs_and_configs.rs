@@ -447,3 +447,23 @@ fn log_format_is_a_key_of_both_configs() {
     let err = server("log_format: xml\n").unwrap_err().to_string();
     assert!(err.contains("`log_format`") && err.contains("expected `text` or `json`"), "{err}");
 }
+
+#[test]
+fn server_takes_one_url_or_a_list_each_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = "bundle: b\nsplit: 3\ninput: {kind: synthetic}\noutput: out\n";
+    let load = |server: &str| EdgeConfig::load(&write_config(dir.path(), "edge.yaml", &format!("server: {server}\n{rest}")));
+    let one = load("http://a:1").unwrap();
+    assert_eq!((one.server.as_str(), one.servers.clone()), ("http://a:1", vec!["http://a:1".to_string()]));
+    let many = load("[http://a:1, http://b:2, http://c:3]").unwrap();
+    assert_eq!(many.server, "http://a:1");
+    assert_eq!(many.servers, ["http://a:1", "http://b:2", "http://c:3"]);
+    for (server, expected) in [
+        ("[]", "give at least one server URL"),
+        ("[http://a:1, http://a:1]", "\"http://a:1\" is listed twice"),
+        ("[http://a:1, b:2]", "\"b:2\": expected a URL like http://gpu-host:50051"),
+    ] {
+        let err = load(server).unwrap_err().to_string();
+        assert!(err.contains("`server`") && err.contains(expected), "{server}: {err}");
+    }
+}

@@ -219,7 +219,7 @@ fn a_wrong_payload_key_stops_the_run_after_its_first_requests_and_each_error_is_
         let path = edge_secrets.path().join("edge.yaml");
         std::fs::write(&path, yaml).unwrap();
         let summary = cleave_host::run(EdgeConfig::load(&path).unwrap(), Default::default()).await.unwrap();
-        let c = summary.counts;
+        let c = &summary.counts;
         assert!(c.stopped_early, "{c:?}");
         assert_eq!(c.answered, 0);
         assert_eq!(summary.errors + c.never_sent, 40);

@@ -18,9 +18,11 @@
 //! - A run whose first [`SAME_LASTING_ERRORS_TO_STOP`] outcomes are one error that sending
 //!   again cannot fix (a wrong key, a refused input) stops there rather than send the rest.
 
+mod balanced;
 pub(crate) mod connection;
 mod prefix;
 mod request;
+mod servers;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,6 +46,26 @@ use crate::session::{connect, EdgeSession};
 /// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's
 /// message limit and accepted up to its payload limit. `session` ends as the last connection.
 pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
+    stream_to(session, &[], plan, on_outcome).await
+}
+
+/// As [`stream_requests`], over every server in `servers` (`session`, connected to one of
+/// them, gives the limits), each request to the less loaded of two picked at random; a
+/// request whose server is lost goes to another. `fallback: edge` is not offered here.
+pub async fn stream_balanced(
+    session: &mut EdgeSession,
+    servers: &[String],
+    plan: StreamPlan,
+    on_outcome: impl FnMut(RequestOutcome),
+) -> Result<StreamCounts> {
+    if plan.resilience.fallback == Fallback::Edge {
+        return Err(HostError::NoRequestCanBeSent { why: "`fallback: edge` is for one server; with several, a request goes to another" });
+    }
+    stream_to(session, servers, plan, on_outcome).await
+}
+
+/// The run over `servers`, or over `session`'s server alone when fewer than two are given.
+async fn stream_to(session: &mut EdgeSession, servers: &[String], plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
     let key_id = plan.key.as_ref().map(|(id, _)| *id);
     let codecs = plan.codec.all();
     for codec in &codecs {
@@ -71,6 +93,7 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
     let on_edge = Arc::new(AtomicBool::new(false));
     let run = Run {
         total: plan.ids.len(),
+        in_flight: plan.in_flight,
         resilience: plan.resilience,
         bundle: plan.bundle.clone(),
         codecs,
@@ -92,7 +115,7 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
         .name("cleave-prefix".into())
         .spawn(move || run_prefixes(plan, sender, chunk_bytes, channels))
         .map_err(|error| HostError::ThreadStart { what: "the prefix thread", error })?;
-    let counts = run.stream(session, produced).await;
+    let counts = if servers.len() > 1 { run.stream_balanced(session, servers, produced).await } else { run.stream(session, produced).await };
     let produced = producer.join().map_err(|_| HostError::ThreadPanicked { what: "the prefix thread" })?;
     produced?;
     let counts = counts?;
@@ -156,6 +179,8 @@ struct Unanswered {
 /// The streaming loop's state: every request between its prefix and its outcome.
 struct Run<F> {
     total: usize,
+    /// Requests between their prefix and their outcome, at most.
+    in_flight: usize,
     resilience: Resilience,
     bundle: Bundle,
     /// Every codec requests may travel with: a new connection's server must accept each.
@@ -363,16 +388,9 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     }
 
     fn send(&mut self, u: &mut Unanswered, conn: &Connection) {
-        if u.prepared.metrics.attempts == 0 {
-            self.counts.sent += 1;
-        } else {
-            self.counts.retried += 1;
-        }
-        u.prepared.metrics.attempts += 1;
-        u.sent_at = Some(Instant::now());
-        u.attempt = tracing::debug_span!(parent: &u.prepared.span, "attempt", attempt = u.prepared.metrics.attempts);
+        let traceparent = balanced::count_attempt(&mut self.counts, u);
         // A stream that is gone shows on its inbound side, which ends.
-        conn.send(&u.prepared.frames, cleave_common::telemetry::traceparent(&u.attempt).as_deref());
+        conn.send(&u.prepared.frames, traceparent.as_deref());
     }
 
     /// Takes a whole answer; an error when the connection is of no more use (it answered

@@ -206,7 +206,7 @@ impl ServedBy {
 }
 
 /// What became of a run's requests (`summary.json`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StreamCounts {
     /// Requests sent to a server at least once.
     pub sent: u64,
@@ -224,6 +224,8 @@ pub struct StreamCounts {
     pub reconnects: u64,
     /// Answers for a request that already had its outcome, dropped.
     pub duplicates_dropped: u64,
+    /// Requests answered by each server, by URL, when the run had several.
+    pub by_server: std::collections::BTreeMap<String, u64>,
     /// The run stopped early: its first requests all failed with one error that sending
     /// again cannot fix (a wrong key, say).
     pub stopped_early: bool,

@@ -1,0 +1,294 @@
+//! One server among several: [`ServerLink`], the tower service the balancer picks between,
+//! and the task behind it that owns the server's connection and `Infer` stream.
+//!
+//! The task connects (again after a break, with backoff), opens the stream, follows the
+//! model's status on the server's health service, sends what it is given and hands each
+//! answer back to the request's caller. The service is ready while the stream is open and
+//! the model SERVING: a server that drains (NOT_SERVING) is given no new requests. When the
+//! stream is lost (it ended, failed, stalled or answered UNAVAILABLE) every request on it
+//! comes back [`Delivered::Lost`] for the caller to send elsewhere, under the same id.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use cleave_common::pb::InferFrame;
+use cleave_common::wire::{Codec, KeyRing};
+use cleave_common::Bundle;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::StreamExt;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+use super::connection::{Answer, Connection};
+use crate::config::Resilience;
+use crate::error::{RequestFailure, Result, StreamError};
+use crate::session::{connect, EdgeSession, Link};
+
+/// What every server's task needs to connect and open its stream.
+pub(super) struct LinkSetup {
+    pub(super) bundle: Bundle,
+    pub(super) link: Link,
+    /// Every codec requests may travel with: each server must accept each.
+    pub(super) codecs: Vec<Codec>,
+    pub(super) key_id: Option<u32>,
+    pub(super) ring: KeyRing,
+    pub(super) host_session: String,
+    pub(super) resilience: Resilience,
+    /// Requests in flight at most, over every server: no link holds more jobs than that.
+    pub(super) in_flight: usize,
+}
+
+/// A request to send: its frames as encoded (and sealed) once for every server.
+pub(super) struct Dispatch {
+    pub(super) id: u64,
+    pub(super) frames: Vec<InferFrame>,
+    pub(super) traceparent: Option<String>,
+}
+
+/// What became of a request given to a server.
+pub(super) enum Delivered {
+    /// The server answered it (a result or an error).
+    Answer { server: Arc<str>, answer: Answer },
+    /// Its stream was lost before it answered: send it elsewhere.
+    Lost { server: Arc<str>, reason: String },
+}
+
+struct Job {
+    dispatch: Dispatch,
+    answer: oneshot::Sender<Delivered>,
+}
+
+/// A server, as the balancer sees it: ready while its stream is open and its model serving.
+pub(super) struct ServerLink {
+    url: Arc<str>,
+    jobs: mpsc::Sender<Job>,
+    ready: watch::Receiver<bool>,
+    changed: Option<ReadyChanged>,
+}
+
+/// Resolves when the link's readiness changes (an error once its task has ended).
+type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::error::RecvError>> + Send>>;
+
+/// How a server's task is doing, for the caller to tell when no server can be reached.
+#[derive(Default)]
+pub(super) struct LinkHealth {
+    /// Connection attempts in a row that failed (0 once one answers).
+    pub(super) failed_attempts: AtomicU32,
+}
+
+impl ServerLink {
+    /// Starts the task for `url` (on `first` when that is already its connection).
+    pub(super) fn spawn(url: &str, first: Option<EdgeSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
+        let (jobs, jobs_rx) = mpsc::channel(setup.in_flight);
+        let (ready_tx, ready) = watch::channel(false);
+        let health = Arc::new(LinkHealth::default());
+        let url: Arc<str> = url.into();
+        let task = LinkTask { url: Arc::clone(&url), setup, jobs: jobs_rx, ready: ready_tx, health: Arc::clone(&health) };
+        tokio::spawn(task.run(first));
+        (Self { url, jobs, ready, changed: None }, health)
+    }
+}
+
+impl tower::Service<Dispatch> for ServerLink {
+    type Response = Delivered;
+    type Error = tower::BoxError;
+    type Future = Pin<Box<dyn Future<Output = std::result::Result<Delivered, tower::BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<std::result::Result<(), tower::BoxError>> {
+        loop {
+            if let Some(changed) = &mut self.changed {
+                match changed.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(_)) => return Poll::Ready(Err(format!("{}: its task ended", self.url).into())),
+                    Poll::Ready(Ok(())) => self.changed = None,
+                }
+            }
+            if *self.ready.borrow_and_update() {
+                return Poll::Ready(Ok(()));
+            }
+            let mut ready = self.ready.clone();
+            self.changed = Some(Box::pin(async move { ready.changed().await }));
+        }
+    }
+
+    fn call(&mut self, dispatch: Dispatch) -> Self::Future {
+        let (answer, answered) = oneshot::channel();
+        let server = Arc::clone(&self.url);
+        // A task that is gone loses the request: the caller sends it elsewhere. (The channel
+        // holds as many jobs as may be in flight: it is never full.)
+        let _ = self.jobs.try_send(Job { dispatch, answer });
+        Box::pin(async move { Ok(answered.await.unwrap_or(Delivered::Lost { server, reason: StreamError::Ended.to_string() })) })
+    }
+}
+
+/// The task behind a [`ServerLink`]; it ends when the link is dropped.
+struct LinkTask {
+    url: Arc<str>,
+    setup: Arc<LinkSetup>,
+    jobs: mpsc::Receiver<Job>,
+    ready: watch::Sender<bool>,
+    health: Arc<LinkHealth>,
+}
+
+/// Requests on the stream, by id: who waits for each.
+type OnStream = BTreeMap<u64, oneshot::Sender<Delivered>>;
+
+impl LinkTask {
+    async fn run(mut self, mut first: Option<EdgeSession>) {
+        let mut backoff = self.setup.resilience.retry.backoff();
+        loop {
+            let opened = self.open(first.take()).await;
+            let answered = match opened {
+                Ok((session, conn)) => {
+                    let mut on_stream = OnStream::new();
+                    let (reason, answered) = self.serve(&session, conn, &mut on_stream).await;
+                    let Some(reason) = reason else { return };
+                    self.ready.send_replace(false);
+                    tracing::warn!(server = %self.url, unanswered = on_stream.len(), "stream lost: {reason}; its requests go to other servers");
+                    for (_, waiting) in on_stream {
+                        let _ = waiting.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
+                    }
+                    answered
+                }
+                Err(e) => {
+                    tracing::warn!(server = %self.url, error = %e, "cannot reach the server");
+                    false
+                }
+            };
+            if answered {
+                self.health.failed_attempts.store(0, Ordering::Relaxed);
+                backoff = self.setup.resilience.retry.backoff();
+                continue;
+            }
+            self.health.failed_attempts.fetch_add(1, Ordering::Relaxed);
+            let wait = backoff.next().unwrap_or(self.setup.resilience.retry.max_backoff);
+            if !self.lose_jobs_for(wait).await {
+                return;
+            }
+        }
+    }
+
+    /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
+    /// stream.
+    async fn open(&self, first: Option<EdgeSession>) -> Result<(EdgeSession, Connection)> {
+        let s = &self.setup;
+        let session = match first {
+            Some(session) => session,
+            None => connect(&self.url, &s.bundle, &s.link).await?,
+        };
+        for codec in &s.codecs {
+            session.check_accepts(codec, s.key_id)?;
+        }
+        let conn = Connection::open(&session, &s.host_session, &s.ring, s.key_id.is_some(), s.resilience.connect_timeout).await?;
+        Ok((session, conn))
+    }
+
+    /// While no stream is open: requests given meanwhile are lost at once (the balancer
+    /// gave them before it saw the link not ready). False once the link is dropped.
+    async fn lose_jobs_for(&mut self, wait: Duration) -> bool {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => return true,
+                job = self.jobs.recv() => match job {
+                    None => return false,
+                    Some(job) => {
+                        let _ = job.answer.send(Delivered::Lost { server: Arc::clone(&self.url), reason: "no stream open to this server".into() });
+                    }
+                },
+            }
+        }
+    }
+
+    /// Sends and answers on an open stream until it is lost (the reason, and whether it
+    /// answered anything) or the link is dropped (no reason).
+    async fn serve(&mut self, session: &EdgeSession, mut conn: Connection, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
+        let timeout = self.setup.resilience.request_timeout;
+        let mut statuses = self.follow_health(session).await;
+        let mut serving = true;
+        self.ready.send_replace(true);
+        let (mut answered, mut progress) = (false, Instant::now());
+        let mut sent_at = BTreeMap::<u64, Instant>::new();
+        loop {
+            let oldest = sent_at.values().min().map(|t| *t.max(&progress));
+            let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t) + timeout);
+            tokio::select! {
+                job = self.jobs.recv() => {
+                    let Some(job) = job else { return (None, answered) };
+                    let id = job.dispatch.id;
+                    conn.send(&job.dispatch.frames, job.dispatch.traceparent.as_deref());
+                    sent_at.insert(id, Instant::now());
+                    on_stream.insert(id, job.answer);
+                }
+                answer = conn.next_answer() => {
+                    let answer = match answer {
+                        Ok(a) => a,
+                        Err(e) => return (Some(e), answered),
+                    };
+                    if let Err(RequestFailure::Refused { code: tonic::Code::Unavailable, message }) = &answer.output {
+                        return (Some(StreamError::Draining(message.clone())), answered);
+                    }
+                    let Some(waiting) = on_stream.remove(&answer.id) else {
+                        return (Some(StreamError::NeverSent(answer.id)), answered);
+                    };
+                    sent_at.remove(&answer.id);
+                    (answered, progress) = (true, Instant::now());
+                    self.health.failed_attempts.store(0, Ordering::Relaxed);
+                    let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });
+                }
+                () = sleep_until(stalled_at) => return (Some(StreamError::Stalled(timeout)), answered),
+                status = next_status(&mut statuses) => match status {
+                    None => statuses = None,
+                    Some(status) => {
+                        let now_serving = status == ServingStatus::Serving;
+                        if now_serving != serving {
+                            tracing::info!(server = %self.url, serving = now_serving, "the server's health changed");
+                            serving = now_serving;
+                            self.ready.send_replace(serving);
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// The model's status on the server's health service, as it changes; none where the
+    /// server has no health service (the stream alone then tells).
+    async fn follow_health(&self, session: &EdgeSession) -> Option<tonic::Streaming<tonic_health::pb::HealthCheckResponse>> {
+        let mut client = HealthClient::new(session.channel.clone());
+        let request = HealthCheckRequest { service: session.model.bundle_id.clone() };
+        let watch = tokio::time::timeout(self.setup.resilience.connect_timeout, client.watch(request)).await;
+        match watch {
+            Ok(Ok(statuses)) => Some(statuses.into_inner()),
+            _ => {
+                tracing::debug!(server = %self.url, "no health service to follow");
+                None
+            }
+        }
+    }
+}
+
+/// The next status the health service reports: `None` once it stops reporting (the server
+/// is then taken as serving, and the stream alone tells).
+async fn next_status(statuses: &mut Option<tonic::Streaming<tonic_health::pb::HealthCheckResponse>>) -> Option<ServingStatus> {
+    match statuses {
+        Some(s) => match s.next().await {
+            Some(Ok(reply)) => Some(reply.status()),
+            _ => None,
+        },
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,157 @@
+//! Several servers: `server` processes on 127.0.0.1 and a host given the list. Requests are
+//! spread by p2c over what each server has outstanding; one killed with SIGKILL loses no
+//! request and answers none twice; one draining is given no new requests.
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use cleave_common::wire::Codec;
+use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
+use cleave_host::client::{stream_balanced, RequestOutcome, Splits, StreamCounts, StreamPlan};
+use cleave_host::config::{InputSource, Resilience, RetryPolicy};
+use cleave_host::inputs::Inputs;
+use cleave_host::session::{connect, Link};
+use cleave_tests::{bundle_dir, release_binary};
+
+/// A `server` process serving one bundle on an ephemeral port of 127.0.0.1.
+struct ServerProcess {
+    child: Child,
+    url: String,
+}
+
+impl ServerProcess {
+    fn start(bundle: &Path, dir: &Path, name: &str) -> Self {
+        let config = dir.join(format!("{name}.yaml"));
+        let yaml = format!("listen: 127.0.0.1:0\ninsecure: true\nbundle: {}\ndevice: cpu\nthreads: 1\n", bundle.display());
+        std::fs::write(&config, yaml).unwrap();
+        let mut child = Command::new(release_binary("server"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the server starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                // "serving ID on DEVICE on ADDRESS (plaintext, ...)"
+                let address = line.strip_prefix("serving ").and_then(|rest| rest.split(" (").next()?.rsplit(" on ").next());
+                if let Some(address) = address {
+                    let _ = tx.send(format!("http://{address}"));
+                }
+            }
+        });
+        let url = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("server {name} did not say where it listens within 60 s"));
+        Self { child, url }
+    }
+
+    fn signal(&self, signal: i32) {
+        // Through kill(1): the tests crate does not link libc.
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status().unwrap();
+        assert!(status.success(), "kill -{signal} {}", self.child.id());
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn plan(bundle: &Bundle, requests: u64) -> StreamPlan {
+    StreamPlan {
+        bundle: bundle.clone(),
+        split: Splits::Fixed(4),
+        device: DeviceSpec::Cpu,
+        warm_stages: None,
+        ids: (0..requests).collect(),
+        in_flight: 8,
+        inputs: Inputs::new(&InputSource::Synthetic { seed: 3 }, bundle, 2).unwrap(),
+        codec: Codec::RAW.into(),
+        key: None,
+        resilience: Resilience { retry: RetryPolicy { max_attempts: 4, max_backoff: Duration::from_millis(200) }, ..Resilience::default() },
+    }
+}
+
+/// The whole model run here on each request's input: what every answer must equal bit for bit.
+fn local_outputs(bundle: &Bundle, plan: &StreamPlan) -> HashMap<u64, Boundary> {
+    let all = StageRange::all(bundle);
+    let stages = LoadedStages::load(bundle, all, DeviceSpec::Cpu).unwrap();
+    plan.ids.iter().map(|&id| (id, stages.run(all, &plan.inputs.batch(id)).unwrap())).collect()
+}
+
+/// Streams `plan` over `servers`, calling `during` after each outcome with how many there are;
+/// checks one outcome per id, each a result bit-identical to `want`.
+fn run_over(
+    servers: &[&ServerProcess],
+    bundle: &Bundle,
+    plan: StreamPlan,
+    want: &HashMap<u64, Boundary>,
+    mut during: impl FnMut(usize),
+) -> StreamCounts {
+    let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
+    let requests = plan.ids.len();
+    let mut outcomes: HashMap<u64, RequestOutcome> = HashMap::new();
+    let counts = runtime().block_on(async {
+        let mut session = connect(&urls[0], bundle, &Link::plain()).await.unwrap();
+        let streamed = stream_balanced(&mut session, &urls, plan, |o| {
+            assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id");
+            during(outcomes.len());
+        });
+        tokio::time::timeout(Duration::from_secs(120), streamed).await.expect("the host ended (no deadlock)").unwrap()
+    });
+    assert_eq!(outcomes.len(), requests, "every request has its outcome");
+    for (id, expected) in want {
+        let got = outcomes[id].output.as_ref().unwrap_or_else(|e| panic!("request {id}: {e}"));
+        assert!(got.bit_identical(expected), "request {id} differs from the whole model run here");
+    }
+    println!("{counts:?}");
+    assert_eq!(counts.answered, requests as u64);
+    assert_eq!(counts.by_server.values().sum::<u64>(), requests as u64, "{:?}", counts.by_server);
+    counts
+}
+
+#[test]
+fn three_healthy_servers_share_the_requests_within_20_percent() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
+    let plan = plan(&bundle, 300);
+    let want = local_outputs(&bundle, &plan);
+    let counts = run_over(&servers.iter().collect::<Vec<_>>(), &bundle, plan, &want, |_| {});
+    assert_eq!(counts.by_server.len(), 3, "{:?}", counts.by_server);
+    let mean = 300.0 / 3.0;
+    for (url, &n) in &counts.by_server {
+        assert!((n as f64 - mean).abs() <= 0.2 * mean, "{url} answered {n} of 300, more than 20% off {mean}: {:?}", counts.by_server);
+    }
+    assert_eq!(counts.retried, 0, "nothing was lost");
+}
+
+#[test]
+fn a_server_killed_mid_run_loses_no_request_and_answers_none_twice() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
+    let plan = plan(&bundle, 200);
+    let want = local_outputs(&bundle, &plan);
+    let victim = &servers[1];
+    // Stopped first, the victim holds the requests it was given (the balancer then gives it
+    // no more: they stay outstanding); then killed, it takes them down with it.
+    let counts = run_over(&servers.iter().collect::<Vec<_>>(), &bundle, plan, &want, |answered| match answered {
+        40 => victim.signal(19), // SIGSTOP
+        80 => victim.signal(9),  // SIGKILL
+        _ => {}
+    });
+    assert!(counts.retried >= 1, "the killed server's outstanding requests were sent again: {counts:?}");
+    assert_eq!(counts.failed, 0);
+    assert_eq!(counts.by_server.len(), 3, "{:?}", counts.by_server);
+}
