@@ -64,6 +64,10 @@ pub enum InputSource {
     },
 }
 
+/// The most servers a run takes (a longer `server:` list is refused; a longer DNS answer is
+/// cut there).
+pub const MAX_SERVERS: usize = 256;
+
 /// `server:`, one URL or a list of them.
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -637,6 +641,9 @@ fn server_urls(raw: ServerUrls, tls: bool) -> Result<Vec<String>, String> {
     };
     if urls.is_empty() {
         return Err("give at least one server URL".into());
+    }
+    if urls.len() > MAX_SERVERS {
+        return Err(format!("{} servers: at most {MAX_SERVERS}", urls.len()));
     }
     for (i, url) in urls.iter().enumerate() {
         if !url.starts_with("http://") && !url.starts_with("https://") {

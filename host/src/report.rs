@@ -442,6 +442,7 @@ fn parse_metrics_row(row: &str) -> Option<(u64, RequestMetrics, bool)> {
         },
         suffix_on_edge_ms: 0.0,
         attempts: cells[17].parse().ok()?,
+        server_url: None,
         copied_sent_bytes: if cells.len() == columns { u(18)? } else { 0 },
         copied_received_bytes: if cells.len() == columns { u(19)? } else { 0 },
         codec: match cells.get(20) {

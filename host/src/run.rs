@@ -183,7 +183,7 @@ async fn stream_to_servers(
     on_outcome: impl FnMut(crate::client::RequestOutcome),
 ) -> Result<crate::client::StreamCounts> {
     match servers {
-        [_, _, ..] => stream_balanced(session, servers, plan, on_outcome).await,
+        [_, _, ..] => stream_balanced(session, tokio::sync::watch::channel(servers.to_vec()).1, plan, on_outcome).await,
         _ => stream_requests(session, plan, on_outcome).await,
     }
 }

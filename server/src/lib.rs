@@ -234,6 +234,10 @@ impl PreparedServer {
             Some(e) => tracing::error!(drain_timeout = ?peers.drain_timeout, "{e}: draining the other devices' requests, then exiting"),
         }
         health.not_serving().await;
+        if down.is_none() && !peers.drain_notice.is_zero() {
+            tracing::info!(drain_notice = ?peers.drain_notice, "NOT_SERVING: still taking requests while balancers see it (`limits.drain_notice`)");
+            tokio::time::sleep(peers.drain_notice).await;
+        }
         draining.cancel();
         let _ = stop.send(());
         let drained = match tokio::time::timeout(peers.drain_timeout, &mut serving).await {

@@ -1,6 +1,7 @@
 //! Several servers: `server` processes on 127.0.0.1 and a host given the list. Requests are
 //! spread by p2c over what each server has outstanding; one killed with SIGKILL loses no
-//! request and answers none twice; one draining is given no new requests.
+//! request and answers none twice; one draining is given no new requests; one added to the
+//! list while the run goes gets its share.
 
 use std::collections::HashMap;
 use std::io::BufRead;
@@ -15,6 +16,7 @@ use cleave_host::config::{InputSource, Resilience, RetryPolicy};
 use cleave_host::inputs::Inputs;
 use cleave_host::session::{connect, Link};
 use cleave_tests::{bundle_dir, release_binary};
+use tokio::sync::watch;
 
 /// A `server` process serving one bundle on an ephemeral port of 127.0.0.1.
 struct ServerProcess {
@@ -24,8 +26,13 @@ struct ServerProcess {
 
 impl ServerProcess {
     fn start(bundle: &Path, dir: &Path, name: &str) -> Self {
+        Self::start_with(bundle, dir, name, "")
+    }
+
+    /// With `extra` lines of server.yaml.
+    fn start_with(bundle: &Path, dir: &Path, name: &str, extra: &str) -> Self {
         let config = dir.join(format!("{name}.yaml"));
-        let yaml = format!("listen: 127.0.0.1:0\ninsecure: true\nbundle: {}\ndevice: cpu\nthreads: 1\n", bundle.display());
+        let yaml = format!("listen: 127.0.0.1:0\ninsecure: true\nbundle: {}\ndevice: cpu\nthreads: 1\n{extra}", bundle.display());
         std::fs::write(&config, yaml).unwrap();
         let mut child = Command::new(release_binary("server"))
             .arg("--config")
@@ -89,23 +96,30 @@ fn local_outputs(bundle: &Bundle, plan: &StreamPlan) -> HashMap<u64, Boundary> {
     plan.ids.iter().map(|&id| (id, stages.run(all, &plan.inputs.batch(id)).unwrap())).collect()
 }
 
-/// Streams `plan` over `servers`, calling `during` after each outcome with how many there are;
-/// checks one outcome per id, each a result bit-identical to `want`.
+fn urls(servers: &[ServerProcess]) -> Vec<String> {
+    servers.iter().map(|s| s.url.clone()).collect()
+}
+
+/// Streams `plan` over the servers `listed` lists, calling `during` after each outcome with
+/// it; checks one outcome per id, each a result bit-identical to `want`. Returns the counts
+/// and the server each request was answered by, in the order they came.
 fn run_over(
-    servers: &[&ServerProcess],
+    listed: watch::Receiver<Vec<String>>,
     bundle: &Bundle,
     plan: StreamPlan,
     want: &HashMap<u64, Boundary>,
-    mut during: impl FnMut(usize),
-) -> StreamCounts {
-    let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
+    mut during: impl FnMut(&RequestOutcome),
+) -> (StreamCounts, Vec<String>) {
+    let first = listed.borrow()[0].clone();
     let requests = plan.ids.len();
     let mut outcomes: HashMap<u64, RequestOutcome> = HashMap::new();
+    let mut answered_by = Vec::new();
     let counts = runtime().block_on(async {
-        let mut session = connect(&urls[0], bundle, &Link::plain()).await.unwrap();
-        let streamed = stream_balanced(&mut session, &urls, plan, |o| {
+        let mut session = connect(&first, bundle, &Link::plain()).await.unwrap();
+        let streamed = stream_balanced(&mut session, listed, plan, |o| {
+            answered_by.push(o.metrics.server_url.as_deref().unwrap_or("none").to_string());
+            during(&o);
             assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id");
-            during(outcomes.len());
         });
         tokio::time::timeout(Duration::from_secs(120), streamed).await.expect("the host ended (no deadlock)").unwrap()
     });
@@ -117,7 +131,12 @@ fn run_over(
     println!("{counts:?}");
     assert_eq!(counts.answered, requests as u64);
     assert_eq!(counts.by_server.values().sum::<u64>(), requests as u64, "{:?}", counts.by_server);
-    counts
+    (counts, answered_by)
+}
+
+/// A list of servers that does not change.
+fn fixed(servers: &[ServerProcess]) -> watch::Receiver<Vec<String>> {
+    watch::channel(urls(servers)).1
 }
 
 #[test]
@@ -127,7 +146,7 @@ fn three_healthy_servers_share_the_requests_within_20_percent() {
     let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
     let plan = plan(&bundle, 300);
     let want = local_outputs(&bundle, &plan);
-    let counts = run_over(&servers.iter().collect::<Vec<_>>(), &bundle, plan, &want, |_| {});
+    let (counts, _) = run_over(fixed(&servers), &bundle, plan, &want, |_| {});
     assert_eq!(counts.by_server.len(), 3, "{:?}", counts.by_server);
     let mean = 300.0 / 3.0;
     for (url, &n) in &counts.by_server {
@@ -146,12 +165,63 @@ fn a_server_killed_mid_run_loses_no_request_and_answers_none_twice() {
     let victim = &servers[1];
     // Stopped first, the victim holds the requests it was given (the balancer then gives it
     // no more: they stay outstanding); then killed, it takes them down with it.
-    let counts = run_over(&servers.iter().collect::<Vec<_>>(), &bundle, plan, &want, |answered| match answered {
-        40 => victim.signal(19), // SIGSTOP
-        80 => victim.signal(9),  // SIGKILL
-        _ => {}
+    let mut answered = 0;
+    let (counts, _) = run_over(fixed(&servers), &bundle, plan, &want, |_| {
+        answered += 1;
+        match answered {
+            40 => victim.signal(19), // SIGSTOP
+            80 => victim.signal(9),  // SIGKILL
+            _ => {}
+        }
     });
     assert!(counts.retried >= 1, "the killed server's outstanding requests were sent again: {counts:?}");
     assert_eq!(counts.failed, 0);
     assert_eq!(counts.by_server.len(), 3, "{:?}", counts.by_server);
+}
+
+#[test]
+fn a_server_added_to_the_list_mid_run_gets_requests() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let servers: Vec<ServerProcess> = ["a", "b", "c", "d"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
+    let plan = plan(&bundle, 240);
+    let want = local_outputs(&bundle, &plan);
+    let (list, listed) = watch::channel(urls(&servers[..3]));
+    let added = servers[3].url.clone();
+    let mut answered = 0;
+    let (counts, answered_by) = run_over(listed, &bundle, plan, &want, |_| {
+        answered += 1;
+        if answered == 60 {
+            list.send_replace(urls(&servers));
+        }
+    });
+    let before = answered_by[..60].iter().filter(|url| **url == added).count();
+    assert_eq!(before, 0, "the fourth server was not listed yet");
+    let after = answered_by[60..].iter().filter(|url| **url == added).count();
+    assert!(after >= 20, "the fourth server answered {after} of the last 180 requests: {:?}", counts.by_server);
+}
+
+#[test]
+fn a_draining_server_is_given_no_new_requests_and_none_is_sent_twice() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // On SIGTERM each says NOT_SERVING for 3 s before it refuses anything.
+    let servers: Vec<ServerProcess> =
+        ["a", "b", "c"].iter().map(|n| ServerProcess::start_with(bundle.dir(), tmp.path(), n, "limits:\n  drain_notice: 3s\n")).collect();
+    let plan = plan(&bundle, 240);
+    let in_flight = plan.in_flight;
+    let want = local_outputs(&bundle, &plan);
+    let victim = &servers[1];
+    let mut answered = 0;
+    let (counts, answered_by) = run_over(fixed(&servers), &bundle, plan, &want, |_| {
+        answered += 1;
+        if answered == 60 {
+            victim.signal(15); // SIGTERM
+        }
+    });
+    let before = answered_by[..60].iter().filter(|url| **url == victim.url).count();
+    let after = answered_by[60..].iter().filter(|url| **url == victim.url).count();
+    assert!(before > 0, "the victim served before its drain: {:?}", counts.by_server);
+    assert!(after <= in_flight, "after SIGTERM the victim answered {after}: more than the {in_flight} it could hold then");
+    assert_eq!(counts.retried, 0, "no request was refused by the draining server and sent again");
 }

@@ -2,15 +2,17 @@
 //! ready servers picked at random (tower's p2c balancer over the requests each has
 //! outstanding), one stream per server ([`super::servers`]). A request whose server is lost
 //! before it answers goes to another under the same id, so every request has one outcome;
-//! each server's window answers a repeat it has already computed.
+//! each server's window answers a repeat it has already computed. The list of servers may
+//! change while the run goes (a DNS name resolved again): a server added gets requests, one
+//! removed gets no more and answers those it holds.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::stream::FuturesUnordered;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tower::balance::p2c::Balance;
 use tower::discover::Change;
@@ -20,6 +22,7 @@ use tower::Service;
 use super::prefix::Produced;
 use super::servers::{Delivered, Dispatch, LinkHealth, LinkSetup, ServerLink};
 use super::{Run, StreamCounts, SAME_LASTING_ERRORS_TO_STOP};
+use crate::config::MAX_SERVERS;
 use crate::error::Result;
 use crate::session::EdgeSession;
 
@@ -29,11 +32,12 @@ const REACHABLE_CHECK: Duration = Duration::from_millis(200);
 type Discovered = std::result::Result<Change<Arc<str>, PendingRequests<ServerLink>>, std::convert::Infallible>;
 
 impl<F: FnMut(super::RequestOutcome)> Run<F> {
-    /// Streams every request over `servers` (`session` is the connection to one of them).
+    /// Streams every request over the servers `servers` lists as it changes (`session` is
+    /// the connection to one of them).
     pub(super) async fn stream_balanced(
         mut self,
         session: &EdgeSession,
-        servers: &[String],
+        mut servers: watch::Receiver<Vec<String>>,
         mut produced: mpsc::UnboundedReceiver<Produced>,
     ) -> Result<StreamCounts> {
         let setup = Arc::new(LinkSetup {
@@ -46,15 +50,13 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
             resilience: self.resilience,
             in_flight: self.in_flight,
         });
-        let (changes, discovered) = mpsc::channel::<Discovered>(servers.len());
-        let mut links = Vec::new();
-        for url in servers {
-            let first = (*url == session.url).then(|| session.clone());
-            let (link, health) = ServerLink::spawn(url, first, Arc::clone(&setup));
-            let _ = changes.try_send(Ok(Change::Insert(url.as_str().into(), PendingRequests::new(link, CompleteOnResponse::default()))));
-            links.push(health);
-        }
+        // One list's changes at most wait in the channel: the balancer takes them at once.
+        let (changes, discovered) = mpsc::channel::<Discovered>(2 * MAX_SERVERS);
         let mut balance = Balance::new(tokio_stream::wrappers::ReceiverStream::new(discovered));
+        let mut links = Links { setup, first: Some(session.clone()), changes, health: BTreeMap::new() };
+        links.update(&servers.borrow_and_update());
+        take_changes(&mut balance);
+        let mut listed = true;
         let mut waiting = BTreeSet::new();
         let mut in_flight = FuturesUnordered::new();
         let mut produced_open = true;
@@ -69,6 +71,13 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                 break;
             }
             tokio::select! {
+                changed = servers.changed(), if listed => match changed {
+                    Ok(()) => {
+                        links.update(&servers.borrow_and_update());
+                        take_changes(&mut balance);
+                    }
+                    Err(_) => listed = false,
+                },
                 p = produced.recv(), if produced_open => match p {
                     None => produced_open = false,
                     Some(Produced::Local(outcome)) => self.record(outcome),
@@ -88,14 +97,9 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                 }
                 Some((id, delivered)) = in_flight.next() => match delivered {
                     Ok(Delivered::Answer { server, answer }) => {
-                        let first = !self.outcomes.contains(&id);
-                        match self.answered(answer) {
-                            Err(e) => {
-                                tracing::warn!(%server, request_id = id, "{e}: sent again");
-                                self.lose(id, &mut waiting);
-                            }
-                            Ok(()) if first => *self.counts.by_server.entry(server.to_string()).or_default() += 1,
-                            Ok(()) => {}
+                        if let Err(e) = self.answered(answer) {
+                            tracing::warn!(%server, request_id = id, "{e}: sent again");
+                            self.lose(id, &mut waiting);
                         }
                     }
                     Ok(Delivered::Lost { server, reason }) => {
@@ -108,9 +112,9 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                     }
                 },
                 _ = reachable_check.tick() => {
-                    if self.no_server_reachable(&links) {
+                    if self.no_server_reachable(&links.health) {
                         let max = self.resilience.retry.max_attempts;
-                        let reason = format!("none of the {} servers answered in {max} connection attempts in a row (`retry.max_attempts`)", links.len());
+                        let reason = format!("none of the {} servers answered in {max} connection attempts in a row (`retry.max_attempts`)", links.health.len());
                         for id in std::mem::take(&mut waiting) {
                             if let Some(u) = self.unanswered.remove(&id) {
                                 self.give_up(u, &reason);
@@ -120,7 +124,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                 }
             }
         }
-        drop(changes);
+        drop(links);
         self.counts.never_sent = (self.total - self.outcomes.len()) as u64;
         Ok(self.counts)
     }
@@ -136,7 +140,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
             return None;
         }
         let u = self.unanswered.get_mut(&id).expect("just found");
-        let traceparent = count_attempt(&mut self.counts, u);
+        let traceparent = super::count_attempt(&mut self.counts, u);
         Some(Dispatch { id, frames: u.prepared.frames.clone(), traceparent })
     }
 
@@ -150,22 +154,50 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
     }
 
     /// Whether every server has failed `retry.max_attempts` connection attempts in a row.
-    fn no_server_reachable(&self, links: &[Arc<LinkHealth>]) -> bool {
+    fn no_server_reachable(&self, links: &BTreeMap<String, Arc<LinkHealth>>) -> bool {
         let max = self.resilience.retry.max_attempts;
-        links.iter().all(|l| l.failed_attempts.load(Ordering::Relaxed) >= max)
+        links.values().all(|l| l.failed_attempts.load(Ordering::Relaxed) >= max)
     }
 }
 
-/// Counts a send of `u` (its first or a resend) and opens its attempt's span; returns the
-/// trace context it travels with.
-pub(super) fn count_attempt(counts: &mut StreamCounts, u: &mut super::Unanswered) -> Option<String> {
-    if u.prepared.metrics.attempts == 0 {
-        counts.sent += 1;
-    } else {
-        counts.retried += 1;
+/// The servers of the run, each with its link, told to the balancer as they come and go.
+struct Links {
+    setup: Arc<LinkSetup>,
+    /// The caller's connection, for the link to its server.
+    first: Option<EdgeSession>,
+    changes: mpsc::Sender<Discovered>,
+    health: BTreeMap<String, Arc<LinkHealth>>,
+}
+
+impl Links {
+    /// Links to the servers `listed` adds (up to [`MAX_SERVERS`]); those it no longer has are
+    /// removed (they answer what they hold).
+    fn update(&mut self, listed: &[String]) {
+        if listed.len() > MAX_SERVERS {
+            tracing::warn!(listed = listed.len(), "more servers than a run takes (`MAX_SERVERS`): the first {MAX_SERVERS} are used");
+        }
+        let listed: BTreeSet<&String> = listed.iter().take(MAX_SERVERS).collect();
+        let gone: Vec<String> = self.health.keys().filter(|url| !listed.contains(url)).cloned().collect();
+        for url in gone {
+            tracing::info!(server = %url, "the server left the list: it is given no more requests");
+            self.health.remove(&url);
+            let _ = self.changes.try_send(Ok(Change::Remove(url.as_str().into())));
+        }
+        for url in listed {
+            if self.health.contains_key(url) {
+                continue;
+            }
+            let first = self.first.take_if(|s| s.url == *url);
+            let (link, health) = ServerLink::spawn(url, first, Arc::clone(&self.setup));
+            let _ = self.changes.try_send(Ok(Change::Insert(url.as_str().into(), PendingRequests::new(link, CompleteOnResponse::default()))));
+            self.health.insert(url.clone(), health);
+        }
     }
-    u.prepared.metrics.attempts += 1;
-    u.sent_at = Some(Instant::now());
-    u.attempt = tracing::debug_span!(parent: &u.prepared.span, "attempt", attempt = u.prepared.metrics.attempts);
-    cleave_common::telemetry::traceparent(&u.attempt)
+}
+
+/// Lets the balancer take the changes waiting in its channel now (polling it for readiness
+/// reads every change first), so that they never fill it.
+fn take_changes<S: Service<Dispatch>>(balance: &mut S) {
+    let waker = std::task::Waker::noop();
+    let _ = balance.poll_ready(&mut std::task::Context::from_waker(waker));
 }

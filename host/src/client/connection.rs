@@ -33,6 +33,8 @@ pub(crate) struct Answer {
     /// Bytes copied as they were to receive the result (frames into tensors, decoding).
     pub(super) copied_bytes: u64,
     pub(super) server: Option<ServerTimes>,
+    /// The server it came from, when the run has several.
+    pub(super) from: Option<std::sync::Arc<str>>,
 }
 
 impl Connection {
@@ -100,7 +102,7 @@ impl ResultAssembler {
         if let Some(err) = &frame.error {
             self.frames.abandon();
             let output = Err(RequestFailure::Refused { code: tonic::Code::from(err.code), message: err.message.clone() });
-            return Ok(Some(Answer { id, output, decode_ms: 0.0, copied_bytes: 0, server: None }));
+            return Ok(Some(Answer { id, output, decode_ms: 0.0, copied_bytes: 0, server: None, from: None }));
         }
         let receiver = &self.receiver;
         let assembly = match self.frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ()))) {
@@ -118,6 +120,6 @@ impl ResultAssembler {
             compute_ms: t.compute_us as f64 / 1e3,
             encode_ms: t.encode_us as f64 / 1e3,
         });
-        Ok(Some(Answer { id, output, decode_ms: ms(t), copied_bytes, server }))
+        Ok(Some(Answer { id, output, decode_ms: ms(t), copied_bytes, server, from: None }))
     }
 }

@@ -46,26 +46,32 @@ use crate::session::{connect, EdgeSession};
 /// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's
 /// message limit and accepted up to its payload limit. `session` ends as the last connection.
 pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
-    stream_to(session, &[], plan, on_outcome).await
+    stream_to(session, None, plan, on_outcome).await
 }
 
-/// As [`stream_requests`], over every server in `servers` (`session`, connected to one of
-/// them, gives the limits), each request to the less loaded of two picked at random; a
-/// request whose server is lost goes to another. `fallback: edge` is not offered here.
+/// As [`stream_requests`], over every server `servers` lists as the list changes (`session`,
+/// connected to one of them, gives the limits), each request to the less loaded of two
+/// picked at random; a request whose server is lost goes to another. `fallback: edge` is not
+/// offered here.
 pub async fn stream_balanced(
     session: &mut EdgeSession,
-    servers: &[String],
+    servers: tokio::sync::watch::Receiver<Vec<String>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(RequestOutcome),
 ) -> Result<StreamCounts> {
     if plan.resilience.fallback == Fallback::Edge {
         return Err(HostError::NoRequestCanBeSent { why: "`fallback: edge` is for one server; with several, a request goes to another" });
     }
-    stream_to(session, servers, plan, on_outcome).await
+    stream_to(session, Some(servers), plan, on_outcome).await
 }
 
-/// The run over `servers`, or over `session`'s server alone when fewer than two are given.
-async fn stream_to(session: &mut EdgeSession, servers: &[String], plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
+/// The run over the servers `servers` lists, or over `session`'s server alone.
+async fn stream_to(
+    session: &mut EdgeSession,
+    servers: Option<tokio::sync::watch::Receiver<Vec<String>>>,
+    plan: StreamPlan,
+    on_outcome: impl FnMut(RequestOutcome),
+) -> Result<StreamCounts> {
     let key_id = plan.key.as_ref().map(|(id, _)| *id);
     let codecs = plan.codec.all();
     for codec in &codecs {
@@ -115,7 +121,10 @@ async fn stream_to(session: &mut EdgeSession, servers: &[String], plan: StreamPl
         .name("cleave-prefix".into())
         .spawn(move || run_prefixes(plan, sender, chunk_bytes, channels))
         .map_err(|error| HostError::ThreadStart { what: "the prefix thread", error })?;
-    let counts = if servers.len() > 1 { run.stream_balanced(session, servers, produced).await } else { run.stream(session, produced).await };
+    let counts = match servers {
+        Some(servers) => run.stream_balanced(session, servers, produced).await,
+        None => run.stream(session, produced).await,
+    };
     let produced = producer.join().map_err(|_| HostError::ThreadPanicked { what: "the prefix thread" })?;
     produced?;
     let counts = counts?;
@@ -388,7 +397,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     }
 
     fn send(&mut self, u: &mut Unanswered, conn: &Connection) {
-        let traceparent = balanced::count_attempt(&mut self.counts, u);
+        let traceparent = count_attempt(&mut self.counts, u);
         // A stream that is gone shows on its inbound side, which ends.
         conn.send(&u.prepared.frames, traceparent.as_deref());
     }
@@ -413,6 +422,10 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         metrics.decode_ms = a.decode_ms;
         metrics.copied_received_bytes = a.copied_bytes;
         metrics.server = a.server.unwrap_or_default();
+        if let Some(url) = &a.from {
+            *self.counts.by_server.entry(url.to_string()).or_default() += 1;
+        }
+        metrics.server_url = a.from;
         metrics.e2e_ms = ms(u.prepared.started);
         self.record(RequestOutcome { request_id: a.id, metrics, output: a.output });
         Ok(())
@@ -524,6 +537,20 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         let metrics = RequestMetrics { e2e_ms: ms(p.started), ..p.metrics };
         self.record(RequestOutcome { request_id: p.id, metrics, output: Err(RequestFailure::Unavailable { reason: reason.to_string() }) });
     }
+}
+
+/// Counts a send of `u` (its first or a resend) and opens its attempt's span; returns the
+/// trace context it travels with.
+fn count_attempt(counts: &mut StreamCounts, u: &mut Unanswered) -> Option<String> {
+    if u.prepared.metrics.attempts == 0 {
+        counts.sent += 1;
+    } else {
+        counts.retried += 1;
+    }
+    u.prepared.metrics.attempts += 1;
+    u.sent_at = Some(Instant::now());
+    u.attempt = tracing::debug_span!(parent: &u.prepared.span, "attempt", attempt = u.prepared.metrics.attempts);
+    cleave_common::telemetry::traceparent(&u.attempt)
 }
 
 /// The next answer on the connection, if there is one (never resolves otherwise).

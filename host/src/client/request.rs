@@ -173,6 +173,8 @@ pub struct RequestMetrics {
     pub suffix_on_edge_ms: f64,
     /// Times the request was sent to a server.
     pub attempts: u32,
+    /// The server that answered, when the run had several (its URL).
+    pub server_url: Option<std::sync::Arc<str>>,
 }
 
 impl RequestMetrics {

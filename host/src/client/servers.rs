@@ -215,12 +215,21 @@ impl LinkTask {
         self.ready.send_replace(true);
         let (mut answered, mut progress) = (false, Instant::now());
         let mut sent_at = BTreeMap::<u64, Instant>::new();
+        // Once the link is dropped (the run ended, or the server left the list), the requests
+        // on the stream are still answered here.
+        let mut closing = false;
         loop {
+            if closing && on_stream.is_empty() {
+                return (None, answered);
+            }
             let oldest = sent_at.values().min().map(|t| *t.max(&progress));
             let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t) + timeout);
             tokio::select! {
-                job = self.jobs.recv() => {
-                    let Some(job) = job else { return (None, answered) };
+                job = self.jobs.recv(), if !closing => {
+                    let Some(job) = job else {
+                        closing = true;
+                        continue;
+                    };
                     let id = job.dispatch.id;
                     conn.send(&job.dispatch.frames, job.dispatch.traceparent.as_deref());
                     sent_at.insert(id, Instant::now());
@@ -240,6 +249,7 @@ impl LinkTask {
                     sent_at.remove(&answer.id);
                     (answered, progress) = (true, Instant::now());
                     self.health.failed_attempts.store(0, Ordering::Relaxed);
+                    let answer = Answer { from: Some(Arc::clone(&self.url)), ..answer };
                     let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });
                 }
                 () = sleep_until(stalled_at) => return (Some(StreamError::Stalled(timeout)), answered),

@@ -106,6 +106,8 @@ struct RawServerLimits {
     max_profile_repeats: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     drain_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    drain_notice: Option<Duration>,
     dedup_window_requests: Option<u32>,
     dedup_window_bytes: Option<u64>,
     metrics_max_connections: Option<u32>,
@@ -142,6 +144,7 @@ impl RawServerLimits {
             answer_timeout: self.answer_timeout.unwrap_or(p.answer_timeout),
             max_profile_repeats: self.max_profile_repeats.unwrap_or(p.max_profile_repeats),
             drain_timeout: self.drain_timeout.unwrap_or(p.drain_timeout),
+            drain_notice: self.drain_notice.unwrap_or(p.drain_notice),
             dedup_window_requests: self.dedup_window_requests.unwrap_or(p.dedup_window_requests),
             dedup_window_bytes: self.dedup_window_bytes.unwrap_or(p.dedup_window_bytes),
             metrics_endpoint: EndpointLimits {
@@ -212,6 +215,10 @@ pub struct PeerLimits {
     pub max_profile_repeats: u32,
     /// On shutdown, how long requests in flight are given before every connection is closed.
     pub drain_timeout: Duration,
+    /// On shutdown, how long health says NOT_SERVING while requests are still taken, before
+    /// the drain: balancers (hosts with several servers, Kubernetes' endpoints) see it and
+    /// send elsewhere, so that no request is refused UNAVAILABLE and sent again.
+    pub drain_notice: Duration,
     /// Recent results kept so that a request its host resends after a broken connection is
     /// answered without computing it again (0: none kept).
     pub dedup_window_requests: u32,
@@ -254,6 +261,7 @@ impl Default for PeerLimits {
             answer_timeout: Duration::from_secs(30),
             max_profile_repeats: 50,
             drain_timeout: Duration::from_secs(10),
+            drain_notice: Duration::ZERO,
             dedup_window_requests: 1024,
             dedup_window_bytes: 256 << 20,
             metrics_endpoint: EndpointLimits::default(),
@@ -697,7 +705,7 @@ mod tests {
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
              memory_budget_bytes: 3221225472\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_frame_bytes: 65536\n  max_profile_repeats: 6\n  \
-             drain_timeout: 2s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
+             drain_timeout: 2s\n  drain_notice: 1s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
              max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n  max_pipeline_depth: 3\n  max_kept_answer_bytes: 1024\n  client_wait_timeout: 7s\n",
         )
         .unwrap();
@@ -718,6 +726,7 @@ mod tests {
             answer_timeout: Duration::from_secs(12),
             max_profile_repeats: 6,
             drain_timeout: Duration::from_secs(2),
+            drain_notice: Duration::from_secs(1),
             dedup_window_requests: 10,
             dedup_window_bytes: 4096,
             max_handshaking_connections: 7,
