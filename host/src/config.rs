@@ -80,6 +80,8 @@ enum ServerUrls {
 #[serde(deny_unknown_fields)]
 struct RawEdgeConfig {
     server: ServerUrls,
+    #[serde(default, with = "humantime_serde")]
+    resolve_every: Option<Duration>,
     bundle: PathBuf,
     split: SplitSpec,
     #[serde(default)]
@@ -447,6 +449,9 @@ pub struct EdgeConfig {
     pub server: String,
     /// Every server's URL (`server:` as a list): each request goes to one of them.
     pub servers: Vec<String>,
+    /// Resolve each server's name this often and send to every address it has
+    /// (`resolve_every`; a headless Kubernetes Service): none, the URLs as they are.
+    pub resolve_every: Option<Duration>,
     /// Bundle directory (a relative one is taken from the config's directory, see
     /// [`cleave_common::config::relative_to`]).
     pub bundle: PathBuf,
@@ -579,6 +584,11 @@ impl EdgeConfig {
             Some(t) => Some(ClientTls { ca_pem: secrets.file("tls.ca", &t.ca)?, domain: t.domain }),
         };
         let servers = server_urls(raw.server, tls.is_some()).map_err(|message| invalid("server", message))?;
+        let resolve_every = raw
+            .resolve_every
+            .map(|every| checked_resolve_every(every, &servers, tls.as_ref()))
+            .transpose()
+            .map_err(|m| invalid("resolve_every", m))?;
         let security = EdgeSecurity { key, tls, token: secrets.token(raw.auth)? };
         let loopback_tls = secrets.identity("loopback.tls", raw.loopback.tls)?;
         let split = raw.split;
@@ -609,6 +619,7 @@ impl EdgeConfig {
             source: path.to_path_buf(),
             server: servers[0].clone(),
             servers,
+            resolve_every,
             bundle: secrets.resolve(&raw.bundle),
             split,
             device,
@@ -631,6 +642,18 @@ impl EdgeConfig {
             telemetry: raw.telemetry,
         })
     }
+}
+
+/// `resolve_every`: at least a second; with TLS, the certificate's name must be known when
+/// the servers are reached by address (`tls.domain`, or the one server URL's host).
+fn checked_resolve_every(every: Duration, servers: &[String], tls: Option<&ClientTls>) -> Result<Duration, String> {
+    if every < Duration::from_secs(1) {
+        return Err(format!("{every:?}: at least 1s (each resolution asks the DNS server)"));
+    }
+    if tls.is_some_and(|t| t.domain.is_none()) && servers.len() > 1 {
+        return Err("with TLS and several server names, set `tls.domain`: the name the servers' certificates hold".into());
+    }
+    Ok(every)
 }
 
 /// `server:` as a list of URLs, each checked; with `tls`, each https://.

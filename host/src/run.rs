@@ -10,8 +10,9 @@ use std::time::Instant;
 use cleave_common::bundle::SplitSpec;
 use cleave_common::device::device_name;
 use cleave_common::{Bundle, LoadedStages};
+use tokio::sync::watch;
 
-use crate::client::{stream_balanced, stream_requests, ChoosesCodec, Codecs, Splits, StreamPlan};
+use crate::client::{dns, stream_balanced, stream_requests, ChoosesCodec, Codecs, Splits, StreamPlan};
 use crate::config::EdgeConfig;
 use crate::cpu_time;
 use crate::error::{HostError, Result};
@@ -65,8 +66,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let mut cpu = CpuMeter::new();
     let mut record_error = None;
     let chooser = connected.chooser.clone();
-    let servers = connected.servers.clone();
-    let streamed = stream_to_servers(&mut connected.session, &servers, plan, |outcome| {
+    let servers = connected.servers.take();
+    let streamed = stream_to_servers(&mut connected.session, servers, plan, |outcome| {
         opts.progress.tell(Event::Advanced { loss: None });
         cpu.answered(&outcome.metrics);
         if let Some(auto) = &planner {
@@ -127,8 +128,9 @@ fn write_summary(summary: &Summary, output: &Path) -> Result<()> {
 /// from, with what chooses its cut and codec as it goes.
 struct Connected {
     url: String,
-    /// Every server requests go to (the loopback server alone with `--loopback`).
-    servers: Vec<String>,
+    /// The servers requests go to, as the list changes; none for one server (the loopback
+    /// server with `--loopback`).
+    servers: Option<watch::Receiver<Vec<String>>>,
     loopback: Option<LoopbackServer>,
     session: EdgeSession,
     split: usize,
@@ -142,8 +144,17 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
     let split_spec = opts.split.clone().unwrap_or_else(|| config.split.clone());
     let fixed = if split_spec == SplitSpec::Auto { None } else { Some(bundle.resolve_split(&split_spec)?) };
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(config).await?) } else { None };
-    let servers = loopback.as_ref().map_or(config.servers.clone(), |l| vec![l.url.clone()]);
-    let mut session = connect_first(&servers, bundle, config).await?;
+    let (first, servers) = match (&loopback, config.resolve_every) {
+        (Some(l), _) => (vec![l.url.clone()], None),
+        (None, Some(every)) => {
+            let found = dns::resolve(&config.servers).await;
+            let first = if found.is_empty() { config.servers.clone() } else { found.clone() };
+            (first, Some(dns::follow(config.servers.clone(), found, every)))
+        }
+        (None, None) if config.servers.len() > 1 => (config.servers.clone(), Some(watch::channel(config.servers.clone()).1)),
+        (None, None) => (config.servers.clone(), None),
+    };
+    let mut session = connect_first(&first, bundle, config).await?;
     let url = session.url.clone();
     let auto = match fixed {
         None => Some(start_auto_split(config, &mut session, bundle, &opts.progress).await?),
@@ -175,16 +186,16 @@ async fn connect_first(servers: &[String], bundle: &Bundle, config: &EdgeConfig)
     connect_retrying(&servers[0], bundle, &link, &config.resilience.retry).await
 }
 
-/// Streams over every server in `servers`, or the one `session` is connected to.
+/// Streams over the servers `servers` lists, or the one `session` is connected to.
 async fn stream_to_servers(
     session: &mut EdgeSession,
-    servers: &[String],
+    servers: Option<watch::Receiver<Vec<String>>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(crate::client::RequestOutcome),
 ) -> Result<crate::client::StreamCounts> {
     match servers {
-        [_, _, ..] => stream_balanced(session, tokio::sync::watch::channel(servers.to_vec()).1, plan, on_outcome).await,
-        _ => stream_requests(session, plan, on_outcome).await,
+        Some(servers) => stream_balanced(session, servers, plan, on_outcome).await,
+        None => stream_requests(session, plan, on_outcome).await,
     }
 }
 

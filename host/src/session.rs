@@ -54,11 +54,27 @@ impl Link {
         Self { tls: security.tls.clone(), token: security.token.clone(), ..Self::default() }
     }
 
-    /// With the TLS trust, token and timeouts of an edge config.
+    /// With the TLS trust, token and timeouts of an edge config. Servers reached by the
+    /// addresses their name resolves to (`resolve_every`) are checked against that name.
     pub fn of(config: &EdgeConfig) -> Self {
         let r = &config.resilience;
-        Self { connect_timeout: r.connect_timeout, keepalive: (r.keepalive_interval, r.keepalive_timeout), ..Self::secured(&config.security) }
+        let mut link =
+            Self { connect_timeout: r.connect_timeout, keepalive: (r.keepalive_interval, r.keepalive_timeout), ..Self::secured(&config.security) };
+        if let (Some(tls), Some(_)) = (&mut link.tls, config.resolve_every) {
+            tls.domain = tls.domain.take().or_else(|| url_host(&config.server));
+        }
+        link
     }
+}
+
+/// The host of `url` (`https://name:port/` gives `name`).
+fn url_host(url: &str) -> Option<String> {
+    let authority = url.split_once("://")?.1.split('/').next()?;
+    let host = match authority.rsplit_once(':') {
+        Some((host, port)) if port.parse::<u16>().is_ok() => host,
+        _ => authority,
+    };
+    Some(host.trim_start_matches('[').trim_end_matches(']').to_string())
 }
 
 /// Adds `authorization: Bearer <token>` to every call when there is a token, and the calling

@@ -1,8 +1,10 @@
 //! What the gRPC health service (`grpc.health.v1.Health`) says, under three kinds of name:
-//! the server as a whole (`""` and `cleave.SplitInference`) and each model by its bundle id.
-//! Everything is SERVING once the server serves. A device whose scheduler thread died makes
-//! the server and that device's models NOT_SERVING until it is restarted (the other models
-//! stay SERVING); a drain makes every name NOT_SERVING.
+//! the server as a whole (`""` and `cleave.SplitInference`: readiness) and each model by its
+//! bundle id, and [`LIVENESS`]. Everything is SERVING once the server serves (its models are
+//! loaded and warmed before it listens). A device whose scheduler thread died makes the
+//! server and that device's models NOT_SERVING until it is restarted (the other models stay
+//! SERVING); a drain makes every name NOT_SERVING but [`LIVENESS`], which stays SERVING while
+//! the process runs: an orchestrator must not kill a server that drains or restarts a device.
 
 use std::collections::BTreeSet;
 
@@ -16,6 +18,9 @@ use crate::error::ServerError;
 use crate::scheduler::watch::DeviceEvent;
 use crate::service::Service;
 
+/// The health service name for liveness (Kubernetes' `livenessProbe`), apart from readiness.
+pub const LIVENESS: &str = "cleave.liveness";
+
 /// The server's health, as the health service reports it.
 pub(crate) struct Health {
     reporter: HealthReporter,
@@ -27,6 +32,7 @@ impl Health {
     /// Every name SERVING.
     pub(crate) async fn serving(reporter: HealthReporter, models: Vec<String>) -> Self {
         let health = Self { reporter, models };
+        health.reporter.set_service_status(LIVENESS, ServingStatus::Serving).await;
         health.set_all(ServingStatus::Serving).await;
         health
     }
@@ -131,6 +137,8 @@ mod tests {
         for name in ["", server_name, "a", "b", "c"] {
             until(&mut client, name, Status::NotServing).await;
         }
+        let alive = client.check(HealthCheckRequest { service: LIVENESS.into() }).await.unwrap().into_inner().status;
+        assert_eq!(alive, Status::Serving as i32, "a failed device is no reason to kill the process");
         // One comes back: its models serve, the server does not while the other is down.
         events.send(DeviceEvent::Restarted { device: gpu0.clone(), models: gpu0_models }).unwrap();
         until(&mut client, "b", Status::Serving).await;
@@ -150,5 +158,24 @@ mod tests {
             why,
             "device cuda:1 failed: its scheduler panicked: y (`on_device_failure: exit`); the server exits for its supervisor to start it afresh"
         );
+    }
+
+    #[tokio::test]
+    async fn a_drain_takes_every_name_out_of_service_but_liveness() {
+        let (reporter, service) = tonic_health::server::health_reporter();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(TcpListenerStream::new(listener)));
+        let mut client = HealthClient::new(tonic::transport::Channel::from_shared(url).unwrap().connect().await.unwrap());
+        let health = Health::serving(reporter, vec!["a".into()]).await;
+        for name in ["", "a", LIVENESS] {
+            until(&mut client, name, Status::Serving).await;
+        }
+        health.not_serving().await;
+        for name in ["", <SplitInferenceServer<Service> as NamedService>::NAME, "a"] {
+            until(&mut client, name, Status::NotServing).await;
+        }
+        let alive = client.check(HealthCheckRequest { service: LIVENESS.into() }).await.unwrap().into_inner().status;
+        assert_eq!(alive, Status::Serving as i32);
     }
 }

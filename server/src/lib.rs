@@ -68,6 +68,7 @@ pub use budget::MemoryBudget;
 pub use config::{Batching, DeviceFailurePolicy, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets, DevSecretsError};
 pub use error::ServerError;
+pub use health::LIVENESS;
 pub use metrics::Metrics;
 pub use window::ResultWindow;
 
@@ -79,6 +80,8 @@ pub struct PreparedServer {
     service: service::Service,
     /// Where Prometheus scrapes the metrics, when configured.
     metrics_listen: Option<std::net::SocketAddr>,
+    /// The plaintext listener of the health service alone, when configured.
+    health_listener: Option<TcpListener>,
     /// The devices' failures and restarts, which health and the server's exit follow.
     device_events: tokio::sync::mpsc::UnboundedReceiver<scheduler::watch::DeviceEvent>,
 }
@@ -122,7 +125,7 @@ impl PreparedServer {
             draining: CancellationToken::new(),
             profiling: Arc::new(tokio::sync::Semaphore::new(1)),
         };
-        Ok(Self { service, metrics_listen: None, device_events })
+        Ok(Self { service, metrics_listen: None, health_listener: None, device_events })
     }
 
     /// Sets what the server holds for its peers (connections, streams, memory, time).
@@ -157,6 +160,14 @@ impl PreparedServer {
             .with_peer_limits(config.peers)?;
         server.metrics_listen = config.metrics_listen;
         Ok(server)
+    }
+
+    /// Also serves the gRPC health service alone, in plaintext and without the token, on
+    /// `listener` (`health_listen`): probes that cannot speak TLS read it there. It says no
+    /// more than SERVING or NOT_SERVING.
+    pub fn with_health_listener(mut self, listener: TcpListener) -> Self {
+        self.health_listener = Some(listener);
+        self
     }
 
     /// The server's metrics (what `GET /metrics` renders).
@@ -195,6 +206,7 @@ impl PreparedServer {
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         let model_ids = self.service.models.all().iter().map(|m| m.bundle.id().to_string()).collect();
         let health = health::Health::serving(health_reporter, model_ids).await;
+        let _health_only = self.health_listener.map(|listener| serve_health_only(listener, health_service.clone(), &peers));
         let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
         let token = security.token.clone();
         let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(token.as_ref(), request));
@@ -321,6 +333,8 @@ pub struct Listening {
     pub addr: std::net::SocketAddr,
     /// The metrics endpoint's address, when `metrics_listen` is set.
     pub metrics: Option<std::net::SocketAddr>,
+    /// The plaintext health listener's address, when `health_listen` is set.
+    pub health: Option<std::net::SocketAddr>,
     /// Whether connections use TLS.
     pub tls: bool,
     /// Whether calls need the bearer token.
@@ -337,6 +351,9 @@ impl std::fmt::Display for Listening {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if let Some(metrics) = self.metrics {
             writeln!(f, "metrics on http://{metrics}/metrics")?;
+        }
+        if let Some(health) = self.health {
+            writeln!(f, "health (grpc.health.v1, plaintext) on {health}")?;
         }
         write!(
             f,
@@ -367,6 +384,14 @@ pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Resu
     let server = tokio::task::spawn_blocking(move || PreparedServer::from_config(&prepared)).await.map_err(ServerError::Loading)??;
     let listen_error = |error| ServerError::Listen { addr: config.listen.to_string(), error };
     let listener = TcpListener::bind(config.listen).await.map_err(listen_error)?;
+    let mut server = server;
+    let mut health = None;
+    if let Some(addr) = config.health_listen {
+        let health_error = |error| ServerError::Listen { addr: addr.to_string(), error };
+        let health_listener = TcpListener::bind(addr).await.map_err(health_error)?;
+        health = Some(health_listener.local_addr().map_err(health_error)?);
+        server = server.with_health_listener(health_listener);
+    }
     let mut metrics = None;
     if let Some(addr) = server.metrics_listen {
         let metrics_error = |error| ServerError::Metrics { addr: addr.to_string(), error };
@@ -384,6 +409,7 @@ pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Resu
         models: server.models(),
         addr: listener.local_addr().map_err(listen_error)?,
         metrics,
+        health,
         tls: server.uses_tls(),
         token: s.token.is_some(),
         key_ids: s.keys.ids(),
@@ -391,6 +417,32 @@ pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Resu
         checkpoint_dir: config.training.checkpoint_dir.clone(),
     });
     server.serve(listener, shutdown_signal()).await
+}
+
+/// Serves `health` alone on `listener` until the guard it returns is dropped (the server has
+/// drained). Its calls are small and bounded in time; who may reach the port is the network's
+/// to say (a Kubernetes NetworkPolicy).
+fn serve_health_only<S>(listener: TcpListener, health: S, peers: &PeerLimits) -> tokio_util::task::AbortOnDropHandle<()>
+where
+    S: tower::Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>, Error = std::convert::Infallible>
+        + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let serving = tonic::transport::Server::builder()
+        .timeout(peers.handshake_timeout)
+        .http2_keepalive_interval(Some(peers.keepalive_interval))
+        .http2_keepalive_timeout(Some(peers.keepalive_timeout))
+        .add_service(health)
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        if let Err(e) = serving.await {
+            tracing::warn!(error = %e, "the health listener stopped");
+        }
+    }))
 }
 
 async fn shutdown_signal() {

@@ -466,4 +466,21 @@ fn server_takes_one_url_or_a_list_each_checked() {
         let err = load(server).unwrap_err().to_string();
         assert!(err.contains("`server`") && err.contains(expected), "{server}: {err}");
     }
+    // `resolve_every`: names resolved again and again; with TLS, the certificate's name is the
+    // URL's host unless `tls.domain` says otherwise.
+    std::fs::write(dir.path().join("ca.pem"), "not read here").unwrap();
+    let load_with = |server: &str, extra: &str| EdgeConfig::load(&write_config(dir.path(), "edge.yaml", &format!("server: {server}\n{rest}{extra}")));
+    assert_eq!(load_with("http://a:1", "resolve_every: 10s\n").unwrap().resolve_every, Some(std::time::Duration::from_secs(10)));
+    assert_eq!(load("http://a:1").unwrap().resolve_every, None);
+    let tls = load_with("https://cleave-server.ml.svc:50051", "resolve_every: 10s\ntls: {ca: ca.pem}\n").unwrap();
+    assert_eq!(cleave_host::session::Link::of(&tls).tls.unwrap().domain.as_deref(), Some("cleave-server.ml.svc"));
+    let named = load_with("https://cleave-server.ml.svc:50051", "resolve_every: 10s\ntls: {ca: ca.pem, domain: gpu.example}\n").unwrap();
+    assert_eq!(cleave_host::session::Link::of(&named).tls.unwrap().domain.as_deref(), Some("gpu.example"));
+    for (server, extra, expected) in [
+        ("http://a:1", "resolve_every: 100ms\n", "at least 1s"),
+        ("[https://a:1, https://b:1]", "resolve_every: 10s\ntls: {ca: ca.pem}\n", "set `tls.domain`"),
+    ] {
+        let err = load_with(server, extra).unwrap_err().to_string();
+        assert!(err.contains("`resolve_every`") && err.contains(expected), "{server} {extra}: {err}");
+    }
 }

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use cleave_common::pb::{self, split_inference_client::SplitInferenceClient};
 use cleave_common::wire::Codec;
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_balanced, RequestOutcome, Splits, StreamCounts, StreamPlan};
@@ -17,11 +18,16 @@ use cleave_host::inputs::Inputs;
 use cleave_host::session::{connect, Link};
 use cleave_tests::{bundle_dir, release_binary};
 use tokio::sync::watch;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 /// A `server` process serving one bundle on an ephemeral port of 127.0.0.1.
 struct ServerProcess {
     child: Child,
     url: String,
+    /// The plaintext health listener's address, with `health_listen`.
+    health: Option<String>,
 }
 
 impl ServerProcess {
@@ -45,15 +51,29 @@ impl ServerProcess {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                // "health (grpc.health.v1, plaintext) on ADDRESS", then
                 // "serving ID on DEVICE on ADDRESS (plaintext, ...)"
+                if let Some(address) = line.strip_prefix("health (grpc.health.v1, plaintext) on ") {
+                    let _ = tx.send((true, format!("http://{address}")));
+                }
                 let address = line.strip_prefix("serving ").and_then(|rest| rest.split(" (").next()?.rsplit(" on ").next());
                 if let Some(address) = address {
-                    let _ = tx.send(format!("http://{address}"));
+                    let _ = tx.send((false, format!("http://{address}")));
                 }
             }
         });
-        let url = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("server {name} did not say where it listens within 60 s"));
-        Self { child, url }
+        let mut health = None;
+        loop {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok((true, url)) => health = Some(url),
+                Ok((false, url)) => return Self { child, url, health },
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("server {name} did not say where it listens within 60 s");
+                }
+            }
+        }
     }
 
     fn signal(&self, signal: i32) {
@@ -224,4 +244,38 @@ fn a_draining_server_is_given_no_new_requests_and_none_is_sent_twice() {
     assert!(before > 0, "the victim served before its drain: {:?}", counts.by_server);
     assert!(after <= in_flight, "after SIGTERM the victim answered {after}: more than the {in_flight} it could hold then");
     assert_eq!(counts.retried, 0, "no request was refused by the draining server and sent again");
+}
+
+/// What the health service at `url` says of `service` (an error's code when it says nothing).
+async fn health_of(url: &str, service: &str) -> Result<i32, tonic::Code> {
+    let channel = tonic::transport::Channel::from_shared(url.to_string()).unwrap().connect().await.unwrap();
+    let reply = HealthClient::new(channel).check(HealthCheckRequest { service: service.into() }).await;
+    reply.map(|r| r.into_inner().status).map_err(|s| s.code())
+}
+
+#[test]
+fn the_health_listener_serves_readiness_and_liveness_apart_in_plaintext_and_nothing_else() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = "health_listen: 127.0.0.1:0\nlimits:\n  drain_notice: 5s\n";
+    let server = ServerProcess::start_with(bundle.dir(), tmp.path(), "a", extra);
+    let health = server.health.clone().expect("the server says where its health listener is");
+    let (serving, not_serving) = (ServingStatus::Serving as i32, ServingStatus::NotServing as i32);
+    runtime().block_on(async {
+        assert_eq!(health_of(&health, "").await, Ok(serving), "ready: the models are loaded and warmed");
+        assert_eq!(health_of(&health, bundle.id()).await, Ok(serving));
+        assert_eq!(health_of(&health, cleave_server::LIVENESS).await, Ok(serving));
+        // The health listener serves nothing of cleave's.
+        let channel = tonic::transport::Channel::from_shared(health.clone()).unwrap().connect().await.unwrap();
+        let info = SplitInferenceClient::new(channel).info(pb::InfoRequest {}).await.unwrap_err();
+        assert_eq!(info.code(), tonic::Code::Unimplemented, "{info:?}");
+        // Draining: not ready, still alive.
+        server.signal(15);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while health_of(&health, "").await != Ok(not_serving) {
+            assert!(std::time::Instant::now() < deadline, "NOT_SERVING within 5 s of SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(health_of(&health, cleave_server::LIVENESS).await, Ok(serving), "a draining server is alive");
+    });
 }

@@ -20,6 +20,7 @@
 
 mod balanced;
 pub(crate) mod connection;
+pub mod dns;
 mod prefix;
 mod request;
 mod servers;

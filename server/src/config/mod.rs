@@ -47,6 +47,8 @@ struct RawServerConfig {
     #[serde(default)]
     metrics_listen: Option<String>,
     #[serde(default)]
+    health_listen: Option<String>,
+    #[serde(default)]
     limits: RawServerLimits,
     #[serde(default)]
     codecs: Option<RawAcceptedCodecs>,
@@ -454,6 +456,9 @@ pub struct ServerConfig {
     pub scheduler: SchedulerConfig,
     /// Where Prometheus scrapes the metrics (`GET /metrics`); none: not served.
     pub metrics_listen: Option<SocketAddr>,
+    /// A plaintext listener with the gRPC health service alone, for an orchestrator's probes
+    /// when `listen` takes TLS (Kubernetes' gRPC probes do not speak it); none: not served.
+    pub health_listen: Option<SocketAddr>,
     /// What a request may carry.
     pub limits: Limits,
     /// What the server holds for its peers.
@@ -505,6 +510,10 @@ impl ServerConfig {
             None => None,
             Some(text) => Some(text.parse().map_err(|_| file.invalid("metrics_listen", format!("{text:?} is not an address like 127.0.0.1:9464")))?),
         };
+        let health_listen = match &raw.health_listen {
+            None => None,
+            Some(text) => Some(text.parse().map_err(|_| file.invalid("health_listen", format!("{text:?} is not an address like 0.0.0.0:50052")))?),
+        };
         let (limits, peers) = raw.limits.split();
         let limits = file.limits("", limits)?;
         peers.validate(&limits).map_err(|e| file.invalid(e.key, e.to_string()))?;
@@ -516,6 +525,7 @@ impl ServerConfig {
             models,
             scheduler,
             metrics_listen,
+            health_listen,
             limits,
             peers,
             security,
@@ -794,7 +804,7 @@ mod tests {
         assert_eq!((m.device, m.batching.max_batch, m.batching.max_wait, m.batching.merge_cuts), (DeviceSpec::Cpu, 8, Duration::ZERO, true));
         assert_eq!((m.slo, m.priority), (Some(Duration::from_millis(40)), 1.0));
         assert_eq!(one.scheduler, SchedulerConfig::default());
-        assert_eq!(one.metrics_listen, None);
+        assert_eq!((one.metrics_listen, one.health_listen), (None, None));
         assert_eq!(load("listen: 127.0.0.1:1\nwarm_batches: [1, 8]\n").unwrap().models[0].warm_batches, [1, 8]);
         let err = load("listen: 127.0.0.1:1\nwarm_batches: [0]\n").unwrap_err();
         assert!(err.contains("`warm_batches`") && err.contains("at least 1"), "{err}");
@@ -815,7 +825,7 @@ mod tests {
         std::fs::write(
             &path,
             "listen: 127.0.0.1:1\nmodels:\n  - {bundle: a, device: cpu, batching: {max_batch: 16, max_wait_ms: 5, merge_cuts: false}, slo_ms: 50, priority: 2}\n  \
-             - {bundle: b}\nscheduler: {policy: edf, max_age_ms: 500}\non_device_failure: restart\nmetrics_listen: 127.0.0.1:9464\n",
+             - {bundle: b}\nscheduler: {policy: edf, max_age_ms: 500}\non_device_failure: restart\nmetrics_listen: 127.0.0.1:9464\nhealth_listen: 127.0.0.1:50052\n",
         )
         .unwrap();
         let many = ServerConfig::load(&path).unwrap();
@@ -827,6 +837,7 @@ mod tests {
         assert_eq!(many.scheduler, SchedulerConfig { policy: Policy::Edf, max_age: Duration::from_millis(500), on_device_failure: restart });
         assert_eq!(one.scheduler.on_device_failure, DeviceFailurePolicy::Exit);
         assert_eq!(many.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(many.health_listen, Some("127.0.0.1:50052".parse().unwrap()));
         assert_eq!(load("listen: 127.0.0.1:1\nscheduler: edf\n").unwrap().scheduler.policy, Policy::Edf);
     }
 
@@ -851,6 +862,7 @@ mod tests {
             ("bundle: b\nscheduler: {policy: edf, max_age_ms: 0}", "scheduler.max_age_ms", "positive"),
             ("bundle: b\nscheduler: {policy: edf, age: 3}", "scheduler", "unknown key"),
             ("bundle: b\nmetrics_listen: anywhere", "metrics_listen", "not an address"),
+            ("bundle: b\nhealth_listen: anywhere", "health_listen", "not an address"),
             ("bundle: b\non_device_failure: reboot", "on_device_failure", "exit or restart"),
             ("bundle: b\ntelemetry: {sample_ratio: 1.5}", "telemetry.sample_ratio", "between 0 and 1"),
             ("bundle: b\ntelemetry: {otlp_endpoint: collector:4317}", "telemetry.otlp_endpoint", "http://localhost:4317"),

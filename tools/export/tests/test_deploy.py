@@ -1,0 +1,158 @@
+"""The deployment files in deploy/ hold together: manifests parse, Kustomize finds what it lists,
+probes and volumes match what the server does, and the dashboard asks only for metrics it exposes."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+BASE = DEPLOY / "kustomize" / "base"
+GPU_OVERLAY = DEPLOY / "kustomize" / "overlays" / "gpu"
+ADAPTER_RULES = DEPLOY / "prometheus-adapter" / "rules.yaml"
+BASE_KINDS = ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "PodDisruptionBudget", "Secret", "Service"]
+# What server/src/metrics.rs registers (prefix cleave_), with the series Prometheus stores for each.
+COUNTERS = ["requests", "slo_misses", "received_bytes", "sent_bytes"]
+HISTOGRAMS = ["request_seconds", "queue_seconds", "compute_seconds", "batch_samples"]
+GAUGES = ["queue_depth", "open_streams", "training_sessions", "device_memory_used_bytes"]
+SERIES = (
+    {f"cleave_{m}_total" for m in COUNTERS}
+    | {f"cleave_{m}_{s}" for m in HISTOGRAMS for s in ("bucket", "sum", "count")}
+    | {f"cleave_{m}" for m in GAUGES}
+)
+
+
+def documents(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def base_resources() -> list:
+    kustomization = documents(BASE / "kustomization.yaml")[0]
+    return [d for name in kustomization["resources"] for d in documents(BASE / name)]
+
+
+def base_one(kind: str) -> dict:
+    (found,) = [d for d in base_resources() if d["kind"] == kind]
+    return found
+
+
+def server_container() -> dict:
+    (container,) = base_one("Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def seconds(duration: str) -> float:
+    value, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration).groups()
+    return float(value) * {"ms": 0.001, "s": 1, "m": 60}[unit]
+
+
+def test_every_yaml_file_parses_and_names_itself():
+    files = sorted(DEPLOY.rglob("*.yaml"))
+    assert len(files) >= 10, files
+    for path in files:
+        for doc in documents(path):
+            if path.name == "kustomization.yaml":
+                assert doc["kind"] == "Kustomization" and doc.get("resources"), path
+            elif path == ADAPTER_RULES:
+                for rule in doc["rules"]:
+                    assert {"seriesQuery", "resources", "name", "metricsQuery"} <= rule.keys(), path
+            else:
+                assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), f"{path}: {doc}"
+
+
+def test_kustomizations_list_existing_files_and_the_base_holds_every_kind():
+    for path in DEPLOY.rglob("kustomization.yaml"):
+        kustomization = documents(path)[0]
+        listed = kustomization.get("resources", []) + [p["path"] for p in kustomization.get("patches", []) if "path" in p]
+        for entry in listed:
+            assert (path.parent / entry).exists(), f"{path} lists {entry}, which is missing"
+    assert sorted(d["kind"] for d in base_resources()) == BASE_KINDS
+
+
+def test_probes_security_service_autoscaler_and_gpu():
+    container = server_container()
+    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    health_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
+    server_yaml = yaml.safe_load(base_one("ConfigMap")["data"]["server.yaml"])
+    # The probes speak plaintext: they read the health listener, never the TLS port.
+    assert server_yaml["health_listen"].endswith(f":{health_port}") and health_port != grpc_port
+    for probe, service in [("readinessProbe", ""), ("livenessProbe", "cleave.liveness"), ("startupProbe", "cleave.liveness")]:
+        assert container[probe]["grpc"] == {"port": health_port, "service": service}, probe
+    pod = base_one("Deployment")["spec"]["template"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+
+    service = base_one("Service")
+    assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses", False)
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert any(p["port"] == grpc_port for p in service["spec"]["ports"])
+
+    hpa = base_one("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "cleave-server"}
+    assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"] == ["cleave_queue_depth"]
+    assert [r["name"]["as"] for r in documents(ADAPTER_RULES)[0]["rules"]] == ["cleave_queue_depth"]
+
+    patches = [d for p in documents(GPU_OVERLAY / "kustomization.yaml")[0]["patches"] for d in documents(GPU_OVERLAY / p["path"])]
+    containers = [c for d in patches if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]]
+    assert [c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") for c in containers] == [1]
+
+
+def test_server_config_names_only_mounted_files_and_drains_within_the_grace_period():
+    container = server_container()
+    config_mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert container["args"] == ["--config", config_mount["mountPath"]]
+    config = yaml.safe_load(base_one("ConfigMap")["data"][config_mount["subPath"]])
+
+    def paths(node):
+        if isinstance(node, dict):
+            return [p for v in node.values() for p in paths(v)]
+        if isinstance(node, list):
+            return [p for v in node for p in paths(v)]
+        return [node] if isinstance(node, str) and node.startswith("/") else []
+
+    named = paths(config)
+    assert len(named) >= 6, named  # bundle, cert, key, token, payload key, checkpoints
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    secret_keys = base_one("Secret").get("stringData", {}).keys() | base_one("Secret").get("data", {}).keys()
+    for path in named:
+        under = [m for m in mounts.values() if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert under, f"server.yaml names {path}, which no volume mount holds"
+        if under[0]["name"] == "secrets":
+            assert Path(path).name in secret_keys, f"{path} is not a key of the Secret"
+    assert mounts["secrets"]["readOnly"] and mounts["bundles"]["readOnly"]
+
+    limits = config["limits"]
+    grace = base_one("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > seconds(limits["drain_notice"]) + seconds(limits["drain_timeout"])
+
+
+def test_dashboard_asks_only_for_exposed_metrics():
+    dashboard = json.loads((DEPLOY / "grafana" / "cleave-dashboard.json").read_text())
+    assert dashboard["schemaVersion"] >= 36
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = set(re.findall(r"\bcleave_[a-z_]+", " ".join(exprs)))
+    assert used <= SERIES, f"not exposed: {sorted(used - SERIES)}"
+    shown = {"requests_total", "request_seconds_bucket", "queue_depth", "slo_misses_total", "batch_samples_sum", "open_streams"}
+    missing = {f"cleave_{m}" for m in shown | {"device_memory_used_bytes"}} - used
+    assert not missing, f"no panel shows {sorted(missing)}"
+
+
+def test_gpu_overlay_renders_with_kubectl():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed")
+    rendered = subprocess.run([kubectl, "kustomize", str(GPU_OVERLAY)], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
+    assert sorted(d["kind"] for d in docs) == BASE_KINDS
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
