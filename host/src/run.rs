@@ -25,7 +25,7 @@ use crate::planning::planner::Profiles;
 use crate::planning::profile::measure_profiles;
 use crate::progress::{Bar, Event, InferenceStart, Progress};
 use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
-use crate::session::{self, connect_retrying, EdgeSession, Link};
+use crate::session::{connect_first, EdgeSession, Link};
 
 /// Command-line overrides of `edge.yaml`.
 #[derive(Debug, Clone, Default)]
@@ -147,14 +147,13 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
     let (first, servers) = match (&loopback, config.resolve_every) {
         (Some(l), _) => (vec![l.url.clone()], None),
         (None, Some(every)) => {
-            let found = dns::resolve(&config.servers).await;
-            let first = if found.is_empty() { config.servers.clone() } else { found.clone() };
-            (first, Some(dns::follow(config.servers.clone(), found, every)))
+            let now = dns::servers_now(config).await;
+            (now.clone(), Some(dns::follow(config.servers.clone(), now, every)))
         }
         (None, None) if config.servers.len() > 1 => (config.servers.clone(), Some(watch::channel(config.servers.clone()).1)),
         (None, None) => (config.servers.clone(), None),
     };
-    let mut session = connect_first(&first, bundle, config).await?;
+    let mut session = connect_first(&first, bundle, &Link::of(config), &config.resilience.retry).await?;
     let url = session.url.clone();
     let auto = match fixed {
         None => Some(start_auto_split(config, &mut session, bundle, &opts.progress).await?),
@@ -169,21 +168,6 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
     };
     opts.progress.tell(Event::InferenceStarts(inference_start(config, bundle, split, &url, &session.model.device)?));
     Ok(Connected { url, servers, loopback, session, split, auto, chooser })
-}
-
-/// A connection to the first of `servers` that answers, tried in turn; when none does, the
-/// first is tried again as `retry:` says.
-async fn connect_first(servers: &[String], bundle: &Bundle, config: &EdgeConfig) -> Result<EdgeSession> {
-    let link = Link::of(config);
-    if let [_, _, ..] = servers {
-        for url in servers {
-            match session::connect(url, bundle, &link).await {
-                Ok(session) => return Ok(session),
-                Err(e) => tracing::warn!(server = %url, error = %e, "cannot reach the server; trying the next"),
-            }
-        }
-    }
-    connect_retrying(&servers[0], bundle, &link, &config.resilience.retry).await
 }
 
 /// Streams over the servers `servers` lists, or the one `session` is connected to.

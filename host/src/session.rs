@@ -256,6 +256,20 @@ pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &R
     }
 }
 
+/// A connection to the first of `servers` that answers, tried in turn; when none does, the
+/// first is tried again as `retry` says.
+pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
+    if let [_, _, ..] = servers {
+        for url in servers {
+            match connect(url, bundle, link).await {
+                Ok(session) => return Ok(session),
+                Err(e) => tracing::warn!(server = %url, error = %e, "cannot reach the server; trying the next"),
+            }
+        }
+    }
+    connect_retrying(&servers[0], bundle, link, retry).await
+}
+
 impl EdgeSession {
     /// Checks, before anything is sent, that the server accepts this codec and can open this
     /// host's payloads (see [`check_server_accepts`]).

@@ -1262,7 +1262,19 @@ fn a_split_run_whose_connection_is_cut_continues_its_session_and_trains_exactly_
     cut_run_trains_as_uncut(|| Run { extra: "  clip_grad_norm: 3.5\n", microbatches: 2, ..Run::new("digits", "split", 7, SGD) });
 }
 
+#[test]
+fn a_training_run_given_several_servers_sticks_to_the_first_that_answers_across_a_cut() {
+    // The first server listed is not there: the run trains on the second, and after the cut
+    // continues its session there (a session lives on one server).
+    cut_run_trains_as_uncut_over(|| Run::new("digits", "split", 7, SGD), |relay| format!("[http://127.0.0.1:1, {relay}]"));
+}
+
 fn cut_run_trains_as_uncut(run: impl Fn() -> Run<'static>) {
+    cut_run_trains_as_uncut_over(run, |relay| relay.to_string());
+}
+
+/// As [`cut_run_trains_as_uncut`], with `server:` made from the relay's URL by `servers`.
+fn cut_run_trains_as_uncut_over(run: impl Fn() -> Run<'static>, servers: impl Fn(&str) -> String) {
     let tmp = tempfile::tempdir().unwrap();
     let uncut = run();
     assert_eq!(uncut.train(&tmp.path().join("uncut")).total_steps, STEPS);
@@ -1278,7 +1290,7 @@ fn cut_run_trains_as_uncut(run: impl Fn() -> Run<'static>) {
         let (relay, connections) = flaky_relay(&server.url, 200_000).await;
         (server, relay, connections)
     });
-    let cut = Run { server: Some(relay), ..run() };
+    let cut = Run { server: Some(servers(&relay)), ..run() };
     assert_eq!(cut.train(&out).total_steps, STEPS);
     let reconnected = connections.load(std::sync::atomic::Ordering::SeqCst);
     assert!(reconnected >= 2, "the host connected again after the cut ({reconnected} connections)");

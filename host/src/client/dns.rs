@@ -8,7 +8,22 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::config::MAX_SERVERS;
+use crate::config::{EdgeConfig, MAX_SERVERS};
+
+/// The servers of `config` now: with `resolve_every`, every address their names resolve to
+/// (the URLs as written when none resolves, for the connection to say why); otherwise the
+/// URLs as written.
+pub async fn servers_now(config: &EdgeConfig) -> Vec<String> {
+    if config.resolve_every.is_none() {
+        return config.servers.clone();
+    }
+    let found = resolve(&config.servers).await;
+    if found.is_empty() {
+        config.servers.clone()
+    } else {
+        found
+    }
+}
 
 /// Every address the names in `urls` resolve to, each as a URL of its scheme and port (at
 /// most [`MAX_SERVERS`], sorted); a name that does not resolve is left out (and said).
