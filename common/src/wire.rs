@@ -22,7 +22,7 @@ use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
 use tch::Tensor;
 
 pub use cleave_codec::{
-    Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, Misuse, PayloadData, PayloadMeta, PolicyError, Precision,
+    Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, Misuse, PayloadData, PayloadMeta, PolicyError, Precision, REPLAY_WINDOW,
 };
 
 use crate::bundle::{Bundle, CutTensors};

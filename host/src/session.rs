@@ -256,18 +256,35 @@ pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &R
     }
 }
 
-/// A connection to the first of `servers` that answers, tried in turn; when none does, the
-/// first is tried again as `retry` says.
+/// A connection to the first of `servers` that answers, tried in turn, the whole list up to
+/// `retry.max_attempts` times with backoff between passes; the last error when none answers
+/// (at once when every server refused for a reason that stays).
 pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
-    if let [_, _, ..] = servers {
+    let [_, _, ..] = servers else {
+        return connect_retrying(&servers[0], bundle, link, retry).await;
+    };
+    let mut backoff = retry.backoff();
+    let passes = retry.max_attempts.max(1);
+    for pass in 1..=passes {
+        let mut last = None;
+        let mut lasting = true;
         for url in servers {
             match connect(url, bundle, link).await {
                 Ok(session) => return Ok(session),
-                Err(e) => tracing::warn!(server = %url, error = %e, "cannot reach the server; trying the next"),
+                Err(e) => {
+                    tracing::warn!(server = %url, error = %e, "cannot reach the server; trying the next");
+                    lasting &= e.is_lasting();
+                    last = Some(e);
+                }
             }
         }
+        let last = last.expect("several servers were tried");
+        if lasting || pass == passes {
+            return Err(last);
+        }
+        tokio::time::sleep(backoff.next().unwrap_or(retry.max_backoff)).await;
     }
-    connect_retrying(&servers[0], bundle, link, retry).await
+    unreachable!("the last pass returns")
 }
 
 impl EdgeSession {

@@ -206,7 +206,7 @@ impl PreparedServer {
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         let model_ids = self.service.models.all().iter().map(|m| m.bundle.id().to_string()).collect();
         let health = health::Health::serving(health_reporter, model_ids).await;
-        let _health_only = self.health_listener.map(|listener| serve_health_only(listener, health_service.clone(), &peers));
+        let _health_only = self.health_listener.map(|listener| serve_health_only(listener, health_service.clone(), &peers, metrics.clone()));
         let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
         let token = security.token.clone();
         let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(token.as_ref(), request));
@@ -420,9 +420,10 @@ pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Resu
 }
 
 /// Serves `health` alone on `listener` until the guard it returns is dropped (the server has
-/// drained). Its calls are small and bounded in time; who may reach the port is the network's
-/// to say (a Kubernetes NetworkPolicy).
-fn serve_health_only<S>(listener: TcpListener, health: S, peers: &PeerLimits) -> tokio_util::task::AbortOnDropHandle<()>
+/// drained). Its connections are accepted as the main listener's are (the same caps, in
+/// places of their own) and never established: each is closed `handshake_timeout` after it
+/// was accepted, time for a probe's `Check`, not for a `Watch` held open.
+fn serve_health_only<S>(listener: TcpListener, health: S, peers: &PeerLimits, metrics: Metrics) -> tokio_util::task::AbortOnDropHandle<()>
 where
     S: tower::Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>, Error = std::convert::Infallible>
         + tonic::server::NamedService
@@ -432,12 +433,12 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    let connections = Arc::new(connections::Connections::new(peers, metrics));
     let serving = tonic::transport::Server::builder()
         .timeout(peers.handshake_timeout)
-        .http2_keepalive_interval(Some(peers.keepalive_interval))
-        .http2_keepalive_timeout(Some(peers.keepalive_timeout))
+        .max_concurrent_streams(Some(4))
         .add_service(health)
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        .serve_with_incoming(accept(listener, connections));
     tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
         if let Err(e) = serving.await {
             tracing::warn!(error = %e, "the health listener stopped");

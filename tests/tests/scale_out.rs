@@ -22,6 +22,14 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+/// One test at a time: each runs three or four server processes, and the load spread it
+/// measures must not be another test's processes taking the cores.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A `server` process serving one bundle on an ephemeral port of 127.0.0.1.
 struct ServerProcess {
     child: Child,
@@ -161,6 +169,7 @@ fn fixed(servers: &[ServerProcess]) -> watch::Receiver<Vec<String>> {
 
 #[test]
 fn three_healthy_servers_share_the_requests_within_20_percent() {
+    let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
@@ -177,6 +186,7 @@ fn three_healthy_servers_share_the_requests_within_20_percent() {
 
 #[test]
 fn a_server_killed_mid_run_loses_no_request_and_answers_none_twice() {
+    let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
@@ -201,6 +211,7 @@ fn a_server_killed_mid_run_loses_no_request_and_answers_none_twice() {
 
 #[test]
 fn a_server_added_to_the_list_mid_run_gets_requests() {
+    let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let servers: Vec<ServerProcess> = ["a", "b", "c", "d"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
@@ -223,6 +234,7 @@ fn a_server_added_to_the_list_mid_run_gets_requests() {
 
 #[test]
 fn a_draining_server_is_given_no_new_requests_and_none_is_sent_twice() {
+    let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     // On SIGTERM each says NOT_SERVING for 3 s before it refuses anything.
@@ -255,6 +267,7 @@ async fn health_of(url: &str, service: &str) -> Result<i32, tonic::Code> {
 
 #[test]
 fn the_health_listener_serves_readiness_and_liveness_apart_in_plaintext_and_nothing_else() {
+    let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let extra = "health_listen: 127.0.0.1:0\nlimits:\n  drain_notice: 5s\n";

@@ -855,7 +855,6 @@ async fn train_step(stream: &mut TrainStream, id: u64) {
     assert!(last.error.is_none() && last.loss.is_some(), "{last:?}");
 }
 
-/// Opens a session, retrying while the one before it is still closing.
 /// Waits (up to 30 s) until the server has `streams` `Train` streams open.
 async fn train_streams_fall_to(metrics: &cleave_server::Metrics, streams: f64) {
     let open = || cleave_tests::metric_sample(&cleave_tests::parse_metrics(&metrics.render()), "cleave_open_streams", &[("kind", "train")]);
@@ -866,6 +865,7 @@ async fn train_streams_fall_to(metrics: &cleave_server::Metrics, streams: f64) {
     }
 }
 
+/// Opens a session, retrying while the one before it is still closing.
 async fn open_when_free(url: &str, bundle: &Bundle, open: pb::OpenSession) -> (TrainStream, pb::SessionOpened) {
     // The server frees a session (or keeps a broken one) once it sees its stream go, which
     // on a loaded machine can take a while: wait generously, and say what it last answered.

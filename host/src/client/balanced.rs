@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::FuturesUnordered;
 use tokio::sync::{mpsc, watch};
@@ -61,6 +61,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
         let mut in_flight = FuturesUnordered::new();
         let mut produced_open = true;
         let mut reachable_check = tokio::time::interval(REACHABLE_CHECK);
+        let mut none_ready_since: Option<Instant> = None;
         loop {
             if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty()) {
                 break;
@@ -112,9 +113,10 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                     }
                 },
                 _ = reachable_check.tick() => {
-                    if self.no_server_reachable(&links.health) {
-                        let max = self.resilience.retry.max_attempts;
-                        let reason = format!("none of the {} servers answered in {max} connection attempts in a row (`retry.max_attempts`)", links.health.len());
+                    let none_ready = !links.health.values().any(|l| l.ready.load(Ordering::Relaxed));
+                    let since = if none_ready { *none_ready_since.get_or_insert_with(Instant::now) } else { Instant::now() };
+                    none_ready_since = none_ready.then_some(since);
+                    if let Some(reason) = self.no_server_takes_requests(&links.health, since.elapsed()) {
                         for id in std::mem::take(&mut waiting) {
                             if let Some(u) = self.unanswered.remove(&id) {
                                 self.give_up(u, &reason);
@@ -124,6 +126,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                 }
             }
         }
+        self.counts.reconnects = links.health.values().map(|l| u64::from(l.reconnects.load(Ordering::Relaxed))).sum();
         drop(links);
         self.counts.never_sent = (self.total - self.outcomes.len()) as u64;
         Ok(self.counts)
@@ -153,10 +156,17 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
         }
     }
 
-    /// Whether every server has failed `retry.max_attempts` connection attempts in a row.
-    fn no_server_reachable(&self, links: &BTreeMap<String, Arc<LinkHealth>>) -> bool {
-        let max = self.resilience.retry.max_attempts;
-        links.values().all(|l| l.failed_attempts.load(Ordering::Relaxed) >= max)
+    /// Why no server will take the waiting requests, if none will: every server has failed
+    /// `retry.max_attempts` connection attempts in a row, or none has taken requests (its
+    /// stream open, its model SERVING) for `request_timeout`, `none_ready` so far.
+    fn no_server_takes_requests(&self, links: &BTreeMap<String, Arc<LinkHealth>>, none_ready: Duration) -> Option<String> {
+        let (max, timeout) = (self.resilience.retry.max_attempts, self.resilience.request_timeout);
+        let ready = links.values().any(|l| l.ready.load(Ordering::Relaxed));
+        if !ready && links.values().all(|l| l.failed_attempts.load(Ordering::Relaxed) >= max) {
+            return Some(format!("none of the {} servers answered in {max} connection attempts in a row (`retry.max_attempts`)", links.len()));
+        }
+        (!ready && none_ready >= timeout)
+            .then(|| format!("none of the {} servers took requests for {timeout:?} (`request_timeout`): unreachable or not SERVING", links.len()))
     }
 }
 

@@ -63,6 +63,10 @@ pub async fn stream_balanced(
     if plan.resilience.fallback == Fallback::Edge {
         return Err(HostError::NoRequestCanBeSent { why: "`fallback: edge` is for one server; with several, a request goes to another" });
     }
+    // A sealed request moved to another server must stay within its replay window there.
+    if plan.key.is_some() && plan.in_flight > (cleave_common::wire::REPLAY_WINDOW / 4) as usize {
+        return Err(HostError::NoRequestCanBeSent { why: "with sealed payloads and several servers, in_flight is at most 2048" });
+    }
     stream_to(session, Some(servers), plan, on_outcome).await
 }
 

@@ -80,6 +80,10 @@ type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::e
 pub(super) struct LinkHealth {
     /// Connection attempts in a row that failed (0 once one answers).
     pub(super) failed_attempts: AtomicU32,
+    /// Streams opened after the first.
+    pub(super) reconnects: AtomicU32,
+    /// Whether the link takes requests now (its stream open, its model SERVING).
+    pub(super) ready: std::sync::atomic::AtomicBool,
 }
 
 impl ServerLink {
@@ -142,14 +146,18 @@ type OnStream = BTreeMap<u64, oneshot::Sender<Delivered>>;
 impl LinkTask {
     async fn run(mut self, mut first: Option<EdgeSession>) {
         let mut backoff = self.setup.resilience.retry.backoff();
+        let mut opened_before = false;
         loop {
             let opened = self.open(first.take()).await;
             let answered = match opened {
                 Ok((session, conn)) => {
+                    if std::mem::replace(&mut opened_before, true) {
+                        self.health.reconnects.fetch_add(1, Ordering::Relaxed);
+                    }
                     let mut on_stream = OnStream::new();
                     let (reason, answered) = self.serve(&session, conn, &mut on_stream).await;
                     let Some(reason) = reason else { return };
-                    self.ready.send_replace(false);
+                    self.set_ready(false);
                     tracing::warn!(server = %self.url, unanswered = on_stream.len(), "stream lost: {reason}; its requests go to other servers");
                     for (_, waiting) in on_stream {
                         let _ = waiting.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
@@ -158,9 +166,18 @@ impl LinkTask {
                 }
                 Err(e) => {
                     tracing::warn!(server = %self.url, error = %e, "cannot reach the server");
+                    if e.is_lasting() {
+                        // Trying again cannot help (a refused token, another bundle): this
+                        // server counts as unreachable at once, tried again only slowly.
+                        self.health.failed_attempts.store(self.setup.resilience.retry.max_attempts, Ordering::Relaxed);
+                    }
                     false
                 }
             };
+            // A link dropped (the run ended, or its server left the list) does not reconnect.
+            if self.jobs.is_closed() {
+                return;
+            }
             if answered {
                 self.health.failed_attempts.store(0, Ordering::Relaxed);
                 backoff = self.setup.resilience.retry.backoff();
@@ -206,13 +223,20 @@ impl LinkTask {
         }
     }
 
+    fn set_ready(&self, ready: bool) {
+        self.health.ready.store(ready, Ordering::Relaxed);
+        self.ready.send_replace(ready);
+    }
+
     /// Sends and answers on an open stream until it is lost (the reason, and whether it
     /// answered anything) or the link is dropped (no reason).
     async fn serve(&mut self, session: &EdgeSession, mut conn: Connection, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
         let timeout = self.setup.resilience.request_timeout;
-        let mut statuses = self.follow_health(session).await;
-        let mut serving = true;
-        self.ready.send_replace(true);
+        // Ready only once the health service says SERVING (a server reached while it drains
+        // is given nothing), or at once where it has none.
+        let (mut statuses, first) = self.follow_health(session).await;
+        let mut serving = first != Some(ServingStatus::NotServing) && first != Some(ServingStatus::ServiceUnknown);
+        self.set_ready(serving);
         let (mut answered, mut progress) = (false, Instant::now());
         let mut sent_at = BTreeMap::<u64, Instant>::new();
         // Once the link is dropped (the run ended, or the server left the list), the requests
@@ -253,32 +277,41 @@ impl LinkTask {
                     let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });
                 }
                 () = sleep_until(stalled_at) => return (Some(StreamError::Stalled(timeout)), answered),
-                status = next_status(&mut statuses) => match status {
-                    None => statuses = None,
-                    Some(status) => {
-                        let now_serving = status == ServingStatus::Serving;
-                        if now_serving != serving {
-                            tracing::info!(server = %self.url, serving = now_serving, "the server's health changed");
-                            serving = now_serving;
-                            self.ready.send_replace(serving);
-                        }
+                status = next_status(&mut statuses) => {
+                    // A health stream that ends leaves the stream alone to tell: serving.
+                    let now_serving = status.is_none_or(|s| s == ServingStatus::Serving);
+                    if status.is_none() {
+                        statuses = None;
+                    }
+                    if now_serving != serving {
+                        tracing::info!(server = %self.url, serving = now_serving, "the server's health changed");
+                        serving = now_serving;
+                        self.set_ready(serving);
                     }
                 },
             }
         }
     }
 
-    /// The model's status on the server's health service, as it changes; none where the
-    /// server has no health service (the stream alone then tells).
-    async fn follow_health(&self, session: &EdgeSession) -> Option<tonic::Streaming<tonic_health::pb::HealthCheckResponse>> {
+    /// The model's status on the server's health service as it changes, and its first
+    /// status; none where the server has no health service or says nothing within
+    /// `connect_timeout` (the stream alone then tells).
+    async fn follow_health(&self, session: &EdgeSession) -> (Option<tonic::Streaming<tonic_health::pb::HealthCheckResponse>>, Option<ServingStatus>) {
         let mut client = HealthClient::new(session.channel.clone());
         let request = HealthCheckRequest { service: session.model.bundle_id.clone() };
-        let watch = tokio::time::timeout(self.setup.resilience.connect_timeout, client.watch(request)).await;
-        match watch {
-            Ok(Ok(statuses)) => Some(statuses.into_inner()),
+        let watch = async {
+            let mut statuses = client.watch(request).await.ok()?.into_inner();
+            let first = match statuses.next().await {
+                Some(Ok(reply)) => Some(reply.status()),
+                _ => None,
+            };
+            Some((statuses, first))
+        };
+        match tokio::time::timeout(self.setup.resilience.connect_timeout, watch).await {
+            Ok(Some((statuses, first))) => (Some(statuses), first),
             _ => {
                 tracing::debug!(server = %self.url, "no health service to follow");
-                None
+                (None, None)
             }
         }
     }

@@ -42,7 +42,7 @@ use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::run::RunOptions;
-use crate::session::{connect, connect_first, Link};
+use crate::session::{connect, connect_first, EdgeSession, Link};
 use data::Dataset;
 use link::{Reconnect, SessionRequest, TrainLink};
 pub use report::{EpochRecord, TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
@@ -90,12 +90,13 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     };
     let step = edge.resumed.unwrap_or(0);
     let (link, server_namespace) = if cuts.remote {
-        let url = match &loopback {
-            Some(l) => l.url.clone(),
+        let session = match &loopback {
+            Some(l) => connect(&l.url, &bundle, &Link::of(&config)).await?,
             None => training_server(&config, &bundle).await?,
         };
+        let url = session.url.clone();
         let start = SessionStart { server_resume: edge.server_resume.clone(), step, samples: train_set.rows() as u64 };
-        let (link, opened) = open_session(&config, &train, &bundle, cuts, &url, start).await?;
+        let (link, opened) = open_session(&config, &train, &bundle, cuts, session, start).await?;
         opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
             mode: train.mode.name(),
             model: bundle.manifest().model.source.clone(),
@@ -284,27 +285,24 @@ struct SessionStart {
     samples: u64,
 }
 
-/// Opens the server's session for `[split, tail)` (resuming `server_resume` when set); refused
-/// when the server resumed at another step than this host.
-/// The one server a training run uses from start to end (its session lives there; a broken
-/// link reattaches there): the first of its servers (each address its names resolve to with
-/// `resolve_every`) that answers.
-async fn training_server(config: &EdgeConfig, bundle: &Bundle) -> Result<String> {
-    match crate::client::dns::servers_now(config).await.as_slice() {
-        [one] => Ok(one.clone()),
-        servers => Ok(connect_first(servers, bundle, &Link::of(config), &config.resilience.retry).await?.url),
-    }
+/// The connection to the one server a training run uses from start to end (its session lives
+/// there; a broken link reattaches there): the first of its servers (each address its names
+/// resolve to with `resolve_every`) that answers.
+async fn training_server(config: &EdgeConfig, bundle: &Bundle) -> Result<EdgeSession> {
+    let servers = crate::client::dns::servers_now(config).await;
+    connect_first(&servers, bundle, &Link::of(config), &config.resilience.retry).await
 }
 
+/// Opens the server's session for `[split, tail)` on `session` (resuming `server_resume`
+/// when set); refused when the server resumed at another step than this host.
 async fn open_session(
     config: &EdgeConfig,
     train: &TrainConfig,
     bundle: &Bundle,
     cuts: Cuts,
-    url: &str,
+    session: EdgeSession,
     SessionStart { server_resume, step, samples }: SessionStart,
 ) -> Result<(TrainLink, pb::SessionOpened)> {
-    let session = connect(url, bundle, &Link::of(config)).await?;
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
     let open = pb::OpenSession {
         start: cuts.split as u32,
