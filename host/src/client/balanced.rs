@@ -40,20 +40,10 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
         mut servers: watch::Receiver<Vec<String>>,
         mut produced: mpsc::UnboundedReceiver<Produced>,
     ) -> Result<StreamCounts> {
-        let setup = Arc::new(LinkSetup {
-            bundle: self.bundle.clone(),
-            link: session.link.clone(),
-            codecs: self.codecs.clone(),
-            key_id: self.key_id,
-            ring: self.ring.clone(),
-            host_session: self.host_session.clone(),
-            resilience: self.resilience,
-            in_flight: self.in_flight,
-        });
         // One list's changes at most wait in the channel: the balancer takes them at once.
         let (changes, discovered) = mpsc::channel::<Discovered>(2 * MAX_SERVERS);
         let mut balance = Balance::new(tokio_stream::wrappers::ReceiverStream::new(discovered));
-        let mut links = Links { setup, first: Some(session.clone()), changes, health: BTreeMap::new() };
+        let mut links = Links { setup: self.link_setup(session), first: Some(session.clone()), changes, health: BTreeMap::new() };
         links.update(&servers.borrow_and_update());
         take_changes(&mut balance);
         let mut listed = true;
@@ -62,15 +52,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
         let mut produced_open = true;
         let mut reachable_check = tokio::time::interval(REACHABLE_CHECK);
         let mut none_ready_since: Option<Instant> = None;
-        loop {
-            if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty()) {
-                break;
-            }
-            if let Some(error) = self.first_outcomes.stop_on() {
-                tracing::error!("the first {SAME_LASTING_ERRORS_TO_STOP} requests all failed with {error}: the rest are not sent");
-                self.stop_early(&format!("the run stopped after its first {SAME_LASTING_ERRORS_TO_STOP} requests failed alike"));
-                break;
-            }
+        while !self.finished(produced_open) {
             tokio::select! {
                 changed = servers.changed(), if listed => match changed {
                     Ok(()) => {
@@ -96,32 +78,13 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
                         in_flight.push(async move { (id, delivered.await) });
                     }
                 }
-                Some((id, delivered)) = in_flight.next() => match delivered {
-                    Ok(Delivered::Answer { server, answer }) => {
-                        if let Err(e) = self.answered(answer) {
-                            tracing::warn!(%server, request_id = id, "{e}: sent again");
-                            self.lose(id, &mut waiting);
-                        }
-                    }
-                    Ok(Delivered::Lost { server, reason }) => {
-                        tracing::debug!(%server, request_id = id, %reason, "request lost with its stream");
-                        self.lose(id, &mut waiting);
-                    }
-                    Err(e) => {
-                        tracing::warn!(request_id = id, "{e}");
-                        self.lose(id, &mut waiting);
-                    }
-                },
+                Some((id, delivered)) = in_flight.next() => self.delivered(id, delivered, &mut waiting),
                 _ = reachable_check.tick() => {
                     let none_ready = !links.health.values().any(|l| l.ready.load(Ordering::Relaxed));
                     let since = if none_ready { *none_ready_since.get_or_insert_with(Instant::now) } else { Instant::now() };
                     none_ready_since = none_ready.then_some(since);
                     if let Some(reason) = self.no_server_takes_requests(&links.health, since.elapsed()) {
-                        for id in std::mem::take(&mut waiting) {
-                            if let Some(u) = self.unanswered.remove(&id) {
-                                self.give_up(u, &reason);
-                            }
-                        }
+                        self.give_up_waiting(&mut waiting, &reason);
                     }
                 }
             }
@@ -130,6 +93,61 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
         drop(links);
         self.counts.never_sent = (self.total - self.outcomes.len()) as u64;
         Ok(self.counts)
+    }
+
+    /// What every server's link is made with.
+    fn link_setup(&self, session: &EdgeSession) -> Arc<LinkSetup> {
+        Arc::new(LinkSetup {
+            bundle: self.bundle.clone(),
+            link: session.link.clone(),
+            codecs: self.codecs.clone(),
+            key_id: self.key_id,
+            ring: self.ring.clone(),
+            host_session: self.host_session.clone(),
+            resilience: self.resilience,
+            in_flight: self.in_flight,
+        })
+    }
+
+    /// Whether the run is over: every request has its outcome, or none is left to send, or
+    /// its first outcomes were one lasting error (the rest are then not sent).
+    fn finished(&mut self, produced_open: bool) -> bool {
+        if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty()) {
+            return true;
+        }
+        let Some(error) = self.first_outcomes.stop_on() else { return false };
+        tracing::error!("the first {SAME_LASTING_ERRORS_TO_STOP} requests all failed with {error}: the rest are not sent");
+        self.stop_early(&format!("the run stopped after its first {SAME_LASTING_ERRORS_TO_STOP} requests failed alike"));
+        true
+    }
+
+    /// What became of request `id` on its server: its outcome, or it waits to be sent again.
+    fn delivered(&mut self, id: u64, delivered: std::result::Result<Delivered, tower::BoxError>, waiting: &mut BTreeSet<u64>) {
+        match delivered {
+            Ok(Delivered::Answer { server, answer }) => {
+                if let Err(e) = self.answered(answer) {
+                    tracing::warn!(%server, request_id = id, "{e}: sent again");
+                    self.lose(id, waiting);
+                }
+            }
+            Ok(Delivered::Lost { server, reason }) => {
+                tracing::debug!(%server, request_id = id, %reason, "request lost with its stream");
+                self.lose(id, waiting);
+            }
+            Err(e) => {
+                tracing::warn!(request_id = id, "{e}");
+                self.lose(id, waiting);
+            }
+        }
+    }
+
+    /// Every request waiting for a server gets `reason` as its outcome.
+    fn give_up_waiting(&mut self, waiting: &mut BTreeSet<u64>, reason: &str) {
+        for id in std::mem::take(waiting) {
+            if let Some(u) = self.unanswered.remove(&id) {
+                self.give_up(u, reason);
+            }
+        }
     }
 
     /// The request `id` to send (counted as sent again if it was before), or none when it has
