@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving clean
+.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving clean
 
 setup: build
 
@@ -45,6 +45,8 @@ HF_SMALL_VIT := num_hidden_layers=2,hidden_size=32,num_attention_heads=4,interme
 
 # Bundles the Rust tests run: every model the foundation issue names, each cut finely, with
 # references at batch 1, 3 and 8; a tiny batch-norm/dropout/residual model for split training;
+# models as users write them (a submodule named `meta`, Whisper's encoder fed log-mel features,
+# a user's module around GPT-2);
 # the small transformers above (sequences of 1 to 32 tokens);
 # and the digits train and test splits (`x`, `label`). Re-exported only when the exporter changes.
 $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
@@ -55,6 +57,9 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(EXPORT) torchvision:mobilenet_v3_small --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/mobilenet_v3_small
 	$(EXPORT) torchvision:efficientnet_b0 --granularity layer --input-shape 3,64,64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/efficientnet_b0
 	$(EXPORT) tests.models:bn_dropout_residual --granularity op --dynamic-batch 1 64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bn_dropout
+	$(EXPORT) tests.models:image_and_metadata --granularity op --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/image_meta
+	$(EXPORT) tests.models:tiny_whisper_encoder --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/whisper_encoder
+	$(EXPORT) tests.models:wrapped_gpt2 --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/wrapped_gpt2
 	$(EXPORT) hf:GPT2LMHeadModel --hf-config $(HF_SMALL_GPT2) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/gpt2
 	$(EXPORT) hf:LlamaForCausalLM --hf-config $(HF_SMALL_LLAMA) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/llama
 	$(EXPORT) hf:BertForSequenceClassification --hf-config $(HF_SMALL_BERT) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bert
@@ -64,6 +69,16 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	touch $@
 
 test-bundles: $(TEST_BUNDLES)/.stamp
+
+# Optional model libraries for `timm:NAME` and `ultralytics:CONFIG.yaml` sources, into the
+# project venv (ultralytics without its desktop OpenCV: the pinned headless build); then
+# their tests, which skip without them.
+extras: $(VENV)/.installed
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r tools/export/requirements-extras.txt
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps ultralytics==8.4.190
+
+test-extras: extras
+	cd tools/export && $(PYTHON) -m pytest -q tests/test_model_libraries.py
 
 # Formatting, clippy with warnings denied (the workspace, and the host without the server
 # crate), the exporter's linter, no import circles between files, and the claims of

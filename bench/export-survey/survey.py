@@ -87,6 +87,17 @@ HF_MODELS: list[tuple[str, str, tuple[int, ...] | None]] = [
 ]
 
 
+# The model libraries' families (optional extras, `make extras`): timm at each model's
+# default input size; YOLO models built from ultralytics' configs, at 320x320 (640 by
+# default) to keep the survey short.
+TIMM_MODELS = [
+    "resnet18", "efficientnet_b0", "mobilenetv3_small_100", "regnety_002", "convnext_atto",
+    "vit_tiny_patch16_224", "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224",
+]
+YOLO_CONFIGS = ["yolov8n.yaml", "yolo11n.yaml", "yolov8n-seg.yaml", "yolo11n-pose.yaml", "yolov8n-cls.yaml"]
+YOLO_SIDE = 320
+
+
 @dataclass
 class Job:
     """One model to export, and the input shapes to try in order (the next one when the model
@@ -162,6 +173,26 @@ def hf_jobs(timeout: float) -> list[Job]:
     for cls, config, shape in HF_MODELS:
         name = f"{cls} (drop_path_rate=0)" if "drop_path_rate=0" in config else cls
         jobs.append(Job(name, "transformers", f"hf:{cls}", [shape], ["--hf-config", config], timeout, f"--hf-config {config}"))
+    return jobs
+
+
+def library_jobs(timeout: float) -> list[Job]:
+    """timm and ultralytics models, where the library is installed (a note says where not)."""
+    import importlib.util
+
+    jobs = []
+    if importlib.util.find_spec("timm") is None:
+        print("survey: timm is not installed (`make extras`); its models are left out", flush=True)
+    else:
+        jobs += [Job(f"timm:{name}", "timm", f"timm:{name}", [None], [], timeout, "timm's default input size") for name in TIMM_MODELS]
+    if importlib.util.find_spec("ultralytics") is None:
+        print("survey: ultralytics is not installed (`make extras`); its models are left out", flush=True)
+    else:
+        side = (3, YOLO_SIDE, YOLO_SIDE)
+        jobs += [
+            Job(f"ultralytics:{c}", "ultralytics", f"ultralytics:{c}", [side], [], timeout, "built from its config, random weights")
+            for c in YOLO_CONFIGS
+        ]
     return jobs
 
 
@@ -244,7 +275,7 @@ def markdown(results: list[Result], command: str, started: str, ended: str, comm
         "| model | kind | input | stages | usable cuts | export time (s) | notes or the one-line error |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    order = ["classification", "segmentation", "detection", "video", "optical_flow", "quantization", "transformers"]
+    order = ["classification", "segmentation", "detection", "video", "optical_flow", "quantization", "transformers", "timm", "ultralytics"]
     for r in sorted(results, key=lambda r: (order.index(r.kind) if r.kind in order else 99, r.name)):
         if r.ok:
             notes = [f"{r.parameters:,} parameters", r.tracer]
@@ -279,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[], metavar="GLOB", help="models whose name matches (repeatable)")
     p.add_argument("--skip-torchvision", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-libraries", action="store_true", help="leave out timm and ultralytics models")
     p.add_argument("--timeout", type=float, default=120, help="seconds per export (default 120)")
     p.add_argument("--detection-timeout", type=float, default=300,
                    help="seconds per detection export (default 300: R-CNN, RetinaNet and FCOS work at 800x800 inside)")
     p.add_argument("--results", type=Path, default=HERE / "results.json")
     p.add_argument("--readme", type=Path, default=HERE / "README.md")
-    p.add_argument("--resume", action="store_true", help="keep the results already in --results and skip their models")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the results already in --results and skip their models (those --only names are exported again)")
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs the exporter")
     p.add_argument("--render", action="store_true", help="only write the table again from --results")
     p.add_argument("--check-args", action="store_true", help="parse the arguments and exit; export nothing")
@@ -300,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = [] if a.skip_torchvision else torchvision_jobs(a.detection_timeout, a.timeout)
     jobs += [] if a.skip_transformers else hf_jobs(a.timeout)
+    jobs += [] if a.skip_libraries else library_jobs(a.timeout)
     if a.only:
         jobs = [j for j in jobs if any(fnmatch.fnmatch(j.name, g) for g in a.only)]
     done: dict[str, Result] = {}
@@ -313,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         (scratch / "torch-home").mkdir()
         env = _environment(scratch / "torch-home")
         for i, job in enumerate(jobs):
-            if job.name in done:
+            if job.name in done and not a.only:
                 continue
             r = run_job(job, a.python, scratch, env)
             done[job.name] = r

@@ -50,14 +50,21 @@ fn local(bundle: &Bundle, stages: &LoadedStages, batch: i64, seed: i64, id: u64)
     stages.run(StageRange::all(bundle), &inputs.batch(id)).unwrap()
 }
 
+/// The first, middle and last cuts of `name` over gRPC equal the whole bundle run locally.
 fn outputs_equal_local(name: &str) {
+    outputs_equal_local_at(name, |n| vec![0, n / 2, n]);
+}
+
+/// The cuts `cuts(stage count)` of `name` over gRPC, at batch 1, 3 and 8, equal the whole
+/// bundle run locally, bit for bit.
+fn outputs_equal_local_at(name: &str, cuts: impl Fn(usize) -> Vec<usize>) {
     let bundle = Bundle::open(bundle_dir(name)).unwrap();
     let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
     let n = bundle.stage_count();
     let rt = runtime();
     rt.block_on(async {
         let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        for split in [0, n / 2, n] {
+        for split in cuts(n) {
             for batch in [1, 3, 8] {
                 let outcomes = run_host(&server.url, &bundle, split, batch, 7, 2).await;
                 assert_eq!(outcomes.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [0, 1], "{name}: one answer per request");
@@ -92,6 +99,15 @@ fn transformer_over_grpc_equals_local() {
 fn hugging_face_models_over_grpc_equal_local() {
     for name in ["gpt2", "llama", "bert", "vit"] {
         outputs_equal_local(name);
+    }
+}
+
+/// Models as users write them (a submodule named `meta`, an audio transformer, a module
+/// around a transformers model), over gRPC at every cut.
+#[test]
+fn models_as_users_write_them_over_grpc_equal_local_at_every_cut() {
+    for name in ["image_meta", "whisper_encoder", "wrapped_gpt2"] {
+        outputs_equal_local_at(name, |n| (0..=n).collect());
     }
 }
 

@@ -53,6 +53,24 @@ fn hugging_face_models_every_split() {
     }
 }
 
+/// Models as users write them: an image and a metadata branch called `meta` (a name
+/// torch.fx's graph module uses itself, renamed in the graph); Whisper's encoder, which
+/// takes log-mel features; a user's module around GPT-2, cut at each of its layers.
+#[test]
+fn models_as_users_write_them_every_split() {
+    let bundle = every_split_matches_reference("image_meta", 8);
+    assert_eq!(bundle.manifest().inputs.len(), 2);
+    let bundle = every_split_matches_reference("whisper_encoder", 8);
+    let inputs: Vec<String> = bundle.manifest().inputs.iter().map(|i| format!("{}: {}", i.name, i.spec.describe())).collect();
+    assert_eq!(inputs, ["input_features: float32[B, 16, 64]"]);
+    let bundle = every_split_matches_reference("wrapped_gpt2", 12);
+    let stages: Vec<&str> = bundle.manifest().stages.iter().map(|s| s.name.as_str()).collect();
+    for layer in ["inner.transformer.h.0", "inner.transformer.h.1", "inner.transformer.h.2"] {
+        assert!(stages.contains(&layer), "{layer} is a stage of its own: {stages:?}");
+    }
+    assert!(bundle.manifest().cuts.iter().all(|c| c.usable), "every cut of the wrapper is usable");
+}
+
 #[test]
 fn transformer_with_two_inputs_and_dict_output_every_split() {
     let bundle = every_split_matches_reference("transformer", 10);

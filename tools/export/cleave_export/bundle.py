@@ -36,14 +36,14 @@ from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode
 
 import cleave_export
-from cleave_export import ExportError, first_line
+from cleave_export import ExportError, first_line, huggingface
 from cleave_export.compare import TOLERANCE, relative_error
 from cleave_export.exported import trace_with_export
 from cleave_export.inference import InferenceStages, write_inference_stages
 from cleave_export.partition import GRANULARITY_DEPTH, Partition, parse_granularity, partition, stage_module
 from cleave_export.sources import ModelSource, load_source
 from cleave_export.specs import Probe, bytes_per_sample, check_value, flatten_tensors, tensor_leaves
-from cleave_export.tracing import TraceError, record_values, trace
+from cleave_export.tracing import MODULE_PATH, RENAMED, TraceError, record_values, trace
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
                 tensors.update({f"output.{k}": v for k, v in flatten_tensors(value.name, x)})
             save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / name))
             ref_entries.append({"batch_size": b, "file": name} | ({} if seq is None else {"seq_len": seq}))
-        manifest = _manifest(
-            opts, src, part, stage_gms, compilers, inference, flops, traced.kept_whole, traced.tracer, seq_range, ref_entries, tmp
-        )
+        manifest = _manifest(opts, src, traced, stage_gms, compilers, inference, flops, seq_range, ref_entries, tmp)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _set_modes(tmp)
         if opts.out.exists():
@@ -246,7 +244,16 @@ def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
         return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
     try:
         gm, kept_whole = trace(src.model, len(probe_inputs[0]))
-        return gm, kept_whole, "torch.fx"
+        wrapped = [
+            n.meta[MODULE_PATH] or n.target for n in gm.graph.nodes
+            if n.op == "call_module" and huggingface.is_transformers_model(gm.get_submodule(n.target))
+        ]
+        if not wrapped:
+            return gm, kept_whole, "torch.fx"
+        # A transformers model inside the user's: fx would keep it whole (one stage, its
+        # output dict live at the cut after it); torch.export follows it, layer by layer.
+        log.info("%s holds a transformers model (%s); tracing with torch.export", type(src.model).__name__, ", ".join(wrapped))
+        return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
     except TraceError as fx_error:
         if not fx_error.at_root:
             raise
@@ -294,19 +301,39 @@ def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: di
         scripted = torch.jit.script(sgm)
     except Exception as script_error:
         if not all(s["type"] == "tensor" for s in part.cuts[i].specs):
+            kinds = sorted({s["type"] for s in part.cuts[i].specs if s["type"] != "tensor"})
             raise ExportError(
-                f"stage {i} ({part.stages[i].name!r}) cannot be compiled to TorchScript: "
-                f"{str(script_error).strip().splitlines()[0]}"
+                f"{_stage_part(part, i)} cannot be compiled with torch.jit.script ({first_line(script_error).rstrip(':')}), "
+                f"nor traced, as it takes a {' and a '.join(kinds)} from the stage before; what to try: make that code "
+                "scriptable, or call it with the container's items (`self.m(xs[0], xs[1])`) so that only tensors cross the cut"
             ) from script_error
         log.warning("stage %d (%s) is traced, not scripted: %s", i, part.stages[i].name, script_error)
         example = tuple(probe[n.name] for n in part.cuts[i].values)
-        traced = torch.jit.trace(sgm, example, check_trace=False)
+        try:
+            traced = torch.jit.trace(sgm, example, check_trace=False, strict=False)
+        except Exception as trace_error:
+            raise ExportError(
+                f"{_stage_part(part, i)} cannot be compiled with torch.jit.script ({first_line(script_error).rstrip(':')}) "
+                f"nor traced with torch.jit.trace ({type(trace_error).__name__}: {first_line(trace_error)}); "
+                "what to try: make that code scriptable (type annotations, no numpy, no Python objects other than "
+                "tensors, numbers, strings, lists, tuples and dicts)"
+            ) from trace_error
         traced.define(buffers_src)
         traced.save(str(path))
         return "trace"
     scripted.define(buffers_src)
     scripted.save(str(path))
     return "script"
+
+
+def _stage_part(part: Partition, i: int) -> str:
+    """Stage `i` named by the model parts it runs: `stage 2 (module 'meta.0')`."""
+    modules = part.stages[i].modules
+    if len(modules) == 1:
+        return f"stage {i} (module {modules[0]!r})"
+    if modules:
+        return f"stage {i} (modules {', '.join(map(repr, modules))})"
+    return f"stage {i} ({part.stages[i].name!r})"
 
 
 def _where(p: Probe) -> str:
@@ -394,7 +421,7 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
             try:
                 check_value(spec, v, at.batch, f"cut {k} value {node.name!r}", at.seq)
             except ValueError as e:
-                raise ExportError(f"at {_where(at)}: {e}") from e
+                raise ExportError(f"at {_where(at)}, {_stage_part(part, k - 1)} gives {e}: {_shape_hint(compilers[k - 1])}") from e
     if err > TOLERANCE:
         reference = record_values(gm, inputs)
         for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
@@ -413,6 +440,19 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
                     )
         raise ExportError(f"at {_where(at)} the stage chain's output differs from the model's (relative error {err:.2e})")
     return cut_values[-1]
+
+
+def _shape_hint(compiler: str) -> str:
+    """Why a stage's output has another shape at another batch size or length, and what to try."""
+    if compiler == "trace":
+        return (
+            "it is traced, not scripted (the warning above says why), so each value it reads out of a tensor "
+            "(.numpy(), .item(), .tolist()) is a constant, the one of the example it was traced at; what to try: make it scriptable"
+        )
+    return (
+        "its code turns a size of the example inputs into a constant; "
+        "what to try: export it with --dynamic-batch N N (one batch size) or compute the size from the tensors"
+    )
 
 
 def assemble_output(tree: dict, by_name: dict):
@@ -481,10 +521,9 @@ def _shared_parameters(model: torch.nn.Module, stage_gms: list[fx.GraphModule]) 
 
 
 def _manifest(
-    opts, src, part: Partition, stage_gms, compilers, inference: InferenceStages,
-    flops, kept_whole, tracer, seq_range, references, tmp: Path,
+    opts, src, traced: Traced, stage_gms, compilers, inference: InferenceStages, flops, seq_range, references, tmp: Path,
 ) -> dict:
-    model = src.model
+    model, part = src.model, traced.part
     stage_params = [sum(p.numel() for p in sgm.parameters()) for sgm in stage_gms]
     cuts = []
     for k, cut in enumerate(part.cuts):
@@ -536,9 +575,10 @@ def _manifest(
         "exporter": {
             "version": cleave_export.__version__,
             "torch": torch.__version__,
-            "tracer": tracer,
+            "tracer": traced.tracer,
             "granularity": opts.granularity,
-            "kept_whole": kept_whole,
+            "kept_whole": traced.kept_whole,
+            "renamed": traced.gm.meta.get(RENAMED, {}),
             "merged_cuts": part.merged,
             "shared_parameters": _shared_parameters(model, stage_gms),
         },

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import site
 import sys
+import sysconfig
 import traceback
 import warnings
 from pathlib import Path
@@ -109,18 +111,32 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, ExportError):
             # One line: a library may have appended its own notes to the message.
             print(f"cleave_export: error: {first_line(e)}", file=sys.stderr)
-        else:  # a failure the exporter did not foresee: name it, and where it came from
-            where = traceback.extract_tb(e.__traceback__)[-1]
+        else:  # a failure the exporter did not foresee: name it, and the code of ours or the user's it came from
+            where = _innermost_own_frame(e)
             print(
-                f"cleave_export: error: exporting {opts.source} failed unexpectedly in {Path(where.filename).name}:"
-                f"{where.lineno} ({where.name}): {type(e).__name__}: {first_line(e)}"
-                f"{'' if verbose else ' (run with --verbose for the traceback)'}",
+                f"cleave_export: error: exporting {opts.source} failed in {Path(where.filename).name}:"
+                f"{where.lineno} ({where.name}): {type(e).__name__}: {first_line(e)}; what to try: "
+                f"{'' if verbose else 'run with --verbose for the traceback; '}"
+                "if that line is the exporter's, report the traceback as a bug",
                 file=sys.stderr,
             )
         return 2
     if not quiet:
         print_report(report, opts.out)
     return 0
+
+
+def _innermost_own_frame(e: BaseException) -> traceback.FrameSummary:
+    """The innermost frame of the traceback in the user's code or the exporter's, not in a
+    library's (torch's tracers, transformers) nor Python's: the part the user can act on."""
+    frames = traceback.extract_tb(e.__traceback__)
+    libraries = [str(Path(p).resolve()) for p in {*sysconfig.get_paths().values(), *site.getsitepackages()} if p]
+    exporter = str(Path(__file__).resolve().parent)
+    for frame in reversed(frames):
+        path = str(Path(frame.filename).resolve())
+        if path.startswith(exporter) or not any(path.startswith(lib) for lib in libraries):
+            return frame
+    return frames[-1]
 
 
 def print_report(report: ExportReport, out: Path) -> None:

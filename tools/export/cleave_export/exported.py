@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from cleave_export import ExportError, first_line
 from cleave_export.sources import ModelSource
-from cleave_export.tracing import MODULE_PATH
+from cleave_export.tracing import MODULE_PATH, graph_module
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _stage_ready(gm: fx.GraphModule, output, num_inputs: int) -> fx.GraphModule:
             else:
                 new.target = new.target.overloadpacket
         env[n] = new
-    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = graph_module(gm, graph, type(gm).__name__)
     out.graph.eliminate_dead_code()
     out.graph.lint()
     out.recompile()

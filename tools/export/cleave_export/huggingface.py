@@ -1,5 +1,6 @@
 """Hugging Face transformers models: built from a config (random weights, nothing downloaded)
-and fed token ids or pixels the way their `forward` takes them.
+and fed token ids, pixels or audio (a waveform, or log-mel features) the way their `forward`
+takes them, or the inputs of their own `example_inputs(batch_size)` where they define one.
 
 `hf:CLASS` names a transformers model class (`GPT2LMHeadModel`, `BertForSequenceClassification`,
 `LlamaForCausalLM`, `ViTForImageClassification`, ...); `--hf-config key=value,...` sets fields
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 
 import torch
 from torch import nn
 
 from cleave_export import ExportError, first_line
+
+log = logging.getLogger(__name__)
 
 # Building from a config needs no download; offline mode makes sure nothing tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,14 +73,20 @@ def build(class_name: str, overrides: dict) -> nn.Module:
         raise ExportError(f"{class_name} cannot be built from this config: {type(e).__name__}: {first_line(e)}") from e
 
 
-def feeding(model: nn.Module, source: str, input_shape: tuple[int, ...] | None) -> dict:
-    """How to feed a transformers model (the `ModelSource` fields besides the model and source):
-    its main input (token ids and an attention mask, or pixels), called by keyword, without a
-    KV cache, returning its output as a dict."""
-    config = model.config
+def fixed_kwargs(model: nn.Module) -> dict:
+    """The keyword arguments every call of a transformers model passes: no KV cache, a dict out."""
     params = inspect.signature(model.forward).parameters
     # Named parameters only: torch.export matches keyword arguments to them by name.
-    fixed = {k: v for k, v in (("use_cache", False), ("return_dict", True)) if k in params}
+    return {k: v for k, v in (("use_cache", False), ("return_dict", True)) if k in params}
+
+
+def feeding(model: nn.Module, source: str, input_shape: tuple[int, ...] | None) -> dict:
+    """How to feed a transformers model (the `ModelSource` fields besides the model and source):
+    its main input (token ids and an attention mask, pixels, a waveform or audio features),
+    called by keyword, without a KV cache, returning its output as a dict."""
+    config = model.config
+    params = inspect.signature(model.forward).parameters
+    fixed = fixed_kwargs(model)
     main = model.main_input_name
     if main == "input_ids":
         vocab = int(config.vocab_size)
@@ -111,4 +121,54 @@ def feeding(model: nn.Module, source: str, input_shape: tuple[int, ...] | None) 
             return (torch.randn(batch, *shape),)
 
         return {"make_inputs": pixels, "preprocess": None, "input_names": ["pixel_values"], "fixed_kwargs": fixed, "tracer": "export"}
-    raise ExportError(f"{source}: cannot feed a transformers model whose main input is {main!r} (token ids or pixels only)")
+    if main in ("input_values", "input_features"):
+        shape = tuple(input_shape) if input_shape else _audio_shape(model, main, source)
+
+        def audio(batch: int, seq: int | None) -> tuple:
+            if seq is not None:
+                raise ExportError(
+                    f"{source} takes audio of a fixed length here (its hidden length is not a multiple of its input's); "
+                    f"set the length with --input-shape instead of --dynamic-seq"
+                )
+            return (torch.randn(batch, *shape),)
+
+        return {"make_inputs": audio, "preprocess": None, "input_names": [main], "fixed_kwargs": fixed, "tracer": "export"}
+    raise ExportError(
+        f"{source}: cannot feed a transformers model whose main input is {main!r} (token ids, pixels, "
+        "input_values or input_features only); what to try: give the model an example_inputs(batch_size) method"
+    )
+
+
+DEFAULT_WAVEFORM_SAMPLES = 16000
+"""A waveform model's example input: one second at 16 kHz."""
+
+
+def _audio_shape(model: nn.Module, main: str, source: str) -> tuple[int, ...]:
+    """The shape (without the batch) of a float audio input: a waveform `[T]`, or log-mel
+    features `[mels, frames]` as Whisper takes them (its encoder needs exactly
+    2 x max_source_positions frames)."""
+    config = model.config
+    if main == "input_values":
+        return (DEFAULT_WAVEFORM_SAMPLES,)
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if mels and positions:
+        return (int(mels), 2 * int(positions))
+    raise ExportError(
+        f"cannot tell the shape of {source}'s input_features: pass --input-shape (without the batch), "
+        "or give the model an example_inputs(batch_size) method"
+    )
+
+
+_DRAWN_IN_TRAINING = {"apply_spec_augment": False, "layerdrop": 0.0}
+"""Config fields that make a training forward draw in Python (SpecAugment's masks, LayerDrop's
+skipped layers), which no traced graph can hold: the exporter records the model in training
+mode (for its dropouts), so these are turned off, and the model trains without them."""
+
+
+def without_training_draws(model: nn.Module, source: str) -> None:
+    """Turns off (and says so) the config fields of `_DRAWN_IN_TRAINING` that are on."""
+    config = model.config
+    for key, off in _DRAWN_IN_TRAINING.items():
+        if getattr(config, key, off) not in (off, None):
+            log.warning("%s: %s=%s turned off (%s): a split model cannot draw it", source, key, getattr(config, key), off)
+            setattr(config, key, off)

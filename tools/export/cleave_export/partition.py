@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from cleave_export import ExportError
+from cleave_export import ExportError, huggingface
 from cleave_export.specs import Probe, Unrepresentable, torchscript_type, value_spec
 from cleave_export.tracing import MODULE_PATH
 
@@ -73,10 +73,12 @@ class Partition:
 
 def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], values: dict, blocks: "_Blocks") -> str:
     path = node.meta.get(MODULE_PATH, "")
-    # Unpacking a call's tuple (or dict) result belongs to the call that produced it.
-    if node.op == "call_function" and node.target is operator.getitem:
+    # Unpacking a call's tuple, dict or output object (a named tuple, a transformers
+    # ModelOutput: `out.logits`) belongs to the call that produced it, so the container
+    # never has to cross a cut.
+    if node.op == "call_function" and node.target in (operator.getitem, getattr):
         src = node.args[0]
-        if isinstance(src, fx.Node) and src in keys and isinstance(values.get(src.name), (tuple, list, dict)):
+        if isinstance(src, fx.Node) and src in keys and _is_container(values.get(src.name)):
             return keys[src]
     if node.op == "call_module":
         # A module call is named by the module it stands for (an exported graph's dropout
@@ -92,18 +94,45 @@ def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], value
     return f"{path}:ops" if path else node.name
 
 
+def _is_container(value) -> bool:
+    """A tuple, list or dict (named tuples, ModelOutputs and OrderedDicts among them), or an
+    object holding tensors in its attributes."""
+    if isinstance(value, (tuple, list, dict)):
+        return True
+    attributes = getattr(value, "__dict__", None) or {}
+    return not isinstance(value, torch.Tensor) and any(isinstance(v, torch.Tensor) for v in attributes.values())
+
+
 class _Blocks:
     """Where a module path is cut at a depth: deeper through module lists, so that the layers
-    of a stack (`transformer.h.0`, `bert.encoder.layer.0`) are groups of their own."""
+    of a stack (`transformer.h.0`, `bert.encoder.layer.0`) are groups of their own, and
+    counted from a transformers model inside the user's (`inner.transformer.h.0` is cut as
+    `transformer.h.0` would be)."""
 
     def __init__(self, model: nn.Module | None, descend: bool):
         self.model = model if descend else None
+        self.wrapping: dict[str, int] = {}
 
     def prefix(self, parts: list[str], depth: int) -> list[str]:
-        n = depth
+        n = depth + self._wrapping(parts)
         while self.model is not None and n < len(parts) and self._holds_a_list(parts[:n]):
             n += 1
         return parts[:n]
+
+    def _wrapping(self, parts: list[str]) -> int:
+        """How many leading parts of `parts` lead to a transformers model inside the model (0: none)."""
+        if self.model is None or huggingface.is_transformers_model(self.model):
+            return 0
+        for k in range(1, len(parts)):
+            key = ".".join(parts[:k])
+            if key not in self.wrapping:
+                try:
+                    self.wrapping[key] = k if huggingface.is_transformers_model(self.model.get_submodule(key)) else 0
+                except AttributeError:
+                    self.wrapping[key] = 0
+            if self.wrapping[key]:
+                return k
+        return 0
 
     def _holds_a_list(self, parts: list[str]) -> bool:
         try:

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cleave_export import ExportError, huggingface
+from cleave_export import ExportError, huggingface, libraries
 
 InputFactory = Callable[[int, "int | None"], tuple]
 
@@ -56,25 +56,33 @@ class ModelSource:
 
 
 def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int, hf_config: dict | None = None) -> ModelSource:
-    """Build the model named by `source` with a fixed seed (`torchvision:NAME`, `hf:CLASS` or
-    `module:callable`)."""
+    """Build the model named by `source` with a fixed seed (`torchvision:NAME`, `hf:CLASS`,
+    `timm:NAME`, `ultralytics:CONFIG.yaml` or `module:callable`)."""
     torch.manual_seed(seed)
     if hf_config and not source.startswith("hf:"):
         raise ExportError("--hf-config applies to `hf:CLASS` sources only")
     if source.startswith("torchvision:"):
         model, preprocess, default_shape = _torchvision_model(source.split(":", 1)[1])
-        if input_shape is not None and tuple(input_shape) != default_shape:
-            preprocess = None  # the preset's resize and crop describe other inputs than these
     elif source.startswith("hf:"):
         model, preprocess, default_shape = huggingface.build(source.split(":", 1)[1], hf_config or {}), None, None
+    elif source.startswith("timm:"):
+        model, preprocess, default_shape = libraries.timm_model(source.split(":", 1)[1], source)
+    elif source.startswith("ultralytics:"):
+        model, preprocess, default_shape = libraries.ultralytics_model(source.split(":", 1)[1], source)
     elif ":" in source:
         model, preprocess, default_shape = _callable_model(source), None, None
     else:
         raise ExportError(
-            f"SOURCE {source!r} is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`"
+            f"SOURCE {source!r} is none of `torchvision:NAME`, `hf:CLASS`, `timm:NAME`, `ultralytics:CONFIG.yaml` "
+            "and `package.module:callable`"
         )
+    if input_shape is not None and tuple(input_shape) != default_shape:
+        preprocess = None  # a preset's resize and crop describe other inputs than these
     model.eval()
     if huggingface.is_transformers_model(model):
+        huggingface.without_training_draws(model, source)
+        if input_shape is None and _has_example_inputs(model):
+            return _fed_by_its_example_inputs(model, source)
         return ModelSource(model=model, source=source, **huggingface.feeding(model, source, input_shape))
     return ModelSource(
         model=model,
@@ -161,11 +169,27 @@ def _import_hint(source: str, e: Exception) -> str:
     )
 
 
+def _has_example_inputs(model: nn.Module) -> bool:
+    return callable(getattr(model, "example_inputs", None))
+
+
+def _fed_by_its_example_inputs(model: nn.Module, source: str) -> ModelSource:
+    """A transformers model that says what it takes (`example_inputs`): called with those
+    inputs by the names of its first forward parameters, as the other transformers are."""
+    make_inputs = _input_factory(model, None, source)
+    count = len(make_inputs(1, None))
+    names = [p.name for p in forward_parameters(model)[:count]]
+    return ModelSource(
+        model=model, source=source, make_inputs=make_inputs, preprocess=None, input_names=names,
+        fixed_kwargs=huggingface.fixed_kwargs(model), tracer="export",
+    )
+
+
 def _input_factory(model: nn.Module, shape: tuple[int, ...] | None, source: str) -> InputFactory:
     # A model may describe its own inputs: `example_inputs(batch_size)` returning a tuple of
     # tensors (needed for several inputs or integer inputs), or `example_inputs(batch_size,
     # seq_len)` for a model exported with a dynamic sequence; or `input_shape` (one float input).
-    if shape is None and callable(getattr(model, "example_inputs", None)):
+    if shape is None and _has_example_inputs(model):
         takes_seq = len(inspect.signature(model.example_inputs).parameters) >= 2
 
         def from_model(batch: int, seq: int | None) -> tuple:
@@ -179,7 +203,9 @@ def _input_factory(model: nn.Module, shape: tuple[int, ...] | None, source: str)
             for i, t in enumerate(inputs):
                 if not isinstance(t, torch.Tensor):
                     raise ExportError(
-                        f"example_inputs() item {i} is a {type(t).__name__}; model inputs must be tensors"
+                        f"{type(model).__name__}.example_inputs() item {i} is a {type(t).__name__}; a bundle's inputs are "
+                        "tensors (an edge sends tensors); what to try: export a module around the model whose forward "
+                        "takes the tensors and builds the rest (`def forward(self, x, m): return self.model({'x': x, 'm': m})`)"
                     )
             return inputs
 

@@ -8,6 +8,10 @@ ATen-level export graph has the mode baked in and its parameters lifted out of t
 Modules whose Python code fx cannot trace (data-dependent control flow, for instance) are
 made leaves automatically: the trace is retried with the failing module kept whole, so the
 model still splits everywhere around it.
+
+A model's attribute whose name `fx.GraphModule` uses itself (a submodule called `meta`,
+`graph` or `code`) is renamed in the graph (`cleave_meta`); nodes keep the original module
+path, and the manifest lists each rename.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._symbolic_trace import _assert_is_none
 
 from cleave_export import ExportError, first_line
 from cleave_export.sources import forward_parameters
@@ -27,6 +32,13 @@ log = logging.getLogger(__name__)
 
 MODULE_PATH = "module_path"
 """Key in `node.meta`: dotted path of the innermost module the node was created in ('' = root)."""
+
+RENAMED = "cleave_renamed"
+"""Key in a traced `GraphModule.meta`: {original attribute name: its name in the graph}."""
+
+_GRAPH_MODULE_NAMES = frozenset(dir(fx.GraphModule(nn.Module(), fx.Graph()))) - frozenset(dir(nn.Module()))
+"""Attributes a GraphModule has and a plain Module does not (`meta`, `graph`, `code`, ...):
+a model attribute of one of these names cannot be copied onto the graph module as it is."""
 
 
 @functools.cache
@@ -104,7 +116,64 @@ def trace(model: nn.Module, num_inputs: int) -> tuple[fx.GraphModule, list[str]]
             log.info("keeping %s (%s) whole: %s", failed, type(model.get_submodule(failed)).__name__, first_line(e))
             forced.append(failed)
             continue
-        return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), forced
+        _drop_guards_on_fixed_arguments(graph, num_inputs)
+        return graph_module(tracer.root, graph, type(model).__name__), forced
+
+
+def _drop_guards_on_fixed_arguments(graph: fx.Graph, num_inputs: int) -> None:
+    """Removes the checks torch.fx adds that a forward argument fixed at its default (every
+    one after the first `num_inputs`) still has it (`_assert_is_none(attn_mask)`,
+    `torch._assert(is_causal == False)`), and those arguments where nothing else reads them:
+    the stages get no such argument, and a check of nothing would be a stage of its own."""
+    placeholders = set([n for n in graph.nodes if n.op == "placeholder"][num_inputs:])
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (_assert_is_none, torch._assert):
+            continue
+        checked = node.args[0]
+        reads = {checked} | (set(checked.all_input_nodes) if isinstance(checked, fx.Node) else set())
+        if reads & placeholders:
+            graph.erase_node(node)
+            if isinstance(checked, fx.Node) and checked.op != "placeholder" and not checked.users:
+                graph.erase_node(checked)
+    for placeholder in placeholders:
+        if not placeholder.users:
+            graph.erase_node(placeholder)
+
+
+def graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """`fx.GraphModule(root, graph)`, with the root's attributes whose names the graph module
+    uses itself renamed (listed in `gm.meta[RENAMED]`)."""
+    renamed = _renames(root, graph)
+    if not renamed:
+        gm = fx.GraphModule(root, graph, class_name=class_name)
+        gm.meta[RENAMED] = {}
+        return gm
+    attributes = {}
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            first, _, rest = node.target.partition(".")
+            value = functools.reduce(getattr, node.target.split("."), root)
+            if first in renamed:
+                node.target = renamed[first] + ("." + rest if rest else "")
+            attributes[node.target] = value
+    gm = fx.GraphModule(attributes, graph, class_name=class_name)
+    gm.train(root.training)
+    gm.meta[RENAMED] = renamed
+    for original, new in renamed.items():
+        log.info("%s.%s is called %s in the graph (fx.GraphModule has an attribute %r)", class_name, original, new, original)
+    return gm
+
+
+def _renames(root: nn.Module, graph: fx.Graph) -> dict[str, str]:
+    """{name: new name} for the root attributes the graph uses whose names clash with the graph module's."""
+    used = {str(n.target).partition(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    renamed = {}
+    for name in sorted(used & _GRAPH_MODULE_NAMES):
+        new = f"cleave_{name}"
+        while hasattr(root, new) or new in used or new in renamed.values():
+            new = f"_{new}"
+        renamed[name] = new
+    return renamed
 
 
 class TraceError(ExportError):

@@ -1,5 +1,8 @@
 """Models defined for the tests: export them as `tests.models:NAME` from tools/export."""
 
+import typing
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -132,6 +135,140 @@ class DataDependentMiddle(nn.Module):
         return self.fc2(y) + positive.sum()
 
 
+class ImageAndMetadata(nn.Module):
+    """An image and a metadata vector, each through its own branch; the metadata branch is
+    called `meta`, a name `torch.fx.GraphModule` uses itself (`gm.meta`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.meta = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, image: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.image(image), self.meta(meta)], dim=1))
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 3, 16, 16), torch.randn(batch_size, 4))
+
+
+class Pair(typing.NamedTuple):
+    scaled: torch.Tensor
+    shifted: torch.Tensor
+
+
+class BranchToPair(nn.Module):
+    """Data-dependent control flow (kept whole) returning a named tuple."""
+
+    def forward(self, x: torch.Tensor) -> Pair:
+        if x.sum() > 0:
+            return Pair(x * 2, x + 1)
+        return Pair(x, x - 1)
+
+
+class ReadsFieldsOfAnOutput(nn.Module):
+    """A module kept whole whose named-tuple output is read by attribute (`out.scaled`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.branch = BranchToPair()
+        self.post = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.branch(self.pre(x))
+        return self.post(out.scaled * out.shifted)
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 4),)
+
+
+class ToList(nn.Module):
+    """Data-dependent control flow (kept whole) returning a list."""
+
+    def forward(self, x: torch.Tensor):
+        if x.sum() > 0:
+            return [x * 2, x + 1]
+        return [x, x]
+
+
+class SumThroughNumpy(nn.Module):
+    """Takes a list and goes through numpy: neither scriptable nor traceable with a list input."""
+
+    def forward(self, xs):
+        return sum(torch.from_numpy(np.asarray(t.detach())) for t in xs)
+
+
+class ListIntoUnscriptable(nn.Module):
+    """A list crosses the cut into a module TorchScript can neither script nor trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.lists = ToList()
+        self.combine = SumThroughNumpy()
+        self.post = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.combine(self.lists(self.pre(x))))
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 4),)
+
+
+class TakesADict(nn.Module):
+    """Its input is a dict of tensors, which no edge can send as such."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.linear(batch["x"])
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return ({"x": torch.randn(batch_size, 4)},)
+
+
+class BranchesInItsOwnForward(nn.Module):
+    """Data-dependent control flow in the model's own forward: no module to keep whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.linear(x)
+        return self.linear(-x)
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 4),)
+
+
+class ScaleByNumpy(nn.Module):
+    """Reads its input's size through numpy: TorchScript cannot script it, and a trace keeps the
+    size of the example as a constant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return torch.from_numpy(np.asarray(x.detach())) * 2
+        return x
+
+
+class ThroughNumpy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = ScaleByNumpy()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.scale(x))
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 4),)
+
+
 def data_dependent_middle():
     return DataDependentMiddle()
 
@@ -158,3 +295,89 @@ def batch_baked():
 
 def not_a_module():
     return 42
+
+
+def image_and_metadata():
+    return ImageAndMetadata()
+
+
+def _tiny_wav2vec2_config():
+    from transformers import Wav2Vec2Config
+
+    return Wav2Vec2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_labels=3, vocab_size=20,
+        conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_feat_extract_layers=3,
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+    )
+
+
+def tiny_wav2vec2():
+    """A waveform classifier (`input_values` [B, T]); fed one second at 16 kHz by default."""
+    from transformers import Wav2Vec2ForSequenceClassification
+
+    return Wav2Vec2ForSequenceClassification(_tiny_wav2vec2_config())
+
+
+def tiny_whisper_encoder():
+    """Whisper's encoder with a classification head (`input_features` [B, mels, frames]), 16
+    mel bins and 2 x 32 frames."""
+    from transformers import WhisperConfig, WhisperForAudioClassification
+
+    config = WhisperConfig(
+        encoder_layers=2, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=32, num_labels=3,
+        vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )
+    return WhisperForAudioClassification(config)
+
+
+def wav2vec2_with_its_own_inputs():
+    """A transformers model that says what it takes: 800 samples (50 ms), not the default second."""
+    from transformers import Wav2Vec2ForSequenceClassification
+
+    class ShortClips(Wav2Vec2ForSequenceClassification):
+        def example_inputs(self, batch_size: int) -> tuple:
+            return (torch.randn(batch_size, 800),)
+
+    return ShortClips(_tiny_wav2vec2_config())
+
+
+class WrappedGPT2(nn.Module):
+    """A user's module around a transformers model, returning one field of its output."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=3, n_embd=32, n_head=4, n_inner=64, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0)
+        self.inner = GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids, use_cache=False).logits
+
+    def example_inputs(self, batch_size: int, seq_len: int = 16) -> tuple:
+        return (torch.randint(0, 100, (batch_size, seq_len)),)
+
+
+def wrapped_gpt2():
+    return WrappedGPT2()
+
+
+def reads_fields_of_an_output():
+    return ReadsFieldsOfAnOutput()
+
+
+def list_into_unscriptable():
+    return ListIntoUnscriptable()
+
+
+def takes_a_dict():
+    return TakesADict()
+
+
+def branches_in_its_own_forward():
+    return BranchesInItsOwnForward()
+
+
+def through_numpy():
+    return ThroughNumpy()

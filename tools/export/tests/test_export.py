@@ -631,7 +631,9 @@ def test_torchvision_preset_gives_shape_and_preprocessing():
         (dict(source="torchvision:ResNet50"), "torchvision has no model 'ResNet50'; the nearest it has: resnet50, "),
         (dict(source="torchvision:no_such_net"),
          "torchvision has no model 'no_such_net'; no name it has is near (torchvision.models.list_models() lists its "),
-        (dict(source="resnet18"), "SOURCE 'resnet18' is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`"),
+        (dict(source="resnet18"),
+         "SOURCE 'resnet18' is none of `torchvision:NAME`, `hf:CLASS`, `timm:NAME`, `ultralytics:CONFIG.yaml` and "
+         "`package.module:callable`"),
         (dict(source="tests.models:not_a_module"), "tests.models:not_a_module returned a int, expected a torch.nn.Module"),
         (dict(source="tests.models:missing"), "module 'tests.models' has no attribute 'missing'"),
         (dict(source="no_such_pkg.mod:f"),
@@ -856,7 +858,8 @@ def test_python_m_cleave_export_bad_source_exit_code_2(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr == (
-        "cleave_export: error: SOURCE 'resnet18' is neither `torchvision:NAME`, `hf:CLASS` nor `package.module:callable`\n"
+        "cleave_export: error: SOURCE 'resnet18' is none of `torchvision:NAME`, `hf:CLASS`, `timm:NAME`, "
+        "`ultralytics:CONFIG.yaml` and `package.module:callable`\n"
     )
     assert run.stdout == ""
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,158 @@
+"""Models as users write them: patterns that are ordinary in user code and that the tracers
+tripped over (a submodule named like a tracer attribute, audio transformers, a model's own
+example inputs). Each exports, and its stages
+reproduce the model at every cut; the Rust tests run the same bundles split over gRPC.
+
+Run from tools/export (the exporter imports `tests.models:NAME` as a module path).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from cleave_export import ExportError, cli
+from cleave_export.bundle import ExportOptions, export_bundle
+from cleave_export.sources import load_source
+from cleave_export.tracing import RENAMED, graph_module
+from tests.test_export import Bundle, assert_close, reference, run_stages
+
+
+def _export(tmp_path, source: str, **kw) -> Bundle:
+    out = tmp_path / "bundle"
+    report = export_bundle(ExportOptions(source=source, out=out, **kw))
+    return Bundle(source, None, out, json.loads((out / "manifest.json").read_text()), report.manifest)
+
+
+def _every_split_equals_the_whole(b: Bundle, batches=(1, 3)) -> None:
+    stages = b.stages()
+    for batch in batches:
+        inputs, expected = reference(b, batch)
+        whole = run_stages(stages, inputs)
+        for got, want in zip(whole, expected, strict=True):
+            assert_close(got, want)
+        for s in range(len(stages) + 1):
+            got = run_stages(stages[s:], run_stages(stages[:s], inputs))
+            assert all(torch.equal(g, w) for g, w in zip(got, whole, strict=True)), f"split at cut {s} differs"
+
+
+def test_a_submodule_named_meta_is_renamed_in_the_graph_and_its_stages_keep_its_path(tmp_path):
+    b = _export(tmp_path, "tests.models:image_and_metadata", granularity="op")
+    m = b.manifest
+    assert m["exporter"]["renamed"] == {"meta": "cleave_meta"}
+    names = [s["name"] for s in m["stages"]]
+    assert "meta.0" in names and not any("cleave_meta" in n for n in names), names
+    modules = [p for s in m["stages"] for p in s["modules"]]
+    assert "meta.0" in modules and not any(p.startswith("cleave_meta") for p in modules), modules
+    # The stage files hold it under the graph's name, which the manifest's parameter names give.
+    held = [p for s in m["stages"] for p in s["parameter_names"] if "meta" in p]
+    assert held == ["cleave_meta.0.weight", "cleave_meta.0.bias"]
+    _every_split_equals_the_whole(b)
+
+
+def test_a_model_without_a_clash_renames_nothing(tmp_path):
+    b = _export(tmp_path, "tests.models:tiny_residual", granularity="op")
+    assert b.manifest["exporter"]["renamed"] == {}
+
+
+class _Clashing(nn.Module):
+    """A submodule and a parameter named like GraphModule attributes, and a name already taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.graph = nn.Linear(3, 3)
+        self.code = nn.Parameter(torch.randn(3))
+        self.cleave_graph = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.cleave_graph(self.graph(x)) + self.code
+
+
+def test_every_clashing_attribute_is_renamed_to_a_free_name_and_computes_the_same():
+    model = _Clashing().eval()
+    traced = fx.Tracer().trace(model)
+    gm = graph_module(model, traced, "Clashing")
+    assert gm.meta[RENAMED] == {"code": "cleave_code", "graph": "_cleave_graph"}
+    assert not gm.training
+    x = torch.randn(2, 3)
+    assert torch.equal(gm(x), model(x))
+    assert gm.get_submodule("_cleave_graph") is model.graph and gm.get_parameter("cleave_code") is model.code
+
+
+def test_a_transformers_model_s_own_example_inputs_are_honoured(tmp_path):
+    # A wav2vec2 (main input `input_values`, a waveform) saying it takes 800 samples, not
+    # the second at 16 kHz the exporter would feed it; its SpecAugment and LayerDrop, which
+    # draw in Python while training, are turned off.
+    b = _export(tmp_path, "tests.models:wav2vec2_with_its_own_inputs", batch_max=8)
+    m = b.manifest
+    assert [(i["name"], i["spec"]["dtype"], i["spec"]["shape"]) for i in m["inputs"]] == [("input_values", "float32", ["B", 800])]
+    assert m["exporter"]["tracer"] == "torch.export"
+    assert sum(c["usable"] for c in m["cuts"]) >= 8
+    _every_split_equals_the_whole(b)
+
+
+def test_audio_transformers_are_fed_a_waveform_or_log_mel_features():
+    wav2vec2 = load_source("tests.models:tiny_wav2vec2", None, 0)
+    assert wav2vec2.input_names == ["input_values"] and wav2vec2.example_inputs(0, 2)[0].shape == (2, 16000)
+    assert not wav2vec2.model.config.apply_spec_augment and wav2vec2.model.config.layerdrop == 0.0
+    whisper = load_source("tests.models:tiny_whisper_encoder", None, 0)
+    assert whisper.input_names == ["input_features"] and whisper.example_inputs(0, 2)[0].shape == (2, 16, 64)
+    shorter = load_source("tests.models:tiny_wav2vec2", (4000,), 0)
+    assert shorter.example_inputs(0, 3)[0].shape == (3, 4000)
+
+
+def test_audio_with_a_dynamic_length_is_refused_saying_what_to_do_instead(tmp_path):
+    with pytest.raises(ExportError, match=r"fixed length here .* --input-shape instead of --dynamic-seq"):
+        export_bundle(ExportOptions(source="tests.models:tiny_wav2vec2", out=tmp_path / "b", seq=(400, 800)))
+
+
+def test_fields_read_off_an_output_object_stay_with_the_call_that_made_it(tmp_path):
+    # A named tuple out of a module kept whole, read by attribute: the reads join the module's
+    # stage, so the container never crosses a cut (TorchScript cannot read `.scaled` off a tuple).
+    b = _export(tmp_path, "tests.models:reads_fields_of_an_output", granularity="op")
+    assert [s["name"] for s in b.manifest["stages"]] == ["pre", "branch", "mul", "post"]
+    assert b.manifest["exporter"]["kept_whole"] == ["branch"]
+    assert all(v["spec"]["type"] == "tensor" for c in b.manifest["cuts"] for v in c["values"])
+    _every_split_equals_the_whole(b)
+
+
+FAILURES = [
+    # (source, the part named, the reason, what to try), one per class of failure met so far.
+    (
+        "tests.models:list_into_unscriptable", "stage 2 (module 'combine')", "takes a list from the stage before",
+        "make that code scriptable, or call it with the container's items",
+    ),
+    ("tests.models:takes_a_dict", "TakesADict.example_inputs() item 0", "is a dict", "export a module around the model"),
+    (
+        "tests.models:branches_in_its_own_forward", "BranchesInItsOwnForward.forward", "cannot trace",
+        "move the code of forward that depends on the data into a submodule",
+    ),
+    ("tests.models:through_numpy", "stage 0 (module 'scale')", "traced, not scripted", "make it scriptable"),
+]
+
+
+@pytest.mark.parametrize("source,part,reason,what_to_try", FAILURES, ids=[f[0].split(":")[1] for f in FAILURES])
+def test_a_failure_inside_the_tracers_is_one_line_naming_the_part_the_reason_and_what_to_try(
+    tmp_path, capsys, source, part, reason, what_to_try
+):
+    assert cli.main([source, "--granularity", "op", "--out", str(tmp_path / "b")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cleave_export: error:")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert part in line and reason in line and f"what to try: {what_to_try}" in line, line
+    assert "unexpectedly" not in line and not (tmp_path / "b").exists()
+
+
+def test_an_unforeseen_failure_names_the_innermost_code_of_ours_or_the_user_s_not_torch_s(tmp_path, capsys, monkeypatch):
+    def fails_inside_torch(opts):
+        return torch.jit.script(lambda x: x.numpy())  # raises deep inside torch.jit
+
+    monkeypatch.setattr(cli, "export_bundle", fails_inside_torch)
+    assert cli.main(["tests.models:tiny_residual", "--out", str(tmp_path / "b")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "failed in test_user_models.py:" in line and "(fails_inside_torch)" in line, line
+    assert "what to try: run with --verbose for the traceback" in line, line
