@@ -261,13 +261,23 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(results: list[Result], command: str, started: str, ended: str, commit: str) -> str:
+def markdown(results: list[Result], command: str, started: str, ended: str, commit: str, earlier: list[dict] = ()) -> str:
     ok = [r for r in results if r.ok]
     lines = [
         f"Run {started} to {ended} at commit {commit} on {platform.node() or 'this machine'} ({os.cpu_count()} cores, shared), with:",
         "",
         f"    {command}",
         "",
+    ]
+    for run in earlier:
+        lines += [
+            f"The rows of the models that run did not export come from the run of {run['started']} to {run['ended']} "
+            f"at commit {run['commit']}, with:",
+            "",
+            f"    {run['command']}",
+            "",
+        ]
+    lines += [
         f"{len(ok)} of {len(results)} exported. Export time is the exporter's own (`export time` line: trace, compile,",
         "validate at batch 1, 3 and 8, write); the machine was shared, so times are rough. Usable cuts count the",
         "input and output cuts too.",
@@ -300,8 +310,8 @@ def write_readme(table: str, readme: Path) -> None:
     readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
 
 
-def _save(path: Path, started: str, ended: str | None, command: str, commit: str, done: dict[str, Result]) -> None:
-    header = {"started": started, "ended": ended, "command": command, "commit": commit}
+def _save(path: Path, started: str, ended: str | None, command: str, commit: str, done: dict[str, Result], earlier: list[dict]) -> None:
+    header = {"started": started, "ended": ended, "command": command, "commit": commit, "earlier": earlier}
     path.write_text(json.dumps(header | {"results": [asdict(r) for r in done.values()]}, indent=1) + "\n")
 
 
@@ -328,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.render:
         saved = json.loads(a.results.read_text())
         results = [Result(**r) for r in saved["results"]]
-        write_readme(markdown(results, saved["command"], saved["started"], saved.get("ended", "?"), saved.get("commit", "?")), a.readme)
+        header = (saved["command"], saved["started"], saved.get("ended", "?"), saved.get("commit", "?"), saved.get("earlier", []))
+        write_readme(markdown(results, *header), a.readme)
         return 0
 
     jobs = [] if a.skip_torchvision else torchvision_jobs(a.detection_timeout, a.timeout)
@@ -337,8 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         jobs = [j for j in jobs if any(fnmatch.fnmatch(j.name, g) for g in a.only)]
     done: dict[str, Result] = {}
+    earlier: list[dict] = []
     if a.resume and a.results.exists():
-        done = {r["name"]: Result(**r) for r in json.loads(a.results.read_text())["results"]}
+        saved = json.loads(a.results.read_text())
+        done = {r["name"]: Result(**r) for r in saved["results"]}
+        # The run resumed is named beside this one, unless it is this one's interrupted start.
+        if saved.get("ended"):
+            earlier = [{k: saved.get(k) for k in ("started", "ended", "command", "commit")}, *saved.get("earlier", [])]
+        else:
+            earlier = saved.get("earlier", [])
     started = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip() or "?"
     command = " ".join(["python", "bench/export-survey/survey.py", *(argv if argv is not None else sys.argv[1:])])
@@ -353,11 +371,11 @@ def main(argv: list[str] | None = None) -> int:
             done[job.name] = r
             status = f"{r.stages} stages, {r.usable}/{r.cuts} usable, {r.seconds} s" if r.ok else r.error
             print(f"[{i + 1}/{len(jobs)}] {job.name} ({r.input}): {status}", flush=True)
-            _save(a.results, started, None, command, commit, done)
+            _save(a.results, started, None, command, commit, done, earlier)
     ended = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
-    _save(a.results, started, ended, command, commit, done)
+    _save(a.results, started, ended, command, commit, done, earlier)
     results = list(done.values())
-    write_readme(markdown(results, command, started, ended, commit), a.readme)
+    write_readme(markdown(results, command, started, ended, commit, earlier), a.readme)
     print(f"{sum(r.ok for r in results)} of {len(results)} exported; table in {a.readme}")
     return 0
 

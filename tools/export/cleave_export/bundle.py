@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -106,8 +106,8 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
     tmp = Path(tempfile.mkdtemp(prefix=f".{opts.out.name}.", dir=opts.out.parent))
     try:
         t = time.perf_counter()
-        stage_gms = traced.eager_stages()
-        compilers = [_compile(sgm, part, i, tmp / _stage_file(i), traced.recorded[0]) for i, sgm in enumerate(stage_gms)]
+        traced, stage_gms, compilers = _compile_stages(traced, tmp)
+        part = traced.part
         loaded = [torch.jit.load(str(tmp / _stage_file(i))).eval() for i in range(len(stage_gms))]
         timings["compile"] = time.perf_counter() - t
 
@@ -168,6 +168,13 @@ class Traced:
     """Every node's value at each probe."""
     kept_whole: list[str]
     tracer: str
+    cutting: dict
+    """How it was cut (`partition`'s depth, descend and model), to cut it again."""
+
+    def without_cut_after(self, node: str, reason: str) -> Traced:
+        """The same trace cut again without the cut after `node`, for `reason` (recorded)."""
+        refused = self.part.refused | {node: reason}
+        return replace(self, part=partition(self.gm, recorded=self.recorded, probes=self.probes, refused=refused, **self.cutting))
 
     def eager_stages(self) -> list[fx.GraphModule]:
         """The stages as GraphModules, which run the model's own modules and functions eagerly."""
@@ -186,8 +193,9 @@ def trace_stages(
         _call_model(src, inputs, p)
     gm, kept_whole, tracer = _trace(src, probe_inputs, ranges)
     recorded = [record_values(gm, inputs) for inputs in probe_inputs]
-    part = partition(gm, depth, recorded, probes, src.model, descend=descend)
-    return Traced(gm, part, probes, probe_inputs, recorded, kept_whole, tracer)
+    cutting = {"depth": depth, "model": src.model, "descend": descend}
+    part = partition(gm, recorded=recorded, probes=probes, **cutting)
+    return Traced(gm, part, probes, probe_inputs, recorded, kept_whole, tracer, cutting)
 
 
 def _set_modes(root: Path) -> None:
@@ -293,6 +301,28 @@ def _buffers_method_source(sgm: fx.GraphModule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _compile_stages(traced: Traced, tmp: Path) -> tuple[Traced, list[fx.GraphModule], list[str]]:
+    """Every stage compiled into `tmp` (`_compile`); a stage that cannot take the containers
+    crossing the cut before it is joined to the stage before, the cut's reason recorded."""
+    while True:
+        stage_gms = traced.eager_stages()
+        try:
+            compilers = [_compile(sgm, traced.part, i, tmp / _stage_file(i), traced.recorded[0]) for i, sgm in enumerate(stage_gms)]
+            return traced, stage_gms, compilers
+        except _CannotTakeContainers as e:
+            log.info("moving the cut after %s: %s", e.after, e.reason)
+            traced = traced.without_cut_after(e.after, e.reason)
+
+
+class _CannotTakeContainers(Exception):
+    """Stage after node `after` can neither be scripted nor traced with the containers it takes."""
+
+    def __init__(self, after: str, reason: str):
+        super().__init__(reason)
+        self.after = after
+        self.reason = reason
+
+
 def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: dict) -> str:
     """Save stage `i` as TorchScript: scripted (keeps train/eval behaviour) or, failing that, traced.
     Either way the saved module also gets the `cleave_buffers` method."""
@@ -302,6 +332,12 @@ def _compile(sgm: fx.GraphModule, part: Partition, i: int, path: Path, probe: di
     except Exception as script_error:
         if not all(s["type"] == "tensor" for s in part.cuts[i].specs):
             kinds = sorted({s["type"] for s in part.cuts[i].specs if s["type"] != "tensor"})
+            if i > 0:
+                raise _CannotTakeContainers(
+                    part.stages[i - 1].nodes[-1].name,
+                    f"{_stage_part(part, i)} cannot be compiled with torch.jit.script ({first_line(script_error).rstrip(':')}), "
+                    f"nor traced, as it takes a {' and a '.join(kinds)}: the cut is moved before the stage",
+                ) from script_error
             raise ExportError(
                 f"{_stage_part(part, i)} cannot be compiled with torch.jit.script ({first_line(script_error).rstrip(':')}), "
                 f"nor traced, as it takes a {' and a '.join(kinds)} from the stage before; what to try: make that code "

@@ -185,6 +185,10 @@ def _training_module(node: fx.Node) -> tuple[nn.Module, tuple] | None:
     if node.target is torch.ops.aten.dropout.default:
         x, p, _train = node.args
         return TrainingDropout(float(p)), (x,)
+    if node.target is torch.ops.aten.dropout_.default and len(node.args[0].users) == 1:
+        # In place (`nn.Dropout(inplace=True)`) on a value nothing else reads: the same as out of place.
+        x, p, _train = node.args
+        return TrainingDropout(float(p)), (x,)
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
         names = ["attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
         defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}

@@ -69,6 +69,8 @@ class Partition:
     """Candidate cuts that were merged away, each with its reason."""
     sizes: "_SizeArithmetic | None" = None
     """The integers computed from sizes, which each stage computes again."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """The cuts it was told not to make (`partition`'s `refused`)."""
 
 
 def _group_key(node: fx.Node, depth: int | None, keys: dict[fx.Node, str], values: dict, blocks: "_Blocks") -> str:
@@ -151,9 +153,13 @@ def partition(
     probes: list[Probe],
     model: nn.Module | None = None,
     descend: bool = False,
+    refused: dict[str, str] | None = None,
 ) -> Partition:
     """Split `gm` into stages; `recorded[i]` is every node's value at `probes[i]`. `model` (the
-    traced model, with its module types) and `descend` make groups descend through module lists."""
+    traced model, with its module types) and `descend` make groups descend through module lists.
+    `refused` names cuts not to make, by the node before them, with the reason (a stage found
+    unable to take what crosses there)."""
+    refused = refused or {}
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -202,6 +208,9 @@ def partition(
             break
         if all(n in sizes for n in group):
             continue  # sizes alone: every stage computes them again anyway
+        if group[-1].name in refused:
+            merged.append(f"after {keys[group[0]]}: {refused[group[-1].name]}")
+            continue
         pos = position[group[-1]]
         values = live_after(pos)
         try:
@@ -227,7 +236,7 @@ def partition(
             if path and path not in seen:
                 seen.append(path)
         stage.modules = seen
-    return Partition(stages, cuts, _output_tree(output.args[0]), merged, sizes)
+    return Partition(stages, cuts, _output_tree(output.args[0]), merged, sizes, dict(refused))
 
 
 _SIZE_OPS = {torch.ops.aten.size, torch.ops.aten.sym_size, torch.ops.aten.sym_numel, torch.ops.aten.numel}

@@ -216,6 +216,56 @@ class ListIntoUnscriptable(nn.Module):
         return (torch.randn(batch_size, 4),)
 
 
+class SplitInHalves(nn.Module):
+    """Returns a list (torch.fx cannot iterate what it traces, so this is kept whole; scriptable)."""
+
+    def forward(self, x: torch.Tensor):
+        return list(torch.chunk(x, 2, dim=1))
+
+
+class SumOfDoubles(nn.Module):
+    """Takes a list; a generator expression, which TorchScript cannot compile but a trace follows."""
+
+    def forward(self, xs):
+        return sum(t * 2 for t in xs)
+
+
+class ListIntoTraceable(nn.Module):
+    """A list between two modules kept whole, the second of which can only be traced: the cut
+    between them moves before the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.halves = SplitInHalves()
+        self.combine = SumOfDoubles()
+        self.post = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.combine(self.halves(self.pre(x))))
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 4),)
+
+
+class UnpacksWithInplaceDropout(nn.Module):
+    """Loops over a tensor's chunks (torch.fx cannot; torch.export can) and drops out in place,
+    as ultralytics' classification head does."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.25, inplace=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        halves = [h * (i + 1) for i, h in enumerate(torch.chunk(self.linear(x), 2, dim=1))]
+        return self.head(self.drop(halves[0] + halves[1]))
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(batch_size, 4),)
+
+
 class TakesADict(nn.Module):
     """Its input is a dict of tensors, which no edge can send as such."""
 
@@ -381,3 +431,11 @@ def branches_in_its_own_forward():
 
 def through_numpy():
     return ThroughNumpy()
+
+
+def list_into_traceable():
+    return ListIntoTraceable()
+
+
+def unpacks_with_inplace_dropout():
+    return UnpacksWithInplaceDropout()

@@ -42,12 +42,12 @@ def test_an_unknown_timm_model_is_refused_with_the_nearest_names():
 
 
 @_needs("ultralytics")
-@pytest.mark.parametrize("config", ["yolov8n.yaml", "yolo11n-seg.yaml"])
+@pytest.mark.parametrize("config", ["yolov8n.yaml", "yolo11n-seg.yaml", "yolov8n-cls.yaml"])
 def test_a_yolo_model_built_from_its_config_exports_and_every_split_equals_the_whole(tmp_path, config):
     b = _export(tmp_path, f"ultralytics:{config}", input_shape=(3, 64, 64), batch_max=8, reference_batches=[1, 3])
     m = b.manifest
     assert m["inputs"][0]["spec"]["shape"] == ["B", 3, 64, 64] and m["model"]["preprocess"] is None
-    assert len(m["stages"]) >= 20
+    assert len(m["stages"]) >= 8
     _every_split_equals_the_whole(b)
 
 

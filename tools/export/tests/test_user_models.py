@@ -122,10 +122,9 @@ def test_fields_read_off_an_output_object_stay_with_the_call_that_made_it(tmp_pa
 
 FAILURES = [
     # (source, the part named, the reason, what to try), one per class of failure met so far.
-    (
-        "tests.models:list_into_unscriptable", "stage 2 (module 'combine')", "takes a list from the stage before",
-        "make that code scriptable, or call it with the container's items",
-    ),
+    # A list into a module that cannot be scripted: the cut before it moves, and the two
+    # modules, traced as one stage, freeze a value of the example (numpy).
+    ("tests.models:list_into_unscriptable", "stage 1 (modules 'lists', 'combine')", "traced, not scripted", "make it scriptable"),
     ("tests.models:takes_a_dict", "TakesADict.example_inputs() item 0", "is a dict", "export a module around the model"),
     (
         "tests.models:branches_in_its_own_forward", "BranchesInItsOwnForward.forward", "cannot trace",
@@ -156,3 +155,28 @@ def test_an_unforeseen_failure_names_the_innermost_code_of_ours_or_the_user_s_no
     line = capsys.readouterr().err.strip()
     assert "failed in test_user_models.py:" in line and "(fails_inside_torch)" in line, line
     assert "what to try: run with --verbose for the traceback" in line, line
+
+
+def test_a_list_a_stage_cannot_take_moves_the_cut_before_that_stage_and_says_why(tmp_path):
+    # `halves` returns a list; `combine`, which takes it, can only be traced, and a trace takes
+    # tensors: the cut between them goes, and the two run as one traced stage.
+    b = _export(tmp_path, "tests.models:list_into_traceable", granularity="op")
+    m = b.manifest
+    assert [(s["name"], s["compiler"]) for s in m["stages"]] == [("pre", "script"), ("halves .. combine", "trace"), ("post", "script")]
+    [moved] = m["exporter"]["merged_cuts"]
+    assert moved.startswith("after halves: stage 2 (module 'combine') cannot be compiled with torch.jit.script (")
+    assert moved.endswith("nor traced, as it takes a list: the cut is moved before the stage")
+    _every_split_equals_the_whole(b)
+
+
+def test_an_in_place_dropout_recorded_by_torch_export_drops_out_only_when_training(tmp_path):
+    b = _export(tmp_path, "tests.models:unpacks_with_inplace_dropout", granularity="op")
+    assert b.manifest["exporter"]["tracer"] == "torch.export"
+    _every_split_equals_the_whole(b)  # in eval mode: no dropout
+    stages = b.stages()
+    for stage in stages:
+        stage.train()
+    x = reference(b, 3)[0]
+    torch.manual_seed(0)
+    trained = run_stages(stages, x)[0]
+    assert not torch.equal(trained, run_stages([s.eval() for s in stages], x)[0]), "dropout in training mode"
