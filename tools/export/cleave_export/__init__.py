@@ -8,6 +8,7 @@ the Rust runtime check itself without Python.
 Modules:
     sources      resolve a SOURCE argument into a model and example inputs
     huggingface  transformers models built from a config, and how to feed them
+    libraries    timm and ultralytics (YOLO) models, optional extras installed by `make extras`
     detection    torchvision detectors as one batch in, fixed-shape padded detections out,
                  their data-dependent part kept whole in the last stage
     tracing      trace the model with torch.fx, recording the module path of every node
