@@ -4,7 +4,8 @@
 //!
 //! The candidates are `raw` (a fast link), `shuffle+lz4` and `shuffle+zstd-1` (slower links),
 //! less any the server refuses. A compressing codec stores a plane whose sample does not
-//! compress as it is, so a tensor that does not compress travels as its bytes either way.
+//! compress as it is, so a tensor that does not compress travels as its bytes either way; and
+//! a compressing codec is chosen only where it saves at least 1% of the bytes.
 //! Each codec is measured on the first boundary at each cut (its own data: ratios differ from
 //! cut to cut), encoded and decoded here: the server's decoding is taken to be as fast as the
 //! edge's (a server is usually faster, so if anything compression is chosen too rarely). The
@@ -31,6 +32,11 @@ const ESTIMATE_WEIGHT: f64 = 0.5;
 
 /// Times each codec encodes and decodes a boundary when measured (the median counts).
 const REPEATS: usize = 3;
+
+/// The share of the bytes a compressing codec must save to be chosen: what it saves below
+/// this is within the timing noise of its measured CPU cost, so data that does not compress
+/// goes raw, not to whichever codec a busy machine happened to time as faster.
+const MIN_SAVING: f64 = 0.01;
 
 /// Chooses each request's codec (`codec: auto`); shared by the prefix thread, which asks, and
 /// the result loop, which feeds the rate.
@@ -130,8 +136,11 @@ impl ChoosesCodec for CodecChooser {
         }
         let state = self.state.lock().expect("codec chooser");
         let (raw, rate) = (boundary.tensor_bytes() as u64, state.estimate.bytes_per_s());
-        let cheapest = state.costs[&cut].iter().min_by(|a, b| a.ms(raw, rate).total_cmp(&b.ms(raw, rate))).expect("a candidate");
-        Ok(cheapest.codec)
+        let costs = &state.costs[&cut];
+        let worth_it = |c: &&CodecCost| c.codec == Codec::RAW || c.wire_ratio <= 1.0 - MIN_SAVING;
+        let by_time = |a: &&CodecCost, b: &&CodecCost| a.ms(raw, rate).total_cmp(&b.ms(raw, rate));
+        let chosen = costs.iter().filter(worth_it).min_by(by_time).or_else(|| costs.iter().min_by(by_time));
+        Ok(chosen.expect("a candidate").codec)
     }
 
     fn candidates(&self) -> &[Codec] {
@@ -197,6 +206,16 @@ mod tests {
     fn what_does_not_compress_goes_raw_even_on_a_slow_link() {
         let slow = CodecChooser::new(CANDIDATES.to_vec(), link(10.0));
         assert_eq!(slow.choose(5, &noise()).unwrap(), Codec::RAW);
+        // However fast a machine times a codec that saves next to nothing (CI once timed
+        // shuffle+lz4 below raw on noise and chose it).
+        let cost = |codec, wire_ratio, ms_per_mib| CodecCost { codec, wire_ratio, encode_ms_per_mib: ms_per_mib, decode_ms_per_mib: ms_per_mib };
+        let timed_faster = HashMap::from([(5, vec![cost(Codec::RAW, 1.0, 0.5), cost(Codec::SHUFFLE_LZ4, 0.995, 0.1)])]);
+        let chooser = CodecChooser::with_costs(CANDIDATES.to_vec(), link(10.0), timed_faster);
+        assert_eq!(chooser.choose(5, &noise()).unwrap(), Codec::RAW);
+        // Without raw among the candidates (the server refuses it), the cheapest is chosen.
+        let without_raw = HashMap::from([(5, vec![cost(Codec::SHUFFLE_LZ4, 1.001, 1.0), cost(Codec::SHUFFLE_ZSTD_1, 1.001, 2.0)])]);
+        let chooser = CodecChooser::with_costs(CANDIDATES[1..].to_vec(), link(10.0), without_raw);
+        assert_eq!(chooser.choose(5, &noise()).unwrap(), Codec::SHUFFLE_LZ4);
     }
 
     #[test]
