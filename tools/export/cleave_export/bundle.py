@@ -258,10 +258,14 @@ def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
         ]
         if not wrapped:
             return gm, kept_whole, "torch.fx"
-        # A transformers model inside the user's: fx would keep it whole (one stage, its
-        # output dict live at the cut after it); torch.export follows it, layer by layer.
+        # A transformers model inside the user's: fx keeps it whole (one stage); torch.export
+        # follows it, layer by layer, where it can.
         log.info("%s holds a transformers model (%s); tracing with torch.export", type(src.model).__name__, ", ".join(wrapped))
-        return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+        try:
+            return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+        except ExportError as e:
+            log.warning("%s; keeping %s whole as torch.fx traced it", e, ", ".join(wrapped))
+            return gm, kept_whole, "torch.fx"
     except TraceError as fx_error:
         if not fx_error.at_root:
             raise

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from cleave_export import ExportError, first_line
 from cleave_export.sources import ModelSource
-from cleave_export.tracing import MODULE_PATH, graph_module
+from cleave_export.tracing import GRAPH_MODULE_NAMES, MODULE_PATH, graph_module
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,13 @@ def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, t
     finally:
         model.eval()
     output = src(probes[0])
-    return _stage_ready(ep.module(), output, len(probes[0]))
+    try:
+        module = ep.module()
+    except Exception as e:  # torch rebuilds the model's attributes on a graph module of its own
+        clashing = [name for name, _ in model.named_children() if name in GRAPH_MODULE_NAMES]
+        hint = f"rename the submodule {clashing[0]!r}, a name torch.fx's graph module uses itself" if clashing else "run with --verbose"
+        raise ExportError(f"torch.export cannot rebuild {type(model).__name__} as a module: {first_line(e)}; what to try: {hint}") from e
+    return _stage_ready(module, output, len(probes[0]))
 
 
 @contextlib.contextmanager
@@ -156,7 +162,7 @@ def _stage_ready(gm: fx.GraphModule, output, num_inputs: int) -> fx.GraphModule:
         new = graph.node_copy(n, lambda x: env[x])
         new.meta[MODULE_PATH] = _module_path(n)
         if new.op == "call_function" and isinstance(new.target, torch._ops.OpOverload):
-            replaced = _training_module(new)
+            replaced = _training_module(new, n)
             if replaced is not None:
                 name = f"cleave_train_mode_{extra_modules}"
                 extra_modules += 1
@@ -180,12 +186,13 @@ def _stage_ready(gm: fx.GraphModule, output, num_inputs: int) -> fx.GraphModule:
     return out.eval()
 
 
-def _training_module(node: fx.Node) -> tuple[nn.Module, tuple] | None:
-    """The mode-following module (and its arguments) replacing a dropout recorded in training mode."""
+def _training_module(node: fx.Node, recorded: fx.Node) -> tuple[nn.Module, tuple] | None:
+    """The mode-following module (and its arguments) replacing a dropout recorded in training
+    mode; `node` is the copy of `recorded`, the node in the exported graph."""
     if node.target is torch.ops.aten.dropout.default:
         x, p, _train = node.args
         return TrainingDropout(float(p)), (x,)
-    if node.target is torch.ops.aten.dropout_.default and len(node.args[0].users) == 1:
+    if node.target is torch.ops.aten.dropout_.default and len(recorded.args[0].users) == 1:
         # In place (`nn.Dropout(inplace=True)`) on a value nothing else reads: the same as out of place.
         x, p, _train = node.args
         return TrainingDropout(float(p)), (x,)

@@ -79,8 +79,10 @@ def load_source(source: str, input_shape: tuple[int, ...] | None, seed: int, hf_
     if input_shape is not None and tuple(input_shape) != default_shape:
         preprocess = None  # a preset's resize and crop describe other inputs than these
     model.eval()
+    for part in model.modules():  # the model itself, or a transformers model inside the user's
+        if huggingface.is_transformers_model(part):
+            huggingface.without_training_draws(part, source)
     if huggingface.is_transformers_model(model):
-        huggingface.without_training_draws(model, source)
         if input_shape is None and _has_example_inputs(model):
             return _fed_by_its_example_inputs(model, source)
         return ModelSource(model=model, source=source, **huggingface.feeding(model, source, input_shape))

@@ -36,7 +36,7 @@ MODULE_PATH = "module_path"
 RENAMED = "cleave_renamed"
 """Key in a traced `GraphModule.meta`: {original attribute name: its name in the graph}."""
 
-_GRAPH_MODULE_NAMES = frozenset(dir(fx.GraphModule(nn.Module(), fx.Graph()))) - frozenset(dir(nn.Module()))
+GRAPH_MODULE_NAMES = frozenset(dir(fx.GraphModule(nn.Module(), fx.Graph()))) - frozenset(dir(nn.Module()))
 """Attributes a GraphModule has and a plain Module does not (`meta`, `graph`, `code`, ...):
 a model attribute of one of these names cannot be copied onto the graph module as it is."""
 
@@ -168,7 +168,7 @@ def _renames(root: nn.Module, graph: fx.Graph) -> dict[str, str]:
     """{name: new name} for the root attributes the graph uses whose names clash with the graph module's."""
     used = {str(n.target).partition(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")}
     renamed = {}
-    for name in sorted(used & _GRAPH_MODULE_NAMES):
+    for name in sorted(used & GRAPH_MODULE_NAMES):
         new = f"cleave_{name}"
         while hasattr(root, new) or new in used or new in renamed.values():
             new = f"_{new}"

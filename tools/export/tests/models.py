@@ -439,3 +439,18 @@ def list_into_traceable():
 
 def unpacks_with_inplace_dropout():
     return UnpacksWithInplaceDropout()
+
+
+class WrappedGPT2WithMeta(WrappedGPT2):
+    """The GPT-2 wrapper with a submodule named `meta`, which torch.export cannot rebuild."""
+
+    def __init__(self):
+        super().__init__()
+        self.meta = nn.Linear(100, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.meta(self.inner(input_ids=ids, use_cache=False).logits)
+
+
+def wrapped_gpt2_with_meta():
+    return WrappedGPT2WithMeta()

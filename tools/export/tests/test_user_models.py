@@ -180,3 +180,14 @@ def test_an_in_place_dropout_recorded_by_torch_export_drops_out_only_when_traini
     torch.manual_seed(0)
     trained = run_stages(stages, x)[0]
     assert not torch.equal(trained, run_stages([s.eval() for s in stages], x)[0]), "dropout in training mode"
+
+
+def test_a_wrapper_torch_export_cannot_rebuild_falls_back_to_fx_keeping_the_transformers_model_whole(tmp_path, caplog):
+    # torch.export cannot rebuild a module with a child named `meta` (a graph module's own
+    # name); the export goes on with fx's trace, the transformers model one stage.
+    b = _export(tmp_path, "tests.models:wrapped_gpt2_with_meta", batch_max=8, reference_batches=[1, 3])
+    m = b.manifest
+    assert m["exporter"]["tracer"] == "torch.fx" and m["exporter"]["renamed"] == {"meta": "cleave_meta"}
+    assert "inner.transformer" in [s["name"] for s in m["stages"]]
+    assert "what to try: rename the submodule 'meta'" in caplog.text and "keeping inner.transformer whole" in caplog.text
+    _every_split_equals_the_whole(b)
