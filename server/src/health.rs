@@ -112,13 +112,18 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), check).await.unwrap_or_else(|_| panic!("{service:?} never reported {want:?}"));
     }
 
-    #[tokio::test]
-    async fn a_failed_device_takes_the_server_and_its_own_models_out_of_service_until_restarted_and_down_ends_serving() {
+    /// A health service on 127.0.0.1 and a client of it.
+    async fn health_service() -> (tonic_health::server::HealthReporter, HealthClient<tonic::transport::Channel>) {
         let (reporter, service) = tonic_health::server::health_reporter();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(TcpListenerStream::new(listener)));
-        let mut client = HealthClient::new(tonic::transport::Channel::from_shared(url).unwrap().connect().await.unwrap());
+        (reporter, HealthClient::new(tonic::transport::Channel::from_shared(url).unwrap().connect().await.unwrap()))
+    }
+
+    #[tokio::test]
+    async fn a_failed_device_takes_the_server_and_its_own_models_out_of_service_until_restarted_and_down_ends_serving() {
+        let (reporter, mut client) = health_service().await;
         let server_name = <SplitInferenceServer<Service> as NamedService>::NAME;
 
         let health = Health::serving(reporter, vec!["a".into(), "b".into(), "c".into()]).await;
@@ -162,11 +167,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_drain_takes_every_name_out_of_service_but_liveness() {
-        let (reporter, service) = tonic_health::server::health_reporter();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(TcpListenerStream::new(listener)));
-        let mut client = HealthClient::new(tonic::transport::Channel::from_shared(url).unwrap().connect().await.unwrap());
+        let (reporter, mut client) = health_service().await;
         let health = Health::serving(reporter, vec!["a".into()]).await;
         for name in ["", "a", LIVENESS] {
             until(&mut client, name, Status::Serving).await;

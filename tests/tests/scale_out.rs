@@ -162,6 +162,11 @@ fn run_over(
     (counts, answered_by)
 }
 
+/// One server process of `bundle` per name, their files under `dir`.
+fn start_servers(bundle: &Bundle, dir: &Path, names: &[&str]) -> Vec<ServerProcess> {
+    names.iter().map(|n| ServerProcess::start(bundle.dir(), dir, n)).collect()
+}
+
 /// A list of servers that does not change.
 fn fixed(servers: &[ServerProcess]) -> watch::Receiver<Vec<String>> {
     watch::channel(urls(servers)).1
@@ -172,7 +177,7 @@ fn three_healthy_servers_share_the_requests_within_20_percent() {
     let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
+    let servers = start_servers(&bundle, tmp.path(), &["a", "b", "c"]);
     let plan = plan(&bundle, 300);
     let want = local_outputs(&bundle, &plan);
     let (counts, _) = run_over(fixed(&servers), &bundle, plan, &want, |_| {});
@@ -189,7 +194,7 @@ fn a_server_killed_mid_run_loses_no_request_and_answers_none_twice() {
     let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let servers: Vec<ServerProcess> = ["a", "b", "c"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
+    let servers = start_servers(&bundle, tmp.path(), &["a", "b", "c"]);
     let plan = plan(&bundle, 200);
     let want = local_outputs(&bundle, &plan);
     let victim = &servers[1];
@@ -214,7 +219,7 @@ fn a_server_added_to_the_list_mid_run_gets_requests() {
     let _serial = one_at_a_time();
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let servers: Vec<ServerProcess> = ["a", "b", "c", "d"].iter().map(|n| ServerProcess::start(bundle.dir(), tmp.path(), n)).collect();
+    let servers = start_servers(&bundle, tmp.path(), &["a", "b", "c", "d"]);
     let plan = plan(&bundle, 240);
     let want = local_outputs(&bundle, &plan);
     let (list, listed) = watch::channel(urls(&servers[..3]));
