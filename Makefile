@@ -59,6 +59,7 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(EXPORT) tests.models:bn_dropout_residual --granularity op --dynamic-batch 1 64 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bn_dropout
 	$(EXPORT) tests.models:image_and_metadata --granularity op --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/image_meta
 	$(EXPORT) tests.models:tiny_whisper_encoder --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/whisper_encoder
+	$(EXPORT) tests.models:tiny_wav2vec2 --dynamic-batch 1 16 --dynamic-seq 4 40 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/wav2vec2
 	$(EXPORT) tests.models:wrapped_gpt2 --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/wrapped_gpt2
 	$(EXPORT) hf:GPT2LMHeadModel --hf-config $(HF_SMALL_GPT2) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/gpt2
 	$(EXPORT) hf:LlamaForCausalLM --hf-config $(HF_SMALL_LLAMA) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/llama

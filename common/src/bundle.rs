@@ -758,7 +758,7 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
     }
     match manifest.sequence {
         Some(r) if r.min < 1 || r.min > r.max => return Err(invalid(format!("sequence range {}..={} is empty", r.min, r.max))),
-        None if manifest.cuts.iter().flat_map(|c| c.tensors()).any(|(_, t)| t.shape.iter().any(|d| matches!(d, Dim::Seq(_)))) => {
+        None if manifest.cuts.iter().flat_map(|c| c.tensors()).any(|(_, t)| t.shape.iter().any(|d| matches!(d, Dim::Seq(..)))) => {
             return Err(invalid("dimensions follow the sequence length (S) but the manifest gives no `sequence` range".into()))
         }
         _ => {}

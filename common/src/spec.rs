@@ -1,5 +1,6 @@
 //! What the manifest says crosses a cut: dtypes, symbolic shapes (`B` is the batch size, `S`
-//! the sequence length) and value trees (tensors, plain values, tuples, lists, dicts).
+//! the sequence length, `k*S+c` a line in it) and value trees (tensors, plain values, tuples,
+//! lists, dicts).
 
 use std::fmt;
 
@@ -57,9 +58,10 @@ pub enum Dim {
     Fixed(i64),
     /// `k*B`: a multiple of the batch size (`B` is `Batch(1)`).
     Batch(i64),
-    /// `k*S`: a multiple of the sequence length (`S` is `Seq(1)`), in bundles exported with a
-    /// dynamic sequence.
-    Seq(i64),
+    /// `k*S+c`: a line in the sequence length (`S` is `Seq(1, 0)`; a waveform's samples where
+    /// `S` counts its frames, `320*S+80`, is `Seq(320, 80)`), in bundles exported with a dynamic
+    /// sequence.
+    Seq(i64, i64),
     /// A size that depends on the data (`?`).
     Dynamic,
 }
@@ -78,15 +80,32 @@ impl TryFrom<RawDim> for Dim {
         match raw {
             RawDim::Fixed(n) if n >= 0 => Ok(Dim::Fixed(n)),
             RawDim::Fixed(n) => Err(format!("negative dimension {n}")),
-            RawDim::Symbol(s) if s == "B" => Ok(Dim::Batch(1)),
-            RawDim::Symbol(s) if s == "S" => Ok(Dim::Seq(1)),
             RawDim::Symbol(s) if s == "?" => Ok(Dim::Dynamic),
-            RawDim::Symbol(s) => {
-                let multiple = |suffix: &str| s.strip_suffix(suffix).and_then(|k| k.parse().ok()).filter(|k: &i64| *k > 0);
-                (multiple("*B").map(Dim::Batch).or_else(|| multiple("*S").map(Dim::Seq)))
-                    .ok_or_else(|| format!("dimension {s:?} is not an integer, B, k*B, S, k*S or ?"))
-            }
+            RawDim::Symbol(s) => parse_line(&s).ok_or_else(|| format!("dimension {s:?} is not an integer, B, k*B, S, k*S, k*S+c, k*S-c or ?")),
         }
+    }
+}
+
+/// `B`, `k*B`, `S`, `k*S`, `k*S+c` or `k*S-c` (k > 0), as the exporter writes them.
+fn parse_line(s: &str) -> Option<Dim> {
+    let (head, symbol, tail) = match s.find(['B', 'S']) {
+        Some(at) => (&s[..at], &s[at..at + 1], &s[at + 1..]),
+        None => return None,
+    };
+    let k = match head.strip_suffix('*') {
+        Some(k) if !k.is_empty() && k.bytes().all(|d| d.is_ascii_digit()) => k.parse().ok().filter(|k: &i64| *k > 0)?,
+        None if head.is_empty() => 1,
+        _ => return None,
+    };
+    let c = match tail.chars().next() {
+        None => 0,
+        Some('+' | '-') if tail.len() > 1 && tail[1..].bytes().all(|d| d.is_ascii_digit()) => tail.parse().ok()?,
+        Some(_) => return None,
+    };
+    match symbol {
+        "B" if c == 0 => Some(Dim::Batch(k)),
+        "S" => Some(Dim::Seq(k, c)),
+        _ => None,
     }
 }
 
@@ -105,8 +124,10 @@ impl fmt::Display for Dim {
             Dim::Fixed(n) => write!(f, "{n}"),
             Dim::Batch(1) => write!(f, "B"),
             Dim::Batch(k) => write!(f, "{k}*B"),
-            Dim::Seq(1) => write!(f, "S"),
-            Dim::Seq(k) => write!(f, "{k}*S"),
+            Dim::Seq(1, 0) => write!(f, "S"),
+            Dim::Seq(k, 0) => write!(f, "{k}*S"),
+            Dim::Seq(1, c) => write!(f, "S{c:+}"),
+            Dim::Seq(k, c) => write!(f, "{k}*S{c:+}"),
             Dim::Dynamic => write!(f, "?"),
         }
     }
@@ -118,8 +139,8 @@ impl Dim {
     pub fn at(self, sizes: Sizes) -> Option<i64> {
         match self {
             Dim::Fixed(n) => Some(n),
-            Dim::Batch(k) => Some(k * sizes.batch?),
-            Dim::Seq(k) => Some(k * sizes.seq?),
+            Dim::Batch(k) => k.checked_mul(sizes.batch?),
+            Dim::Seq(k, c) => k.checked_mul(sizes.seq?)?.checked_add(c),
             Dim::Dynamic => None,
         }
     }
@@ -218,6 +239,14 @@ pub enum ShapeMismatch {
         /// The factor (`2*S`: 2).
         multiple: i64,
     },
+    /// A first sequence dimension `k*S+c` (c other than 0) that no positive S gives.
+    #[error("dimension {axis} must be {dim} for a positive sequence length S")]
+    OffTheLine {
+        /// The dimension.
+        axis: usize,
+        /// Its symbolic size.
+        dim: Dim,
+    },
 }
 
 impl TensorSpec {
@@ -232,17 +261,23 @@ impl TensorSpec {
             return Err(ShapeMismatch::Rank { got: shape.len(), want: self.shape.len() });
         }
         for (axis, (&dim, &size)) in self.shape.iter().zip(shape).enumerate() {
-            let (k, seen, what) = match dim {
+            let (k, c, seen, what) = match dim {
                 Dim::Fixed(n) if n != size => return Err(ShapeMismatch::Fixed { axis, want: n }),
-                Dim::Batch(k) => (k, &mut sizes.batch, "batch size"),
-                Dim::Seq(k) => (k, &mut sizes.seq, "sequence length"),
+                Dim::Batch(k) => (k, 0, &mut sizes.batch, "batch size"),
+                Dim::Seq(k, c) => (k, c, &mut sizes.seq, "sequence length"),
                 _ => continue,
             };
             match *seen {
-                Some(n) if k * n != size => return Err(ShapeMismatch::Sized { axis, dim, want: k * n, what, seen: n }),
-                None if size % k != 0 || size <= 0 => return Err(ShapeMismatch::NotAMultiple { axis, multiple: k }),
-                None => *seen = Some(size / k),
-                _ => {}
+                Some(n) => {
+                    let want = k.checked_mul(n).and_then(|kn| kn.checked_add(c)).unwrap_or(i64::MAX);
+                    if want != size {
+                        return Err(ShapeMismatch::Sized { axis, dim, want, what, seen: n });
+                    }
+                }
+                None => {
+                    let off = if c == 0 { ShapeMismatch::NotAMultiple { axis, multiple: k } } else { ShapeMismatch::OffTheLine { axis, dim } };
+                    *seen = Some(symbol_of(size, k, c).ok_or(off)?);
+                }
             }
         }
         Ok(())
@@ -253,6 +288,12 @@ impl TensorSpec {
     pub fn bytes_at(&self, sizes: Sizes) -> Option<u64> {
         self.shape.iter().try_fold(self.dtype.size() as u64, |bytes, dim| bytes.checked_mul(u64::try_from(dim.at(sizes)?).ok()?))
     }
+}
+
+/// The positive `n` with `k*n+c == size`, if there is one.
+fn symbol_of(size: i64, k: i64, c: i64) -> Option<i64> {
+    let rest = size.checked_sub(c)?;
+    (rest > 0 && rest % k == 0).then_some(rest / k)
 }
 
 impl fmt::Display for TensorSpec {
@@ -371,21 +412,57 @@ mod tests {
     #[test]
     fn dims_parse_and_print_round_trip() {
         let dims: Vec<Dim> = serde_json::from_str(r#"["B", 64, "4*B", "?", "S", "3*S"]"#).unwrap();
-        assert_eq!(dims, vec![Dim::Batch(1), Dim::Fixed(64), Dim::Batch(4), Dim::Dynamic, Dim::Seq(1), Dim::Seq(3)]);
+        assert_eq!(dims, vec![Dim::Batch(1), Dim::Fixed(64), Dim::Batch(4), Dim::Dynamic, Dim::Seq(1, 0), Dim::Seq(3, 0)]);
         assert_eq!(serde_json::to_string(&dims).unwrap(), r#"["B",64,"4*B","?","S","3*S"]"#);
         assert_eq!(Dim::Batch(4).at(Sizes::batch(3)), Some(12));
         assert_eq!(Dim::Dynamic.at(Sizes::batch(3)), None);
-        assert_eq!(Dim::Seq(3).at(Sizes::batch_and_seq(2, Some(5))), Some(15));
-        assert_eq!(Dim::Seq(1).at(Sizes::batch(2)), None);
+        assert_eq!(Dim::Seq(3, 0).at(Sizes::batch_and_seq(2, Some(5))), Some(15));
+        assert_eq!(Dim::Seq(1, 0).at(Sizes::batch(2)), None);
+    }
+
+    #[test]
+    fn lines_in_the_sequence_length_parse_print_and_size() {
+        let text = r#"["S-1","20*S+20","320*S+80","2*S-3"]"#;
+        let dims: Vec<Dim> = serde_json::from_str(text).unwrap();
+        assert_eq!(dims, vec![Dim::Seq(1, -1), Dim::Seq(20, 20), Dim::Seq(320, 80), Dim::Seq(2, -3)]);
+        assert_eq!(serde_json::to_string(&dims).unwrap(), text);
+        assert_eq!(Dim::Seq(320, 80).at(Sizes::batch_and_seq(2, Some(49))), Some(15760));
+        assert_eq!(Dim::Seq(i64::MAX, 1).at(Sizes::batch_and_seq(1, Some(2))), None, "overflow is no size");
+        for bad in [r#"["S+"]"#, r#"["S+-1"]"#, r#"["B+1"]"#, r#"["+2*S"]"#, r#"["2*S*3"]"#, r#"["S 1"]"#, r#"["*S"]"#] {
+            let err = serde_json::from_str::<Vec<Dim>>(bad).unwrap_err().to_string();
+            assert!(err.contains("is not an integer, B, k*B, S, k*S, k*S+c, k*S-c or ?"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_waveform_on_the_line_gives_the_frames_and_one_off_it_is_refused() {
+        // wav2vec2's waveform: 320*S+80 samples make exactly S frames.
+        let wave = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(320, 80)] };
+        let frames = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(1, 0), Dim::Fixed(8)] };
+        let mut sizes = Sizes::default();
+        wave.check_shape(DType::Float32, &[2, 16080], &mut sizes).unwrap();
+        assert_eq!(sizes, Sizes::batch_and_seq(2, Some(50)));
+        frames.check_shape(DType::Float32, &[2, 50, 8], &mut sizes).unwrap();
+        let err = frames.check_shape(DType::Float32, &[2, 51, 8], &mut sizes).unwrap_err();
+        assert_eq!(err.to_string(), "dimension 1 must be S = 50 for sequence length 50");
+        let err = wave.check_shape(DType::Float32, &[2, 16000], &mut Sizes::default()).unwrap_err();
+        assert_eq!(err.to_string(), "dimension 1 must be 320*S+80 for a positive sequence length S");
+        let err = wave.check_shape(DType::Float32, &[2, 80], &mut Sizes::default()).unwrap_err();
+        assert!(matches!(err, ShapeMismatch::OffTheLine { axis: 1, .. }), "S = 0 is no length: {err:?}");
+        let shifted = TensorSpec { dtype: DType::Int64, shape: vec![Dim::Batch(1), Dim::Seq(1, -1)] };
+        let err = shifted.check_shape(DType::Int64, &[2, 4], &mut sizes).unwrap_err();
+        assert_eq!(err.to_string(), "dimension 1 must be S-1 = 49 for sequence length 50");
+        let huge = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Seq(2, i64::MIN)] };
+        assert!(huge.check_shape(DType::Float32, &[5], &mut Sizes::default()).is_err(), "no overflow on a hostile manifest");
     }
 
     #[test]
     fn one_batch_size_and_one_sequence_length_per_boundary() {
-        let mask = TensorSpec { dtype: DType::Bool, shape: vec![Dim::Batch(1), Dim::Fixed(1), Dim::Seq(1), Dim::Seq(1)] };
+        let mask = TensorSpec { dtype: DType::Bool, shape: vec![Dim::Batch(1), Dim::Fixed(1), Dim::Seq(1, 0), Dim::Seq(1, 0)] };
         let mut sizes = Sizes::default();
         mask.check_shape(DType::Bool, &[2, 1, 7, 7], &mut sizes).unwrap();
         assert_eq!(sizes, Sizes::batch_and_seq(2, Some(7)));
-        let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2), Dim::Fixed(4)] };
+        let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2, 0), Dim::Fixed(4)] };
         hidden.check_shape(DType::Float32, &[2, 14, 4], &mut sizes).unwrap();
         let err = hidden.check_shape(DType::Float32, &[2, 12, 4], &mut sizes).unwrap_err();
         assert_eq!(err.to_string(), "dimension 1 must be 2*S = 14 for sequence length 7");
@@ -400,9 +477,9 @@ mod tests {
 
     #[test]
     fn bytes_follow_the_batch_and_the_sequence() {
-        let mask = TensorSpec { dtype: DType::Bool, shape: vec![Dim::Batch(1), Dim::Fixed(1), Dim::Seq(1), Dim::Seq(1)] };
+        let mask = TensorSpec { dtype: DType::Bool, shape: vec![Dim::Batch(1), Dim::Fixed(1), Dim::Seq(1, 0), Dim::Seq(1, 0)] };
         assert_eq!(mask.bytes_at(Sizes::batch_and_seq(2, Some(8))), Some(2 * 8 * 8));
-        let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2), Dim::Fixed(4)] };
+        let hidden = TensorSpec { dtype: DType::Float32, shape: vec![Dim::Batch(1), Dim::Seq(2, 0), Dim::Fixed(4)] };
         assert_eq!(hidden.bytes_at(Sizes::batch_and_seq(3, Some(5))), Some(3 * 10 * 4 * 4));
         assert_eq!(hidden.bytes_at(Sizes::batch(3)), None, "no sequence length");
         let ragged = TensorSpec { dtype: DType::Int64, shape: vec![Dim::Batch(1), Dim::Dynamic] };

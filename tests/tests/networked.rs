@@ -102,11 +102,11 @@ fn hugging_face_models_over_grpc_equal_local() {
     }
 }
 
-/// Models as users write them (a submodule named `meta`, an audio transformer, a module
-/// around a transformers model), over gRPC at every cut.
+/// Models as users write them (a submodule named `meta`, audio transformers, one taking a
+/// waveform of a symbolic length, a module around a transformers model), over gRPC at every cut.
 #[test]
 fn models_as_users_write_them_over_grpc_equal_local_at_every_cut() {
-    for name in ["image_meta", "whisper_encoder", "wrapped_gpt2"] {
+    for name in ["image_meta", "whisper_encoder", "wav2vec2", "wrapped_gpt2"] {
         outputs_equal_local_at(name, |n| (0..=n).collect());
     }
 }

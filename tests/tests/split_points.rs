@@ -55,7 +55,8 @@ fn hugging_face_models_every_split() {
 
 /// Models as users write them: an image and a metadata branch called `meta` (a name
 /// torch.fx's graph module uses itself, renamed in the graph); Whisper's encoder, which
-/// takes log-mel features; a user's module around GPT-2, cut at each of its layers.
+/// takes log-mel features; wav2vec2, which takes a waveform of a symbolic length; a user's
+/// module around GPT-2, cut at each of its layers.
 #[test]
 fn models_as_users_write_them_every_split() {
     let bundle = every_split_matches_reference("image_meta", 8);
@@ -63,6 +64,10 @@ fn models_as_users_write_them_every_split() {
     let bundle = every_split_matches_reference("whisper_encoder", 8);
     let inputs: Vec<String> = bundle.manifest().inputs.iter().map(|i| format!("{}: {}", i.name, i.spec.describe())).collect();
     assert_eq!(inputs, ["input_features: float32[B, 16, 64]"]);
+    // wav2vec2 takes a waveform of any length whose samples make whole frames: S counts them.
+    let bundle = every_split_matches_reference("wav2vec2", 10);
+    let inputs: Vec<String> = bundle.manifest().inputs.iter().map(|i| format!("{}: {}", i.name, i.spec.describe())).collect();
+    assert_eq!(inputs, ["input_values: float32[B, 20*S+20]"]);
     let bundle = every_split_matches_reference("wrapped_gpt2", 12);
     let stages: Vec<&str> = bundle.manifest().stages.iter().map(|s| s.name.as_str()).collect();
     for layer in ["inner.transformer.h.0", "inner.transformer.h.1", "inner.transformer.h.2"] {

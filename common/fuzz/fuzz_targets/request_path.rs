@@ -106,7 +106,7 @@ fn fits_its_cut(bundle: &Bundle, payload: &IncomingPayload) -> bool {
             let fits = match dim {
                 Dim::Fixed(n) => n == size,
                 Dim::Batch(k) => size > 0 && size % k == 0 && *batch.get_or_insert(size / k) == size / k,
-                Dim::Seq(k) => size > 0 && size % k == 0 && *seq.get_or_insert(size / k) == size / k,
+                Dim::Seq(k, c) => size > c && (size - c) % k == 0 && *seq.get_or_insert((size - c) / k) == (size - c) / k,
                 Dim::Dynamic => true,
             };
             if !fits {
@@ -275,7 +275,7 @@ fn check_received(f: &Fixture, declared: &Declared, received: &Received) {
             .map(|d| match d {
                 Dim::Fixed(n) => *n,
                 Dim::Batch(k) => k * batch,
-                Dim::Seq(k) => k * seq.expect("a sequence dimension gives the boundary a length"),
+                Dim::Seq(k, c) => k * seq.expect("a sequence dimension gives the boundary a length") + c,
                 Dim::Dynamic => -1,
             })
             .collect();

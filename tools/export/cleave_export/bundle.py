@@ -191,7 +191,7 @@ def trace_stages(
     # Fail early, with the model's own error, on inputs or batch sizes it does not take.
     for p, inputs in zip(probes, probe_inputs):
         _call_model(src, inputs, p)
-    gm, kept_whole, tracer = _trace(src, probe_inputs, ranges)
+    gm, kept_whole, tracer = _trace(src, probe_inputs, probes, ranges)
     recorded = [record_values(gm, inputs) for inputs in probe_inputs]
     cutting = {"depth": depth, "model": src.model, "descend": descend}
     part = partition(gm, recorded=recorded, probes=probes, **cutting)
@@ -214,8 +214,8 @@ def _set_modes(root: Path) -> None:
 
 
 def _probes(batch_min: int, batch_max: int, seq_range: tuple[int, int] | None) -> tuple[list[Probe], dict]:
-    """The probes (a base point, then one with another batch size, then one with another
-    sequence length, each where the range allows) and the ranges of the symbols they show."""
+    """The probes (a base point, then one with another batch size, then two with other
+    sequence lengths, each where the range allows) and the ranges of the symbols they show."""
     b0 = min(max(batch_min, 2), batch_max)
     if b0 == batch_max > batch_min:
         b0 -= 1  # --dynamic-batch 1 2: probe at 1 and 2, or every dimension would look fixed
@@ -227,8 +227,8 @@ def _probes(batch_min: int, batch_max: int, seq_range: tuple[int, int] | None) -
     if seq_range is not None and seq_range[0] < seq_range[1]:
         # Lengths other than the batch sizes, so that a size equal to both cannot be mistaken.
         lengths = [s for s in (s0 + 3, s0 + 2, s0 + 1, s0 - 1, s0 - 2) if seq_range[0] <= s <= seq_range[1]]
-        s1 = next((s for s in lengths if s not in (b0, b0 + 1)), lengths[0])
-        probes.append(Probe(b0, s1))
+        others = [s for s in lengths if s not in (b0, b0 + 1)] or lengths
+        probes.extend(Probe(b0, s) for s in others[:2])
         ranges["S"] = seq_range
     return probes, ranges
 
@@ -245,11 +245,11 @@ submodule torch.fx cannot trace is kept whole (one graph node); its stage is the
 traced only where scripting fails (`_compile`), and a trace keeps Python values as constants."""
 
 
-def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
+def _trace(src: ModelSource, probe_inputs: list[tuple], probes: list[Probe], ranges: dict) -> tuple:
     """(graph, modules kept whole, tracer name): torch.fx first (it keeps modules whole where it
     cannot see inside them), torch.export where fx cannot trace the model's own forward."""
     if src.tracer == "export":
-        return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+        return trace_with_export(src, probe_inputs, probes, ranges), [], "torch.export"
     try:
         gm, kept_whole = trace(src.model, len(probe_inputs[0]))
         wrapped = [
@@ -262,7 +262,7 @@ def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
         # follows it, layer by layer, where it can.
         log.info("%s holds a transformers model (%s); tracing with torch.export", type(src.model).__name__, ", ".join(wrapped))
         try:
-            return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+            return trace_with_export(src, probe_inputs, probes, ranges), [], "torch.export"
         except ExportError as e:
             log.warning("%s; keeping %s whole as torch.fx traced it", e, ", ".join(wrapped))
             return gm, kept_whole, "torch.fx"
@@ -271,7 +271,7 @@ def _trace(src: ModelSource, probe_inputs: list[tuple], ranges: dict) -> tuple:
             raise
         log.info("torch.fx cannot trace %s.forward; trying torch.export", type(src.model).__name__)
         try:
-            return trace_with_export(src, probe_inputs, ranges), [], "torch.export"
+            return trace_with_export(src, probe_inputs, probes, ranges), [], "torch.export"
         except ExportError as e:
             raise ExportError(f"{fx_error}; and {e} ({DATA_DEPENDENT_HINT})") from e
 

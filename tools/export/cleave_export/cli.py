@@ -65,7 +65,9 @@ def parse_args(argv: list[str]) -> tuple[bool, bool, ExportOptions]:
                    help="batch sizes the bundle accepts (default 1 64)")
     p.add_argument("--dynamic-seq", nargs=2, type=int, metavar=("MIN", "MAX"),
                    help="sequence lengths the bundle accepts, for models taking token ids "
-                        "(default for transformers text models: 1 to the model's positions, at most 128)")
+                        "(default for transformers text models: 1 to the model's positions, at most 128) "
+                        "or a waveform (wav2vec2, HuBERT ...: S counts frames, the waveform takes k*S+c samples, "
+                        "as the manifest's input spec says)")
     p.add_argument("--granularity", default="block",
                    help="where stages may be cut: top (top-level modules), block (one level deeper, default), "
                         "layer (two deeper), op (every operation) or a module depth")

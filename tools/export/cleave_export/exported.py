@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from cleave_export import ExportError, first_line
 from cleave_export.sources import ModelSource
+from cleave_export.specs import Probe, dim_at, symbolic_dim
 from cleave_export.tracing import GRAPH_MODULE_NAMES, MODULE_PATH, graph_module
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,13 @@ class TrainingAttention(nn.Module):
         )
 
 
-def trace_with_export(src: ModelSource, probes: list[tuple], ranges: dict[str, tuple[int, int]]) -> fx.GraphModule:
-    """The model's graph from torch.export. `probes` are example inputs at the base point and at
-    the points that change the batch (`ranges["B"]`) or the sequence length (`ranges["S"]`); an
-    input dimension that changes between them is exported as symbolic within its range."""
+def trace_with_export(src: ModelSource, probes: list[tuple], points: list[Probe], ranges: dict[str, tuple[int, int]]) -> fx.GraphModule:
+    """The model's graph from torch.export. `probes` are example inputs at `points`, the base
+    point and the points that change the batch (`ranges["B"]`) or the sequence length
+    (`ranges["S"]`); an input dimension that changes between them is exported as symbolic, within
+    its symbol's range where it follows one (`specs.symbolic_dim`)."""
     model = src.model
-    dynamic = _dynamic_shapes(probes, ranges)
+    dynamic = _dynamic_shapes(probes, points, ranges)
     has_running_stats = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     names = src.input_names
     # torch.export prints whole graphs when it fails; they go to the log (--verbose shows the
@@ -124,17 +126,21 @@ def _torch_logs_quiet():
         logger.setLevel(level)
 
 
-def _dynamic_shapes(probes: list[tuple], ranges: dict[str, tuple[int, int]]) -> list[dict]:
-    base = probes[0]
-    symbols = list(ranges)  # the probes after the base change B, then S, in this order
+def _dynamic_shapes(probes: list[tuple], points: list[Probe], ranges: dict[str, tuple[int, int]]) -> list[dict]:
+    """Per input, its dimensions that change between the probes: within the range of the symbol
+    a dimension follows (`320*S+80` from 320 * S's least plus 80 to ...), unbounded otherwise."""
+    (b_lo, b_hi), (s_lo, s_hi) = (ranges.get(s, (None, None)) for s in ("B", "S"))
     shapes = []
-    for i, x in enumerate(base):
+    for i, x in enumerate(probes[0]):
         dims = {}
-        for symbol, probe in zip(symbols, probes[1:]):
-            lo, hi = ranges[symbol]
-            for d in range(x.dim()):
-                if probe[i].shape[d] != x.shape[d]:
-                    dims[d] = torch.export.Dim.DYNAMIC(min=lo, max=hi)
+        for d in range(x.dim()):
+            symbolic = symbolic_dim([p[i].shape[d] for p in probes], points)
+            if isinstance(symbolic, int):
+                continue
+            if symbolic == "?":
+                dims[d] = torch.export.Dim.DYNAMIC
+            else:
+                dims[d] = torch.export.Dim.DYNAMIC(min=dim_at(symbolic, b_lo, s_lo), max=dim_at(symbolic, b_hi, s_hi))
         shapes.append(dims)
     return shapes
 

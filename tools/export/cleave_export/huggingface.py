@@ -123,20 +123,50 @@ def feeding(model: nn.Module, source: str, input_shape: tuple[int, ...] | None) 
         return {"make_inputs": pixels, "preprocess": None, "input_names": ["pixel_values"], "fixed_kwargs": fixed, "tracer": "export"}
     if main in ("input_values", "input_features"):
         shape = tuple(input_shape) if input_shape else _audio_shape(model, main, source)
+        lattice = waveform_lattice(model) if main == "input_values" else None
 
         def audio(batch: int, seq: int | None) -> tuple:
-            if seq is not None:
+            if seq is None:
+                return (torch.randn(batch, *shape),)
+            if lattice is None:
                 raise ExportError(
-                    f"{source} takes audio of a fixed length here (its hidden length is not a multiple of its input's); "
-                    f"set the length with --input-shape instead of --dynamic-seq"
+                    f"{source} takes {main} of one length only (Whisper's encoder: exactly 2 x max_source_positions frames); "
+                    f"what to try: set the length with --input-shape instead of --dynamic-seq"
                 )
-            return (torch.randn(batch, *shape),)
+            per_frame, plus = lattice
+            return (torch.randn(batch, per_frame * seq + plus),)
 
         return {"make_inputs": audio, "preprocess": None, "input_names": [main], "fixed_kwargs": fixed, "tracer": "export"}
     raise ExportError(
         f"{source}: cannot feed a transformers model whose main input is {main!r} (token ids, pixels, "
         "input_values or input_features only); what to try: give the model an example_inputs(batch_size) method"
     )
+
+
+def waveform_lattice(model: nn.Module) -> tuple[int, int] | None:
+    """(k, c) such that a waveform of k*S+c samples makes exactly S frames, from the model's
+    own count of frames (wav2vec2, HuBERT, WavLM ...: a stack of strided convolutions, whose
+    first frame takes c + k samples and each further frame k more); None for a model without it.
+
+    With `--dynamic-seq MIN MAX`, S counts frames and every length inside the model is then a
+    line in S (`k*S+c`), which a bundle's specs can say; other lengths make frames of partial
+    strides, lengths no line gives."""
+    count_frames = getattr(model, "_get_feat_extract_output_lengths", None)
+    if count_frames is None:
+        return None
+
+    def frames(samples: int) -> int:
+        return int(count_frames(torch.tensor(samples)))
+
+    first = next((t for t in range(1, _MAX_RECEPTIVE_FIELD) if frames(t) >= 1), None)
+    per_frame = first and next((k for k in range(1, _MAX_RECEPTIVE_FIELD) if frames(first + k) >= 2), None)
+    if not per_frame or any(frames(per_frame * s + first - per_frame) != s for s in (1, 2, 3, 17, 100)):
+        return None
+    return per_frame, first - per_frame
+
+
+_MAX_RECEPTIVE_FIELD = 1 << 16
+"""Samples searched for a waveform model's first frame and stride (wav2vec2: 400 and 320)."""
 
 
 DEFAULT_WAVEFORM_SAMPLES = 16000

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from cleave_export import ExportError, huggingface
-from cleave_export.specs import Probe, Unrepresentable, torchscript_type, value_spec
+from cleave_export.specs import Probe, Unrepresentable, line_through, torchscript_type, value_spec
 from cleave_export.tracing import MODULE_PATH
 
 GRANULARITY_DEPTH = {"top": 1, "block": 2, "layer": 3, "op": None}
@@ -270,15 +270,21 @@ class _SizeArithmetic:
     def values(self, n: fx.Node) -> list[int]:
         return [r[n.name] for r in self.recorded]
 
-    def matching_dim(self, n: fx.Node, tensors: list[fx.Node]) -> tuple[fx.Node, int] | None:
-        """A tensor among `tensors` and a dimension of it equal to `n` at every probe."""
+    def matching_dim(self, n: fx.Node, tensors: list[fx.Node]) -> tuple[fx.Node, int, int, int] | None:
+        """(t, d, k, c): a tensor among `tensors` and a dimension of it whose size times k plus c
+        is `n` at every probe; k = 1 and c = 0 unless the dimension takes three sizes or more
+        there (a waveform's samples, `k*S+c`, from its frames, `S`)."""
         want = self.values(n)
         for t in tensors:
             if not all(isinstance(r.get(t.name), torch.Tensor) for r in self.recorded):
                 continue
             for d in range(self.recorded[0][t.name].dim()):
-                if [r[t.name].shape[d] for r in self.recorded] == want:
-                    return t, d
+                have = [r[t.name].shape[d] for r in self.recorded]
+                if have == want:
+                    return t, d, 1, 0
+                line = line_through(want, have) if len(set(have)) >= 3 else None
+                if line is not None:
+                    return t, d, *line
         return None
 
     def computable(self, n: fx.Node, available: list[fx.Node]) -> bool:
@@ -339,7 +345,10 @@ def stage_module(gm: fx.GraphModule, part: Partition, index: int) -> fx.GraphMod
         match = part.sizes.matching_dim(n, list(env))
         if match is None:
             raise ExportError(f"stage {stage.name!r} needs the size {n.name!r}, which no tensor of its input has")
-        return graph.call_method("size", (env[match[0]], match[1]))
+        t, d, k, c = match
+        size = graph.call_method("size", (env[t], d))
+        size = graph.call_function(operator.mul, (size, k)) if k != 1 else size
+        return graph.call_function(operator.add, (size, c)) if c else size
 
     for n in stage.nodes:
         env[n] = graph.node_copy(n, lookup)

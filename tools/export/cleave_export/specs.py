@@ -4,17 +4,20 @@ A spec is a JSON tree: `{"type": "tensor", "dtype": "float32", "shape": ["B", 64
 for a tensor, `{"type": "int"}` (also float, bool, str, none) for plain values, and
 `{"type": "tuple" | "list", "items": [...]}` or `{"type": "dict", "items": [{"key", "value"}]}`
 for containers. A dimension is an integer, `"B"` (the batch size), `"k*B"`, `"S"` (the
-sequence length, in bundles exported with `--dynamic-seq`), `"k*S"`, or `"?"` when it depends
-on the data (or on the batch and the sequence together).
+sequence length, in bundles exported with `--dynamic-seq`), `"k*S"`, `"k*S+c"` or `"k*S-c"`
+(a waveform's samples, say, when S counts its frames: `320*S+80`), or `"?"` when it depends on
+the data (or on the batch and the sequence together).
 
 Symbols are found by running the model at several *probes*: a base point, one with another
-batch size and, with a dynamic sequence, one with another sequence length. A dimension that
-follows one of them in proportion is that symbol.
+batch size and, with a dynamic sequence, two with other sequence lengths. A dimension that
+follows one of them in proportion is that symbol; one that follows the sequence length along a
+line that misses zero (`S-1`) is `k*S+c`, where three lengths show it is no coincidence.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -51,17 +54,39 @@ class Probe:
 
 
 def symbolic_dim(sizes: list[int], probes: list[Probe]) -> int | str:
-    """A dimension seen at every probe, as an integer, "B", "k*B", "S", "k*S" or "?"."""
+    """A dimension seen at every probe, as an integer, "B", "k*B", "S", "k*S", "k*S+c" or "?"."""
     if all(s == sizes[0] for s in sizes):
         return sizes[0]
     for symbol in ("B", "S"):
-        unit = probes[0].unit(symbol)
-        if not unit or sizes[0] % unit:
+        line = line_through(sizes, [p.unit(symbol) for p in probes])
+        if line is None:
             continue
-        k = sizes[0] // unit
-        if all(p.unit(symbol) is not None and k * p.unit(symbol) == s for p, s in zip(probes, sizes)):
-            return symbol if k == 1 else f"{k}*{symbol}"
+        k, c = line
+        if c == 0 or (symbol == "S" and len({p.seq for p in probes}) >= 3):
+            return affine_dim(k, symbol, c)
     return "?"
+
+
+def line_through(sizes: list[int], units: list[int | None]) -> tuple[int, int] | None:
+    """(k, c) with k > 0 and every size k * its unit + c, if there are such integers (two
+    distinct units or more; any two points lie on a line, so callers ask for more where c may be
+    other than 0)."""
+    if None in units or len(set(units)) < 2:
+        return None
+    (u0, s0), (u1, s1) = sorted(set(zip(units, sizes)))[:2]
+    if u0 == u1:
+        return None  # one unit, two sizes: the dimension follows something else
+    k, rest = divmod(s1 - s0, u1 - u0)
+    c = s0 - k * u0
+    if rest or k <= 0 or any(k * u + c != s for u, s in zip(units, sizes)):
+        return None
+    return k, c
+
+
+def affine_dim(k: int, symbol: str, c: int = 0) -> str:
+    """`k*symbol+c` as the manifest writes it: "S", "2*S", "S-1", "320*S+80"."""
+    text = symbol if k == 1 else f"{k}*{symbol}"
+    return text if c == 0 else f"{text}{c:+d}"
 
 
 def value_spec(seen: list, probes: list[Probe], where: str) -> dict:
@@ -160,11 +185,22 @@ def dim_at(d, batch: int, seq: int | None = None) -> int:
         return d
     if d == "?":
         return -1
-    k, _, symbol = d.rpartition("*")
+    k, symbol, c = parse_affine(d)
     unit = batch if symbol == "B" else seq
     if unit is None:
         raise ValueError(f"dimension {d!r} needs a sequence length")
-    return int(k or 1) * unit
+    return k * unit + c
+
+
+_AFFINE = re.compile(r"(?:(\d+)\*)?([BS])(?:([+-]\d+))?")
+
+
+def parse_affine(d: str) -> tuple[int, str, int]:
+    """(k, symbol, c) of a symbolic dimension `k*symbol+c` ("S-1": (1, "S", -1))."""
+    m = _AFFINE.fullmatch(d)
+    if m is None:
+        raise ValueError(f"dimension {d!r} is not an integer, k*B, k*S+c or ?")
+    return int(m[1] or 1), m[2], int(m[3] or 0)
 
 
 def shape_at(spec_shape: list, batch: int, seq: int | None = None) -> list[int]:

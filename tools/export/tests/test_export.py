@@ -37,9 +37,11 @@ from cleave_export.sources import load_source
 from cleave_export.specs import (
     Probe,
     Unrepresentable,
+    affine_dim,
     bytes_per_sample,
     check_value,
     flatten_tensors,
+    parse_affine,
     shape_at,
     symbolic_dim,
     tensor_leaves,
@@ -890,8 +892,25 @@ def test_symbolic_dim():
     assert symbolic_dim([15, 15, 24], BATCHES_AND_SEQS) == "3*S"
     assert symbolic_dim([64, 64, 64], BATCHES_AND_SEQS) == 64
     assert symbolic_dim([10, 15, 16], BATCHES_AND_SEQS) == "?"  # B * S
-    assert symbolic_dim([6, 6, 9], BATCHES_AND_SEQS) == "?"  # S + 1
+    assert symbolic_dim([6, 6, 9], BATCHES_AND_SEQS) == "?"  # S + 1 from two lengths: any two points lie on a line
     assert symbolic_dim([5, 5, 5], [Probe(2, 5), Probe(3, 5)]) == 5  # a fixed sequence length
+
+
+THREE_SEQS = [*BATCHES_AND_SEQS, Probe(2, 7)]
+
+
+def test_lines_in_the_sequence_length_need_three_lengths():
+    assert symbolic_dim([6, 6, 9, 8], THREE_SEQS) == "S+1"
+    assert symbolic_dim([4, 4, 7, 6], THREE_SEQS) == "S-1"
+    assert symbolic_dim([120, 120, 180, 160], THREE_SEQS) == "20*S+20"  # a waveform's samples, S its frames
+    assert symbolic_dim([15, 15, 24, 21], THREE_SEQS) == "3*S"
+    assert symbolic_dim([6, 6, 9, 9], THREE_SEQS) == "?"  # off the line at the third length
+    assert symbolic_dim([3, 4, 3, 3], THREE_SEQS) == "?"  # B + 1: a batch dimension is k*B or nothing
+    assert symbolic_dim([10, 15, 16, 14], THREE_SEQS) == "?"  # B * S
+    assert shape_at(["B", "20*S+20", "S-1", "2*S-3"], 2, 5) == [2, 120, 4, 7]
+    assert parse_affine("320*S+80") == (320, "S", 80) and affine_dim(320, "S", 80) == "320*S+80"
+    with pytest.raises(ValueError, match="is not an integer"):
+        shape_at(["S+"], 1, 5)
 
 
 def test_value_spec_of_nested_values():

@@ -105,9 +105,46 @@ def test_audio_transformers_are_fed_a_waveform_or_log_mel_features():
     assert shorter.example_inputs(0, 3)[0].shape == (3, 4000)
 
 
-def test_audio_with_a_dynamic_length_is_refused_saying_what_to_do_instead(tmp_path):
-    with pytest.raises(ExportError, match=r"fixed length here .* --input-shape instead of --dynamic-seq"):
-        export_bundle(ExportOptions(source="tests.models:tiny_wav2vec2", out=tmp_path / "b", seq=(400, 800)))
+def test_a_waveform_model_takes_any_length_its_frames_allow(tmp_path):
+    # With --dynamic-seq, S counts wav2vec2's frames: a waveform of 20*S+20 samples (its
+    # strides multiply to 20, its first frame takes 40 samples) makes exactly S, and every size
+    # inside the model is then a line in S, which the specs say.
+    b = _export(tmp_path, "tests.models:tiny_wav2vec2", batch_max=8, seq=(4, 40))
+    m = b.manifest
+    assert [(i["name"], i["spec"]["shape"]) for i in m["inputs"]] == [("input_values", ["B", "20*S+20"])]
+    shapes = [v["spec"]["shape"] for c in m["cuts"] for v in c["values"]]
+    assert ["B", 16, "4*S+3"] in shapes and ["B", 16, "2*S+1"] in shapes and ["B", "S", 32] in shapes, shapes
+    assert sum(c["usable"] for c in m["cuts"]) >= 10 and m["exporter"]["merged_cuts"] == []
+    model = load_source("tests.models:tiny_wav2vec2", None, 0).model.eval()
+    stages = b.stages()
+    for frames in (4, 13, 40):  # 13 was neither probed nor validated
+        wave = torch.randn(3, 20 * frames + 20)
+        whole = run_stages(stages, [wave])
+        with torch.no_grad():
+            assert_close(whole[0], model(input_values=wave).logits)
+        for s in range(len(stages) + 1):
+            got = run_stages(stages[s:], run_stages(stages[:s], [wave]))
+            assert all(torch.equal(g, w) for g, w in zip(got, whole, strict=True)), f"{frames} frames: split at cut {s} differs"
+
+
+def test_the_frames_of_a_waveform_follow_the_model_s_strides():
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    from cleave_export.huggingface import waveform_lattice
+    from tests import models
+
+    assert waveform_lattice(models.tiny_wav2vec2()) == (20, 20)
+    # wav2vec2's own feature encoder (strides 5, 2, 2, 2, 2, 2, 2; first frame 400 samples).
+    config = Wav2Vec2Config(
+        num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=8, conv_dim=(8,) * 7, num_conv_pos_embedding_groups=2
+    )
+    assert waveform_lattice(Wav2Vec2Model(config)) == (320, 80)
+    assert waveform_lattice(nn.Linear(2, 2)) is None
+
+
+def test_log_mel_features_of_one_length_refuse_a_dynamic_length_saying_what_to_do_instead(tmp_path):
+    with pytest.raises(ExportError, match=r"input_features of one length only .* --input-shape instead of --dynamic-seq"):
+        export_bundle(ExportOptions(source="tests.models:tiny_whisper_encoder", out=tmp_path / "b", seq=(8, 64)))
 
 
 def test_fields_read_off_an_output_object_stay_with_the_call_that_made_it(tmp_path):
