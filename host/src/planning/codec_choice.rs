@@ -18,7 +18,7 @@ use cleave_common::wire::{Codec, WireError};
 use cleave_common::Boundary;
 use serde::Serialize;
 
-use super::codec_cost::CodecCost;
+use super::codec_cost::{eligible, CodecCost};
 use super::planner::{BandwidthEstimate, Link, Profiles};
 use crate::client::{ChoosesCodec, RequestMetrics};
 use crate::error::{Refusal, Result};
@@ -32,11 +32,6 @@ const ESTIMATE_WEIGHT: f64 = 0.5;
 
 /// Times each codec encodes and decodes a boundary when measured (the median counts).
 const REPEATS: usize = 3;
-
-/// The share of the bytes a compressing codec must save to be chosen: what it saves below
-/// this is within the timing noise of its measured CPU cost, so data that does not compress
-/// goes raw, not to whichever codec a busy machine happened to time as faster.
-const MIN_SAVING: f64 = 0.01;
 
 /// Chooses each request's codec (`codec: auto`); shared by the prefix thread, which asks, and
 /// the result loop, which feeds the rate.
@@ -137,9 +132,7 @@ impl ChoosesCodec for CodecChooser {
         let state = self.state.lock().expect("codec chooser");
         let (raw, rate) = (boundary.tensor_bytes() as u64, state.estimate.bytes_per_s());
         let costs = &state.costs[&cut];
-        let worth_it = |c: &&CodecCost| c.codec == Codec::RAW || c.wire_ratio <= 1.0 - MIN_SAVING;
-        let by_time = |a: &&CodecCost, b: &&CodecCost| a.ms(raw, rate).total_cmp(&b.ms(raw, rate));
-        let chosen = costs.iter().filter(worth_it).min_by(by_time).or_else(|| costs.iter().min_by(by_time));
+        let chosen = eligible(costs).into_iter().min_by(|a, b| a.ms(raw, rate).total_cmp(&b.ms(raw, rate)));
         Ok(chosen.expect("a candidate").codec)
     }
 

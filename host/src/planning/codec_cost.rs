@@ -11,6 +11,23 @@ use serde::Serialize;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
+/// The share of the bytes a compressing codec must save to be chosen: what it saves below
+/// this is within the timing noise of its measured CPU cost, so data that does not compress
+/// goes raw, not to whichever codec a busy machine happened to time as faster.
+const MIN_SAVING: f64 = 0.01;
+
+/// The costs `codec: auto` chooses among, and `split: auto` predicts with: raw and the codecs
+/// that save at least [`MIN_SAVING`] of the bytes, or every one where none of them is left (a
+/// server that refuses raw, data that does not compress).
+pub fn eligible(costs: &[CodecCost]) -> Vec<&CodecCost> {
+    let saving: Vec<&CodecCost> = costs.iter().filter(|c| c.codec == Codec::RAW || c.wire_ratio <= 1.0 - MIN_SAVING).collect();
+    if saving.is_empty() {
+        costs.iter().collect()
+    } else {
+        saving
+    }
+}
+
 /// A codec's cost on this machine for the boundary at one cut.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CodecCost {

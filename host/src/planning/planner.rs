@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use cleave_common::wire::Codec;
 use serde::{Deserialize, Serialize};
 
-use super::codec_cost::{codec_text, CodecCost, CutCodecs};
+use super::codec_cost::{codec_text, eligible, CodecCost, CutCodecs};
 
 /// What the planner optimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,9 +239,8 @@ impl Profiles {
         let n = self.stage_count();
         match self.codec_choices.get(cut).filter(|_| cut < n) {
             None => self.predict_with(cut, None, self.cut_wire_bytes[cut], self.cut_codec_ms(self.cut_wire_bytes[cut])),
-            Some(choices) => choices
-                .costs
-                .iter()
+            Some(choices) => eligible(&choices.costs)
+                .into_iter()
                 .map(|c| self.predict_with(cut, Some(c.codec), c.wire_bytes(choices.tensor_bytes), c.codec_ms(choices.tensor_bytes)))
                 .reduce(|a, b| if score(&b, objective) < score(&a, objective) { b } else { a })
                 .expect("checked: every cut has a codec"),
@@ -494,6 +493,23 @@ mod tests {
         assert_eq!(replanner.current(), 0);
         assert_eq!(replanner.update(5.0 * MBIT), 2);
         assert_eq!(replanner.prediction(2).unwrap().codec, Some(Codec::SHUFFLE_LZ4));
+    }
+
+    #[test]
+    fn a_codec_that_saves_under_one_percent_is_predicted_as_codec_auto_would_choose_raw() {
+        // Free and 0.5% smaller: faster on paper, but within the noise of its measured cost,
+        // so `codec: auto` sends raw, and the prediction must say what will run.
+        let mut p = profiles_choosing_codecs(5.0);
+        for choices in &mut p.codec_choices {
+            choices.costs[1] = CodecCost { codec: Codec::SHUFFLE_LZ4, wire_ratio: 0.995, encode_ms_per_mib: 0.0, decode_ms_per_mib: 0.0 };
+        }
+        let predictions = p.predict(Objective::Latency).unwrap();
+        assert!(predictions[..4].iter().all(|c| c.codec == Some(Codec::RAW)), "{predictions:?}");
+        // Where raw is not a candidate (the server refuses it), the codec that is left runs.
+        for choices in &mut p.codec_choices {
+            choices.costs.remove(0);
+        }
+        assert_eq!(p.predict(Objective::Latency).unwrap()[2].codec, Some(Codec::SHUFFLE_LZ4));
     }
 
     #[test]

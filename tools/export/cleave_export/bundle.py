@@ -461,7 +461,12 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
             try:
                 check_value(spec, v, at.batch, f"cut {k} value {node.name!r}", at.seq)
             except ValueError as e:
-                raise ExportError(f"at {_where(at)}, {_stage_part(part, k - 1)} gives {e}: {_shape_hint(compilers[k - 1])}") from e
+                if k == 0:
+                    raise ExportError(
+                        f"at {_where(at)}, the model's example inputs give {e}; what to try: make example_inputs follow the "
+                        "batch size (and sequence length) it is given in every dimension that changes with them"
+                    ) from e
+                raise ExportError(f"at {_where(at)}, {_stage_part(part, k - 1)} gives {e}: {_shape_hint(compilers[k - 1], at)}") from e
     if err > TOLERANCE:
         reference = record_values(gm, inputs)
         for k, (cut, values) in enumerate(zip(part.cuts, cut_values)):
@@ -482,16 +487,17 @@ def _validate(src: ModelSource, gm: fx.GraphModule, loaded: list, part: Partitio
     return cut_values[-1]
 
 
-def _shape_hint(compiler: str) -> str:
+def _shape_hint(compiler: str, at: Probe) -> str:
     """Why a stage's output has another shape at another batch size or length, and what to try."""
     if compiler == "trace":
         return (
             "it is traced, not scripted (the warning above says why), so each value it reads out of a tensor "
             "(.numpy(), .item(), .tolist()) is a constant, the one of the example it was traced at; what to try: make it scriptable"
         )
+    one_length = "" if at.seq is None else " or --dynamic-seq N N (one length)"
     return (
         "its code turns a size of the example inputs into a constant; "
-        "what to try: export it with --dynamic-batch N N (one batch size) or compute the size from the tensors"
+        f"what to try: compute the size from the tensors, or export it with --dynamic-batch N N (one batch size){one_length}"
     )
 
 

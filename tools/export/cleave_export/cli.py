@@ -132,7 +132,10 @@ def _innermost_own_frame(e: BaseException) -> traceback.FrameSummary:
     """The innermost frame of the traceback in the user's code or the exporter's, not in a
     library's (torch's tracers, transformers) nor Python's: the part the user can act on."""
     frames = traceback.extract_tb(e.__traceback__)
-    libraries = [str(Path(p).resolve()) for p in {*sysconfig.get_paths().values(), *site.getsitepackages()} if p]
+    # Python's own modules and installed packages; not the whole prefix (sysconfig's `data`,
+    # `scripts`), under which a user's code may live.
+    library_dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    libraries = [str(Path(p).resolve()) for p in {*library_dirs, *site.getsitepackages()} if p]
     exporter = str(Path(__file__).resolve().parent)
     for frame in reversed(frames):
         path = str(Path(frame.filename).resolve())

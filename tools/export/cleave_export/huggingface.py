@@ -189,16 +189,21 @@ def _audio_shape(model: nn.Module, main: str, source: str) -> tuple[int, ...]:
     )
 
 
-_DRAWN_IN_TRAINING = {"apply_spec_augment": False, "layerdrop": 0.0}
+_DRAWN_IN_TRAINING = {"apply_spec_augment": False, "layerdrop": 0.0, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0}
 """Config fields that make a training forward draw in Python (SpecAugment's masks, LayerDrop's
 skipped layers), which no traced graph can hold: the exporter records the model in training
 mode (for its dropouts), so these are turned off, and the model trains without them."""
 
 
 def without_training_draws(model: nn.Module, source: str) -> None:
-    """Turns off (and says so) the config fields of `_DRAWN_IN_TRAINING` that are on."""
+    """Turns off (and says so) the config fields of `_DRAWN_IN_TRAINING` that are on, and the
+    `layerdrop` that modules copied from them when built (Whisper's and BART's encoders)."""
     config = model.config
     for key, off in _DRAWN_IN_TRAINING.items():
         if getattr(config, key, off) not in (off, None):
             log.warning("%s: %s=%s turned off (%s): a split model cannot draw it", source, key, getattr(config, key), off)
             setattr(config, key, off)
+    for path, module in model.named_modules():
+        if isinstance(getattr(module, "layerdrop", None), float) and module.layerdrop > 0:
+            log.warning("%s: %s.layerdrop=%s turned off (0.0): a split model cannot draw it", source, path or "model", module.layerdrop)
+            module.layerdrop = 0.0

@@ -454,3 +454,21 @@ class WrappedGPT2WithMeta(WrappedGPT2):
 
 def wrapped_gpt2_with_meta():
     return WrappedGPT2WithMeta()
+
+
+class RowsWhateverTheBatch(nn.Module):
+    """Its example_inputs give at least two rows, whatever batch size they are asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        return (torch.randn(max(batch_size, 2), 4),)
+
+
+def rows_whatever_the_batch():
+    return RowsWhateverTheBatch()

@@ -147,6 +147,32 @@ def test_log_mel_features_of_one_length_refuse_a_dynamic_length_saying_what_to_d
         export_bundle(ExportOptions(source="tests.models:tiny_whisper_encoder", out=tmp_path / "b", seq=(8, 64)))
 
 
+def test_example_inputs_that_do_not_follow_the_batch_size_are_named_as_such(tmp_path):
+    # Not the last stage's fault, as the message said when it blamed stage k - 1 for cut 0.
+    with pytest.raises(ExportError) as e:
+        _export(tmp_path, "tests.models:rows_whatever_the_batch")
+    assert str(e.value).startswith(
+        "at batch 1, the model's example inputs give cut 0 value 'x': expected float32[1, 4], got float32[2, 4]; "
+        "what to try: make example_inputs follow the batch size"
+    ), e.value
+
+
+def test_layerdrop_copied_into_modules_when_built_is_turned_off_too():
+    # Whisper's encoder copies encoder_layerdrop when built: turning off the config is not enough.
+    from transformers import WhisperConfig, WhisperForAudioClassification
+
+    from cleave_export.huggingface import without_training_draws
+
+    config = WhisperConfig(
+        encoder_layers=1, decoder_layers=1, d_model=8, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=8,
+        decoder_ffn_dim=8, num_mel_bins=4, max_source_positions=4, encoder_layerdrop=0.2, decoder_layerdrop=0.3,
+    )
+    model = WhisperForAudioClassification(config)
+    assert model.encoder.layerdrop == 0.2
+    without_training_draws(model, "whisper")
+    assert model.encoder.layerdrop == 0.0 and config.encoder_layerdrop == 0.0 and config.decoder_layerdrop == 0.0
+
+
 def test_fields_read_off_an_output_object_stay_with_the_call_that_made_it(tmp_path):
     # A named tuple out of a module kept whole, read by attribute: the reads join the module's
     # stage, so the container never crosses a cut (TorchScript cannot read `.scaled` off a tuple).
