@@ -61,8 +61,8 @@ $(TEST_BUNDLES)/.stamp: $(VENV)/.installed $(EXPORTER_SOURCES)
 	$(EXPORT) tests.models:tiny_whisper_encoder --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/whisper_encoder
 	$(EXPORT) tests.models:tiny_wav2vec2 --dynamic-batch 1 16 --dynamic-seq 4 40 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/wav2vec2
 	$(EXPORT) tests.models:wrapped_gpt2 --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/wrapped_gpt2
-	$(EXPORT) hf:GPT2LMHeadModel --hf-config $(HF_SMALL_GPT2) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/gpt2
-	$(EXPORT) hf:LlamaForCausalLM --hf-config $(HF_SMALL_LLAMA) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/llama
+	$(EXPORT) hf:GPT2LMHeadModel --hf-config $(HF_SMALL_GPT2) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --generation --out $(TEST_BUNDLES)/gpt2
+	$(EXPORT) hf:LlamaForCausalLM --hf-config $(HF_SMALL_LLAMA) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --generation --out $(TEST_BUNDLES)/llama
 	$(EXPORT) hf:BertForSequenceClassification --hf-config $(HF_SMALL_BERT) --dynamic-batch 1 16 --dynamic-seq 1 32 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/bert
 	$(EXPORT) hf:ViTForImageClassification --hf-config $(HF_SMALL_VIT) --dynamic-batch 1 16 --reference-batches 1,3,8 --out $(TEST_BUNDLES)/vit
 	cd tools/export && $(PYTHON) -m cleave_export.datasets digits --part train --out $(TEST_BUNDLES)/digits-train.safetensors

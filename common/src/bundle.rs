@@ -50,6 +50,101 @@ pub struct Manifest {
     pub references: Vec<ReferenceInfo>,
     /// sha256 of every file of the bundle but the manifest.
     pub files: BTreeMap<String, String>,
+    /// The stages for split generation, in bundles exported with `--generation`.
+    #[serde(default)]
+    pub generation: Option<GenerationInfo>,
+}
+
+/// The manifest's `generation` section.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GenerationInfo {
+    /// The model's transformers class (`GPT2LMHeadModel`).
+    pub family: String,
+    /// Positions the model has embeddings for: the longest `max_len` a session may ask.
+    pub max_positions: i64,
+    /// Token ids lie in `0..vocab_size`.
+    pub vocab_size: i64,
+    /// The embedding, the layers, the head, in order.
+    pub stages: Vec<GenerationStageInfo>,
+    /// The exporter's check against transformers with its own cache.
+    pub reference: GenerationReference,
+}
+
+/// One generation stage.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GenerationStageInfo {
+    /// The model part it runs (`transformer.h.0`).
+    pub name: String,
+    /// Its TorchScript file.
+    pub file: String,
+    /// The key/value cache it takes (layers only).
+    #[serde(default)]
+    pub cache: Option<CacheInfo>,
+}
+
+/// A layer's key/value cache: `[2, batch, heads, max_len, head_dim]` of `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct CacheInfo {
+    /// Its element type.
+    pub dtype: DType,
+    /// Key/value heads.
+    pub heads: i64,
+    /// Each head's width.
+    pub head_dim: i64,
+    /// Bytes per sequence and position: keys and values of every head.
+    pub bytes_per_token: u64,
+}
+
+/// What the exporter checked: a prompt, then one token at a time, the tokens given.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GenerationReference {
+    /// Safetensors file with `input_ids` [B, T] and transformers' `logits` [B, T, vocab].
+    pub file: String,
+    /// Tokens of the prompt, run in one step.
+    pub prompt: i64,
+    /// Steps of one token after it.
+    pub steps: i64,
+    /// The cache length the exporter ran with.
+    pub max_len: i64,
+}
+
+impl GenerationInfo {
+    /// Checks what the rest of this module relies on: the embedding first, the head last,
+    /// a cache on every layer between and nowhere else, caches of positive sizes whose bytes
+    /// per token the dims give (a server budgets memory by them).
+    pub fn validate(&self) -> Result<(), String> {
+        let n = self.stages.len();
+        if n < 2 {
+            return Err(format!("{n} generation stages: an embedding and a head at least"));
+        }
+        for (i, stage) in self.stages.iter().enumerate() {
+            let is_layer = i > 0 && i + 1 < n;
+            match (is_layer, stage.cache) {
+                (true, None) => return Err(format!("generation stage {i} ({}) is a layer without a cache", stage.name)),
+                (false, Some(_)) => return Err(format!("generation stage {i} ({}) takes a cache but is no layer", stage.name)),
+                (true, Some(c)) if c.heads < 1 || c.head_dim < 1 || Some(c.bytes_per_token) != cache_bytes_per_token(c) => {
+                    return Err(format!("generation stage {i} ({}): cache {c:?} is inconsistent", stage.name))
+                }
+                _ => {}
+            }
+        }
+        if self.vocab_size < 1 || self.max_positions < 1 {
+            return Err(format!("generation: vocab_size {} and max_positions {} must be positive", self.vocab_size, self.max_positions));
+        }
+        Ok(())
+    }
+
+    /// Bytes of the caches of the layers among `stages` for `batch` sequences of `max_len`
+    /// positions.
+    pub fn cache_bytes(&self, stages: std::ops::Range<usize>, batch: i64, max_len: i64) -> u64 {
+        let per_token: u64 = self.stages[stages].iter().filter_map(|s| s.cache.map(|c| c.bytes_per_token)).sum();
+        per_token.saturating_mul(batch.max(0) as u64).saturating_mul(max_len.max(0) as u64)
+    }
+}
+
+fn cache_bytes_per_token(c: CacheInfo) -> Option<u64> {
+    let elements = 2i64.checked_mul(c.heads)?.checked_mul(c.head_dim)?;
+    u64::try_from(elements).ok()?.checked_mul(c.dtype.size() as u64)
 }
 
 /// Where the model came from.
@@ -763,6 +858,9 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
         }
         _ => {}
     }
+    if let Some(problem) = manifest.generation.as_ref().and_then(|g| g.validate().err()) {
+        return Err(invalid(problem));
+    }
     if let Some(input) = manifest.inputs.iter().find(|i| i.range.is_some_and(|(lo, hi)| lo > hi)) {
         return Err(invalid(format!("input {} has an empty value range", input.name)));
     }
@@ -796,6 +894,34 @@ pub fn sha256_file(dir: &Path, file: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_generation_section_that_lies_about_its_caches_is_refused() {
+        let stage = |name: &str, cache: &str| format!(r#"{{"name":"{name}","file":"f.pt"{cache}}}"#);
+        let cache = |heads: i64, bytes: u64| format!(r#","cache":{{"dtype":"float32","heads":{heads},"head_dim":8,"bytes_per_token":{bytes}}}"#);
+        let section = |stages: Vec<String>| -> GenerationInfo {
+            let json = format!(
+                r#"{{"family":"GPT2LMHeadModel","max_positions":64,"vocab_size":500,"stages":[{}],
+                "reference":{{"file":"r.safetensors","prompt":7,"steps":32,"max_len":48}}}}"#,
+                stages.join(",")
+            );
+            serde_json::from_str(&json).unwrap()
+        };
+        let good = section(vec![stage("embed", ""), stage("h.0", &cache(4, 256)), stage("h.1", &cache(2, 128)), stage("head", "")]);
+        assert_eq!(good.validate(), Ok(()));
+        assert_eq!(good.cache_bytes(0..4, 3, 10), (256 + 128) * 3 * 10);
+        assert_eq!(good.cache_bytes(2..4, 3, 10), 128 * 3 * 10);
+        // A cache smaller than its dims say would let a server under-count its budget.
+        let lying = section(vec![stage("embed", ""), stage("h.0", &cache(4, 8)), stage("head", "")]);
+        assert!(lying.validate().unwrap_err().contains("cache"), "{:?}", lying.validate());
+        let uncached = section(vec![stage("embed", ""), stage("h.0", ""), stage("head", "")]);
+        assert!(uncached.validate().unwrap_err().contains("layer without a cache"));
+        let cached_head = section(vec![stage("embed", ""), stage("head", &cache(4, 256))]);
+        assert!(cached_head.validate().unwrap_err().contains("no layer"));
+        assert!(section(vec![stage("embed", "")]).validate().unwrap_err().contains("an embedding and a head"));
+        let huge = section(vec![stage("embed", ""), stage("h.0", &cache(i64::MAX, 0)), stage("head", "")]);
+        assert!(huge.validate().is_err(), "no overflow");
+    }
 
     #[test]
     fn split_specs_parse() {

@@ -170,6 +170,15 @@ pub enum BundleError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// Generation stages asked of a bundle exported without them.
+    #[error("the bundle has no generation stages: export it with --generation (a causal language model)")]
+    NoGeneration,
+    /// A generation step's inputs the stages cannot take.
+    #[error("generation step refused: {problem}")]
+    GenerationStep {
+        /// Why.
+        problem: StepProblem,
+    },
     /// A stage raised an error while running.
     #[error("stage {index} ({name}) failed: {message}")]
     StageFailed {
@@ -374,4 +383,32 @@ pub enum ValueMismatch {
         /// What differs (boxed: it is large, and mismatches are rare).
         why: Box<ShapeMismatch>,
     },
+}
+
+/// Why a generation step's inputs were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepProblem {
+    /// Token ids outside the vocabulary.
+    #[error("token ids must lie in 0..{vocab_size}, got {min}..={max}")]
+    TokenId {
+        /// The least given.
+        min: i64,
+        /// The greatest given.
+        max: i64,
+        /// The vocabulary's size.
+        vocab_size: i64,
+    },
+    /// Positions outside the cache.
+    #[error("positions must lie in 0..{max_len} (the cache's length), got {min}..={max}")]
+    Position {
+        /// The least given.
+        min: i64,
+        /// The greatest given.
+        max: i64,
+        /// The cache's length.
+        max_len: i64,
+    },
+    /// Shapes that do not fit each other.
+    #[error("{0}")]
+    Shape(String),
 }

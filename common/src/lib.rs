@@ -6,6 +6,7 @@
 //! - [`spec`]: what the manifest says crosses a cut: dtypes, symbolic shapes, value trees.
 //! - [`value`]: runtime values at a cut ([`Boundary`]): named tensors plus a value tree.
 //! - [`stages`]: load a range of stages onto a device and run it on a boundary.
+//! - [`generation`]: split generation's stages, which take their layers' key/value caches.
 //! - [`training`]: stages in training mode, optimizers, losses, checkpoints, and the step
 //!   math both sides of split training run.
 //! - [`wire`]: boundaries to and from `cleave-codec` payloads, payloads in frames, and the one
@@ -29,6 +30,7 @@ pub mod bundle;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod generation;
 pub mod logs;
 pub mod protocol;
 pub mod scheduling;

@@ -2,10 +2,13 @@
 //! [s, N) on the reference input must give the reference output (relative error at most
 //! 1e-5) and exactly the same bits whatever s is, at batch sizes 1, 3 and 8.
 
+use cleave_common::error::{BundleError, StepProblem};
+use cleave_common::generation::GenerationStages;
 use cleave_common::spec::ValueSpec;
 use cleave_common::verify::{verify_splits, TOLERANCE};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_tests::bundle_dir;
+use tch::{Device, Kind, Tensor};
 
 /// Runs every split of `name` at batch 1, 3 and 8; returns the bundle for further checks.
 fn every_split_matches_reference(name: &str, min_cuts: usize) -> Bundle {
@@ -130,4 +133,70 @@ fn deep_copy(v: &Value) -> Value {
         Value::List(items) => Value::List(items.iter().map(deep_copy).collect()),
         other => other.shallow_clone(),
     }
+}
+
+/// The reference of the GPT-2 test bundle's generation stages: token ids and transformers'
+/// logits for them with its own cache.
+fn generation_reference(bundle: &Bundle) -> (Tensor, Tensor) {
+    let info = bundle.manifest().generation.as_ref().expect("exported with --generation");
+    let tensors = Tensor::read_safetensors(bundle.dir().join(&info.reference.file)).unwrap();
+    let get = |name: &str| tensors.iter().find(|(n, _)| n == name).expect(name).1.shallow_clone();
+    (get("input_ids"), get("logits"))
+}
+
+/// Split generation (`--generation`): the GPT-2 and Llama test bundles' generation stages
+/// split at every cut, the edge's range then the server's, each side keeping its own layers'
+/// caches, a prompt in one step then one token at a time, give transformers' logits with its
+/// own cache within 1e-4 (relative to their largest magnitude).
+#[test]
+fn generation_stages_split_at_every_cut_give_transformers_logits_with_its_cache() {
+    for (name, layers) in [("gpt2", 4), ("llama", 2)] {
+        let bundle = Bundle::open(bundle_dir(name)).unwrap();
+        let info = bundle.manifest().generation.clone().unwrap();
+        let (ids, want) = generation_reference(&bundle);
+        let (batch, total, n) = (ids.size()[0], ids.size()[1], info.stages.len());
+        assert_eq!(n, layers + 2, "{name}: the embedding, {layers} layers, the head");
+        let (prompt, max_len) = (info.reference.prompt, info.reference.max_len);
+        for cut in 0..=n {
+            let edge = GenerationStages::load(&bundle, StageRange::new(0, cut), DeviceSpec::Cpu).unwrap();
+            let server = GenerationStages::load(&bundle, StageRange::new(cut, n), DeviceSpec::Cpu).unwrap();
+            let (mut edge_caches, mut server_caches) = (edge.new_caches(batch, max_len), server.new_caches(batch, max_len));
+            assert_eq!(edge_caches.len() + server_caches.len(), layers, "one cache per layer, on one side");
+            let steps = std::iter::once((0, prompt)).chain((prompt..total).map(|t| (t, t + 1)));
+            let logits: Vec<Tensor> = steps
+                .map(|(start, end)| {
+                    let positions = Tensor::arange_start(start, end, (Kind::Int64, Device::Cpu)).unsqueeze(0).repeat([batch, 1]);
+                    let hidden = edge.step(&ids.narrow(1, start, end - start), &positions, &mut edge_caches).unwrap();
+                    server.step(&hidden, &positions, &mut server_caches).unwrap()
+                })
+                .collect();
+            let got = Tensor::cat(&logits, 1);
+            let error = (&got - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+            assert!(error <= 1e-4, "{name} cut {cut}: relative error {error:e}");
+        }
+    }
+}
+
+#[test]
+fn a_generation_step_s_hostile_inputs_are_refused_before_a_stage_sees_them() {
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let all = GenerationStages::load(&bundle, StageRange::new(0, 6), DeviceSpec::Cpu).unwrap();
+    let mut caches = all.new_caches(1, 8);
+    let ids = |v: &[i64]| Tensor::from_slice(v).unsqueeze(0);
+    let refused = |tokens: &Tensor, positions: &Tensor, caches: &mut [Tensor]| match all.step(tokens, positions, caches) {
+        Err(BundleError::GenerationStep { problem }) => problem,
+        other => panic!("expected a refusal, got {:?}", other.map(|t| t.size())),
+    };
+    assert_eq!(refused(&ids(&[1, 500]), &ids(&[0, 1]), &mut caches), StepProblem::TokenId { min: 1, max: 500, vocab_size: 500 });
+    assert_eq!(refused(&ids(&[1, 2]), &ids(&[7, 8]), &mut caches), StepProblem::Position { min: 7, max: 8, max_len: 8 });
+    assert_eq!(refused(&ids(&[1, 2]), &ids(&[-1, 0]), &mut caches), StepProblem::Position { min: -1, max: 0, max_len: 8 });
+    assert!(matches!(refused(&ids(&[1, 2]), &ids(&[0]), &mut caches), StepProblem::Shape(_)));
+    assert!(matches!(refused(&ids(&[1, 2]), &ids(&[0, 1]), &mut caches[..3]), StepProblem::Shape(_)));
+    assert!(matches!(refused(&ids(&[1, 2]).repeat([2, 1]), &ids(&[0, 1]).repeat([2, 1]), &mut caches), StepProblem::Shape(_)));
+    assert_eq!(caches.iter().map(|c| c.abs().sum(Kind::Double).double_value(&[])).sum::<f64>(), 0.0, "no cache was written");
+    // Within the cache, a step runs: logits for each new token.
+    assert_eq!(all.step(&ids(&[1, 2]), &ids(&[6, 7]), &mut caches).unwrap().size(), [1, 2, 500]);
+    // A bundle exported without --generation has none.
+    let digits = Bundle::open(bundle_dir("digits")).unwrap();
+    assert!(matches!(GenerationStages::load(&digits, StageRange::new(0, 1), DeviceSpec::Cpu), Err(BundleError::NoGeneration)));
 }

@@ -39,6 +39,7 @@ import cleave_export
 from cleave_export import ExportError, first_line, huggingface
 from cleave_export.compare import TOLERANCE, relative_error
 from cleave_export.exported import trace_with_export
+from cleave_export.generation import check_generation, write_generation
 from cleave_export.inference import InferenceStages, write_inference_stages
 from cleave_export.partition import GRANULARITY_DEPTH, Partition, parse_granularity, partition, stage_module
 from cleave_export.sources import ModelSource, load_source
@@ -66,6 +67,9 @@ class ExportOptions:
     when None)."""
     hf_config: dict = field(default_factory=dict)
     """`--hf-config`: config fields of an `hf:CLASS` model."""
+    generation: bool = False
+    """`--generation`: also the stages for split generation, which take a key/value cache
+    (`generation.py`)."""
 
 
 @dataclass
@@ -94,6 +98,8 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         raise ExportError(f"{opts.out} already exists; pass --force to replace it")
 
     src = load_source(opts.source, opts.input_shape, opts.seed, opts.hf_config)
+    if opts.generation:
+        check_generation(src.model)
     seq_range = opts.seq or src.sequence
     if seq_range is not None and not 1 <= seq_range[0] <= seq_range[1]:
         raise ExportError(f"--dynamic-seq {seq_range[0]} {seq_range[1]}: need 1 <= MIN <= MAX")
@@ -142,7 +148,12 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
                 tensors.update({f"output.{k}": v for k, v in flatten_tensors(value.name, x)})
             save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / name))
             ref_entries.append({"batch_size": b, "file": name} | ({} if seq is None else {"seq_len": seq}))
+        generation_started = time.perf_counter()
+        generation = write_generation(src.model, tmp, opts.seed) if opts.generation else None
+        if generation:
+            timings["generation"] = time.perf_counter() - generation_started
         manifest = _manifest(opts, src, traced, stage_gms, compilers, inference, flops, seq_range, ref_entries, tmp)
+        manifest |= {"generation": generation} if generation else {}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _set_modes(tmp)
         if opts.out.exists():

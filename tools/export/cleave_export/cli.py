@@ -68,6 +68,9 @@ def parse_args(argv: list[str]) -> tuple[bool, bool, ExportOptions]:
                         "(default for transformers text models: 1 to the model's positions, at most 128) "
                         "or a waveform (wav2vec2, HuBERT ...: S counts frames, the waveform takes k*S+c samples, "
                         "as the manifest's input spec says)")
+    p.add_argument("--generation", action="store_true",
+                   help="also write stages for split generation, each layer with its key/value cache as an input "
+                        "(causal language models: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
     p.add_argument("--granularity", default="block",
                    help="where stages may be cut: top (top-level modules), block (one level deeper, default), "
                         "layer (two deeper), op (every operation) or a module depth")
@@ -90,6 +93,7 @@ def parse_args(argv: list[str]) -> tuple[bool, bool, ExportOptions]:
         force=a.force,
         seq=tuple(a.dynamic_seq) if a.dynamic_seq else None,
         hf_config=hf_config(p, a.hf_config),
+        generation=a.generation,
     )
 
 
@@ -162,6 +166,15 @@ def print_report(report: ExportReport, out: Path) -> None:
         f"{' and sequence length ' + ','.join(map(str, report.validated_seqs)) if report.validated_seqs else ''} "
         f"{t['validate']:.2f}, inference stages {t['inference']:.2f}, write {t['write']:.2f})"
     )
+    generation = m.get("generation")
+    if generation:
+        cached = sum(1 for s in generation["stages"] if "cache" in s)
+        per_token = sum(s["cache"]["bytes_per_token"] for s in generation["stages"] if "cache" in s)
+        print(
+            f"  generation: {len(generation['stages'])} stages ({cached} with a key/value cache, {per_token:,} bytes per token "
+            f"and sequence), within {generation['reference']['relative_error']:.1e} (relative) of transformers with its cache, "
+            f"{t['generation']:.2f} s"
+        )
     inference = report.inference
     frozen = [p for p in inference.passes if p is not None]
     if frozen:

@@ -1,0 +1,133 @@
+//! Split generation's stages (bundles exported with `--generation`): the embedding, one stage
+//! per transformer layer that takes its key/value cache, and the head. A range of them runs
+//! one step, a prefill of S tokens or a decode step of one, with the caches of its layers:
+//! whoever runs a range keeps its caches, one per session (or per batch of sessions).
+//!
+//! Every step's inputs are checked before a stage sees them: the token ids against the
+//! vocabulary, the positions against the cache, the shapes against each other, since a
+//! layer writes its cache at the positions it is given.
+
+use std::path::Path;
+
+use tch::{CModule, Kind, Tensor};
+
+use crate::bundle::{Bundle, GenerationStageInfo};
+use crate::device::DeviceSpec;
+use crate::error::{BundleError, Result, StepProblem};
+use crate::spec::TorchDType;
+use crate::stages::StageRange;
+
+/// Generation stages `range`, loaded.
+pub struct GenerationStages {
+    info: crate::bundle::GenerationInfo,
+    range: StageRange,
+    modules: Vec<CModule>,
+    device: tch::Device,
+}
+
+impl GenerationStages {
+    /// Loads stages `range` of `bundle`'s generation stages onto `device`, in eval mode.
+    pub fn load(bundle: &Bundle, range: StageRange, device: DeviceSpec) -> Result<Self> {
+        let info = bundle.manifest().generation.clone().ok_or(BundleError::NoGeneration)?;
+        let n = info.stages.len();
+        if range.start > range.end || range.end > n {
+            return Err(BundleError::InvalidRange { start: range.start, end: range.end, reason: format!("the model has {n} generation stages") });
+        }
+        let device = device.resolve()?;
+        let modules = (range.start..range.end).map(|i| load_stage(bundle.dir(), i, &info.stages[i].file, device)).collect::<Result<_>>()?;
+        Ok(Self { info, range, modules, device })
+    }
+
+    /// The stages' range.
+    pub fn range(&self) -> StageRange {
+        self.range
+    }
+
+    /// Zeroed caches for `batch` sequences of up to `max_len` positions: one per layer of the
+    /// range, in order.
+    pub fn new_caches(&self, batch: i64, max_len: i64) -> Vec<Tensor> {
+        self.layers()
+            .filter_map(|(_, s)| s.cache)
+            .map(|c| Tensor::zeros([2, batch, c.heads, max_len, c.head_dim], (c.dtype.kind(), self.device)))
+            .collect()
+    }
+
+    /// One step through the range: `input` (token ids [B, S] where the range starts at the
+    /// embedding, hidden states [B, S, D] otherwise) at `positions` [B, S], writing the new
+    /// tokens into `caches` (from [`Self::new_caches`]); returns the hidden states, or the
+    /// logits where the range ends with the head.
+    pub fn step(&self, input: &Tensor, positions: &Tensor, caches: &mut [Tensor]) -> Result<Tensor> {
+        self.check_step(input, positions, caches).map_err(|problem| BundleError::GenerationStep { problem })?;
+        let _no_grad = tch::no_grad_guard();
+        let (mut value, mut caches) = (input.to_device(self.device), caches.iter_mut());
+        let positions = positions.to_device(self.device);
+        for ((index, info), module) in self.layers().zip(&self.modules) {
+            let result = match (index, info.cache) {
+                (0, _) => module.forward_ts(&[&value, &positions]),
+                (_, Some(_)) => {
+                    let cache: &Tensor = caches.next().expect("checked: one cache per layer");
+                    module.forward_ts(&[&value, &positions, cache])
+                }
+                (_, None) => module.forward_ts(&[&value]),
+            };
+            value = result.map_err(|e| BundleError::StageFailed { index, name: info.name.clone(), message: e.to_string() })?;
+        }
+        Ok(value)
+    }
+
+    fn layers(&self) -> impl Iterator<Item = (usize, &GenerationStageInfo)> {
+        (self.range.start..self.range.end).map(|i| (i, &self.info.stages[i]))
+    }
+
+    fn check_step(&self, input: &Tensor, positions: &Tensor, caches: &[Tensor]) -> Result<(), StepProblem> {
+        let shape = |t: &Tensor| t.size();
+        let (input_shape, position_shape) = (shape(input), shape(positions));
+        if positions.kind() != Kind::Int64 || position_shape.len() != 2 || input_shape.get(..2) != Some(&position_shape[..]) {
+            return Err(StepProblem::Shape(format!("positions int64 {position_shape:?} for an input of {input_shape:?}")));
+        }
+        if self.range.start == 0 {
+            if input.kind() != Kind::Int64 || input_shape.len() != 2 {
+                return Err(StepProblem::Shape(format!("token ids must be int64 [B, S], got {:?}{input_shape:?}", input.kind())));
+            }
+            let (min, max) = min_max(input);
+            if min < 0 || max >= self.info.vocab_size {
+                return Err(StepProblem::TokenId { min, max, vocab_size: self.info.vocab_size });
+            }
+        }
+        let wanted = self.layers().filter(|(_, s)| s.cache.is_some()).count();
+        if caches.len() != wanted {
+            return Err(StepProblem::Shape(format!("{} caches for {wanted} layers", caches.len())));
+        }
+        if let Some(first) = caches.first() {
+            if caches.iter().any(|c| c.dim() != 5 || c.size()[..4] != first.size()[..4]) {
+                return Err(StepProblem::Shape("caches must be [2, B, heads, max_len, head_dim], of one B and max_len".into()));
+            }
+            let max_len = first.size()[3];
+            let (min, max) = min_max(positions);
+            if min < 0 || max >= max_len {
+                return Err(StepProblem::Position { min, max, max_len });
+            }
+            if first.size()[1] != input_shape[0] {
+                return Err(StepProblem::Shape(format!("caches for {} sequences, an input of {}", first.size()[1], input_shape[0])));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn min_max(t: &Tensor) -> (i64, i64) {
+    if t.numel() == 0 {
+        return (0, -1);
+    }
+    (t.min().int64_value(&[]), t.max().int64_value(&[]))
+}
+
+fn load_stage(dir: &Path, index: usize, file: &str, device: tch::Device) -> Result<CModule> {
+    let mut module = CModule::load_on_device(dir.join(file), device).map_err(|e| BundleError::LoadStage {
+        index,
+        file: file.to_string(),
+        message: e.to_string().lines().next().unwrap_or_default().to_string(),
+    })?;
+    module.set_eval();
+    Ok(module)
+}

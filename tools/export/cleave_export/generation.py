@@ -1,0 +1,290 @@
+"""Stages for split generation: a causal language model whose attention layers take their
+key/value cache as an input, so that a server keeps each session's cache and every step sends
+only the new tokens.
+
+`--generation` writes them beside the inference stages (which stay as they are), one stage
+per layer so that every cut between layers serves generation:
+
+- `embed(input_ids [B, S] int64, positions [B, S] int64) -> hidden [B, S, D]`
+- `layer(hidden, positions, cache [2, B, kv heads, L, head_dim]) -> hidden`: writes the new
+  tokens' keys and values into `cache` at `positions`, in place, and attends to every
+  cached position up to its own (the last `window` of them, with Mistral's sliding window).
+  `L` is the session's `max_len`, chosen when the cache is allocated: one stage serves a
+  prefill of S tokens and a decode step of one, and each row of a batch may stand at another
+  position (sessions batched together).
+- `head(hidden) -> logits [B, S, vocab]`
+
+Attention runs over all `L` cached positions, the later ones masked: the time per token does
+not grow with the position, and no shape depends on it. The exporter checks the stages
+against the transformers model with its own cache (a prompt, then one token at a time, the
+tokens given) and writes that as the bundle's generation reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from cleave_export import ExportError
+
+REFERENCE_FILE = "generation_reference.safetensors"
+
+TOLERANCE = 1e-4
+"""Largest difference from transformers' logits, relative to their largest magnitude."""
+
+
+class _Conv1D(nn.Module):
+    """transformers' `Conv1D` (GPT-2's linear layers, weight [in, out]) as TorchScript can
+    compile it; it shares the model's parameters."""
+
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        self.weight = conv.weight
+        self.bias = conv.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.matmul(x, self.weight) + self.bias
+
+
+class _GPT2Embed(nn.Module):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class _GPT2MLP(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.c_fc, self.c_proj = _Conv1D(mlp.c_fc), _Conv1D(mlp.c_proj)
+        self.act, self.dropout = mlp.act, mlp.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class _GPT2Layer(nn.Module):
+    """A GPT-2 block reading and writing its cache (`GPT2Attention` with `GPT2Block`'s
+    residuals; the eager attention of transformers, the mask over positions)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        attn = block.attn
+        if attn.reorder_and_upcast_attn:
+            raise ExportError("--generation: GPT-2 with reorder_and_upcast_attn is not supported")
+        self.ln_1, self.ln_2, self.mlp = block.ln_1, block.ln_2, _GPT2MLP(block.mlp)
+        self.c_attn, self.c_proj = _Conv1D(attn.c_attn), _Conv1D(attn.c_proj)
+        self.attn_dropout, self.resid_dropout = attn.attn_dropout, attn.resid_dropout
+        self.heads: int = attn.num_heads
+        self.kv_heads: int = attn.num_heads
+        self.head_dim: int = attn.head_dim
+        self.scaling: float = float(attn.scaling)
+
+    def forward(self, hidden: Tensor, positions: Tensor, cache: Tensor) -> Tensor:
+        batch, new = hidden.size(0), hidden.size(1)
+        q, k, v = self.c_attn(self.ln_1(hidden)).split(self.heads * self.head_dim, dim=2)
+        q = q.view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+        out = _attend(q, k, v, positions, cache, self.scaling, 1, 0)
+        out = out.transpose(1, 2).reshape(batch, new, self.heads * self.head_dim)
+        hidden = hidden + self.resid_dropout(self.c_proj(self.attn_dropout(out)))
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class _GPT2Head(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: Tensor, scaling: float, groups: int, window: int) -> Tensor:
+    """Writes `k` and `v` ([B, kv heads, S, head_dim]) into `cache` at `positions` ([B, S]) and
+    attends from `q` ([B, heads, S, head_dim]; `groups` query heads share each key/value head)
+    to every cached position up to each query's own (the last `window` only, where not 0)."""
+    index = positions[:, None, :, None].expand(k.size(0), k.size(1), k.size(2), k.size(3))
+    cache[0].scatter_(2, index, k)
+    cache[1].scatter_(2, index, v)
+    keys, values = cache[0], cache[1]
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    key_positions = torch.arange(cache.size(3), device=q.device)[None, None, None, :]
+    query_positions = positions[:, None, :, None]
+    visible = key_positions <= query_positions
+    if window > 0:
+        visible = visible & (key_positions > query_positions - window)
+    weights = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    # -inf, not the dtype's least: a query always sees its own position, so no row is all -inf.
+    weights = torch.softmax(weights.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(values.dtype), values)
+
+
+def _gpt2(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    t = model.transformer
+    layers = [(f"transformer.h.{i}", _GPT2Layer(block)) for i, block in enumerate(t.h)]
+    return [("embed", _GPT2Embed(t)), *layers, ("head", _GPT2Head(model))]
+
+
+class _LlamaEmbed(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.embed_tokens = inner.embed_tokens
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class _LlamaLayer(nn.Module):
+    """A Llama decoder layer (also Mistral's and Qwen2's) reading and writing its cache:
+    rotary position embeddings computed from the positions, grouped key/value heads, and
+    Mistral's and Qwen2's sliding window where the layer has one."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config):
+        super().__init__()
+        attn = layer.self_attn
+        self.input_layernorm, self.post_attention_layernorm, self.mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.head_dim: int = attn.head_dim
+        self.heads: int = config.num_attention_heads
+        self.kv_heads: int = config.num_key_value_heads
+        self.scaling: float = float(attn.scaling)
+        window = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+        self.window: int = int(window or 0)
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone(), persistent=False)
+        self.rope_scaling: float = float(rotary.attention_scaling)
+
+    def forward(self, hidden: Tensor, positions: Tensor, cache: Tensor) -> Tensor:
+        batch, new = hidden.size(0), hidden.size(1)
+        x = self.input_layernorm(hidden)
+        q = self.q_proj(x).view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+        freqs = positions[:, :, None].float() * self.inv_freq.float()
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]
+        sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        out = _attend(q, k, v, positions, cache, self.scaling, self.heads // self.kv_heads, self.window)
+        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(batch, new, self.heads * self.head_dim))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.size(-1) // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _LlamaHead(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.norm, self.lm_head = model.model.norm, model.lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def _llama(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    inner = model.model
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        raise ExportError(f"--generation: rotary embeddings of type {rope!r} change with the length, which the stages cannot follow")
+    layers = [(f"model.layers.{i}", _LlamaLayer(layer, inner.rotary_emb, model.config)) for i, layer in enumerate(inner.layers)]
+    return [("embed", _LlamaEmbed(inner)), *layers, ("head", _LlamaHead(model))]
+
+
+FAMILIES = {"GPT2LMHeadModel": _gpt2, "LlamaForCausalLM": _llama, "MistralForCausalLM": _llama, "Qwen2ForCausalLM": _llama}
+"""Causal language models `--generation` takes, by class, each with the stages it is cut into
+(Mistral and Qwen2 have Llama's layers, with a sliding window where configured)."""
+
+
+def check_generation(model: nn.Module) -> None:
+    """Raises ExportError unless `--generation` knows the model's family."""
+    if type(model).__name__ not in FAMILIES:
+        raise ExportError(
+            f"--generation takes a causal language model of the classes {', '.join(FAMILIES)}; {type(model).__name__} is none "
+            "of them; what to try: export it without --generation (whole-sequence inference)"
+        )
+
+
+def write_generation(model: nn.Module, out, seed: int) -> dict:
+    """Writes the generation stages and their reference into the bundle directory `out`;
+    returns the manifest's `generation` section."""
+    check_generation(model)
+    family = FAMILIES[type(model).__name__]
+    model.eval()
+    stages = [(name, torch.jit.script(module.eval())) for name, module in family(model)]
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    entries = []
+    for i, (name, scripted) in enumerate(stages):
+        file = f"generation_{i:03d}.pt"
+        scripted.save(str(out / file))
+        takes_cache = 0 < i < len(stages) - 1
+        heads, head_dim = (scripted.kv_heads, scripted.head_dim) if takes_cache else (0, 0)
+        cache = {"dtype": str(dtype).removeprefix("torch."), "heads": heads, "head_dim": head_dim,
+                 "bytes_per_token": 2 * heads * head_dim * dtype.itemsize}
+        entries.append({"name": name, "file": file} | ({"cache": cache} if takes_cache else {}))
+    reference, error = _reference(model, [s for _, s in stages], seed)
+    save_file(reference, str(out / REFERENCE_FILE))
+    hidden = {"type": "tensor", "dtype": str(dtype).removeprefix("torch."), "shape": ["B", "S", config.hidden_size]}
+    return {
+        "family": type(model).__name__,
+        "max_positions": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "inputs": [{"name": "input_ids", "range": [0, config.vocab_size - 1]}, {"name": "positions"}],
+        "hidden": hidden,
+        "stages": entries,
+        "reference": {"file": REFERENCE_FILE, "prompt": _PROMPT, "steps": _STEPS, "max_len": _MAX_LEN, "relative_error": error},
+    }
+
+
+_BATCH, _PROMPT, _STEPS, _MAX_LEN = 2, 7, 32, 48
+"""The reference: two sequences, a prompt of 7 tokens, then 32 steps of one token, teacher
+forced, in a cache of 48 positions."""
+
+
+def run_generation(stages: list, input_ids: Tensor, prompt: int, max_len: int) -> Tensor:
+    """Logits for every position of `input_ids` [B, T]: the prompt in one step, then one token
+    per step, every layer with a cache of `max_len` positions (what a split run does, in one
+    process)."""
+    batch, total = input_ids.shape
+    first = stages[1]
+    dtype = next(first.parameters()).dtype
+    caches = [torch.zeros(2, batch, layer.kv_heads, max_len, layer.head_dim, dtype=dtype) for layer in stages[1:-1]]
+    logits = []
+    with torch.no_grad():
+        for start, end in [(0, prompt), *((t, t + 1) for t in range(prompt, total))]:
+            positions = torch.arange(start, end).expand(batch, end - start)
+            hidden = stages[0](input_ids[:, start:end], positions)
+            for layer, cache in zip(stages[1:-1], caches):
+                hidden = layer(hidden, positions, cache)
+            logits.append(stages[-1](hidden))
+    return torch.cat(logits, dim=1)
+
+
+def _reference(model: nn.Module, stages: list, seed: int) -> tuple[dict[str, Tensor], float]:
+    """Token ids and transformers' logits for them with its own cache (the prompt, then one
+    token at a time), checked against the stages; and the stages' largest difference from them,
+    relative to their largest magnitude."""
+    from transformers.cache_utils import DynamicCache
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, model.config.vocab_size, (_BATCH, _PROMPT + _STEPS), generator=generator)
+    with torch.no_grad():
+        out = model(input_ids=input_ids[:, :_PROMPT], past_key_values=DynamicCache(config=model.config), use_cache=True)
+        want = [out.logits]
+        for t in range(_PROMPT, _PROMPT + _STEPS):
+            out = model(input_ids=input_ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            want.append(out.logits)
+    want = torch.cat(want, dim=1)
+    got = run_generation(stages, input_ids, _PROMPT, _MAX_LEN)
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    if error > TOLERANCE:
+        raise ExportError(f"--generation: the stages' logits differ from transformers' with its cache by {error:.2e} (relative)")
+    return {"input_ids": input_ids, "logits": want.contiguous()}, error
