@@ -839,7 +839,8 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
         return Err(invalid(format!("stage at position {} has index {}", s.0, s.1.index)));
     }
     let stage_files = manifest.stages.iter().flat_map(|s| std::iter::once(&s.file).chain(&s.inference_file));
-    for file in stage_files.chain(manifest.references.iter().map(|r| &r.file)) {
+    let generation_files = manifest.generation.iter().flat_map(|g| g.stages.iter().map(|s| &s.file).chain([&g.reference.file]));
+    for file in stage_files.chain(manifest.references.iter().map(|r| &r.file)).chain(generation_files) {
         if !manifest.files.contains_key(file) {
             return Err(invalid(format!("{file} has no hash in `files`")));
         }

@@ -399,7 +399,7 @@ pub enum StepProblem {
         vocab_size: i64,
     },
     /// Positions outside the cache.
-    #[error("positions must lie in 0..{max_len} (the cache's length), got {min}..={max}")]
+    #[error("positions must lie in 0..{max_len} (the cache's length, at most the model's positions), got {min}..={max}")]
     Position {
         /// The least given.
         min: i64,

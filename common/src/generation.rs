@@ -11,7 +11,7 @@ use std::path::Path;
 
 use tch::{CModule, Kind, Tensor};
 
-use crate::bundle::{Bundle, GenerationStageInfo};
+use crate::bundle::{Bundle, CacheInfo, GenerationStageInfo};
 use crate::device::DeviceSpec;
 use crate::error::{BundleError, Result, StepProblem};
 use crate::spec::TorchDType;
@@ -44,11 +44,21 @@ impl GenerationStages {
     }
 
     /// Zeroed caches for `batch` sequences of up to `max_len` positions: one per layer of the
-    /// range, in order.
-    pub fn new_caches(&self, batch: i64, max_len: i64) -> Vec<Tensor> {
+    /// range, in order. `max_len` may not pass the model's `max_positions`.
+    pub fn new_caches(&self, batch: i64, max_len: i64) -> Result<Vec<Tensor>> {
+        if batch < 1 || !(1..=self.info.max_positions).contains(&max_len) {
+            let problem = format!("caches for {batch} sequences of {max_len} positions (1 to {} positions)", self.info.max_positions);
+            return Err(BundleError::GenerationStep { problem: StepProblem::Shape(problem) });
+        }
         self.layers()
-            .filter_map(|(_, s)| s.cache)
-            .map(|c| Tensor::zeros([2, batch, c.heads, max_len, c.head_dim], (c.dtype.kind(), self.device)))
+            .filter_map(|(index, s)| s.cache.map(|c| (index, c)))
+            .map(|(index, c)| {
+                Tensor::f_zeros([2, batch, c.heads, max_len, c.head_dim], (c.dtype.kind(), self.device)).map_err(|e| BundleError::StageFailed {
+                    index,
+                    name: "cache".into(),
+                    message: e.to_string(),
+                })
+            })
             .collect()
     }
 
@@ -94,22 +104,24 @@ impl GenerationStages {
                 return Err(StepProblem::TokenId { min, max, vocab_size: self.info.vocab_size });
             }
         }
-        let wanted = self.layers().filter(|(_, s)| s.cache.is_some()).count();
-        if caches.len() != wanted {
-            return Err(StepProblem::Shape(format!("{} caches for {wanted} layers", caches.len())));
+        let (min, max) = min_max(positions);
+        if min < 0 || max >= self.info.max_positions {
+            return Err(StepProblem::Position { min, max, max_len: self.info.max_positions });
         }
-        if let Some(first) = caches.first() {
-            if caches.iter().any(|c| c.dim() != 5 || c.size()[..4] != first.size()[..4]) {
-                return Err(StepProblem::Shape("caches must be [2, B, heads, max_len, head_dim], of one B and max_len".into()));
+        let infos: Vec<CacheInfo> = self.layers().filter_map(|(_, s)| s.cache).collect();
+        if caches.len() != infos.len() {
+            return Err(StepProblem::Shape(format!("{} caches for {} layers", caches.len(), infos.len())));
+        }
+        let Some(first) = caches.first() else { return Ok(()) };
+        let (batch, max_len) = (input_shape[0], first.size().get(3).copied().unwrap_or(0));
+        for (cache, info) in caches.iter().zip(&infos) {
+            let want = [2, batch, info.heads, max_len, info.head_dim];
+            if cache.size() != want || cache.kind() != info.dtype.kind() || cache.device() != self.device {
+                return Err(StepProblem::Shape(format!("a cache of {:?}{:?}, the layer's is {:?}{want:?}", cache.kind(), cache.size(), info.dtype)));
             }
-            let max_len = first.size()[3];
-            let (min, max) = min_max(positions);
-            if min < 0 || max >= max_len {
-                return Err(StepProblem::Position { min, max, max_len });
-            }
-            if first.size()[1] != input_shape[0] {
-                return Err(StepProblem::Shape(format!("caches for {} sequences, an input of {}", first.size()[1], input_shape[0])));
-            }
+        }
+        if max >= max_len {
+            return Err(StepProblem::Position { min, max, max_len });
         }
         Ok(())
     }

@@ -160,7 +160,7 @@ fn generation_stages_split_at_every_cut_give_transformers_logits_with_its_cache(
         for cut in 0..=n {
             let edge = GenerationStages::load(&bundle, StageRange::new(0, cut), DeviceSpec::Cpu).unwrap();
             let server = GenerationStages::load(&bundle, StageRange::new(cut, n), DeviceSpec::Cpu).unwrap();
-            let (mut edge_caches, mut server_caches) = (edge.new_caches(batch, max_len), server.new_caches(batch, max_len));
+            let (mut edge_caches, mut server_caches) = (edge.new_caches(batch, max_len).unwrap(), server.new_caches(batch, max_len).unwrap());
             assert_eq!(edge_caches.len() + server_caches.len(), layers, "one cache per layer, on one side");
             let steps = std::iter::once((0, prompt)).chain((prompt..total).map(|t| (t, t + 1)));
             let logits: Vec<Tensor> = steps
@@ -181,7 +181,7 @@ fn generation_stages_split_at_every_cut_give_transformers_logits_with_its_cache(
 fn a_generation_step_s_hostile_inputs_are_refused_before_a_stage_sees_them() {
     let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
     let all = GenerationStages::load(&bundle, StageRange::new(0, 6), DeviceSpec::Cpu).unwrap();
-    let mut caches = all.new_caches(1, 8);
+    let mut caches = all.new_caches(1, 8).unwrap();
     let ids = |v: &[i64]| Tensor::from_slice(v).unsqueeze(0);
     let refused = |tokens: &Tensor, positions: &Tensor, caches: &mut [Tensor]| match all.step(tokens, positions, caches) {
         Err(BundleError::GenerationStep { problem }) => problem,
@@ -189,11 +189,22 @@ fn a_generation_step_s_hostile_inputs_are_refused_before_a_stage_sees_them() {
     };
     assert_eq!(refused(&ids(&[1, 500]), &ids(&[0, 1]), &mut caches), StepProblem::TokenId { min: 1, max: 500, vocab_size: 500 });
     assert_eq!(refused(&ids(&[1, 2]), &ids(&[7, 8]), &mut caches), StepProblem::Position { min: 7, max: 8, max_len: 8 });
-    assert_eq!(refused(&ids(&[1, 2]), &ids(&[-1, 0]), &mut caches), StepProblem::Position { min: -1, max: 0, max_len: 8 });
+    assert_eq!(refused(&ids(&[1, 2]), &ids(&[-1, 0]), &mut caches), StepProblem::Position { min: -1, max: 0, max_len: 64 });
     assert!(matches!(refused(&ids(&[1, 2]), &ids(&[0]), &mut caches), StepProblem::Shape(_)));
     assert!(matches!(refused(&ids(&[1, 2]), &ids(&[0, 1]), &mut caches[..3]), StepProblem::Shape(_)));
     assert!(matches!(refused(&ids(&[1, 2]).repeat([2, 1]), &ids(&[0, 1]).repeat([2, 1]), &mut caches), StepProblem::Shape(_)));
+    let mut other_heads: Vec<Tensor> = caches.iter().map(|c| c.narrow(2, 0, 2).contiguous()).collect();
+    assert!(matches!(refused(&ids(&[1, 2]), &ids(&[0, 1]), &mut other_heads), StepProblem::Shape(_)), "the manifest's heads");
     assert_eq!(caches.iter().map(|c| c.abs().sum(Kind::Double).double_value(&[])).sum::<f64>(), 0.0, "no cache was written");
+    // Without a cache in the range, positions are still held to the model's (an embedding
+    // index out of range would be a device-side assert on CUDA).
+    let embedding = GenerationStages::load(&bundle, StageRange::new(0, 1), DeviceSpec::Cpu).unwrap();
+    match embedding.step(&ids(&[1]), &ids(&[64]), &mut []) {
+        Err(BundleError::GenerationStep { problem }) => assert_eq!(problem, StepProblem::Position { min: 64, max: 64, max_len: 64 }),
+        other => panic!("expected a refusal, got {:?}", other.map(|t| t.size())),
+    }
+    // Caches longer than the model's positions, or of no sequence, are not made.
+    assert!(all.new_caches(1, 65).is_err() && all.new_caches(0, 8).is_err() && all.new_caches(1, 0).is_err());
     // Within the cache, a step runs: logits for each new token.
     assert_eq!(all.step(&ids(&[1, 2]), &ids(&[6, 7]), &mut caches).unwrap().size(), [1, 2, 500]);
     // A bundle exported without --generation has none.
