@@ -64,6 +64,8 @@ pub struct GenerationInfo {
     pub max_positions: i64,
     /// Token ids lie in `0..vocab_size`.
     pub vocab_size: i64,
+    /// The hidden states between stages: `[B, S, width]`.
+    pub hidden: crate::spec::TensorSpec,
     /// The embedding, the layers, the head, in order.
     pub stages: Vec<GenerationStageInfo>,
     /// The exporter's check against transformers with its own cache.
@@ -131,7 +133,18 @@ impl GenerationInfo {
         if self.vocab_size < 1 || self.max_positions < 1 {
             return Err(format!("generation: vocab_size {} and max_positions {} must be positive", self.vocab_size, self.max_positions));
         }
-        Ok(())
+        match self.hidden.shape[..] {
+            [Dim::Batch(1), Dim::Seq(1, 0), Dim::Fixed(width)] if width > 0 && self.hidden.dtype.is_float() => Ok(()),
+            _ => Err(format!("generation: hidden states {} are not a float [B, S, width]", self.hidden)),
+        }
+    }
+
+    /// The width of the hidden states between stages.
+    pub fn hidden_width(&self) -> i64 {
+        match self.hidden.shape[..] {
+            [.., Dim::Fixed(width)] => width,
+            _ => 0,
+        }
     }
 
     /// Bytes of the caches of the layers among `stages` for `batch` sequences of `max_len`
@@ -900,14 +913,15 @@ mod tests {
     fn a_generation_section_that_lies_about_its_caches_is_refused() {
         let stage = |name: &str, cache: &str| format!(r#"{{"name":"{name}","file":"f.pt"{cache}}}"#);
         let cache = |heads: i64, bytes: u64| format!(r#","cache":{{"dtype":"float32","heads":{heads},"head_dim":8,"bytes_per_token":{bytes}}}"#);
-        let section = |stages: Vec<String>| -> GenerationInfo {
+        let with_hidden = |stages: Vec<String>, hidden: &str| -> GenerationInfo {
             let json = format!(
                 r#"{{"family":"GPT2LMHeadModel","max_positions":64,"vocab_size":500,"stages":[{}],
-                "reference":{{"file":"r.safetensors","prompt":7,"steps":32,"max_len":48}}}}"#,
+                "hidden":{hidden},"reference":{{"file":"r.safetensors","prompt":7,"steps":32,"max_len":48}}}}"#,
                 stages.join(",")
             );
             serde_json::from_str(&json).unwrap()
         };
+        let section = |stages: Vec<String>| with_hidden(stages, r#"{"type":"tensor","dtype":"float32","shape":["B","S",32]}"#);
         let good = section(vec![stage("embed", ""), stage("h.0", &cache(4, 256)), stage("h.1", &cache(2, 128)), stage("head", "")]);
         assert_eq!(good.validate(), Ok(()));
         assert_eq!(good.cache_bytes(0..4, 3, 10), (256 + 128) * 3 * 10);
@@ -922,6 +936,14 @@ mod tests {
         assert!(section(vec![stage("embed", "")]).validate().unwrap_err().contains("an embedding and a head"));
         let huge = section(vec![stage("embed", ""), stage("h.0", &cache(i64::MAX, 0)), stage("head", "")]);
         assert!(huge.validate().is_err(), "no overflow");
+        let two = || vec![stage("embed", ""), stage("head", "")];
+        assert_eq!(section(two()).hidden_width(), 32);
+        // A server sizes each step's hidden states by this spec.
+        for hidden in
+            [r#"{"dtype":"int64","shape":["B","S",32]}"#, r#"{"dtype":"float32","shape":["B",32]}"#, r#"{"dtype":"float32","shape":["B","S",0]}"#]
+        {
+            assert!(with_hidden(two(), hidden).validate().unwrap_err().contains("hidden states"), "{hidden}");
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! vocabulary, the positions against the cache, the shapes against each other, since a
 //! layer writes its cache at the positions it is given.
 
-use std::path::Path;
+use std::sync::Arc;
 
 use tch::{CModule, Kind, Tensor};
 
@@ -15,13 +15,16 @@ use crate::bundle::{Bundle, CacheInfo, GenerationStageInfo};
 use crate::device::DeviceSpec;
 use crate::error::{BundleError, Result, StepProblem};
 use crate::spec::TorchDType;
-use crate::stages::StageRange;
+use crate::stages::{load_module, StageRange};
 
-/// Generation stages `range`, loaded.
+/// Generation stages `range`, loaded (shared with the other ranges sliced from them).
+#[derive(Clone)]
 pub struct GenerationStages {
-    info: crate::bundle::GenerationInfo,
+    info: Arc<crate::bundle::GenerationInfo>,
     range: StageRange,
-    modules: Vec<CModule>,
+    /// The stages loaded, from `loaded_from` on.
+    modules: Arc<[CModule]>,
+    loaded_from: usize,
     device: tch::Device,
 }
 
@@ -34,13 +37,38 @@ impl GenerationStages {
             return Err(BundleError::InvalidRange { start: range.start, end: range.end, reason: format!("the model has {n} generation stages") });
         }
         let device = device.resolve()?;
-        let modules = (range.start..range.end).map(|i| load_stage(bundle.dir(), i, &info.stages[i].file, device)).collect::<Result<_>>()?;
-        Ok(Self { info, range, modules, device })
+        let modules = (range.start..range.end).map(|i| load_module(bundle.dir(), i, &info.stages[i].file, device)).collect::<Result<_>>()?;
+        Ok(Self { info: Arc::new(info), range, modules, loaded_from: range.start, device })
+    }
+
+    /// Stages `range` of these, sharing their modules (a range within the loaded one).
+    pub fn slice(&self, range: StageRange) -> Result<Self> {
+        let loaded = self.loaded_from..self.loaded_from + self.modules.len();
+        if range.start > range.end || range.start < loaded.start || range.end > loaded.end {
+            let reason = format!("stages {}..{} are loaded", loaded.start, loaded.end);
+            return Err(BundleError::InvalidRange { start: range.start, end: range.end, reason });
+        }
+        Ok(Self { range, ..self.clone() })
     }
 
     /// The stages' range.
     pub fn range(&self) -> StageRange {
         self.range
+    }
+
+    /// The manifest's generation section.
+    pub fn info(&self) -> &crate::bundle::GenerationInfo {
+        &self.info
+    }
+
+    /// The device they run on.
+    pub fn device(&self) -> tch::Device {
+        self.device
+    }
+
+    /// Whether the range ends with the head (its output is logits, not hidden states).
+    pub fn ends_with_head(&self) -> bool {
+        self.range.end == self.info.stages.len() && self.range.end > self.range.start
     }
 
     /// Zeroed caches for `batch` sequences of up to `max_len` positions: one per layer of the
@@ -71,7 +99,8 @@ impl GenerationStages {
         let _no_grad = tch::no_grad_guard();
         let (mut value, mut caches) = (input.to_device(self.device), caches.iter_mut());
         let positions = positions.to_device(self.device);
-        for ((index, info), module) in self.layers().zip(&self.modules) {
+        let modules = &self.modules[self.range.start - self.loaded_from..self.range.end - self.loaded_from];
+        for ((index, info), module) in self.layers().zip(modules) {
             let result = match (index, info.cache) {
                 (0, _) => module.forward_ts(&[&value, &positions]),
                 (_, Some(_)) => {
@@ -132,14 +161,4 @@ fn min_max(t: &Tensor) -> (i64, i64) {
         return (0, -1);
     }
     (t.min().int64_value(&[]), t.max().int64_value(&[]))
-}
-
-fn load_stage(dir: &Path, index: usize, file: &str, device: tch::Device) -> Result<CModule> {
-    let mut module = CModule::load_on_device(dir.join(file), device).map_err(|e| BundleError::LoadStage {
-        index,
-        file: file.to_string(),
-        message: e.to_string().lines().next().unwrap_or_default().to_string(),
-    })?;
-    module.set_eval();
-    Ok(module)
 }

@@ -108,16 +108,7 @@ impl LoadedStages {
         let started = Instant::now();
         let modules = bundle.manifest().stages[range.start..range.end]
             .iter()
-            .map(|stage| {
-                let file = stage.inference_file.as_ref().filter(|_| inference).unwrap_or(&stage.file);
-                let mut module = CModule::load_on_device(bundle.dir().join(file), device).map_err(|e| BundleError::LoadStage {
-                    index: stage.index,
-                    file: file.clone(),
-                    message: first_line(&e.to_string()),
-                })?;
-                module.set_eval();
-                Ok(module)
-            })
+            .map(|stage| load_module(bundle.dir(), stage.index, stage.inference_file.as_ref().filter(|_| inference).unwrap_or(&stage.file), device))
             .collect::<Result<Vec<_>>>()?;
         tracing::debug!(range = %range, ?device, elapsed_ms = started.elapsed().as_millis() as u64, "stages loaded");
         Ok(Self { bundle: bundle.clone(), range, device, modules })
@@ -313,6 +304,17 @@ fn synchronize(device: tch::Device) {
     if let tch::Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }
+}
+
+/// Stage `index`'s TorchScript `file` in `dir`, loaded onto `device` in eval mode.
+pub(crate) fn load_module(dir: &std::path::Path, index: usize, file: &str, device: tch::Device) -> Result<CModule> {
+    let mut module = CModule::load_on_device(dir.join(file), device).map_err(|e| BundleError::LoadStage {
+        index,
+        file: file.to_string(),
+        message: first_line(&e.to_string()),
+    })?;
+    module.set_eval();
+    Ok(module)
 }
 
 fn first_line(text: &str) -> String {

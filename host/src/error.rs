@@ -444,6 +444,17 @@ pub enum Breach {
     /// The first reply of a training stream is not the session's opening.
     #[error("the server did not open the session")]
     NotOpened,
+    /// A generation step answered with another request's id, or an output that is not the
+    /// tensor asked for.
+    #[error("the server answered generation step {request_id} with {got}, expected {expected}")]
+    GenerationAnswer {
+        /// The step.
+        request_id: u64,
+        /// What came.
+        got: String,
+        /// What the step asked for.
+        expected: String,
+    },
     /// A checkpoint request answered without a checkpoint.
     #[error("the server answered a checkpoint request without saving")]
     NotSaved,

@@ -11,6 +11,8 @@
 //!   one or more models, closed or open loop; a table, `load.json`, `latency.csv`, a plot.
 //! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
 //!   U-shaped or monolithic training, evaluation, checkpoints, report files.
+//! - [`generation`]: split generation: the edge's stages and caches, the server's session
+//!   over a `Generate` stream.
 //! - [`progress`]: what a long command tells while it works (events the binary prints).
 //! - [`report`]: a run's `predictions.jsonl`, `metrics.csv`, `summary.json` and table.
 //! - [`plots`]: every SVG plot (a run's, a plan's, a training run's) and their chart helpers.
@@ -31,6 +33,7 @@ pub mod cpu_time;
 pub mod error;
 mod examples;
 pub mod files;
+pub mod generation;
 mod images;
 pub mod inputs;
 pub mod load;

@@ -41,6 +41,9 @@ pub(crate) enum RequestError {
     /// A session of a client group refused, or its turn not come in time.
     #[error("client group: {0}")]
     Group(GroupError),
+    /// A generation session refused, or one of its steps.
+    #[error("generation: {0}")]
+    Generation(GenerationError),
     /// The checkpoint namespace a session would resume is held by another open session.
     #[error(
         "checkpoint namespace {namespace} is held by session {holder}, which is still open: one session at a time writes a \
@@ -124,6 +127,56 @@ pub(crate) enum SessionError {
     /// The checkpoint directory or a namespace in it cannot be listed.
     #[error("cannot list {what} {}: {error}", dir.display())]
     CheckpointsUnlisted { what: &'static str, dir: std::path::PathBuf, error: std::io::Error },
+}
+
+/// Why a generation session or one of its steps is refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GenerationError {
+    /// A stream's first frame is not the one that opens a session.
+    #[error("the first frame of a Generate stream opens the session")]
+    NotOpened,
+    /// A second opening frame on a stream with a session.
+    #[error("this stream already has a session open")]
+    AlreadyOpen,
+    /// A frame with nothing in it.
+    #[error("an empty frame")]
+    EmptyFrame,
+    /// The bundle has no generation stages.
+    #[error("bundle {bundle} was exported without --generation: it has no generation stages")]
+    NotExported { bundle: String },
+    /// The hidden states travel unsealed, and this server requires sealed payloads.
+    #[error("this server requires encrypted payloads (`encryption.required`), and generation steps are not sealed yet: use TLS, without required payload encryption")]
+    SealingRequired,
+    /// The range asked for does not fit the model.
+    #[error("stages {start}..{end}: {reason}")]
+    Range { start: u32, end: u32, reason: String },
+    /// Rows outside the bundle's batch range.
+    #[error("a batch of {batch} rows: this bundle takes {min} to {max}")]
+    Batch { batch: u32, min: i64, max: i64 },
+    /// A cache length outside what the model has positions for.
+    #[error("max_len {max_len}: the model has positions for 1 to {max_positions}")]
+    MaxLen { max_len: u32, max_positions: i64 },
+    /// Every place is taken.
+    #[error("{max} generation sessions are open, the server's limit (`generation.max_sessions`): try again later")]
+    Sessions { max: u32 },
+    /// The session's caches do not fit in what the others leave of the cache budget.
+    #[error(
+        "the session's key/value caches take {bytes} bytes, and the cache budget of {budget} bytes (`limits.kv_cache_bytes`) has \
+         {free} free: ask for fewer rows or a shorter max_len, or try again later"
+    )]
+    CacheBudget { bytes: u64, free: u64, budget: u64 },
+    /// A step whose rows do not stand where the server's do.
+    #[error("{0}")]
+    Step(String),
+    /// A step that would run past a row's cache.
+    #[error("row {row} stands at position {at}: {tokens} more tokens do not fit its cache of {max_len} positions")]
+    CacheFull { row: usize, at: i64, tokens: i64, max_len: i64 },
+    /// A step whose answer would not fit in one message.
+    #[error("the answer would take {bytes} bytes, above the message limit of {limit} (`limits.max_message_bytes`): send fewer tokens a step, or ask for the last token only")]
+    AnswerTooLarge { bytes: u64, limit: u64 },
+    /// The host sent nothing for the idle timeout: the server closed the session.
+    #[error("nothing came for {idle:?} (`generation.session_idle_timeout`): session {session} is closed and its caches freed")]
+    Idle { idle: std::time::Duration, session: String },
 }
 
 /// Several edges training one server part (`OpenSession.clients`).
@@ -274,6 +327,15 @@ pub(crate) enum Internal {
     /// A training session answered a call with another call's kind of answer.
     #[error("the training session answered a {0} call with another kind of answer")]
     WrongAnswer(&'static str),
+    /// libtorch refused what the server asked of it.
+    #[error("libtorch: {0}")]
+    Torch(String),
+}
+
+impl From<GenerationError> for RequestError {
+    fn from(e: GenerationError) -> Self {
+        Self::Generation(e)
+    }
 }
 
 impl From<Internal> for RequestError {
@@ -315,7 +377,9 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         RequestError::Wire(WireError::Codec(C::Misused(_))) => Code::Internal,
         RequestError::Wire(_) | RequestError::SplitOutOfRange { .. } | RequestError::BadCall(_) => Code::InvalidArgument,
         RequestError::Encode(_) | RequestError::Profile(_) | RequestError::Batching(_) => Code::Internal,
-        RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. }) => Code::InvalidArgument,
+        RequestError::Bundle(BundleError::BoundaryMismatch { .. } | BundleError::BatchOutOfRange { .. } | BundleError::GenerationStep { .. }) => {
+            Code::InvalidArgument
+        }
         RequestError::Bundle(_) => Code::Internal,
         RequestError::Internal(_) => Code::Internal,
         RequestError::Training(e) => match e {
@@ -350,6 +414,15 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             | GroupError::StepUnderWay { .. } => Code::FailedPrecondition,
             GroupError::EdgeTaken { .. } => Code::AlreadyExists,
             GroupError::WaitedTooLong { .. } => Code::DeadlineExceeded,
+        },
+        RequestError::Generation(e) => match e {
+            GenerationError::NotOpened | GenerationError::AlreadyOpen | GenerationError::EmptyFrame => Code::FailedPrecondition,
+            GenerationError::NotExported { .. } | GenerationError::SealingRequired => Code::FailedPrecondition,
+            GenerationError::Range { .. } | GenerationError::Batch { .. } | GenerationError::MaxLen { .. } => Code::InvalidArgument,
+            GenerationError::Step(_) | GenerationError::AnswerTooLarge { .. } => Code::InvalidArgument,
+            GenerationError::Sessions { .. } | GenerationError::CacheBudget { .. } => Code::ResourceExhausted,
+            GenerationError::CacheFull { .. } => Code::OutOfRange,
+            GenerationError::Idle { .. } => Code::DeadlineExceeded,
         },
         RequestError::Unauthenticated(_) => Code::Unauthenticated,
         RequestError::OverBudget(_) | RequestError::Busy(_) | RequestError::ConnectionLimit { .. } => Code::ResourceExhausted,

@@ -35,6 +35,7 @@ pub mod config;
 mod connections;
 mod dev_secrets;
 mod error;
+mod generation;
 mod health;
 mod infer;
 pub mod metrics;
@@ -65,7 +66,7 @@ use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 pub use budget::MemoryBudget;
-pub use config::{Batching, DeviceFailurePolicy, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
+pub use config::{Batching, DeviceFailurePolicy, GenerationOptions, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
 pub use dev_secrets::{write_dev_secrets, DevSecrets, DevSecretsError};
 pub use error::ServerError;
 pub use health::LIVENESS;
@@ -112,7 +113,10 @@ impl PreparedServer {
         let (events, device_events) = tokio::sync::mpsc::unbounded_channel();
         let context = scheduler::watch::SchedulerContext { config: scheduler, depth: limits.queue_depth as usize, metrics: metrics.clone(), events };
         let models = models::Models::load(models, &context)?;
+        let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
+        metrics.watch_memory_budget(budget.clone());
         let service = service::Service {
+            generation: generation::admission::Generation::new(GenerationOptions::default(), peers.kv_cache_bytes, metrics.clone()),
             models,
             limits,
             security: Arc::new(security),
@@ -120,7 +124,7 @@ impl PreparedServer {
             training: training::admission::Training::new(TrainingOptions::default()),
             parking: training::parking::Parking::default(),
             peers,
-            budget: MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait),
+            budget,
             window: ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes),
             draining: CancellationToken::new(),
             profiling: Arc::new(tokio::sync::Semaphore::new(1)),
@@ -133,6 +137,9 @@ impl PreparedServer {
         peers.validate(&self.service.limits).map_err(ServerError::Limits)?;
         self.service.peers = peers;
         self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
+        self.service.metrics.watch_memory_budget(self.service.budget.clone());
+        let options = self.service.generation.options();
+        self.service.generation = generation::admission::Generation::new(options, peers.kv_cache_bytes, self.service.metrics.clone());
         self.service.window = ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes);
         Ok(self)
     }
@@ -153,11 +160,19 @@ impl PreparedServer {
         self
     }
 
+    /// Sets how generation sessions run (places, idle timeout).
+    pub fn with_generation(mut self, options: GenerationOptions) -> Self {
+        let (cache_budget, metrics) = (self.service.peers.kv_cache_bytes, self.service.metrics.clone());
+        self.service.generation = generation::admission::Generation::new(options, cache_budget, metrics);
+        self
+    }
+
     /// From a validated `server.yaml`.
     pub fn from_config(config: &ServerConfig) -> Result<Self, ServerError> {
         let mut server = Self::prepare_models(&config.models, config.scheduler, config.limits, config.security.clone())?
             .with_training(config.training.clone())
-            .with_peer_limits(config.peers)?;
+            .with_peer_limits(config.peers)?
+            .with_generation(config.generation);
         server.metrics_listen = config.metrics_listen;
         Ok(server)
     }

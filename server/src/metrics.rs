@@ -41,6 +41,11 @@ struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BudgetLabel {
+    budget: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeviceLabel {
     device: String,
 }
@@ -84,6 +89,12 @@ struct Inner {
     device_failures: Family<DeviceLabel, Counter>,
     device_restarts: Family<DeviceLabel, Counter>,
     training_sessions: Gauge,
+    generation_sessions: Gauge,
+    generation_steps: Family<ModelLabel, Counter>,
+    budget_bytes: Family<BudgetLabel, Gauge>,
+    held_bytes: Family<BudgetLabel, Gauge>,
+    /// The request memory budget, read at each scrape.
+    memory_budget: std::sync::Mutex<Option<crate::budget::MemoryBudget>>,
     device_memory: Family<DeviceLabel, Gauge>,
     cuda_devices: Vec<(String, u32)>,
 }
@@ -170,6 +181,16 @@ impl Metrics {
                 Family::default(),
             ),
             training_sessions: registered(r, "training_sessions", "Training sessions open", Gauge::default()),
+            generation_sessions: registered(r, "generation_sessions", "Generation sessions open", Gauge::default()),
+            generation_steps: registered(r, "generation_steps", "Generation steps answered with their output, by model", Family::default()),
+            budget_bytes: registered(
+                r,
+                "budget_bytes",
+                "Each budget's size: memory (limits.memory_budget_bytes: requests, answers, read buffers) and kv_cache (limits.kv_cache_bytes: generation sessions' caches)",
+                Family::default(),
+            ),
+            held_bytes: registered(r, "budget_held_bytes", "Bytes held against each budget now", Family::default()),
+            memory_budget: std::sync::Mutex::new(None),
             device_memory: registered(r, "device_memory_used_bytes", "CUDA memory this process holds, by device", Family::default()),
             cuda_devices,
             registry,
@@ -266,8 +287,35 @@ impl Metrics {
         OpenGuard(gauge)
     }
 
+    /// A generation session opened; closed when the guard drops.
+    pub(crate) fn generation_session_open(&self) -> OpenGuard {
+        let gauge = self.inner.generation_sessions.clone();
+        gauge.inc();
+        OpenGuard(gauge)
+    }
+
+    /// A generation step of `model` answered with its output.
+    pub(crate) fn generation_step(&self, model: &str) {
+        self.inner.generation_steps.get_or_create(&Self::model(model)).inc();
+    }
+
+    /// Budget `budget` (`memory`, `kv_cache`) is `total` bytes and holds `held` now.
+    pub(crate) fn budget(&self, budget: &str, total: u64, held: u64) {
+        let label = BudgetLabel { budget: budget.to_string() };
+        self.inner.budget_bytes.get_or_create(&label).set(total as i64);
+        self.inner.held_bytes.get_or_create(&label).set(held as i64);
+    }
+
+    /// Reports `budget` (the request memory budget) at each scrape.
+    pub(crate) fn watch_memory_budget(&self, budget: crate::budget::MemoryBudget) {
+        *crate::error::lock(&self.inner.memory_budget) = Some(budget);
+    }
+
     /// Every metric in the OpenMetrics text format (device memory read now).
     pub fn render(&self) -> String {
+        if let Some(budget) = crate::error::lock(&self.inner.memory_budget).clone() {
+            self.budget("memory", budget.total_bytes(), budget.held_bytes());
+        }
         for (name, index) in &self.inner.cuda_devices {
             if let Some(bytes) = cuda_memory_used(*index) {
                 self.inner.device_memory.get_or_create(&DeviceLabel { device: name.clone() }).set(bytes as i64);

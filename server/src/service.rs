@@ -25,6 +25,8 @@ use crate::budget::MemoryBudget;
 use crate::config::PeerLimits;
 use crate::connections::connection_of;
 use crate::error::{BadCall, Busy, Internal, RequestError};
+use crate::generation::admission::Generation;
+use crate::generation::stream::GenerateContext;
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
 use crate::models::Models;
@@ -45,6 +47,8 @@ pub(crate) struct Service {
     pub(crate) security: Arc<ServerSecurity>,
     pub(crate) metrics: Metrics,
     pub(crate) training: Training,
+    /// Generation sessions' places, cache budget and stages.
+    pub(crate) generation: Generation,
     /// Reattachable training sessions whose stream broke, kept for their hosts.
     pub(crate) parking: Parking,
     /// What the server holds for its peers.
@@ -207,7 +211,39 @@ impl SplitInference for Service {
         tokio::spawn(crate::training::stream::serve_stream(request.into_inner(), ctx, out_tx));
         Ok(answering(Box::pin(ReceiverStream::new(out_rx)) as Self::TrainStream, unsent))
     }
+
+    type GenerateStream = GenerateStream;
+
+    async fn generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<GenerateStream>, Status> {
+        self.start_generate(request).await
+    }
 }
+
+impl Service {
+    async fn start_generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<GenerateStream>, Status> {
+        let model = self.models.select(request.metadata(), false)?;
+        if self.draining.is_cancelled() {
+            return Err(RequestError::Draining.into());
+        }
+        let (out_tx, out_rx) = mpsc::channel(4);
+        let unsent = unsent_of(&request);
+        let ctx = GenerateContext {
+            model,
+            generation: self.generation.clone(),
+            metrics: self.metrics.clone(),
+            sealing_required: self.security.policy.require_encryption,
+            max_message_bytes: self.limits.max_message_bytes,
+            budget: self.budget.clone(),
+            request_timeout: self.peers.request_timeout,
+            draining: self.draining.clone(),
+            unsent: unsent.clone(),
+        };
+        tokio::spawn(crate::generation::stream::serve_stream(request.into_inner(), ctx, out_tx));
+        Ok(answering(Box::pin(ReceiverStream::new(out_rx)) as GenerateStream, unsent))
+    }
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateReply, Status>> + Send>>;
 
 /// What the answers of `request`'s call hold until written, on its connection's clocks.
 fn unsent_of<T>(request: &Request<T>) -> Unsent {

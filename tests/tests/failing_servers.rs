@@ -156,6 +156,12 @@ impl SplitInference for Fake {
         Err(Status::unimplemented("fake"))
     }
 
+    type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateReply, Status>> + Send>>;
+
+    async fn generate(&self, _: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<Self::GenerateStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
     async fn profile(&self, _: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
         Err(Status::unimplemented("fake"))
     }

@@ -485,3 +485,155 @@ fn a_request_that_does_not_fit_its_cut_is_refused_from_its_first_frame() {
         server.shutdown().await.unwrap();
     });
 }
+
+/// The reference of a bundle exported with `--generation`: token ids [B, T] and
+/// transformers' logits [B, T, vocab] with its own cache.
+fn generation_reference(bundle: &Bundle) -> (tch::Tensor, tch::Tensor) {
+    let info = bundle.manifest().generation.as_ref().expect("exported with --generation");
+    let tensors = tch::Tensor::read_safetensors(bundle.dir().join(&info.reference.file)).unwrap();
+    let get = |name: &str| tensors.iter().find(|(n, _)| n == name).expect(name).1.shallow_clone();
+    (get("input_ids"), get("logits"))
+}
+
+/// The code and message of the server's refusal.
+fn refusal<T>(result: Result<T, cleave_host::HostError>) -> (tonic::Code, String) {
+    match result {
+        Err(cleave_host::HostError::Rpc { code, message, .. }) => (code, message),
+        Err(other) => panic!("expected a refusal, got {other}"),
+        Ok(_) => panic!("expected a refusal"),
+    }
+}
+
+fn relative_error(got: &tch::Tensor, want: &tch::Tensor) -> f64 {
+    (got - want).abs().max().double_value(&[]) / want.abs().max().double_value(&[])
+}
+
+/// Split generation over gRPC (issue 40, item 4): the GPT-2 and Llama test bundles at every
+/// cut the server may take, its range ending with the head or (`tail_on_edge`) before it,
+/// teacher-forced (the prompt in one step, then one token at a time) give transformers'
+/// logits with its cache within 1e-4 of their largest magnitude; and two rows at different
+/// positions in one session (the second restarted part-way) each give their own.
+#[test]
+fn split_generation_over_grpc_gives_transformers_logits_at_every_cut() {
+    use cleave_host::generation::{GenerationSplit, SplitGenerator};
+    let rt = runtime();
+    for name in ["gpt2", "llama"] {
+        let bundle = Bundle::open(bundle_dir(name)).unwrap();
+        let info = bundle.manifest().generation.clone().unwrap();
+        let (ids, want) = generation_reference(&bundle);
+        let (total, n, prompt, max_len) = (ids.size()[1], info.stages.len(), info.reference.prompt, info.reference.max_len);
+        let ids = ids.narrow(0, 0, 1);
+        let want = want.narrow(0, 0, 1);
+        rt.block_on(async {
+            let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+            let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+            let splits = (1..n).map(|cut| (cut, false)).chain((1..n - 1).map(|cut| (cut, true)));
+            for (cut, tail_on_edge) in splits {
+                let split = GenerationSplit { cut, tail_on_edge, batch: 1, max_len };
+                let mut generator = SplitGenerator::open(&bundle, &mut session, split).await.unwrap();
+                let mut logits = vec![generator.step(&ids.narrow(1, 0, prompt), &[], false).await.unwrap()];
+                for t in prompt..total {
+                    logits.push(generator.step(&ids.narrow(1, t, 1), &[], true).await.unwrap());
+                }
+                assert_eq!(generator.lengths(), [total]);
+                let error = relative_error(&tch::Tensor::cat(&logits, 1), &want);
+                assert!(error <= 1e-4, "{name} cut {cut} tail on the edge {tail_on_edge}: relative error {error:e}");
+            }
+            // Two rows: the second restarts at position 0 five tokens after the prompt and is
+            // fed the same tokens again, so each step holds two positions.
+            let split = GenerationSplit { cut: n / 2, tail_on_edge: false, batch: 2, max_len };
+            let mut generator = SplitGenerator::open(&bundle, &mut session, split).await.unwrap();
+            let both = generator.step(&ids.narrow(1, 0, prompt).repeat([2, 1]), &[], true).await.unwrap();
+            assert!(relative_error(&both, &want.narrow(1, prompt - 1, 1).repeat([2, 1, 1])) <= 1e-4, "{name}: the prompt");
+            let restart = prompt + 5;
+            for t in prompt..total {
+                let other = if t < restart { t } else { t - restart };
+                let step_ids = tch::Tensor::cat(&[ids.narrow(1, t, 1), ids.narrow(1, other, 1)], 0);
+                let restarted: &[usize] = if t == restart { &[1] } else { &[] };
+                let got = generator.step(&step_ids, restarted, true).await.unwrap();
+                assert!(relative_error(&got.narrow(0, 0, 1), &want.narrow(1, t, 1)) <= 1e-4, "{name} row 0 at {t}");
+                assert!(relative_error(&got.narrow(0, 1, 1), &want.narrow(1, other, 1)) <= 1e-4, "{name} row 1 at {other}");
+            }
+            assert_eq!(generator.lengths(), [total, total - restart]);
+            drop((generator, session));
+            server.shutdown().await.unwrap();
+        });
+    }
+}
+
+/// A generation session's refusals are precise and leave it as it was: a step at positions
+/// the server's rows do not stand at, hidden states of the wrong size, a step past the cache,
+/// an answer over the message limit; sessions past `generation.max_sessions` or caches past
+/// `limits.kv_cache_bytes` are refused, the embedding is never the server's, and what a
+/// session held is given back when its stream ends (metrics).
+#[test]
+fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing() {
+    use cleave_host::generation::GenerateLink;
+    use cleave_server::{GenerationOptions, PeerLimits};
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let info = bundle.manifest().generation.clone().unwrap();
+    let (n, width) = (info.stages.len() as u32, info.hidden_width());
+    // One session of [1, n) at 16 positions takes 4 layers x 256 bytes x 16.
+    let per_session = info.cache_bytes(1..n as usize, 1, 16);
+    let rt = runtime();
+    rt.block_on(async {
+        let dir = bundle.dir().to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let peers = PeerLimits { kv_cache_bytes: 2 * per_session, ..PeerLimits::default() };
+            let options = GenerationOptions { max_sessions: 3, ..GenerationOptions::default() };
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default())
+                .unwrap()
+                .with_peer_limits(peers)
+                .unwrap()
+                .with_generation(options)
+        })
+        .await
+        .unwrap();
+        let metrics = prepared.metrics();
+        let held = |metrics: &cleave_server::Metrics| {
+            metric_sample(&parse_metrics(&metrics.render()), "cleave_budget_held_bytes", &[("budget", "kv_cache")])
+        };
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let open = |start: u32, batch: u32, max_len: u32| pb::OpenGeneration { start, end: n, batch, max_len };
+        let (c, m) = refusal(GenerateLink::open(&mut session, open(0, 1, 16)).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("embedding"), "{m}");
+        let (c, m) = refusal(GenerateLink::open(&mut session, open(1, 1, 65)).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("max_len 65"), "{m}");
+        let mut first = GenerateLink::open(&mut session, open(1, 1, 16)).await.unwrap();
+        assert_eq!(first.opened.cache_bytes, per_session);
+        let second = GenerateLink::open(&mut session, open(1, 1, 16)).await.unwrap();
+        let (c, m) = refusal(GenerateLink::open(&mut session, open(1, 1, 16)).await);
+        assert!(c == tonic::Code::ResourceExhausted && m.contains("limits.kv_cache_bytes"), "{m}");
+        assert_eq!(held(&metrics), (2 * per_session) as f64);
+        // Sessions of the head alone hold no cache: the third place is the last.
+        let head_only = pb::OpenGeneration { start: n - 1, end: n, batch: 1, max_len: 16 };
+        let _third = GenerateLink::open(&mut session, head_only).await.unwrap();
+        let (c, m) = refusal(GenerateLink::open(&mut session, head_only).await);
+        assert!(c == tonic::Code::ResourceExhausted && m.contains("generation.max_sessions"), "{m}");
+
+        let hidden = |tokens: i64| bytes::Bytes::from(vec![0u8; (tokens * width * 4) as usize]);
+        let step =
+            |tokens: u32, from: u32| pb::GenerateStep { tokens, hidden: hidden(tokens.into()), positions_from: vec![from], ..Default::default() };
+        let shape = |tokens: i64| [1, tokens, info.vocab_size];
+        let (c, m) = refusal(first.step(step(2, 3), &shape(2)).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("stands at position 0"), "{m}");
+        let (c, m) = refusal(first.step(pb::GenerateStep { hidden: hidden(1), ..step(2, 0) }, &shape(2)).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("hidden states"), "{m}");
+        let (c, m) = refusal(first.step(step(17, 0), &shape(17)).await);
+        assert!(c == tonic::Code::OutOfRange && m.contains("16 positions"), "{m}");
+        // None of those moved the row: a prompt of 2 then a token run from position 0.
+        assert_eq!(first.step(step(2, 0), &shape(2)).await.unwrap().size(), shape(2));
+        assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1)).await.unwrap().size(), shape(1));
+        drop((first, second));
+        let freed = async {
+            while held(&metrics) > 0.0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), freed).await.expect("the caches of ended streams are freed");
+        assert!(GenerateLink::open(&mut session, open(1, 2, 16)).await.is_ok(), "two rows fit once the others closed");
+        drop(session);
+        server.shutdown().await.unwrap();
+    });
+}

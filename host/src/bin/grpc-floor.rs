@@ -184,11 +184,13 @@ fn answer(request_id: u64) -> ResultFrame {
 
 type Results = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
 type TrainReplies = Pin<Box<dyn Stream<Item = Result<TrainReply, Status>> + Send>>;
+type GenerateReplies = Pin<Box<dyn Stream<Item = Result<cleave_common::pb::GenerateReply, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl SplitInference for Echo {
     type InferStream = Results;
     type TrainStream = TrainReplies;
+    type GenerateStream = GenerateReplies;
 
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<InfoReply>, Status> {
         Err(Status::unimplemented("echo only"))
@@ -221,6 +223,10 @@ impl SplitInference for Echo {
     }
 
     async fn train(&self, _: Request<Streaming<TrainFrame>>) -> Result<Response<TrainReplies>, Status> {
+        Err(Status::unimplemented("echo only"))
+    }
+
+    async fn generate(&self, _: Request<Streaming<cleave_common::pb::GenerateFrame>>) -> Result<Response<GenerateReplies>, Status> {
         Err(Status::unimplemented("echo only"))
     }
 

@@ -2,6 +2,7 @@
 //! with typed values; every error names the file, the key and what was expected. The models
 //! served and the scheduler are in [`models`].
 
+mod generation;
 mod models;
 
 use std::net::SocketAddr;
@@ -18,6 +19,7 @@ use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 
 use crate::metrics::EndpointLimits;
 
+pub use generation::GenerationOptions;
 pub use models::{Batching, DeviceFailurePolicy, ModelConfig, Policy, SchedulerConfig};
 
 #[derive(Deserialize)]
@@ -61,6 +63,8 @@ struct RawServerConfig {
     #[serde(default)]
     training: Option<RawServerTraining>,
     #[serde(default)]
+    generation: Option<generation::RawServerGeneration>,
+    #[serde(default)]
     insecure: bool,
     #[serde(default)]
     threads: Option<usize>,
@@ -89,6 +93,7 @@ struct RawServerLimits {
     max_streams_per_connection: Option<u32>,
     max_requests_per_stream: Option<u32>,
     memory_budget_bytes: Option<u64>,
+    kv_cache_bytes: Option<u64>,
     free_memory_kept_bytes: Option<u64>,
     #[serde(default, with = "humantime_serde")]
     budget_wait: Option<Duration>,
@@ -134,6 +139,7 @@ impl RawServerLimits {
             max_streams_per_connection: self.max_streams_per_connection.unwrap_or(p.max_streams_per_connection),
             max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
             memory_budget_bytes: self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes),
+            kv_cache_bytes: self.kv_cache_bytes.unwrap_or(p.kv_cache_bytes),
             free_memory_kept_bytes: self.free_memory_kept_bytes.unwrap_or(p.free_memory_kept_bytes),
             budget_wait: self.budget_wait.unwrap_or(p.budget_wait),
             request_timeout: self.request_timeout.unwrap_or(p.request_timeout),
@@ -183,6 +189,10 @@ pub struct PeerLimits {
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
     /// they decode into), answers until written, and each `Infer` stream's read buffer.
     pub memory_budget_bytes: u64,
+    /// Bytes the key/value caches of every generation session hold together, a budget of its
+    /// own beside the memory budget (a session's caches live as long as the session, not a
+    /// request): a session whose caches do not fit is refused RESOURCE_EXHAUSTED.
+    pub kv_cache_bytes: u64,
     /// Freed memory the allocator may keep for reuse beyond its low point: more (after a
     /// burst of peers' buffers) and it is given back to the system within a second
     /// (`allocator::Trimmer`). The stages' activations are reused from what it keeps.
@@ -243,6 +253,7 @@ impl Default for PeerLimits {
             max_requests_per_stream: 32,
             // Holds the largest request of the default limits (1 GiB) as received and decoded.
             memory_budget_bytes: 9 << 28,
+            kv_cache_bytes: 1 << 30,
             // Above the activations a CPU stage chain frees and reuses on each request.
             free_memory_kept_bytes: 64 << 20,
             budget_wait: Duration::from_secs(2),
@@ -306,6 +317,7 @@ impl PeerLimits {
             ("limits.keepalive_interval", self.keepalive_interval.as_millis() as u64),
             ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
             ("limits.max_profile_repeats", u64::from(self.max_profile_repeats)),
+            ("limits.kv_cache_bytes", self.kv_cache_bytes),
             ("limits.metrics_max_connections", u64::from(self.metrics_endpoint.max_connections)),
             ("limits.metrics_timeout", self.metrics_endpoint.timeout.as_millis() as u64),
         ];
@@ -467,6 +479,8 @@ pub struct ServerConfig {
     pub security: ServerSecurity,
     /// Training sessions (`training:`; checkpoints default to `checkpoints/` beside the file).
     pub training: TrainingOptions,
+    /// Generation sessions (`generation:`).
+    pub generation: GenerationOptions,
     /// `insecure: true`: serve another machine without TLS or without a token, on purpose.
     pub insecure: bool,
     /// libtorch's threads per operator and the cores (`threads:`, `cores:`).
@@ -518,6 +532,7 @@ impl ServerConfig {
         let limits = file.limits("", limits)?;
         peers.validate(&limits).map_err(|e| file.invalid(e.key, e.to_string()))?;
         let training = training_options(&file, raw.training.take())?;
+        let generation = generation::options(&file, raw.generation.take())?;
         let cpu = file.cpu(raw.threads, raw.cores.take())?;
         raw.telemetry.check().map_err(|e| file.invalid(e.key(), e.to_string()))?;
         Ok(Self {
@@ -530,6 +545,7 @@ impl ServerConfig {
             peers,
             security,
             training,
+            generation,
             insecure: raw.insecure,
             cpu,
             log_format: raw.log_format,
@@ -713,7 +729,7 @@ mod tests {
         assert_eq!(c.training.session_idle_timeout, TrainingOptions::default().session_idle_timeout);
         let c = load(
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
-             memory_budget_bytes: 3221225472\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
+             memory_budget_bytes: 3221225472\n  kv_cache_bytes: 65536\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_frame_bytes: 65536\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  drain_notice: 1s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
              max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n  max_pipeline_depth: 3\n  max_kept_answer_bytes: 1024\n  client_wait_timeout: 7s\n",
@@ -724,6 +740,7 @@ mod tests {
             max_streams_per_connection: 4,
             max_requests_per_stream: 5,
             memory_budget_bytes: 3 << 30,
+            kv_cache_bytes: 65536,
             free_memory_kept_bytes: 1 << 20,
             budget_wait: Duration::from_millis(250),
             request_timeout: Duration::from_secs(7),
@@ -748,6 +765,9 @@ mod tests {
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
         assert_eq!((c.training.max_pipeline_depth, c.training.max_kept_answer_bytes), (3, 1024));
         assert_eq!(c.training.client_wait_timeout, Duration::from_secs(7));
+        assert_eq!(c.generation, GenerationOptions::default());
+        let c = load("listen: 127.0.0.1:1\ngeneration: {max_sessions: 3, session_idle_timeout: 20s}\n").unwrap();
+        assert_eq!(c.generation, GenerationOptions { max_sessions: 3, session_idle_timeout: Duration::from_secs(20) });
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
@@ -758,6 +778,9 @@ mod tests {
             ("limits: {metrics_timeout: 0s}", "limits.metrics_timeout", "must be positive"),
             ("limits: {memory_budget_bytes: 2147483648}", "limits.memory_budget_bytes", "at least 2.1 x limits.max_payload_bytes + 1 MiB"),
             ("limits: {answer_timeout: 0s}", "limits.answer_timeout", "must be positive"),
+            ("limits: {kv_cache_bytes: 0}", "limits.kv_cache_bytes", "must be positive"),
+            ("generation: {max_sessions: 0}", "generation.max_sessions", "must be positive"),
+            ("generation: {session_idle_timeout: 0s}", "generation.session_idle_timeout", "must be positive"),
             ("limits: {stream_window_bytes: 1024}", "limits.stream_window_bytes", "from 65535"),
             ("limits: {stream_window_bytes: 8388608}", "limits.connection_window_bytes", "at least limits.stream_window_bytes"),
             ("limits: {max_frame_bytes: 1024}", "limits.max_frame_bytes", "from 16384"),

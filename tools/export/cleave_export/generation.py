@@ -95,13 +95,15 @@ class _GPT2Layer(nn.Module):
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class _GPT2Head(nn.Module):
-    def __init__(self, model: nn.Module):
+class _Head(nn.Module):
+    """The final norm and the LM head, of any family."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
         super().__init__()
-        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+        self.norm, self.lm_head = norm, lm_head
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.ln_f(hidden))
+        return self.lm_head(self.norm(hidden))
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: Tensor, scaling: float, groups: int, window: int) -> Tensor:
@@ -128,7 +130,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: Tensor, s
 def _gpt2(model: nn.Module) -> list[tuple[str, nn.Module]]:
     t = model.transformer
     layers = [(f"transformer.h.{i}", _GPT2Layer(block)) for i, block in enumerate(t.h)]
-    return [("embed", _GPT2Embed(t)), *layers, ("head", _GPT2Head(model))]
+    return [("embed", _GPT2Embed(t)), *layers, ("head", _Head(t.ln_f, model.lm_head))]
 
 
 class _LlamaEmbed(nn.Module):
@@ -180,22 +182,13 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _LlamaHead(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.norm, self.lm_head = model.model.norm, model.lm_head
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))
-
-
 def _llama(model: nn.Module) -> list[tuple[str, nn.Module]]:
     inner = model.model
     rope = getattr(inner.rotary_emb, "rope_type", "default")
     if rope in ("dynamic", "longrope"):
         raise ExportError(f"--generation: rotary embeddings of type {rope!r} change with the length, which the stages cannot follow")
     layers = [(f"model.layers.{i}", _LlamaLayer(layer, inner.rotary_emb, model.config)) for i, layer in enumerate(inner.layers)]
-    return [("embed", _LlamaEmbed(inner)), *layers, ("head", _LlamaHead(model))]
+    return [("embed", _LlamaEmbed(inner)), *layers, ("head", _Head(inner.norm, model.lm_head))]
 
 
 FAMILIES = {"GPT2LMHeadModel": _gpt2, "LlamaForCausalLM": _llama, "MistralForCausalLM": _llama, "Qwen2ForCausalLM": _llama}

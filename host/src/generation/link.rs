@@ -1,0 +1,76 @@
+//! The `Generate` stream as calls: open a session, then one step at a time, each answered
+//! before the next is sent (a decode step needs the token its answer gives).
+
+use cleave_common::pb::{self, generate_frame, GenerateFrame, GenerateReply};
+use cleave_common::spec::{DType, TorchDType};
+use tch::Tensor;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use crate::error::{Breach, HostError, LinkLost, Result};
+use crate::session::EdgeSession;
+
+/// A session open on a server.
+pub struct GenerateLink {
+    frames: mpsc::Sender<GenerateFrame>,
+    replies: Streaming<GenerateReply>,
+    next_id: u64,
+    /// What the server said when it opened the session.
+    pub opened: pb::GenerationOpened,
+}
+
+fn closed() -> HostError {
+    HostError::Lost(LinkLost::Closed)
+}
+
+fn refused(error: &pb::Error) -> HostError {
+    HostError::Rpc { call: "Generate", code: tonic::Code::from_i32(error.code), message: error.message.clone() }
+}
+
+impl GenerateLink {
+    /// Opens a session on `session`'s server: it reserves the caches of `open`'s stages.
+    pub async fn open(session: &mut EdgeSession, open: pb::OpenGeneration) -> Result<Self> {
+        let (frames, rx) = mpsc::channel(4);
+        frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Open(open)) }).await.map_err(|_| closed())?;
+        let call = session.model_request(ReceiverStream::new(rx));
+        let mut replies = session.client.generate(call).await.map_err(|s| HostError::rpc("Generate", &s))?.into_inner();
+        let first = next_reply(&mut replies).await?;
+        if let Some(error) = &first.error {
+            return Err(refused(error));
+        }
+        let opened = first.opened.ok_or(Breach::NotOpened)?;
+        Ok(Self { frames, replies, next_id: 0, opened })
+    }
+
+    /// Sends `step` (its request id set here) and waits for its output, which must be of
+    /// `shape`.
+    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64]) -> Result<Tensor> {
+        let id = self.next_id;
+        self.next_id += 1;
+        step.request_id = id;
+        self.frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Step(step)) }).await.map_err(|_| closed())?;
+        let reply = next_reply(&mut self.replies).await?;
+        if let Some(error) = &reply.error {
+            return Err(refused(error));
+        }
+        let mismatch = |got: String| Breach::GenerationAnswer { request_id: id, got, expected: format!("{shape:?}") };
+        if reply.request_id != id {
+            return Err(mismatch(format!("the answer of step {}", reply.request_id)).into());
+        }
+        let dtype = DType::from_name(&reply.dtype).filter(|d| d.is_float()).ok_or_else(|| mismatch(format!("dtype {:?}", reply.dtype)))?;
+        let bytes = shape.iter().try_fold(dtype.size() as u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
+        if reply.shape != shape || bytes != Some(reply.output.len() as u64) {
+            return Err(mismatch(format!("{} {:?} in {} bytes", reply.dtype, reply.shape, reply.output.len())).into());
+        }
+        Ok(Tensor::f_from_data_size(&reply.output, shape, dtype.kind()).map_err(|e| mismatch(e.to_string()))?)
+    }
+}
+
+async fn next_reply(replies: &mut Streaming<GenerateReply>) -> Result<GenerateReply> {
+    match replies.message().await {
+        Ok(Some(reply)) => Ok(reply),
+        Ok(None) => Err(closed()),
+        Err(status) => Err(HostError::rpc("Generate", &status)),
+    }
+}

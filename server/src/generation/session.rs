@@ -1,0 +1,146 @@
+//! One generation session: its range of stages, the caches of its layers and where each of
+//! its rows stands. A step is checked whole before anything changes (a refused step leaves
+//! the session as it was), then its rows' caches are written at the positions that follow
+//! their earlier tokens.
+
+use cleave_common::generation::GenerationStages;
+use cleave_common::pb;
+use cleave_common::spec::TorchDType;
+use cleave_common::{Bundle, StageRange};
+use tch::{Kind, Tensor};
+
+use super::admission::Admission;
+use crate::error::{GenerationError, RequestError};
+
+/// A session, open.
+pub(crate) struct Session {
+    stages: GenerationStages,
+    caches: Vec<Tensor>,
+    /// Tokens each row holds: its next position.
+    lengths: Vec<i64>,
+    max_len: i64,
+    width: i64,
+    kind: Kind,
+    _admission: Admission,
+}
+
+/// What a session asks for, checked against the model: its range and sizes.
+pub(crate) struct Asked {
+    pub(crate) range: StageRange,
+    pub(crate) batch: i64,
+    pub(crate) max_len: i64,
+    pub(crate) cache_bytes: u64,
+}
+
+/// Checks `open` against `bundle`'s generation section.
+pub(crate) fn check_open(bundle: &Bundle, open: &pb::OpenGeneration) -> Result<Asked, GenerationError> {
+    let info = bundle.manifest().generation.as_ref().ok_or_else(|| GenerationError::NotExported { bundle: bundle.short_id().to_string() })?;
+    let n = info.stages.len();
+    let (start, end) = (open.start, open.end);
+    let range_error = |reason: String| GenerationError::Range { start, end, reason };
+    if start == 0 {
+        return Err(range_error("stage 0 is the embedding, which stays on the edge with the tokens: start at 1 or later".into()));
+    }
+    if start >= end || end as usize > n {
+        return Err(range_error(format!("the model has generation stages 0..{n}; a session runs at least one of 1..{n}")));
+    }
+    let batch = bundle.manifest().batch;
+    if !(batch.min..=batch.max).contains(&i64::from(open.batch)) {
+        return Err(GenerationError::Batch { batch: open.batch, min: batch.min, max: batch.max });
+    }
+    if !(1..=info.max_positions).contains(&i64::from(open.max_len)) {
+        return Err(GenerationError::MaxLen { max_len: open.max_len, max_positions: info.max_positions });
+    }
+    let range = StageRange::new(start as usize, end as usize);
+    let (batch, max_len) = (i64::from(open.batch), i64::from(open.max_len));
+    Ok(Asked { range, batch, max_len, cache_bytes: info.cache_bytes(range.start..range.end, batch, max_len) })
+}
+
+impl Session {
+    /// Opens a session of `asked` on `all` (the model's generation stages), its caches zeroed.
+    pub(crate) fn open(all: &GenerationStages, asked: &Asked, admission: Admission) -> Result<Self, RequestError> {
+        let stages = all.slice(asked.range).map_err(RequestError::Bundle)?;
+        let caches = stages.new_caches(asked.batch, asked.max_len).map_err(RequestError::Bundle)?;
+        let info = stages.info();
+        let (width, kind) = (info.hidden_width(), info.hidden.dtype.kind());
+        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind, _admission: admission })
+    }
+
+    /// Runs one step: the output [batch, tokens or 1, width], or why the step is refused.
+    /// `answer_limit` bounds the output's bytes (it must fit in one message).
+    pub(crate) fn step(&mut self, step: &pb::GenerateStep, answer_limit: u64) -> Result<Tensor, RequestError> {
+        let starts = self.check_step(step, answer_limit)?;
+        for &row in &step.restart_rows {
+            for cache in &mut self.caches {
+                let _ = cache.narrow(1, i64::from(row), 1).zero_();
+            }
+        }
+        let (batch, tokens) = (self.lengths.len() as i64, i64::from(step.tokens));
+        let hidden = Tensor::f_from_data_size(&step.hidden, &[batch, tokens, self.width], self.kind).map_err(torch_error)?;
+        let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
+        let positions = Tensor::from_slice(&positions).view([batch, tokens]);
+        // The rows restarted stand at 0 from here on, whatever the step does.
+        for &row in &step.restart_rows {
+            self.lengths[row as usize] = 0;
+        }
+        let output = self.stages.step(&hidden, &positions, &mut self.caches).map_err(RequestError::Bundle)?;
+        for length in &mut self.lengths {
+            *length += tokens;
+        }
+        let output = if step.last_token_only { output.narrow(1, tokens - 1, 1) } else { output };
+        Ok(output.to_device(tch::Device::Cpu).contiguous())
+    }
+
+    /// The bytes of `step`'s answer: hidden states, or logits where the range ends with the
+    /// head, of every row's tokens or its last.
+    pub(crate) fn answer_bound(&self, step: &pb::GenerateStep) -> u64 {
+        let info = self.stages.info();
+        let width = if self.stages.ends_with_head() { info.vocab_size } else { self.width } as u64;
+        let tokens = if step.last_token_only { 1 } else { u64::from(step.tokens) };
+        let element = self.kind.elt_size_in_bytes() as u64;
+        (self.lengths.len() as u64).saturating_mul(tokens).saturating_mul(width).saturating_mul(element)
+    }
+
+    /// Each row's first position in `step`, once everything in it is checked.
+    fn check_step(&self, step: &pb::GenerateStep, answer_limit: u64) -> Result<Vec<i64>, GenerationError> {
+        let batch = self.lengths.len();
+        let refuse = |text: String| Err(GenerationError::Step(text));
+        if step.tokens == 0 {
+            return refuse("a step of no tokens".into());
+        }
+        if step.positions_from.len() != batch {
+            return refuse(format!("positions_from gives {} rows, the session has {batch}", step.positions_from.len()));
+        }
+        let mut starts = self.lengths.clone();
+        for &row in &step.restart_rows {
+            match starts.get_mut(row as usize) {
+                Some(at) => *at = 0,
+                None => return refuse(format!("restart row {row}: the session has rows 0..{batch}")),
+            }
+        }
+        let tokens = i64::from(step.tokens);
+        for (row, (&at, &host)) in starts.iter().zip(&step.positions_from).enumerate() {
+            if at != i64::from(host) {
+                return refuse(format!("row {row} stands at position {at} on the server, the step starts it at {host}: replay the session's tokens"));
+            }
+            if at + tokens > self.max_len {
+                return Err(GenerationError::CacheFull { row, at, tokens, max_len: self.max_len });
+            }
+        }
+        let element = self.kind.elt_size_in_bytes() as u64;
+        let expected = (batch as u64) * (tokens as u64) * (self.width as u64) * element;
+        if step.hidden.len() as u64 != expected {
+            let shape = format!("[{batch}, {tokens}, {}] {:?}", self.width, self.kind);
+            return refuse(format!("the hidden states are {} bytes, {shape} is {expected}", step.hidden.len()));
+        }
+        let bytes = self.answer_bound(step);
+        if bytes > answer_limit {
+            return Err(GenerationError::AnswerTooLarge { bytes, limit: answer_limit });
+        }
+        Ok(starts)
+    }
+}
+
+fn torch_error(e: tch::TchError) -> RequestError {
+    RequestError::Internal(crate::error::Internal::Torch(e.to_string()))
+}

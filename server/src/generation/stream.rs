@@ -1,0 +1,190 @@
+//! One `Generate` stream: opens the session from the first frame (a place, the caches'
+//! share of the budget, the caches), then runs its steps in order on the blocking pool, one
+//! answer or one error each; a refused step leaves the session as it was. The session ends
+//! with the stream, when its host says nothing for `generation.session_idle_timeout`, or
+//! when the server drains; its caches and place go with it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cleave_common::pb::{self, generate_frame, GenerateReply};
+use cleave_common::spec::TorchDType;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tonic::{Status, Streaming};
+
+use super::admission::Generation;
+use super::session::{check_open, Session};
+use crate::budget::{MemoryBudget, Reservation};
+use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
+use crate::metrics::Metrics;
+use crate::models::Model;
+use crate::reader::{FrameReader, Next, ReadBuffer};
+use crate::unsent::Unsent;
+
+/// What one `Generate` stream needs.
+pub(crate) struct GenerateContext {
+    pub(crate) model: Arc<Model>,
+    pub(crate) generation: Generation,
+    pub(crate) metrics: Metrics,
+    /// Whether payloads must be sealed (generation steps are not yet).
+    pub(crate) sealing_required: bool,
+    /// The largest message either way: every step and every answer fits in one.
+    pub(crate) max_message_bytes: u64,
+    /// The memory every stream's messages share (a step and its answer are held in it).
+    pub(crate) budget: MemoryBudget,
+    pub(crate) request_timeout: Duration,
+    pub(crate) draining: CancellationToken,
+    pub(crate) unsent: Unsent,
+}
+
+type Out = mpsc::Sender<Result<GenerateReply, Status>>;
+
+fn error_reply(request_id: u64, e: &RequestError) -> GenerateReply {
+    GenerateReply { request_id, error: Some(error_frame(e)), ..Default::default() }
+}
+
+/// Serves one `Generate` stream: opens its session, then answers its steps in order.
+pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx: GenerateContext, out: Out) {
+    let idle = ctx.generation.options().session_idle_timeout;
+    let first = tokio::time::timeout(idle, inbound.next()).await.unwrap_or(None);
+    let Some(Ok(first)) = first else { return };
+    let mut read_buffer = ReadBuffer::default();
+    let opened = match read_buffer.cover(&ctx.budget, &first).await {
+        Ok(()) => open_session(&ctx, first).await,
+        Err(e) => Err(e),
+    };
+    let (session, opened) = match opened {
+        Ok(opened) => opened,
+        Err(e) => {
+            tracing::info!(error = %e, "generation session refused");
+            let _ = out.send(Ok(error_reply(0, &e))).await;
+            return;
+        }
+    };
+    tracing::info!(session = %opened.session_id, cache_bytes = opened.cache_bytes, "generation session open");
+    let id = opened.session_id.clone();
+    if out.send(Ok(GenerateReply { opened: Some(opened), ..Default::default() })).await.is_ok() {
+        let _open = ctx.metrics.stream_open("generate");
+        answer_steps(inbound, &ctx, &out, session, read_buffer, &id).await;
+    }
+    tracing::info!(session = %id, "generation session closed");
+}
+
+/// Checks the opening frame, takes a place and the caches' bytes, and makes the caches.
+async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, pb::GenerationOpened), RequestError> {
+    let Some(generate_frame::Kind::Open(open)) = first.kind else { return Err(GenerationError::NotOpened.into()) };
+    if ctx.sealing_required {
+        return Err(GenerationError::SealingRequired.into());
+    }
+    let asked = check_open(&ctx.model.bundle, &open)?;
+    let (admission, cache_bytes) = (ctx.generation.admit(asked.cache_bytes)?, asked.cache_bytes);
+    let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
+    let session = tokio::task::spawn_blocking(move || {
+        catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked, admission))
+    })
+    .await
+    .map_err(|_| Internal::Cancelled("opening a generation session"))??;
+    let opened = pb::GenerationOpened { session_id: hex::encode(rand::random::<[u8; 8]>()), device: ctx.model.device.clone(), cache_bytes };
+    Ok((session, opened))
+}
+
+/// Answers the steps of a stream in order until it ends.
+async fn answer_steps(
+    inbound: Streaming<pb::GenerateFrame>,
+    ctx: &GenerateContext,
+    out: &Out,
+    session: Session,
+    mut read_buffer: ReadBuffer,
+    id: &str,
+) {
+    let idle = ctx.generation.options().session_idle_timeout;
+    let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
+    let mut session = Some(session);
+    loop {
+        let frame = match reader.next(out.closed()).await {
+            Next::Frame(frame) => frame,
+            Next::End | Next::Broken => return,
+            // A step is one message: nothing is ever part-way in.
+            Next::Stalled => continue,
+            Next::Idle => {
+                let _ = out.send(Ok(error_reply(0, &GenerationError::Idle { idle, session: id.to_string() }.into()))).await;
+                return;
+            }
+            Next::Draining => {
+                let _ = out.send(Ok(error_reply(0, &RequestError::Draining))).await;
+                return;
+            }
+        };
+        let (reply, mut held) = match read_buffer.cover(&ctx.budget, &frame).await {
+            Err(e) => (error_reply(request_id(&frame), &e), Reservation::none()),
+            Ok(()) => match frame.kind {
+                Some(generate_frame::Kind::Step(step)) => {
+                    let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
+                    let Some(kept) = kept else {
+                        let _ = out.send(Ok(reply)).await;
+                        return;
+                    };
+                    session = Some(kept);
+                    (reply, held)
+                }
+                Some(generate_frame::Kind::Open(_)) => (error_reply(0, &GenerationError::AlreadyOpen.into()), Reservation::none()),
+                None => (error_reply(0, &GenerationError::EmptyFrame.into()), Reservation::none()),
+            },
+        };
+        ctx.unsent.hold(&reply, &mut held);
+        if out.send(Ok(reply)).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn request_id(frame: &pb::GenerateFrame) -> u64 {
+    match &frame.kind {
+        Some(generate_frame::Kind::Step(step)) => step.request_id,
+        _ => 0,
+    }
+}
+
+/// Runs `step` on the blocking pool: its answer, the memory it holds until written, and the
+/// session back (none where the blocking pool lost it: the stream ends).
+async fn run_step(ctx: &GenerateContext, mut session: Session, step: pb::GenerateStep) -> (GenerateReply, Reservation, Option<Session>) {
+    let id = step.request_id;
+    let limit = ctx.max_message_bytes.saturating_sub(1 << 10);
+    // The answer is held in the memory budget until written, as every answer is.
+    let held = match ctx.budget.reserve(limit.min(session.answer_bound(&step))).await {
+        Ok(held) => held,
+        Err(e) => return (error_reply(id, &e.into()), Reservation::none(), Some(session)),
+    };
+    let started = Instant::now();
+    let ran = tokio::task::spawn_blocking(move || {
+        let output = catch_panic("a generation step", || session.step(&step, limit));
+        (session, output)
+    })
+    .await;
+    let Ok((session, output)) = ran else {
+        return (error_reply(id, &Internal::Cancelled("a generation step").into()), Reservation::none(), None);
+    };
+    let compute_us = started.elapsed().as_micros() as u64;
+    let reply = match output.and_then(|t| answer(id, &t)) {
+        Ok(mut reply) => {
+            reply.timings = Some(pb::ServerTimings { compute_us, ..Default::default() });
+            ctx.metrics.generation_step(ctx.model.bundle.id());
+            ctx.metrics.sent(ctx.model.bundle.id(), reply.output.len() as u64);
+            reply
+        }
+        Err(e) => error_reply(id, &e),
+    };
+    (reply, held, Some(session))
+}
+
+/// A step's answer: `output`'s bytes as they lie (little-endian, contiguous on the CPU).
+fn answer(request_id: u64, output: &tch::Tensor) -> Result<GenerateReply, RequestError> {
+    let dtype = <cleave_common::spec::DType as TorchDType>::from_kind(output.kind())
+        .ok_or_else(|| Internal::Torch(format!("an output of {:?}", output.kind())))?;
+    let mut bytes = vec![0u8; output.numel() * output.kind().elt_size_in_bytes()];
+    output.f_copy_data_u8(&mut bytes, output.numel()).map_err(|e| Internal::Torch(e.to_string()))?;
+    Ok(GenerateReply { request_id, output: Bytes::from(bytes), shape: output.size(), dtype: dtype.name().to_string(), ..Default::default() })
+}
