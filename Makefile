@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving clean
+.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate clean
 
 setup: build
 
@@ -185,6 +185,11 @@ link-sweep: build $(LINK_SWEEP_BUNDLE)/manifest.json
 # links (root: network namespaces); exports resnet18 at 64x64 on first use.
 train-pipeline: build digits-cnn
 	bench/train-pipeline
+
+# Split generation against transformers' generate with its cache, tokens per second: a
+# 4-layer GPT-2 and a Llama-like model of width 256, split in the middle (bench/README.md).
+bench-generate: build $(VENV)/.installed
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bench/generate
 
 clean:
 	rm -rf target bundles results

@@ -114,6 +114,9 @@ pub enum HostError {
     /// The bearer token cannot go in an HTTP header.
     #[error("the bearer token is not a valid header value")]
     TokenNotAHeaderValue,
+    /// A generation that cannot run as asked (its prompt, its length, its sampling).
+    #[error("generate: {0}")]
+    Generation(String),
     /// The output directory cannot be written or continued.
     #[error(transparent)]
     Output(#[from] OutputError),

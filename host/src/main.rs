@@ -11,6 +11,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use cleave_common::config::CpuUse;
 use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, Job, TrainMode};
+use cleave_host::generation::{GenerateOptions, Sampling, TokenTime};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
@@ -152,6 +153,49 @@ enum Command {
         #[arg(long, default_value_t = cleave_host::load::DEFAULT_IN_FLIGHT_CAP)]
         in_flight_cap: usize,
     },
+    /// Generate tokens with a language model exported with --generation, split with the
+    /// config's server: the embedding and the first layers run here with their caches, the
+    /// server keeps the rest's (and the head, unless --tail edge).
+    Generate {
+        /// edge.yaml: server, bundle, security, retries (its input and split are not used).
+        #[arg(long)]
+        config: PathBuf,
+        /// Start the server in this process on 127.0.0.1 and use it.
+        #[arg(long)]
+        loopback: bool,
+        /// The first generation stage the server runs: 1 is the first layer (default: the
+        /// middle layer).
+        #[arg(long)]
+        split: Option<usize>,
+        /// Where the final norm and LM head run: server, or edge (neither tokens nor logits
+        /// leave this machine).
+        #[arg(long, default_value = "server", value_parser = ["server", "edge"])]
+        tail: String,
+        /// The prompt's token ids, like 1,2,3.
+        #[arg(long, value_delimiter = ',', required = true)]
+        prompt_ids: Vec<i64>,
+        /// Tokens generated at most.
+        #[arg(long, default_value_t = 32)]
+        max_new_tokens: usize,
+        /// Token ids that end the generation, like 50256.
+        #[arg(long, value_delimiter = ',')]
+        stop_ids: Vec<i64>,
+        /// 0: greedy; otherwise the logits are divided by it before drawing.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Draw among the k most likely tokens (0: all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Draw among the most likely tokens holding this probability.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        /// Seed of the draws.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write each new token's position, id and time (ms) here as CSV.
+        #[arg(long)]
+        timings: Option<PathBuf>,
+    },
     /// Write a copy of a bundle with the trained weights of checkpoints (the host's and the
     /// server's `step-N` files), ready for split inference.
     ExportTrained {
@@ -197,6 +241,18 @@ fn main() -> ExitCode {
             plan(config.expect("clap asks for --config or --fleet"), PlanOptions { loopback, objective, repeats, measure, output, fleet_profile })
         }
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
+        Some(Command::Generate { config, loopback, split, tail, prompt_ids, max_new_tokens, stop_ids, temperature, top_k, top_p, seed, timings }) => {
+            let options = GenerateOptions {
+                loopback,
+                cut: split,
+                tail_on_edge: tail == "edge",
+                prompt: prompt_ids,
+                max_new_tokens,
+                stop: stop_ids,
+                sampling: Sampling { temperature, top_k, top_p, seed },
+            };
+            generate(&config, &options, timings.as_deref())
+        }
         Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
             let mode = rate.map_or(LoadMode::Closed, |rate| LoadMode::Open { rate });
             let opts =
@@ -209,7 +265,7 @@ fn main() -> ExitCode {
                     .error(
                         clap::error::ErrorKind::MissingRequiredArgument,
                         "a run needs --config edge.yaml (--loopback, --split, --output, --force, --resume and --monolithic go with it); \
-                         or give a subcommand: splits, verify, plan, load, export-trained",
+                         or give a subcommand: splits, verify, plan, load, generate, export-trained",
                     )
                     .exit()
             }),
@@ -258,6 +314,34 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
     println!("{}", summary_text(&summary));
     println!("results in {}", output.display());
     Ok(summary.errors == 0 && summary.counts.never_sent == 0)
+}
+
+fn generate(path: &Path, options: &GenerateOptions, timings: Option<&Path>) -> anyhow::Result<bool> {
+    let config = EdgeConfig::load(path)?;
+    let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
+    config.cpu.apply()?;
+    // Each token as it comes, then the whole line.
+    let print_token = |t: &TokenTime| {
+        print!("{},", t.token);
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    };
+    let generated = tokio::runtime::Runtime::new()?.block_on(cleave_host::generation::generate(&config, options, print_token))?;
+    let ids: Vec<String> = generated.tokens.iter().map(i64::to_string).collect();
+    println!("\r{}", ids.join(","));
+    if let Some(path) = timings {
+        std::fs::write(path, generated.timings_csv()).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("per-token timings in {}", path.display());
+    }
+    let ended = if generated.stopped { "a stop token" } else { "--max-new-tokens" };
+    println!(
+        "generate: {} tokens (ended by {ended}), server from stage {} on {}, first token {:.1} ms, {:.1} tokens/s after it",
+        generated.tokens.len(),
+        generated.cut,
+        generated.device,
+        generated.first_token_ms(),
+        generated.tokens_per_second()
+    );
+    Ok(true)
 }
 
 fn plan(path: PathBuf, opts: PlanOptions) -> anyhow::Result<bool> {

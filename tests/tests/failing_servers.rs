@@ -417,6 +417,57 @@ fn with_fallback_edge_requests_run_on_the_edge_while_no_server_answers_and_retur
     });
 }
 
+/// Split generation survives its server (issue 40, item 5): the server stopped after the
+/// eighth new token and a new one started where it was, the host reconnects with its retry
+/// rules, gives the new server the session's tokens again and sends the step again; the
+/// tokens (drawn with a seed) are those of an uninterrupted run.
+#[test]
+fn a_generation_whose_server_stops_and_restarts_gives_the_tokens_of_an_uninterrupted_run() {
+    use cleave_host::generation::{generate_on, GenerateOptions, Sampling, Servers};
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let prompt = vec![3i64, 141, 59, 26, 5];
+    let options = GenerateOptions {
+        loopback: false,
+        cut: Some(2),
+        tail_on_edge: false,
+        prompt: prompt.clone(),
+        max_new_tokens: 24,
+        stop: Vec::new(),
+        sampling: Sampling { temperature: 0.8, top_k: 20, top_p: 0.95, seed: 3 },
+    };
+    runtime().block_on(async {
+        let first = real_server(&bundle, "127.0.0.1:0", quick_drain()).await;
+        let (url, addr) = (first.url.clone(), first.url.trim_start_matches("http://").to_string());
+        let servers =
+            Servers { urls: vec![url], link: Link::plain(), retry: RetryPolicy { max_attempts: 50, max_backoff: Duration::from_millis(200) } };
+        let want = generate_on(&bundle, &servers, &options, |_| {}).await.unwrap();
+        let (stop, stopping) = std::sync::mpsc::channel();
+        let (down, is_down) = std::sync::mpsc::channel();
+        let restarted = bundle.clone();
+        let chaos = tokio::spawn(async move {
+            tokio::task::spawn_blocking(move || stopping.recv()).await.unwrap().unwrap();
+            first.shutdown().await.unwrap();
+            down.send(()).unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            real_server(&restarted, &addr, quick_drain()).await
+        });
+        let eighth = prompt.len() as i64 + 8;
+        let got = generate_on(&bundle, &servers, &options, |t| {
+            if t.position == eighth {
+                stop.send(()).unwrap();
+                // Blocks this worker until the server is down: the next step meets it gone.
+                is_down.recv().unwrap();
+            }
+        })
+        .await
+        .unwrap();
+        let second = chaos.await.unwrap();
+        assert_eq!(got.tokens, want.tokens, "the tokens of an uninterrupted run");
+        assert_eq!(got.tokens.len(), 24);
+        second.shutdown().await.unwrap();
+    });
+}
+
 // ---- The server's window of recent results --------------------------------------------
 
 /// Sends request `id` on a new stream under `session` and returns its decoded answer.

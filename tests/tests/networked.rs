@@ -637,3 +637,68 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         server.shutdown().await.unwrap();
     });
 }
+
+/// `host generate` (issue 40, item 3): greedy tokens over a loopback server, the head on the
+/// server or on the edge, are the whole model's greedy tokens in one process, wherever its
+/// top two logits differ by more than 1e-4 (random weights have near ties); a seeded draw
+/// gives the same tokens again, top-k 1 is greedy, and a stop token ends the generation.
+#[test]
+fn host_generate_s_greedy_tokens_are_the_whole_model_s_in_one_process() {
+    use cleave_common::generation::GenerationStages;
+    use cleave_host::generation::{generate, GenerateOptions, Sampling};
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let (prompt, new) = (vec![3i64, 141, 59, 26, 5], 24);
+    // The whole model here, greedy, up to the first near tie.
+    let whole =
+        GenerationStages::load(&bundle, StageRange::new(0, bundle.manifest().generation.as_ref().unwrap().stages.len()), DeviceSpec::Cpu).unwrap();
+    let mut caches = whole.new_caches(1, (prompt.len() + new) as i64).unwrap();
+    let (mut want, mut input, mut at) = (Vec::new(), tch::Tensor::from_slice(&prompt).unsqueeze(0), 0);
+    while want.len() < new {
+        let s = input.size()[1];
+        let positions = tch::Tensor::arange_start(at, at + s, (tch::Kind::Int64, tch::Device::Cpu)).unsqueeze(0);
+        let logits = whole.step(&input, &positions, &mut caches).unwrap().select(1, s - 1).squeeze();
+        let (top, index) = logits.topk(2, 0, true, true);
+        if top.double_value(&[0]) - top.double_value(&[1]) <= 1e-4 {
+            break;
+        }
+        want.push(index.int64_value(&[0]));
+        (input, at) = (tch::Tensor::from_slice(&[want[want.len() - 1]]).unsqueeze(0), at + s);
+    }
+    assert!(want.len() >= 8, "the chain compares at least 8 tokens, {} before a near tie", want.len());
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("edge.yaml");
+    let yaml = format!(
+        "server: http://127.0.0.1:1\nbundle: {}\nsplit: 1\ndevice: cpu\ninput: {{kind: synthetic}}\noutput: {}\nloopback: {{device: cpu}}\n",
+        bundle.dir().display(),
+        dir.path().join("out").display()
+    );
+    std::fs::write(&path, yaml).unwrap();
+    let config = cleave_host::config::EdgeConfig::load(&path).unwrap();
+    let greedy = GenerateOptions {
+        loopback: true,
+        cut: None,
+        tail_on_edge: false,
+        prompt: prompt.clone(),
+        max_new_tokens: want.len(),
+        stop: Vec::new(),
+        sampling: Sampling::default(),
+    };
+    let rt = runtime();
+    let run = |options: &GenerateOptions| rt.block_on(generate(&config, options, |_| {})).unwrap();
+    for (cut, tail_on_edge) in [(None, false), (Some(1), true), (Some(4), false)] {
+        let generated = run(&GenerateOptions { cut, tail_on_edge, ..greedy.clone() });
+        assert_eq!(generated.tokens, want, "cut {cut:?}, tail on the edge {tail_on_edge}");
+        assert_eq!(generated.times.iter().map(|t| t.position).collect::<Vec<_>>(), (prompt.len() as i64..).take(want.len()).collect::<Vec<_>>());
+        assert!(!generated.stopped && generated.times.iter().all(|t| t.ms > 0.0));
+    }
+    let drawn = Sampling { temperature: 0.8, top_k: 20, top_p: 0.95, seed: 3 };
+    let first = run(&GenerateOptions { sampling: drawn, ..greedy.clone() });
+    assert_eq!(run(&GenerateOptions { sampling: drawn, ..greedy.clone() }).tokens, first.tokens, "the same seed, the same tokens");
+    assert_eq!(run(&GenerateOptions { sampling: Sampling { top_k: 1, ..drawn }, ..greedy.clone() }).tokens, want, "top-k 1 is greedy");
+    let stopped = run(&GenerateOptions { stop: vec![want[2]], ..greedy.clone() });
+    let first_stop = want.iter().position(|&t| t == want[2]).unwrap();
+    assert!(stopped.stopped && stopped.tokens == want[..=first_stop], "{:?}", stopped.tokens);
+    let too_long = rt.block_on(generate(&config, &GenerateOptions { max_new_tokens: 64, ..greedy.clone() }, |_| {}));
+    assert!(too_long.unwrap_err().to_string().contains("64 positions"));
+}

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
-use crate::error::{Breach, HostError, LinkLost, Result};
+use crate::error::{Breach, HostError, Result};
 use crate::session::EdgeSession;
 
 /// A session open on a server.
@@ -20,8 +20,9 @@ pub struct GenerateLink {
     pub opened: pb::GenerationOpened,
 }
 
+/// The stream ended under a step: the server went (its caches with it).
 fn closed() -> HostError {
-    HostError::Lost(LinkLost::Closed)
+    HostError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }
 }
 
 fn refused(error: &pb::Error) -> HostError {

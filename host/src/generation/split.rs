@@ -1,0 +1,181 @@
+//! A split generation session on the edge: the edge's stages and caches, the tokens each
+//! row was fed, and the server's session.
+
+use cleave_common::generation::GenerationStages;
+use cleave_common::spec::TorchDType;
+use cleave_common::{pb, Bundle, BundleError, DeviceSpec, StageRange};
+use tch::{Kind, Tensor};
+
+use super::link::GenerateLink;
+use crate::error::{HostError, Result};
+use crate::session::EdgeSession;
+
+/// Where a generation splits and how large its session is.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerationSplit {
+    /// The first generation stage the server runs (1 or later: the embedding stays here).
+    pub cut: usize,
+    /// The head (final norm and LM head) runs on the edge, after the server's layers.
+    pub tail_on_edge: bool,
+    /// Rows (sequences) generated together.
+    pub batch: i64,
+    /// Positions each row may reach.
+    pub max_len: i64,
+}
+
+/// A split generation session: the edge's stages and caches, and the server's session.
+pub struct SplitGenerator {
+    edge: GenerationStages,
+    tail: Option<GenerationStages>,
+    edge_caches: Vec<Tensor>,
+    tail_caches: Vec<Tensor>,
+    link: GenerateLink,
+    open: pb::OpenGeneration,
+    /// The tokens each row has been fed since its start: what a new server is given again.
+    histories: Vec<Vec<i64>>,
+    width: i64,
+    hidden_kind: Kind,
+    vocab_size: i64,
+    /// Tokens one step may carry: its hidden states, and its answer, fit in one message.
+    step_tokens: i64,
+}
+
+impl SplitGenerator {
+    /// Loads the edge's stages (blocking) and opens the server's session on `session`.
+    pub async fn open(bundle: &Bundle, session: &mut EdgeSession, split: GenerationSplit) -> Result<Self> {
+        let info = bundle.manifest().generation.clone().ok_or(BundleError::NoGeneration)?;
+        let n = info.stages.len();
+        let server_end = if split.tail_on_edge { n - 1 } else { n };
+        if split.cut == 0 || split.cut >= server_end {
+            let reason = format!("the server runs stages cut..{server_end} of 0..{n}, at least one, never the embedding");
+            return Err(BundleError::InvalidRange { start: split.cut, end: server_end, reason }.into());
+        }
+        let edge = GenerationStages::load(bundle, StageRange::new(0, split.cut), DeviceSpec::Cpu)?;
+        let tail = split.tail_on_edge.then(|| GenerationStages::load(bundle, StageRange::new(n - 1, n), DeviceSpec::Cpu)).transpose()?;
+        let edge_caches = edge.new_caches(split.batch, split.max_len)?;
+        let tail_caches = match &tail {
+            Some(tail) => tail.new_caches(split.batch, split.max_len)?,
+            None => Vec::new(),
+        };
+        let open = pb::OpenGeneration { start: split.cut as u32, end: server_end as u32, batch: split.batch as u32, max_len: split.max_len as u32 };
+        let link = GenerateLink::open(session, open).await?;
+        let (width, hidden_kind) = (info.hidden_width(), info.hidden.dtype.kind());
+        // The larger of a token's hidden states and its logits, for every row; room is left
+        // for the message's own fields.
+        let per_token = split.batch * width.max(info.vocab_size) * hidden_kind.elt_size_in_bytes() as i64;
+        let room = session.server.limits.max_message_bytes.saturating_sub(64 << 10) as i64;
+        Ok(Self {
+            edge,
+            tail,
+            edge_caches,
+            tail_caches,
+            link,
+            open,
+            histories: vec![Vec::new(); split.batch as usize],
+            width,
+            hidden_kind,
+            vocab_size: info.vocab_size,
+            step_tokens: (room / per_token.max(1)).max(1),
+        })
+    }
+
+    /// What the server said when it opened the session.
+    pub fn opened(&self) -> &pb::GenerationOpened {
+        &self.link.opened
+    }
+
+    /// Where each row stands: its next position.
+    pub fn lengths(&self) -> Vec<i64> {
+        self.histories.iter().map(|h| h.len() as i64).collect()
+    }
+
+    /// One step: `ids` [batch, S] of every row, after restarting `restart_rows` at position 0;
+    /// the logits of each row's S tokens, or of its last with `last_token_only`. A step too
+    /// large for one message goes in several (a chunked prefill).
+    pub async fn step(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool) -> Result<Tensor> {
+        let tokens = ids.size().get(1).copied().unwrap_or(0);
+        if let Some(&row) = restart_rows.iter().find(|&&row| row >= self.histories.len()) {
+            return Err(HostError::Generation(format!("restart row {row}: the session has {} rows", self.histories.len())));
+        }
+        let mut outputs = Vec::new();
+        let mut restart = restart_rows;
+        let mut from = 0;
+        while from < tokens {
+            let take = self.step_tokens.min(tokens - from);
+            let last = from + take == tokens;
+            let output = self.step_once(&ids.narrow(1, from, take), restart, last_token_only).await?;
+            if last || !last_token_only {
+                outputs.push(output);
+            }
+            (restart, from) = (&[], from + take);
+        }
+        Ok(Tensor::cat(&outputs, 1))
+    }
+
+    /// A step that fits in one message.
+    async fn step_once(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool) -> Result<Tensor> {
+        let (batch, tokens) = (self.histories.len() as i64, ids.size().get(1).copied().unwrap_or(0));
+        let mut starts = self.lengths();
+        for &row in restart_rows {
+            starts[row] = 0;
+        }
+        let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
+        let positions = Tensor::from_slice(&positions).view([batch, tokens]);
+        for &row in restart_rows {
+            for cache in self.edge_caches.iter_mut().chain(&mut self.tail_caches) {
+                let _ = cache.narrow(1, row as i64, 1).zero_();
+            }
+        }
+        let hidden = self.edge.step(ids, &positions, &mut self.edge_caches)?.to_kind(self.hidden_kind).contiguous();
+        let mut bytes = vec![0u8; hidden.numel() * self.hidden_kind.elt_size_in_bytes()];
+        hidden.f_copy_data_u8(&mut bytes, hidden.numel()).map_err(|e| BundleError::StageFailed {
+            index: self.edge.range().end - 1,
+            name: "hidden states".into(),
+            message: e.to_string(),
+        })?;
+        let step = pb::GenerateStep {
+            request_id: 0,
+            tokens: tokens as u32,
+            hidden: bytes.into(),
+            positions_from: starts.iter().map(|&at| at as u32).collect(),
+            restart_rows: restart_rows.iter().map(|&row| row as u32).collect(),
+            last_token_only,
+        };
+        let answered_tokens = if last_token_only { 1 } else { tokens };
+        let width = if self.tail.is_some() { self.width } else { self.vocab_size };
+        let output = self.link.step(step, &[batch, answered_tokens, width]).await?;
+        // The server holds the step: so does the edge.
+        for &row in restart_rows {
+            self.histories[row].clear();
+        }
+        let fed: Vec<Vec<i64>> = Vec::try_from(ids).map_err(|e: tch::TchError| HostError::Generation(e.to_string()))?;
+        for (history, row) in self.histories.iter_mut().zip(fed) {
+            history.extend(row);
+        }
+        let Some(tail) = &self.tail else { return Ok(output) };
+        let positions = if last_token_only { positions.narrow(1, tokens - 1, 1) } else { positions };
+        Ok(tail.step(&output, &positions, &mut self.tail_caches)?)
+    }
+
+    /// Continues on a new server (`session`): opens the session there and gives it every
+    /// row's tokens again, so that its caches are what the lost server's were. Rows must
+    /// stand at one position (a step carries as many tokens for every row).
+    pub async fn resume(&mut self, session: &mut EdgeSession) -> Result<()> {
+        let lengths = self.lengths();
+        if lengths.iter().any(|&l| l != lengths[0]) {
+            return Err(HostError::Generation(format!("rows at positions {lengths:?} cannot be given to a new server in one replay")));
+        }
+        self.link = GenerateLink::open(session, self.open).await?;
+        if lengths[0] == 0 {
+            return Ok(());
+        }
+        let histories = std::mem::replace(&mut self.histories, vec![Vec::new(); lengths.len()]);
+        let ids = Tensor::from_slice(&histories.concat()).view([lengths.len() as i64, lengths[0]]);
+        let replayed = self.step(&ids, &[], true).await.map(drop);
+        if replayed.is_err() {
+            // Part of the tokens reached a server that is gone: the next one is given them all.
+            self.histories = histories;
+        }
+        replayed
+    }
+}
