@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[3]
 BENCH = REPO / "bench"
 PROGRAMS = [
     "serving", "chaos", "link-sweep", "loopback-floor", "gpu", "soak", "protocol-cpu", "train-pipeline", "fleet-solve", "fleet-check",
+    "generate",
 ]
 """Executable bench scripts, run as `bench/NAME`."""
 
@@ -96,3 +97,9 @@ def test_train_pipeline_reports_each_micro_batch_count_against_one_and_the_best_
     assert "8.5 ms 1.42x" in lines[2] and "failed" in lines[3]
     assert check_args("train-pipeline", "--microbatches", "2,4").returncode != 0
     assert "choose among digits, resnet18-64" in check_args("train-pipeline", "--models", "vgg").stderr
+
+
+def test_generate_knows_its_models_and_needs_token_120():
+    assert check_args("generate").stdout == "bench/generate: arguments ok; models gpt2 llama\n"
+    assert check_args("generate", "--models", "gpt2,nonsense").returncode != 0
+    assert check_args("generate", "--new-tokens", "100").returncode != 0
