@@ -11,7 +11,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use cleave_common::config::CpuUse;
 use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, Job, TrainMode};
-use cleave_host::generation::{GenerateOptions, Sampling, TokenTime};
+use cleave_host::generation::{GenerateOptions, Sampling, TextTokenizer, TokenTime};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
 use cleave_host::planning::planner::Objective;
 use cleave_host::planning::PlanOptions;
@@ -172,8 +172,15 @@ enum Command {
         #[arg(long, default_value = "server", value_parser = ["server", "edge"])]
         tail: String,
         /// The prompt's token ids, like 1,2,3.
-        #[arg(long, value_delimiter = ',', required = true)]
+        #[arg(long, value_delimiter = ',', required_unless_present = "prompt", conflicts_with = "prompt")]
         prompt_ids: Vec<i64>,
+        /// The prompt as text, turned into ids by --tokenizer; the new tokens are printed as
+        /// text too.
+        #[arg(long)]
+        prompt: Option<String>,
+        /// A Hugging Face tokenizer.json (default: tokenizer.json in the bundle's directory).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
         /// Tokens generated at most.
         #[arg(long, default_value_t = 32)]
         max_new_tokens: usize,
@@ -241,7 +248,22 @@ fn main() -> ExitCode {
             plan(config.expect("clap asks for --config or --fleet"), PlanOptions { loopback, objective, repeats, measure, output, fleet_profile })
         }
         Some(Command::ExportTrained { bundle, checkpoints, out }) => export_trained(&bundle, &checkpoints, &out),
-        Some(Command::Generate { config, loopback, split, tail, prompt_ids, max_new_tokens, stop_ids, temperature, top_k, top_p, seed, timings }) => {
+        Some(Command::Generate {
+            config,
+            loopback,
+            split,
+            tail,
+            prompt_ids,
+            prompt,
+            tokenizer,
+            max_new_tokens,
+            stop_ids,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            timings,
+        }) => {
             let options = GenerateOptions {
                 loopback,
                 cut: split,
@@ -251,7 +273,8 @@ fn main() -> ExitCode {
                 stop: stop_ids,
                 sampling: Sampling { temperature, top_k, top_p, seed },
             };
-            generate(&config, &options, timings.as_deref())
+            let text = prompt.map(|prompt| PromptText { prompt, tokenizer });
+            generate(&config, options, text, timings.as_deref())
         }
         Some(Command::Load { configs, edges, rate, closed: _, duration, ratio, splits, output, seed, force, in_flight_cap }) => {
             let mode = rate.map_or(LoadMode::Closed, |rate| LoadMode::Open { rate });
@@ -316,18 +339,47 @@ fn run(path: PathBuf, opts: RunOptions, monolithic: bool) -> anyhow::Result<bool
     Ok(summary.errors == 0 && summary.counts.never_sent == 0)
 }
 
-fn generate(path: &Path, options: &GenerateOptions, timings: Option<&Path>) -> anyhow::Result<bool> {
+/// `host generate --prompt`: the text and where its tokenizer is.
+struct PromptText {
+    prompt: String,
+    tokenizer: Option<PathBuf>,
+}
+
+fn generate(path: &Path, mut options: GenerateOptions, text: Option<PromptText>, timings: Option<&Path>) -> anyhow::Result<bool> {
     let config = EdgeConfig::load(path)?;
     let _tracing = logs::init(config.log_format, DEFAULT_LOG_FILTER, &config.telemetry, SERVICE)?;
     config.cpu.apply()?;
-    // Each token as it comes, then the whole line.
+    let tokenizer = match &text {
+        Some(text) => {
+            let path = text.tokenizer.clone().unwrap_or_else(|| config.bundle.join("tokenizer.json"));
+            let tokenizer = TextTokenizer::load(&path)?;
+            options.prompt = tokenizer.encode(&text.prompt)?;
+            Some(tokenizer)
+        }
+        None => None,
+    };
+    // Each token as it comes: its id, or the text it adds (once its bytes make whole characters).
+    let (mut ids, mut printed) = (Vec::new(), String::new());
     let print_token = |t: &TokenTime| {
-        print!("{},", t.token);
+        ids.push(t.token);
+        match &tokenizer {
+            Some(tokenizer) => {
+                let text = tokenizer.decode(&ids).unwrap_or_default();
+                if let Some(new) = text.strip_prefix(printed.as_str()).filter(|new| !new.ends_with('\u{fffd}')) {
+                    print!("{new}");
+                    printed = text;
+                }
+            }
+            None => print!("{}{}", if ids.len() > 1 { "," } else { "" }, t.token),
+        }
         let _ = std::io::Write::flush(&mut std::io::stdout());
     };
-    let generated = tokio::runtime::Runtime::new()?.block_on(cleave_host::generation::generate(&config, options, print_token))?;
-    let ids: Vec<String> = generated.tokens.iter().map(i64::to_string).collect();
-    println!("\r{}", ids.join(","));
+    let generated = tokio::runtime::Runtime::new()?.block_on(cleave_host::generation::generate(&config, &options, print_token))?;
+    match &tokenizer {
+        // What was held back waiting for whole characters.
+        Some(tokenizer) => println!("{}", tokenizer.decode(&generated.tokens)?.strip_prefix(printed.as_str()).unwrap_or_default()),
+        None => println!(),
+    }
     if let Some(path) = timings {
         std::fs::write(path, generated.timings_csv()).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
         println!("per-token timings in {}", path.display());

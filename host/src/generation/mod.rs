@@ -3,14 +3,16 @@
 //! head runs on the server, or here with `tail_on_edge` (U-shaped: neither tokens nor logits
 //! leave the edge). The edge keeps where each row stands and sends it with every step.
 //! `split` holds a session, `link` its stream, `sampling` the choice of each token and `run`
-//! `host generate`'s loop.
+//! `host generate`'s loop, `text` its tokenizer.
 
 mod link;
 mod run;
 mod sampling;
 mod split;
+mod text;
 
 pub use link::GenerateLink;
 pub use run::{generate, generate_on, GenerateOptions, Generated, Servers, TokenTime};
 pub use sampling::{Sampler, Sampling};
 pub use split::{GenerationSplit, SplitGenerator};
+pub use text::TextTokenizer;
