@@ -102,4 +102,4 @@ def test_train_pipeline_reports_each_micro_batch_count_against_one_and_the_best_
 def test_generate_knows_its_models_and_needs_token_120():
     assert check_args("generate").stdout == "bench/generate: arguments ok; models gpt2 llama\n"
     assert check_args("generate", "--models", "gpt2,nonsense").returncode != 0
-    assert check_args("generate", "--new-tokens", "100").returncode != 0
+    assert check_args("generate", "--new-tokens", "120").returncode != 0
