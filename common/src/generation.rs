@@ -95,7 +95,14 @@ impl GenerationStages {
     /// tokens into `caches` (from [`Self::new_caches`]); returns the hidden states, or the
     /// logits where the range ends with the head.
     pub fn step(&self, input: &Tensor, positions: &Tensor, caches: &mut [Tensor]) -> Result<Tensor> {
+        self.step_last(input, positions, caches, false)
+    }
+
+    /// [`Self::step`], giving with `last_only` each row's last token only: the head (where the
+    /// range has it) then makes the logits of that token alone.
+    pub fn step_last(&self, input: &Tensor, positions: &Tensor, caches: &mut [Tensor], last_only: bool) -> Result<Tensor> {
         self.check_step(input, positions, caches).map_err(|problem| BundleError::GenerationStep { problem })?;
+        let last = |t: Tensor| if last_only { t.narrow(1, t.size()[1] - 1, 1) } else { t };
         let _no_grad = tch::no_grad_guard();
         let (mut value, mut caches) = (input.to_device(self.device), caches.iter_mut());
         let positions = positions.to_device(self.device);
@@ -107,11 +114,15 @@ impl GenerationStages {
                     let cache: &Tensor = caches.next().expect("checked: one cache per layer");
                     module.forward_ts(&[&value, &positions, cache])
                 }
-                (_, None) => module.forward_ts(&[&value]),
+                // The head: after the last layer, only the tokens it answers for.
+                (_, None) => {
+                    value = last(value);
+                    module.forward_ts(&[&value])
+                }
             };
             value = result.map_err(|e| BundleError::StageFailed { index, name: info.name.clone(), message: e.to_string() })?;
         }
-        Ok(value)
+        Ok(if self.ends_with_head() { value } else { last(value) })
     }
 
     fn layers(&self) -> impl Iterator<Item = (usize, &GenerationStageInfo)> {

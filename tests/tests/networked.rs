@@ -557,6 +557,21 @@ fn split_generation_over_grpc_gives_transformers_logits_at_every_cut() {
             assert_eq!(generator.lengths(), [total, total - restart]);
             drop((generator, session));
             server.shutdown().await.unwrap();
+            // Under the smallest message limit, a step of a row's 500 logits fills a message:
+            // the prompt goes one token a step (a chunked prefill) and gives the same logits.
+            let limits = Limits { max_message_bytes: Limits::MIN_MESSAGE_BYTES + 1024, ..Limits::default() };
+            let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, limits).await.unwrap();
+            let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+            for last_only in [false, true] {
+                let split = GenerationSplit { cut: n / 2, tail_on_edge: false, batch: 1, max_len };
+                let mut generator = SplitGenerator::open(&bundle, &mut session, split).await.unwrap();
+                let got = generator.step(&ids.narrow(1, 0, prompt), &[], last_only).await.unwrap();
+                let want = if last_only { want.narrow(1, prompt - 1, 1) } else { want.narrow(1, 0, prompt) };
+                assert!(relative_error(&got, &want) <= 1e-4, "{name}: a chunked prompt, last token only {last_only}");
+                assert_eq!(generator.lengths(), [prompt]);
+            }
+            drop(session);
+            server.shutdown().await.unwrap();
         });
     }
 }
@@ -622,6 +637,8 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         assert!(c == tonic::Code::InvalidArgument && m.contains("hidden states"), "{m}");
         let (c, m) = refusal(first.step(step(17, 0), &shape(17)).await);
         assert!(c == tonic::Code::OutOfRange && m.contains("16 positions"), "{m}");
+        let (c, m) = refusal(first.step(pb::GenerateStep { restart_rows: vec![0; 1 << 20], ..step(2, 0) }, &shape(2)).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("1048576 restart rows"), "{m}");
         // None of those moved the row: a prompt of 2 then a token run from position 0.
         assert_eq!(first.step(step(2, 0), &shape(2)).await.unwrap().size(), shape(2));
         assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1)).await.unwrap().size(), shape(1));
@@ -632,7 +649,11 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
             }
         };
         tokio::time::timeout(Duration::from_secs(10), freed).await.expect("the caches of ended streams are freed");
-        assert!(GenerateLink::open(&mut session, open(1, 2, 16)).await.is_ok(), "two rows fit once the others closed");
+        let mut two = GenerateLink::open(&mut session, open(1, 2, 16)).await.expect("two rows fit once the others closed");
+        let both = pb::GenerateStep { tokens: 1, hidden: hidden(2), positions_from: vec![0, 0], restart_rows: vec![1, 1], ..Default::default() };
+        let (c, m) = refusal(two.step(both.clone(), &[2, 1, info.vocab_size]).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("restart row 1 is given twice"), "{m}");
+        assert_eq!(two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size]).await.unwrap().size(), [2, 1, 500]);
         drop(session);
         server.shutdown().await.unwrap();
     });

@@ -123,7 +123,8 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
     let info = bundle.manifest().generation.as_ref().ok_or(cleave_common::BundleError::NoGeneration)?;
     let layers = info.stages.len() - 2;
     let cut = options.cut.unwrap_or(1 + layers / 2);
-    let max_len = (options.prompt.len() + options.max_new_tokens) as i64;
+    // The last new token is never fed back: it needs no position.
+    let max_len = (options.prompt.len() + options.max_new_tokens).saturating_sub(1).max(1) as i64;
     if options.prompt.is_empty() || options.max_new_tokens == 0 {
         return Err(invalid("a generation needs a prompt of one token or more and --max-new-tokens of 1 or more".into()));
     }
@@ -149,12 +150,17 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
     let mut lost_in_a_row = 0;
     loop {
         let started = Instant::now();
+        let fed_before = generator.lengths()[0];
         let logits = match generator.step(&input, &[], true).await {
             Ok(logits) => logits,
             Err(e) if session_lost(&e) && lost_in_a_row < servers.retry.max_attempts => {
                 lost_in_a_row += 1;
                 tracing::warn!(error = %e, tokens = tokens.len(), "the server's generation session is lost: giving its tokens to a server again");
                 resume(&mut generator, bundle, servers).await?;
+                // A prompt in several steps: the steps the lost server took are given again
+                // by the replay, the rest are sent again.
+                let taken = generator.lengths()[0] - fed_before;
+                input = input.narrow(1, taken, input.size()[1] - taken);
                 continue;
             }
             Err(e) => return Err(e),

@@ -36,8 +36,8 @@ pub struct SplitGenerator {
     width: i64,
     hidden_kind: Kind,
     vocab_size: i64,
-    /// Tokens one step may carry: its hidden states, and its answer, fit in one message.
-    step_tokens: i64,
+    /// Bytes a step's hidden states, or its answer, may take in one message.
+    message_room: i64,
 }
 
 impl SplitGenerator {
@@ -60,10 +60,8 @@ impl SplitGenerator {
         let open = pb::OpenGeneration { start: split.cut as u32, end: server_end as u32, batch: split.batch as u32, max_len: split.max_len as u32 };
         let link = GenerateLink::open(session, open).await?;
         let (width, hidden_kind) = (info.hidden_width(), info.hidden.dtype.kind());
-        // The larger of a token's hidden states and its logits, for every row; room is left
-        // for the message's own fields.
-        let per_token = split.batch * width.max(info.vocab_size) * hidden_kind.elt_size_in_bytes() as i64;
-        let room = session.server.limits.max_message_bytes.saturating_sub(64 << 10) as i64;
+        // Room is left for the message's own fields.
+        let message_room = session.server.limits.max_message_bytes.saturating_sub(64 << 10) as i64;
         Ok(Self {
             edge,
             tail,
@@ -75,7 +73,7 @@ impl SplitGenerator {
             width,
             hidden_kind,
             vocab_size: info.vocab_size,
-            step_tokens: (room / per_token.max(1)).max(1),
+            message_room,
         })
     }
 
@@ -93,15 +91,19 @@ impl SplitGenerator {
     /// the logits of each row's S tokens, or of its last with `last_token_only`. A step too
     /// large for one message goes in several (a chunked prefill).
     pub async fn step(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool) -> Result<Tensor> {
-        let tokens = ids.size().get(1).copied().unwrap_or(0);
+        let (batch, tokens) = (self.histories.len() as i64, ids.size().get(1).copied().unwrap_or(0));
+        if ids.size() != [batch, tokens] || tokens < 1 {
+            return Err(HostError::Generation(format!("a step takes ids [{batch}, tokens >= 1], not {:?}", ids.size())));
+        }
         if let Some(&row) = restart_rows.iter().find(|&&row| row >= self.histories.len()) {
             return Err(HostError::Generation(format!("restart row {row}: the session has {} rows", self.histories.len())));
         }
+        let step_tokens = self.tokens_per_message(last_token_only);
         let mut outputs = Vec::new();
         let mut restart = restart_rows;
         let mut from = 0;
         while from < tokens {
-            let take = self.step_tokens.min(tokens - from);
+            let take = step_tokens.min(tokens - from);
             let last = from + take == tokens;
             let output = self.step_once(&ids.narrow(1, from, take), restart, last_token_only).await?;
             if last || !last_token_only {
@@ -110,6 +112,15 @@ impl SplitGenerator {
             (restart, from) = (&[], from + take);
         }
         Ok(Tensor::cat(&outputs, 1))
+    }
+
+    /// Tokens a step may carry so that its hidden states, and its answer, fit in a message.
+    fn tokens_per_message(&self, last_token_only: bool) -> i64 {
+        let (batch, element) = (self.histories.len() as i64, self.hidden_kind.elt_size_in_bytes() as i64);
+        let hidden = batch * self.width * element;
+        let answer = batch * if self.tail.is_some() { self.width } else { self.vocab_size } * element;
+        let fit = if last_token_only { (self.message_room - answer) / hidden } else { self.message_room / (hidden + answer) };
+        fit.max(1)
     }
 
     /// A step that fits in one message.
@@ -121,12 +132,14 @@ impl SplitGenerator {
         }
         let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
         let positions = Tensor::from_slice(&positions).view([batch, tokens]);
+        // As on the server, a restarted row's caches are not cleared (a token attends to the
+        // positions up to its own only) and the row stands at 0 once its stages ran: they
+        // wrote its first positions.
+        let hidden = self.edge.step(ids, &positions, &mut self.edge_caches);
         for &row in restart_rows {
-            for cache in self.edge_caches.iter_mut().chain(&mut self.tail_caches) {
-                let _ = cache.narrow(1, row as i64, 1).zero_();
-            }
+            self.histories[row].clear();
         }
-        let hidden = self.edge.step(ids, &positions, &mut self.edge_caches)?.to_kind(self.hidden_kind).contiguous();
+        let hidden = hidden?.to_kind(self.hidden_kind).contiguous();
         let mut bytes = vec![0u8; hidden.numel() * self.hidden_kind.elt_size_in_bytes()];
         hidden.f_copy_data_u8(&mut bytes, hidden.numel()).map_err(|e| BundleError::StageFailed {
             index: self.edge.range().end - 1,
@@ -145,9 +158,6 @@ impl SplitGenerator {
         let width = if self.tail.is_some() { self.width } else { self.vocab_size };
         let output = self.link.step(step, &[batch, answered_tokens, width]).await?;
         // The server holds the step: so does the edge.
-        for &row in restart_rows {
-            self.histories[row].clear();
-        }
         let fed: Vec<Vec<i64>> = Vec::try_from(ids).map_err(|e: tch::TchError| HostError::Generation(e.to_string()))?;
         for (history, row) in self.histories.iter_mut().zip(fed) {
             history.extend(row);

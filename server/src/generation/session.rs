@@ -70,25 +70,22 @@ impl Session {
     /// `answer_limit` bounds the output's bytes (it must fit in one message).
     pub(crate) fn step(&mut self, step: &pb::GenerateStep, answer_limit: u64) -> Result<Tensor, RequestError> {
         let starts = self.check_step(step, answer_limit)?;
-        for &row in &step.restart_rows {
-            for cache in &mut self.caches {
-                let _ = cache.narrow(1, i64::from(row), 1).zero_();
-            }
-        }
         let (batch, tokens) = (self.lengths.len() as i64, i64::from(step.tokens));
         let hidden = Tensor::f_from_data_size(&step.hidden, &[batch, tokens, self.width], self.kind).map_err(torch_error)?;
         let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
         let positions = Tensor::from_slice(&positions).view([batch, tokens]);
-        // The rows restarted stand at 0 from here on, whatever the step does.
+        // A restarted row's cache is not cleared: a token attends to the positions up to its
+        // own only, and a row's positions are written in order, each before it is read. It
+        // stands at 0 from here on whatever the stages do: they may write its first positions.
         for &row in &step.restart_rows {
             self.lengths[row as usize] = 0;
         }
-        let output = self.stages.step(&hidden, &positions, &mut self.caches).map_err(RequestError::Bundle)?;
+        let output = self.stages.step_last(&hidden, &positions, &mut self.caches, step.last_token_only).map_err(RequestError::Bundle)?;
+        let output = output.to_device(tch::Device::Cpu).contiguous();
         for length in &mut self.lengths {
             *length += tokens;
         }
-        let output = if step.last_token_only { output.narrow(1, tokens - 1, 1) } else { output };
-        Ok(output.to_device(tch::Device::Cpu).contiguous())
+        Ok(output)
     }
 
     /// The bytes of `step`'s answer: hidden states, or logits where the range ends with the
@@ -108,11 +105,19 @@ impl Session {
         if step.tokens == 0 {
             return refuse("a step of no tokens".into());
         }
+        // Checked before the rows are looked at one by one: a list longer than the rows has
+        // a row twice or one outside them.
+        if step.restart_rows.len() > batch {
+            return refuse(format!("{} restart rows, the session has {batch}", step.restart_rows.len()));
+        }
         if step.positions_from.len() != batch {
             return refuse(format!("positions_from gives {} rows, the session has {batch}", step.positions_from.len()));
         }
         let mut starts = self.lengths.clone();
-        for &row in &step.restart_rows {
+        for (i, &row) in step.restart_rows.iter().enumerate() {
+            if step.restart_rows[..i].contains(&row) {
+                return refuse(format!("restart row {row} is given twice"));
+            }
             match starts.get_mut(row as usize) {
                 Some(at) => *at = 0,
                 None => return refuse(format!("restart row {row}: the session has rows 0..{batch}")),

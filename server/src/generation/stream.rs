@@ -48,8 +48,12 @@ fn error_reply(request_id: u64, e: &RequestError) -> GenerateReply {
 
 /// Serves one `Generate` stream: opens its session, then answers its steps in order.
 pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx: GenerateContext, out: Out) {
-    let idle = ctx.generation.options().session_idle_timeout;
-    let first = tokio::time::timeout(idle, inbound.next()).await.unwrap_or(None);
+    // The opening frame comes at once or not at all: a stream that says nothing holds no
+    // place, yet it should not hold a task for long either, nor delay a drain.
+    let first = tokio::select! {
+        first = tokio::time::timeout(ctx.request_timeout, inbound.next()) => first.unwrap_or(None),
+        () = ctx.draining.cancelled() => None,
+    };
     let Some(Ok(first)) = first else { return };
     let mut read_buffer = ReadBuffer::default();
     let opened = match read_buffer.cover(&ctx.budget, &first).await {
