@@ -112,6 +112,19 @@ impl MemoryBudget {
         Ok(Reservation { _permit: Some(permit), bytes })
     }
 
+    /// Reserves `bytes` if there is room now, without waiting: for what can be done without
+    /// them (a batch that can run request by request).
+    pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+        let units = u32::try_from(bytes.div_ceil(UNIT)).ok()?;
+        if units == 0 {
+            return Some(Reservation { _permit: None, bytes });
+        }
+        let permit = Arc::clone(&self.inner.units).try_acquire_many_owned(units).ok()?;
+        let held = self.inner.total_units - self.inner.units.available_permits() as u64;
+        self.inner.peak_units.fetch_max(held, Ordering::Relaxed);
+        Some(Reservation { _permit: Some(permit), bytes })
+    }
+
     /// Reserves what `held` lacks of `bytes` (waiting as [`Self::reserve`] does) and gives
     /// back what it holds beyond: a request's reservation becoming its answer's.
     pub async fn resize(&self, mut held: Reservation, bytes: u64) -> Result<Reservation, OverBudget> {
@@ -174,6 +187,19 @@ mod tests {
         // Bytes count in whole KiB, rounded up.
         let r = budget.reserve(1).await.unwrap();
         assert_eq!((r.bytes(), budget.held_bytes()), (1, 1 << 10));
+    }
+
+    #[test]
+    fn a_reservation_tried_is_taken_only_where_there_is_room_now() {
+        let budget = MemoryBudget::new(10 << 10, Duration::from_secs(2));
+        let a = budget.try_reserve(6 << 10).unwrap();
+        assert!(budget.try_reserve(5 << 10).is_none(), "4 KiB are left");
+        let b = budget.try_reserve(4 << 10).unwrap();
+        assert_eq!(budget.held_bytes(), 10 << 10);
+        drop((a, b));
+        assert!(budget.try_reserve(11 << 10).is_none(), "more than the whole budget");
+        assert_eq!(budget.try_reserve(0).unwrap().bytes(), 0);
+        assert_eq!(budget.held_bytes(), 0);
     }
 
     #[tokio::test(start_paused = true)]

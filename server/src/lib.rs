@@ -116,7 +116,7 @@ impl PreparedServer {
         let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         metrics.watch_memory_budget(budget.clone());
         let service = service::Service {
-            generation: generation::admission::Generation::new(GenerationOptions::default(), peers.kv_cache_bytes, metrics.clone()),
+            generation: generation::admission::Generation::new(GenerationOptions::default(), peers.kv_cache_bytes, budget.clone(), metrics.clone()),
             models,
             limits,
             security: Arc::new(security),
@@ -139,7 +139,8 @@ impl PreparedServer {
         self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         self.service.metrics.watch_memory_budget(self.service.budget.clone());
         let options = self.service.generation.options();
-        self.service.generation = generation::admission::Generation::new(options, peers.kv_cache_bytes, self.service.metrics.clone());
+        let (budget, metrics) = (self.service.budget.clone(), self.service.metrics.clone());
+        self.service.generation = generation::admission::Generation::new(options, peers.kv_cache_bytes, budget, metrics);
         self.service.window = ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes);
         Ok(self)
     }
@@ -162,8 +163,8 @@ impl PreparedServer {
 
     /// Sets how generation sessions run (places, idle timeout).
     pub fn with_generation(mut self, options: GenerationOptions) -> Self {
-        let (cache_budget, metrics) = (self.service.peers.kv_cache_bytes, self.service.metrics.clone());
-        self.service.generation = generation::admission::Generation::new(options, cache_budget, metrics);
+        let (cache_budget, budget, metrics) = (self.service.peers.kv_cache_bytes, self.service.budget.clone(), self.service.metrics.clone());
+        self.service.generation = generation::admission::Generation::new(options, cache_budget, budget, metrics);
         self
     }
 

@@ -91,6 +91,7 @@ struct Inner {
     training_sessions: Gauge,
     generation_sessions: Gauge,
     generation_steps: Family<ModelLabel, Counter>,
+    generation_batched_steps: Family<ModelLabel, Counter>,
     budget_bytes: Family<BudgetLabel, Gauge>,
     held_bytes: Family<BudgetLabel, Gauge>,
     /// The request memory budget, read at each scrape.
@@ -183,6 +184,12 @@ impl Metrics {
             training_sessions: registered(r, "training_sessions", "Training sessions open", Gauge::default()),
             generation_sessions: registered(r, "generation_sessions", "Generation sessions open", Gauge::default()),
             generation_steps: registered(r, "generation_steps", "Generation steps answered with their output, by model", Family::default()),
+            generation_batched_steps: registered(
+                r,
+                "generation_batched_steps",
+                "Generation decode steps run in one batch with other sessions' (continuous batching), by model",
+                Family::default(),
+            ),
             budget_bytes: registered(
                 r,
                 "budget_bytes",
@@ -297,6 +304,11 @@ impl Metrics {
     /// A generation step of `model` answered with its output.
     pub(crate) fn generation_step(&self, model: &str) {
         self.inner.generation_steps.get_or_create(&Self::model(model)).inc();
+    }
+
+    /// `sessions` decode steps of `model` ran as one batch.
+    pub(crate) fn generation_batch(&self, model: &str, sessions: usize) {
+        self.inner.generation_batched_steps.get_or_create(&Self::model(model)).inc_by(sessions as u64);
     }
 
     /// Budget `budget` (`memory`, `kv_cache`) is `total` bytes and holds `held` now.

@@ -576,6 +576,101 @@ fn split_generation_over_grpc_gives_transformers_logits_at_every_cut() {
     }
 }
 
+/// Continuous batching (issue 40, item 6): sessions decoding at once at one cut run their
+/// decode steps as one batch on the server (the metric counts them), joining and leaving
+/// between steps, each at its own positions, while a session at another cut runs beside
+/// them; every session's logits at every step are within 1e-5 of the same session's run
+/// alone on the same server.
+#[test]
+fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
+    use cleave_host::generation::{GenerationSplit, SplitGenerator};
+    use cleave_server::GenerationOptions;
+    /// A session: its rows of the reference, cut, and the rounds it joins and leaves at.
+    struct Plan {
+        rows: (i64, i64),
+        cut: usize,
+        tail_on_edge: bool,
+        joins: usize,
+        leaves: usize,
+    }
+    let rt = runtime();
+    for name in ["gpt2", "llama"] {
+        let bundle = Bundle::open(bundle_dir(name)).unwrap();
+        let info = bundle.manifest().generation.clone().unwrap();
+        let (ids, _) = generation_reference(&bundle);
+        let (total, n, prompt, max_len) = (ids.size()[1], info.stages.len(), info.reference.prompt, info.reference.max_len);
+        let steps = (total - prompt + 1) as usize;
+        let mid = n / 2;
+        let plans = [
+            Plan { rows: (0, 1), cut: mid, tail_on_edge: false, joins: 0, leaves: 20 },
+            Plan { rows: (0, 2), cut: mid, tail_on_edge: false, joins: 0, leaves: steps },
+            Plan { rows: (1, 1), cut: mid, tail_on_edge: false, joins: 5, leaves: 5 + steps },
+            Plan { rows: (0, 1), cut: 1, tail_on_edge: true, joins: 2, leaves: 2 + steps },
+        ];
+        // Step k of a session: the prompt, then one token at a time (teacher-forced).
+        let step_ids = |plan: &Plan, k: usize| {
+            let rows = ids.narrow(0, plan.rows.0, plan.rows.1);
+            if k == 0 {
+                rows.narrow(1, 0, prompt)
+            } else {
+                rows.narrow(1, prompt + k as i64 - 1, 1)
+            }
+        };
+        rt.block_on(async {
+            let dir = bundle.dir().to_path_buf();
+            let prepared = tokio::task::spawn_blocking(move || {
+                let options = GenerationOptions { max_batch: 16, max_wait: Duration::from_millis(20), ..GenerationOptions::default() };
+                PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
+            })
+            .await
+            .unwrap();
+            let metrics = prepared.metrics();
+            let batched = || metric_sample(&parse_metrics(&metrics.render()), "cleave_generation_batched_steps_total", &[("model", bundle.id())]);
+            let server = LoopbackServer::serve(prepared).await.unwrap();
+            let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+            let open = |plan: &Plan| GenerationSplit { cut: plan.cut, tail_on_edge: plan.tail_on_edge, batch: plan.rows.1, max_len };
+            // Each session alone, one after the other.
+            let mut alone = Vec::new();
+            for plan in &plans {
+                let mut generator = SplitGenerator::open(&bundle, &mut session, open(plan)).await.unwrap();
+                let mut logits = Vec::new();
+                for k in 0..plan.leaves - plan.joins {
+                    logits.push(generator.step(&step_ids(plan, k), &[], true).await.unwrap());
+                }
+                alone.push(logits);
+            }
+            assert_eq!(batched(), 0.0, "{name}: a session alone is never batched");
+            // All together: each round, every open session's next step at once.
+            let mut generators: Vec<Option<SplitGenerator>> = plans.iter().map(|_| None).collect();
+            let last_round = plans.iter().map(|p| p.leaves).max().unwrap();
+            for round in 0..last_round {
+                for (plan, generator) in plans.iter().zip(&mut generators) {
+                    if round == plan.joins {
+                        *generator = Some(SplitGenerator::open(&bundle, &mut session, open(plan)).await.unwrap());
+                    }
+                    if round == plan.leaves {
+                        *generator = None;
+                    }
+                }
+                let stepping = plans.iter().zip(&mut generators).enumerate().filter_map(|(i, (plan, g))| g.as_mut().map(|g| (i, plan, g)));
+                let outputs = futures_util::future::join_all(stepping.map(|(i, plan, g)| {
+                    let k = round - plan.joins;
+                    let input = step_ids(plan, k);
+                    async move { (i, k, g.step(&input, &[], true).await.unwrap()) }
+                }))
+                .await;
+                for (i, k, got) in outputs {
+                    let error = relative_error(&got, &alone[i][k]);
+                    assert!(error <= 1e-5, "{name}: session {i} step {k} (round {round}) is {error:e} from its run alone");
+                }
+            }
+            assert!(batched() > 0.0, "{name}: no decode steps ran batched");
+            drop((generators, session));
+            server.shutdown().await.unwrap();
+        });
+    }
+}
+
 /// A generation session's refusals are precise and leave it as it was: a step at positions
 /// the server's rows do not stand at, hidden states of the wrong size, a step past the cache,
 /// an answer over the message limit; sessions past `generation.max_sessions` or caches past

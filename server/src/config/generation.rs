@@ -1,5 +1,6 @@
-//! `generation:` in server.yaml: how many generation sessions may be open and how long one
-//! may say nothing. Their caches' bytes are `limits.kv_cache_bytes`.
+//! `generation:` in server.yaml: how many generation sessions may be open, how long one may
+//! say nothing, and how their decode steps are batched. Their caches' bytes are
+//! `limits.kv_cache_bytes`.
 
 use std::time::Duration;
 
@@ -15,6 +16,10 @@ pub(super) struct RawServerGeneration {
     max_sessions: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     session_idle_timeout: Option<Duration>,
+    #[serde(default)]
+    max_batch: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    max_wait: Option<Duration>,
 }
 
 /// How a server runs generation sessions.
@@ -25,13 +30,22 @@ pub struct GenerationOptions {
     /// A session whose host sends nothing for this long is closed and its caches freed (a
     /// vanished host never keeps the cache budget from others).
     pub session_idle_timeout: Duration,
+    /// Rows of decode steps (one token each) of sessions at the same cut run as one batch
+    /// (continuous batching: a session joins or leaves between steps); 1 runs each alone.
+    pub max_batch: u32,
+    /// How long a decode step waits for others to fill its batch. 0 takes those that came
+    /// while the last batch ran, and no more.
+    pub max_wait: Duration,
 }
 
 impl Default for GenerationOptions {
     fn default() -> Self {
-        Self { max_sessions: 64, session_idle_timeout: Duration::from_secs(300) }
+        Self { max_sessions: 64, session_idle_timeout: Duration::from_secs(300), max_batch: 16, max_wait: Duration::ZERO }
     }
 }
+
+/// The longest `generation.max_wait`: every token of every session may wait this long.
+const MAX_WAIT: Duration = Duration::from_secs(1);
 
 /// `generation:`, checked.
 pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -> Result<GenerationOptions, ConfigError> {
@@ -41,6 +55,8 @@ pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -
         Some(g) => GenerationOptions {
             max_sessions: g.max_sessions.unwrap_or(d.max_sessions),
             session_idle_timeout: g.session_idle_timeout.unwrap_or(d.session_idle_timeout),
+            max_batch: g.max_batch.unwrap_or(d.max_batch),
+            max_wait: g.max_wait.unwrap_or(d.max_wait),
         },
     };
     if options.max_sessions == 0 {
@@ -48,6 +64,12 @@ pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -
     }
     if options.session_idle_timeout.is_zero() {
         return Err(file.invalid("generation.session_idle_timeout", "must be positive"));
+    }
+    if options.max_batch == 0 {
+        return Err(file.invalid("generation.max_batch", "must be positive (1 runs each session's steps alone)"));
+    }
+    if options.max_wait > MAX_WAIT {
+        return Err(file.invalid("generation.max_wait", format!("at most {MAX_WAIT:?}: a decode step waits this long for others on every token")));
     }
     Ok(options)
 }

@@ -766,8 +766,10 @@ mod tests {
         assert_eq!((c.training.max_pipeline_depth, c.training.max_kept_answer_bytes), (3, 1024));
         assert_eq!(c.training.client_wait_timeout, Duration::from_secs(7));
         assert_eq!(c.generation, GenerationOptions::default());
-        let c = load("listen: 127.0.0.1:1\ngeneration: {max_sessions: 3, session_idle_timeout: 20s}\n").unwrap();
-        assert_eq!(c.generation, GenerationOptions { max_sessions: 3, session_idle_timeout: Duration::from_secs(20) });
+        let c = load("listen: 127.0.0.1:1\ngeneration: {max_sessions: 3, session_idle_timeout: 20s, max_batch: 4, max_wait: 2ms}\n").unwrap();
+        let want =
+            GenerationOptions { max_sessions: 3, session_idle_timeout: Duration::from_secs(20), max_batch: 4, max_wait: Duration::from_millis(2) };
+        assert_eq!(c.generation, want);
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
@@ -781,6 +783,8 @@ mod tests {
             ("limits: {kv_cache_bytes: 0}", "limits.kv_cache_bytes", "must be positive"),
             ("generation: {max_sessions: 0}", "generation.max_sessions", "must be positive"),
             ("generation: {session_idle_timeout: 0s}", "generation.session_idle_timeout", "must be positive"),
+            ("generation: {max_batch: 0}", "generation.max_batch", "must be positive"),
+            ("generation: {max_wait: 2s}", "generation.max_wait", "at most 1s"),
             ("limits: {stream_window_bytes: 1024}", "limits.stream_window_bytes", "from 65535"),
             ("limits: {stream_window_bytes: 8388608}", "limits.connection_window_bytes", "at least limits.stream_window_bytes"),
             ("limits: {max_frame_bytes: 1024}", "limits.max_frame_bytes", "from 16384"),

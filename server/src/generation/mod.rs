@@ -1,7 +1,9 @@
 //! Split generation (`Generate`): sessions whose key/value caches the server keeps while
 //! the host keeps the tokens. `admission` holds the places and the cache budget, `session`
-//! one session's caches and rows, `stream` a stream's frames.
+//! one session's caches and rows, `queue` a model's steps (batched across sessions),
+//! `stream` a stream's frames.
 
 pub(crate) mod admission;
+mod queue;
 mod session;
 pub(crate) mod stream;

@@ -1,7 +1,8 @@
 //! One generation session: its range of stages, the caches of its layers and where each of
 //! its rows stands. A step is checked whole before anything changes (a refused step leaves
 //! the session as it was), then its rows' caches are written at the positions that follow
-//! their earlier tokens.
+//! their earlier tokens: by the session alone, or in one batch with other sessions' decode
+//! steps ([`run_together`]).
 
 use cleave_common::generation::GenerationStages;
 use cleave_common::pb;
@@ -9,7 +10,6 @@ use cleave_common::spec::TorchDType;
 use cleave_common::{Bundle, StageRange};
 use tch::{Kind, Tensor};
 
-use super::admission::Admission;
 use crate::error::{GenerationError, RequestError};
 
 /// A session, open.
@@ -21,7 +21,25 @@ pub(crate) struct Session {
     max_len: i64,
     width: i64,
     kind: Kind,
-    _admission: Admission,
+}
+
+/// A step checked against its session, its tensors made, not yet run.
+pub(crate) struct Checked {
+    hidden: Tensor,
+    /// Each row's positions [batch, tokens].
+    positions: Tensor,
+    /// Each row's first position.
+    starts: Vec<i64>,
+    restart_rows: Vec<usize>,
+    tokens: i64,
+    last_only: bool,
+}
+
+/// Steps of equal keys run as one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BatchKey {
+    range: StageRange,
+    max_len: i64,
 }
 
 /// What a session asks for, checked against the model: its range and sizes.
@@ -58,34 +76,63 @@ pub(crate) fn check_open(bundle: &Bundle, open: &pb::OpenGeneration) -> Result<A
 
 impl Session {
     /// Opens a session of `asked` on `all` (the model's generation stages), its caches zeroed.
-    pub(crate) fn open(all: &GenerationStages, asked: &Asked, admission: Admission) -> Result<Self, RequestError> {
+    pub(crate) fn open(all: &GenerationStages, asked: &Asked) -> Result<Self, RequestError> {
         let stages = all.slice(asked.range).map_err(RequestError::Bundle)?;
         let caches = stages.new_caches(asked.batch, asked.max_len).map_err(RequestError::Bundle)?;
         let info = stages.info();
         let (width, kind) = (info.hidden_width(), info.hidden.dtype.kind());
-        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind, _admission: admission })
+        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind })
     }
 
-    /// Runs one step: the output [batch, tokens or 1, width], or why the step is refused.
+    /// Checks `step` whole and makes its tensors; nothing of the session changes.
     /// `answer_limit` bounds the output's bytes (it must fit in one message).
-    pub(crate) fn step(&mut self, step: &pb::GenerateStep, answer_limit: u64) -> Result<Tensor, RequestError> {
+    pub(crate) fn check(&self, step: &pb::GenerateStep, answer_limit: u64) -> Result<Checked, RequestError> {
         let starts = self.check_step(step, answer_limit)?;
         let (batch, tokens) = (self.lengths.len() as i64, i64::from(step.tokens));
         let hidden = Tensor::f_from_data_size(&step.hidden, &[batch, tokens, self.width], self.kind).map_err(torch_error)?;
         let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
         let positions = Tensor::from_slice(&positions).view([batch, tokens]);
-        // A restarted row's cache is not cleared: a token attends to the positions up to its
-        // own only, and a row's positions are written in order, each before it is read. It
-        // stands at 0 from here on whatever the stages do: they may write its first positions.
+        let restart_rows = step.restart_rows.iter().map(|&row| row as usize).collect();
+        Ok(Checked { hidden, positions, starts, restart_rows, tokens, last_only: step.last_token_only })
+    }
+
+    /// Runs a checked step alone: the output [batch, tokens or 1, width].
+    pub(crate) fn run(&mut self, step: Checked) -> Result<Tensor, RequestError> {
+        self.restart(&step);
+        let output = self.stages.step_last(&step.hidden, &step.positions, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
+        self.advance(step.tokens);
+        Ok(output.to_device(tch::Device::Cpu).contiguous())
+    }
+
+    /// Sessions of equal keys (the same range and cache length) may run their decode steps
+    /// as one batch.
+    pub(crate) fn batch_key(&self) -> BatchKey {
+        BatchKey { range: self.stages.range(), max_len: self.max_len }
+    }
+
+    /// The session's rows.
+    pub(crate) fn rows(&self) -> usize {
+        self.lengths.len()
+    }
+
+    /// The bytes of its caches.
+    pub(crate) fn cache_bytes(&self) -> u64 {
+        self.caches.iter().map(|c| (c.numel() * c.kind().elt_size_in_bytes()) as u64).sum()
+    }
+
+    /// A restarted row's cache is not cleared: a token attends to the positions up to its
+    /// own only, and a row's positions are written in order, each before it is read. It
+    /// stands at 0 from here on whatever the stages do: they may write its first positions.
+    fn restart(&mut self, step: &Checked) {
         for &row in &step.restart_rows {
-            self.lengths[row as usize] = 0;
+            self.lengths[row] = 0;
         }
-        let output = self.stages.step_last(&hidden, &positions, &mut self.caches, step.last_token_only).map_err(RequestError::Bundle)?;
-        let output = output.to_device(tch::Device::Cpu).contiguous();
+    }
+
+    fn advance(&mut self, tokens: i64) {
         for length in &mut self.lengths {
             *length += tokens;
         }
-        Ok(output)
     }
 
     /// The bytes of `step`'s answer: hidden states, or logits where the range ends with the
@@ -144,6 +191,41 @@ impl Session {
         }
         Ok(starts)
     }
+}
+
+/// Runs the decode steps of `sessions` (of one [`BatchKey`]) as one batch: their hidden
+/// states and every layer's caches concatenated along the batch, then each row's new key
+/// and value copied back to its own session's cache. Each session's output, in order; where
+/// the batch fails, no session has changed and each may run alone.
+pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<Vec<Tensor>, RequestError> {
+    let Some((first, _)) = sessions.first() else { return Ok(Vec::new()) };
+    let stages = first.stages.clone();
+    let hidden = Tensor::cat(&sessions.iter().map(|(_, step)| &step.hidden).collect::<Vec<_>>(), 0);
+    let positions = Tensor::cat(&sessions.iter().map(|(_, step)| &step.positions).collect::<Vec<_>>(), 0);
+    let layers = first.caches.len();
+    let mut caches: Vec<Tensor> =
+        (0..layers).map(|layer| Tensor::cat(&sessions.iter().map(|(s, _)| &s.caches[layer]).collect::<Vec<_>>(), 1)).collect();
+    let output = stages.step_last(&hidden, &positions, &mut caches, false).map_err(RequestError::Bundle)?;
+    let output = output.to_device(tch::Device::Cpu);
+    let mut outputs = Vec::with_capacity(sessions.len());
+    let mut offset = 0;
+    for (session, step) in sessions.iter_mut() {
+        let rows = session.rows() as i64;
+        // Only its new tokens' keys and values: the rest of the merged caches is its own,
+        // copied in.
+        for (own, merged) in session.caches.iter_mut().zip(&caches) {
+            for (row, &at) in step.starts.iter().enumerate() {
+                let row = row as i64;
+                own.narrow(1, row, 1).narrow(3, at, 1).copy_(&merged.narrow(1, offset + row, 1).narrow(3, at, 1));
+            }
+        }
+        let step: &Checked = step;
+        session.restart(step);
+        session.advance(step.tokens);
+        outputs.push(output.narrow(0, offset, rows).contiguous());
+        offset += rows;
+    }
+    Ok(outputs)
 }
 
 fn torch_error(e: tch::TchError) -> RequestError {

@@ -1,6 +1,6 @@
 //! One `Generate` stream: opens the session from the first frame (a place, the caches'
-//! share of the budget, the caches), then runs its steps in order on the blocking pool, one
-//! answer or one error each; a refused step leaves the session as it was. The session ends
+//! share of the budget, the caches), then runs its steps in order through the model's step
+//! queue (batched with other sessions' steps), one answer or one error each; a refused step leaves the session as it was. The session ends
 //! with the stream, when its host says nothing for `generation.session_idle_timeout`, or
 //! when the server drains; its caches and place go with it.
 
@@ -15,7 +15,8 @@ use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
-use super::admission::Generation;
+use super::admission::{Admission, Generation};
+use super::queue::{Ran, StepQueue};
 use super::session::{check_open, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
@@ -60,7 +61,8 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx:
         Ok(()) => open_session(&ctx, first).await,
         Err(e) => Err(e),
     };
-    let (session, opened) = match opened {
+    // The session's place and caches' bytes are held as long as the stream.
+    let (session, _admission, opened) = match opened {
         Ok(opened) => opened,
         Err(e) => {
             tracing::info!(error = %e, "generation session refused");
@@ -78,7 +80,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx:
 }
 
 /// Checks the opening frame, takes a place and the caches' bytes, and makes the caches.
-async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, pb::GenerationOpened), RequestError> {
+async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, Admission, pb::GenerationOpened), RequestError> {
     let Some(generate_frame::Kind::Open(open)) = first.kind else { return Err(GenerationError::NotOpened.into()) };
     if ctx.sealing_required {
         return Err(GenerationError::SealingRequired.into());
@@ -86,13 +88,12 @@ async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result
     let asked = check_open(&ctx.model.bundle, &open)?;
     let (admission, cache_bytes) = (ctx.generation.admit(asked.cache_bytes)?, asked.cache_bytes);
     let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
-    let session = tokio::task::spawn_blocking(move || {
-        catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked, admission))
-    })
-    .await
-    .map_err(|_| Internal::Cancelled("opening a generation session"))??;
+    let session =
+        tokio::task::spawn_blocking(move || catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked)))
+            .await
+            .map_err(|_| Internal::Cancelled("opening a generation session"))??;
     let opened = pb::GenerationOpened { session_id: hex::encode(rand::random::<[u8; 8]>()), device: ctx.model.device.clone(), cache_bytes };
-    Ok((session, opened))
+    Ok((session, admission, opened))
 }
 
 /// Answers the steps of a stream in order until it ends.
@@ -106,6 +107,7 @@ async fn answer_steps(
 ) {
     let idle = ctx.generation.options().session_idle_timeout;
     let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
+    let queue = ctx.generation.queue(&ctx.model);
     let mut session = Some(session);
     loop {
         let frame = match reader.next(out.closed()).await {
@@ -126,7 +128,7 @@ async fn answer_steps(
             Err(e) => (error_reply(request_id(&frame), &e), Reservation::none()),
             Ok(()) => match frame.kind {
                 Some(generate_frame::Kind::Step(step)) => {
-                    let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
+                    let (reply, held, kept) = run_step(ctx, &queue, session.take().expect("kept between steps"), step).await;
                     let Some(kept) = kept else {
                         let _ = out.send(Ok(reply)).await;
                         return;
@@ -152,9 +154,14 @@ fn request_id(frame: &pb::GenerateFrame) -> u64 {
     }
 }
 
-/// Runs `step` on the blocking pool: its answer, the memory it holds until written, and the
-/// session back (none where the blocking pool lost it: the stream ends).
-async fn run_step(ctx: &GenerateContext, mut session: Session, step: pb::GenerateStep) -> (GenerateReply, Reservation, Option<Session>) {
+/// Runs `step` through the model's step queue: its answer, the memory it holds until
+/// written, and the session back (none where the queue lost it: the stream ends).
+async fn run_step(
+    ctx: &GenerateContext,
+    queue: &StepQueue,
+    session: Session,
+    step: pb::GenerateStep,
+) -> (GenerateReply, Reservation, Option<Session>) {
     let id = step.request_id;
     let limit = ctx.max_message_bytes.saturating_sub(1 << 10);
     // The answer is held in the memory budget until written, as every answer is.
@@ -162,19 +169,14 @@ async fn run_step(ctx: &GenerateContext, mut session: Session, step: pb::Generat
         Ok(held) => held,
         Err(e) => return (error_reply(id, &e.into()), Reservation::none(), Some(session)),
     };
-    let started = Instant::now();
-    let ran = tokio::task::spawn_blocking(move || {
-        let output = catch_panic("a generation step", || session.step(&step, limit));
-        (session, output)
-    })
-    .await;
-    let Ok((session, output)) = ran else {
+    let queued = Instant::now();
+    let Some(Ran { session, output, compute }) = queue.run(session, step, limit).await else {
         return (error_reply(id, &Internal::Cancelled("a generation step").into()), Reservation::none(), None);
     };
-    let compute_us = started.elapsed().as_micros() as u64;
+    let queue_us = queued.elapsed().saturating_sub(compute).as_micros() as u64;
     let reply = match output.and_then(|t| answer(id, &t)) {
         Ok(mut reply) => {
-            reply.timings = Some(pb::ServerTimings { compute_us, ..Default::default() });
+            reply.timings = Some(pb::ServerTimings { queue_us, compute_us: compute.as_micros() as u64, ..Default::default() });
             ctx.metrics.generation_step(ctx.model.bundle.id());
             ctx.metrics.sent(ctx.model.bundle.id(), reply.output.len() as u64);
             reply
