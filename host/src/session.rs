@@ -34,12 +34,16 @@ pub struct Link {
     /// HTTP/2 PING interval, and how long a PING may go unanswered before the connection is
     /// taken for broken: a server that stops answering is noticed even between requests.
     pub keepalive: (Duration, Duration),
+    /// How long a generation step's answer may take (`request_timeout`): a server that keeps
+    /// the connection alive but never answers is left, as one that went away.
+    pub request_timeout: Duration,
 }
 
 impl Default for Link {
     fn default() -> Self {
         let r = Resilience::default();
-        Self { tls: None, token: None, connect_timeout: r.connect_timeout, keepalive: (r.keepalive_interval, r.keepalive_timeout) }
+        let keepalive = (r.keepalive_interval, r.keepalive_timeout);
+        Self { tls: None, token: None, connect_timeout: r.connect_timeout, keepalive, request_timeout: r.request_timeout }
     }
 }
 
@@ -58,8 +62,12 @@ impl Link {
     /// addresses their name resolves to (`resolve_every`) are checked against that name.
     pub fn of(config: &EdgeConfig) -> Self {
         let r = &config.resilience;
-        let mut link =
-            Self { connect_timeout: r.connect_timeout, keepalive: (r.keepalive_interval, r.keepalive_timeout), ..Self::secured(&config.security) };
+        let mut link = Self {
+            connect_timeout: r.connect_timeout,
+            keepalive: (r.keepalive_interval, r.keepalive_timeout),
+            request_timeout: r.request_timeout,
+            ..Self::secured(&config.security)
+        };
         if let (Some(tls), Some(_)) = (&mut link.tls, config.resolve_every) {
             tls.domain = tls.domain.take().or_else(|| url_host(&config.server));
         }

@@ -115,8 +115,10 @@ impl PreparedServer {
         let models = models::Models::load(models, &context)?;
         let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         metrics.watch_memory_budget(budget.clone());
+        let defaults = GenerationOptions::default();
         let service = service::Service {
-            generation: generation::admission::Generation::new(GenerationOptions::default(), peers.kv_cache_bytes, budget.clone(), metrics.clone()),
+            generation: generation::admission::Generation::new(defaults, peers.kv_cache_bytes, metrics.clone()),
+            step_queues: generation::queue::StepQueues::new(defaults, budget.clone(), metrics.clone()),
             models,
             limits,
             security: Arc::new(security),
@@ -138,9 +140,7 @@ impl PreparedServer {
         self.service.peers = peers;
         self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         self.service.metrics.watch_memory_budget(self.service.budget.clone());
-        let options = self.service.generation.options();
-        let (budget, metrics) = (self.service.budget.clone(), self.service.metrics.clone());
-        self.service.generation = generation::admission::Generation::new(options, peers.kv_cache_bytes, budget, metrics);
+        self.set_generation(self.service.generation.options());
         self.service.window = ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes);
         Ok(self)
     }
@@ -161,11 +161,18 @@ impl PreparedServer {
         self
     }
 
-    /// Sets how generation sessions run (places, idle timeout).
+    /// Sets how generation sessions run (places, idle timeout, batching).
     pub fn with_generation(mut self, options: GenerationOptions) -> Self {
-        let (cache_budget, budget, metrics) = (self.service.peers.kv_cache_bytes, self.service.budget.clone(), self.service.metrics.clone());
-        self.service.generation = generation::admission::Generation::new(options, cache_budget, budget, metrics);
+        self.set_generation(options);
         self
+    }
+
+    /// Generation sessions' places and step queues of `options`, within the peers' cache
+    /// budget and the memory budget.
+    fn set_generation(&mut self, options: GenerationOptions) {
+        let s = &mut self.service;
+        s.generation = generation::admission::Generation::new(options, s.peers.kv_cache_bytes, s.metrics.clone());
+        s.step_queues = generation::queue::StepQueues::new(options, s.budget.clone(), s.metrics.clone());
     }
 
     /// From a validated `server.yaml`.

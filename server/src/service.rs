@@ -26,6 +26,7 @@ use crate::config::PeerLimits;
 use crate::connections::connection_of;
 use crate::error::{BadCall, Busy, Internal, RequestError};
 use crate::generation::admission::Generation;
+use crate::generation::queue::StepQueues;
 use crate::generation::stream::GenerateContext;
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
@@ -49,6 +50,8 @@ pub(crate) struct Service {
     pub(crate) training: Training,
     /// Generation sessions' places, cache budget and stages.
     pub(crate) generation: Generation,
+    /// Generation steps, batched across sessions.
+    pub(crate) step_queues: StepQueues,
     /// Reattachable training sessions whose stream broke, kept for their hosts.
     pub(crate) parking: Parking,
     /// What the server holds for its peers.
@@ -230,6 +233,7 @@ impl Service {
         let ctx = GenerateContext {
             model,
             generation: self.generation.clone(),
+            queues: self.step_queues.clone(),
             metrics: self.metrics.clone(),
             sealing_required: self.security.policy.require_encryption,
             max_message_bytes: self.limits.max_message_bytes,

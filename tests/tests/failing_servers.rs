@@ -158,8 +158,23 @@ impl SplitInference for Fake {
 
     type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateReply, Status>> + Send>>;
 
-    async fn generate(&self, _: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<Self::GenerateStream>, Status> {
-        Err(Status::unimplemented("fake"))
+    /// Silent: opens every session, then never answers a step.
+    async fn generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<Self::GenerateStream>, Status> {
+        if !matches!(self.how, Misbehaviour::Silent) {
+            return Err(Status::unimplemented("fake"));
+        }
+        self.streams.fetch_add(1, Ordering::SeqCst);
+        let (tx, rx) = mpsc::channel(4);
+        let mut inbound = request.into_inner();
+        tokio::spawn(async move {
+            if let Ok(Some(_open)) = inbound.message().await {
+                let opened = pb::GenerationOpened { session_id: "fake".into(), device: "cpu".into(), cache_bytes: 0 };
+                let _ = tx.send(Ok(pb::GenerateReply { opened: Some(opened), ..Default::default() })).await;
+            }
+            while let Ok(Some(_step)) = inbound.message().await {}
+            tx.closed().await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn profile(&self, _: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
@@ -465,6 +480,34 @@ fn a_generation_whose_server_stops_and_restarts_gives_the_tokens_of_an_uninterru
         assert_eq!(got.tokens, want.tokens, "the tokens of an uninterrupted run");
         assert_eq!(got.tokens.len(), 24);
         second.shutdown().await.unwrap();
+    });
+}
+
+/// A server that opens a generation session, then never answers a step (its connection
+/// alive: PINGs answered) is left after `resilience.request_timeout` as one that went away:
+/// the session is given to a server again by the retry rules, then `generate` fails naming
+/// the timeout; it never hangs.
+#[test]
+fn a_generation_server_that_never_answers_a_step_is_left_after_the_request_timeout() {
+    use cleave_host::generation::{generate_on, GenerateOptions, Sampling, Servers};
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let options = GenerateOptions {
+        loopback: false,
+        cut: Some(2),
+        tail_on_edge: false,
+        prompt: vec![3, 141, 59],
+        max_new_tokens: 4,
+        stop: Vec::new(),
+        sampling: Sampling::default(),
+    };
+    runtime().block_on(async {
+        let (url, streams) = serve_fake(&bundle, Misbehaviour::Silent).await;
+        let link = Link { request_timeout: Duration::from_millis(300), ..Link::plain() };
+        let servers = Servers { urls: vec![url], link, retry: RetryPolicy { max_attempts: 3, max_backoff: Duration::from_millis(50) } };
+        let run = generate_on(&bundle, &servers, &options, |_| {});
+        let e = tokio::time::timeout(Duration::from_secs(120), run).await.expect("a silent server never hangs generate").unwrap_err();
+        assert!(e.to_string().contains("no answer within 300ms (`resilience.request_timeout`)"), "{e}");
+        assert_eq!(streams.load(Ordering::SeqCst), 4, "opened, then given to the server again retry.max_attempts times");
     });
 }
 

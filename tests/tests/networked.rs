@@ -8,6 +8,7 @@ use bytes::Bytes;
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
+use cleave_common::spec::DType;
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
@@ -578,34 +579,40 @@ fn split_generation_over_grpc_gives_transformers_logits_at_every_cut() {
 
 /// Continuous batching (issue 40, item 6): sessions decoding at once at one cut run their
 /// decode steps as one batch on the server (the metric counts them), joining and leaving
-/// between steps, each at its own positions, while a session at another cut runs beside
-/// them; every session's logits at every step are within 1e-5 of the same session's run
-/// alone on the same server.
+/// between steps, each at its own positions and some of other cache lengths, while a session
+/// at another cut runs beside them; every session's logits at every step are within 1e-5 of
+/// the same session's run alone on the same server. GPT-2 waits 20 ms for a batch to fill;
+/// Llama takes what waits (`max_wait` 0) in batches of at most 2 rows.
 #[test]
 fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
     use cleave_host::generation::{GenerationSplit, SplitGenerator};
     use cleave_server::GenerationOptions;
-    /// A session: its rows of the reference, cut, and the rounds it joins and leaves at.
+    /// A session: its rows of the reference, cut, cache length, the rounds it joins and
+    /// leaves at.
     struct Plan {
         rows: (i64, i64),
         cut: usize,
         tail_on_edge: bool,
+        max_len: i64,
         joins: usize,
         leaves: usize,
     }
     let rt = runtime();
-    for name in ["gpt2", "llama"] {
+    for (name, max_batch, max_wait) in [("gpt2", 16, Duration::from_millis(20)), ("llama", 2, Duration::ZERO)] {
         let bundle = Bundle::open(bundle_dir(name)).unwrap();
         let info = bundle.manifest().generation.clone().unwrap();
         let (ids, _) = generation_reference(&bundle);
         let (total, n, prompt, max_len) = (ids.size()[1], info.stages.len(), info.reference.prompt, info.reference.max_len);
         let steps = (total - prompt + 1) as usize;
         let mid = n / 2;
+        let plan = |rows, cut, joins, leaves| Plan { rows, cut, tail_on_edge: false, max_len, joins, leaves };
         let plans = [
-            Plan { rows: (0, 1), cut: mid, tail_on_edge: false, joins: 0, leaves: 20 },
-            Plan { rows: (0, 2), cut: mid, tail_on_edge: false, joins: 0, leaves: steps },
-            Plan { rows: (1, 1), cut: mid, tail_on_edge: false, joins: 5, leaves: 5 + steps },
-            Plan { rows: (0, 1), cut: 1, tail_on_edge: true, joins: 2, leaves: 2 + steps },
+            plan((0, 1), mid, 0, 20),
+            plan((0, 2), mid, 0, steps),
+            Plan { max_len: total + 1, ..plan((1, 1), mid, 5, 5 + steps) },
+            // A short cache beside rows far past its end: padded in the batch.
+            Plan { max_len: prompt + 5, ..plan((1, 1), mid, 15, 21) },
+            Plan { tail_on_edge: true, ..plan((0, 1), 1, 2, 2 + steps) },
         ];
         // Step k of a session: the prompt, then one token at a time (teacher-forced).
         let step_ids = |plan: &Plan, k: usize| {
@@ -619,7 +626,7 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
         rt.block_on(async {
             let dir = bundle.dir().to_path_buf();
             let prepared = tokio::task::spawn_blocking(move || {
-                let options = GenerationOptions { max_batch: 16, max_wait: Duration::from_millis(20), ..GenerationOptions::default() };
+                let options = GenerationOptions { max_batch, max_wait, ..GenerationOptions::default() };
                 PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
             })
             .await
@@ -628,7 +635,7 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
             let batched = || metric_sample(&parse_metrics(&metrics.render()), "cleave_generation_batched_steps_total", &[("model", bundle.id())]);
             let server = LoopbackServer::serve(prepared).await.unwrap();
             let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
-            let open = |plan: &Plan| GenerationSplit { cut: plan.cut, tail_on_edge: plan.tail_on_edge, batch: plan.rows.1, max_len };
+            let open = |plan: &Plan| GenerationSplit { cut: plan.cut, tail_on_edge: plan.tail_on_edge, batch: plan.rows.1, max_len: plan.max_len };
             // Each session alone, one after the other.
             let mut alone = Vec::new();
             for plan in &plans {
@@ -664,7 +671,11 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
                     assert!(error <= 1e-5, "{name}: session {i} step {k} (round {round}) is {error:e} from its run alone");
                 }
             }
-            assert!(batched() > 0.0, "{name}: no decode steps ran batched");
+            // Where steps wait for a batch to fill, they are batched (the sessions' steps
+            // come within a few ms); where they do not, whether they meet is up to timing.
+            if !max_wait.is_zero() {
+                assert!(batched() > 0.0, "{name}: no decode steps ran batched");
+            }
             drop((generators, session));
             server.shutdown().await.unwrap();
         });
@@ -726,17 +737,17 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         let step =
             |tokens: u32, from: u32| pb::GenerateStep { tokens, hidden: hidden(tokens.into()), positions_from: vec![from], ..Default::default() };
         let shape = |tokens: i64| [1, tokens, info.vocab_size];
-        let (c, m) = refusal(first.step(step(2, 3), &shape(2)).await);
+        let (c, m) = refusal(first.step(step(2, 3), &shape(2), DType::Float32).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("stands at position 0"), "{m}");
-        let (c, m) = refusal(first.step(pb::GenerateStep { hidden: hidden(1), ..step(2, 0) }, &shape(2)).await);
+        let (c, m) = refusal(first.step(pb::GenerateStep { hidden: hidden(1), ..step(2, 0) }, &shape(2), DType::Float32).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("hidden states"), "{m}");
-        let (c, m) = refusal(first.step(step(17, 0), &shape(17)).await);
+        let (c, m) = refusal(first.step(step(17, 0), &shape(17), DType::Float32).await);
         assert!(c == tonic::Code::OutOfRange && m.contains("16 positions"), "{m}");
-        let (c, m) = refusal(first.step(pb::GenerateStep { restart_rows: vec![0; 1 << 20], ..step(2, 0) }, &shape(2)).await);
+        let (c, m) = refusal(first.step(pb::GenerateStep { restart_rows: vec![0; 1 << 20], ..step(2, 0) }, &shape(2), DType::Float32).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("1048576 restart rows"), "{m}");
         // None of those moved the row: a prompt of 2 then a token run from position 0.
-        assert_eq!(first.step(step(2, 0), &shape(2)).await.unwrap().size(), shape(2));
-        assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1)).await.unwrap().size(), shape(1));
+        assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32).await.unwrap().size(), shape(2));
+        assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1), DType::Float32).await.unwrap().size(), shape(1));
         drop((first, second));
         let freed = async {
             while held(&metrics) > 0.0 {
@@ -746,9 +757,12 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         tokio::time::timeout(Duration::from_secs(10), freed).await.expect("the caches of ended streams are freed");
         let mut two = GenerateLink::open(&mut session, open(1, 2, 16)).await.expect("two rows fit once the others closed");
         let both = pb::GenerateStep { tokens: 1, hidden: hidden(2), positions_from: vec![0, 0], restart_rows: vec![1, 1], ..Default::default() };
-        let (c, m) = refusal(two.step(both.clone(), &[2, 1, info.vocab_size]).await);
+        let (c, m) = refusal(two.step(both.clone(), &[2, 1, info.vocab_size], DType::Float32).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("restart row 1 is given twice"), "{m}");
-        assert_eq!(two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size]).await.unwrap().size(), [2, 1, 500]);
+        assert_eq!(
+            two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size], DType::Float32).await.unwrap().size(),
+            [2, 1, 500]
+        );
         drop(session);
         server.shutdown().await.unwrap();
     });

@@ -1,6 +1,8 @@
 //! The `Generate` stream as calls: open a session, then one step at a time, each answered
 //! before the next is sent (a decode step needs the token its answer gives).
 
+use std::time::Duration;
+
 use cleave_common::pb::{self, generate_frame, GenerateFrame, GenerateReply};
 use cleave_common::spec::{DType, TorchDType};
 use tch::Tensor;
@@ -16,6 +18,8 @@ pub struct GenerateLink {
     frames: mpsc::Sender<GenerateFrame>,
     replies: Streaming<GenerateReply>,
     next_id: u64,
+    /// How long an answer may take (the link's `request_timeout`).
+    answer_timeout: Duration,
     /// What the server said when it opened the session.
     pub opened: pb::GenerationOpened,
 }
@@ -23,6 +27,12 @@ pub struct GenerateLink {
 /// The stream ended under a step: the server went (its caches with it).
 fn closed() -> HostError {
     HostError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }
+}
+
+/// No answer within `request_timeout`: the server holds the stream but does not answer.
+fn unanswered(timeout: Duration) -> HostError {
+    let message = format!("no answer within {timeout:?} (`resilience.request_timeout`)");
+    HostError::Rpc { call: "Generate", code: tonic::Code::DeadlineExceeded, message }
 }
 
 fn refused(error: &pb::Error) -> HostError {
@@ -35,31 +45,39 @@ impl GenerateLink {
         let (frames, rx) = mpsc::channel(4);
         frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Open(open)) }).await.map_err(|_| closed())?;
         let call = session.model_request(ReceiverStream::new(rx));
-        let mut replies = session.client.generate(call).await.map_err(|s| HostError::rpc("Generate", &s))?.into_inner();
-        let first = next_reply(&mut replies).await?;
+        let answer_timeout = session.link.request_timeout;
+        let opening = async {
+            let mut replies = session.client.generate(call).await.map_err(|s| HostError::rpc("Generate", &s))?.into_inner();
+            let first = next_reply(&mut replies).await?;
+            Ok::<_, HostError>((replies, first))
+        };
+        let (replies, first) = tokio::time::timeout(answer_timeout, opening).await.map_err(|_| unanswered(answer_timeout))??;
         if let Some(error) = &first.error {
             return Err(refused(error));
         }
         let opened = first.opened.ok_or(Breach::NotOpened)?;
-        Ok(Self { frames, replies, next_id: 0, opened })
+        Ok(Self { frames, replies, next_id: 0, answer_timeout, opened })
     }
 
     /// Sends `step` (its request id set here) and waits for its output, which must be of
-    /// `shape`.
-    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64]) -> Result<Tensor> {
+    /// `shape` and `dtype`.
+    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType) -> Result<Tensor> {
         let id = self.next_id;
         self.next_id += 1;
         step.request_id = id;
         self.frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Step(step)) }).await.map_err(|_| closed())?;
-        let reply = next_reply(&mut self.replies).await?;
+        let answer = tokio::time::timeout(self.answer_timeout, next_reply(&mut self.replies));
+        let reply = answer.await.map_err(|_| unanswered(self.answer_timeout))??;
         if let Some(error) = &reply.error {
             return Err(refused(error));
         }
-        let mismatch = |got: String| Breach::GenerationAnswer { request_id: id, got, expected: format!("{shape:?}") };
+        let mismatch = |got: String| Breach::GenerationAnswer { request_id: id, got, expected: format!("{} {shape:?}", dtype.name()) };
         if reply.request_id != id {
             return Err(mismatch(format!("the answer of step {}", reply.request_id)).into());
         }
-        let dtype = DType::from_name(&reply.dtype).filter(|d| d.is_float()).ok_or_else(|| mismatch(format!("dtype {:?}", reply.dtype)))?;
+        if DType::from_name(&reply.dtype) != Some(dtype) {
+            return Err(mismatch(format!("dtype {:?}", reply.dtype)).into());
+        }
         let bytes = shape.iter().try_fold(dtype.size() as u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
         if reply.shape != shape || bytes != Some(reply.output.len() as u64) {
             return Err(mismatch(format!("{} {:?} in {} bytes", reply.dtype, reply.shape, reply.output.len())).into());

@@ -2,9 +2,9 @@
 //! row was fed, and the server's session.
 
 use cleave_common::generation::GenerationStages;
-use cleave_common::spec::TorchDType;
+use cleave_common::spec::{DType, TorchDType};
 use cleave_common::{pb, Bundle, BundleError, DeviceSpec, StageRange};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::link::GenerateLink;
 use crate::error::{HostError, Result};
@@ -34,7 +34,8 @@ pub struct SplitGenerator {
     /// The tokens each row has been fed since its start: what a new server is given again.
     histories: Vec<Vec<i64>>,
     width: i64,
-    hidden_kind: Kind,
+    /// The hidden states' dtype (the manifest's): every answer's.
+    hidden_dtype: DType,
     vocab_size: i64,
     /// Bytes a step's hidden states, or its answer, may take in one message.
     message_room: i64,
@@ -59,7 +60,7 @@ impl SplitGenerator {
         };
         let open = pb::OpenGeneration { start: split.cut as u32, end: server_end as u32, batch: split.batch as u32, max_len: split.max_len as u32 };
         let link = GenerateLink::open(session, open).await?;
-        let (width, hidden_kind) = (info.hidden_width(), info.hidden.dtype.kind());
+        let (width, hidden_dtype) = (info.hidden_width(), info.hidden.dtype);
         // Room is left for the message's own fields.
         let message_room = session.server.limits.max_message_bytes.saturating_sub(64 << 10) as i64;
         Ok(Self {
@@ -71,7 +72,7 @@ impl SplitGenerator {
             open,
             histories: vec![Vec::new(); split.batch as usize],
             width,
-            hidden_kind,
+            hidden_dtype,
             vocab_size: info.vocab_size,
             message_room,
         })
@@ -116,7 +117,7 @@ impl SplitGenerator {
 
     /// Tokens a step may carry so that its hidden states, and its answer, fit in a message.
     fn tokens_per_message(&self, last_token_only: bool) -> i64 {
-        let (batch, element) = (self.histories.len() as i64, self.hidden_kind.elt_size_in_bytes() as i64);
+        let (batch, element) = (self.histories.len() as i64, self.hidden_dtype.kind().elt_size_in_bytes() as i64);
         let hidden = batch * self.width * element;
         let answer = batch * if self.tail.is_some() { self.width } else { self.vocab_size } * element;
         let fit = if last_token_only { (self.message_room - answer) / hidden } else { self.message_room / (hidden + answer) };
@@ -139,8 +140,8 @@ impl SplitGenerator {
         for &row in restart_rows {
             self.histories[row].clear();
         }
-        let hidden = hidden?.to_kind(self.hidden_kind).contiguous();
-        let mut bytes = vec![0u8; hidden.numel() * self.hidden_kind.elt_size_in_bytes()];
+        let hidden = hidden?.to_kind(self.hidden_dtype.kind()).contiguous();
+        let mut bytes = vec![0u8; hidden.numel() * self.hidden_dtype.kind().elt_size_in_bytes()];
         hidden.f_copy_data_u8(&mut bytes, hidden.numel()).map_err(|e| BundleError::StageFailed {
             index: self.edge.range().end - 1,
             name: "hidden states".into(),
@@ -156,7 +157,7 @@ impl SplitGenerator {
         };
         let answered_tokens = if last_token_only { 1 } else { tokens };
         let width = if self.tail.is_some() { self.width } else { self.vocab_size };
-        let output = self.link.step(step, &[batch, answered_tokens, width]).await?;
+        let output = self.link.step(step, &[batch, answered_tokens, width], self.hidden_dtype).await?;
         // The server holds the step: so does the edge.
         let fed: Vec<Vec<i64>> = Vec::try_from(ids).map_err(|e: tch::TchError| HostError::Generation(e.to_string()))?;
         for (history, row) in self.histories.iter_mut().zip(fed) {

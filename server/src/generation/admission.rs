@@ -1,7 +1,7 @@
 //! What every generation session shares: `generation.max_sessions` places, the cache budget
 //! (`limits.kv_cache_bytes`, apart from the request memory budget: a session's caches live as
-//! long as the session, not a request), each model's generation stages, loaded once at its
-//! first session and shared by every range of every session, and each model's step queue.
+//! long as the session, not a request), and each model's generation stages, loaded once at
+//! its first session and shared by every range of every session.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -9,8 +9,6 @@ use std::sync::{Arc, Mutex};
 use cleave_common::generation::GenerationStages;
 use cleave_common::StageRange;
 
-use super::queue::StepQueue;
-use crate::budget::MemoryBudget;
 use crate::config::GenerationOptions;
 use crate::error::{lock, GenerationError, RequestError};
 use crate::metrics::{Metrics, OpenGuard};
@@ -26,13 +24,9 @@ struct Inner {
     options: GenerationOptions,
     cache_budget: u64,
     metrics: Metrics,
-    /// The request memory budget (batches hold their merged caches in it).
-    memory: MemoryBudget,
     held: Mutex<Held>,
     /// Each model's generation stages, by bundle id.
     stages: Mutex<HashMap<String, GenerationStages>>,
-    /// Each model's step queue, by bundle id.
-    queues: Mutex<HashMap<String, StepQueue>>,
 }
 
 #[derive(Default)]
@@ -49,10 +43,9 @@ pub(crate) struct Admission {
 }
 
 impl Generation {
-    pub(crate) fn new(options: GenerationOptions, cache_budget: u64, memory: MemoryBudget, metrics: Metrics) -> Self {
+    pub(crate) fn new(options: GenerationOptions, cache_budget: u64, metrics: Metrics) -> Self {
         metrics.budget("kv_cache", cache_budget, 0);
-        let (held, stages, queues) = Default::default();
-        Self { inner: Arc::new(Inner { options, cache_budget, metrics, memory, held, stages, queues }) }
+        Self { inner: Arc::new(Inner { options, cache_budget, metrics, held: Mutex::default(), stages: Mutex::default() }) }
     }
 
     pub(crate) fn options(&self) -> GenerationOptions {
@@ -97,17 +90,6 @@ impl Generation {
     }
 }
 
-impl Generation {
-    /// `model`'s step queue, started at the first call (on the calling runtime).
-    pub(crate) fn queue(&self, model: &Model) -> StepQueue {
-        let inner = &self.inner;
-        let mut queues = lock(&inner.queues);
-        let label = model.bundle.id().to_string();
-        let start = || StepQueue::start(inner.options, inner.memory.clone(), inner.metrics.clone(), label.clone());
-        queues.entry(label.clone()).or_insert_with(start).clone()
-    }
-}
-
 impl Drop for Admission {
     fn drop(&mut self) {
         let inner = &self.generation.inner;
@@ -125,8 +107,7 @@ mod tests {
     #[test]
     fn places_and_the_cache_budget_are_taken_and_given_back() {
         let options = GenerationOptions { max_sessions: 2, ..GenerationOptions::default() };
-        let budget = MemoryBudget::new(1 << 20, std::time::Duration::ZERO);
-        let generation = Generation::new(options, 1000, budget, Metrics::new(Vec::new()));
+        let generation = Generation::new(options, 1000, Metrics::new(Vec::new()));
         let a = generation.admit(600).unwrap();
         let refused = generation.admit(401).err().unwrap();
         assert!(matches!(refused, GenerationError::CacheBudget { bytes: 401, free: 400, budget: 1000 }), "{refused}");

@@ -4,6 +4,6 @@
 //! `stream` a stream's frames.
 
 pub(crate) mod admission;
-mod queue;
+pub(crate) mod queue;
 mod session;
 pub(crate) mod stream;

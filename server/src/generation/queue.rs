@@ -1,61 +1,67 @@
-//! Continuous batching: every step of a model's sessions goes through its queue, one batch
-//! at a time on the blocking pool. A decode step takes with it the decode steps of other
-//! sessions at the same cut that came while the last batch ran (or within
-//! `generation.max_wait`), up to `generation.max_batch` rows, so sessions join and leave
-//! between steps. A prompt's step runs alone. The merged caches are a copy of the sessions'
-//! own, held in the memory budget while the batch runs; where they do not fit, or the batch
-//! fails, each step runs alone.
+//! Continuous batching. A model's decode steps (one token a row) go through its queue, one
+//! batch at a time on the blocking pool: a step takes with it the decode steps of other
+//! sessions of its range that came while the last batch ran, or within `generation.max_wait`
+//! of its own arrival, up to `generation.max_batch` rows, so sessions join and leave between
+//! steps. A prompt's step (and every step where `max_batch` is 1) runs on the blocking pool
+//! by itself, beside the batches. A batch's caches are a copy of the positions its rows have
+//! written, held in the memory budget while it runs; where they do not fit, or the batch
+//! fails, each of its steps runs alone.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cleave_common::pb;
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
-use super::session::{run_together, BatchKey, Checked, Session};
-use crate::budget::MemoryBudget;
+use super::session::{run_together, Checked, Session};
+use crate::budget::{MemoryBudget, Reservation};
 use crate::config::GenerationOptions;
-use crate::error::{catch_panic, RequestError};
+use crate::error::{catch_panic, lock, RequestError};
 use crate::metrics::Metrics;
 
 /// A step's session back, with the step's output or why it failed.
 pub(crate) struct Ran {
     pub(crate) session: Session,
     pub(crate) output: Result<Tensor, RequestError>,
+    /// The time its checks took (its tensors made from its bytes).
+    pub(crate) decode: Duration,
     /// The time its batch (or the step alone) ran.
     pub(crate) compute: Duration,
 }
 
-/// A step as it came, to be checked on the blocking pool.
+/// A decode step as it came, to be checked on the blocking pool.
 struct Job {
     session: Session,
     step: pb::GenerateStep,
     /// The largest answer (one message).
     answer_limit: u64,
+    arrived: tokio::time::Instant,
     reply: oneshot::Sender<Ran>,
-}
-
-impl Job {
-    /// Decode steps (one token a row) of one key may run as one batch; a prompt's runs alone.
-    fn key(&self) -> Option<BatchKey> {
-        (self.step.tokens == 1).then(|| self.session.batch_key())
-    }
 }
 
 /// A step checked, its session unchanged.
 struct Ready {
     session: Session,
     step: Checked,
-    reply: oneshot::Sender<Ran>,
+    decode: Duration,
 }
 
-/// A model's queue of generation steps; cheap to clone.
+/// Every model's step queue, each started at its model's first decode step; cheap to clone.
 #[derive(Clone)]
-pub(crate) struct StepQueue {
-    jobs: mpsc::Sender<Job>,
+pub(crate) struct StepQueues {
+    inner: Arc<Inner>,
 }
 
-/// What the queue's worker runs with.
+struct Inner {
+    worker: Worker,
+    /// By bundle id.
+    queues: Mutex<HashMap<String, mpsc::Sender<Job>>>,
+}
+
+/// What a queue's worker runs with.
+#[derive(Clone)]
 struct Worker {
     options: GenerationOptions,
     budget: MemoryBudget,
@@ -63,22 +69,39 @@ struct Worker {
     label: String,
 }
 
-impl StepQueue {
-    /// Starts the queue's worker (on the calling runtime) for the model labelled `label`.
-    /// Each session has one step in the queue at most: `generation.max_sessions` steps fit.
-    pub(crate) fn start(options: GenerationOptions, budget: MemoryBudget, metrics: Metrics, label: String) -> Self {
-        let (jobs, queued) = mpsc::channel(options.max_sessions as usize);
-        tokio::spawn(Worker { options, budget, metrics, label }.serve(queued));
-        Self { jobs }
+impl StepQueues {
+    pub(crate) fn new(options: GenerationOptions, budget: MemoryBudget, metrics: Metrics) -> Self {
+        let worker = Worker { options, budget, metrics, label: String::new() };
+        Self { inner: Arc::new(Inner { worker, queues: Mutex::default() }) }
     }
 
-    /// Runs `step` of `session`: the session back with the output; `None` where the worker
-    /// is gone (the runtime is shutting down) and the session with it.
-    /// `answer_limit` bounds the output's bytes (it must fit in one message).
-    pub(crate) async fn run(&self, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
+    /// Runs `step` of `session`, a session of the model labelled `model`: the session back
+    /// with the output; `None` where the blocking pool or the queue lost it (the runtime is
+    /// shutting down). `answer_limit` bounds the output's bytes (it must fit in one message).
+    pub(crate) async fn run(&self, model: &str, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
+        if step.tokens != 1 || self.inner.worker.options.max_batch == 1 {
+            return tokio::task::spawn_blocking(move || run_alone(session, &step, answer_limit)).await.ok();
+        }
         let (reply, ran) = oneshot::channel();
-        self.jobs.send(Job { session, step, answer_limit, reply }).await.ok()?;
+        let job = Job { session, step, answer_limit, arrived: tokio::time::Instant::now(), reply };
+        self.queue(model).send(job).await.ok()?;
         ran.await.ok()
+    }
+
+    /// `model`'s queue, its worker started (on the calling runtime) where there is none or
+    /// the last is gone. Each session has one step in a queue at most: `max_sessions` fit.
+    fn queue(&self, model: &str) -> mpsc::Sender<Job> {
+        let mut queues = lock(&self.inner.queues);
+        match queues.get(model) {
+            Some(jobs) if !jobs.is_closed() => jobs.clone(),
+            _ => {
+                let (jobs, queued) = mpsc::channel(self.inner.worker.options.max_sessions as usize);
+                let worker = Worker { label: model.to_string(), ..self.inner.worker.clone() };
+                tokio::spawn(worker.serve(queued));
+                queues.insert(model.to_string(), jobs.clone());
+                jobs
+            }
+        }
     }
 }
 
@@ -96,21 +119,26 @@ impl Worker {
             };
             let batch = self.gather(first, &mut waiting, &mut queued).await;
             let held = self.hold_merged_caches(&batch);
-            let (metrics, label) = (self.metrics.clone(), self.label.clone());
-            let ran = tokio::task::spawn_blocking(move || run_batch(batch, held.is_some(), &metrics, &label));
+            let (together, metrics, label) = (held.is_some(), self.metrics.clone(), self.label.clone());
+            let ran = tokio::task::spawn_blocking(move || {
+                // The merged caches' bytes are held until the batch has run.
+                let _held = held;
+                run_batch(batch, together, &metrics, &label)
+            });
             // A batch lost to the blocking pool drops its replies: those streams end.
             let _ = ran.await;
         }
     }
 
-    /// `first` and, where it is a decode step, the decode steps of its key waiting or coming
-    /// within `max_wait`, up to `max_batch` rows.
+    /// `first` and the decode steps of its key waiting or coming, up to `max_batch` rows. It
+    /// waits for more until `max_wait` after `first` came, and not at all while steps of
+    /// other keys wait (a batch never holds up another).
     async fn gather(&self, first: Job, waiting: &mut VecDeque<Job>, queued: &mut mpsc::Receiver<Job>) -> Vec<Job> {
-        let Some(key) = first.key() else { return vec![first] };
+        let key = first.session.batch_key();
         let max_rows = self.options.max_batch as usize;
+        let fits = |job: &Job, rows: usize| job.session.batch_key() == key && rows + job.session.rows() <= max_rows;
         let mut rows = first.session.rows();
         let mut batch = vec![first];
-        let fits = |job: &Job, rows: usize| job.key() == Some(key) && rows + job.session.rows() <= max_rows;
         let mut i = 0;
         while i < waiting.len() && rows < max_rows {
             if fits(&waiting[i], rows) {
@@ -121,11 +149,11 @@ impl Worker {
                 i += 1;
             }
         }
-        let deadline = tokio::time::Instant::now() + self.options.max_wait;
+        let deadline = batch[0].arrived + self.options.max_wait;
         while rows < max_rows {
             let job = match queued.try_recv() {
                 Ok(job) => job,
-                Err(_) if self.options.max_wait.is_zero() => break,
+                Err(_) if !waiting.is_empty() => break,
                 Err(_) => match tokio::time::timeout_at(deadline, queued.recv()).await {
                     Ok(Some(job)) => job,
                     _ => break,
@@ -141,40 +169,71 @@ impl Worker {
         batch
     }
 
-    /// The merged caches' bytes, held in the memory budget; `None` where they do not fit
-    /// now (then each step runs alone, on its own caches).
-    fn hold_merged_caches(&self, batch: &[Job]) -> Option<crate::budget::Reservation> {
+    /// The merged caches' bytes (every session's up to the furthest position the batch
+    /// writes, as the steps say before they are checked), held in the memory budget; `None`
+    /// where they do not fit now (then each step runs alone, on its own caches).
+    fn hold_merged_caches(&self, batch: &[Job]) -> Option<Reservation> {
         if batch.len() < 2 {
             return None;
         }
-        self.budget.try_reserve(batch.iter().map(|job| job.session.cache_bytes()).sum())
+        let reach = batch.iter().flat_map(|job| &job.step.positions_from).map(|&at| u64::from(at) + 1).max().unwrap_or(1);
+        let per_position: u64 = batch.iter().map(|job| job.session.cache_bytes_per_position()).sum();
+        self.budget.try_reserve(per_position.saturating_mul(reach))
+    }
+}
+
+/// Checks `step` and runs it alone.
+fn run_alone(session: Session, step: &pb::GenerateStep, answer_limit: u64) -> Ran {
+    match check(session, step, answer_limit) {
+        Ok(ready) => ready.run_alone(),
+        Err(ran) => *ran,
+    }
+}
+
+/// `step` checked against `session` (timed), or the session back with why not.
+fn check(session: Session, step: &pb::GenerateStep, answer_limit: u64) -> Result<Ready, Box<Ran>> {
+    let started = Instant::now();
+    let checked = catch_panic("checking a generation step", || session.check(step, answer_limit));
+    let decode = started.elapsed();
+    match checked {
+        Ok(step) => Ok(Ready { session, step, decode }),
+        Err(e) => Err(Box::new(Ran { session, output: Err(e), decode, compute: Duration::ZERO })),
+    }
+}
+
+impl Ready {
+    fn run_alone(mut self) -> Ran {
+        let started = Instant::now();
+        let output = catch_panic("a generation step", || self.session.run(self.step));
+        Ran { session: self.session, output, decode: self.decode, compute: started.elapsed() }
     }
 }
 
 /// Runs `batch` (on the blocking pool) and answers each job: those whose steps pass their
 /// checks as one batch where `together` (room for the merged caches) and there are more than
-/// one, else (or where that fails) each alone.
+/// one, else each alone.
 fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str) {
-    let mut ready = Vec::with_capacity(batch.len());
-    for Job { session, step, answer_limit, reply } in batch {
-        match catch_panic("checking a generation step", || session.check(&step, answer_limit)) {
-            Ok(step) => ready.push(Ready { session, step, reply }),
-            Err(e) => {
-                let _ = reply.send(Ran { session, output: Err(e), compute: Duration::ZERO });
+    let (mut ready, mut replies) = (Vec::with_capacity(batch.len()), Vec::with_capacity(batch.len()));
+    for Job { session, step, answer_limit, reply, .. } in batch {
+        match check(session, &step, answer_limit) {
+            Ok(checked) => {
+                ready.push(checked);
+                replies.push(reply);
+            }
+            Err(ran) => {
+                let _ = reply.send(*ran);
             }
         }
     }
-    let alone = if together && ready.len() > 1 { try_together(ready, metrics, label) } else { Some(ready) };
-    for Ready { mut session, step, reply } in alone.unwrap_or_default() {
-        let started = Instant::now();
-        let output = catch_panic("a generation step", || session.run(step));
-        let _ = reply.send(Ran { session, output, compute: started.elapsed() });
+    let ran =
+        if together && ready.len() > 1 { run_together_or_alone(ready, metrics, label) } else { ready.into_iter().map(Ready::run_alone).collect() };
+    for (reply, ran) in replies.into_iter().zip(ran) {
+        let _ = reply.send(ran);
     }
 }
 
-/// Runs `ready` as one batch and answers it; gives it back where that failed (no session
-/// changed: the stages run before any is written).
-fn try_together(mut ready: Vec<Ready>, metrics: &Metrics, label: &str) -> Option<Vec<Ready>> {
+/// Runs `ready` as one batch; where that fails (before any session changed), each alone.
+fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str) -> Vec<Ran> {
     let started = Instant::now();
     let ran = {
         let mut steps: Vec<(&mut Session, &Checked)> = ready.iter_mut().map(|r| (&mut r.session, &r.step)).collect();
@@ -184,14 +243,11 @@ fn try_together(mut ready: Vec<Ready>, metrics: &Metrics, label: &str) -> Option
         Ok(outputs) => {
             metrics.generation_batch(label, ready.len());
             let compute = started.elapsed();
-            for (r, output) in ready.into_iter().zip(outputs) {
-                let _ = r.reply.send(Ran { session: r.session, output: Ok(output), compute });
-            }
-            None
+            ready.into_iter().zip(outputs).map(|(r, output)| Ran { session: r.session, output: Ok(output), decode: r.decode, compute }).collect()
         }
         Err(e) => {
             tracing::warn!(error = %e, sessions = ready.len(), "a batch of generation steps failed; each runs alone");
-            Some(ready)
+            ready.into_iter().map(Ready::run_alone).collect()
         }
     }
 }

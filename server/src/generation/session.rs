@@ -10,6 +10,7 @@ use cleave_common::spec::TorchDType;
 use cleave_common::{Bundle, StageRange};
 use tch::{Kind, Tensor};
 
+use super::admission::Admission;
 use crate::error::{GenerationError, RequestError};
 
 /// A session, open.
@@ -21,6 +22,8 @@ pub(crate) struct Session {
     max_len: i64,
     width: i64,
     kind: Kind,
+    /// Its place and its caches' bytes, given back when the caches go.
+    _admission: Admission,
 }
 
 /// A step checked against its session, its tensors made, not yet run.
@@ -35,11 +38,10 @@ pub(crate) struct Checked {
     last_only: bool,
 }
 
-/// Steps of equal keys run as one batch.
+/// Decode steps of sessions of equal keys (the same range of stages) may run as one batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BatchKey {
     range: StageRange,
-    max_len: i64,
 }
 
 /// What a session asks for, checked against the model: its range and sizes.
@@ -76,12 +78,12 @@ pub(crate) fn check_open(bundle: &Bundle, open: &pb::OpenGeneration) -> Result<A
 
 impl Session {
     /// Opens a session of `asked` on `all` (the model's generation stages), its caches zeroed.
-    pub(crate) fn open(all: &GenerationStages, asked: &Asked) -> Result<Self, RequestError> {
+    pub(crate) fn open(all: &GenerationStages, asked: &Asked, admission: Admission) -> Result<Self, RequestError> {
         let stages = all.slice(asked.range).map_err(RequestError::Bundle)?;
         let caches = stages.new_caches(asked.batch, asked.max_len).map_err(RequestError::Bundle)?;
         let info = stages.info();
         let (width, kind) = (info.hidden_width(), info.hidden.dtype.kind());
-        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind })
+        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind, _admission: admission })
     }
 
     /// Checks `step` whole and makes its tensors; nothing of the session changes.
@@ -104,10 +106,8 @@ impl Session {
         Ok(output.to_device(tch::Device::Cpu).contiguous())
     }
 
-    /// Sessions of equal keys (the same range and cache length) may run their decode steps
-    /// as one batch.
     pub(crate) fn batch_key(&self) -> BatchKey {
-        BatchKey { range: self.stages.range(), max_len: self.max_len }
+        BatchKey { range: self.stages.range() }
     }
 
     /// The session's rows.
@@ -115,9 +115,9 @@ impl Session {
         self.lengths.len()
     }
 
-    /// The bytes of its caches.
-    pub(crate) fn cache_bytes(&self) -> u64 {
-        self.caches.iter().map(|c| (c.numel() * c.kind().elt_size_in_bytes()) as u64).sum()
+    /// The bytes of one position of its caches, every row and layer.
+    pub(crate) fn cache_bytes_per_position(&self) -> u64 {
+        self.caches.iter().map(|c| (c.numel() * c.kind().elt_size_in_bytes()) as u64).sum::<u64>() / self.max_len as u64
     }
 
     /// A restarted row's cache is not cleared: a token attends to the positions up to its
@@ -193,37 +193,48 @@ impl Session {
     }
 }
 
-/// Runs the decode steps of `sessions` (of one [`BatchKey`]) as one batch: their hidden
-/// states and every layer's caches concatenated along the batch, then each row's new key
-/// and value copied back to its own session's cache. Each session's output, in order; where
-/// the batch fails, no session has changed and each may run alone.
+/// Runs the decode steps of `sessions` (one token a row, of one [`BatchKey`]) as one batch:
+/// their hidden states, and every layer's caches up to the furthest position the batch
+/// writes (a row reads only the positions up to its own, each written before), concatenated
+/// along the batch; then each row's new key and value copied back to its own session's
+/// cache. Each session's output, in order. Where the stages fail, no session has changed;
+/// sessions change only once every copy is made.
 pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<Vec<Tensor>, RequestError> {
+    debug_assert!(sessions.iter().all(|(_, step)| step.tokens == 1), "decode steps only");
     let Some((first, _)) = sessions.first() else { return Ok(Vec::new()) };
     let stages = first.stages.clone();
+    let reach = sessions.iter().flat_map(|(_, step)| &step.starts).max().map_or(1, |&at| at + 1);
     let hidden = Tensor::cat(&sessions.iter().map(|(_, step)| &step.hidden).collect::<Vec<_>>(), 0);
     let positions = Tensor::cat(&sessions.iter().map(|(_, step)| &step.positions).collect::<Vec<_>>(), 0);
-    let layers = first.caches.len();
-    let mut caches: Vec<Tensor> =
-        (0..layers).map(|layer| Tensor::cat(&sessions.iter().map(|(s, _)| &s.caches[layer]).collect::<Vec<_>>(), 1)).collect();
+    // A session of a shorter cache is padded: its rows never read past their own position.
+    let part = |s: &Session, layer: usize| {
+        let own = s.caches[layer].narrow(3, 0, reach.min(s.max_len));
+        if reach > s.max_len {
+            own.constant_pad_nd([0, 0, 0, reach - s.max_len])
+        } else {
+            own
+        }
+    };
+    let merge = |layer: usize| Tensor::cat(&sessions.iter().map(|(s, _)| part(s, layer)).collect::<Vec<_>>(), 1);
+    let mut caches: Vec<Tensor> = (0..first.caches.len()).map(merge).collect();
     let output = stages.step_last(&hidden, &positions, &mut caches, false).map_err(RequestError::Bundle)?;
     let output = output.to_device(tch::Device::Cpu);
     let mut outputs = Vec::with_capacity(sessions.len());
     let mut offset = 0;
     for (session, step) in sessions.iter_mut() {
-        let rows = session.rows() as i64;
-        // Only its new tokens' keys and values: the rest of the merged caches is its own,
-        // copied in.
+        // Its new tokens' keys and values only: the rest of the merged caches is its own.
         for (own, merged) in session.caches.iter_mut().zip(&caches) {
-            for (row, &at) in step.starts.iter().enumerate() {
-                let row = row as i64;
+            for (row, &at) in (0..).zip(&step.starts) {
                 own.narrow(1, row, 1).narrow(3, at, 1).copy_(&merged.narrow(1, offset + row, 1).narrow(3, at, 1));
             }
         }
-        let step: &Checked = step;
-        session.restart(step);
-        session.advance(step.tokens);
+        let rows = session.rows() as i64;
         outputs.push(output.narrow(0, offset, rows).contiguous());
         offset += rows;
+    }
+    for (session, step) in sessions.iter_mut() {
+        session.restart(step);
+        session.advance(step.tokens);
     }
     Ok(outputs)
 }

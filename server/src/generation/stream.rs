@@ -15,8 +15,8 @@ use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
-use super::admission::{Admission, Generation};
-use super::queue::{Ran, StepQueue};
+use super::admission::Generation;
+use super::queue::{Ran, StepQueues};
 use super::session::{check_open, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
@@ -29,6 +29,7 @@ use crate::unsent::Unsent;
 pub(crate) struct GenerateContext {
     pub(crate) model: Arc<Model>,
     pub(crate) generation: Generation,
+    pub(crate) queues: StepQueues,
     pub(crate) metrics: Metrics,
     /// Whether payloads must be sealed (generation steps are not yet).
     pub(crate) sealing_required: bool,
@@ -61,8 +62,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx:
         Ok(()) => open_session(&ctx, first).await,
         Err(e) => Err(e),
     };
-    // The session's place and caches' bytes are held as long as the stream.
-    let (session, _admission, opened) = match opened {
+    let (session, opened) = match opened {
         Ok(opened) => opened,
         Err(e) => {
             tracing::info!(error = %e, "generation session refused");
@@ -80,7 +80,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx:
 }
 
 /// Checks the opening frame, takes a place and the caches' bytes, and makes the caches.
-async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, Admission, pb::GenerationOpened), RequestError> {
+async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, pb::GenerationOpened), RequestError> {
     let Some(generate_frame::Kind::Open(open)) = first.kind else { return Err(GenerationError::NotOpened.into()) };
     if ctx.sealing_required {
         return Err(GenerationError::SealingRequired.into());
@@ -88,12 +88,13 @@ async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result
     let asked = check_open(&ctx.model.bundle, &open)?;
     let (admission, cache_bytes) = (ctx.generation.admit(asked.cache_bytes)?, asked.cache_bytes);
     let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
-    let session =
-        tokio::task::spawn_blocking(move || catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked)))
-            .await
-            .map_err(|_| Internal::Cancelled("opening a generation session"))??;
+    let session = tokio::task::spawn_blocking(move || {
+        catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked, admission))
+    })
+    .await
+    .map_err(|_| Internal::Cancelled("opening a generation session"))??;
     let opened = pb::GenerationOpened { session_id: hex::encode(rand::random::<[u8; 8]>()), device: ctx.model.device.clone(), cache_bytes };
-    Ok((session, admission, opened))
+    Ok((session, opened))
 }
 
 /// Answers the steps of a stream in order until it ends.
@@ -107,7 +108,6 @@ async fn answer_steps(
 ) {
     let idle = ctx.generation.options().session_idle_timeout;
     let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
-    let queue = ctx.generation.queue(&ctx.model);
     let mut session = Some(session);
     loop {
         let frame = match reader.next(out.closed()).await {
@@ -128,7 +128,7 @@ async fn answer_steps(
             Err(e) => (error_reply(request_id(&frame), &e), Reservation::none()),
             Ok(()) => match frame.kind {
                 Some(generate_frame::Kind::Step(step)) => {
-                    let (reply, held, kept) = run_step(ctx, &queue, session.take().expect("kept between steps"), step).await;
+                    let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
                     let Some(kept) = kept else {
                         let _ = out.send(Ok(reply)).await;
                         return;
@@ -156,27 +156,27 @@ fn request_id(frame: &pb::GenerateFrame) -> u64 {
 
 /// Runs `step` through the model's step queue: its answer, the memory it holds until
 /// written, and the session back (none where the queue lost it: the stream ends).
-async fn run_step(
-    ctx: &GenerateContext,
-    queue: &StepQueue,
-    session: Session,
-    step: pb::GenerateStep,
-) -> (GenerateReply, Reservation, Option<Session>) {
+async fn run_step(ctx: &GenerateContext, session: Session, step: pb::GenerateStep) -> (GenerateReply, Reservation, Option<Session>) {
     let id = step.request_id;
     let limit = ctx.max_message_bytes.saturating_sub(1 << 10);
+    let arrived = Instant::now();
     // The answer is held in the memory budget until written, as every answer is.
     let held = match ctx.budget.reserve(limit.min(session.answer_bound(&step))).await {
         Ok(held) => held,
         Err(e) => return (error_reply(id, &e.into()), Reservation::none(), Some(session)),
     };
-    let queued = Instant::now();
-    let Some(Ran { session, output, compute }) = queue.run(session, step, limit).await else {
+    let Some(Ran { session, output, decode, compute }) = ctx.queues.run(ctx.model.bundle.id(), session, step, limit).await else {
         return (error_reply(id, &Internal::Cancelled("a generation step").into()), Reservation::none(), None);
     };
-    let queue_us = queued.elapsed().saturating_sub(compute).as_micros() as u64;
+    let timings = pb::ServerTimings {
+        queue_us: arrived.elapsed().saturating_sub(decode + compute).as_micros() as u64,
+        decode_us: decode.as_micros() as u64,
+        compute_us: compute.as_micros() as u64,
+        encode_us: 0,
+    };
     let reply = match output.and_then(|t| answer(id, &t)) {
         Ok(mut reply) => {
-            reply.timings = Some(pb::ServerTimings { queue_us, compute_us: compute.as_micros() as u64, ..Default::default() });
+            reply.timings = Some(timings);
             ctx.metrics.generation_step(ctx.model.bundle.id());
             ctx.metrics.sent(ctx.model.bundle.id(), reply.output.len() as u64);
             reply
