@@ -43,6 +43,8 @@ pub struct TokenTime {
     pub token: i64,
     /// From its step's start (the prompt's, for the first) to the token drawn.
     pub ms: f64,
+    /// When it was drawn, in ms since the Unix epoch (to line up several sessions' tokens).
+    pub unix_ms: f64,
 }
 
 /// What a generation gave.
@@ -76,10 +78,10 @@ impl Generated {
         }
     }
 
-    /// `position,token,ms` lines with a header.
+    /// `position,token,ms,unix_ms` lines with a header.
     pub fn timings_csv(&self) -> String {
-        let lines = self.times.iter().map(|t| format!("{},{},{:.3}\n", t.position, t.token, t.ms));
-        std::iter::once("position,token,ms\n".to_string()).chain(lines).collect()
+        let lines = self.times.iter().map(|t| format!("{},{},{:.3},{:.3}\n", t.position, t.token, t.ms, t.unix_ms));
+        std::iter::once("position,token,ms,unix_ms\n".to_string()).chain(lines).collect()
     }
 }
 
@@ -168,7 +170,8 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
         lost_in_a_row = 0;
         let logits: Vec<f32> = Vec::try_from(logits.flatten(0, -1).to_kind(tch::Kind::Float)).map_err(|e: tch::TchError| invalid(e.to_string()))?;
         let token = sampler.next(&logits);
-        let time = TokenTime { position: generator.lengths()[0], token, ms: started.elapsed().as_secs_f64() * 1e3 };
+        let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        let time = TokenTime { position: generator.lengths()[0], token, ms: started.elapsed().as_secs_f64() * 1e3, unix_ms };
         on_token(&time);
         times.push(time);
         tokens.push(token);
