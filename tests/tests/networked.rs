@@ -400,14 +400,16 @@ fn shutdown_answers_the_requests_received_then_ends_the_stream() {
     runtime().block_on(async {
         let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
         let (url, b) = (server.url.clone(), bundle.clone());
-        let host = tokio::spawn(async move { run_host(&url, &b, 3, 8, 5, 12).await });
+        // Many more requests than the host keeps in flight (3) or has answered by the time
+        // the server is asked to stop: some are never received, whatever the machine's speed.
+        let host = tokio::spawn(async move { run_host(&url, &b, 3, 8, 5, 40).await });
         // Ask the server to stop while the host is still streaming.
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         assert!(!host.is_finished(), "the host should still be streaming when shutdown starts");
         server.shutdown().await.unwrap();
         let outcomes = host.await.unwrap();
         let answered = outcomes.iter().take_while(|(_, o)| o.is_ok()).count();
-        assert!(answered > 0 && answered < 12, "{answered} of 12 answered");
+        assert!(answered > 0 && answered < 40, "{answered} of 40 answered");
         for (i, (id, output)) in outcomes.into_iter().enumerate() {
             assert_eq!(id, i as u64, "outcomes come in order");
             match output {
