@@ -96,14 +96,23 @@ class _GPT2Layer(nn.Module):
 
 
 class _Head(nn.Module):
-    """The final norm and the LM head, of any family."""
+    """The final norm and the LM head, of any family. The logits are `weight @ hidden^T`, not
+    `hidden @ weight^T`: with a vocabulary of tens of thousands, MKL multiplies a batch of
+    rows this way round without repacking the weight each call (eight rows of GPT-2's head on
+    one thread: 7.1 ms against 11.6)."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module):
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.norm = norm
+        self.weight = lm_head.weight
+        self.bias = lm_head.bias
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))
+        x = self.norm(hidden)
+        logits = torch.matmul(self.weight, x.reshape(-1, x.size(-1)).t()).t()
+        if self.bias is not None:
+            logits = logits + self.bias
+        return logits.reshape(x.size(0), x.size(1), logits.size(-1))
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: Tensor, scaling: float, groups: int, window: int) -> Tensor:
