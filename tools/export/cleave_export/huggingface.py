@@ -62,13 +62,14 @@ def build(class_name: str, overrides: dict) -> nn.Module:
             f"transformers has no model class {class_name!r}; "
             "name one such as GPT2LMHeadModel, BertForSequenceClassification, LlamaForCausalLM or ViTForImageClassification"
         )
-    config = cls.config_class()
+    defaults = cls.config_class()
     for key, value in overrides.items():
-        if not hasattr(config, key):
+        if not hasattr(defaults, key):
             raise ExportError(f"--hf-config {key}={value}: {cls.config_class.__name__} has no field {key!r}")
-        setattr(config, key, value)
     try:
-        return cls(config)
+        # Given to the constructor, not set afterwards: it derives fields from them (Llama's
+        # head_dim from hidden_size and the heads), which setting would leave at the defaults'.
+        return cls(cls.config_class(**overrides))
     except Exception as e:  # an inconsistent config (hidden size not divisible by heads, ...)
         raise ExportError(f"{class_name} cannot be built from this config: {type(e).__name__}: {first_line(e)}") from e
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from cleave_export import ExportError, cli
+from cleave_export import ExportError, cli, huggingface
 from cleave_export.bundle import ExportOptions, export_bundle
 from cleave_export.specs import check_value, flatten_tensors
 
@@ -202,6 +202,15 @@ def data_dependent_forward():
 
 def example_inputs_fail():
     return ExampleInputsFail()
+
+
+def test_hf_config_fields_reach_the_fields_the_config_derives_from_them():
+    # LlamaConfig derives head_dim from hidden_size and the heads when it is built: set
+    # afterwards, they would leave the default model's head_dim (128) in a width-256 model.
+    model = huggingface.build("LlamaForCausalLM", {"num_hidden_layers": 1, "hidden_size": 256, "num_attention_heads": 4,
+                                                   "intermediate_size": 64, "vocab_size": 300})
+    assert model.config.head_dim == 64
+    assert model.model.layers[0].self_attn.q_proj.out_features == 256
 
 
 def export_in_process(capfd, *argv: str) -> tuple[int, str]:
