@@ -42,7 +42,8 @@ pub struct SplitGenerator {
 }
 
 impl SplitGenerator {
-    /// Loads the edge's stages (blocking) and opens the server's session on `session`.
+    /// Loads the edge's stages and warms them up (blocking), and opens the server's session
+    /// on `session`.
     pub async fn open(bundle: &Bundle, session: &mut EdgeSession, split: GenerationSplit) -> Result<Self> {
         let info = bundle.manifest().generation.clone().ok_or(BundleError::NoGeneration)?;
         let n = info.stages.len();
@@ -51,8 +52,10 @@ impl SplitGenerator {
             let reason = format!("the server runs stages cut..{server_end} of 0..{n}, at least one, never the embedding");
             return Err(BundleError::InvalidRange { start: split.cut, end: server_end, reason }.into());
         }
-        let edge = GenerationStages::load(bundle, StageRange::new(0, split.cut), DeviceSpec::Cpu)?;
-        let tail = split.tail_on_edge.then(|| GenerationStages::load(bundle, StageRange::new(n - 1, n), DeviceSpec::Cpu)).transpose()?;
+        // Warmed before the first step, which would otherwise pay for their cold start.
+        let load = |range| GenerationStages::load(bundle, range, DeviceSpec::Cpu).and_then(|stages| stages.warm_up().map(|()| stages));
+        let edge = load(StageRange::new(0, split.cut))?;
+        let tail = split.tail_on_edge.then(|| load(StageRange::new(n - 1, n))).transpose()?;
         let edge_caches = edge.new_caches(split.batch, split.max_len)?;
         let tail_caches = match &tail {
             Some(tail) => tail.new_caches(split.batch, split.max_len)?,

@@ -69,8 +69,9 @@ impl Generation {
         Ok(Admission { generation: self.clone(), cache_bytes, _open: inner.metrics.generation_session_open() })
     }
 
-    /// `model`'s generation stages, loaded on its device at the first call (blocking: run
-    /// it on the blocking pool).
+    /// `model`'s generation stages, loaded on its device and warmed up at the first call
+    /// (blocking: run it on the blocking pool). The first session waits for that in its
+    /// opening, not in its first steps.
     pub(crate) fn stages(&self, model: &Model) -> Result<GenerationStages, RequestError> {
         let mut loaded = lock(&self.inner.stages);
         if let Some(stages) = loaded.get(model.bundle.id()) {
@@ -84,7 +85,8 @@ impl Generation {
             .ok_or_else(|| GenerationError::NotExported { bundle: model.bundle.short_id().to_string() })?;
         let all = StageRange::new(0, info.stages.len());
         let stages = GenerationStages::load(&model.bundle, all, model.device_spec).map_err(RequestError::Bundle)?;
-        tracing::info!(bundle = %model.bundle.short_id(), device = %model.device, stages = info.stages.len(), "generation stages loaded");
+        stages.warm_up().map_err(RequestError::Bundle)?;
+        tracing::info!(bundle = %model.bundle.short_id(), device = %model.device, stages = info.stages.len(), "generation stages loaded and warmed up");
         loaded.insert(model.bundle.id().to_string(), stages.clone());
         Ok(stages)
     }
