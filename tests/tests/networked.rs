@@ -748,8 +748,8 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         let (c, m) = refusal(first.step(pb::GenerateStep { restart_rows: vec![0; 1 << 20], ..step(2, 0) }, &shape(2), DType::Float32).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("1048576 restart rows"), "{m}");
         // None of those moved the row: a prompt of 2 then a token run from position 0.
-        assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32).await.unwrap().size(), shape(2));
-        assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1), DType::Float32).await.unwrap().size(), shape(1));
+        assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32).await.unwrap().0.size(), shape(2));
+        assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1), DType::Float32).await.unwrap().0.size(), shape(1));
         drop((first, second));
         let freed = async {
             while held(&metrics) > 0.0 {
@@ -762,7 +762,7 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         let (c, m) = refusal(two.step(both.clone(), &[2, 1, info.vocab_size], DType::Float32).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("restart row 1 is given twice"), "{m}");
         assert_eq!(
-            two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size], DType::Float32).await.unwrap().size(),
+            two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size], DType::Float32).await.unwrap().0.size(),
             [2, 1, 500]
         );
         drop(session);
@@ -823,6 +823,12 @@ fn host_generate_s_greedy_tokens_are_the_whole_model_s_in_one_process() {
         assert_eq!(generated.tokens, want, "cut {cut:?}, tail on the edge {tail_on_edge}");
         assert_eq!(generated.times.iter().map(|t| t.position).collect::<Vec<_>>(), (prompt.len() as i64..).take(want.len()).collect::<Vec<_>>());
         assert!(!generated.stopped && generated.times.iter().all(|t| t.ms > 0.0));
+        // The server's own times of each step come with it, within the host's time of it.
+        let within = |t: &cleave_host::generation::TokenTime| t.server_compute_ms > 0.0 && t.server_queue_ms + t.server_compute_ms <= t.ms;
+        assert!(generated.times.iter().all(within), "{:?}", generated.times.first());
+        let csv = generated.timings_csv();
+        assert_eq!(csv.lines().next(), Some("position,token,ms,unix_ms,server_queue_ms,server_compute_ms"));
+        assert!(csv.lines().skip(1).all(|line| line.split(',').count() == 6) && csv.lines().count() == want.len() + 1);
     }
     let drawn = Sampling { temperature: 0.8, top_k: 20, top_p: 0.95, seed: 3 };
     let first = run(&GenerateOptions { sampling: drawn, ..greedy.clone() });

@@ -114,12 +114,7 @@ impl ResultAssembler {
         let received = self.receiver.finish(assembly).map_err(RequestFailure::Undecodable);
         let copied_bytes = received.as_ref().map_or(0, |r| r.copied_bytes);
         let output = received.map(|r| r.boundary);
-        let server = frame.timings.map(|t| ServerTimes {
-            queue_ms: t.queue_us as f64 / 1e3,
-            decode_ms: t.decode_us as f64 / 1e3,
-            compute_ms: t.compute_us as f64 / 1e3,
-            encode_ms: t.encode_us as f64 / 1e3,
-        });
+        let server = frame.timings.map(ServerTimes::from);
         Ok(Some(Answer { id, output, decode_ms: ms(t), copied_bytes, server, from: None }))
     }
 }

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
+use crate::client::ServerTimes;
 use crate::error::{Breach, HostError, Result};
 use crate::session::EdgeSession;
 
@@ -60,8 +61,8 @@ impl GenerateLink {
     }
 
     /// Sends `step` (its request id set here) and waits for its output, which must be of
-    /// `shape` and `dtype`.
-    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType) -> Result<Tensor> {
+    /// `shape` and `dtype`, and the times the server gives with it.
+    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType) -> Result<(Tensor, ServerTimes)> {
         let id = self.next_id;
         self.next_id += 1;
         step.request_id = id;
@@ -82,7 +83,8 @@ impl GenerateLink {
         if reply.shape != shape || bytes != Some(reply.output.len() as u64) {
             return Err(mismatch(format!("{} {:?} in {} bytes", reply.dtype, reply.shape, reply.output.len())).into());
         }
-        Ok(Tensor::f_from_data_size(&reply.output, shape, dtype.kind()).map_err(|e| mismatch(e.to_string()))?)
+        let output = Tensor::f_from_data_size(&reply.output, shape, dtype.kind()).map_err(|e| mismatch(e.to_string()))?;
+        Ok((output, reply.timings.map(ServerTimes::from).unwrap_or_default()))
     }
 }
 

@@ -45,6 +45,10 @@ pub struct TokenTime {
     pub ms: f64,
     /// When it was drawn, in ms since the Unix epoch (to line up several sessions' tokens).
     pub unix_ms: f64,
+    /// What the server says its step waited (for its turn, for its batch).
+    pub server_queue_ms: f64,
+    /// What the server says its step (or its batch) took to run.
+    pub server_compute_ms: f64,
 }
 
 /// What a generation gave.
@@ -78,10 +82,13 @@ impl Generated {
         }
     }
 
-    /// `position,token,ms,unix_ms` lines with a header.
+    /// `position,token,ms,unix_ms,server_queue_ms,server_compute_ms` lines with a header.
     pub fn timings_csv(&self) -> String {
-        let lines = self.times.iter().map(|t| format!("{},{},{:.3},{:.3}\n", t.position, t.token, t.ms, t.unix_ms));
-        std::iter::once("position,token,ms,unix_ms\n".to_string()).chain(lines).collect()
+        let lines = self
+            .times
+            .iter()
+            .map(|t| format!("{},{},{:.3},{:.3},{:.3},{:.3}\n", t.position, t.token, t.ms, t.unix_ms, t.server_queue_ms, t.server_compute_ms));
+        std::iter::once("position,token,ms,unix_ms,server_queue_ms,server_compute_ms\n".to_string()).chain(lines).collect()
     }
 }
 
@@ -171,7 +178,15 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
         let logits: Vec<f32> = Vec::try_from(logits.flatten(0, -1).to_kind(tch::Kind::Float)).map_err(|e: tch::TchError| invalid(e.to_string()))?;
         let token = sampler.next(&logits);
         let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
-        let time = TokenTime { position: generator.lengths()[0], token, ms: started.elapsed().as_secs_f64() * 1e3, unix_ms };
+        let server = generator.server_times();
+        let time = TokenTime {
+            position: generator.lengths()[0],
+            token,
+            ms: started.elapsed().as_secs_f64() * 1e3,
+            unix_ms,
+            server_queue_ms: server.queue_ms,
+            server_compute_ms: server.compute_ms,
+        };
         on_token(&time);
         times.push(time);
         tokens.push(token);

@@ -7,6 +7,7 @@ use cleave_common::{pb, Bundle, BundleError, DeviceSpec, StageRange};
 use tch::Tensor;
 
 use super::link::GenerateLink;
+use crate::client::ServerTimes;
 use crate::error::{HostError, Result};
 use crate::session::EdgeSession;
 
@@ -39,6 +40,8 @@ pub struct SplitGenerator {
     vocab_size: i64,
     /// Bytes a step's hidden states, or its answer, may take in one message.
     message_room: i64,
+    /// What the server spent on the last step (on all its messages).
+    server_times: ServerTimes,
 }
 
 impl SplitGenerator {
@@ -78,6 +81,7 @@ impl SplitGenerator {
             hidden_dtype,
             vocab_size: info.vocab_size,
             message_room,
+            server_times: ServerTimes::default(),
         })
     }
 
@@ -89,6 +93,11 @@ impl SplitGenerator {
     /// Where each row stands: its next position.
     pub fn lengths(&self) -> Vec<i64> {
         self.histories.iter().map(|h| h.len() as i64).collect()
+    }
+
+    /// What the server spent on the last step: waiting for its batch, checking it, running it.
+    pub fn server_times(&self) -> ServerTimes {
+        self.server_times
     }
 
     /// One step: `ids` [batch, S] of every row, after restarting `restart_rows` at position 0;
@@ -103,6 +112,7 @@ impl SplitGenerator {
             return Err(HostError::Generation(format!("restart row {row}: the session has {} rows", self.histories.len())));
         }
         let step_tokens = self.tokens_per_message(last_token_only);
+        self.server_times = ServerTimes::default();
         let mut outputs = Vec::new();
         let mut restart = restart_rows;
         let mut from = 0;
@@ -160,7 +170,8 @@ impl SplitGenerator {
         };
         let answered_tokens = if last_token_only { 1 } else { tokens };
         let width = if self.tail.is_some() { self.width } else { self.vocab_size };
-        let output = self.link.step(step, &[batch, answered_tokens, width], self.hidden_dtype).await?;
+        let (output, server_times) = self.link.step(step, &[batch, answered_tokens, width], self.hidden_dtype).await?;
+        self.server_times = self.server_times + server_times;
         // The server holds the step: so does the edge.
         let fed: Vec<Vec<i64>> = Vec::try_from(ids).map_err(|e: tch::TchError| HostError::Generation(e.to_string()))?;
         for (history, row) in self.histories.iter_mut().zip(fed) {
