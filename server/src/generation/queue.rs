@@ -153,7 +153,9 @@ impl Worker {
         while rows < max_rows {
             let job = match queued.try_recv() {
                 Ok(job) => job,
-                Err(_) if !waiting.is_empty() => break,
+                // Not a timer already past its deadline: tokio's fire at its next millisecond
+                // tick, which added about 1 ms to every decode step with `max_wait` 0.
+                Err(_) if !waiting.is_empty() || tokio::time::Instant::now() >= deadline => break,
                 Err(_) => match tokio::time::timeout_at(deadline, queued.recv()).await {
                     Ok(Some(job)) => job,
                     _ => break,
