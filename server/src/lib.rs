@@ -115,10 +115,10 @@ impl PreparedServer {
         let models = models::Models::load(models, &context)?;
         let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         metrics.watch_memory_budget(budget.clone());
-        let defaults = GenerationOptions::default();
+        let generation = generation::admission::Generation::new(GenerationOptions::default(), peers.kv_cache_bytes, metrics.clone());
         let service = service::Service {
-            generation: generation::admission::Generation::new(defaults, peers.kv_cache_bytes, metrics.clone()),
-            step_queues: generation::queue::StepQueues::new(defaults, budget.clone(), metrics.clone()),
+            step_queues: generation::queue::StepQueues::new(generation.clone(), budget.clone(), metrics.clone()),
+            generation,
             models,
             limits,
             security: Arc::new(security),
@@ -172,7 +172,7 @@ impl PreparedServer {
     fn set_generation(&mut self, options: GenerationOptions) {
         let s = &mut self.service;
         s.generation = generation::admission::Generation::new(options, s.peers.kv_cache_bytes, s.metrics.clone());
-        s.step_queues = generation::queue::StepQueues::new(options, s.budget.clone(), s.metrics.clone());
+        s.step_queues = generation::queue::StepQueues::new(s.generation.clone(), s.budget.clone(), s.metrics.clone());
     }
 
     /// From a validated `server.yaml`.

@@ -33,14 +33,14 @@ pub struct GenerationOptions {
     /// Rows of decode steps (one token each) of sessions at the same cut run as one batch
     /// (continuous batching: a session joins or leaves between steps); 1 runs each alone.
     pub max_batch: u32,
-    /// How long a decode step waits for others to fill its batch. 0 takes those that came
-    /// while the last batch ran, and no more.
+    /// How long a decode step waits for others to fill its batch, while fewer steps than
+    /// sessions open are in it. 0 takes those that came while the last batch ran, and no more.
     pub max_wait: Duration,
 }
 
 impl Default for GenerationOptions {
     fn default() -> Self {
-        Self { max_sessions: 64, session_idle_timeout: Duration::from_secs(300), max_batch: 16, max_wait: Duration::ZERO }
+        Self { max_sessions: 64, session_idle_timeout: Duration::from_secs(300), max_batch: 16, max_wait: Duration::from_millis(2) }
     }
 }
 

@@ -52,6 +52,11 @@ impl Generation {
         self.inner.options
     }
 
+    /// Sessions open now, of every model.
+    pub(crate) fn open_sessions(&self) -> usize {
+        lock(&self.inner.held).sessions as usize
+    }
+
     /// Takes a place and `cache_bytes` of the budget, or says which is full.
     pub(crate) fn admit(&self, cache_bytes: u64) -> Result<Admission, GenerationError> {
         let inner = &self.inner;

@@ -1,8 +1,8 @@
 //! Continuous batching. A model's decode steps (one token a row) go through its queue, one
 //! batch at a time on the blocking pool: a step takes with it the decode steps of other
 //! sessions of its range that came while the last batch ran, or within `generation.max_wait`
-//! of its own arrival, up to `generation.max_batch` rows, so sessions join and leave between
-//! steps. A prompt's step (and every step where `max_batch` is 1) runs on the blocking pool
+//! of its own arrival while other sessions are open, up to `generation.max_batch` rows, so
+//! sessions join and leave between steps. A prompt's step (and every step where `max_batch` is 1) runs on the blocking pool
 //! by itself, beside the batches. A batch's caches are a copy of the positions its rows have
 //! written, held in the memory budget while it runs; where they do not fit, or the batch
 //! fails, each of its steps runs alone.
@@ -15,6 +15,7 @@ use cleave_common::pb;
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
+use super::admission::Generation;
 use super::session::{run_together, Checked, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::config::GenerationOptions;
@@ -64,14 +65,16 @@ struct Inner {
 #[derive(Clone)]
 struct Worker {
     options: GenerationOptions,
+    /// How many sessions are open: a batch holding all of them waits for no more.
+    generation: Generation,
     budget: MemoryBudget,
     metrics: Metrics,
     label: String,
 }
 
 impl StepQueues {
-    pub(crate) fn new(options: GenerationOptions, budget: MemoryBudget, metrics: Metrics) -> Self {
-        let worker = Worker { options, budget, metrics, label: String::new() };
+    pub(crate) fn new(generation: Generation, budget: MemoryBudget, metrics: Metrics) -> Self {
+        let worker = Worker { options: generation.options(), generation, budget, metrics, label: String::new() };
         Self { inner: Arc::new(Inner { worker, queues: Mutex::default() }) }
     }
 
@@ -131,8 +134,9 @@ impl Worker {
     }
 
     /// `first` and the decode steps of its key waiting or coming, up to `max_batch` rows. It
-    /// waits for more until `max_wait` after `first` came, and not at all while steps of
-    /// other keys wait (a batch never holds up another).
+    /// waits for more until `max_wait` after `first` came while it holds fewer steps than
+    /// sessions are open (of every model: a lone session never waits), and not at all while
+    /// steps of other keys wait (a batch never holds up another).
     async fn gather(&self, first: Job, waiting: &mut VecDeque<Job>, queued: &mut mpsc::Receiver<Job>) -> Vec<Job> {
         let key = first.session.batch_key();
         let max_rows = self.options.max_batch as usize;
@@ -155,7 +159,7 @@ impl Worker {
                 Ok(job) => job,
                 // Not a timer already past its deadline: tokio's fire at its next millisecond
                 // tick, which added about 1 ms to every decode step with `max_wait` 0.
-                Err(_) if !waiting.is_empty() || tokio::time::Instant::now() >= deadline => break,
+                Err(_) if !waiting.is_empty() || batch.len() >= self.generation.open_sessions() || tokio::time::Instant::now() >= deadline => break,
                 Err(_) => match tokio::time::timeout_at(deadline, queued.recv()).await {
                     Ok(Some(job)) => job,
                     _ => break,
