@@ -5,6 +5,7 @@
 //! `Echo`) that carry their caller's trace in their metadata.
 
 use std::collections::HashMap;
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -73,10 +74,6 @@ fn texts(attributes: &[KeyValue]) -> HashMap<String, String> {
         .collect()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn test_bundle(name: &str) -> PathBuf {
     let bundles = PathBuf::from(std::env::var("CLEAVE_TEST_BUNDLES").unwrap_or_else(|_| "../target/test-bundles".into()));
     std::fs::canonicalize(bundles.join(name)).expect("the test bundles (make test-bundles)")
@@ -94,13 +91,30 @@ fn server_binary() -> PathBuf {
 struct Server(Child);
 
 impl Server {
-    /// Waits until it listens (it loads its bundle first).
-    fn wait_until_listening(&mut self, port: u16) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(self.0.try_wait().unwrap().is_none(), "the server exited before listening");
-            assert!(Instant::now() < deadline, "the server did not listen within 60 s");
-            std::thread::sleep(Duration::from_millis(50));
+    /// Starts one with `config` and waits until it says where it listens (it loads its bundle
+    /// first). It listens on a port of its own choosing: a port picked here and given to it
+    /// can be taken in between, and a connect loop on a free ephemeral port can connect to
+    /// itself (TCP simultaneous open) before the server listens.
+    fn start(config: &Path) -> (Self, String) {
+        let mut child = Command::new(server_binary()).arg("--config").arg(config).stdout(Stdio::piped()).spawn().expect("start server");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                // "serving ID on DEVICE on ADDRESS (plaintext, ...)"
+                if let Some(address) = line.strip_prefix("serving ").and_then(|rest| rest.split(" (").next()?.rsplit(" on ").next()) {
+                    let _ = tx.send(address.to_string());
+                }
+            }
+        });
+        let mut server = Self(child);
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(address) => (server, format!("http://{address}")),
+            Err(_) => {
+                let exited = server.0.try_wait().unwrap();
+                server.stop();
+                panic!("the server did not say where it listens within 60 s (exit: {exited:?})");
+            }
         }
     }
 
@@ -144,16 +158,14 @@ fn traced(edge: &str, host_args: &[&str]) -> Vec<Received> {
 
     let tmp = tempfile::tempdir().unwrap();
     let bundle = test_bundle("digits");
-    let port = free_port();
     let telemetry = format!("telemetry: {{otlp_endpoint: \"{endpoint}\"}}\n");
     let server_yaml = tmp.path().join("server.yaml");
-    std::fs::write(&server_yaml, format!("listen: 127.0.0.1:{port}\nbundle: {}\ndevice: cpu\n{telemetry}", bundle.display())).unwrap();
-    let mut server = Server(Command::new(server_binary()).arg("--config").arg(&server_yaml).stdout(Stdio::null()).spawn().expect("start server"));
-    server.wait_until_listening(port);
+    std::fs::write(&server_yaml, format!("listen: 127.0.0.1:0\nbundle: {}\ndevice: cpu\n{telemetry}", bundle.display())).unwrap();
+    let (mut server, url) = Server::start(&server_yaml);
 
     let edge_yaml = tmp.path().join("edge.yaml");
     let out = tmp.path().join("out");
-    let yaml = format!("server: http://127.0.0.1:{port}\nbundle: {}\ndevice: cpu\noutput: {}\n{telemetry}{edge}", bundle.display(), out.display());
+    let yaml = format!("server: {url}\nbundle: {}\ndevice: cpu\noutput: {}\n{telemetry}{edge}", bundle.display(), out.display());
     std::fs::write(&edge_yaml, yaml).unwrap();
     let host = Command::new(env!("CARGO_BIN_EXE_host")).args(host_args).arg("--config").arg(&edge_yaml).output().expect("run host");
     assert!(host.status.success(), "{}{}", String::from_utf8_lossy(&host.stdout), String::from_utf8_lossy(&host.stderr));

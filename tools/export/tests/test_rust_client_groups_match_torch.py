@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import queue
 import subprocess
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -41,29 +41,33 @@ LR = 0.01
 TOLERANCE = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start_server(config: Path, env: dict[str, str], seconds: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Starts a server on a port of its own choosing (`listen: ...:0`); returns it and its URL
+    once it says where it listens. A port picked here could be taken before the server binds
+    it, and a connect loop on a free ephemeral port can connect to itself first."""
+    server = subprocess.Popen([str(SERVER), "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    addresses: queue.Queue[str] = queue.Queue()
 
+    def read() -> None:
+        # Reads every line, so that the server never blocks on a full pipe.
+        for line in server.stdout:
+            # "serving ID on DEVICE on ADDRESS (plaintext, ...)"
+            if line.startswith("serving "):
+                addresses.put(line.split(" (")[0].rsplit(" on ", 1)[1])
 
-def _wait_for_port(port: int, server: subprocess.Popen, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited: {server.communicate()}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    pytest.fail(f"the server did not listen on {port} within {seconds} s")
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        return server, f"http://{addresses.get(timeout=seconds)}"
+    except queue.Empty:
+        server.kill()
+        pytest.fail(f"the server did not say where it listens within {seconds} s (exit {server.wait()})")
 
 
 def _run_group(tmp_path: Path, mode: str, u_shaped: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Trains the group; returns each edge's last host checkpoint and the server's part."""
-    port = _free_port()
     server_yaml = tmp_path / "server.yaml"
     server_yaml.write_text(
-        f"listen: 127.0.0.1:{port}\ninsecure: true\nbundle: {BUNDLE}\ndevice: cpu\n"
+        f"listen: 127.0.0.1:0\ninsecure: true\nbundle: {BUNDLE}\ndevice: cpu\n"
         f"training: {{ checkpoint_dir: {tmp_path / 'server-checkpoints'}, max_sessions: 2, client_wait_timeout: 120s }}\n"
     )
     data = load_file(str(TRAIN))
@@ -71,9 +75,8 @@ def _run_group(tmp_path: Path, mode: str, u_shaped: bool) -> tuple[list[dict[str
     threads = str(torch.get_num_threads())
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "env": env}
-    server = subprocess.Popen([str(SERVER), "--config", str(server_yaml)], **pipes)
+    server, url = _start_server(server_yaml, env)
     try:
-        _wait_for_port(port, server)
         hosts = []
         train_mode = f"mode: u-shaped\n  tail: {TAIL}" if u_shaped else "mode: split"
         for edge, ((lo, hi), seed) in enumerate(zip(SHARDS, SEEDS)):
@@ -81,7 +84,7 @@ def _run_group(tmp_path: Path, mode: str, u_shaped: bool) -> tuple[list[dict[str
             save_file({name: t[lo:hi].contiguous() for name, t in data.items()}, str(shard))
             config = tmp_path / f"edge-{edge}.yaml"
             config.write_text(
-                f"""server: http://127.0.0.1:{port}
+                f"""server: {url}
 bundle: {BUNDLE}
 split: {SPLIT}
 device: cpu
@@ -104,7 +107,7 @@ train:
             assert h.returncode == 0, f"an edge failed ({h.returncode}):\n{out}"
     finally:
         server.terminate()
-        server.communicate(timeout=30)
+        server.wait(timeout=30)
     checkpoints, server_parts = [], []
     for edge, (lo, hi) in enumerate(SHARDS):
         steps = EPOCHS * -(-(hi - lo) // BATCH)
