@@ -738,7 +738,7 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         assert_eq!(held(&metrics), (2 * per_session) as f64);
         // Sessions of the head alone hold no cache: the third place is the last.
         let head_only = pb::OpenGeneration { start: n - 1, end: n, batch: 1, max_len: 16 };
-        let _third = GenerateLink::open(&mut session, head_only).await.unwrap();
+        let mut third = GenerateLink::open(&mut session, head_only).await.unwrap();
         let (c, m) = refusal(GenerateLink::open(&mut session, head_only).await);
         assert!(c == tonic::Code::ResourceExhausted && m.contains("generation.max_sessions"), "{m}");
 
@@ -746,30 +746,70 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
         let step =
             |tokens: u32, from: u32| pb::GenerateStep { tokens, hidden: hidden(tokens.into()), positions_from: vec![from], ..Default::default() };
         let shape = |tokens: i64| [1, tokens, info.vocab_size];
-        let (c, m) = refusal(first.step(step(2, 3), &shape(2), DType::Float32).await);
+        let (c, m) = refusal(first.step(step(2, 3), &shape(2), DType::Float32, info.vocab_size).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("stands at position 0"), "{m}");
-        let (c, m) = refusal(first.step(pb::GenerateStep { hidden: hidden(1), ..step(2, 0) }, &shape(2), DType::Float32).await);
+        let (c, m) = refusal(first.step(pb::GenerateStep { hidden: hidden(1), ..step(2, 0) }, &shape(2), DType::Float32, info.vocab_size).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("hidden states"), "{m}");
-        let (c, m) = refusal(first.step(step(17, 0), &shape(17), DType::Float32).await);
+        let (c, m) = refusal(first.step(step(17, 0), &shape(17), DType::Float32, info.vocab_size).await);
         assert!(c == tonic::Code::OutOfRange && m.contains("16 positions"), "{m}");
-        let (c, m) = refusal(first.step(pb::GenerateStep { restart_rows: vec![0; 1 << 20], ..step(2, 0) }, &shape(2), DType::Float32).await);
+        let (c, m) =
+            refusal(first.step(pb::GenerateStep { restart_rows: vec![0; 1 << 20], ..step(2, 0) }, &shape(2), DType::Float32, info.vocab_size).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("1048576 restart rows"), "{m}");
+        let (c, m) = refusal(first.step(pb::GenerateStep { top_k: 501, ..step(2, 0) }, &[1, 2, 501], DType::Float32, info.vocab_size).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("top_k 501: the vocabulary has 500 tokens"), "{m}");
+        // A step of a top_k answers its tokens' most likely next tokens: the whole vocabulary
+        // ranked, the lower id first among equal logits (the head alone: no position matters).
+        tch::manual_seed(5);
+        let random = tch::Tensor::randn([1, 1, width], (tch::Kind::Float, tch::Device::Cpu));
+        let random = bytes::Bytes::from(Vec::<u8>::try_from(random.flatten(0, -1).view_dtype(tch::Kind::Uint8)).unwrap());
+        for (at, hidden) in [hidden(1), random].into_iter().enumerate() {
+            let at = 2 * at as u32;
+            let one = |top_k: u32, at: u32| pb::GenerateStep { top_k, hidden: hidden.clone(), ..step(1, at) };
+            let whole = third.step(one(0, at), &shape(1), DType::Float32, info.vocab_size).await.unwrap();
+            assert!(whole.token_ids.is_none());
+            let logits: Vec<f32> = Vec::try_from(whole.output.flatten(0, -1)).unwrap();
+            let mut ranked: Vec<(u32, f32)> = (0..).zip(logits).collect();
+            ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let top = third.step(one(7, at + 1), &[1, 1, 7], DType::Float32, info.vocab_size).await.unwrap();
+            let values: Vec<f32> = Vec::try_from(top.output.flatten(0, -1)).unwrap();
+            assert_eq!(top.token_ids.unwrap().into_iter().zip(values).collect::<Vec<_>>(), ranked[..7], "hidden states {at}");
+        }
         // None of those moved the row: a prompt of 2 then a token run from position 0.
-        assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32).await.unwrap().0.size(), shape(2));
-        assert_eq!(first.step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1), DType::Float32).await.unwrap().0.size(), shape(1));
+        assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32, info.vocab_size).await.unwrap().output.size(), shape(2));
+        assert_eq!(
+            first
+                .step(pb::GenerateStep { last_token_only: true, ..step(1, 2) }, &shape(1), DType::Float32, info.vocab_size)
+                .await
+                .unwrap()
+                .output
+                .size(),
+            shape(1)
+        );
         drop((first, second));
-        let freed = async {
+        let freed = || async {
             while held(&metrics) > 0.0 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         };
-        tokio::time::timeout(Duration::from_secs(10), freed).await.expect("the caches of ended streams are freed");
+        tokio::time::timeout(Duration::from_secs(10), freed()).await.expect("the caches of ended streams are freed");
+        // A session that ends before the head answers hidden states: it has no top_k.
+        let mut layers = GenerateLink::open(&mut session, pb::OpenGeneration { end: n - 1, ..open(1, 1, 16) }).await.unwrap();
+        let hidden_shape = [1, 1, width];
+        let (c, m) = refusal(layers.step(pb::GenerateStep { top_k: 3, ..step(1, 0) }, &hidden_shape, DType::Float32, info.vocab_size).await);
+        assert!(c == tonic::Code::InvalidArgument && m.contains("end before the head"), "{m}");
+        assert_eq!(layers.step(step(1, 0), &hidden_shape, DType::Float32, info.vocab_size).await.unwrap().output.size(), hidden_shape);
+        drop(layers);
+        tokio::time::timeout(Duration::from_secs(10), freed()).await.expect("the caches of ended streams are freed");
         let mut two = GenerateLink::open(&mut session, open(1, 2, 16)).await.expect("two rows fit once the others closed");
         let both = pb::GenerateStep { tokens: 1, hidden: hidden(2), positions_from: vec![0, 0], restart_rows: vec![1, 1], ..Default::default() };
-        let (c, m) = refusal(two.step(both.clone(), &[2, 1, info.vocab_size], DType::Float32).await);
+        let (c, m) = refusal(two.step(both.clone(), &[2, 1, info.vocab_size], DType::Float32, info.vocab_size).await);
         assert!(c == tonic::Code::InvalidArgument && m.contains("restart row 1 is given twice"), "{m}");
         assert_eq!(
-            two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size], DType::Float32).await.unwrap().0.size(),
+            two.step(pb::GenerateStep { restart_rows: vec![1], ..both }, &[2, 1, info.vocab_size], DType::Float32, info.vocab_size)
+                .await
+                .unwrap()
+                .output
+                .size(),
             [2, 1, 500]
         );
         drop(session);
@@ -841,6 +881,13 @@ fn host_generate_s_greedy_tokens_are_the_whole_model_s_in_one_process() {
     let first = run(&GenerateOptions { sampling: drawn, ..greedy.clone() });
     assert_eq!(run(&GenerateOptions { sampling: drawn, ..greedy.clone() }).tokens, first.tokens, "the same seed, the same tokens");
     assert_eq!(run(&GenerateOptions { sampling: Sampling { top_k: 1, ..drawn }, ..greedy.clone() }).tokens, want, "top-k 1 is greedy");
+    // The head on the server answers the draw's 20 most likely tokens only; on the edge the
+    // draw is from the whole vocabulary's logits: the same tokens.
+    assert_eq!(
+        run(&GenerateOptions { sampling: drawn, tail_on_edge: true, ..greedy.clone() }).tokens,
+        first.tokens,
+        "top-k from the server's candidates"
+    );
     let stopped = run(&GenerateOptions { stop: vec![want[2]], ..greedy.clone() });
     let first_stop = want.iter().position(|&t| t == want[2]).unwrap();
     assert!(stopped.stopped && stopped.tokens == want[..=first_stop], "{:?}", stopped.tokens);

@@ -25,6 +25,16 @@ pub struct GenerateLink {
     pub opened: pb::GenerationOpened,
 }
 
+/// A step's answer.
+pub struct Answered {
+    /// Hidden states or logits, of the shape asked for.
+    pub output: Tensor,
+    /// For a step of a `top_k`: the token id of each logit of `output`, in its order.
+    pub token_ids: Option<Vec<u32>>,
+    /// What the server says the step waited and took.
+    pub server_times: ServerTimes,
+}
+
 /// The stream ended under a step: the server went (its caches with it).
 fn closed() -> HostError {
     HostError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }
@@ -61,11 +71,13 @@ impl GenerateLink {
     }
 
     /// Sends `step` (its request id set here) and waits for its output, which must be of
-    /// `shape` and `dtype`, and the times the server gives with it.
-    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType) -> Result<(Tensor, ServerTimes)> {
+    /// `shape` and `dtype` (with a `top_k`, the logits of each token's candidates, with their
+    /// ids below `vocab_size`), and the times the server gives with it.
+    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType, vocab_size: i64) -> Result<Answered> {
         let id = self.next_id;
         self.next_id += 1;
         step.request_id = id;
+        let top_k = step.top_k;
         self.frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Step(step)) }).await.map_err(|_| closed())?;
         let answer = tokio::time::timeout(self.answer_timeout, next_reply(&mut self.replies));
         let reply = answer.await.map_err(|_| unanswered(self.answer_timeout))??;
@@ -83,8 +95,22 @@ impl GenerateLink {
         if reply.shape != shape || bytes != Some(reply.output.len() as u64) {
             return Err(mismatch(format!("{} {:?} in {} bytes", reply.dtype, reply.shape, reply.output.len())).into());
         }
+        let token_ids = if top_k > 0 { Some(token_ids(&reply.token_ids, shape, vocab_size).map_err(mismatch)?) } else { None };
         let output = Tensor::f_from_data_size(&reply.output, shape, dtype.kind()).map_err(|e| mismatch(e.to_string()))?;
-        Ok((output, reply.timings.map(ServerTimes::from).unwrap_or_default()))
+        Ok(Answered { output, token_ids, server_times: reply.timings.map(ServerTimes::from).unwrap_or_default() })
+    }
+}
+
+/// An answer's token ids: one u32 for each element of `shape`, each below `vocab_size`.
+fn token_ids(bytes: &[u8], shape: &[i64], vocab_size: i64) -> std::result::Result<Vec<u32>, String> {
+    let count = shape.iter().product::<i64>() as usize;
+    if bytes.len() != count * 4 {
+        return Err(format!("{} bytes of token ids for {shape:?}", bytes.len()));
+    }
+    let ids: Vec<u32> = bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    match ids.iter().find(|&&id| i64::from(id) >= vocab_size) {
+        Some(id) => Err(format!("token id {id}, outside the vocabulary of {vocab_size}")),
+        None => Ok(ids),
     }
 }
 

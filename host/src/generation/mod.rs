@@ -11,8 +11,8 @@ mod sampling;
 mod split;
 mod text;
 
-pub use link::GenerateLink;
+pub use link::{Answered, GenerateLink};
 pub use run::{generate, generate_on, GenerateOptions, Generated, Servers, TokenTime};
 pub use sampling::{Sampler, Sampling};
-pub use split::{GenerationSplit, SplitGenerator};
+pub use split::{GenerationSplit, Scores, SplitGenerator};
 pub use text::TextTokenizer;

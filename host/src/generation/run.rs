@@ -9,7 +9,7 @@ use cleave_common::Bundle;
 use tch::Tensor;
 
 use super::sampling::{Sampler, Sampling};
-use super::split::{GenerationSplit, SplitGenerator};
+use super::split::{GenerationSplit, Scores, SplitGenerator};
 use crate::config::{EdgeConfig, RetryPolicy};
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
@@ -160,8 +160,8 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
     loop {
         let started = Instant::now();
         let fed_before = generator.lengths()[0];
-        let logits = match generator.step(&input, &[], true).await {
-            Ok(logits) => logits,
+        let scores = match generator.step_scores(&input, &[], true, options.sampling.candidates()).await {
+            Ok(scores) => scores,
             Err(e) if session_lost(&e) && lost_in_a_row < servers.retry.max_attempts => {
                 lost_in_a_row += 1;
                 tracing::warn!(error = %e, tokens = tokens.len(), "the server's generation session is lost: giving its tokens to a server again");
@@ -175,8 +175,7 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
             Err(e) => return Err(e),
         };
         lost_in_a_row = 0;
-        let logits: Vec<f32> = Vec::try_from(logits.flatten(0, -1).to_kind(tch::Kind::Float)).map_err(|e: tch::TchError| invalid(e.to_string()))?;
-        let token = sampler.next(&logits);
+        let token = sample(&mut sampler, scores).map_err(|e| invalid(e.to_string()))?;
         let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
         let server = generator.server_times();
         let time = TokenTime {
@@ -196,6 +195,19 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
         }
         input = Tensor::from_slice(&[token]).unsqueeze(0);
     }
+}
+
+/// The next token from one row's scores: the whole vocabulary's logits, or its most likely
+/// tokens' and their ids.
+fn sample(sampler: &mut Sampler, scores: Scores) -> std::result::Result<i64, tch::TchError> {
+    let logits: Vec<f32> = Vec::try_from(scores.logits.flatten(0, -1).to_kind(tch::Kind::Float))?;
+    Ok(match scores.token_ids {
+        None => sampler.next(&logits),
+        Some(ids) => {
+            let ids: Vec<i64> = Vec::try_from(ids.flatten(0, -1))?;
+            sampler.next_among(ids.into_iter().map(|id| id as usize).zip(logits))
+        }
+    })
 }
 
 /// Gives `generator`'s tokens to the first server of `servers` that answers, again until one

@@ -25,6 +25,21 @@ impl Default for Sampling {
 }
 
 impl Sampling {
+    /// Whether the most likely token is taken.
+    fn greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    /// How many of a token's most likely next tokens its draw is among: 1 greedy, top-k
+    /// with one, 0 (all of them) without.
+    pub fn candidates(&self) -> u32 {
+        if self.greedy() {
+            1
+        } else {
+            u32::try_from(self.top_k).unwrap_or(u32::MAX)
+        }
+    }
+
     /// Checks the values; an error names the flag.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
@@ -51,11 +66,20 @@ impl Sampler {
 
     /// The next token from one row's `logits` (over the vocabulary).
     pub fn next(&mut self, logits: &[f32]) -> i64 {
-        let greedy = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &l)| if l > best.1 { (i, l) } else { best }).0;
-        if self.sampling.temperature == 0.0 || self.sampling.top_k == 1 {
-            return greedy() as i64;
+        self.next_among(logits.iter().copied().enumerate())
+    }
+
+    /// The next token from `candidates` (token id, logit), in any order: the whole
+    /// vocabulary, or its [`Sampling::candidates`] most likely tokens, which give the token
+    /// the whole vocabulary gives (among equal logits the lower id ranks first).
+    pub fn next_among(&mut self, candidates: impl IntoIterator<Item = (usize, f32)>) -> i64 {
+        if self.sampling.greedy() {
+            let first = |best: (usize, f32), (i, l): (usize, f32)| if l > best.1 || (l == best.1 && i < best.0) { (i, l) } else { best };
+            // No id stays usize::MAX only where every logit is NaN: token 0, as before.
+            let (id, _) = candidates.into_iter().fold((usize::MAX, f32::NEG_INFINITY), first);
+            return if id == usize::MAX { 0 } else { id as i64 };
         }
-        let mut ranked: Vec<(usize, f64)> = logits.iter().enumerate().map(|(i, &l)| (i, f64::from(l) / self.sampling.temperature)).collect();
+        let mut ranked: Vec<(usize, f64)> = candidates.into_iter().map(|(i, l)| (i, f64::from(l) / self.sampling.temperature)).collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.sampling.top_k > 0 {
             ranked.truncate(self.sampling.top_k);
@@ -106,6 +130,39 @@ mod tests {
         assert!((0..5).all(|t| all.contains(&t)), "every token can be drawn without filters");
         assert_eq!(draws(warm, &logits, 50), draws(warm, &logits, 50), "the same seed, the same tokens");
         assert_ne!(draws(warm, &logits, 50), draws(Sampling { seed: 8, ..warm }, &logits, 50));
+    }
+
+    /// What the server answers for a step of a top_k: the k first of the logits ranked
+    /// (the larger first, the lower id first among equals), here in reverse.
+    fn most_likely(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
+        let mut ranked: Vec<(usize, f32)> = logits.iter().copied().enumerate().collect();
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        ranked.truncate(k);
+        ranked.reverse();
+        ranked
+    }
+
+    #[test]
+    fn a_draw_among_the_most_likely_is_the_draw_from_the_whole_vocabulary() {
+        // Logits of many ties (small integers) and of none.
+        let tied: Vec<f32> = (0..64u32).map(|i| ((i * 7919) % 5) as f32).collect();
+        let spread: Vec<f32> = (0..64u32).map(|i| ((i * 7919) % 97) as f32 / 13.0).collect();
+        for logits in [&tied, &spread] {
+            for sampling in [
+                Sampling::default(),
+                Sampling { temperature: 0.7, top_k: 1, ..Sampling::default() },
+                Sampling { temperature: 0.7, top_k: 5, seed: 2, ..Sampling::default() },
+                Sampling { temperature: 1.3, top_k: 20, top_p: 0.8, seed: 9 },
+            ] {
+                let k = sampling.candidates() as usize;
+                assert!(k > 0, "{sampling:?} draws among its most likely");
+                let (mut whole, mut among) = (Sampler::new(sampling), Sampler::new(sampling));
+                let from_whole: Vec<i64> = (0..100).map(|_| whole.next(logits)).collect();
+                let from_among: Vec<i64> = (0..100).map(|_| among.next_among(most_likely(logits, k))).collect();
+                assert_eq!(from_whole, from_among, "{sampling:?}");
+            }
+        }
+        assert_eq!(Sampling { temperature: 0.7, ..Sampling::default() }.candidates(), 0, "without top-k every token can be drawn");
     }
 
     #[test]

@@ -24,6 +24,15 @@ pub struct GenerationSplit {
     pub max_len: i64,
 }
 
+/// A step's scores of each row's answered tokens [batch, tokens, ..]: logits over the
+/// vocabulary, or of each token's `top_k` most likely tokens, with their ids.
+pub struct Scores {
+    /// Logits [batch, tokens, vocabulary or top_k].
+    pub logits: Tensor,
+    /// The token id of each of `logits` where they are the most likely tokens' only (Int64).
+    pub token_ids: Option<Tensor>,
+}
+
 /// A split generation session: the edge's stages and caches, and the server's session.
 pub struct SplitGenerator {
     edge: GenerationStages,
@@ -104,6 +113,17 @@ impl SplitGenerator {
     /// the logits of each row's S tokens, or of its last with `last_token_only`. A step too
     /// large for one message goes in several (a chunked prefill).
     pub async fn step(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool) -> Result<Tensor> {
+        Ok(self.step_scores(ids, restart_rows, last_token_only, 0).await?.logits)
+    }
+
+    /// [`Self::step`], answered with the logits of each token's `top_k` most likely tokens
+    /// and their ids where the head runs on the server (they alone cross the link); the whole
+    /// vocabulary's logits with `top_k` 0 or the head on the edge.
+    pub async fn step_scores(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool, top_k: u32) -> Result<Scores> {
+        let top_k = if self.tail.is_some() { 0 } else { top_k };
+        if i64::from(top_k) > self.vocab_size {
+            return Err(HostError::Generation(format!("top-k {top_k}: the vocabulary has {} tokens", self.vocab_size)));
+        }
         let (batch, tokens) = (self.histories.len() as i64, ids.size().get(1).copied().unwrap_or(0));
         if ids.size() != [batch, tokens] || tokens < 1 {
             return Err(HostError::Generation(format!("a step takes ids [{batch}, tokens >= 1], not {:?}", ids.size())));
@@ -111,34 +131,42 @@ impl SplitGenerator {
         if let Some(&row) = restart_rows.iter().find(|&&row| row >= self.histories.len()) {
             return Err(HostError::Generation(format!("restart row {row}: the session has {} rows", self.histories.len())));
         }
-        let step_tokens = self.tokens_per_message(last_token_only);
+        let step_tokens = self.tokens_per_message(last_token_only, top_k);
         self.server_times = ServerTimes::default();
-        let mut outputs = Vec::new();
+        let (mut outputs, mut token_ids) = (Vec::new(), Vec::new());
         let mut restart = restart_rows;
         let mut from = 0;
         while from < tokens {
             let take = step_tokens.min(tokens - from);
             let last = from + take == tokens;
-            let output = self.step_once(&ids.narrow(1, from, take), restart, last_token_only).await?;
+            let scores = self.step_once(&ids.narrow(1, from, take), restart, last_token_only, top_k).await?;
             if last || !last_token_only {
-                outputs.push(output);
+                outputs.push(scores.logits);
+                token_ids.extend(scores.token_ids);
             }
             (restart, from) = (&[], from + take);
         }
-        Ok(Tensor::cat(&outputs, 1))
+        let token_ids = (top_k > 0).then(|| Tensor::cat(&token_ids, 1));
+        Ok(Scores { logits: Tensor::cat(&outputs, 1), token_ids })
     }
 
     /// Tokens a step may carry so that its hidden states, and its answer, fit in a message.
-    fn tokens_per_message(&self, last_token_only: bool) -> i64 {
+    fn tokens_per_message(&self, last_token_only: bool, top_k: u32) -> i64 {
         let (batch, element) = (self.histories.len() as i64, self.hidden_dtype.kind().elt_size_in_bytes() as i64);
         let hidden = batch * self.width * element;
-        let answer = batch * if self.tail.is_some() { self.width } else { self.vocab_size } * element;
+        let answer = batch
+            * match (&self.tail, top_k) {
+                (Some(_), _) => self.width * element,
+                (None, 0) => self.vocab_size * element,
+                // A u32 id beside each logit.
+                (None, k) => i64::from(k) * (element + 4),
+            };
         let fit = if last_token_only { (self.message_room - answer) / hidden } else { self.message_room / (hidden + answer) };
         fit.max(1)
     }
 
     /// A step that fits in one message.
-    async fn step_once(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool) -> Result<Tensor> {
+    async fn step_once(&mut self, ids: &Tensor, restart_rows: &[usize], last_token_only: bool, top_k: u32) -> Result<Scores> {
         let (batch, tokens) = (self.histories.len() as i64, ids.size().get(1).copied().unwrap_or(0));
         let mut starts = self.lengths();
         for &row in restart_rows {
@@ -167,19 +195,29 @@ impl SplitGenerator {
             positions_from: starts.iter().map(|&at| at as u32).collect(),
             restart_rows: restart_rows.iter().map(|&row| row as u32).collect(),
             last_token_only,
+            top_k,
         };
         let answered_tokens = if last_token_only { 1 } else { tokens };
-        let width = if self.tail.is_some() { self.width } else { self.vocab_size };
-        let (output, server_times) = self.link.step(step, &[batch, answered_tokens, width], self.hidden_dtype).await?;
-        self.server_times = self.server_times + server_times;
+        let width = match (&self.tail, top_k) {
+            (Some(_), _) => self.width,
+            (None, 0) => self.vocab_size,
+            (None, k) => i64::from(k),
+        };
+        let shape = [batch, answered_tokens, width];
+        let answered = self.link.step(step, &shape, self.hidden_dtype, self.vocab_size).await?;
+        self.server_times = self.server_times + answered.server_times;
+        let output = answered.output;
         // The server holds the step: so does the edge.
         let fed: Vec<Vec<i64>> = Vec::try_from(ids).map_err(|e: tch::TchError| HostError::Generation(e.to_string()))?;
         for (history, row) in self.histories.iter_mut().zip(fed) {
             history.extend(row);
         }
-        let Some(tail) = &self.tail else { return Ok(output) };
+        let Some(tail) = &self.tail else {
+            let token_ids = answered.token_ids.map(|ids| Tensor::from_slice(&ids.iter().map(|&id| i64::from(id)).collect::<Vec<_>>()).view(shape));
+            return Ok(Scores { logits: output, token_ids });
+        };
         let positions = if last_token_only { positions.narrow(1, tokens - 1, 1) } else { positions };
-        Ok(tail.step(&output, &positions, &mut self.tail_caches)?)
+        Ok(Scores { logits: tail.step(&output, &positions, &mut self.tail_caches)?, token_ids: None })
     }
 
     /// Continues on a new server (`session`): opens the session there and gives it every

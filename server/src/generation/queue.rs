@@ -12,11 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cleave_common::pb;
-use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 
 use super::admission::Generation;
-use super::session::{run_together, Checked, Session};
+use super::session::{run_together, Answer, Checked, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::config::GenerationOptions;
 use crate::error::{catch_panic, lock, RequestError};
@@ -25,7 +24,7 @@ use crate::metrics::Metrics;
 /// A step's session back, with the step's output or why it failed.
 pub(crate) struct Ran {
     pub(crate) session: Session,
-    pub(crate) output: Result<Tensor, RequestError>,
+    pub(crate) output: Result<Answer, RequestError>,
     /// The time its checks took (its tensors made from its bytes).
     pub(crate) decode: Duration,
     /// The time its batch (or the step alone) ran.

@@ -36,6 +36,54 @@ pub(crate) struct Checked {
     restart_rows: Vec<usize>,
     tokens: i64,
     last_only: bool,
+    /// Answer each token's `top_k` most likely tokens, not the logits (0: the logits).
+    top_k: i64,
+}
+
+/// A step's answer: its output [batch, tokens or 1, width], or with a `top_k` each token's
+/// most likely tokens' logits [batch, tokens or 1, top_k] and their ids (u32, of that shape).
+pub(crate) struct Answer {
+    pub(crate) output: Tensor,
+    pub(crate) token_ids: Option<Tensor>,
+}
+
+impl Answer {
+    /// `output` as the step asked: each token's `top_k` most likely, or all of it (0).
+    fn of(output: Tensor, top_k: i64) -> Result<Self, RequestError> {
+        if top_k == 0 {
+            return Ok(Self { output: output.contiguous(), token_ids: None });
+        }
+        let (output, ids) = most_likely(&output, top_k).map_err(torch_error)?;
+        Ok(Self { output, token_ids: Some(ids) })
+    }
+}
+
+/// The `k` largest of each row of `logits` [.., V] and their ids, the largest first. Which of
+/// the logits equal to the k-th largest make the cut, and their order, is the lower id first:
+/// a sampler over the whole vocabulary ranks them so, and `topk` promises no order among
+/// equals, so a greedy or top-k choice from them is the choice from all the logits.
+fn most_likely(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
+    let (kth, _) = logits.f_topk(k, -1, true, true)?;
+    let kth = kth.f_narrow(-1, k - 1, 1)?;
+    let above = logits.f_gt_tensor(&kth)?;
+    let tied = logits.f_eq_tensor(&kth)?;
+    // The first (k - above) of the tied, in id order.
+    let room = above.f_sum_dim_intlist(-1, true, Kind::Int64)?.f_neg()?.f_add_scalar(k)?;
+    let tied_rank = tied.f_cumsum(-1, Kind::Int64)?;
+    let keep = above.f_logical_or(&tied.f_logical_and(&tied_rank.f_le_tensor(&room)?)?)?;
+    let mut shape = logits.size();
+    *shape.last_mut().expect("logits have a vocabulary dimension") = k;
+    let kept = keep.f_sum(Kind::Int64)?.int64_value(&[]);
+    if kept != shape.iter().product::<i64>() {
+        // NaN compares false with everything: logits holding NaN rank nothing.
+        return Err(tch::TchError::Kind(format!("the logits hold NaN: {kept} of {shape:?} candidates rank")));
+    }
+    // nonzero lists each row's kept ids in order, k of them per row.
+    let ids = keep.f_nonzero()?.f_select(1, keep.dim() as i64 - 1)?.f_view(shape.as_slice())?;
+    let values = logits.f_gather(-1, &ids, false)?;
+    let (values, order) = values.f_sort_stable(true, -1, true)?;
+    let ids = ids.f_gather(-1, &order, false)?.f_to_kind(Kind::Int)?;
+    Ok((values.f_contiguous()?, ids.f_contiguous()?))
 }
 
 /// Decode steps of sessions of equal keys (the same range of stages) may run as one batch.
@@ -95,15 +143,15 @@ impl Session {
         let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
         let positions = Tensor::from_slice(&positions).view([batch, tokens]);
         let restart_rows = step.restart_rows.iter().map(|&row| row as usize).collect();
-        Ok(Checked { hidden, positions, starts, restart_rows, tokens, last_only: step.last_token_only })
+        Ok(Checked { hidden, positions, starts, restart_rows, tokens, last_only: step.last_token_only, top_k: i64::from(step.top_k) })
     }
 
-    /// Runs a checked step alone: the output [batch, tokens or 1, width].
-    pub(crate) fn run(&mut self, step: Checked) -> Result<Tensor, RequestError> {
+    /// Runs a checked step alone.
+    pub(crate) fn run(&mut self, step: Checked) -> Result<Answer, RequestError> {
         self.restart(&step);
         let output = self.stages.step_last(&step.hidden, &step.positions, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
         self.advance(step.tokens);
-        Ok(output.to_device(tch::Device::Cpu).contiguous())
+        Answer::of(output.to_device(tch::Device::Cpu), step.top_k)
     }
 
     pub(crate) fn batch_key(&self) -> BatchKey {
@@ -136,12 +184,17 @@ impl Session {
     }
 
     /// The bytes of `step`'s answer: hidden states, or logits where the range ends with the
-    /// head, of every row's tokens or its last.
+    /// head (or its `top_k` and their ids), of every row's tokens or its last.
     pub(crate) fn answer_bound(&self, step: &pb::GenerateStep) -> u64 {
         let info = self.stages.info();
-        let width = if self.stages.ends_with_head() { info.vocab_size } else { self.width } as u64;
-        let tokens = if step.last_token_only { 1 } else { u64::from(step.tokens) };
         let element = self.kind.elt_size_in_bytes() as u64;
+        let (width, element) = match (self.stages.ends_with_head(), step.top_k) {
+            (false, _) => (self.width as u64, element),
+            (true, 0) => (info.vocab_size as u64, element),
+            // A u32 id beside each.
+            (true, k) => (u64::from(k), element + 4),
+        };
+        let tokens = if step.last_token_only { 1 } else { u64::from(step.tokens) };
         (self.lengths.len() as u64).saturating_mul(tokens).saturating_mul(width).saturating_mul(element)
     }
 
@@ -185,6 +238,15 @@ impl Session {
             let shape = format!("[{batch}, {tokens}, {}] {:?}", self.width, self.kind);
             return refuse(format!("the hidden states are {} bytes, {shape} is {expected}", step.hidden.len()));
         }
+        if step.top_k > 0 {
+            let vocab_size = self.stages.info().vocab_size;
+            if !self.stages.ends_with_head() {
+                return refuse(format!("top_k {}: the session's stages end before the head, they answer hidden states", step.top_k));
+            }
+            if i64::from(step.top_k) > vocab_size {
+                return refuse(format!("top_k {}: the vocabulary has {vocab_size} tokens", step.top_k));
+            }
+        }
         let bytes = self.answer_bound(step);
         if bytes > answer_limit {
             return Err(GenerationError::AnswerTooLarge { bytes, limit: answer_limit });
@@ -199,7 +261,7 @@ impl Session {
 /// along the batch; then each row's new key and value copied back to its own session's
 /// cache. Each session's output, in order. Where the stages fail, no session has changed;
 /// sessions change only once every copy is made.
-pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<Vec<Tensor>, RequestError> {
+pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<Vec<Answer>, RequestError> {
     debug_assert!(sessions.iter().all(|(_, step)| step.tokens == 1), "decode steps only");
     let Some((first, _)) = sessions.first() else { return Ok(Vec::new()) };
     let stages = first.stages.clone();
@@ -229,7 +291,7 @@ pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<
             }
         }
         let rows = session.rows() as i64;
-        outputs.push(output.narrow(0, offset, rows).contiguous());
+        outputs.push(Answer::of(output.narrow(0, offset, rows), step.top_k)?);
         offset += rows;
     }
     for (session, step) in sessions.iter_mut() {
@@ -241,4 +303,44 @@ pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<
 
 fn torch_error(e: tch::TchError) -> RequestError {
     RequestError::Internal(crate::error::Internal::Torch(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each row's k most likely as a stable sort of the whole row ranks them.
+    fn ranked(row: &[f32], k: usize) -> (Vec<f32>, Vec<i32>) {
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        order.truncate(k);
+        (order.iter().map(|&i| row[i]).collect(), order.iter().map(|&i| i as i32).collect())
+    }
+
+    #[test]
+    fn the_most_likely_are_the_whole_vocabulary_s_first_k_ties_to_the_lower_id() {
+        let rows: Vec<Vec<f32>> = vec![vec![1.0, 3.0, 3.0, 0.0, 3.0, 2.0], vec![0.0; 6], vec![-1.0, 5.0, 2.0, 2.0, 2.0, 5.0]];
+        // And rows of many ties at random: small integers.
+        let random = Tensor::randint_low(-2, 3, [4, 3, 40], (Kind::Float, tch::Device::Cpu));
+        for k in [1, 2, 3, 5, 6] {
+            let logits = Tensor::from_slice(&rows.concat()).view([3, 1, 6]);
+            let (values, ids) = most_likely(&logits, k).unwrap();
+            assert_eq!(values.size(), [3, 1, k]);
+            for (r, row) in rows.iter().enumerate() {
+                let got_values: Vec<f32> = Vec::try_from(values.get(r as i64).flatten(0, -1)).unwrap();
+                let got_ids: Vec<i32> = Vec::try_from(ids.get(r as i64).flatten(0, -1)).unwrap();
+                assert_eq!((got_values, got_ids), ranked(row, k as usize), "row {row:?}, k {k}");
+            }
+        }
+        for k in [1, 4, 17, 40] {
+            let (values, ids) = most_likely(&random, k).unwrap();
+            for (b, t) in (0..4).flat_map(|b| (0..3).map(move |t| (b, t))) {
+                let row: Vec<f32> = Vec::try_from(random.get(b).get(t)).unwrap();
+                let got = (Vec::try_from(values.get(b).get(t)).unwrap(), Vec::try_from(ids.get(b).get(t)).unwrap());
+                assert_eq!(got, ranked(&row, k as usize), "k {k}");
+            }
+        }
+        let nan = Tensor::from_slice(&[1.0f32, f32::NAN, 0.0]).view([1, 1, 3]);
+        assert!(most_likely(&nan, 2).unwrap_err().to_string().contains("NaN"));
+    }
 }

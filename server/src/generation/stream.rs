@@ -17,7 +17,7 @@ use tonic::{Status, Streaming};
 
 use super::admission::Generation;
 use super::queue::{Ran, StepQueues};
-use super::session::{check_open, Session};
+use super::session::{check_open, Answer, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
 use crate::metrics::Metrics;
@@ -174,7 +174,7 @@ async fn run_step(ctx: &GenerateContext, session: Session, step: pb::GenerateSte
         compute_us: compute.as_micros() as u64,
         encode_us: 0,
     };
-    let reply = match output.and_then(|t| answer(id, &t)) {
+    let reply = match output.and_then(|a| answer(id, &a)) {
         Ok(mut reply) => {
             reply.timings = Some(timings);
             ctx.metrics.generation_step(ctx.model.bundle.id());
@@ -186,11 +186,24 @@ async fn run_step(ctx: &GenerateContext, session: Session, step: pb::GenerateSte
     (reply, held, Some(session))
 }
 
-/// A step's answer: `output`'s bytes as they lie (little-endian, contiguous on the CPU).
-fn answer(request_id: u64, output: &tch::Tensor) -> Result<GenerateReply, RequestError> {
+/// A step's answer: its tensors' bytes as they lie (little-endian, contiguous on the CPU).
+fn answer(request_id: u64, answer: &Answer) -> Result<GenerateReply, RequestError> {
+    let output = &answer.output;
     let dtype = <cleave_common::spec::DType as TorchDType>::from_kind(output.kind())
         .ok_or_else(|| Internal::Torch(format!("an output of {:?}", output.kind())))?;
-    let mut bytes = vec![0u8; output.numel() * output.kind().elt_size_in_bytes()];
-    output.f_copy_data_u8(&mut bytes, output.numel()).map_err(|e| Internal::Torch(e.to_string()))?;
-    Ok(GenerateReply { request_id, output: Bytes::from(bytes), shape: output.size(), dtype: dtype.name().to_string(), ..Default::default() })
+    let token_ids = answer.token_ids.as_ref().map(bytes_of).transpose()?.unwrap_or_default();
+    Ok(GenerateReply {
+        request_id,
+        output: bytes_of(output)?,
+        shape: output.size(),
+        dtype: dtype.name().to_string(),
+        token_ids,
+        ..Default::default()
+    })
+}
+
+fn bytes_of(tensor: &tch::Tensor) -> Result<Bytes, RequestError> {
+    let mut bytes = vec![0u8; tensor.numel() * tensor.kind().elt_size_in_bytes()];
+    tensor.f_copy_data_u8(&mut bytes, tensor.numel()).map_err(|e| Internal::Torch(e.to_string()))?;
+    Ok(Bytes::from(bytes))
 }
