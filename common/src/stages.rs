@@ -18,7 +18,7 @@ use crate::error::{BoundaryProblem, BundleError, Result};
 use crate::value::{synthetic_inputs, Boundary, Value};
 
 /// Stages `[start, end)`: runs from cut `start` to cut `end`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StageRange {
     /// First stage (and the cut it starts from).
     pub start: usize,

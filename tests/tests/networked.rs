@@ -639,7 +639,10 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
             let server = LoopbackServer::serve(prepared).await.unwrap();
             let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
             let open = |plan: &Plan| GenerationSplit { cut: plan.cut, tail_on_edge: plan.tail_on_edge, batch: plan.rows.1, max_len: plan.max_len };
-            // Each session alone, one after the other.
+            // Each session alone, one after the other, beside an idle session of another
+            // range, whose steps could never join its batches.
+            let idle = GenerationSplit { cut: mid + 1, tail_on_edge: false, batch: 1, max_len };
+            let idle = SplitGenerator::open(&bundle, &mut session, idle).await.unwrap();
             let (mut alone, mut queued_ms) = (Vec::new(), Vec::new());
             for plan in &plans {
                 let mut generator = SplitGenerator::open(&bundle, &mut session, open(plan)).await.unwrap();
@@ -651,8 +654,9 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
                 alone.push(logits);
             }
             assert_eq!(batched(), 0.0, "{name}: a session alone is never batched");
-            // Nor does it wait for company: no other session is open (the server says how
-            // long each step waited; the median, one slow step is not the rule).
+            // Nor does it wait for company: no other session of its range is open (the server
+            // says how long each step waited; the median, one slow step is not the rule).
+            drop(idle);
             queued_ms.sort_by(f64::total_cmp);
             let median = queued_ms[queued_ms.len() / 2];
             assert!(median < max_wait.as_secs_f64() * 1e3 / 2.0 || max_wait.is_zero(), "{name}: a lone session's steps waited {median} ms");

@@ -33,12 +33,17 @@ struct Inner {
 struct Held {
     sessions: u32,
     cache_bytes: u64,
+    /// Sessions open of each model (bundle id) and range: those whose decode steps may share
+    /// a batch.
+    by_range: HashMap<(String, StageRange), usize>,
 }
 
 /// A session's place and its caches' share of the budget, given back on drop.
 pub(crate) struct Admission {
     generation: Generation,
     cache_bytes: u64,
+    /// Its model's bundle id and its range.
+    key: (String, StageRange),
     _open: OpenGuard,
 }
 
@@ -52,13 +57,14 @@ impl Generation {
         self.inner.options
     }
 
-    /// Sessions open now, of every model.
-    pub(crate) fn open_sessions(&self) -> usize {
-        lock(&self.inner.held).sessions as usize
+    /// Sessions open now of the model of bundle `model` over `range`.
+    pub(crate) fn open_sessions(&self, model: &str, range: StageRange) -> usize {
+        lock(&self.inner.held).by_range.get(&(model.to_string(), range)).copied().unwrap_or(0)
     }
 
-    /// Takes a place and `cache_bytes` of the budget, or says which is full.
-    pub(crate) fn admit(&self, cache_bytes: u64) -> Result<Admission, GenerationError> {
+    /// Takes a place and `cache_bytes` of the budget for a session of the model of bundle
+    /// `model` over `range`, or says which is full.
+    pub(crate) fn admit(&self, model: &str, range: StageRange, cache_bytes: u64) -> Result<Admission, GenerationError> {
         let inner = &self.inner;
         let mut held = lock(&inner.held);
         if held.sessions >= inner.options.max_sessions {
@@ -70,8 +76,10 @@ impl Generation {
         }
         held.sessions += 1;
         held.cache_bytes += cache_bytes;
+        let key = (model.to_string(), range);
+        *held.by_range.entry(key.clone()).or_default() += 1;
         inner.metrics.budget("kv_cache", inner.cache_budget, held.cache_bytes);
-        Ok(Admission { generation: self.clone(), cache_bytes, _open: inner.metrics.generation_session_open() })
+        Ok(Admission { generation: self.clone(), cache_bytes, key, _open: inner.metrics.generation_session_open() })
     }
 
     /// `model`'s generation stages, loaded on its device and warmed up at the first call
@@ -103,6 +111,12 @@ impl Drop for Admission {
         let mut held = lock(&inner.held);
         held.sessions -= 1;
         held.cache_bytes -= self.cache_bytes;
+        if let Some(open) = held.by_range.get_mut(&self.key) {
+            *open -= 1;
+            if *open == 0 {
+                held.by_range.remove(&self.key);
+            }
+        }
         inner.metrics.budget("kv_cache", inner.cache_budget, held.cache_bytes);
     }
 }
@@ -115,15 +129,22 @@ mod tests {
     fn places_and_the_cache_budget_are_taken_and_given_back() {
         let options = GenerationOptions { max_sessions: 2, ..GenerationOptions::default() };
         let generation = Generation::new(options, 1000, Metrics::new(Vec::new()));
-        let a = generation.admit(600).unwrap();
-        let refused = generation.admit(401).err().unwrap();
+        let (middle, tail) = (StageRange::new(2, 6), StageRange::new(3, 6));
+        let admit = |model: &str, range, bytes| generation.admit(model, range, bytes);
+        let a = admit("m", middle, 600).unwrap();
+        let refused = admit("m", middle, 401).err().unwrap();
         assert!(matches!(refused, GenerationError::CacheBudget { bytes: 401, free: 400, budget: 1000 }), "{refused}");
-        let b = generation.admit(400).unwrap();
-        assert!(matches!(generation.admit(0), Err(GenerationError::Sessions { max: 2 })));
+        let b = admit("m", middle, 400).unwrap();
+        assert!(matches!(admit("m", middle, 0), Err(GenerationError::Sessions { max: 2 })));
+        assert_eq!(generation.open_sessions("m", middle), 2, "refusals count no session");
         drop(a);
-        let c = generation.admit(600).unwrap();
+        let c = admit("other", middle, 600).unwrap();
+        // Only sessions of one model and range can share a batch: each counts its own.
+        assert_eq!((generation.open_sessions("m", middle), generation.open_sessions("other", middle)), (1, 1));
+        assert_eq!(generation.open_sessions("m", tail), 0);
         drop((b, c));
-        assert!(generation.admit(1000).is_ok());
+        assert_eq!(generation.open_sessions("m", middle), 0);
+        assert!(admit("m", tail, 1000).is_ok());
         assert!(Metrics::new(Vec::new()).render().contains("cleave_generation_sessions"));
     }
 }

@@ -63,8 +63,8 @@ struct Inner {
 /// What a queue's worker runs with.
 #[derive(Clone)]
 struct Worker {
-    options: GenerationOptions,
-    /// How many sessions are open: a batch holding all of them waits for no more.
+    /// The options, and how many sessions of the batch's range are open: a batch holding all
+    /// of them waits for no more.
     generation: Generation,
     budget: MemoryBudget,
     metrics: Metrics,
@@ -73,7 +73,7 @@ struct Worker {
 
 impl StepQueues {
     pub(crate) fn new(generation: Generation, budget: MemoryBudget, metrics: Metrics) -> Self {
-        let worker = Worker { options: generation.options(), generation, budget, metrics, label: String::new() };
+        let worker = Worker { generation, budget, metrics, label: String::new() };
         Self { inner: Arc::new(Inner { worker, queues: Mutex::default() }) }
     }
 
@@ -81,7 +81,7 @@ impl StepQueues {
     /// with the output; `None` where the blocking pool or the queue lost it (the runtime is
     /// shutting down). `answer_limit` bounds the output's bytes (it must fit in one message).
     pub(crate) async fn run(&self, model: &str, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
-        if step.tokens != 1 || self.inner.worker.options.max_batch == 1 {
+        if step.tokens != 1 || self.inner.worker.options().max_batch == 1 {
             return tokio::task::spawn_blocking(move || run_alone(session, &step, answer_limit)).await.ok();
         }
         let (reply, ran) = oneshot::channel();
@@ -97,7 +97,7 @@ impl StepQueues {
         match queues.get(model) {
             Some(jobs) if !jobs.is_closed() => jobs.clone(),
             _ => {
-                let (jobs, queued) = mpsc::channel(self.inner.worker.options.max_sessions as usize);
+                let (jobs, queued) = mpsc::channel(self.inner.worker.options().max_sessions as usize);
                 let worker = Worker { label: model.to_string(), ..self.inner.worker.clone() };
                 tokio::spawn(worker.serve(queued));
                 queues.insert(model.to_string(), jobs.clone());
@@ -108,6 +108,10 @@ impl StepQueues {
 }
 
 impl Worker {
+    fn options(&self) -> GenerationOptions {
+        self.generation.options()
+    }
+
     async fn serve(self, mut queued: mpsc::Receiver<Job>) {
         // Steps taken from the channel that did not fit the batch being gathered.
         let mut waiting = VecDeque::new();
@@ -134,11 +138,13 @@ impl Worker {
 
     /// `first` and the decode steps of its key waiting or coming, up to `max_batch` rows. It
     /// waits for more until `max_wait` after `first` came while it holds fewer steps than
-    /// sessions are open (of every model: a lone session never waits), and not at all while
-    /// steps of other keys wait (a batch never holds up another).
+    /// sessions of its model and range are open (a lone session never waits, whatever other
+    /// models' or ranges' sessions do), and not at all while steps of other keys wait (a
+    /// batch never holds up another).
     async fn gather(&self, first: Job, waiting: &mut VecDeque<Job>, queued: &mut mpsc::Receiver<Job>) -> Vec<Job> {
         let key = first.session.batch_key();
-        let max_rows = self.options.max_batch as usize;
+        let options = self.options();
+        let max_rows = options.max_batch as usize;
         let fits = |job: &Job, rows: usize| job.session.batch_key() == key && rows + job.session.rows() <= max_rows;
         let mut rows = first.session.rows();
         let mut batch = vec![first];
@@ -152,13 +158,14 @@ impl Worker {
                 i += 1;
             }
         }
-        let deadline = batch[0].arrived + self.options.max_wait;
+        let deadline = batch[0].arrived + options.max_wait;
+        let open = self.generation.open_sessions(&self.label, key.range);
         while rows < max_rows {
             let job = match queued.try_recv() {
                 Ok(job) => job,
                 // Not a timer already past its deadline: tokio's fire at its next millisecond
                 // tick, which added about 1 ms to every decode step with `max_wait` 0.
-                Err(_) if !waiting.is_empty() || batch.len() >= self.generation.open_sessions() || tokio::time::Instant::now() >= deadline => break,
+                Err(_) if !waiting.is_empty() || batch.len() >= open || tokio::time::Instant::now() >= deadline => break,
                 Err(_) => match tokio::time::timeout_at(deadline, queued.recv()).await {
                     Ok(Some(job)) => job,
                     _ => break,

@@ -89,7 +89,7 @@ fn most_likely(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchErro
 /// Decode steps of sessions of equal keys (the same range of stages) may run as one batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BatchKey {
-    range: StageRange,
+    pub(crate) range: StageRange,
 }
 
 /// What a session asks for, checked against the model: its range and sizes.

@@ -86,7 +86,7 @@ async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result
         return Err(GenerationError::SealingRequired.into());
     }
     let asked = check_open(&ctx.model.bundle, &open)?;
-    let (admission, cache_bytes) = (ctx.generation.admit(asked.cache_bytes)?, asked.cache_bytes);
+    let (admission, cache_bytes) = (ctx.generation.admit(ctx.model.bundle.id(), asked.range, asked.cache_bytes)?, asked.cache_bytes);
     let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
     let session = tokio::task::spawn_blocking(move || {
         catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked, admission))
