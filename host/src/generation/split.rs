@@ -154,15 +154,21 @@ impl SplitGenerator {
     fn tokens_per_message(&self, last_token_only: bool, top_k: u32) -> i64 {
         let (batch, element) = (self.histories.len() as i64, self.hidden_dtype.kind().elt_size_in_bytes() as i64);
         let hidden = batch * self.width * element;
-        let answer = batch
-            * match (&self.tail, top_k) {
-                (Some(_), _) => self.width * element,
-                (None, 0) => self.vocab_size * element,
-                // A u32 id beside each logit.
-                (None, k) => i64::from(k) * (element + 4),
-            };
+        // A u32 id beside each of the top_k logits.
+        let answer = batch * self.answer_width(top_k) * if top_k > 0 { element + 4 } else { element };
         let fit = if last_token_only { (self.message_room - answer) / hidden } else { self.message_room / (hidden + answer) };
         fit.max(1)
+    }
+
+    /// The last dimension of the server's answers: hidden states where the head runs here,
+    /// else the vocabulary's logits, or the `top_k` candidates' (`step_scores` sets it to 0
+    /// where the head runs here).
+    fn answer_width(&self, top_k: u32) -> i64 {
+        match (&self.tail, top_k) {
+            (Some(_), _) => self.width,
+            (None, 0) => self.vocab_size,
+            (None, k) => i64::from(k),
+        }
     }
 
     /// A step that fits in one message.
@@ -198,12 +204,7 @@ impl SplitGenerator {
             top_k,
         };
         let answered_tokens = if last_token_only { 1 } else { tokens };
-        let width = match (&self.tail, top_k) {
-            (Some(_), _) => self.width,
-            (None, 0) => self.vocab_size,
-            (None, k) => i64::from(k),
-        };
-        let shape = [batch, answered_tokens, width];
+        let shape = [batch, answered_tokens, self.answer_width(top_k)];
         let answered = self.link.step(step, &shape, self.hidden_dtype, self.vocab_size).await?;
         self.server_times = self.server_times + answered.server_times;
         let output = answered.output;

@@ -48,13 +48,15 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
-    /// `output` as the step asked: each token's `top_k` most likely, or all of it (0).
+    /// `output` as the step asked, on the CPU: each token's `top_k` most likely, or all of it
+    /// (0). They are chosen where `output` lies: only they are copied from a device.
     fn of(output: Tensor, top_k: i64) -> Result<Self, RequestError> {
+        let on_cpu = |t: Tensor| t.to_device(tch::Device::Cpu).contiguous();
         if top_k == 0 {
-            return Ok(Self { output: output.contiguous(), token_ids: None });
+            return Ok(Self { output: on_cpu(output), token_ids: None });
         }
         let (output, ids) = most_likely(&output, top_k).map_err(torch_error)?;
-        Ok(Self { output, token_ids: Some(ids) })
+        Ok(Self { output: on_cpu(output), token_ids: Some(on_cpu(ids)) })
     }
 }
 
@@ -151,7 +153,7 @@ impl Session {
         self.restart(&step);
         let output = self.stages.step_last(&step.hidden, &step.positions, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
         self.advance(step.tokens);
-        Answer::of(output.to_device(tch::Device::Cpu), step.top_k)
+        Answer::of(output, step.top_k)
     }
 
     pub(crate) fn batch_key(&self) -> BatchKey {
@@ -280,7 +282,6 @@ pub(crate) fn run_together(sessions: &mut [(&mut Session, &Checked)]) -> Result<
     let merge = |layer: usize| Tensor::cat(&sessions.iter().map(|(s, _)| part(s, layer)).collect::<Vec<_>>(), 1);
     let mut caches: Vec<Tensor> = (0..first.caches.len()).map(merge).collect();
     let output = stages.step_last(&hidden, &positions, &mut caches, false).map_err(RequestError::Bundle)?;
-    let output = output.to_device(tch::Device::Cpu);
     let mut outputs = Vec::with_capacity(sessions.len());
     let mut offset = 0;
     for (session, step) in sessions.iter_mut() {
