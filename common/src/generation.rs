@@ -127,10 +127,15 @@ impl GenerationStages {
     /// [`Self::step`], giving with `last_only` each row's last token only: the head (where the
     /// range has it) then makes the logits of that token alone.
     pub fn step_last(&self, input: &Tensor, positions: &Tensor, caches: &mut [Tensor], last_only: bool) -> Result<Tensor> {
-        self.check_step(input, positions, caches).map_err(|problem| BundleError::GenerationStep { problem })?;
+        let reach = self.check_step(input, positions, caches).map_err(|problem| BundleError::GenerationStep { problem })?;
         let last = |t: Tensor| if last_only { t.narrow(1, t.size()[1] - 1, 1) } else { t };
         let _no_grad = tch::no_grad_guard();
-        let (mut value, mut caches) = (input.to_device(self.device), caches.iter_mut());
+        // A layer attends to every position of the cache it is given, the later ones masked:
+        // given the positions up to the furthest the step writes, a step's attention costs
+        // what its context holds, not what the session may reach (a view: the layer writes
+        // through it).
+        let caches: Vec<Tensor> = caches.iter().map(|cache| cache.narrow(3, 0, reach)).collect();
+        let (mut value, mut caches) = (input.to_device(self.device), caches.iter());
         let positions = positions.to_device(self.device);
         let modules = &self.modules[self.range.start - self.loaded_from..self.range.end - self.loaded_from];
         for ((index, info), module) in self.layers().zip(modules) {
@@ -155,7 +160,8 @@ impl GenerationStages {
         (self.range.start..self.range.end).map(|i| (i, &self.info.stages[i]))
     }
 
-    fn check_step(&self, input: &Tensor, positions: &Tensor, caches: &[Tensor]) -> Result<(), StepProblem> {
+    /// Checks a step's inputs; the positions the step's caches need (its furthest, plus one).
+    fn check_step(&self, input: &Tensor, positions: &Tensor, caches: &[Tensor]) -> Result<i64, StepProblem> {
         let shape = |t: &Tensor| t.size();
         let (input_shape, position_shape) = (shape(input), shape(positions));
         if positions.kind() != Kind::Int64 || position_shape.len() != 2 || input_shape.get(..2) != Some(&position_shape[..]) {
@@ -178,7 +184,7 @@ impl GenerationStages {
         if caches.len() != infos.len() {
             return Err(StepProblem::Shape(format!("{} caches for {} layers", caches.len(), infos.len())));
         }
-        let Some(first) = caches.first() else { return Ok(()) };
+        let Some(first) = caches.first() else { return Ok(max + 1) };
         let (batch, max_len) = (input_shape[0], first.size().get(3).copied().unwrap_or(0));
         for (cache, info) in caches.iter().zip(&infos) {
             let want = [2, batch, info.heads, max_len, info.head_dim];
@@ -189,7 +195,7 @@ impl GenerationStages {
         if max >= max_len {
             return Err(StepProblem::Position { min, max, max_len });
         }
-        Ok(())
+        Ok(max + 1)
     }
 }
 
