@@ -14,6 +14,8 @@ use crate::wire::{CodecPolicy, FramePart, PayloadFrame, Precision};
 #[allow(missing_docs, unreachable_pub, clippy::all)]
 pub mod pb {
     tonic::include_proto!("cleave.v1");
+    /// A message sealed whole: the codec's (payload.proto), which owns the sealing.
+    pub use cleave_codec::pb::SealedMessage;
 }
 
 /// Version of `cleave.v1` this build speaks; a host refuses a server with another. Version 2:

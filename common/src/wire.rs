@@ -18,11 +18,12 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use cleave_codec::pb::{self, NamedValue, ValueNode};
-use cleave_codec::{encode_payload, IncomingPayload, Opener, Sealer, TensorData};
+use cleave_codec::{encode_payload, IncomingPayload, TensorData};
 use tch::Tensor;
 
 pub use cleave_codec::{
-    Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, Misuse, PayloadData, PayloadMeta, PolicyError, Precision, REPLAY_WINDOW,
+    Codec, CodecError, CodecPolicy, Direction, EncodedPayload, Key, KeyRing, Misuse, Opener, PayloadData, PayloadMeta, PolicyError, Precision,
+    Sealer, REPLAY_WINDOW,
 };
 
 use crate::bundle::{Bundle, CutTensors};

@@ -13,7 +13,7 @@ use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::protocol::{ExportFacts, ServedModel, ServerInfo, BUNDLE_ID_METADATA};
 use cleave_common::security::{ClientTls, EdgeSecurity, Token};
 use cleave_common::telemetry::{traceparent, TRACEPARENT_METADATA};
-use cleave_common::wire::{chunk_bytes_for, Codec};
+use cleave_common::wire::{chunk_bytes_for, Codec, Key};
 use cleave_common::Bundle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
@@ -29,6 +29,8 @@ pub struct Link {
     pub tls: Option<ClientTls>,
     /// Bearer token sent with every call.
     pub token: Option<Token>,
+    /// The key id and key generation steps are sealed with (plaintext where absent).
+    pub key: Option<(u32, Key)>,
     /// Opening the connection and its `Info` call.
     pub connect_timeout: Duration,
     /// HTTP/2 PING interval, and how long a PING may go unanswered before the connection is
@@ -43,7 +45,7 @@ impl Default for Link {
     fn default() -> Self {
         let r = Resilience::default();
         let keepalive = (r.keepalive_interval, r.keepalive_timeout);
-        Self { tls: None, token: None, connect_timeout: r.connect_timeout, keepalive, request_timeout: r.request_timeout }
+        Self { tls: None, token: None, key: None, connect_timeout: r.connect_timeout, keepalive, request_timeout: r.request_timeout }
     }
 }
 
@@ -53,9 +55,9 @@ impl Link {
         Self::default()
     }
 
-    /// With the TLS trust and token of an edge config.
+    /// With the TLS trust, token and key of an edge config.
     pub fn secured(security: &EdgeSecurity) -> Self {
-        Self { tls: security.tls.clone(), token: security.token.clone(), ..Self::default() }
+        Self { tls: security.tls.clone(), token: security.token.clone(), key: security.key.clone(), ..Self::default() }
     }
 
     /// With the TLS trust, token and timeouts of an edge config. Servers reached by the

@@ -144,9 +144,6 @@ pub(crate) enum GenerationError {
     /// The bundle has no generation stages.
     #[error("bundle {bundle} was exported without --generation: it has no generation stages")]
     NotExported { bundle: String },
-    /// The hidden states travel unsealed, and this server requires sealed payloads.
-    #[error("this server requires encrypted payloads (`encryption.required`), and generation steps are not sealed yet: use TLS, without required payload encryption")]
-    SealingRequired,
     /// The range asked for does not fit the model.
     #[error("stages {start}..{end}: {reason}")]
     Range { start: u32, end: u32, reason: String },
@@ -417,7 +414,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         },
         RequestError::Generation(e) => match e {
             GenerationError::NotOpened | GenerationError::AlreadyOpen | GenerationError::EmptyFrame => Code::FailedPrecondition,
-            GenerationError::NotExported { .. } | GenerationError::SealingRequired => Code::FailedPrecondition,
+            GenerationError::NotExported { .. } => Code::FailedPrecondition,
             GenerationError::Range { .. } | GenerationError::Batch { .. } | GenerationError::MaxLen { .. } => Code::InvalidArgument,
             GenerationError::Step(_) | GenerationError::AnswerTooLarge { .. } => Code::InvalidArgument,
             GenerationError::Sessions { .. } | GenerationError::CacheBudget { .. } => Code::ResourceExhausted,

@@ -235,6 +235,7 @@ impl Service {
             generation: self.generation.clone(),
             queues: self.step_queues.clone(),
             metrics: self.metrics.clone(),
+            keys: self.security.keys.clone(),
             sealing_required: self.security.policy.require_encryption,
             max_message_bytes: self.limits.max_message_bytes,
             budget: self.budget.clone(),

@@ -377,3 +377,103 @@ fn the_handshake_refuses_a_codec_or_key_the_server_does_not_accept_naming_what_i
     assert!(check("lz4", None).unwrap_err().contains("requires AES-256-GCM payloads"));
     assert!(check("lz4", Some(3)).unwrap_err().contains("holds key ids [1, 2], not 3"));
 }
+
+/// With a key, each generation step and its answer travel sealed whole: the tokens are a
+/// plaintext run's, with the head on the server (top-k answers) and on the edge (hidden
+/// states). A server that requires sealing refuses a host without the key before any step,
+/// and refuses each plain, replayed, altered or reflected step on its own, the session
+/// unchanged: the next sealed step is answered at the position the refused ones would take.
+#[test]
+fn sealed_generation_gives_the_plain_tokens_and_each_step_that_does_not_authenticate_is_refused() {
+    use cleave_host::generation::{generate_on, GenerateOptions, Sampling, Servers};
+    use pb::generate_frame::Kind;
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let info = bundle.manifest().generation.clone().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (server_security, edge) = secured_pair(dir.path());
+    let rt = runtime();
+    rt.block_on(async {
+        let secured = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), server_security).await.unwrap();
+        let plain = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
+        let retry = RetryPolicy { max_attempts: 1, max_backoff: std::time::Duration::from_millis(10) };
+        let servers = |url: &str, link: Link| Servers { urls: vec![url.to_string()], link, retry };
+        let drawn = Sampling { temperature: 0.8, top_k: 20, top_p: 0.95, seed: 3 };
+        let options = GenerateOptions {
+            loopback: false,
+            cut: None,
+            tail_on_edge: false,
+            prompt: vec![3, 141, 59, 26, 5],
+            max_new_tokens: 12,
+            stop: Vec::new(),
+            sampling: drawn,
+        };
+        for tail_on_edge in [false, true] {
+            let options = GenerateOptions { tail_on_edge, ..options.clone() };
+            let want = generate_on(&bundle, &servers(&plain.url, Link::plain()), &options, |_| {}).await.unwrap().tokens;
+            let got = generate_on(&bundle, &servers(&secured.url, Link::secured(&edge)), &options, |_| {}).await.unwrap().tokens;
+            assert_eq!(got, want, "tail on the edge: {tail_on_edge}");
+        }
+        let no_key = EdgeSecurity { key: None, ..edge.clone() };
+        let refused = generate_on(&bundle, &servers(&secured.url, Link::secured(&no_key)), &options, |_| {}).await.unwrap_err();
+        assert!(refused.to_string().contains("requires AES-256-GCM"), "{refused}");
+
+        // Frames by hand, past the host's own checks.
+        let mut session = connect(&secured.url, &bundle, &Link::secured(&no_key)).await.unwrap();
+        let (frames, rx) = tokio::sync::mpsc::channel(8);
+        let n = info.stages.len() as u32;
+        frames.send(pb::GenerateFrame { kind: Some(Kind::Open(pb::OpenGeneration { start: 1, end: n, batch: 1, max_len: 8 })) }).await.unwrap();
+        let call = session.model_request(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut replies = session.client.generate(call).await.unwrap().into_inner();
+        assert!(replies.message().await.unwrap().unwrap().opened.is_some());
+        let step = |request_id: u64, at: u32| pb::GenerateStep {
+            request_id,
+            tokens: 1,
+            hidden: vec![0u8; (info.hidden_width() * 4) as usize].into(),
+            positions_from: vec![at],
+            last_token_only: true,
+            top_k: 2,
+            ..Default::default()
+        };
+        let ring = KeyRing::new([edge.key.clone().unwrap()]).unwrap();
+        let (mut sealer, mut opener) = (ring.sealer(1).unwrap(), ring.opener());
+        let refusal = |reply: &pb::GenerateReply| reply.error.as_ref().map(|e| (tonic::Code::from_i32(e.code), e.message.clone())).unwrap();
+
+        let reply = exchange(&frames, &mut replies, Kind::Step(step(1, 0))).await;
+        let (code, message) = refusal(&reply);
+        assert!(code == tonic::Code::Unauthenticated && message.contains("requires encrypted payloads") && reply.request_id == 1, "{message}");
+        let first = sealer.seal_message("cleave.v1.GenerateStep", step(2, 0).encode_to_vec()).unwrap();
+        let reply = exchange(&frames, &mut replies, Kind::SealedStep(first.clone())).await;
+        assert!(reply.error.is_none() && reply.output.is_empty() && reply.request_id == 2, "only the request id beside the sealed answer");
+        let opened = pb::GenerateReply::decode(opener.open_message("cleave.v1.GenerateReply", reply.sealed.unwrap()).unwrap().as_slice()).unwrap();
+        assert!(opened.request_id == 2 && opened.shape == [1, 1, 2] && opened.token_ids.len() == 8, "{opened:?}");
+
+        let replayed = exchange(&frames, &mut replies, Kind::SealedStep(first)).await;
+        let mut altered = sealer.seal_message("cleave.v1.GenerateStep", step(3, 1).encode_to_vec()).unwrap();
+        altered.data[0] ^= 1;
+        let altered = exchange(&frames, &mut replies, Kind::SealedStep(altered)).await;
+        // A step sealed as an answer: a server's answer sent back to it is not a step.
+        let reflected =
+            exchange(&frames, &mut replies, Kind::SealedStep(sealer.seal_message("cleave.v1.GenerateReply", step(4, 1).encode_to_vec()).unwrap()))
+                .await;
+        for (reply, why) in [(replayed, "replayed"), (altered, "data was altered"), (reflected, "header was altered")] {
+            let (code, message) = refusal(&reply);
+            assert!(code == tonic::Code::Unauthenticated && message.contains(why), "{why}: {message}");
+        }
+        let next =
+            exchange(&frames, &mut replies, Kind::SealedStep(sealer.seal_message("cleave.v1.GenerateStep", step(5, 1).encode_to_vec()).unwrap()))
+                .await;
+        assert!(next.error.is_none(), "{:?}", next.error);
+        let opened = pb::GenerateReply::decode(opener.open_message("cleave.v1.GenerateReply", next.sealed.unwrap()).unwrap().as_slice()).unwrap();
+        assert_eq!(opened.request_id, 5);
+    });
+}
+
+/// Sends one frame of `kind` on a `Generate` stream and waits for its reply.
+async fn exchange(
+    frames: &tokio::sync::mpsc::Sender<pb::GenerateFrame>,
+    replies: &mut tonic::Streaming<pb::GenerateReply>,
+    kind: pb::generate_frame::Kind,
+) -> pb::GenerateReply {
+    frames.send(pb::GenerateFrame { kind: Some(kind) }).await.unwrap();
+    replies.message().await.unwrap().unwrap()
+}

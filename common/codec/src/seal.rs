@@ -22,7 +22,7 @@ use subtle::ConstantTimeEq;
 use zeroize::Zeroizing;
 
 use crate::error::CodecError;
-use crate::pb::Seal;
+use crate::pb::{Seal, SealedMessage};
 
 /// Bytes of an AES-GCM tag.
 pub const TAG_BYTES: usize = 16;
@@ -222,6 +222,16 @@ impl Sealer {
     }
 }
 
+impl Sealer {
+    /// Seals `message` whole (a serialised protobuf message) as the next on the stream, with
+    /// `kind` (the message's name) authenticated beside it.
+    pub fn seal_message(&mut self, kind: &str, mut message: Vec<u8>) -> Result<SealedMessage, CodecError> {
+        let seal = self.next_seal()?;
+        let kind_tag = self.seal(&seal, kind.as_bytes(), &mut message)?;
+        Ok(SealedMessage { seal: Some(seal), kind_tag, data: message })
+    }
+}
+
 /// Checks and opens the payloads one side receives on one stream.
 pub struct Opener {
     ring: KeyRing,
@@ -239,6 +249,20 @@ impl Opener {
     /// Whether this side holds any key.
     pub fn has_keys(&self) -> bool {
         !self.ring.is_empty()
+    }
+
+    /// Opens a [`Sealer::seal_message`]'s message: the serialised message, once its key,
+    /// its place in the stream's nonce sequence, its `kind` and its bytes are checked.
+    pub fn open_message(&mut self, kind: &str, sealed: SealedMessage) -> Result<Vec<u8>, CodecError> {
+        let seal = sealed.seal.ok_or(CodecError::NotSealed)?;
+        if !self.has_keys() {
+            return Err(CodecError::NoKeys { id: seal.key_id });
+        }
+        self.check_header(&seal, kind.as_bytes(), &sealed.kind_tag)?;
+        let mut data = sealed.data;
+        self.open_in_place(&seal, &mut data)?;
+        data.truncate(data.len() - TAG_BYTES);
+        Ok(data)
     }
 
     /// Checks the key, the nonce order and the header's tag, before anything is allocated

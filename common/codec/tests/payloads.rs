@@ -563,3 +563,28 @@ fn auto_sends_what_does_not_compress_raw_from_its_own_memory_and_compresses_the_
     let enc = encode_payload(meta(1), values_for(&tensors), &tensors, &Codec::AUTO, None).unwrap();
     assert!(!parse(&enc.envelope, LIMIT).unwrap().is_verbatim());
 }
+
+#[test]
+fn a_sealed_message_opens_once_as_itself_and_not_as_another_kind_or_altered() {
+    let ring = KeyRing::new([(7, Key::random())]).unwrap();
+    let mut sealer = ring.sealer(7).unwrap();
+    let (first, second) = (b"a step".to_vec(), b"another step".to_vec());
+    let sealed = sealer.seal_message("cleave.v1.GenerateStep", first.clone()).unwrap();
+    let later = sealer.seal_message("cleave.v1.GenerateStep", second.clone()).unwrap();
+    assert!(!sealed.data.windows(first.len()).any(|w| w == first.as_slice()), "the message travels encrypted");
+
+    let mut opener = ring.opener();
+    assert!(matches!(opener.open_message("cleave.v1.GenerateReply", sealed.clone()), Err(CodecError::HeaderTampered)));
+    let mut altered = sealed.clone();
+    altered.data[0] ^= 1;
+    assert!(matches!(opener.open_message("cleave.v1.GenerateStep", altered), Err(CodecError::DataTampered)));
+    assert_eq!(opener.open_message("cleave.v1.GenerateStep", sealed.clone()).unwrap(), first);
+    assert!(matches!(opener.open_message("cleave.v1.GenerateStep", sealed.clone()), Err(CodecError::Replayed { .. })));
+    assert_eq!(opener.open_message("cleave.v1.GenerateStep", later).unwrap(), second);
+
+    let other_key = KeyRing::new([(7, Key::random())]).unwrap();
+    assert!(matches!(other_key.opener().open_message("cleave.v1.GenerateStep", sealed.clone()), Err(CodecError::WrongKey { id: 7 })));
+    assert!(matches!(KeyRing::new([]).unwrap().opener().open_message("cleave.v1.GenerateStep", sealed.clone()), Err(CodecError::NoKeys { id: 7 })));
+    let unsealed = pb::SealedMessage { seal: None, ..sealed };
+    assert!(matches!(ring.opener().open_message("cleave.v1.GenerateStep", unsealed), Err(CodecError::NotSealed)));
+}

@@ -1,10 +1,13 @@
 //! The `Generate` stream as calls: open a session, then one step at a time, each answered
-//! before the next is sent (a decode step needs the token its answer gives).
+//! before the next is sent (a decode step needs the token its answer gives). With a key
+//! (`encryption`), each step goes sealed whole and its answer must come back so.
 
 use std::time::Duration;
 
 use cleave_common::pb::{self, generate_frame, GenerateFrame, GenerateReply};
 use cleave_common::spec::{DType, TorchDType};
+use cleave_common::wire::{KeyRing, Opener, Sealer};
+use prost::Message;
 use tch::Tensor;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -21,6 +24,8 @@ pub struct GenerateLink {
     next_id: u64,
     /// How long an answer may take (the link's `request_timeout`).
     answer_timeout: Duration,
+    /// Seals the steps and opens their answers, with the link's key.
+    seals: Option<(Sealer, Opener)>,
     /// What the server said when it opened the session.
     pub opened: pb::GenerationOpened,
 }
@@ -53,6 +58,15 @@ fn refused(error: &pb::Error) -> HostError {
 impl GenerateLink {
     /// Opens a session on `session`'s server: it reserves the caches of `open`'s stages.
     pub async fn open(session: &mut EdgeSession, open: pb::OpenGeneration) -> Result<Self> {
+        let key = session.link.key.clone();
+        session.check_accepts(&cleave_common::wire::Codec::RAW, key.as_ref().map(|(id, _)| *id))?;
+        let seals = match key {
+            Some((id, key)) => {
+                let ring = KeyRing::new([(id, key)]).expect("one key");
+                Some((ring.sealer(id)?, ring.opener()))
+            }
+            None => None,
+        };
         let (frames, rx) = mpsc::channel(4);
         frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Open(open)) }).await.map_err(|_| closed())?;
         let call = session.model_request(ReceiverStream::new(rx));
@@ -67,7 +81,7 @@ impl GenerateLink {
             return Err(refused(error));
         }
         let opened = first.opened.ok_or(Breach::NotOpened)?;
-        Ok(Self { frames, replies, next_id: 0, answer_timeout, opened })
+        Ok(Self { frames, replies, next_id: 0, answer_timeout, seals, opened })
     }
 
     /// Sends `step` (its request id set here) and waits for its output, which must be of
@@ -78,13 +92,27 @@ impl GenerateLink {
         self.next_id += 1;
         step.request_id = id;
         let top_k = step.top_k;
-        self.frames.send(GenerateFrame { kind: Some(generate_frame::Kind::Step(step)) }).await.map_err(|_| closed())?;
+        let kind = match &mut self.seals {
+            Some((sealer, _)) => generate_frame::Kind::SealedStep(sealer.seal_message(STEP_KIND, step.encode_to_vec())?),
+            None => generate_frame::Kind::Step(step),
+        };
+        self.frames.send(GenerateFrame { kind: Some(kind) }).await.map_err(|_| closed())?;
         let answer = tokio::time::timeout(self.answer_timeout, next_reply(&mut self.replies));
         let reply = answer.await.map_err(|_| unanswered(self.answer_timeout))??;
         if let Some(error) = &reply.error {
             return Err(refused(error));
         }
         let mismatch = |got: String| Breach::GenerationAnswer { request_id: id, got, expected: format!("{} {shape:?}", dtype.name()) };
+        let mut reply = reply;
+        let reply = match (&mut self.seals, reply.sealed.take()) {
+            (Some((_, opener)), Some(sealed)) => {
+                let bytes = opener.open_message(REPLY_KIND, sealed)?;
+                GenerateReply::decode(bytes.as_slice()).map_err(|e| mismatch(format!("a sealed answer that does not decode: {e}")))?
+            }
+            (Some(_), None) => return Err(mismatch("an answer not sealed".into()).into()),
+            (None, Some(_)) => return Err(mismatch("a sealed answer to a plain step".into()).into()),
+            (None, None) => reply,
+        };
         if reply.request_id != id {
             return Err(mismatch(format!("the answer of step {}", reply.request_id)).into());
         }
@@ -100,6 +128,11 @@ impl GenerateLink {
         Ok(Answered { output, token_ids, server_times: reply.timings.map(ServerTimes::from).unwrap_or_default() })
     }
 }
+
+/// What a sealed step is authenticated as (the server's `generation::sealing`).
+const STEP_KIND: &str = "cleave.v1.GenerateStep";
+/// What a sealed answer is authenticated as.
+const REPLY_KIND: &str = "cleave.v1.GenerateReply";
 
 /// An answer's token ids: one u32 for each element of `shape`, each below `vocab_size`.
 fn token_ids(bytes: &[u8], shape: &[i64], vocab_size: i64) -> std::result::Result<Vec<u32>, String> {

@@ -1,6 +1,7 @@
 //! One `Generate` stream: opens the session from the first frame (a place, the caches'
 //! share of the budget, the caches), then runs its steps in order through the model's step
-//! queue (batched with other sessions' steps), one answer or one error each; a refused step leaves the session as it was. The session ends
+//! queue (batched with other sessions' steps), one answer or one error each (a sealed step's
+//! answer sealed: `sealing`); a refused step leaves the session as it was. The session ends
 //! with the stream, when its host says nothing for `generation.session_idle_timeout`, or
 //! when the server drains; its caches and place go with it.
 
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cleave_common::pb::{self, generate_frame, GenerateReply};
 use cleave_common::spec::TorchDType;
+use cleave_common::wire::KeyRing;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -17,6 +19,7 @@ use tonic::{Status, Streaming};
 
 use super::admission::Generation;
 use super::queue::{Ran, StepQueues};
+use super::sealing::StreamSeals;
 use super::session::{check_open, Answer, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
@@ -31,7 +34,9 @@ pub(crate) struct GenerateContext {
     pub(crate) generation: Generation,
     pub(crate) queues: StepQueues,
     pub(crate) metrics: Metrics,
-    /// Whether payloads must be sealed (generation steps are not yet).
+    /// The keys sealed steps are opened and their answers sealed with, and whether steps
+    /// must come sealed.
+    pub(crate) keys: KeyRing,
     pub(crate) sealing_required: bool,
     /// The largest message either way: every step and every answer fits in one.
     pub(crate) max_message_bytes: u64,
@@ -82,9 +87,6 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx:
 /// Checks the opening frame, takes a place and the caches' bytes, and makes the caches.
 async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, pb::GenerationOpened), RequestError> {
     let Some(generate_frame::Kind::Open(open)) = first.kind else { return Err(GenerationError::NotOpened.into()) };
-    if ctx.sealing_required {
-        return Err(GenerationError::SealingRequired.into());
-    }
     let asked = check_open(&ctx.model.bundle, &open)?;
     let (admission, cache_bytes) = (ctx.generation.admit(ctx.model.bundle.id(), asked.range, asked.cache_bytes)?, asked.cache_bytes);
     let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
@@ -109,6 +111,7 @@ async fn answer_steps(
     let idle = ctx.generation.options().session_idle_timeout;
     let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
     let mut session = Some(session);
+    let mut seals = StreamSeals::new(ctx.keys.clone(), ctx.sealing_required);
     loop {
         let frame = match reader.next(out.closed()).await {
             Next::Frame(frame) => frame,
@@ -124,11 +127,17 @@ async fn answer_steps(
                 return;
             }
         };
+        let step_id = request_id(&frame);
         let (reply, mut held) = match read_buffer.cover(&ctx.budget, &frame).await {
-            Err(e) => (error_reply(request_id(&frame), &e), Reservation::none()),
-            Ok(()) => match frame.kind {
-                Some(generate_frame::Kind::Step(step)) => {
+            Err(e) => (error_reply(step_id, &e), Reservation::none()),
+            Ok(()) => match step_of(&mut seals, frame.kind) {
+                Ok(Some((step, sealed))) => {
                     let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
+                    let reply = if sealed && reply.error.is_none() {
+                        seals.seal(&reply).unwrap_or_else(|e| error_reply(reply.request_id, &e))
+                    } else {
+                        reply
+                    };
                     let Some(kept) = kept else {
                         let _ = out.send(Ok(reply)).await;
                         return;
@@ -136,14 +145,25 @@ async fn answer_steps(
                     session = Some(kept);
                     (reply, held)
                 }
-                Some(generate_frame::Kind::Open(_)) => (error_reply(0, &GenerationError::AlreadyOpen.into()), Reservation::none()),
-                None => (error_reply(0, &GenerationError::EmptyFrame.into()), Reservation::none()),
+                Err(e) => (error_reply(step_id, &e), Reservation::none()),
+                Ok(None) => (error_reply(0, &GenerationError::AlreadyOpen.into()), Reservation::none()),
             },
         };
         ctx.unsent.hold(&reply, &mut held);
         if out.send(Ok(reply)).await.is_err() {
             return;
         }
+    }
+}
+
+/// A frame's step, opened where it came sealed (and whether it did); `None` for a second
+/// opening frame.
+fn step_of(seals: &mut StreamSeals, kind: Option<generate_frame::Kind>) -> Result<Option<(pb::GenerateStep, bool)>, RequestError> {
+    match kind {
+        Some(generate_frame::Kind::Step(step)) => Ok(Some((seals.plain(step)?, false))),
+        Some(generate_frame::Kind::SealedStep(sealed)) => Ok(Some((seals.open(sealed)?, true))),
+        Some(generate_frame::Kind::Open(_)) => Ok(None),
+        None => Err(GenerationError::EmptyFrame.into()),
     }
 }
 
