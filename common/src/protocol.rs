@@ -27,6 +27,13 @@ pub mod pb {
 /// edges train one server part together (`OpenSession.clients`, `EndRound`).
 pub const PROTOCOL_VERSION: u32 = 4;
 
+/// What a sealed generation step is authenticated as (`SealedMessage`'s kind): a step is
+/// never taken for an answer, nor an answer for a step.
+pub const SEALED_STEP_KIND: &str = "cleave.v1.GenerateStep";
+
+/// What a sealed generation step's answer is authenticated as.
+pub const SEALED_REPLY_KIND: &str = "cleave.v1.GenerateReply";
+
 /// Metadata key carrying the bundle id the host expects on `Infer` and `Train` streams.
 pub const BUNDLE_ID_METADATA: &str = "cleave-bundle-id";
 

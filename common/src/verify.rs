@@ -133,3 +133,73 @@ impl SplitCheck {
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
 }
+
+/// Largest relative error of generation logits that counts as a match on the CPU: a cached
+/// decode step sums its attention in another order than transformers' (issue 40's bound).
+pub const GENERATION_TOLERANCE: f64 = 1e-4;
+
+/// A bundle's generation stages (`--generation`) run whole on one device, teacher-forced
+/// over the exporter's reference: its prompt in one step, then one token a step with the
+/// caches on the device, every step's logits against transformers' with its own cache.
+#[derive(Debug, Clone)]
+pub struct GenerationCheck {
+    /// The device the stages ran on.
+    pub device: String,
+    /// Tokens of the prompt, run in one step.
+    pub prompt: i64,
+    /// Decode steps after it.
+    pub steps: i64,
+    /// Largest error against the reference logits, relative to their largest magnitude.
+    pub relative_error: f64,
+    /// Largest relative error that counts as a match on this device.
+    pub tolerance: f64,
+    /// The median decode step's time (the whole model, one row), in milliseconds.
+    pub step_ms: f64,
+}
+
+impl GenerationCheck {
+    /// Whether the logits match the reference within the device's tolerance.
+    pub fn passed(&self) -> bool {
+        self.relative_error <= self.tolerance
+    }
+}
+
+/// Runs `bundle`'s generation stages on `device` against their reference (its first row);
+/// `None` where the bundle has none.
+pub fn verify_generation(bundle: &Bundle, device: DeviceSpec) -> Result<Option<GenerationCheck>> {
+    use crate::generation::GenerationStages;
+    use tch::{Kind, Tensor};
+    let Some(info) = bundle.manifest().generation.as_ref() else { return Ok(None) };
+    let reference = &info.reference;
+    let bad = |message: String| crate::error::BundleError::Reference { file: reference.file.clone(), message };
+    let tensors = Tensor::read_safetensors(bundle.dir().join(&reference.file)).map_err(|e| bad(e.to_string()))?;
+    let get = |name: &str| tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.narrow(0, 0, 1)).ok_or_else(|| bad(format!("no {name}")));
+    let (ids, want) = (get("input_ids")?, get("logits")?);
+    let total = ids.size()[1];
+    let stages = GenerationStages::load(bundle, StageRange::new(0, info.stages.len()), device)?;
+    stages.warm_up()?;
+    let mut caches = stages.new_caches(1, reference.max_len)?;
+    let positions = |from: i64, tokens: i64| Tensor::arange_start(from, from + tokens, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0);
+    let mut logits = vec![stages.step(&ids.narrow(1, 0, reference.prompt), &positions(0, reference.prompt), &mut caches)?];
+    let mut step_ms = Vec::new();
+    for at in reference.prompt..total {
+        let started = Instant::now();
+        let step = stages.step(&ids.narrow(1, at, 1), &positions(at, 1), &mut caches)?.to_device(tch::Device::Cpu);
+        step_ms.push(ms(started));
+        logits.push(step);
+    }
+    let got = Tensor::cat(&logits.iter().map(|l| l.to_device(tch::Device::Cpu)).collect::<Vec<_>>(), 1).to_kind(Kind::Double);
+    let want = want.to_kind(Kind::Double);
+    let difference = got.f_sub(&want).map_err(|e| bad(format!("logits {:?} against the reference's {:?}: {e}", got.size(), want.size())))?;
+    let relative_error = difference.abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+    step_ms.sort_by(f64::total_cmp);
+    let on_cpu = stages.device() == tch::Device::Cpu;
+    Ok(Some(GenerationCheck {
+        device: device_name(stages.device()),
+        prompt: reference.prompt,
+        steps: total - reference.prompt,
+        relative_error,
+        tolerance: if on_cpu { GENERATION_TOLERANCE } else { CUDA_TOLERANCE },
+        step_ms: step_ms.get(step_ms.len() / 2).copied().unwrap_or(0.0),
+    }))
+}

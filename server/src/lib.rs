@@ -58,7 +58,7 @@ use cleave_common::device::device_name;
 use cleave_common::pb::split_inference_server::SplitInferenceServer;
 use cleave_common::security::ServerSecurity;
 use cleave_common::tables::verify_table;
-use cleave_common::verify::{verify_splits, VerifyReport};
+use cleave_common::verify::{verify_generation, verify_splits, GenerationCheck, VerifyReport};
 use cleave_common::{Bundle, DeviceSpec};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -505,12 +505,15 @@ pub struct CheckReport {
     pub batches: Vec<(i64, VerifyReport)>,
     /// Whether a request's bytes landed in pinned host memory (said, not failed).
     pub pinned: String,
+    /// The generation stages run whole with their caches on the device, where the bundle
+    /// has them (`--generation`).
+    pub generation: Option<GenerationCheck>,
 }
 
 impl CheckReport {
     /// Whether every split matched at every batch size.
     pub fn passed(&self) -> bool {
-        self.batches.iter().all(|(_, r)| r.passed())
+        self.batches.iter().all(|(_, r)| r.passed()) && self.generation.as_ref().is_none_or(GenerationCheck::passed)
     }
 }
 
@@ -522,6 +525,13 @@ impl std::fmt::Display for CheckReport {
             writeln!(f, "{}", verify_table(report))?;
         }
         writeln!(f, "received into pinned host memory: {}", self.pinned)?;
+        if let Some(g) = &self.generation {
+            writeln!(
+                f,
+                "generation on {}: a {}-token prompt then {} decode steps, teacher-forced: relative error {:.1e} (tolerance {:.0e}), {:.2} ms a decode step",
+                g.device, g.prompt, g.steps, g.relative_error, g.tolerance, g.step_ms
+            )?;
+        }
         f.write_str(if self.passed() { "check passed" } else { "CHECK FAILED: outputs differ from the reference" })
     }
 }
@@ -543,7 +553,8 @@ pub fn check(opts: &CheckOptions) -> Result<CheckReport, ServerError> {
         .into_iter()
         .map(|batch| Ok((batch, verify_splits(&bundle, opts.device, batch)?)))
         .collect::<Result<Vec<_>, ServerError>>()?;
-    Ok(CheckReport { header, stages: bundle.stage_count(), batches, pinned: pinned_landing(&bundle, device) })
+    let generation = verify_generation(&bundle, opts.device)?;
+    Ok(CheckReport { header, stages: bundle.stage_count(), batches, pinned: pinned_landing(&bundle, device), generation })
 }
 
 /// On a CUDA device, a request at the middle cut received as the server receives one (raw,

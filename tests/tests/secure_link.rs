@@ -385,6 +385,7 @@ fn the_handshake_refuses_a_codec_or_key_the_server_does_not_accept_naming_what_i
 /// unchanged: the next sealed step is answered at the position the refused ones would take.
 #[test]
 fn sealed_generation_gives_the_plain_tokens_and_each_step_that_does_not_authenticate_is_refused() {
+    use cleave_common::protocol::{SEALED_REPLY_KIND, SEALED_STEP_KIND};
     use cleave_host::generation::{generate_on, GenerateOptions, Sampling, Servers};
     use pb::generate_frame::Kind;
     let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
@@ -441,29 +442,27 @@ fn sealed_generation_gives_the_plain_tokens_and_each_step_that_does_not_authenti
         let reply = exchange(&frames, &mut replies, Kind::Step(step(1, 0))).await;
         let (code, message) = refusal(&reply);
         assert!(code == tonic::Code::Unauthenticated && message.contains("requires encrypted payloads") && reply.request_id == 1, "{message}");
-        let first = sealer.seal_message("cleave.v1.GenerateStep", step(2, 0).encode_to_vec()).unwrap();
+        let first = sealer.seal_message(SEALED_STEP_KIND, step(2, 0).encode_to_vec()).unwrap();
         let reply = exchange(&frames, &mut replies, Kind::SealedStep(first.clone())).await;
         assert!(reply.error.is_none() && reply.output.is_empty() && reply.request_id == 2, "only the request id beside the sealed answer");
-        let opened = pb::GenerateReply::decode(opener.open_message("cleave.v1.GenerateReply", reply.sealed.unwrap()).unwrap().as_slice()).unwrap();
+        let opened = pb::GenerateReply::decode(opener.open_message(SEALED_REPLY_KIND, reply.sealed.unwrap()).unwrap().as_slice()).unwrap();
         assert!(opened.request_id == 2 && opened.shape == [1, 1, 2] && opened.token_ids.len() == 8, "{opened:?}");
 
         let replayed = exchange(&frames, &mut replies, Kind::SealedStep(first)).await;
-        let mut altered = sealer.seal_message("cleave.v1.GenerateStep", step(3, 1).encode_to_vec()).unwrap();
+        let mut altered = sealer.seal_message(SEALED_STEP_KIND, step(3, 1).encode_to_vec()).unwrap();
         altered.data[0] ^= 1;
         let altered = exchange(&frames, &mut replies, Kind::SealedStep(altered)).await;
         // A step sealed as an answer: a server's answer sent back to it is not a step.
         let reflected =
-            exchange(&frames, &mut replies, Kind::SealedStep(sealer.seal_message("cleave.v1.GenerateReply", step(4, 1).encode_to_vec()).unwrap()))
-                .await;
+            exchange(&frames, &mut replies, Kind::SealedStep(sealer.seal_message(SEALED_REPLY_KIND, step(4, 1).encode_to_vec()).unwrap())).await;
         for (reply, why) in [(replayed, "replayed"), (altered, "data was altered"), (reflected, "header was altered")] {
             let (code, message) = refusal(&reply);
             assert!(code == tonic::Code::Unauthenticated && message.contains(why), "{why}: {message}");
         }
         let next =
-            exchange(&frames, &mut replies, Kind::SealedStep(sealer.seal_message("cleave.v1.GenerateStep", step(5, 1).encode_to_vec()).unwrap()))
-                .await;
+            exchange(&frames, &mut replies, Kind::SealedStep(sealer.seal_message(SEALED_STEP_KIND, step(5, 1).encode_to_vec()).unwrap())).await;
         assert!(next.error.is_none(), "{:?}", next.error);
-        let opened = pb::GenerateReply::decode(opener.open_message("cleave.v1.GenerateReply", next.sealed.unwrap()).unwrap().as_slice()).unwrap();
+        let opened = pb::GenerateReply::decode(opener.open_message(SEALED_REPLY_KIND, next.sealed.unwrap()).unwrap().as_slice()).unwrap();
         assert_eq!(opened.request_id, 5);
     });
 }

@@ -215,3 +215,23 @@ fn a_generation_step_s_hostile_inputs_are_refused_before_a_stage_sees_them() {
     let digits = Bundle::open(bundle_dir("digits")).unwrap();
     assert!(matches!(GenerationStages::load(&digits, StageRange::new(0, 1), DeviceSpec::Cpu), Err(BundleError::NoGeneration)));
 }
+
+/// `server check` of a `--generation` bundle also runs its generation stages whole on the
+/// device, with their caches there, teacher-forced over the reference: on the CPU within
+/// 1e-4 of transformers' logits, every decode step of the reference timed; a bundle without
+/// them has no such row.
+#[test]
+fn server_check_runs_the_generation_stages_on_the_device_against_their_reference() {
+    use cleave_server::{check, CheckOptions};
+    let bundle = Bundle::open(bundle_dir("llama")).unwrap();
+    let reference = bundle.manifest().generation.as_ref().unwrap().reference.clone();
+    let report = check(&CheckOptions { bundle: bundle.dir().to_path_buf(), device: DeviceSpec::Cpu }).unwrap();
+    let generation = report.generation.as_ref().expect("a --generation bundle");
+    assert!(generation.relative_error <= 1e-4 && report.passed(), "{generation:?}");
+    assert_eq!((generation.prompt, generation.steps), (reference.prompt, reference.steps));
+    assert!(generation.step_ms > 0.0);
+    let line = format!("generation on cpu: a {}-token prompt then {} decode steps, teacher-forced", reference.prompt, reference.steps);
+    assert!(report.to_string().contains(&line), "{report}");
+    let plain = check(&CheckOptions { bundle: bundle_dir("digits"), device: DeviceSpec::Cpu }).unwrap();
+    assert!(plain.generation.is_none() && !plain.to_string().contains("generation on"));
+}

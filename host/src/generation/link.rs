@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use cleave_common::pb::{self, generate_frame, GenerateFrame, GenerateReply};
+use cleave_common::protocol::{SEALED_REPLY_KIND, SEALED_STEP_KIND};
 use cleave_common::spec::{DType, TorchDType};
 use cleave_common::wire::{KeyRing, Opener, Sealer};
 use prost::Message;
@@ -93,20 +94,19 @@ impl GenerateLink {
         step.request_id = id;
         let top_k = step.top_k;
         let kind = match &mut self.seals {
-            Some((sealer, _)) => generate_frame::Kind::SealedStep(sealer.seal_message(STEP_KIND, step.encode_to_vec())?),
+            Some((sealer, _)) => generate_frame::Kind::SealedStep(sealer.seal_message(SEALED_STEP_KIND, step.encode_to_vec())?),
             None => generate_frame::Kind::Step(step),
         };
         self.frames.send(GenerateFrame { kind: Some(kind) }).await.map_err(|_| closed())?;
         let answer = tokio::time::timeout(self.answer_timeout, next_reply(&mut self.replies));
-        let reply = answer.await.map_err(|_| unanswered(self.answer_timeout))??;
+        let mut reply = answer.await.map_err(|_| unanswered(self.answer_timeout))??;
         if let Some(error) = &reply.error {
             return Err(refused(error));
         }
         let mismatch = |got: String| Breach::GenerationAnswer { request_id: id, got, expected: format!("{} {shape:?}", dtype.name()) };
-        let mut reply = reply;
         let reply = match (&mut self.seals, reply.sealed.take()) {
             (Some((_, opener)), Some(sealed)) => {
-                let bytes = opener.open_message(REPLY_KIND, sealed)?;
+                let bytes = opener.open_message(SEALED_REPLY_KIND, sealed)?;
                 GenerateReply::decode(bytes.as_slice()).map_err(|e| mismatch(format!("a sealed answer that does not decode: {e}")))?
             }
             (Some(_), None) => return Err(mismatch("an answer not sealed".into()).into()),
@@ -128,11 +128,6 @@ impl GenerateLink {
         Ok(Answered { output, token_ids, server_times: reply.timings.map(ServerTimes::from).unwrap_or_default() })
     }
 }
-
-/// What a sealed step is authenticated as (the server's `generation::sealing`).
-const STEP_KIND: &str = "cleave.v1.GenerateStep";
-/// What a sealed answer is authenticated as.
-const REPLY_KIND: &str = "cleave.v1.GenerateReply";
 
 /// An answer's token ids: one u32 for each element of `shape`, each below `vocab_size`.
 fn token_ids(bytes: &[u8], shape: &[i64], vocab_size: i64) -> std::result::Result<Vec<u32>, String> {

@@ -4,15 +4,11 @@
 //! required, a plain step is refused; the opening frame carries no model data and stays plain.
 
 use cleave_common::pb::{self, SealedMessage};
+use cleave_common::protocol::{SEALED_REPLY_KIND, SEALED_STEP_KIND};
 use cleave_common::wire::{CodecError, KeyRing, Opener, Sealer, WireError};
 use prost::Message;
 
 use crate::error::{GenerationError, RequestError};
-
-/// What a sealed step is authenticated as: never taken for an answer, nor an answer for it.
-pub(crate) const STEP_KIND: &str = "cleave.v1.GenerateStep";
-/// What a sealed answer is authenticated as.
-pub(crate) const REPLY_KIND: &str = "cleave.v1.GenerateReply";
 
 /// One stream's seals: its opener, and its answers' sealer once a sealed step came.
 pub(crate) struct StreamSeals {
@@ -39,7 +35,7 @@ impl StreamSeals {
     /// bytes checked before it is decoded.
     pub(crate) fn open(&mut self, sealed: SealedMessage) -> Result<pb::GenerateStep, RequestError> {
         let key_id = sealed.seal.as_ref().map(|seal| seal.key_id);
-        let bytes = self.opener.open_message(STEP_KIND, sealed).map_err(WireError::Codec)?;
+        let bytes = self.opener.open_message(SEALED_STEP_KIND, sealed).map_err(WireError::Codec)?;
         let step =
             pb::GenerateStep::decode(bytes.as_slice()).map_err(|e| GenerationError::Step(format!("a sealed step that does not decode: {e}")))?;
         if let (None, Some(id)) = (&self.sealer, key_id) {
@@ -51,7 +47,7 @@ impl StreamSeals {
     /// `reply` sealed whole, only its request id beside it.
     pub(crate) fn seal(&mut self, reply: &pb::GenerateReply) -> Result<pb::GenerateReply, RequestError> {
         let sealer = self.sealer.as_mut().ok_or(RequestError::Encode(WireError::Codec(CodecError::NotSealed)))?;
-        let sealed = sealer.seal_message(REPLY_KIND, reply.encode_to_vec()).map_err(|e| RequestError::Encode(WireError::Codec(e)))?;
+        let sealed = sealer.seal_message(SEALED_REPLY_KIND, reply.encode_to_vec()).map_err(|e| RequestError::Encode(WireError::Codec(e)))?;
         Ok(pb::GenerateReply { request_id: reply.request_id, sealed: Some(sealed), ..Default::default() })
     }
 }

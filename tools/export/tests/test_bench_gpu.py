@@ -1,8 +1,9 @@
 """bench/gpu runs every check on the CPU: `bench/gpu --device cpu --small` completes, reports
-a row for each of its six checks, and the correctness rows hold (both bundles pass `server
-check` within the CPU's 1e-5, and split training with the loopback server on the CPU twice
-gives the same loss at every step within 1e-5; see the test for why not bit for bit). Its
-speed rows are benchmarks, not asserted.
+a row for each of its seven checks, and the correctness rows hold (both bundles pass `server
+check` within the CPU's 1e-5, the generation stages come within 1e-4 of their reference and
+`host generate` gives every token asked for, and split training with the loopback server on
+the CPU twice gives the same loss at every step within 1e-5; see the test for why not bit for
+bit). Its speed rows are benchmarks, not asserted.
 
 Needs the release binaries (host, server, split-overhead); skips without them unless
 CLEAVE_REQUIRE_HOST is set, as `make test` sets it. The script exports its own small bundles
@@ -23,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 BIN_DIR = REPO / "target" / "release"
 BINARIES = [BIN_DIR / name for name in ("host", "server", "split-overhead")]
-CHECKS = {"server-check", "split-overhead", "serving", "batching", "training", "nvml"}
+CHECKS = {"server-check", "split-overhead", "serving", "batching", "training", "nvml", "generation"}
 
 def test_bench_gpu_on_the_cpu_completes_and_its_correctness_rows_hold(tmp_path):
     missing = [str(b) for b in BINARIES if not b.exists()]
@@ -58,5 +59,8 @@ def test_bench_gpu_on_the_cpu_completes_and_its_correctness_rows_hold(tmp_path):
     # nondeterminism not traced yet. The test bounds it by the CPU's tolerance meanwhile.
     assert rows["split training cpu vs cpu: largest loss rel. diff"]["value"] <= 1e-5, run.stdout
     assert verdict("split training cpu vs cpu: final test accuracy") == "ok", run.stdout
+    assert verdict("generation llama-like on cpu: teacher-forced logits") == "ok", run.stdout
+    assert rows["generation llama-like on cpu: teacher-forced logits"]["value"] <= 1e-4
+    assert verdict("split generation llama-like, server on cpu: tokens/s greedy / top-k 40") == "ok", run.stdout
     # Not applicable on the CPU: no target, whatever the figure.
     assert rows["device memory gauge (NVML) after one request"]["target"] == "-"
