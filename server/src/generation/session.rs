@@ -65,6 +65,38 @@ impl Answer {
 /// a sampler over the whole vocabulary ranks them so, and `topk` promises no order among
 /// equals, so a greedy or top-k choice from them is the choice from all the logits.
 fn most_likely(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
+    if logits.f_isnan()?.f_any()?.int64_value(&[]) != 0 {
+        return Err(tch::TchError::Kind(format!("the logits hold NaN: {:?} rank nothing", logits.size())));
+    }
+    match clear_cut(logits, k)? {
+        Some(ids) => ranked_by_id(logits, &ids),
+        None => cut_among_ties(logits, k),
+    }
+}
+
+/// Each row's `k` most likely ids where no logit equal to a row's k-th is left out of them
+/// (its k-th largest above its (k+1)-th in every row): then they are the whole vocabulary's
+/// first k whatever order `topk` gave equals, in one pass over the vocabulary. `None` where a
+/// row's k-th ties with the next, or `k` is the vocabulary.
+fn clear_cut(logits: &Tensor, k: i64) -> Result<Option<Tensor>, tch::TchError> {
+    if k >= logits.size().last().copied().unwrap_or(0) {
+        return Ok(None);
+    }
+    let (values, ids) = logits.f_topk(k + 1, -1, true, true)?;
+    let clear = values.f_narrow(-1, k - 1, 1)?.f_gt_tensor(&values.f_narrow(-1, k, 1)?)?.f_all()?.int64_value(&[]) != 0;
+    Ok(clear.then(|| ids.narrow(-1, 0, k)))
+}
+
+/// `ids`' logits, the largest first, equal ones the lower id first, with their ids (i32).
+fn ranked_by_id(logits: &Tensor, ids: &Tensor) -> Result<(Tensor, Tensor), tch::TchError> {
+    let (ids, _) = ids.f_sort(-1, false)?;
+    let (values, order) = logits.f_gather(-1, &ids, false)?.f_sort_stable(true, -1, true)?;
+    let ids = ids.f_gather(-1, &order, false)?.f_to_kind(Kind::Int)?;
+    Ok((values.f_contiguous()?, ids.f_contiguous()?))
+}
+
+/// [`most_likely`] where a row's k-th logit ties with others: which of the tied make the cut.
+fn cut_among_ties(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
     let (kth, _) = logits.f_topk(k, -1, true, true)?;
     let kth = kth.f_narrow(-1, k - 1, 1)?;
     let above = logits.f_gt_tensor(&kth)?;
@@ -75,17 +107,9 @@ fn most_likely(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchErro
     let keep = above.f_logical_or(&tied.f_logical_and(&tied_rank.f_le_tensor(&room)?)?)?;
     let mut shape = logits.size();
     *shape.last_mut().expect("logits have a vocabulary dimension") = k;
-    let kept = keep.f_sum(Kind::Int64)?.int64_value(&[]);
-    if kept != shape.iter().product::<i64>() {
-        // NaN compares false with everything: logits holding NaN rank nothing.
-        return Err(tch::TchError::Kind(format!("the logits hold NaN: {kept} of {shape:?} candidates rank")));
-    }
     // nonzero lists each row's kept ids in order, k of them per row.
     let ids = keep.f_nonzero()?.f_select(1, keep.dim() as i64 - 1)?.f_view(shape.as_slice())?;
-    let values = logits.f_gather(-1, &ids, false)?;
-    let (values, order) = values.f_sort_stable(true, -1, true)?;
-    let ids = ids.f_gather(-1, &order, false)?.f_to_kind(Kind::Int)?;
-    Ok((values.f_contiguous()?, ids.f_contiguous()?))
+    ranked_by_id(logits, &ids)
 }
 
 /// Decode steps of sessions of equal keys (the same range of stages) may run as one batch.
@@ -341,7 +365,27 @@ mod tests {
                 assert_eq!(got, ranked(&row, k as usize), "k {k}");
             }
         }
+        // Rows whose k-th is above their (k+1)-th (one pass), ties inside the k among them.
+        let clear = Tensor::from_slice(&[5.0f32, 2.0, 5.0, 0.0, 2.0, -1.0]).view([1, 1, 6]);
+        for k in [1, 2, 3, 4, 5] {
+            let (values, ids) = most_likely(&clear, k).unwrap();
+            let got = (Vec::try_from(values.flatten(0, -1)).unwrap(), Vec::try_from(ids.flatten(0, -1)).unwrap());
+            assert_eq!(got, ranked(&[5.0, 2.0, 5.0, 0.0, 2.0, -1.0], k as usize), "k {k}");
+        }
+        tch::manual_seed(7);
+        let distinct = Tensor::randn([3, 2, 50], (Kind::Float, tch::Device::Cpu));
+        for k in [1, 7, 49] {
+            assert!(clear_cut(&distinct, k).unwrap().is_some(), "random logits have no ties");
+            let (values, ids) = most_likely(&distinct, k).unwrap();
+            for (b, t) in (0..3).flat_map(|b| (0..2).map(move |t| (b, t))) {
+                let row: Vec<f32> = Vec::try_from(distinct.get(b).get(t)).unwrap();
+                let got = (Vec::try_from(values.get(b).get(t)).unwrap(), Vec::try_from(ids.get(b).get(t)).unwrap());
+                assert_eq!(got, ranked(&row, k as usize), "k {k}");
+            }
+        }
         let nan = Tensor::from_slice(&[1.0f32, f32::NAN, 0.0]).view([1, 1, 3]);
         assert!(most_likely(&nan, 2).unwrap_err().to_string().contains("NaN"));
+        let nan_first = Tensor::from_slice(&[f32::NAN, 3.0, 1.0, 0.0]).view([1, 1, 4]);
+        assert!(most_likely(&nan_first, 1).unwrap_err().to_string().contains("NaN"));
     }
 }
