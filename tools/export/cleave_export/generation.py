@@ -22,7 +22,10 @@ tokens given) and writes that as the bundle's generation reference.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -118,22 +121,18 @@ class _Head(nn.Module):
 def _attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: Tensor, scaling: float, groups: int, window: int) -> Tensor:
     """Writes `k` and `v` ([B, kv heads, S, head_dim]) into `cache` at `positions` ([B, S]) and
     attends from `q` ([B, heads, S, head_dim]; `groups` query heads share each key/value head)
-    to every cached position up to each query's own (the last `window` only, where not 0)."""
+    to every cached position up to each query's own (the last `window` only, where not 0), in
+    one fused operation that reads the cache in place, without repeating it for each group."""
     index = positions[:, None, :, None].expand(k.size(0), k.size(1), k.size(2), k.size(3))
     cache[0].scatter_(2, index, k)
     cache[1].scatter_(2, index, v)
-    keys, values = cache[0], cache[1]
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     key_positions = torch.arange(cache.size(3), device=q.device)[None, None, None, :]
     query_positions = positions[:, None, :, None]
     visible = key_positions <= query_positions
     if window > 0:
         visible = visible & (key_positions > query_positions - window)
-    weights = torch.matmul(q, keys.transpose(-1, -2)) * scaling
-    # -inf, not the dtype's least: a query always sees its own position, so no row is all -inf.
-    weights = torch.softmax(weights.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
-    return torch.matmul(weights.to(values.dtype), values)
+    # A query always sees its own position, so no row of the mask is all False.
+    return F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=visible, scale=scaling, enable_gqa=groups > 1)
 
 
 def _gpt2(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -151,16 +150,55 @@ class _LlamaEmbed(nn.Module):
         return self.embed_tokens(input_ids)
 
 
+class _Linear(nn.Module):
+    """Linear layers that read the same input, as one product with their weights side by side
+    and stored [in, out]: one call instead of several, and for one row (a decode step) MKL
+    reads a weight of many outputs laid out this way up to three times as fast as nn.Linear's
+    [out, in] (two Llama layers of width 256, one token, one thread, caches cold: 1.85 ms
+    against 2.02 with the rest of this layer's changes)."""
+
+    def __init__(self, *linears: nn.Module):
+        super().__init__()
+        weight = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        biases = [linear.bias for linear in linears]
+        self.bias: Optional[Tensor] = None
+        if any(b is not None for b in biases):
+            zeros = [torch.zeros(linear.weight.size(0), dtype=weight.dtype) for linear in linears]
+            self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else z for b, z in zip(biases, zeros)]), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.matmul(x, self.weight)
+        bias = self.bias
+        return out if bias is None else out + bias
+
+
+class _RMSNorm(nn.Module):
+    """Llama's RMSNorm (Mistral's and Qwen2's too) as ATen's fused operation: in float32, then
+    scaled by the weight in the model's dtype, as transformers computes it."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps: float = float(norm.variance_epsilon)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * F.rms_norm(x.float(), [x.size(-1)], None, self.eps).to(x.dtype)
+
+
 class _LlamaLayer(nn.Module):
     """A Llama decoder layer (also Mistral's and Qwen2's) reading and writing its cache:
     rotary position embeddings computed from the positions, grouped key/value heads, and
-    Mistral's and Qwen2's sliding window where the layer has one."""
+    Mistral's and Qwen2's sliding window where the layer has one. The query, key and value
+    projections are one product, as are the MLP's gate and up projections."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config):
         super().__init__()
-        attn = layer.self_attn
-        self.input_layernorm, self.post_attention_layernorm, self.mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = _RMSNorm(layer.input_layernorm), _RMSNorm(layer.post_attention_layernorm)
+        self.qkv_proj, self.o_proj = _Linear(attn.q_proj, attn.k_proj, attn.v_proj), _Linear(attn.o_proj)
+        self.gate_up_proj, self.down_proj, self.act_fn = _Linear(mlp.gate_proj, mlp.up_proj), _Linear(mlp.down_proj), mlp.act_fn
+        self.intermediate: int = mlp.gate_proj.weight.size(0)
         self.head_dim: int = attn.head_dim
         self.heads: int = config.num_attention_heads
         self.kv_heads: int = config.num_key_value_heads
@@ -173,9 +211,11 @@ class _LlamaLayer(nn.Module):
     def forward(self, hidden: Tensor, positions: Tensor, cache: Tensor) -> Tensor:
         batch, new = hidden.size(0), hidden.size(1)
         x = self.input_layernorm(hidden)
-        q = self.q_proj(x).view(batch, new, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+        kv_width = self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, kv_width, kv_width], dim=2)
+        q = q.view(batch, new, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
         freqs = positions[:, :, None].float() * self.inv_freq.float()
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]
@@ -183,7 +223,8 @@ class _LlamaLayer(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         out = _attend(q, k, v, positions, cache, self.scaling, self.heads // self.kv_heads, self.window)
         hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(batch, new, self.heads * self.head_dim))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).split(self.intermediate, dim=2)
+        return hidden + self.down_proj(self.act_fn(gate) * up)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
