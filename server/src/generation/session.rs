@@ -65,24 +65,33 @@ impl Answer {
 /// a sampler over the whole vocabulary ranks them so, and `topk` promises no order among
 /// equals, so a greedy or top-k choice from them is the choice from all the logits.
 fn most_likely(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
-    if logits.f_isnan()?.f_any()?.int64_value(&[]) != 0 {
-        return Err(tch::TchError::Kind(format!("the logits hold NaN: {:?} rank nothing", logits.size())));
-    }
-    match clear_cut(logits, k)? {
+    let (values, ids) = largest(logits, k)?;
+    match clear_cut(&values, &ids, k)? {
         Some(ids) => ranked_by_id(logits, &ids),
-        None => cut_among_ties(logits, k),
+        None => cut_among_ties(logits, &values.f_narrow(-1, k - 1, 1)?, k),
     }
 }
 
-/// Each row's `k` most likely ids where no logit equal to a row's k-th is left out of them
-/// (its k-th largest above its (k+1)-th in every row): then they are the whole vocabulary's
-/// first k whatever order `topk` gave equals, in one pass over the vocabulary. `None` where a
-/// row's k-th ties with the next, or `k` is the vocabulary.
-fn clear_cut(logits: &Tensor, k: i64) -> Result<Option<Tensor>, tch::TchError> {
-    if k >= logits.size().last().copied().unwrap_or(0) {
+/// Each row's `k + 1` largest logits and their ids (`k` where that is the vocabulary), in
+/// one pass over the vocabulary; an error where a row holds NaN (`topk` ranks NaN above
+/// every number, so such a row has it first).
+fn largest(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
+    let vocabulary = logits.size().last().copied().unwrap_or(0);
+    let (values, ids) = logits.f_topk((k + 1).min(vocabulary), -1, true, true)?;
+    if values.f_narrow(-1, 0, 1)?.f_isnan()?.f_any()?.int64_value(&[]) != 0 {
+        return Err(tch::TchError::Kind(format!("the logits hold NaN: {:?} rank nothing", logits.size())));
+    }
+    Ok((values, ids))
+}
+
+/// Of [`largest`]'s `values` and `ids`, each row's `k` most likely ids where no logit equal
+/// to a row's k-th is left out of them (its k-th largest above its (k+1)-th in every row):
+/// then they are the whole vocabulary's first k whatever order `topk` gave equals. `None`
+/// where a row's k-th ties with the next, or `k` is the vocabulary.
+fn clear_cut(values: &Tensor, ids: &Tensor, k: i64) -> Result<Option<Tensor>, tch::TchError> {
+    if values.size().last().copied().unwrap_or(0) <= k {
         return Ok(None);
     }
-    let (values, ids) = logits.f_topk(k + 1, -1, true, true)?;
     let clear = values.f_narrow(-1, k - 1, 1)?.f_gt_tensor(&values.f_narrow(-1, k, 1)?)?.f_all()?.int64_value(&[]) != 0;
     Ok(clear.then(|| ids.narrow(-1, 0, k)))
 }
@@ -95,12 +104,11 @@ fn ranked_by_id(logits: &Tensor, ids: &Tensor) -> Result<(Tensor, Tensor), tch::
     Ok((values.f_contiguous()?, ids.f_contiguous()?))
 }
 
-/// [`most_likely`] where a row's k-th logit ties with others: which of the tied make the cut.
-fn cut_among_ties(logits: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
-    let (kth, _) = logits.f_topk(k, -1, true, true)?;
-    let kth = kth.f_narrow(-1, k - 1, 1)?;
-    let above = logits.f_gt_tensor(&kth)?;
-    let tied = logits.f_eq_tensor(&kth)?;
+/// [`most_likely`] where a row's k-th logit (`kth`, [.., 1]) ties with others: which of the
+/// tied make the cut.
+fn cut_among_ties(logits: &Tensor, kth: &Tensor, k: i64) -> Result<(Tensor, Tensor), tch::TchError> {
+    let above = logits.f_gt_tensor(kth)?;
+    let tied = logits.f_eq_tensor(kth)?;
     // The first (k - above) of the tied, in id order.
     let room = above.f_sum_dim_intlist(-1, true, Kind::Int64)?.f_neg()?.f_add_scalar(k)?;
     let tied_rank = tied.f_cumsum(-1, Kind::Int64)?;
@@ -375,7 +383,8 @@ mod tests {
         tch::manual_seed(7);
         let distinct = Tensor::randn([3, 2, 50], (Kind::Float, tch::Device::Cpu));
         for k in [1, 7, 49] {
-            assert!(clear_cut(&distinct, k).unwrap().is_some(), "random logits have no ties");
+            let (values, ids) = largest(&distinct, k).unwrap();
+            assert!(clear_cut(&values, &ids, k).unwrap().is_some(), "random logits have no ties");
             let (values, ids) = most_likely(&distinct, k).unwrap();
             for (b, t) in (0..3).flat_map(|b| (0..2).map(move |t| (b, t))) {
                 let row: Vec<f32> = Vec::try_from(distinct.get(b).get(t)).unwrap();
