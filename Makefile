@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate clean
+.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate image image-bases clean
 
 setup: build
 
@@ -33,8 +33,10 @@ $(VENV)/.installed: tools/export/requirements.txt tools/export/pyproject.toml
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -e tools/export
 	touch $@
 
+# What `build` compiles; the image's build stage narrows it to the server.
+BUILD_SCOPE := --workspace
 build: $(VENV)/.installed
-	cargo build --release --workspace
+	cargo build --release $(BUILD_SCOPE)
 
 # Small transformers (random weights from configs): an LM with tied embedding and head, a
 # Llama-like LM, a BERT-like classifier and a vision transformer.
@@ -190,6 +192,14 @@ train-pipeline: build digits-cnn
 # 4-layer GPT-2 and a Llama-like model of width 256, split in the middle (bench/README.md).
 bench-generate: build $(VENV)/.installed
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bench/generate
+
+# Containers (root; deploy/README.md): the base images made locally where they cannot be pulled;
+# the CUDA server, CPU server and edge images, with docker or podman.
+image-bases:
+	deploy/image-bases
+
+image:
+	deploy/build-image
 
 clean:
 	rm -rf target bundles results

@@ -146,13 +146,60 @@ def test_dashboard_asks_only_for_exposed_metrics():
 
 
 def test_gpu_overlay_renders_with_kubectl():
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not installed")
-    rendered = subprocess.run([kubectl, "kustomize", str(GPU_OVERLAY)], capture_output=True, text=True, timeout=120)
-    assert rendered.returncode == 0, rendered.stderr
-    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
+    docs = render(GPU_OVERLAY)
     assert sorted(d["kind"] for d in docs) == BASE_KINDS
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def render(overlay: Path) -> list:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed")
+    rendered = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    return [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
+
+
+def test_dockerfile_builds_three_images_the_cuda_server_by_default():
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+) AS (\S+)$", text, re.MULTILINE)
+    names = [name for _, name in stages]
+    assert {"edge", "server-cpu", "server-cuda"} <= set(names)
+    assert names[-1] == "server-cuda", "a plain `docker build` must make the CUDA server"
+    assert dict((name, base) for base, name in stages)["server-cpu"] == "runtime"
+    assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
+    # The CPU binaries link a libtorch directory without libtorch_cuda.
+    assert "! -name 'libtorch_cuda*'" in text
+
+
+def test_the_runc_wrapper_drops_rlimits_and_passes_every_argument(tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    config = {"ociVersion": "1.0.2", "process": {"args": ["true"], "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]}}
+    (bundle / "config.json").write_text(json.dumps(config))
+    fake = tmp_path / "runc"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$(dirname "$0")/args"\n')
+    fake.chmod(0o755)
+    args = ["--root", "/run/runc", "create", "--bundle", str(bundle), "--pid-file", "/tmp/pid", "abc"]
+    env = {"PATH": "/usr/bin:/bin", "CLEAVE_REAL_RUNC": str(fake)}
+    subprocess.run([str(DEPLOY / "oci" / "runc"), *args], env=env, check=True, timeout=30)
+    assert (tmp_path / "args").read_text().splitlines() == args
+    after = json.loads((bundle / "config.json").read_text())
+    assert "rlimits" not in after["process"] and after["process"]["args"] == ["true"]
+    # `exec --process FILE`: the process file loses its rlimits too.
+    process = tmp_path / "process.json"
+    process.write_text(json.dumps(config["process"]))
+    subprocess.run([str(DEPLOY / "oci" / "runc"), "exec", "--process", str(process), "abc"], env=env, check=True, timeout=30)
+    assert json.loads(process.read_text()) == {"args": ["true"]}
+    # Other commands leave the bundle alone.
+    (bundle / "config.json").write_text(json.dumps(config))
+    subprocess.run([str(DEPLOY / "oci" / "runc"), "state", "--bundle", str(bundle), "abc"], env=env, check=True, timeout=30)
+    assert json.loads((bundle / "config.json").read_text()) == config
+
+
+def test_deploy_scripts_parse():
+    for script in ["image-bases", "build-image", "engine.sh", "oci/runc"]:
+        checked = subprocess.run(["bash", "-n", str(DEPLOY / script)], capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, f"{script}: {checked.stderr}"

@@ -1,0 +1,34 @@
+# Sourced by deploy/'s scripts: which container engine this machine has, and how to run podman.
+#
+#   ENGINE   docker where its daemon answers, else podman (where installed), else empty
+#   PODMAN   the podman command line: `podman`, or `podman --runtime deploy/oci/runc` where a
+#            plain container start fails and one through that wrapper works (a process without
+#            CAP_SYS_RESOURCE cannot set a container's RLIMIT_NOFILE: deploy/oci/runc)
+
+DEPLOY_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PROBE_IMAGE=docker.io/library/debian:bookworm-slim
+
+pick_engine() {
+  if command -v docker >/dev/null && timeout 20 docker info >/dev/null 2>&1; then
+    ENGINE=docker
+  elif command -v podman >/dev/null; then
+    ENGINE=podman
+  else
+    ENGINE=
+  fi
+}
+
+# Sets PODMAN; the probe needs the Debian base (deploy/image-bases makes it).
+pick_podman_runtime() {
+  PODMAN=(podman)
+  podman image exists "$PROBE_IMAGE" || return 0
+  timeout 60 podman run --rm --network none "$PROBE_IMAGE" true >/dev/null 2>&1 && return 0
+  if timeout 60 podman --runtime "$DEPLOY_DIR/oci/runc" run --rm --network none "$PROBE_IMAGE" true >/dev/null 2>&1; then
+    PODMAN=(podman --runtime "$DEPLOY_DIR/oci/runc")
+    echo "podman: a plain container start fails here (no CAP_SYS_RESOURCE for its rlimits); using deploy/oci/runc" >&2
+  fi
+}
+
+image_mib() {
+  "$ENGINE" image inspect --format '{{.Size}}' "$1" | awk '{printf "%d", $1 / 1048576}'
+}
