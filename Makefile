@@ -23,7 +23,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate image image-bases clean
+.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate image image-bases deploy-check clean
 
 setup: build
 
@@ -194,12 +194,17 @@ bench-generate: build $(VENV)/.installed
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bench/generate
 
 # Containers (root; deploy/README.md): the base images made locally where they cannot be pulled;
-# the CUDA server, CPU server and edge images, with docker or podman.
+# the CUDA server, CPU server and edge images, with docker or podman; and the CPU overlay run
+# under podman with a pod killed and another replaced mid-run.
 image-bases:
 	deploy/image-bases
 
 image:
 	deploy/build-image
+
+deploy-check: image $(VENV)/.installed $(DEMO_BUNDLE)/manifest.json
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r deploy/requirements-check.txt
+	$(PYTHON) deploy/check
 
 clean:
 	rm -rf target bundles results

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "kustomize" / "base"
 GPU_OVERLAY = DEPLOY / "kustomize" / "overlays" / "gpu"
+CPU_OVERLAY = DEPLOY / "kustomize" / "overlays" / "cpu"
 ADAPTER_RULES = DEPLOY / "prometheus-adapter" / "rules.yaml"
 BASE_KINDS = ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "PodDisruptionBudget", "Secret", "Service"]
 # What server/src/metrics.rs registers (prefix cleave_), with the series Prometheus stores for each.
@@ -107,8 +108,10 @@ def test_probes_security_service_autoscaler_and_gpu():
 def test_server_config_names_only_mounted_files_and_drains_within_the_grace_period():
     container = server_container()
     config_mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
-    assert container["args"] == ["--config", config_mount["mountPath"]]
-    config = yaml.safe_load(base_one("ConfigMap")["data"][config_mount["subPath"]])
+    assert "subPath" not in config_mount, "podman's kube play mounts a ConfigMap's subPath as a directory"
+    config_file = container["args"][1]
+    assert container["args"][0] == "--config" and Path(config_file).parent == Path(config_mount["mountPath"])
+    config = yaml.safe_load(base_one("ConfigMap")["data"][Path(config_file).name])
 
     def paths(node):
         if isinstance(node, dict):
@@ -162,6 +165,25 @@ def render(overlay: Path) -> list:
     return [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
 
 
+def test_cpu_overlay_renders_three_cpu_servers_without_a_gpu():
+    docs = render(CPU_OVERLAY)
+    assert sorted(d["kind"] for d in docs) == BASE_KINDS
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 3
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "cleave-server:cpu"
+    assert "nvidia.com/gpu" not in json.dumps(deployment)
+    assert "nodeSelector" not in deployment["spec"]["template"]["spec"]
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["minReplicas"] == 3
+    # The overlay's server.yaml is the base's with `device: cpu`, every other key the same.
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    served = yaml.safe_load(config_map["data"]["server.yaml"])
+    base = yaml.safe_load(base_one("ConfigMap")["data"]["server.yaml"])
+    assert served["device"] == "cpu" and base["device"] == "cuda"
+    assert {**served, "device": "cuda"} == base
+
+
 def test_dockerfile_builds_three_images_the_cuda_server_by_default():
     text = (DEPLOY / "Dockerfile").read_text()
     stages = re.findall(r"^FROM (\S+) AS (\S+)$", text, re.MULTILINE)
@@ -203,3 +225,4 @@ def test_deploy_scripts_parse():
     for script in ["image-bases", "build-image", "engine.sh", "oci/runc"]:
         checked = subprocess.run(["bash", "-n", str(DEPLOY / script)], capture_output=True, text=True, timeout=30)
         assert checked.returncode == 0, f"{script}: {checked.stderr}"
+    compile((DEPLOY / "check").read_text(), "deploy/check", "exec")
