@@ -5,18 +5,22 @@
 //!   slice, so a raw boundary goes from the tensor to gRPC's encode buffer with no copy of
 //!   ours in between.
 //! - [`TensorBuf`]: a tensor being filled from the wire. Allocated here at its declared shape,
-//!   written through a `&mut [u8]` while nothing else can see it, then handed to the stages:
-//!   received bytes are copied once, from the frames into the memory the stages run on.
+//!   uninitialised, so its memory is `MaybeUninit<u8>` until written: bytes are appended in
+//!   order ([`TensorBuf::write`]), and only the bytes written so far can be read. Received
+//!   bytes are copied once, from the frames into the memory the stages run on.
 //!
-//! Why `unsafe` is sound here: libtorch keeps a tensor's storage alive for as long as a handle
-//! to it exists, and both views hold their handle for as long as the slice can be used. A
-//! [`TensorBuf`]'s tensor is created here and no other handle exists until
-//! [`TensorBuf::into_tensor`] gives it away (which ends the mutable view). A [`TensorBytes`]
-//! reads memory that other handles may share (a stage's output can alias its input or a
-//! parameter); cleave never writes a boundary after giving it to the wire: inference runs
-//! without optimizer steps, and a boundary the host keeps for itself (`fallback: edge`
-//! finishes it on the edge, possibly in place) is encoded by copying instead.
+//! What each view relies on:
+//! - libtorch keeps a tensor's storage alive for as long as a handle to it exists, and both
+//!   views hold their handle for as long as a slice of them can be used;
+//! - a [`TensorBuf`]'s tensor is created here and no other handle to it exists until
+//!   [`TensorBuf::into_tensor`] gives it away, so its `&mut self` methods are the only writers;
+//! - a [`TensorBytes`] reads memory that other handles may share (a stage's output can alias
+//!   its input or a parameter), and nothing here can see those handles: whoever makes one
+//!   promises that nothing writes the memory while its bytes live. That promise is the caller's,
+//!   so [`TensorBytes::new`] is an `unsafe fn` (the wire's `encode_owned` passes it on).
 #![allow(unsafe_code)]
+
+use std::mem::MaybeUninit;
 
 use bytes::Bytes;
 use tch::{Device, Kind, TchError, Tensor};
@@ -31,7 +35,13 @@ pub struct TensorBytes {
 impl TensorBytes {
     /// Takes `tensor` when its memory can be read as it is (on the CPU, contiguous, dense);
     /// gives it back otherwise.
-    pub fn new(tensor: Tensor) -> Result<Self, Tensor> {
+    ///
+    /// # Safety
+    ///
+    /// The tensor's bytes are initialised (a computed tensor's are; an `empty` one's are not),
+    /// and nothing writes them, through this tensor or any other handle to its storage, until
+    /// the returned value and every [`Bytes`] made from it are dropped.
+    pub unsafe fn new(tensor: Tensor) -> Result<Self, Tensor> {
         if tensor.device() != Device::Cpu || !tensor.is_contiguous() || tensor.is_sparse() || tensor.is_mkldnn() {
             return Err(tensor);
         }
@@ -53,17 +63,20 @@ impl AsRef<[u8]> for TensorBytes {
         }
         // SAFETY: `new` checked that the tensor is a dense contiguous CPU tensor, so its
         // `numel * element size` bytes from `data_ptr` are one allocation, kept alive by
-        // `self.tensor` for as long as `self` (and so the returned borrow) lives. The module
-        // documentation says why nothing writes them meanwhile.
+        // `self.tensor` for as long as `self` (and so the returned borrow) lives. They are
+        // initialised and nothing writes them meanwhile: `new`'s caller promised both.
         unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.len) }
     }
 }
 
-/// A CPU tensor of a declared shape, allocated to be written as bytes before anyone uses it.
+/// A CPU tensor of a declared shape, allocated uninitialised and written as bytes, in order,
+/// before anyone uses it.
 #[derive(Debug)]
 pub struct TensorBuf {
     tensor: Tensor,
     len: usize,
+    /// How many bytes from the start are initialised (written or zeroed); the rest are not.
+    written: usize,
     pinned: bool,
 }
 
@@ -88,9 +101,10 @@ impl TensorBuf {
         Ok(Self::of(tensor, kind, true))
     }
 
+    /// `tensor` must be contiguous, on the CPU, of `kind`, and have no other handle.
     fn of(tensor: Tensor, kind: Kind, pinned: bool) -> Self {
         let len = tensor.numel() * kind.elt_size_in_bytes();
-        Self { tensor, len, pinned }
+        Self { tensor, len, written: 0, pinned }
     }
 
     /// Whether it was allocated in pinned memory.
@@ -108,29 +122,78 @@ impl TensorBuf {
         self.len == 0
     }
 
-    /// Its bytes as written so far.
+    /// Whether every byte is written.
+    pub fn is_full(&self) -> bool {
+        self.written == self.len
+    }
+
+    /// Appends the first bytes of `bytes` after those written so far, as many as fit; returns
+    /// how many it took.
+    pub fn write(&mut self, bytes: &[u8]) -> usize {
+        let unwritten = self.unwritten();
+        let n = unwritten.len().min(bytes.len());
+        // SAFETY: `unwritten` is this buffer's own memory past the written bytes, at least `n`
+        // long, and `bytes` (a shared borrow) cannot overlap it (`&mut self` is its only view).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), unwritten.as_mut_ptr().cast::<u8>(), n) };
+        self.written += n;
+        n
+    }
+
+    /// The bytes written so far.
     pub fn bytes(&self) -> &[u8] {
-        if self.len == 0 {
+        if self.written == 0 {
             return &[];
         }
-        // SAFETY: as in `bytes_mut`; the shared borrow of `self` excludes any writer.
-        unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.len) }
+        // SAFETY: the first `written` bytes of the tensor's `len` (see `of`) are initialised,
+        // and the shared borrow of `self` excludes every writer while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.written) }
     }
 
-    /// Its bytes, to be written. They start out as whatever the allocator left there.
+    /// The bytes written so far, to change in place (a sealed payload opened where it landed).
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        if self.len == 0 {
+        if self.written == 0 {
             return &mut [];
         }
-        // SAFETY: the tensor was created by `empty` or `empty_pinned` as a contiguous CPU tensor of exactly
-        // `len` bytes, and no other handle to it exists until `into_tensor` consumes `self`;
-        // the `&mut self` borrow makes this the only view while it lives.
-        unsafe { std::slice::from_raw_parts_mut(self.tensor.data_ptr() as *mut u8, self.len) }
+        // SAFETY: as in `bytes`; the `&mut self` borrow makes this the only view while it lives.
+        unsafe { std::slice::from_raw_parts_mut(self.tensor.data_ptr() as *mut u8, self.written) }
     }
 
-    /// The tensor, now that its bytes are written.
-    pub fn into_tensor(self) -> Tensor {
+    /// All its bytes, for a writer that takes initialised memory (a decoder that writes every
+    /// byte): those not written yet are zeroed first.
+    pub fn zero_rest_mut(&mut self) -> &mut [u8] {
+        self.zero_rest();
+        self.bytes_mut()
+    }
+
+    /// The tensor, now that its bytes are written; any never written are zeroed, so that no
+    /// one reads uninitialised memory.
+    pub fn into_tensor(mut self) -> Tensor {
+        self.zero_rest();
         self.tensor
+    }
+
+    fn zero_rest(&mut self) {
+        let unwritten = self.unwritten();
+        let n = unwritten.len();
+        // SAFETY: `unwritten` is this buffer's own memory, `n` bytes long, and `&mut self` is
+        // its only view.
+        unsafe { std::ptr::write_bytes(unwritten.as_mut_ptr().cast::<u8>(), 0, n) };
+        self.written = self.len;
+    }
+
+    /// The bytes past those written, uninitialised.
+    fn unwritten(&mut self) -> &mut [MaybeUninit<u8>] {
+        if self.written == self.len {
+            return &mut [];
+        }
+        // SAFETY: the tensor was created by `empty` or `empty_pinned` as a contiguous CPU tensor
+        // of exactly `len` bytes with no other handle until `into_tensor` consumes `self`; the
+        // `&mut self` borrow makes this the only view of them while it lives. `MaybeUninit`
+        // asks nothing of their contents.
+        unsafe {
+            let start = (self.tensor.data_ptr() as *mut MaybeUninit<u8>).add(self.written);
+            std::slice::from_raw_parts_mut(start, self.len - self.written)
+        }
     }
 }
 
@@ -143,7 +206,8 @@ mod tests {
         let t = Tensor::from_slice(&[1.0f32, -2.5, 3.25]).reshape([3, 1]);
         let expected: Vec<u8> = [1.0f32, -2.5, 3.25].iter().flat_map(|x| x.to_le_bytes()).collect();
         let ptr = t.data_ptr() as usize;
-        let bytes = TensorBytes::new(t).unwrap().into_bytes();
+        // SAFETY: nothing else holds `t`.
+        let bytes = unsafe { TensorBytes::new(t) }.unwrap().into_bytes();
         assert_eq!(bytes.as_ptr() as usize, ptr, "no copy was made");
         let slice = bytes.slice(4..8);
         drop(bytes);
@@ -153,23 +217,41 @@ mod tests {
     #[test]
     fn a_tensor_that_is_not_contiguous_is_given_back() {
         let t = Tensor::from_slice(&[1i64, 2, 3, 4]).reshape([2, 2]).tr();
-        let back = TensorBytes::new(t).unwrap_err();
+        // SAFETY: nothing else holds `t`.
+        let back = unsafe { TensorBytes::new(t) }.unwrap_err();
         assert_eq!(back.size(), [2, 2]);
     }
 
     #[test]
     fn an_empty_tensor_has_no_bytes() {
         let t = Tensor::f_empty([0, 4], (Kind::Float, Device::Cpu)).unwrap();
-        assert!(TensorBytes::new(t).unwrap().into_bytes().is_empty());
+        // SAFETY: nothing else holds `t`, and it has no bytes to read.
+        assert!(unsafe { TensorBytes::new(t) }.unwrap().into_bytes().is_empty());
         assert!(TensorBuf::empty(&[4, 0], Kind::Float).unwrap().bytes_mut().is_empty());
     }
 
     #[test]
     fn a_filled_buffer_becomes_the_tensor_written() {
         let mut buf = TensorBuf::empty(&[2, 2], Kind::Int16).unwrap();
-        buf.bytes_mut().copy_from_slice(&[1, 0, 2, 0, 3, 0, 0xff, 0xff]);
+        assert_eq!(buf.write(&[1, 0, 2]), 3);
+        assert_eq!(buf.bytes(), [1, 0, 2], "only the bytes written are readable");
+        assert_eq!(buf.write(&[0, 3, 0, 0xff, 0xff, 9, 9]), 5, "it takes what fits");
+        assert!(buf.is_full());
+        assert_eq!(buf.write(&[9]), 0);
         let t = buf.into_tensor();
         assert_eq!(Vec::<i16>::try_from(t.flatten(0, -1)).unwrap(), [1, 2, 3, -1]);
+    }
+
+    #[test]
+    fn bytes_never_written_are_zeroed_before_anyone_reads_them() {
+        let mut buf = TensorBuf::empty(&[4], Kind::Uint8).unwrap();
+        buf.write(&[7]);
+        assert_eq!(buf.bytes_mut(), [7]);
+        assert_eq!(Vec::<u8>::try_from(buf.into_tensor()).unwrap(), [7, 0, 0, 0]);
+        let mut whole = TensorBuf::empty(&[3], Kind::Uint8).unwrap();
+        whole.write(&[5]);
+        assert_eq!(whole.zero_rest_mut(), [5, 0, 0]);
+        assert!(whole.is_full());
     }
 
     #[test]

@@ -131,7 +131,14 @@ impl PayloadSender {
 
     /// Encodes a boundary given up to the wire: the encoding reads the tensors' memory where
     /// it lies, and a raw payload without a key is that memory (no copy).
-    pub fn encode_owned(&mut self, meta: PayloadMeta, codec: &Codec, boundary: Boundary) -> Result<EncodedPayload, WireError> {
+    ///
+    /// # Safety
+    ///
+    /// Nothing writes the memory of the boundary's tensors (through any handle that shares
+    /// it: a view, a parameter a stage returned as it is) until the payload returned and
+    /// every frame sliced from it are dropped. See [`TensorBytes::new`].
+    #[allow(unsafe_code)]
+    pub unsafe fn encode_owned(&mut self, meta: PayloadMeta, codec: &Codec, boundary: Boundary) -> Result<EncodedPayload, WireError> {
         self.encode_flat(meta, codec, flatten(&boundary, true, keeps_layout(codec))?)
     }
 
@@ -185,7 +192,12 @@ fn tensor_bytes(t: &Tensor, owned: bool, keep_layout: bool) -> (Bytes, u64, Vec<
         None => (t.contiguous(), Vec::new(), len),
     };
     if owned || !on_cpu || made > 0 {
-        match TensorBytes::new(dense) {
+        // SAFETY: a tensor moved to the CPU or made contiguous here is new memory no one else
+        // holds; an `owned` one was given up by `encode_owned`'s caller, who promised that
+        // nothing writes it while the payload lives. A computed tensor's bytes are initialised.
+        #[allow(unsafe_code)]
+        let memory = unsafe { TensorBytes::new(dense) };
+        match memory {
             Ok(memory) => return (memory.into_bytes(), made, dim_order),
             Err(dense) => return (copy_bytes(&dense), made + len, dim_order),
         }
@@ -423,7 +435,7 @@ impl PayloadReceiver {
             }
             Sink::Encoded(mut data) => {
                 let mut buffers = tensor_buffers(&assembly.incoming, assembly.pinned_for)?;
-                let mut outs: Vec<&mut [u8]> = buffers.iter_mut().map(TensorBuf::bytes_mut).collect();
+                let mut outs: Vec<&mut [u8]> = buffers.iter_mut().map(TensorBuf::zero_rest_mut).collect();
                 (assembly.incoming.decode_into(&mut data, &mut self.opener, &mut outs)?, buffers)
             }
             Sink::Unreserved => unreachable!("reserved above"),
@@ -603,9 +615,9 @@ enum Sink {
     Unreserved,
     /// The encoded data, to decode once whole.
     Encoded(Vec<u8>),
-    /// The tensors themselves, filled in order: `filled` bytes of tensor `index` so far; a
+    /// The tensors themselves, filled in order (tensor `index` is the one being written); a
     /// sealed payload's tag after them.
-    Verbatim { buffers: Vec<TensorBuf>, index: usize, filled: usize, tag: Vec<u8> },
+    Verbatim { buffers: Vec<TensorBuf>, index: usize, tag: Vec<u8> },
 }
 
 impl Reassembly {
@@ -664,16 +676,12 @@ impl Reassembly {
         self.received += bytes.len() as u64;
         match &mut self.sink {
             Sink::Encoded(data) => data.extend_from_slice(bytes),
-            Sink::Verbatim { buffers, index, filled, tag } => {
+            Sink::Verbatim { buffers, index, tag } => {
                 // The sizes add up (checked in `parse` and above), so the tensors take every
                 // byte but a sealed payload's tag, which comes after them (`expected` bounds it).
                 while !bytes.is_empty() && *index < buffers.len() {
-                    let target = &mut buffers[*index].bytes_mut()[*filled..];
-                    let n = target.len().min(bytes.len());
-                    target[..n].copy_from_slice(&bytes[..n]);
-                    (*filled, bytes) = (*filled + n, &bytes[n..]);
-                    if *filled == buffers[*index].len() {
-                        *filled = 0;
+                    bytes = &bytes[buffers[*index].write(bytes)..];
+                    if buffers[*index].is_full() {
                         *index = next_to_fill(buffers, *index + 1);
                     }
                 }
@@ -700,7 +708,7 @@ impl Reassembly {
         if matches!(self.sink, Sink::Unreserved) {
             self.sink = if self.goes_to_tensors() {
                 let buffers = tensor_buffers(&self.incoming, self.pinned_for)?;
-                Sink::Verbatim { index: next_to_fill(&buffers, 0), buffers, filled: 0, tag: Vec::new() }
+                Sink::Verbatim { index: next_to_fill(&buffers, 0), buffers, tag: Vec::new() }
             } else {
                 Sink::Encoded(Vec::with_capacity(self.expected as usize))
             };
@@ -711,7 +719,7 @@ impl Reassembly {
 
 /// The first tensor from `from` on that takes bytes (empty ones take none).
 fn next_to_fill(buffers: &[TensorBuf], from: usize) -> usize {
-    (from..buffers.len()).find(|&i| !buffers[i].is_empty()).unwrap_or(buffers.len())
+    (from..buffers.len()).find(|&i| !buffers[i].is_full()).unwrap_or(buffers.len())
 }
 
 /// A frame of some stream's payloads, as [`frame_parts`] made it: the request id, the
@@ -849,6 +857,13 @@ impl<Tag> FrameAssembler<Tag> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `encode_owned` of a boundary a test made and gives up.
+    #[allow(unsafe_code)]
+    fn encode_given_up(sender: &mut PayloadSender, meta: PayloadMeta, codec: &Codec, boundary: Boundary) -> Result<EncodedPayload, WireError> {
+        // SAFETY: the tests never write a boundary after giving it up.
+        unsafe { sender.encode_owned(meta, codec, boundary) }
+    }
     // The frames of the `Infer` stream, as every stream's frames are assembled alike.
     use crate::pb::InferFrame;
     use cleave_codec::Key;
@@ -908,7 +923,7 @@ mod tests {
         for codec in ["raw", "shuffle+lz4", "fp16", "int8"] {
             let codec: Codec = codec.parse().unwrap();
             let boundary = Boundary { values: vec![("x".into(), Value::Tensor(t.shallow_clone()))] };
-            let encoded = PayloadSender::plain().encode_owned(meta(1), &codec, boundary).unwrap();
+            let encoded = encode_given_up(&mut PayloadSender::plain(), meta(1), &codec, boundary).unwrap();
             let header =
                 cleave_codec::pb::PayloadHeader::decode(&cleave_codec::pb::PayloadEnvelope::decode(&encoded.envelope[..]).unwrap().header[..])
                     .unwrap();
@@ -945,7 +960,7 @@ mod tests {
         let boundary = || Boundary { values: vec![("x".into(), Value::Tensor(Tensor::randn([256, 256], (Kind::Float, Device::Cpu))))] };
         let bytes = 256 * 256 * 4;
         let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &KeyRing::default());
-        let given_up = PayloadSender::plain().encode_owned(meta(1), &Codec::RAW, boundary()).unwrap();
+        let given_up = encode_given_up(&mut PayloadSender::plain(), meta(1), &Codec::RAW, boundary()).unwrap();
         assert_eq!(given_up.copied_bytes, 0, "sent from the tensor's memory");
         assert_eq!(send_through_chunks(&mut rx, &given_up, 1, 100_000).unwrap().copied_bytes, bytes, "once, from the frames into the tensor");
         let kept = PayloadSender::plain().encode(meta(2), &Codec::RAW, &boundary()).unwrap();
@@ -953,7 +968,7 @@ mod tests {
         // Sealed, the data is copied into the payload, and received into the tensor's memory
         // (the tag aside), where it is decrypted.
         let ring = KeyRing::new([(1, Key::from_bytes([9; 32]))]).unwrap();
-        let sealed = PayloadSender::sealed(&ring, 1).unwrap().encode_owned(meta(3), &Codec::RAW, boundary()).unwrap();
+        let sealed = encode_given_up(&mut PayloadSender::sealed(&ring, 1).unwrap(), meta(3), &Codec::RAW, boundary()).unwrap();
         assert_eq!(sealed.copied_bytes, bytes);
         let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &ring);
         let wire = sealed.data.len() as u64;
@@ -972,7 +987,7 @@ mod tests {
         let pinned = if tch::Cuda::is_available() { bytes } else { 0 };
         for codec in ["raw", "shuffle+lz4"] {
             let boundary = Boundary { values: vec![("x".into(), Value::Tensor(t.copy()))] };
-            let encoded = PayloadSender::plain().encode_owned(meta(1), &codec.parse().unwrap(), boundary).unwrap();
+            let encoded = encode_given_up(&mut PayloadSender::plain(), meta(1), &codec.parse().unwrap(), boundary).unwrap();
             let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &KeyRing::default()).landing_for(Device::Cuda(0));
             let back = send_through_chunks(&mut rx, &encoded, 1, 100_000).unwrap();
             assert_eq!(back.pinned_bytes, pinned, "{codec}");
@@ -980,7 +995,7 @@ mod tests {
             assert!(r.equal(&t), "{codec}: arrived whole");
             // Bound for the CPU, nothing is pinned.
             let boundary = Boundary { values: vec![("x".into(), Value::Tensor(t.copy()))] };
-            let encoded = PayloadSender::plain().encode_owned(meta(2), &codec.parse().unwrap(), boundary).unwrap();
+            let encoded = encode_given_up(&mut PayloadSender::plain(), meta(2), &codec.parse().unwrap(), boundary).unwrap();
             let mut rx = PayloadReceiver::new(Direction::Request, 1 << 20, CodecPolicy::default(), &KeyRing::default()).landing_for(Device::Cpu);
             assert_eq!(send_through_chunks(&mut rx, &encoded, 2, 100_000).unwrap().pinned_bytes, 0);
         }
@@ -1108,7 +1123,7 @@ mod tests {
             ],
         };
         let pointers = [x.data_ptr() as usize, y.data_ptr() as usize];
-        let given = PayloadSender::plain().encode_owned(meta(1), &Codec::RAW, boundary()).unwrap();
+        let given = encode_given_up(&mut PayloadSender::plain(), meta(1), &Codec::RAW, boundary()).unwrap();
         let segments: Vec<usize> = given.data.segments().iter().map(|s| s.as_ptr() as usize).collect();
         assert_eq!(segments.len(), 3, "x, then m's copy, then y: {segments:?}");
         assert_eq!([segments[0], segments[2]], pointers, "each large tensor is a segment of its own memory");

@@ -572,7 +572,9 @@ fn pinned_landing(bundle: &Bundle, device: tch::Device) -> String {
         let cut = bundle.stage_count() / 2;
         let middle = stages.run(StageRange::prefix(cut), &input)?.to_device(tch::Device::Cpu);
         let meta = PayloadMeta { request_id: 1, split: cut as u32, direction: Direction::Request };
-        let sent = PayloadSender::plain().encode_owned(meta, &Codec::RAW, middle)?;
+        // SAFETY: `middle` was just copied from the device to the CPU: no other handle has it.
+        #[allow(unsafe_code)]
+        let sent = unsafe { PayloadSender::plain().encode_owned(meta, &Codec::RAW, middle)? };
         let mut receiver = PayloadReceiver::new(Direction::Request, u64::MAX, CodecPolicy::default(), &KeyRing::default())
             .checked_against(bundle)
             .landing_for(device);

@@ -103,7 +103,11 @@ pub(super) fn run_prefixes(mut plan: StreamPlan, mut sender: PayloadSender, chun
                     let (encoded, boundary) = if fallback {
                         (sender.encode(meta, &codec, &boundary)?, Some(boundary))
                     } else {
-                        (sender.encode_owned(meta, &codec, boundary)?, None)
+                        // SAFETY: the prefix's output is given up here, and an inference
+                        // prefix never writes a tensor it has computed.
+                        #[allow(unsafe_code)]
+                        let encoded = unsafe { sender.encode_owned(meta, &codec, boundary)? };
+                        (encoded, None)
                     };
                     let frames: Vec<InferFrame> = payload_frames(id, encoded.envelope, &encoded.data, chunk_bytes);
                     drop(encode);
