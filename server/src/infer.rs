@@ -21,9 +21,8 @@ use cleave_common::security::ServerSecurity;
 use cleave_common::spec::{BoundarySizes, Sizes};
 use cleave_common::wire::{payload_frames, Codec, Direction, FrameAssembler, PayloadReceiver, Reassembly, Received};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
-use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
-use tonic::Status;
+use tonic::{Status, Streaming};
 use tracing::Instrument;
 
 use crate::budget::{MemoryBudget, Reservation};
@@ -33,12 +32,9 @@ use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
 use crate::reader::{FrameReader, Next, ReadBuffer};
 use crate::scheduler::{InferJob, JobResult};
+use crate::streams::OpenStream;
 use crate::unsent::{answer_bytes, Unsent};
 use crate::window::{HostSession, ResultWindow};
-
-/// Result frames a stream buffers for its host: with one answer being encoded, what a host
-/// that does not read can make the server hold.
-const OUT_FRAMES: usize = 4;
 
 /// What one `Infer` stream needs.
 pub(crate) struct InferContext {
@@ -57,8 +53,6 @@ pub(crate) struct InferContext {
     pub(crate) max_requests: usize,
     /// The memory every stream's requests share.
     pub(crate) budget: MemoryBudget,
-    /// From a request's first frame to its last.
-    pub(crate) request_timeout: Duration,
     /// Cancelled when the server starts draining.
     pub(crate) draining: CancellationToken,
     /// The window of recent results and the session of this stream's host, when it gave one.
@@ -70,16 +64,12 @@ pub(crate) struct InferContext {
     pub(crate) unsent: Unsent,
 }
 
-/// Serves one stream: spawns its reader and responder; results go to `out`.
-pub(crate) fn serve_stream<S>(inbound: S, ctx: InferContext) -> mpsc::Receiver<Result<ResultFrame, Status>>
-where
-    S: Stream<Item = Result<InferFrame, Status>> + Unpin + Send + 'static,
-{
-    let (out, out_rx) = mpsc::channel(OUT_FRAMES);
+/// Serves one stream: its reader and its responder, results to the stream's answers.
+pub(crate) async fn serve_stream(open: OpenStream<InferFrame, ResultFrame>, ctx: InferContext) {
     let (pending_tx, pending_rx) = mpsc::channel::<Pending>(ctx.max_requests);
     let encoder = ResultEncoder::new(Arc::clone(&ctx.security), ctx.max_payload_bytes);
     let responder = Responder {
-        out: out.clone(),
+        out: open.answers.clone(),
         encoder: Arc::new(Mutex::new(encoder)),
         chunk_bytes: ctx.chunk_bytes,
         unsent: ctx.unsent.clone(),
@@ -87,18 +77,15 @@ where
         metrics: ctx.metrics.clone(),
     };
     tokio::spawn(responder.respond(pending_rx));
-    let reader = tokio::spawn(read_requests(inbound, ctx, pending_tx));
+    let reader = tokio::spawn(read_requests(open.reader, ctx, pending_tx));
     // A panic in the reader (a bug) ends the stream with INTERNAL rather than silently.
-    tokio::spawn(async move {
-        if let Err(e) = reader.await {
-            if e.is_panic() {
-                let message = crate::error::panic_message(e.into_panic().as_ref());
-                tracing::error!(panic = %message, "an Infer stream's reader panicked");
-                let _ = out.send(Err(RequestError::Panicked(format!("the stream's reader panicked: {message}")).into())).await;
-            }
+    if let Err(e) = reader.await {
+        if e.is_panic() {
+            let message = crate::error::panic_message(e.into_panic().as_ref());
+            tracing::error!(panic = %message, "an Infer stream's reader panicked");
+            let _ = open.answers.send(Err(RequestError::Panicked(format!("the stream's reader panicked: {message}")).into())).await;
         }
-    });
-    out_rx
+    }
 }
 
 /// What a request holds from its first frame to its answer: its place among the stream's
@@ -146,15 +133,10 @@ impl Pending {
     }
 }
 
-async fn read_requests<S>(inbound: S, ctx: InferContext, pending: mpsc::Sender<Pending>)
-where
-    S: Stream<Item = Result<InferFrame, Status>> + Unpin,
-{
+async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: InferContext, pending: mpsc::Sender<Pending>) {
     let slots = Arc::new(Semaphore::new(ctx.max_requests));
     let mut frames = FrameAssembler::<Held>::default();
     let mut read_buffer = ReadBuffer::default();
-    // An Infer stream may wait as long as it likes between requests.
-    let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, None);
     loop {
         // A new request needs a place among the stream's requests before it is read.
         let mut slot = None;

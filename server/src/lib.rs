@@ -8,14 +8,17 @@
 //!   (tests and `host --loopback` bind `127.0.0.1:0`).
 //! - [`config`]: `server.yaml`, raw then validated (models and scheduler in its `models`).
 //! - `models`: the models served, selected by the bundle id a call carries.
-//! - `service`: the tonic service; it selects the model and delegates.
+//! - `service`: the tonic service; every stream opens through its one skeleton
+//!   (`open_stream`: model, drain, answers, reader), then its kind's task takes over.
+//! - `streams`: what an open stream is made of (`OpenStream`), and its kinds.
 //! - `infer`: the `Infer` stream (reader and responder tasks).
 //! - `training`: the `Train` stream: `admission` (who may train), `session` (each session's
 //!   own thread, stages, optimizer and checkpoints), `stream` (calls answered in order).
-//! - `payloads`: decoding requests and encoding answers on the blocking pool.
+//! - `payloads`: decoding requests and encoding answers (on the blocking pool where that is
+//!   real work).
 //! - `scheduler`: one thread per device that owns its models' stages and picks what runs
-//!   next: merged batches, profiles, training turns (`queue`: the rules; `watch`: a thread
-//!   that dies is restarted or reported, per `on_device_failure`).
+//!   next: merged batches, profiles, training turns (the rules: `cleave_common::scheduling`;
+//!   `watch`: a thread that dies is restarted or reported, per `on_device_failure`).
 //! - `health`: what the health service says of the server and of each model.
 //! - [`metrics`]: Prometheus metrics and their endpoint.
 //! - `unsent`: what answers hold in the memory budget until written to their connection.
@@ -24,7 +27,8 @@
 //! - `error`: why a call failed, and the one map from errors to gRPC statuses.
 //! - [`write_dev_secrets`]: `server dev-secrets`.
 //! - [`check`]: `server check`, every split against the bundle's references on the device.
-//! - [`allocator`]: glibc set to give freed memory back at once (the `server` binary).
+//! - [`allocator`]: glibc's allocator tuned, and a trimmer thread that gives freed memory
+//!   back after a burst (the `server` binary).
 
 // Libraries return what they found and hand progress to their caller; binaries print.
 #![warn(clippy::print_stdout, clippy::print_stderr)]
@@ -44,6 +48,7 @@ mod payloads;
 mod reader;
 mod scheduler;
 mod service;
+mod streams;
 mod training;
 mod unsent;
 mod window;

@@ -1,4 +1,4 @@
-//! The one reader machinery of the `Infer` and `Train` streams: what a stream's reader deals
+//! The one reader machinery of the `Infer`, `Train` and `Generate` streams: what a stream's reader deals
 //! with next (a frame, the payload part-way in stalling, the stream idle, the server
 //! draining, the host ending or breaking the stream), and the deadline of the payload
 //! part-way in.
@@ -73,6 +73,19 @@ where
                 }
                 None => Next::End,
             },
+        }
+    }
+
+    /// The stream's opening frame, which must come within `request_timeout` (as a payload
+    /// part-way in must be complete): `None` when it does not, or when the server drains, the
+    /// answers go, or the host ends or breaks the stream first.
+    pub(crate) async fn first(&mut self, answers_gone: impl Future<Output = ()>) -> Option<F> {
+        self.payload_part_way(true);
+        let next = self.next(answers_gone).await;
+        self.payload_part_way(false);
+        match next {
+            Next::Frame(frame) => Some(frame),
+            Next::Stalled | Next::Idle | Next::Draining | Next::End | Next::Broken => None,
         }
     }
 
@@ -179,6 +192,22 @@ mod tests {
         tokio::time::advance(TIMEOUT * 2).await;
         assert_eq!(name(&reader.next(std::future::ready(())).await), "broken");
         assert_eq!(name(&reader.next(std::future::pending()).await), "stalled");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_opening_frame_comes_within_the_request_timeout_whatever_the_idle_timeout() {
+        let (mut silent, _draining) = reading(vec![], Some(IDLE));
+        let started = Instant::now();
+        assert!(silent.first(std::future::pending()).await.is_none());
+        assert_eq!(started.elapsed(), TIMEOUT, "the request timeout, not the longer idle timeout");
+        let (mut draining_first, draining) = reading(vec![], None);
+        draining.cancel();
+        assert!(draining_first.first(std::future::pending()).await.is_none());
+        let (mut opened, _draining) = reading(vec![Ok(3)], None);
+        assert_eq!(opened.first(std::future::pending()).await, Some(3));
+        // The opening frame's deadline went with it: without an idle timeout the reader waits.
+        let waited = tokio::time::timeout(Duration::from_secs(3600), opened.next(std::future::pending())).await;
+        assert!(waited.is_err());
     }
 
     #[tokio::test]

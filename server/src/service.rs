@@ -3,20 +3,21 @@
 //! `Train` to [`crate::training`]. Every refusal is a [`RequestError`], turned into a status
 //! in one place.
 
-use std::pin::Pin;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_server::SplitInference;
-use cleave_common::pb::{self, InferFrame, ResultFrame};
+use cleave_common::pb::{self, InferFrame};
 use cleave_common::protocol::{ServerInfo, HOST_SESSION_METADATA};
 use cleave_common::security::ServerSecurity;
 use cleave_common::telemetry::TRACEPARENT_METADATA;
 use cleave_common::wire::{Direction, PayloadReceiver};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::{Stream, StreamExt};
+use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
@@ -31,7 +32,9 @@ use crate::generation::stream::GenerateContext;
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
 use crate::models::Models;
+use crate::reader::FrameReader;
 use crate::scheduler::ProfileJob;
+use crate::streams::{Answers, OpenStream, StreamKind};
 use crate::training::admission::Training;
 use crate::training::parking::Parking;
 use crate::training::stream::TrainContext;
@@ -65,8 +68,6 @@ pub(crate) struct Service {
     /// One profile at a time.
     pub(crate) profiling: Arc<Semaphore>,
 }
-
-type ResultStream = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
 
 impl Service {
     async fn run_profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
@@ -137,47 +138,32 @@ impl SplitInference for Service {
         Ok(Response::new(pb::InfoReply::from(&info)))
     }
 
-    type InferStream = ResultStream;
+    type InferStream = Answers<pb::ResultFrame>;
 
-    async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<ResultStream>, Status> {
-        let model = self.models.select(request.metadata(), false)?;
-        if self.draining.is_cancelled() {
-            return Err(RequestError::Draining.into());
-        }
-        let peer_gone = CancellationToken::new();
-        let unsent = unsent_of(&request);
+    async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<Self::InferStream>, Status> {
         let session = match request.metadata().get(HOST_SESSION_METADATA) {
             None => None,
             Some(value) => Some(HostSession::parse(value.to_str().unwrap_or(""))?),
         };
-        let ctx = InferContext {
+        let context = |open: &OpenStream<InferFrame, pb::ResultFrame>| InferContext {
             receiver: Arc::new(Mutex::new(
                 PayloadReceiver::new(Direction::Request, self.limits.max_payload_bytes, self.security.policy.clone(), &self.security.keys)
-                    .checked_against(&model.bundle)
-                    .landing_for(model.torch_device),
+                    .checked_against(&open.model.bundle)
+                    .landing_for(open.model.torch_device),
             )),
-            model,
+            model: Arc::clone(&open.model),
             metrics: self.metrics.clone(),
             security: Arc::clone(&self.security),
             max_payload_bytes: self.limits.max_payload_bytes,
             chunk_bytes: self.limits.chunk_bytes(),
             max_requests: self.peers.max_requests_per_stream as usize,
             budget: self.budget.clone(),
-            request_timeout: self.peers.request_timeout,
             draining: self.draining.clone(),
             window: session.map(|s| (self.window.clone(), s)),
-            peer_gone: peer_gone.clone(),
-            unsent: unsent.clone(),
+            peer_gone: open.peer_gone.clone(),
+            unsent: open.unsent.clone(),
         };
-        let out = crate::infer::serve_stream(request.into_inner(), ctx);
-        // tonic drops the response when the peer resets the stream or its connection closes:
-        // the requests it still has queued are dropped then, not computed.
-        let gone_on_drop = peer_gone.drop_guard();
-        let answers = ReceiverStream::new(out).map(move |frame| {
-            let _held = &gone_on_drop;
-            frame
-        });
-        Ok(answering(Box::pin(answers) as ResultStream, unsent))
+        self.open_stream(request, StreamKind::Infer, context, crate::infer::serve_stream)
     }
 
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileReply>, Status> {
@@ -190,48 +176,27 @@ impl SplitInference for Service {
         self.run_echo(request).instrument(span).await
     }
 
-    type TrainStream = Pin<Box<dyn Stream<Item = Result<pb::TrainReply, Status>> + Send>>;
+    type TrainStream = Answers<pb::TrainReply>;
 
     async fn train(&self, request: Request<Streaming<pb::TrainFrame>>) -> Result<Response<Self::TrainStream>, Status> {
-        let model = self.models.select(request.metadata(), false)?;
-        if self.draining.is_cancelled() {
-            return Err(RequestError::Draining.into());
-        }
-        let (out_tx, out_rx) = mpsc::channel(16);
-        let unsent = unsent_of(&request);
-        let ctx = TrainContext {
-            model,
+        let context = |open: &OpenStream<pb::TrainFrame, pb::TrainReply>| TrainContext {
+            model: Arc::clone(&open.model),
             metrics: self.metrics.clone(),
             limits: self.limits,
             security: Arc::clone(&self.security),
             training: self.training.clone(),
             parking: self.parking.clone(),
             budget: self.budget.clone(),
-            request_timeout: self.peers.request_timeout,
-            draining: self.draining.clone(),
-            unsent: unsent.clone(),
+            unsent: open.unsent.clone(),
         };
-        tokio::spawn(crate::training::stream::serve_stream(request.into_inner(), ctx, out_tx));
-        Ok(answering(Box::pin(ReceiverStream::new(out_rx)) as Self::TrainStream, unsent))
+        self.open_stream(request, StreamKind::Train, context, crate::training::stream::serve_stream)
     }
 
-    type GenerateStream = GenerateStream;
+    type GenerateStream = Answers<pb::GenerateReply>;
 
-    async fn generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<GenerateStream>, Status> {
-        self.start_generate(request).await
-    }
-}
-
-impl Service {
-    async fn start_generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<GenerateStream>, Status> {
-        let model = self.models.select(request.metadata(), false)?;
-        if self.draining.is_cancelled() {
-            return Err(RequestError::Draining.into());
-        }
-        let (out_tx, out_rx) = mpsc::channel(4);
-        let unsent = unsent_of(&request);
-        let ctx = GenerateContext {
-            model,
+    async fn generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<Self::GenerateStream>, Status> {
+        let context = |open: &OpenStream<pb::GenerateFrame, pb::GenerateReply>| GenerateContext {
+            model: Arc::clone(&open.model),
             generation: self.generation.clone(),
             queues: self.step_queues.clone(),
             metrics: self.metrics.clone(),
@@ -239,16 +204,61 @@ impl Service {
             sealing_required: self.security.policy.require_encryption,
             max_message_bytes: self.limits.max_message_bytes,
             budget: self.budget.clone(),
-            request_timeout: self.peers.request_timeout,
-            draining: self.draining.clone(),
-            unsent: unsent.clone(),
+            unsent: open.unsent.clone(),
         };
-        tokio::spawn(crate::generation::stream::serve_stream(request.into_inner(), ctx, out_tx));
-        Ok(answering(Box::pin(ReceiverStream::new(out_rx)) as GenerateStream, unsent))
+        self.open_stream(request, StreamKind::Generate, context, crate::generation::stream::serve_stream)
     }
 }
 
-type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateReply, Status>> + Send>>;
+/// The one skeleton every stream opens through.
+impl Service {
+    /// Opens a stream of `kind`: selects the model its metadata names and refuses it while
+    /// the server drains; then spawns `serve` with the stream and the context `context`
+    /// makes for it, and answers with the stream's answers (their bytes unsent until
+    /// written; the response, when tonic drops it, says the peer is gone). The bearer token
+    /// was checked before, once, by [`check_token`].
+    fn open_stream<F, R, C, Fut>(
+        &self,
+        request: Request<Streaming<F>>,
+        kind: StreamKind,
+        context: impl FnOnce(&OpenStream<F, R>) -> C,
+        serve: impl FnOnce(OpenStream<F, R>, C) -> Fut,
+    ) -> Result<Response<Answers<R>>, Status>
+    where
+        F: Send + 'static,
+        R: Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let model = self.models.select(request.metadata(), false)?;
+        if self.draining.is_cancelled() {
+            return Err(RequestError::Draining.into());
+        }
+        let unsent = unsent_of(&request);
+        let (answers, answers_rx) = mpsc::channel(kind.answers_queued());
+        let peer_gone = CancellationToken::new();
+        let reader = FrameReader::new(request.into_inner(), self.draining.clone(), self.peers.request_timeout, self.idle_timeout(kind));
+        let open = OpenStream { model, reader, answers, unsent: unsent.clone(), peer_gone: peer_gone.clone() };
+        let ctx = context(&open);
+        tokio::spawn(serve(open, ctx));
+        // tonic drops the response when the peer resets the stream or its connection closes.
+        let gone_on_drop = peer_gone.drop_guard();
+        let answers = ReceiverStream::new(answers_rx).map(move |answer| {
+            let _held = &gone_on_drop;
+            answer
+        });
+        Ok(answering(Box::pin(answers) as Answers<R>, unsent))
+    }
+
+    /// How long a stream of `kind` may say nothing between its calls (none: as long as it
+    /// likes): the one place the idle rule of streams is set.
+    fn idle_timeout(&self, kind: StreamKind) -> Option<Duration> {
+        match kind {
+            StreamKind::Infer => None,
+            StreamKind::Train => Some(self.training.options.session_idle_timeout),
+            StreamKind::Generate => Some(self.generation.options().session_idle_timeout),
+        }
+    }
+}
 
 /// What the answers of `request`'s call hold until written, on its connection's clocks.
 fn unsent_of<T>(request: &Request<T>) -> Unsent {

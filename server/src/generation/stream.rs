@@ -6,15 +6,13 @@
 //! when the server drains; its caches and place go with it.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use cleave_common::pb::{self, generate_frame, GenerateReply};
 use cleave_common::spec::TorchDType;
 use cleave_common::wire::KeyRing;
 use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
-use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::admission::Generation;
@@ -26,6 +24,7 @@ use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestE
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::reader::{FrameReader, Next, ReadBuffer};
+use crate::streams::OpenStream;
 use crate::unsent::Unsent;
 
 /// What one `Generate` stream needs.
@@ -42,8 +41,6 @@ pub(crate) struct GenerateContext {
     pub(crate) max_message_bytes: u64,
     /// The memory every stream's messages share (a step and its answer are held in it).
     pub(crate) budget: MemoryBudget,
-    pub(crate) request_timeout: Duration,
-    pub(crate) draining: CancellationToken,
     pub(crate) unsent: Unsent,
 }
 
@@ -54,14 +51,9 @@ fn error_reply(request_id: u64, e: &RequestError) -> GenerateReply {
 }
 
 /// Serves one `Generate` stream: opens its session, then answers its steps in order.
-pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx: GenerateContext, out: Out) {
-    // The opening frame comes at once or not at all: a stream that says nothing holds no
-    // place, yet it should not hold a task for long either, nor delay a drain.
-    let first = tokio::select! {
-        first = tokio::time::timeout(ctx.request_timeout, inbound.next()) => first.unwrap_or(None),
-        () = ctx.draining.cancelled() => None,
-    };
-    let Some(Ok(first)) = first else { return };
+pub(crate) async fn serve_stream(mut stream: OpenStream<pb::GenerateFrame, GenerateReply>, ctx: GenerateContext) {
+    let Some(first) = stream.opening_frame().await else { return };
+    let out = &stream.answers;
     let mut read_buffer = ReadBuffer::default();
     let opened = match read_buffer.cover(&ctx.budget, &first).await {
         Ok(()) => open_session(&ctx, first).await,
@@ -79,7 +71,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::GenerateFrame>, ctx:
     let id = opened.session_id.clone();
     if out.send(Ok(GenerateReply { opened: Some(opened), ..Default::default() })).await.is_ok() {
         let _open = ctx.metrics.stream_open("generate");
-        answer_steps(inbound, &ctx, &out, session, read_buffer, &id).await;
+        answer_steps(&mut stream.reader, &ctx, out, session, read_buffer, &id).await;
     }
     tracing::info!(session = %id, "generation session closed");
 }
@@ -101,7 +93,7 @@ async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result
 
 /// Answers the steps of a stream in order until it ends.
 async fn answer_steps(
-    inbound: Streaming<pb::GenerateFrame>,
+    reader: &mut FrameReader<Streaming<pb::GenerateFrame>>,
     ctx: &GenerateContext,
     out: &Out,
     session: Session,
@@ -109,7 +101,6 @@ async fn answer_steps(
     id: &str,
 ) {
     let idle = ctx.generation.options().session_idle_timeout;
-    let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
     let mut session = Some(session);
     let mut seals = StreamSeals::new(ctx.keys.clone(), ctx.sealing_required);
     loop {

@@ -5,7 +5,6 @@
 //! (`parking`), and a new stream continues it.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use cleave_common::config::Limits;
 use cleave_common::pb::{self, train_frame, Phase, TrainReply};
@@ -15,8 +14,6 @@ use cleave_common::training::{take_targets, TARGETS_VALUE};
 use cleave_common::wire::{payload_frames, Direction, FrameAssembler, PayloadReceiver, Reassembly};
 use cleave_common::CutTensors;
 use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
-use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 use tracing::Instrument;
 
@@ -29,6 +26,7 @@ use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
 use crate::reader::{FrameReader, Next, ReadBuffer};
+use crate::streams::OpenStream;
 use crate::unsent::{wire_bytes, Unsent};
 
 /// What one `Train` stream needs.
@@ -43,10 +41,6 @@ pub(crate) struct TrainContext {
     pub(crate) parking: Parking,
     /// The memory every stream's payloads share.
     pub(crate) budget: MemoryBudget,
-    /// From a payload's first frame to its last.
-    pub(crate) request_timeout: Duration,
-    /// Cancelled when the server starts draining.
-    pub(crate) draining: CancellationToken,
     /// Where each answer's share of the budget waits for its bytes to be written.
     pub(crate) unsent: Unsent,
 }
@@ -66,9 +60,9 @@ fn error_reply(request_id: u64, e: &RequestError) -> TrainReply {
 
 /// Serves one `Train` stream: opens the session (or continues a kept one), then answers
 /// its calls in order. A reattachable session whose stream breaks is kept for its host.
-pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: TrainContext, out: mpsc::Sender<Result<TrainReply, Status>>) {
-    let first = tokio::time::timeout(ctx.training.options.session_idle_timeout, inbound.next()).await.unwrap_or(None);
-    let Some(Ok(first)) = first else { return };
+pub(crate) async fn serve_stream(mut stream: OpenStream<pb::TrainFrame, TrainReply>, ctx: TrainContext) {
+    let Some(first) = stream.opening_frame().await else { return };
+    let out = &stream.answers;
     // The stream's read buffer is counted in the budget from its first message on.
     let mut read_buffer = ReadBuffer::default();
     if let Err(e) = read_buffer.cover(&ctx.budget, &first).await {
@@ -108,7 +102,7 @@ pub(crate) async fn serve_stream(mut inbound: Streaming<pb::TrainFrame>, ctx: Tr
         }
     } else {
         let _open = ctx.metrics.stream_open("train");
-        answer_calls(&mut inbound, &ctx, &out, &attached, read_buffer).await
+        answer_calls(&mut stream.reader, &ctx, out, &attached, read_buffer).await
     };
     if ended == StreamEnd::Broken && attached.reattach_token.is_some() {
         ctx.parking.keep(attached, ctx.training.options.session_idle_timeout);
@@ -142,7 +136,7 @@ async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Atta
 
 /// Answers the calls of a stream in order until it ends.
 async fn answer_calls(
-    inbound: &mut Streaming<pb::TrainFrame>,
+    reader: &mut FrameReader<Streaming<pb::TrainFrame>>,
     ctx: &TrainContext,
     out: &mpsc::Sender<Result<TrainReply, Status>>,
     attached: &Attached,
@@ -151,7 +145,6 @@ async fn answer_calls(
     let (slot, session) = (&attached.slot, &attached.session);
     let mut stream = CallStream::new(ctx, attached);
     let idle = ctx.training.options.session_idle_timeout;
-    let mut reader = FrameReader::new(inbound, ctx.draining.clone(), ctx.request_timeout, Some(idle));
     loop {
         // The response went (reset, connection closed): nobody reads the answers.
         let next = reader.next(out.closed()).await;
