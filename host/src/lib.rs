@@ -5,8 +5,12 @@
 //! - [`session`]: the one connect (endpoint, token, `Info`, protocol and bundle checks) that
 //!   runs, plans and training share; limits come from the server's `Info`.
 //! - [`client`]: the streaming client (prefix thread, in-flight window, result reassembly).
-//! - [`planning`]: the split planner, `host plan` (profiles of the edge, the server and the
-//!   link), `split: auto` while running, and the stage graph.
+//! - [`planner`]: the split planner's model: from profiles, every cut's predicted latency
+//!   and throughput, the best cut for an [`planner::Objective`], the re-planner; what each
+//!   codec costs at a cut. It measures nothing and uses no other module.
+//! - [`planning`]: what feeds and runs the planner: `host plan` (profiles of the edge, the
+//!   server and the link), `split: auto` and `codec: auto` while running, the stage graph,
+//!   the fleet planner.
 //! - [`load`]: `host load`, a load generator: many edges' streams from one process against
 //!   one or more models, closed or open loop; a table, `load.json`, `latency.csv`, a plot.
 //! - [`training`]: `host --config train.yaml [--loopback]` (a `train:` section): split,
@@ -42,6 +46,7 @@ pub mod loopback;
 #[cfg(not(feature = "loopback"))]
 #[path = "no_loopback.rs"]
 mod loopback;
+pub mod planner;
 pub mod planning;
 pub mod plots;
 pub mod progress;

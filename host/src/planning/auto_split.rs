@@ -11,13 +11,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
 use super::profile::ProfilingTime;
 use serde::Serialize;
 
 use tracing::Instrument;
 
 use crate::client::RequestMetrics;
+use crate::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
 use crate::session::EdgeSession;
 
 /// How much each transfer moves the bandwidth estimate (in the logarithm: half way).
@@ -222,7 +222,7 @@ pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSessi
 mod tests {
     use super::*;
     use crate::client::ServerTimes;
-    use crate::planning::planner::fixtures;
+    use crate::planner::fixtures;
 
     /// The planner tests' 4-stage model over a fast link: everything goes to the server (cut 0).
     fn profiles() -> Profiles {

@@ -18,10 +18,10 @@ use cleave_common::wire::{Codec, WireError};
 use cleave_common::Boundary;
 use serde::Serialize;
 
-use super::codec_cost::{eligible, CodecCost};
-use super::planner::{BandwidthEstimate, Link, Profiles};
 use crate::client::{ChoosesCodec, RequestMetrics};
 use crate::error::{Refusal, Result};
+use crate::planner::codec_cost::{eligible, CodecCost};
+use crate::planner::{BandwidthEstimate, Link, Profiles};
 use crate::session::EdgeSession;
 
 /// What `codec: auto` chooses among, fastest first.

@@ -10,13 +10,13 @@ use cleave_common::stats::median;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 
-use super::codec_cost::{CodecCost, CutCodecs};
-use super::planner::{Link, Profiles};
 use tracing::Instrument;
 
 use crate::config::{EdgeConfig, InputSource};
 use crate::error::{HostError, MeasureError, ProfileStep, Result};
 use crate::inputs::Inputs;
+use crate::planner::codec_cost::{CodecCost, CutCodecs};
+use crate::planner::{Link, Profiles};
 use crate::session::EdgeSession;
 
 /// The measured profiles, with the edge's stages they ran and how long each part took.
