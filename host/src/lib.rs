@@ -18,6 +18,9 @@
 //! - [`generation`]: split generation: the edge's stages and caches, the server's session
 //!   over a `Generate` stream.
 //! - [`progress`]: what a long command tells while it works (events the binary prints).
+//! - [`records`]: what a command keeps of what happened (an epoch of training, what `split:
+//!   auto` planned and did, what `codec: auto` measured): made by training and planning, read
+//!   by progress, the reports and the plots.
 //! - [`report`]: a run's `predictions.jsonl`, `metrics.csv`, `summary.json` and table.
 //! - [`plots`]: every SVG plot (a run's, a plan's, a training run's) and their chart helpers.
 //! - [`config`]: `edge.yaml`, raw then validated.
@@ -50,6 +53,7 @@ pub mod planner;
 pub mod planning;
 pub mod plots;
 pub mod progress;
+pub mod records;
 pub mod report;
 pub mod run;
 pub mod session;

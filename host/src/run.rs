@@ -20,10 +20,11 @@ use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::loopback::LoopbackServer;
 use crate::planner::Profiles;
-use crate::planning::auto_split::{self, AutoSplit, Planned};
+use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::codec_choice::{self, CodecChooser};
 use crate::planning::profile::measure_profiles;
 use crate::progress::{Bar, Event, InferenceStart, Progress};
+use crate::records::Planned;
 use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
 use crate::session::{connect_first, EdgeSession, Link};
 
