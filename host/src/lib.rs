@@ -2,12 +2,14 @@
 //!
 //! - [`run`]: `host --config edge.yaml [--loopback]`: run the prefix of each request, stream
 //!   the boundaries to the server, write predictions, metrics, a summary and plots.
+//! - [`run_options`]: [`RunOptions`], what `host --config` is given beside its config, for an
+//!   inference run and a training run alike.
 //! - [`session`]: the one connect (endpoint, token, `Info`, protocol and bundle checks) that
 //!   runs, plans and training share; limits come from the server's `Info`.
 //! - [`client`]: the streaming client (prefix thread, in-flight window, result reassembly).
 //! - [`planner`]: the split planner's model: from profiles, every cut's predicted latency
 //!   and throughput, the best cut for an [`planner::Objective`], the re-planner; what each
-//!   codec costs at a cut. It measures nothing and uses no other module.
+//!   codec costs at a cut. It talks to no server and uses no other module.
 //! - [`planning`]: what feeds and runs the planner: `host plan` (profiles of the edge, the
 //!   server and the link), `split: auto` and `codec: auto` while running, the stage graph,
 //!   the fleet planner.
@@ -56,6 +58,7 @@ pub mod progress;
 pub mod records;
 pub mod report;
 pub mod run;
+pub mod run_options;
 pub mod session;
 pub mod training;
 pub mod verify;
@@ -63,5 +66,6 @@ pub mod verify;
 pub use error::{HostError, RequestFailure, Result, StreamError};
 #[cfg(feature = "loopback")]
 pub use loopback::LoopbackServer;
-pub use run::{run, RunOptions};
+pub use run::run;
+pub use run_options::RunOptions;
 pub use verify::{splits, verify, SplitsReport, VerifyOptions, VerifyRun};

@@ -12,11 +12,11 @@
 //! with real transfers, it follows a changed link within a few requests; [`Replanner`] only
 //! switches when the predicted gain beats a margin, so noise does not make the split flap.
 //!
-//! The model only: it measures nothing and needs no server, no config and no other module of
-//! this crate ([`codec_cost`] measures a codec on a boundary it is given). `planning` measures
-//! the profiles and runs `host plan` and `split: auto` with it; the config, the error type,
-//! the progress events and the run's summary name its [`Objective`], [`ProfileError`] and
-//! [`CutPrediction`].
+//! The model only: it talks to no server, reads no config and uses no other module of this
+//! crate ([`codec_cost`] times a codec on a boundary it is given). `planning` measures
+//! the profiles and runs `host plan` and `split: auto` with it; the config names its
+//! [`Objective`], the error type its [`ProfileError`], and `records` (what `split: auto`
+//! planned) its [`CutPrediction`]s.
 
 pub mod codec_cost;
 

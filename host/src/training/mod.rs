@@ -42,7 +42,7 @@ use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::records::EpochRecord;
-use crate::run::RunOptions;
+use crate::run_options::RunOptions;
 use crate::session::{connect, connect_first, EdgeSession, Link};
 use data::Dataset;
 use link::{Reconnect, SessionRequest, TrainLink};
