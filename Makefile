@@ -19,7 +19,8 @@ BENCH_ACTIVATIONS := bundles/resnet18-activations.safetensors
 EXPORTER_SOURCES := $(wildcard tools/export/cleave_export/*.py) tools/export/tests/models.py
 EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 
-# The import-cycle check reads every crate's source and the exporter's modules.
+# The import-cycle check reads every crate's source and the exporter's modules: no circles
+# between files, nor between a crate's top-level modules.
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust common/codec/src --rust common/src --rust server/src --rust host/src
 
@@ -84,7 +85,7 @@ test-extras: extras
 	cd tools/export && $(PYTHON) -m pytest -q tests/test_model_libraries.py
 
 # Formatting, clippy with warnings denied (the workspace, and the host without the server
-# crate), the exporter's linter, no import circles between files, and the claims of
+# crate), the exporter's linter, no import circles between files or modules, and the claims of
 # ARCHITECTURE.md that a search can check.
 lint: $(VENV)/.installed
 	cargo fmt --all --check

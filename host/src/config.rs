@@ -18,7 +18,7 @@ use cleave_common::training::schedule::{check_clip_norm, Schedule};
 use cleave_common::wire::{Codec, CodecPolicy};
 use cleave_common::DeviceSpec;
 
-use crate::planning::planner::Objective;
+use crate::planner::Objective;
 
 /// `encryption:` in edge.yaml.
 #[derive(Deserialize)]

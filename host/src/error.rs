@@ -14,7 +14,7 @@ use cleave_common::wire::{Codec, CodecError, PolicyError, WireError};
 use cleave_common::BundleError;
 
 use crate::loopback::LoopbackError;
-use crate::planning::planner::ProfileError;
+use crate::planner::ProfileError;
 use crate::plots::PlotError;
 
 /// Result alias for the host library.

@@ -13,7 +13,7 @@ use cleave_common::{DeviceSpec, SplitSpec};
 use cleave_host::config::{EdgeConfig, Job, TrainMode};
 use cleave_host::generation::{GenerateOptions, Sampling, TextTokenizer, TokenTime};
 use cleave_host::load::{LoadMode, LoadOptions, Ratio};
-use cleave_host::planning::planner::Objective;
+use cleave_host::planner::Objective;
 use cleave_host::planning::PlanOptions;
 use cleave_host::progress::{Bar, Event, Progress};
 use cleave_host::report::{summary_text, OutputMode};

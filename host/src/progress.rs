@@ -9,8 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::planning::auto_split::Planned;
-use crate::training::EpochRecord;
+use crate::records::{EpochRecord, Planned};
 
 /// One thing worth telling while a command runs. `Display` gives the line the binary prints.
 #[derive(Debug, Clone)]

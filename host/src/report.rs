@@ -14,9 +14,8 @@ use serde::Serialize;
 use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, StreamCounts};
 use crate::error::{HostError, MeasureError, OutputError, Result};
 use crate::files::{claim_output, EarlierRun};
-use crate::planning::auto_split::{Planned, Probes, SplitMove};
-use crate::planning::codec_choice::CodecChoiceReport;
 use crate::plots::run::{CutBreakdown, BREAKDOWN, LATENCY_CDF};
+use crate::records::{CodecChoiceReport, Planned, Probes, SplitMove};
 
 /// `summary.json`. Each part's percentiles are over the requests that succeeded (`null`
 /// when none did).

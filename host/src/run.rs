@@ -3,7 +3,7 @@
 //! (`predictions.jsonl`, `metrics.csv`), then `summary.json`, the summary table and the
 //! plots. With `split: auto` the planner picks the cut and moves it while the run goes on.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -19,28 +19,15 @@ use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::loopback::LoopbackServer;
-use crate::planning::auto_split::{self, AutoSplit, Planned};
+use crate::planner::Profiles;
+use crate::planning::auto_split::{self, AutoSplit};
 use crate::planning::codec_choice::{self, CodecChooser};
-use crate::planning::planner::Profiles;
 use crate::planning::profile::measure_profiles;
 use crate::progress::{Bar, Event, InferenceStart, Progress};
-use crate::report::{self, CpuMeter, OutputMode, ReportWriter, Summary};
+use crate::records::Planned;
+use crate::report::{self, CpuMeter, ReportWriter, Summary};
+use crate::run_options::RunOptions;
 use crate::session::{connect_first, EdgeSession, Link};
-
-/// Command-line overrides of `edge.yaml`.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// Start the server in this process on 127.0.0.1 (an ephemeral port) and use it.
-    pub loopback: bool,
-    /// Overrides `split`.
-    pub split: Option<SplitSpec>,
-    /// Overrides `output`.
-    pub output: Option<PathBuf>,
-    /// What to do when `output` holds an earlier run.
-    pub output_mode: OutputMode,
-    /// Where the run's events go (the cut it starts at, a resumed run, each epoch).
-    pub progress: Progress,
-}
 
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to
 /// `summary.json` in the output directory, beside the other files).

@@ -2,8 +2,8 @@
 //! cut, a usable best cut, and measured latencies beside the predictions.
 
 use cleave_host::config::EdgeConfig;
+use cleave_host::planner::Objective;
 use cleave_host::planning::fleet::profile::{EdgeProfile, StageProfile};
-use cleave_host::planning::planner::Objective;
 use cleave_host::planning::{plan, PlanOptions};
 use cleave_tests::bundle_dir;
 

@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""Finds import cycles between source files: Python modules and Rust module files.
+"""Finds import cycles between source files (Python modules and Rust module files) and between
+the top-level modules of each Rust crate.
 
-The architecture rule: no import circles between files. When file A needs file B, B must not
-need A back, directly or through other files; dependencies then form layers that can be read,
-tested and changed from the bottom up, and a circle is a sign that a shared piece lives in the
-wrong file (move it into the file that owns it, or into a small new file both import).
+The architecture rule: no import circles between files, nor between a crate's modules. When
+file A needs file B, B must not need A back, directly or through other files; dependencies then
+form layers that can be read, tested and changed from the bottom up, and a circle is a sign that
+a shared piece lives in the wrong file (move it into the file that owns it, or into a small new
+file both import). The same holds one level up: when module `a` (all of src/a.rs or src/a/)
+needs module `b`, `b` must not need `a` back, or no part of either can be used without the
+other; shared vocabulary then belongs in a small module both import.
 
     python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \\
         --rust common/src --rust host/src --rust server/src --rust common/codec/src
 
-prints every cycle as `cycle: a.rs -> b.rs -> a.rs` (paths relative to the repository) and exits
-1, or prints `no import cycles in N files` and exits 0. `--why` also prints the line behind every
-edge of every cycle. Pure standard library.
+prints every file cycle as `cycle: a.rs -> b.rs -> a.rs` (paths relative to the repository) and
+every module cycle as `module cycle: host: a -> b -> a` (the crate's directory, then its top-level
+modules), then `no import cycles in N files` or `K import cycle(s) among ...`, and for Rust `no
+module cycles among ...` or `K module cycle(s) among ...`; exits 1 when there is a cycle of
+either kind, else 0. `--why` also prints the line behind every edge of every cycle (for a module
+cycle, every line of every file of one module that refers to the other). Pure standard library.
 
 What counts as an edge from file A to file B:
 
@@ -41,7 +48,18 @@ What counts as an edge from file A to file B:
   `pub use`). A reference to a name that a file binds with `use` (`crate::Bundle`, where lib.rs
   has `pub use bundle::Bundle`) goes to the file that defines it, not to the one re-exporting it.
 
-Edges from a file to itself are ignored. For each group of files that reach each other
+Module edges (Rust only) are the file edges seen from higher up: every file belongs to its crate's
+top-level module (src/a.rs, src/a/mod.rs and everything under src/a/ are module `a`; a file that
+`#[path = "x.rs"] mod a;` declares is module `a` too), and an edge from a file of module `a` to a
+file of module `b` is an edge a -> b. Since references through a re-export already go to the
+file that defines the item, `crate::Y` or `crate::facade::Y` (where lib.rs or facade.rs has `pub
+use b::Y`) is an edge to `b`, the module that owns Y. The crate root (lib.rs, main.rs, a binary's
+file) is a node of its own that may depend on anything (it declares and re-exports the modules):
+its edges are left out, so it is never in a module cycle. Each binary of src/bin/ with modules of
+its own is checked as a crate of its own (`host bin/x`). Not followed: glob imports of the
+crate's own modules (`use crate::a::*` is an edge to `a`, but not the names reached through it).
+
+Edges from a file (or module) to itself are ignored. For each group of files that reach each other
 (a strongly connected component), every edge inside the group is reported through the shortest
 cycle that contains it, so fixing all the reported edges' circles fixes the group.
 """
@@ -51,6 +69,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -459,11 +478,16 @@ class RustCrate:
         return self.root, path
 
 
-def rust_crates(src: Path) -> list[tuple[RustCrate, list[tuple[Path, list[str]]]]]:
-    """The crates under a src directory, each with its files and their module paths."""
+def _src_directory(src: Path) -> Path:
     src = src.resolve()
     if not (src / "lib.rs").exists() and not (src / "main.rs").exists() and (src / "src").is_dir():
         src = src / "src"  # a crate directory was given
+    return src
+
+
+def rust_crates(src: Path) -> list[tuple[RustCrate, list[tuple[Path, list[str]]]]]:
+    """The crates under a src directory, each with its files and their module paths."""
+    src = _src_directory(src)
     groups: dict[tuple[Path, Path], list[tuple[Path, list[str]]]] = {}
     lib = src / "lib.rs" if (src / "lib.rs").exists() else src / "main.rs"
     for path in _walk(src, ".rs"):
@@ -485,18 +509,86 @@ def rust_crates(src: Path) -> list[tuple[RustCrate, list[tuple[Path, list[str]]]
         groups.setdefault((base, root), []).append((path, parts))
     crates = []
     for (base, root), files in sorted(groups.items()):
-        modules = {tuple(parts): path for path, parts in files if parts}
+        files, renamed = _apply_path_attributes(files)
+        # A file named by `#[path]` may share its module with the file at the usual place
+        # (`no_loopback.rs` standing in for `loopback.rs` under a cfg): paths go to that one.
+        modules = {tuple(parts): path for path, parts in files if parts and path not in renamed}
+        for path, parts in files:
+            if parts:
+                modules.setdefault(tuple(parts), path)
         modules[()] = root
         crates.append((RustCrate(base, root, modules), files))
     return crates
 
 
-def rust_edges(graph: Graph, src: Path, reexports: bool = True) -> None:
-    """Edges between the files of the crates under `src`. A reference to a name that a file
-    brings in with `use` (`crate::Bundle` where lib.rs has `pub use bundle::Bundle`) is followed
-    to the file that defines it; the `use` itself is an edge of the file that has it, unless it
-    is a top-level `pub use` and `reexports` is False."""
+_PATH_ATTRIBUTE = re.compile(
+    r'#\[\s*path\s*=\s*"([^"]+)"\s*\]\s*(?:#\[[^\]]*\]\s*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;'
+)
+
+
+def _apply_path_attributes(files: list[tuple[Path, list[str]]]) -> tuple[list[tuple[Path, list[str]]], set[Path]]:
+    """Gives a file that a `#[path = "x.rs"] mod name;` declares the module path it has in the
+    crate (the declaring module's, plus `name`) instead of the one its place suggests; also
+    returns the files so renamed."""
+    module_of = {path: parts for path, parts in files}
+    renamed: dict[Path, list[str]] = {}
+    for path, parts in files:
+        for target, name in _PATH_ATTRIBUTE.findall(path.read_text(encoding="utf-8")):
+            file = (path.parent / target).resolve()
+            if file in module_of:
+                renamed[file] = parts + [name]
+    return [(path, renamed.get(path, parts)) for path, parts in files], set(renamed)
+
+
+CRATE_ROOT = "crate"  # the module-graph node of lib.rs / main.rs (a keyword: no module has it)
+
+
+@dataclass
+class ModuleGraph:
+    """The top-level modules of one crate (`src/a.rs`, `src/a/mod.rs` and everything under
+    `src/a/` are module `a`; the crate root is CRATE_ROOT) and the edges between them."""
+
+    crate: str  # how the crate is named in the output: its directory, and `bin/x` for a binary
+    modules: set[str] = field(default_factory=set)
+    # edges[a][b]: where module a refers to module b, as (file, line number, source line).
+    edges: dict[str, dict[str, list[tuple[Path, int, str]]]] = field(default_factory=dict)
+
+    def add_module(self, name: str) -> None:
+        self.modules.add(name)
+        self.edges.setdefault(name, {})
+
+    def add_edge(self, a: str, b: str, file: Path, line: int, text: str) -> None:
+        # The crate root may depend on anything (it declares and re-exports the modules): its
+        # edges are not part of the graph, so it is never in a cycle.
+        if a == b or a == CRATE_ROOT:
+            return
+        where = self.edges.setdefault(a, {}).setdefault(b, [])
+        if (file, line, text.strip()) not in where:
+            where.append((file, line, text.strip()))
+
+
+def _crate_name(src: Path, crate: RustCrate) -> str:
+    name = src.parent.name if src.name == "src" else src.name
+    if crate.root.parent == src and crate.root.name in ("lib.rs", "main.rs"):
+        return name
+    return f"{name} {crate.root.relative_to(src).with_suffix('').as_posix()}"
+
+
+def rust_edges(graph: Graph, src: Path, reexports: bool = True) -> list[ModuleGraph]:
+    """Edges between the files of the crates under `src`, and between each crate's top-level
+    modules (returned, a graph a crate). A reference to a name that a file brings in with `use`
+    (`crate::Bundle` where lib.rs has `pub use bundle::Bundle`) is followed to the file that
+    defines it; the `use` itself is an edge of the file that has it, unless it is a top-level
+    `pub use` and `reexports` is False."""
+    src = _src_directory(src)
+    module_graphs = []
     for crate, files in rust_crates(src):
+        modules = ModuleGraph(_crate_name(src, crate))
+        top = {path: module[0] if module else CRATE_ROOT for path, module in files}
+        for name in top.values():
+            modules.add_module(name)
+        if len(modules.modules) > 1:  # a binary of one file has no modules to check
+            module_graphs.append(modules)
         parsed: dict[Path, RustFile] = {}
         lines: dict[Path, list[str]] = {}
         for path, module in files:
@@ -525,13 +617,15 @@ def rust_edges(graph: Graph, src: Path, reexports: bool = True) -> None:
                 if target is not None:
                     text = lines[path][line - 1] if 0 < line <= len(lines[path]) else ""
                     graph.add_edge(path, target, line, text)
+                    modules.add_edge(top[path], top[target], path, line, text)
+    return module_graphs
 
 
 # ---------------------------------------------------------------------------------------------
 # Cycles
 
 
-def strongly_connected(graph: Graph) -> list[list[Path]]:
+def strongly_connected(graph: Graph | ModuleGraph) -> list[list[Path]]:
     """Tarjan's algorithm, iterative; components of more than one file, each sorted."""
     index: dict[Path, int] = {}
     low: dict[Path, int] = {}
@@ -576,7 +670,7 @@ def strongly_connected(graph: Graph) -> list[list[Path]]:
     return sorted(out)
 
 
-def _shortest_path(graph: Graph, start: Path, goal: Path, allowed: set[Path]) -> list[Path] | None:
+def _shortest_path(graph: Graph | ModuleGraph, start: Path, goal: Path, allowed: set[Path]) -> list[Path] | None:
     previous: dict[Path, Path | None] = {start: None}
     queue = deque([start])
     while queue:
@@ -595,9 +689,10 @@ def _shortest_path(graph: Graph, start: Path, goal: Path, allowed: set[Path]) ->
     return None
 
 
-def find_cycles(graph: Graph) -> list[list[Path]]:
+def find_cycles(graph: Graph | ModuleGraph) -> list[list[Path]]:
     """For every edge inside a strongly connected component, the shortest cycle through it
-    (first file repeated at the end), without duplicates (a cycle is the same from any start)."""
+    (first file repeated at the end), without duplicates (a cycle is the same from any start).
+    The same for a ModuleGraph, whose nodes are module names instead of files."""
     cycles: dict[tuple[Path, ...], list[Path]] = {}
     for component in strongly_connected(graph):
         members = set(component)
@@ -656,8 +751,9 @@ def main(argv: list[str] | None = None) -> int:
     for d in a.python:
         modules.update(python_modules(d))
     python_edges(graph, modules)
+    module_graphs: list[ModuleGraph] = []
     for d in a.rust:
-        rust_edges(graph, d, reexports=not a.ignore_reexports)
+        module_graphs += rust_edges(graph, d, reexports=not a.ignore_reexports)
 
     cycles = find_cycles(graph)
     for cycle in cycles:
@@ -666,12 +762,25 @@ def main(argv: list[str] | None = None) -> int:
             for x, y in zip(cycle, cycle[1:]):
                 for line, text in graph.edges[x][y]:
                     print(f"    {show(x)}:{line}: {text}")
+    module_cycles = 0
+    for crate in module_graphs:
+        for cycle in find_cycles(crate):
+            module_cycles += 1
+            print(f"module cycle: {crate.crate}: " + " -> ".join(cycle))
+            if a.why:
+                for x, y in zip(cycle, cycle[1:]):
+                    for file, line, text in crate.edges[x][y]:
+                        print(f"    {x} -> {y}: {show(file)}:{line}: {text}")
     if cycles:
         involved = {f for c in cycles for f in c}
         print(f"{len(cycles)} import cycle(s) among {len(involved)} of {len(graph.files)} files")
-        return 1
-    print(f"no import cycles in {len(graph.files)} files")
-    return 0
+    else:
+        print(f"no import cycles in {len(graph.files)} files")
+    if module_graphs:
+        count = sum(len(m.modules - {CRATE_ROOT}) for m in module_graphs)
+        among = f"the {count} top-level modules of {len(module_graphs)} crate(s)"
+        print(f"{module_cycles} module cycle(s) among {among}" if module_cycles else f"no module cycles among {among}")
+    return 1 if cycles or module_cycles else 0
 
 
 if __name__ == "__main__":

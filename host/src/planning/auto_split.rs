@@ -11,13 +11,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
-use super::profile::ProfilingTime;
-use serde::Serialize;
-
 use tracing::Instrument;
 
 use crate::client::RequestMetrics;
+use crate::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
+use crate::records::{Planned, Probes, ProfilingTime, SplitMove};
 use crate::session::EdgeSession;
 
 /// How much each transfer moves the bandwidth estimate (in the logarithm: half way).
@@ -35,54 +33,6 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Probes take at most this share of the time (the link, and the edge's processor, which a
 /// weak edge device cannot spare: a probe's duration sets the pause after it).
 const PROBE_DUTY: f64 = 0.05;
-
-/// What the planner chose at start-up (in `summary.json`).
-#[derive(Debug, Clone, Serialize)]
-pub struct Planned {
-    /// The objective.
-    pub objective: Objective,
-    /// The cut chosen from the profiles.
-    pub cut: usize,
-    /// With `codec: auto`, the codec the cut was chosen with (requests choose theirs as the
-    /// rate moves).
-    pub codec: Option<String>,
-    /// Its predicted end-to-end latency, ms.
-    pub predicted_ms: f64,
-    /// Its predicted pipelined throughput, requests/s.
-    pub predicted_rps: f64,
-    /// The probed link, Mbit/s.
-    pub link_mbit_per_s: f64,
-    /// The probed round trip, ms.
-    pub rtt_ms: f64,
-    /// How long profiling took.
-    pub profiling: ProfilingTime,
-    /// The prediction for every cut, `0..=N`, from the same profiles.
-    pub predictions: Vec<CutPrediction>,
-}
-
-/// One move of the split while running (in `summary.json`).
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct SplitMove {
-    /// The request whose measurement triggered it (0 for a probe's); later requests use the new cut.
-    pub after_request: u64,
-    /// From this cut.
-    pub from: usize,
-    /// To this cut.
-    pub to: usize,
-    /// The bandwidth estimate that moved it, Mbit/s.
-    pub mbit_per_s: f64,
-}
-
-/// The bandwidth probes of a run (in `summary.json`).
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct Probes {
-    /// Probes sent.
-    pub count: u64,
-    /// Their bytes.
-    pub bytes: u64,
-    /// Their time, start to answer.
-    pub seconds: f64,
-}
 
 /// The running planner, shared by the result loop and the prober.
 pub struct AutoSplit {
@@ -222,7 +172,7 @@ pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSessi
 mod tests {
     use super::*;
     use crate::client::ServerTimes;
-    use crate::planning::planner::fixtures;
+    use crate::planner::fixtures;
 
     /// The planner tests' 4-stage model over a fast link: everything goes to the server (cut 0).
     fn profiles() -> Profiles {

@@ -11,17 +11,17 @@
 //! edge's (a server is usually faster, so if anything compression is chosen too rarely). The
 //! rate is `split: auto`'s estimate: probed at start-up, then fed by every answered request.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 use cleave_common::wire::{Codec, WireError};
 use cleave_common::Boundary;
-use serde::Serialize;
 
-use super::codec_cost::{eligible, CodecCost};
-use super::planner::{BandwidthEstimate, Link, Profiles};
 use crate::client::{ChoosesCodec, RequestMetrics};
 use crate::error::{Refusal, Result};
+use crate::planner::codec_cost::{eligible, CodecCost};
+use crate::planner::{BandwidthEstimate, Link, Profiles};
+use crate::records::CodecChoiceReport;
 use crate::session::EdgeSession;
 
 /// What `codec: auto` chooses among, fastest first.
@@ -86,17 +86,6 @@ impl CodecChooser {
             costs: state.costs.iter().map(|(&cut, c)| (cut, c.clone())).collect(),
         }
     }
-}
-
-/// `codec: auto` in `summary.json`.
-#[derive(Debug, Clone, Serialize)]
-pub struct CodecChoiceReport {
-    /// The codecs it chose among (those the server accepts).
-    pub candidates: Vec<String>,
-    /// The rate estimated at the end, Mbit/s.
-    pub mbit_per_s: f64,
-    /// Each candidate's cost, by the cut it was measured at.
-    pub costs: BTreeMap<usize, Vec<CodecCost>>,
 }
 
 /// The candidates `session`'s server accepts; none is an error.

@@ -1,14 +1,10 @@
-//! Where to split: the planner and everything that feeds it.
+//! Where to split: everything that feeds the planner (`crate::planner`, the model) and runs it.
 //!
-//! - [`planner`]: predicted latency and pipelined throughput of every cut from profiles, the
-//!   best cut per objective, a moving bandwidth estimate, a re-planner with a margin.
 //! - [`profile`]: the profiles measured: the edge's stages and boundaries, the server's
 //!   stages (`Profile`), the link (`Echo`).
 //! - [`plan`]: `host plan`: the table of every cut, `plan.json`, `--measure` and its plots.
 //! - [`auto_split`]: `split: auto` while running: the plan at start-up, the estimate fed by
 //!   every transfer, the re-planner's moves, upload probes while everything runs on the edge.
-//! - [`codec_cost`]: what each codec costs at a cut: its ratio there, its encoding and
-//!   decoding speed, measured.
 //! - [`codec_choice`]: `codec: auto`: each request's codec from the estimated rate and each
 //!   codec's cost, measured on the first boundary at each cut (or by `split: auto`'s profile).
 //! - [`graph`]: the stage graph as Graphviz DOT, folded to module level, the chosen cut marked.
@@ -16,11 +12,9 @@
 
 pub mod auto_split;
 pub mod codec_choice;
-pub mod codec_cost;
 pub mod fleet;
 pub mod graph;
 pub mod plan;
-pub mod planner;
 pub mod profile;
 
 pub use plan::{plan, MeasuredCut, PlanOptions, PlanReport, PlanRun};

@@ -10,13 +10,14 @@ use cleave_common::stats::median;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
 
-use super::codec_cost::{CodecCost, CutCodecs};
-use super::planner::{Link, Profiles};
 use tracing::Instrument;
 
 use crate::config::{EdgeConfig, InputSource};
 use crate::error::{HostError, MeasureError, ProfileStep, Result};
 use crate::inputs::Inputs;
+use crate::planner::codec_cost::{CodecCost, CutCodecs};
+use crate::planner::{Link, Profiles};
+use crate::records::ProfilingTime;
 use crate::session::EdgeSession;
 
 /// The measured profiles, with the edge's stages they ran and how long each part took.
@@ -28,17 +29,6 @@ pub(crate) struct Measured {
     pub edge_stages: LoadedStages,
     /// The time each part took.
     pub took: ProfilingTime,
-}
-
-/// How long profiling took, in seconds (in `summary.json`'s `planned`).
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
-pub struct ProfilingTime {
-    /// Loading and timing every stage on the edge, and encoding its boundaries.
-    pub edge_s: f64,
-    /// The server's `Profile`.
-    pub server_s: f64,
-    /// The link's round trip and bandwidth (`Echo`).
-    pub link_s: f64,
 }
 
 /// Measures every profile the planner needs: the edge's stages and boundaries (on a

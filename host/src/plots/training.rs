@@ -7,7 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::{chart_on, draw_legend, draw_marked_series, refuse_empty, titled_canvas, value_range, write_svg, DrawResult, Marker, PlotError};
-use crate::training::report::EpochRecord;
+use crate::records::EpochRecord;
 
 /// Plots the run into an SVG file: training and test loss per epoch on the left, test
 /// accuracy (in %) per epoch on the right. Refuses an empty run.

@@ -41,11 +41,12 @@ use crate::error::{Breach, HostError, OutputError, Result, TrainingSetupError};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
-use crate::run::RunOptions;
+use crate::records::EpochRecord;
+use crate::run_options::RunOptions;
 use crate::session::{connect, connect_first, EdgeSession, Link};
 use data::Dataset;
 use link::{Reconnect, SessionRequest, TrainLink};
-pub use report::{EpochRecord, TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
+pub use report::{TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
 
 /// The host's checkpoint file inside a checkpoint directory (`checkpoints/step-N/`).
 pub const HOST_CHECKPOINT: &str = "host.safetensors";

@@ -1,5 +1,6 @@
-//! The records of a training run and the files that hold them: `metrics.csv` (one row per
-//! epoch) and `summary.json` (`training.svg` is drawn by `plots::training`).
+//! The files that hold a training run's records: `metrics.csv` (one row per epoch, an
+//! [`EpochRecord`], which `crate::records` holds beside the other records that progress
+//! events and plots read) and `summary.json` (`training.svg` is drawn by `plots::training`).
 //!
 //! This module needs no libtorch: the training loop measures, this module only writes.
 
@@ -7,9 +8,10 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::Path;
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{HostError, Result};
+use crate::records::{f64_or_nan, EpochRecord};
 
 /// The per-epoch table's file name inside the output directory.
 pub const METRICS_CSV: &str = "metrics.csv";
@@ -20,30 +22,6 @@ pub const TRAINING_SVG: &str = "training.svg";
 
 /// The header line of `metrics.csv`, in the order of [`EpochRecord`]'s fields.
 const CSV_HEADER: &str = "epoch,steps,train_loss,test_loss,test_accuracy,epoch_seconds,eval_seconds";
-
-/// One epoch of training and its evaluation.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct EpochRecord {
-    /// The epoch's number, counted from 1.
-    pub epoch: usize,
-    /// Optimizer steps taken in this epoch.
-    pub steps: u64,
-    /// Mean training loss over the epoch's samples.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub train_loss: f64,
-    /// Mean loss on the held-out split, computed in eval mode.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub test_loss: f64,
-    /// Share of held-out rows whose arg-max is the label, in `0..=1`.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub test_accuracy: f64,
-    /// Wall time of the epoch's training steps, in seconds.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub epoch_seconds: f64,
-    /// Wall time of the epoch's evaluation, in seconds.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub eval_seconds: f64,
-}
 
 /// What `summary.json` holds.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -99,12 +77,6 @@ impl TrainingSummary {
             output.display()
         )
     }
-}
-
-/// Reads a float that may be `null`: serde_json writes NaN and infinities as `null`, and a
-/// diverged run (NaN loss) or a run without steps (NaN median) must still read back.
-fn f64_or_nan<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
-    Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::NAN))
 }
 
 /// Writes `metrics.csv`: a header, then one row per epoch. Floats are written in Rust's

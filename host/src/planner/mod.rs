@@ -11,13 +11,21 @@
 //! [`BandwidthEstimate`] is the moving estimate the planner re-plans from while running: fed
 //! with real transfers, it follows a changed link within a few requests; [`Replanner`] only
 //! switches when the predicted gain beats a margin, so noise does not make the split flap.
+//!
+//! The model only: it talks to no server, reads no config and uses no other module of this
+//! crate ([`codec_cost`] times a codec on a boundary it is given). `planning` measures
+//! the profiles and runs `host plan` and `split: auto` with it; the config names its
+//! [`Objective`], the error type its [`ProfileError`], and `records` (what `split: auto`
+//! planned) its [`CutPrediction`]s.
+
+pub mod codec_cost;
 
 use std::collections::HashMap;
 
 use cleave_common::wire::Codec;
 use serde::{Deserialize, Serialize};
 
-use super::codec_cost::{codec_text, eligible, CodecCost, CutCodecs};
+use codec_cost::{codec_text, eligible, CodecCost, CutCodecs};
 
 /// What the planner optimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
