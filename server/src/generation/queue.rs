@@ -1,11 +1,12 @@
 //! Continuous batching. A model's decode steps (one token a row) go through its queue, one
-//! batch at a time on the blocking pool: a step takes with it the decode steps of other
+//! batch at a time on its device's scheduler (a [`DeviceTask`](crate::scheduler::DeviceTask),
+//! in its turn among the device's other work): a step takes with it the decode steps of other
 //! sessions of its range that came while the last batch ran, or within `generation.max_wait`
 //! of its own arrival while other sessions are open, up to `generation.max_batch` rows, so
-//! sessions join and leave between steps. A prompt's step (and every step where `max_batch` is 1) runs on the blocking pool
-//! by itself, beside the batches. A batch's caches are a copy of the positions its rows have
-//! written, held in the memory budget while it runs; where they do not fit, or the batch
-//! fails, each of its steps runs alone.
+//! sessions join and leave between steps. A prompt's step (and every step where `max_batch`
+//! is 1) goes to the scheduler by itself, beside the batches. A batch's caches are a copy of
+//! the positions its rows have written, held in the memory budget while it runs; where they
+//! do not fit, or the batch fails, each of its steps runs alone.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -20,6 +21,8 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::config::GenerationOptions;
 use crate::error::{catch_panic, lock, RequestError};
 use crate::metrics::Metrics;
+use crate::models::Model;
+use crate::scheduler::DeviceScheduler;
 
 /// A step's session back, with the step's output or why it failed.
 pub(crate) struct Ran {
@@ -55,34 +58,47 @@ pub(crate) struct StepQueues {
 }
 
 struct Inner {
-    worker: Worker,
+    shared: Shared,
     /// By bundle id.
     queues: Mutex<HashMap<String, mpsc::Sender<Job>>>,
 }
 
-/// What a queue's worker runs with.
+/// What every queue's worker shares.
 #[derive(Clone)]
-struct Worker {
+struct Shared {
     /// The options, and how many sessions of the batch's range are open: a batch holding all
     /// of them waits for no more.
     generation: Generation,
     budget: MemoryBudget,
     metrics: Metrics,
-    label: String,
 }
+
+/// What a model's queue's worker runs with.
+struct Worker {
+    shared: Shared,
+    /// The model's label (its bundle id).
+    label: String,
+    /// Its device's scheduler, and its index there.
+    device: DeviceScheduler,
+    index: usize,
+}
+
+/// What a step's rows are to the scheduler.
+const TASK: &str = "generate";
 
 impl StepQueues {
     pub(crate) fn new(generation: Generation, budget: MemoryBudget, metrics: Metrics) -> Self {
-        let worker = Worker { generation, budget, metrics, label: String::new() };
-        Self { inner: Arc::new(Inner { worker, queues: Mutex::default() }) }
+        Self { inner: Arc::new(Inner { shared: Shared { generation, budget, metrics }, queues: Mutex::default() }) }
     }
 
-    /// Runs `step` of `session`, a session of the model labelled `model`: the session back
-    /// with the output; `None` where the blocking pool or the queue lost it (the runtime is
-    /// shutting down). `answer_limit` bounds the output's bytes (it must fit in one message).
-    pub(crate) async fn run(&self, model: &str, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
-        if step.tokens != 1 || self.inner.worker.options().max_batch == 1 {
-            return tokio::task::spawn_blocking(move || run_alone(session, &step, answer_limit)).await.ok();
+    /// Runs `step` of `session`, a session of `model`, on its device: the session back with
+    /// the output; `None` where the device or the queue lost it (the device failed, the
+    /// runtime is shutting down). `answer_limit` bounds the output's bytes (it must fit in
+    /// one message).
+    pub(crate) async fn run(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
+        if step.tokens != 1 || self.inner.shared.generation.options().max_batch == 1 {
+            let rows = session.rows();
+            return model.scheduler.run(model.index, TASK, rows, move || run_alone(session, &step, answer_limit)).await.ok();
         }
         let (reply, ran) = oneshot::channel();
         let job = Job { session, step, answer_limit, arrived: tokio::time::Instant::now(), reply };
@@ -92,15 +108,17 @@ impl StepQueues {
 
     /// `model`'s queue, its worker started (on the calling runtime) where there is none or
     /// the last is gone. Each session has one step in a queue at most: `max_sessions` fit.
-    fn queue(&self, model: &str) -> mpsc::Sender<Job> {
+    fn queue(&self, model: &Model) -> mpsc::Sender<Job> {
+        let label = model.bundle.id();
         let mut queues = lock(&self.inner.queues);
-        match queues.get(model) {
+        match queues.get(label) {
             Some(jobs) if !jobs.is_closed() => jobs.clone(),
             _ => {
-                let (jobs, queued) = mpsc::channel(self.inner.worker.options().max_sessions as usize);
-                let worker = Worker { label: model.to_string(), ..self.inner.worker.clone() };
+                let (jobs, queued) = mpsc::channel(self.inner.shared.generation.options().max_sessions as usize);
+                let worker =
+                    Worker { shared: self.inner.shared.clone(), label: label.to_string(), device: model.scheduler.clone(), index: model.index };
                 tokio::spawn(worker.serve(queued));
-                queues.insert(model.to_string(), jobs.clone());
+                queues.insert(label.to_string(), jobs.clone());
                 jobs
             }
         }
@@ -109,7 +127,7 @@ impl StepQueues {
 
 impl Worker {
     fn options(&self) -> GenerationOptions {
-        self.generation.options()
+        self.shared.generation.options()
     }
 
     async fn serve(self, mut queued: mpsc::Receiver<Job>) {
@@ -125,13 +143,14 @@ impl Worker {
             };
             let batch = self.gather(first, &mut waiting, &mut queued).await;
             let held = self.hold_merged_caches(&batch);
-            let (together, metrics, label) = (held.is_some(), self.metrics.clone(), self.label.clone());
-            let ran = tokio::task::spawn_blocking(move || {
+            let (together, metrics, label) = (held.is_some(), self.shared.metrics.clone(), self.label.clone());
+            let rows = batch.iter().map(|job| job.session.rows()).sum();
+            let ran = self.device.run(self.index, TASK, rows, move || {
                 // The merged caches' bytes are held until the batch has run.
                 let _held = held;
                 run_batch(batch, together, &metrics, &label)
             });
-            // A batch lost to the blocking pool drops its replies: those streams end.
+            // A batch the device lost drops its replies: those streams end.
             let _ = ran.await;
         }
     }
@@ -159,7 +178,7 @@ impl Worker {
             }
         }
         let deadline = batch[0].arrived + options.max_wait;
-        let open = self.generation.open_sessions(&self.label, key.range);
+        let open = self.shared.generation.open_sessions(&self.label, key.range);
         while rows < max_rows {
             let job = match queued.try_recv() {
                 Ok(job) => job,
@@ -190,7 +209,7 @@ impl Worker {
         }
         let reach = batch.iter().flat_map(|job| &job.step.positions_from).map(|&at| u64::from(at) + 1).max().unwrap_or(1);
         let per_position: u64 = batch.iter().map(|job| job.session.cache_bytes_per_position()).sum();
-        self.budget.try_reserve(per_position.saturating_mul(reach))
+        self.shared.budget.try_reserve(per_position.saturating_mul(reach))
     }
 }
 
@@ -221,7 +240,7 @@ impl Ready {
     }
 }
 
-/// Runs `batch` (on the blocking pool) and answers each job: those whose steps pass their
+/// Runs `batch` (on its device's scheduler) and answers each job: those whose steps pass their
 /// checks as one batch where `together` (room for the merged caches) and there are more than
 /// one, else each alone.
 fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str) {

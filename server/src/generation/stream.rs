@@ -176,7 +176,7 @@ async fn run_step(ctx: &GenerateContext, session: Session, step: pb::GenerateSte
         Ok(held) => held,
         Err(e) => return (error_reply(id, &e.into()), Reservation::none(), Some(session)),
     };
-    let Some(Ran { session, output, decode, compute }) = ctx.queues.run(ctx.model.bundle.id(), session, step, limit).await else {
+    let Some(Ran { session, output, decode, compute }) = ctx.queues.run(&ctx.model, session, step, limit).await else {
         return (error_reply(id, &Internal::Cancelled("a generation step").into()), Reservation::none(), None);
     };
     let timings = pb::ServerTimings {

@@ -1,6 +1,6 @@
 //! One scheduler per device: a thread that owns the stages of every model loaded there and
 //! decides what runs next (`cleave_common::scheduling`, the rules shared with the fleet
-//! planner's simulation): inference batches, profiles, and training steps.
+//! planner's simulation): inference batches, generation steps, profiles, and training steps.
 //!
 //! libtorch modules are not `Sync` and autograd mode is per thread, so compute never runs on
 //! the async runtime. Streams hand requests over a bounded channel (backpressure) and get
@@ -12,6 +12,10 @@
 //! back. A batch that entered at cut `a` runs only up to the first later cut `b` where other
 //! requests of its model and length wait, and joins them there (`batching.merge_cuts`). A merged batch that fails is run again request by request, so
 //! one bad request fails alone.
+//!
+//! Generation steps (a batch of decode steps, or a prompt's step) come as [`DeviceTask`]s:
+//! each is keyed by the policy like a request of its model (its SLO and priority) and run on
+//! this thread in its turn, so an inference SLO sees the device's whole load.
 //!
 //! Training sessions run on threads of their own, with their own copy of the stages; before
 //! each step a session asks for a [`Turn`], which the scheduler grants between inference
@@ -127,6 +131,19 @@ pub(crate) struct ProfileJob {
     pub(crate) reply: oneshot::Sender<Result<Option<Vec<f64>>, RequestError>>,
 }
 
+/// Work of another kind for the device, run on its thread in its turn: a batch of generation
+/// steps or a prompt's step. Its answer travels inside `run`; dropped unrun (the device is
+/// down), its caller sees that answer gone.
+pub(crate) struct DeviceTask {
+    /// The model (its index on the device) whose SLO and priority key it.
+    pub(crate) model: usize,
+    /// What it is, for its span.
+    pub(crate) kind: &'static str,
+    /// The rows it carries.
+    pub(crate) rows: usize,
+    pub(crate) run: Box<dyn FnOnce() + Send>,
+}
+
 /// A training session's request for the device; granted with the sender the session drops
 /// to give the device back.
 pub(crate) struct TurnRequest {
@@ -137,6 +154,7 @@ pub(crate) struct TurnRequest {
 pub(crate) enum Work {
     Infer(InferJob, Instant),
     Profile(ProfileJob),
+    Task(DeviceTask, Instant),
     Turn(TurnRequest, Instant),
     /// Tests only: the thread panics outside any request, as a bug in the scheduler would.
     #[cfg(feature = "fault-injection")]
@@ -153,8 +171,9 @@ impl Work {
             Work::Profile(job) => {
                 let _ = job.reply.send(Err(error.clone().into()));
             }
-            // The session's turn fails when its request is dropped.
-            Work::Turn(..) => {}
+            // The session's turn fails when its request is dropped, a task's caller when its
+            // answer is.
+            Work::Turn(..) | Work::Task(..) => {}
             #[cfg(feature = "fault-injection")]
             Work::Crash(_) => {}
         }
@@ -189,6 +208,23 @@ impl DeviceScheduler {
         self.work.send_async(Work::Profile(job)).await.map_err(|_| Internal::SchedulerGone.into())
     }
 
+    /// Runs `work` on the device's thread in its turn, as a task of `model` carrying `rows`
+    /// rows (see [`DeviceTask`]); what it returns, or why the device never ran it.
+    pub(crate) async fn run<T: Send + 'static>(
+        &self,
+        model: usize,
+        kind: &'static str,
+        rows: usize,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, RequestError> {
+        let (done, answer) = oneshot::channel();
+        let run = Box::new(move || {
+            let _ = done.send(work());
+        });
+        self.work.send_async(Work::Task(DeviceTask { model, kind, rows, run }, Instant::now())).await.map_err(|_| Internal::SchedulerGone)?;
+        answer.await.map_err(|_| Internal::SchedulerGone.into())
+    }
+
     /// Blocks the calling thread (a training session's) until the device is its own.
     pub(crate) fn turn(&self) -> Result<Turn, RequestError> {
         let (grant, granted) = std_mpsc::channel();
@@ -218,6 +254,7 @@ struct Waiting {
 
 enum Item {
     Request(Waiting),
+    Task(DeviceTask),
     Turn(TurnRequest),
 }
 
@@ -267,11 +304,16 @@ impl Worker {
     /// training sessions waiting for a turn see their request dropped.
     fn fail_waiting(&self, queue: &mut Queue<Item>, cause: &DeviceFailure) {
         for entry in queue.take_where(|_| true) {
-            if let Item::Request(w) = entry.item {
-                if w.started.is_none() {
-                    self.metrics.queued(&self.models[w.model].label, -1);
+            match entry.item {
+                Item::Request(w) => {
+                    if w.started.is_none() {
+                        self.metrics.queued(&self.models[w.model].label, -1);
+                    }
+                    answer(w, Err(Internal::DeviceFailed { device: self.device.clone(), cause: cause.clone() }.into()));
                 }
-                answer(w, Err(Internal::DeviceFailed { device: self.device.clone(), cause: cause.clone() }.into()));
+                // Dropped unrun: its caller sees its answer gone.
+                Item::Task(task) => self.metrics.queued(&self.models[task.model].label, -1),
+                Item::Turn(_) => {}
             }
         }
     }
@@ -304,6 +346,12 @@ impl Worker {
                     trace: job.trace,
                 };
                 queue.push(self.entry(waiting, arrived + self.models[job.model].batching.max_wait));
+            }
+            Work::Task(task, arrived) => {
+                let model = &self.models[task.model];
+                self.metrics.queued(&model.label, 1);
+                let key = request_key(&self.config, arrived, model.slo, model.priority);
+                queue.push(Entry { group: None, samples: task.rows as i64, key, ready_at: arrived, item: Item::Task(task) });
             }
             Work::Turn(turn, arrived) => {
                 let key = arrived + self.config.max_age;
@@ -352,6 +400,7 @@ impl Worker {
         for entry in entries {
             match entry.item {
                 Item::Request(w) => requests.push(w),
+                Item::Task(task) => self.run_task(task),
                 Item::Turn(turn) => grant(turn),
             }
         }
@@ -424,6 +473,16 @@ impl Worker {
                     answer(w, Err(e));
                 }
             }
+        }
+    }
+
+    /// Runs a task; a panic inside it (a bug) is caught, and its caller sees its answer gone.
+    fn run_task(&self, task: DeviceTask) {
+        let label = &self.models[task.model].label;
+        self.metrics.queued(label, -1);
+        let _running = tracing::debug_span!("task", kind = task.kind, model = %label, rows = task.rows).entered();
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task.run)) {
+            tracing::error!(kind = task.kind, panic = %panic_message(panic.as_ref()), "a device task panicked");
         }
     }
 

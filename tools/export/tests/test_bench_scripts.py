@@ -46,12 +46,12 @@ def test_check_args_parses_the_defaults_and_runs_nothing(script):
 
 
 def test_serving_runs_every_scenario_by_default_and_refuses_unknown_ones():
-    assert check_args("serving").stdout == "bench/serving: arguments ok; scenarios batching edf cuts\n"
+    assert check_args("serving").stdout == "bench/serving: arguments ok; scenarios batching edf cuts mixed\n"
     one = check_args("serving", "batching")
     assert (one.returncode, one.stdout) == (0, "bench/serving: arguments ok; scenarios batching\n")
     bad = check_args("serving", "nonsense")
     assert bad.returncode != 0
-    assert "invalid choice: 'nonsense' (choose from batching, edf, cuts)" in bad.stderr
+    assert "invalid choice: 'nonsense' (choose from batching, edf, cuts, mixed)" in bad.stderr
 
 
 def load_bench(script: str):
