@@ -19,7 +19,10 @@
 //!
 //! Training sessions run on threads of their own, with their own copy of the stages; before
 //! each step a session asks for a [`Turn`], which the scheduler grants between inference
-//! batches at the lowest priority (its key is its arrival plus `scheduler.max_age`).
+//! batches at the lowest priority (its key is its arrival plus `scheduler.max_age`). While a
+//! session holds the device the scheduler runs nothing, yet it is not blocked: it takes in
+//! what arrives (a profile waits in the queue) and drops what was abandoned, until the
+//! session's [`Turn`] drops.
 //!
 //! A panic while running a batch or a profile is caught: those requests are answered
 //! INTERNAL and the scheduler goes on. A panic anywhere else ends the thread: the requests
@@ -147,7 +150,7 @@ pub(crate) struct DeviceTask {
 /// A training session's request for the device; granted with the sender the session drops
 /// to give the device back.
 pub(crate) struct TurnRequest {
-    grant: std_mpsc::Sender<std_mpsc::Sender<()>>,
+    grant: std_mpsc::Sender<flume::Sender<()>>,
 }
 
 /// What a device's scheduler receives.
@@ -182,7 +185,7 @@ impl Work {
 
 /// The device is a training session's until this drops.
 pub(crate) struct Turn {
-    _release: std_mpsc::Sender<()>,
+    _release: flume::Sender<()>,
 }
 
 /// The handle streams and sessions use to reach a device's scheduler.
@@ -255,7 +258,27 @@ struct Waiting {
 enum Item {
     Request(Waiting),
     Task(DeviceTask),
+    /// A profile that came while a training session held the device.
+    Profile(ProfileJob),
     Turn(TurnRequest),
+}
+
+/// What the device is doing while the scheduler takes work in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Free,
+    /// Between the stages of a profile, which refuses another.
+    Profiling,
+    /// A training session holds it: a profile waits in the queue.
+    Lent,
+}
+
+/// What the scheduler waits for while a training session holds the device.
+enum WhileLent {
+    Back,
+    Work(Work),
+    /// Every handle is gone.
+    Closed,
 }
 
 struct Worker {
@@ -282,20 +305,48 @@ impl Worker {
 
     fn serve(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>) {
         loop {
-            self.intake(queue, rx, false);
+            self.intake(queue, rx, Phase::Free);
             self.drop_abandoned(queue);
             match queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |_| true) {
-                Pick::Run(entries) => self.execute(queue, entries),
+                Pick::Run(entries) => {
+                    if let Some(released) = self.execute(queue, rx, entries) {
+                        self.while_lent(queue, rx, &released);
+                    }
+                }
                 Pick::WaitUntil(at) if queue.len() < self.depth => match rx.recv_deadline(at) {
-                    Ok(work) => self.accept(queue, rx, work, false),
+                    Ok(work) => self.accept(queue, rx, work, Phase::Free),
                     Err(flume::RecvTimeoutError::Timeout) => {}
                     Err(flume::RecvTimeoutError::Disconnected) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
                 },
                 Pick::WaitUntil(at) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
                 Pick::Idle => match rx.recv() {
-                    Ok(work) => self.accept(queue, rx, work, false),
+                    Ok(work) => self.accept(queue, rx, work, Phase::Free),
                     Err(_) => return,
                 },
+            }
+        }
+    }
+
+    /// While a training session holds the device: takes what arrives, as long as the queue
+    /// has room, and drops the requests whose streams went, until the session gives the device
+    /// back (`released` disconnects when its [`Turn`] drops).
+    fn while_lent(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, released: &flume::Receiver<()>) {
+        loop {
+            self.intake(queue, rx, Phase::Lent);
+            self.drop_abandoned(queue);
+            let next = if queue.len() < self.depth {
+                flume::Selector::new().recv(released, |_| WhileLent::Back).recv(rx, |work| work.map_or(WhileLent::Closed, WhileLent::Work)).wait()
+            } else {
+                let _ = released.recv();
+                WhileLent::Back
+            };
+            match next {
+                WhileLent::Back => return,
+                WhileLent::Work(work) => self.accept(queue, rx, work, Phase::Lent),
+                WhileLent::Closed => {
+                    let _ = released.recv();
+                    return;
+                }
             }
         }
     }
@@ -313,23 +364,25 @@ impl Worker {
                 }
                 // Dropped unrun: its caller sees its answer gone.
                 Item::Task(task) => self.metrics.queued(&self.models[task.model].label, -1),
+                Item::Profile(job) => {
+                    let _ = job.reply.send(Err(Internal::DeviceFailed { device: self.device.clone(), cause: cause.clone() }.into()));
+                }
                 Item::Turn(_) => {}
             }
         }
     }
 
-    /// Takes what has arrived, while the queue has room (`in_profile`: between the stages of
-    /// a profile, which refuses another).
-    fn intake(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, in_profile: bool) {
+    /// Takes what has arrived, while the queue has room.
+    fn intake(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, phase: Phase) {
         while queue.len() < self.depth {
             match rx.try_recv() {
-                Ok(work) => self.accept(queue, rx, work, in_profile),
+                Ok(work) => self.accept(queue, rx, work, phase),
                 Err(_) => return,
             }
         }
     }
 
-    fn accept(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, work: Work, in_profile: bool) {
+    fn accept(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, work: Work, phase: Phase) {
         match work {
             Work::Infer(job, arrived) => {
                 self.metrics.queued(&self.models[job.model].label, 1);
@@ -357,9 +410,13 @@ impl Worker {
                 let key = arrived + self.config.max_age;
                 queue.push(Entry { group: None, samples: 0, key, ready_at: arrived, item: Item::Turn(turn) });
             }
-            Work::Profile(other) if in_profile => {
+            Work::Profile(other) if phase == Phase::Profiling => {
                 let busy = RequestError::from(Busy::ProfileOnDevice);
                 let _ = other.reply.send(Err(busy));
+            }
+            Work::Profile(job) if phase == Phase::Lent => {
+                let now = Instant::now();
+                queue.push(Entry { group: None, samples: 0, key: now, ready_at: now, item: Item::Profile(job) });
             }
             Work::Profile(job) => self.profile(queue, rx, job),
             #[cfg(feature = "fault-injection")]
@@ -395,15 +452,26 @@ impl Worker {
         Entry { group, samples: w.sizes.batch, key, ready_at, item: Item::Request(w) }
     }
 
-    fn execute(&self, queue: &mut Queue<Item>, entries: Vec<Entry<Item>>) {
+    /// Runs what `pick` took; a training turn granted lends the device: the receiver that says
+    /// when it is back.
+    fn execute(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, entries: Vec<Entry<Item>>) -> Option<flume::Receiver<()>> {
         let mut requests = Vec::with_capacity(entries.len());
+        let mut lent = None;
         for entry in entries {
             match entry.item {
                 Item::Request(w) => requests.push(w),
                 Item::Task(task) => self.run_task(task),
-                Item::Turn(turn) => grant(turn),
+                Item::Profile(job) => self.profile(queue, rx, job),
+                Item::Turn(turn) => lent = grant(turn),
             }
         }
+        self.run_requests(queue, requests);
+        lent
+    }
+
+    /// Runs requests of one group as one batch, as far as the next cut where others of their
+    /// group wait (or to the last).
+    fn run_requests(&self, queue: &mut Queue<Item>, mut requests: Vec<Waiting>) {
         for w in requests.extract_if(.., |w| w.reply.is_closed()) {
             self.abandoned(&w);
         }
@@ -508,9 +576,10 @@ impl Worker {
         let answer = catch_panic("profiling the stages", || {
             let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, stages.bundle().sizes_at(job.batch))?;
             let between_stages = || {
-                self.intake(queue, rx, true);
+                self.intake(queue, rx, Phase::Profiling);
                 while let Pick::Run(entries) = queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |e| matches!(e.item, Item::Request(_))) {
-                    self.execute(queue, entries);
+                    let requests = entries.into_iter().filter_map(|e| if let Item::Request(w) = e.item { Some(w) } else { None }).collect();
+                    self.run_requests(queue, requests);
                 }
                 !job.reply.is_closed()
             };
@@ -552,13 +621,11 @@ fn answer(w: Waiting, output: Result<Boundary, RequestError>) {
     let _ = w.reply.send(JobResult { output, queue, compute: w.compute });
 }
 
-/// Gives the device to a training session until it drops its [`Turn`].
-fn grant(turn: TurnRequest) {
-    let (release, released) = std_mpsc::channel::<()>();
-    if turn.grant.send(release).is_ok() {
-        // Ends when the session drops its turn (the only sender).
-        let _ = released.recv();
-    }
+/// Lends the device to a training session until it drops its [`Turn`]: the receiver that
+/// disconnects then (the turn holds its only sender); `None` when the session is gone.
+fn grant(turn: TurnRequest) -> Option<flume::Receiver<()>> {
+    let (release, released) = flume::bounded::<()>(1);
+    turn.grant.send(release).ok().map(|()| released)
 }
 
 /// What a batch ran: up to cut `to` (the last cut or not), from `started`, for `took`.
