@@ -50,6 +50,12 @@ struct DeviceLabel {
     device: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceWorkLabels {
+    device: String,
+    kind: String,
+}
+
 type Histograms = Family<ModelLabel, Histogram, fn() -> Histogram>;
 
 fn seconds() -> Histogram {
@@ -92,6 +98,8 @@ struct Inner {
     generation_sessions: Gauge,
     generation_steps: Family<ModelLabel, Counter>,
     generation_batched_steps: Family<ModelLabel, Counter>,
+    device_work: Family<DeviceWorkLabels, Counter>,
+    device_busy: Family<DeviceWorkLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     budget_bytes: Family<BudgetLabel, Gauge>,
     held_bytes: Family<BudgetLabel, Gauge>,
     /// The request memory budget, read at each scrape.
@@ -188,6 +196,18 @@ impl Metrics {
                 r,
                 "generation_batched_steps",
                 "Generation decode steps run in one batch with other sessions' (continuous batching), by model",
+                Family::default(),
+            ),
+            device_work: registered(
+                r,
+                "device_work",
+                "What a device's scheduler ran, by device and kind: infer (a batch of requests, to the last cut or the next where others wait), generate (a batch of generation steps, or a prompt's step), train (a training step's turn), profile (its time includes the requests it lets by between stages)",
+                Family::default(),
+            ),
+            device_busy: registered(
+                r,
+                "device_busy_seconds",
+                "Time a device's scheduler spent running each kind of work (see cleave_device_work_total), by device and kind",
                 Family::default(),
             ),
             budget_bytes: registered(
@@ -309,6 +329,14 @@ impl Metrics {
     /// `sessions` decode steps of `model` ran as one batch.
     pub(crate) fn generation_batch(&self, model: &str, sessions: usize) {
         self.inner.generation_batched_steps.get_or_create(&Self::model(model)).inc_by(sessions as u64);
+    }
+
+    /// Device `device` ran one piece of work of `kind` (`infer`, `generate`, `train`,
+    /// `profile`) for `took`.
+    pub(crate) fn device_worked(&self, device: &str, kind: &str, took: Duration) {
+        let labels = DeviceWorkLabels { device: device.to_string(), kind: kind.to_string() };
+        self.inner.device_work.get_or_create(&labels).inc();
+        self.inner.device_busy.get_or_create(&labels).inc_by(took.as_secs_f64());
     }
 
     /// Budget `budget` (`memory`, `kv_cache`) is `total` bytes and holds `held` now.

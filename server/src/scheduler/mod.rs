@@ -310,7 +310,10 @@ impl Worker {
             match queue.pick(Instant::now(), |m| self.models[m].batch_limit(), |_| true) {
                 Pick::Run(entries) => {
                     if let Some(released) = self.execute(queue, rx, entries) {
+                        let started = Instant::now();
+                        let _turn = tracing::debug_span!("turn", device = %self.device).entered();
                         self.while_lent(queue, rx, &released);
+                        self.metrics.device_worked(&self.device, "train", started.elapsed());
                     }
                 }
                 Pick::WaitUntil(at) if queue.len() < self.depth => match rx.recv_deadline(at) {
@@ -497,6 +500,7 @@ impl Worker {
         let range = StageRange::new(group.cut, to);
         let outputs = catch_panic(&format!("running stages {range}"), || run_batch(model, &requests, range, &sizes));
         let took = started.elapsed();
+        self.metrics.device_worked(&self.device, "infer", took);
         let ran = Ran { to, at_last_cut: to == last, started, took };
         self.deliver(queue, requests, outputs, &ran);
     }
@@ -549,9 +553,11 @@ impl Worker {
         let label = &self.models[task.model].label;
         self.metrics.queued(label, -1);
         let _running = tracing::debug_span!("task", kind = task.kind, model = %label, rows = task.rows).entered();
+        let started = Instant::now();
         if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task.run)) {
             tracing::error!(kind = task.kind, panic = %panic_message(panic.as_ref()), "a device task panicked");
         }
+        self.metrics.device_worked(&self.device, task.kind, started.elapsed());
     }
 
     /// Runs one request to the last cut by itself.
@@ -566,12 +572,14 @@ impl Worker {
             Ok(output?)
         });
         w.compute += started.elapsed();
+        self.metrics.device_worked(&self.device, "infer", started.elapsed());
         answer(w, output);
     }
 
     /// Times a model's stages, running the requests that are ready before each stage (so
     /// that they wait at most one stage behind a profile); training turns wait for its end.
     fn profile(&self, queue: &mut Queue<Item>, rx: &flume::Receiver<Work>, job: ProfileJob) {
+        let started = Instant::now();
         let stages = &self.models[job.model].stages;
         let answer = catch_panic("profiling the stages", || {
             let input = cleave_common::value::synthetic_inputs(&stages.bundle().manifest().inputs, stages.bundle().sizes_at(job.batch))?;
@@ -588,6 +596,7 @@ impl Worker {
         if let Ok(None) = answer {
             tracing::info!("a profile stopped: its caller went away");
         }
+        self.metrics.device_worked(&self.device, "profile", started.elapsed());
         let _ = job.reply.send(answer);
     }
 }
