@@ -90,39 +90,40 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
             .map_err(|error| HostError::Task { what: "loading the edge's stages", error })??
     };
     let step = edge.resumed.unwrap_or(0);
-    let (link, server_namespace) = if cuts.remote {
-        let session = match &loopback {
-            Some(l) => connect(&l.url, &bundle, &Link::of(&config)).await?,
-            None => training_server(&config, &bundle).await?,
-        };
-        let url = session.url.clone();
-        let start = SessionStart { server_resume: edge.server_resume.clone(), step, samples: train_set.rows() as u64 };
-        let (link, opened) = open_session(&config, &train, &bundle, cuts, session, start).await?;
-        opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
-            mode: train.mode.name(),
-            model: bundle.manifest().model.source.clone(),
-            edge_part: describe_edge(cuts.split, cuts.tail, cuts.stages),
-            edge_device: device_name(config.device.resolve()?),
-            server: url,
-            server_stages: (cuts.split, cuts.tail),
-            server_device: opened.device.clone(),
-            session_id: opened.session_id.clone(),
-            server_parameters: opened.parameters,
-        }));
-        (Some(link), opened.namespace)
-    } else {
-        let (model, device) = (bundle.manifest().model.source.clone(), device_name(config.device.resolve()?));
-        opts.progress.tell(Event::TrainingStarts(TrainingStart::Monolithic { model, device }));
-        (None, String::new())
+    let (sides, server_namespace) = match edge.stages {
+        EdgeStages::Split { prefix, tail } => {
+            let session = match &loopback {
+                Some(l) => connect(&l.url, &bundle, &Link::of(&config)).await?,
+                None => training_server(&config, &bundle).await?,
+            };
+            let url = session.url.clone();
+            let start = SessionStart { server_resume: edge.server_resume.clone(), step, samples: train_set.rows() as u64 };
+            let (link, opened) = open_session(&config, &train, &bundle, cuts, session, start).await?;
+            opts.progress.tell(Event::TrainingStarts(TrainingStart::Split {
+                mode: train.mode.name(),
+                model: bundle.manifest().model.source.clone(),
+                edge_part: describe_edge(cuts.split, cuts.tail, cuts.stages),
+                edge_device: device_name(config.device.resolve()?),
+                server: url,
+                server_stages: (cuts.split, cuts.tail),
+                server_device: opened.device.clone(),
+                session_id: opened.session_id.clone(),
+                server_parameters: opened.parameters,
+            }));
+            (Sides::Split { prefix, tail, link: Box::new(link) }, opened.namespace)
+        }
+        EdgeStages::Whole(model) => {
+            let (source, device) = (bundle.manifest().model.source.clone(), device_name(config.device.resolve()?));
+            opts.progress.tell(Event::TrainingStarts(TrainingStart::Monolithic { model: source, device }));
+            (Sides::Monolithic { model }, String::new())
+        }
     };
 
     let trainer = Trainer {
         bundle: bundle.clone(),
         train: train.clone(),
-        prefix: edge.prefix,
-        tail: edge.tail,
+        sides,
         optimizer: edge.optimizer,
-        link,
         step,
         position: edge.position,
         checkpoints: checkpoints.clone(),
@@ -228,8 +229,7 @@ async fn load_datasets(train: &TrainConfig, bundle: &Bundle) -> Result<(Dataset,
 /// checkpoint `train.resume` names (with the server checkpoint, `NAMESPACE/step-N`, that
 /// holds the server's side of the same step).
 struct EdgeSide {
-    prefix: Option<TrainableStages>,
-    tail: Option<TrainableStages>,
+    stages: EdgeStages,
     optimizer: Optimizer,
     position: Position,
     resumed: Option<u64>,
@@ -240,11 +240,15 @@ impl EdgeSide {
     fn load(bundle: &Bundle, device: DeviceSpec, train: &TrainConfig, checkpoints: &Path, cuts: Cuts) -> Result<Self> {
         let Cuts { split, tail, stages, remote } = cuts;
         let load = |range| TrainableStages::load(bundle, range, device, train.seed);
-        let prefix = (split > 0).then(|| load(StageRange::new(0, split))).transpose()?;
-        let tail = (remote && tail < stages).then(|| load(StageRange::new(tail, stages))).transpose()?;
+        let stages = if remote {
+            let prefix = (split > 0).then(|| load(StageRange::new(0, split))).transpose()?;
+            let tail = (tail < stages).then(|| load(StageRange::new(tail, stages))).transpose()?;
+            EdgeStages::Split { prefix, tail }
+        } else {
+            EdgeStages::Whole(load(StageRange::new(0, stages))?)
+        };
         let mut edge = Self {
-            prefix,
-            tail,
+            stages,
             optimizer: Optimizer::new(train.optimizer.clone()),
             position: Position { epoch: 0, batch: 0 },
             resumed: None,
@@ -257,8 +261,7 @@ impl EdgeSide {
     }
 
     fn restore(&mut self, path: &Path, name: &str, seed: u64, remote: bool) -> Result<()> {
-        let parts: Vec<&TrainableStages> = self.prefix.iter().chain(self.tail.iter()).collect();
-        let meta = checkpoint::restore(path, &parts, &mut self.optimizer)?;
+        let meta = checkpoint::restore(path, &self.stages.parts(), &mut self.optimizer)?;
         let bad = |message: String| HostError::File { path: path.to_path_buf(), message };
         if meta.seed != seed {
             return Err(bad(format!("trained with seed {}, this run has seed {seed}; resume with the same seed", meta.seed)));
@@ -452,16 +455,55 @@ struct MicrobatchPass {
     server_norms: Vec<f32>,
 }
 
+/// The stages the edge trains, by mode (loaded before the server's session opens).
+enum EdgeStages {
+    /// Monolithic: every stage.
+    Whole(TrainableStages),
+    /// Split or U-shaped: `[0, split)` (none when the split is 0) and, U-shaped, `[tail, N)`.
+    Split { prefix: Option<TrainableStages>, tail: Option<TrainableStages> },
+}
+
+impl EdgeStages {
+    /// Its stages, in the model's order.
+    fn parts(&self) -> Vec<&TrainableStages> {
+        match self {
+            Self::Whole(model) => vec![model],
+            Self::Split { prefix, tail } => prefix.iter().chain(tail.iter()).collect(),
+        }
+    }
+}
+
+/// What a run trains, by mode: the whole model here, or the edge's stages and the link to the
+/// server's session, which trains the rest.
+enum Sides {
+    Monolithic {
+        model: TrainableStages,
+    },
+    /// The link is boxed: it is large, and the enum is moved while it is made.
+    Split {
+        prefix: Option<TrainableStages>,
+        tail: Option<TrainableStages>,
+        link: Box<TrainLink>,
+    },
+}
+
+impl Sides {
+    /// The edge's stages, in the model's order.
+    fn parts(&self) -> Vec<&TrainableStages> {
+        match self {
+            Self::Monolithic { model } => vec![model],
+            Self::Split { prefix, tail, .. } => prefix.iter().chain(tail.iter()).collect(),
+        }
+    }
+}
+
 /// The edge's side of a run, on a blocking thread.
 struct Trainer {
     bundle: Bundle,
     train: TrainConfig,
-    /// Stages `[0, split)` (every stage when monolithic); none when the split is 0.
-    prefix: Option<TrainableStages>,
-    /// U-shaped: stages `[tail, N)`.
-    tail: Option<TrainableStages>,
+    /// The stages it trains, and its link to the server's.
+    sides: Sides,
     optimizer: Optimizer,
-    link: Option<TrainLink>,
     step: u64,
     position: Position,
     checkpoints: PathBuf,
@@ -541,8 +583,8 @@ impl Trainer {
         if last_checkpoint.as_os_str().is_empty() {
             return Err(TrainingSetupError::NothingTrained { step: self.step }.into());
         }
-        if let Some(link) = self.link.take() {
-            link.close();
+        if let Sides::Split { link, .. } = self.sides {
+            (*link).close();
         }
         Ok(Outcome { epochs, step_ms, steps: steps_log, step: self.step, last_checkpoint })
     }
@@ -557,10 +599,9 @@ impl Trainer {
             parts.push((inputs, targets, Microbatch::new(index, count, weight)?));
         }
         // Split steps go through the pipeline (one micro-batch: sent, then answered).
-        let passes = if self.link.is_some() && self.tail_cut == self.bundle.stage_count() {
-            self.pipelined(parts)?
-        } else {
-            parts.into_iter().map(|(inputs, targets, microbatch)| self.microbatch(inputs, targets, microbatch)).collect::<Result<Vec<_>>>()?
+        let passes = match &mut self.sides {
+            Sides::Split { prefix, link, .. } if self.tail_cut == self.bundle.stage_count() => pipelined(self.step, prefix.as_mut(), link, parts)?,
+            _ => parts.into_iter().map(|(inputs, targets, microbatch)| self.microbatch(inputs, targets, microbatch)).collect::<Result<Vec<_>>>()?,
         };
         let (mut loss, mut prefix_grads, mut tail_grads, mut server_norms) = (0.0, None, None, Vec::new());
         for pass in passes {
@@ -576,8 +617,7 @@ impl Trainer {
             let norms = [tensor_norms(&prefix_grads), server_norms, tensor_norms(&tail_grads)].concat();
             self.clip(max_norm, &norms, [&prefix_grads, &tail_grads])?;
         }
-        let mut params = self.prefix.as_ref().map(|p| named(p.parameters())).unwrap_or_default();
-        params.extend(self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default());
+        let params: Vec<(String, Tensor)> = self.sides.parts().into_iter().flat_map(|p| named(p.parameters())).collect();
         let grads: Grads = prefix_grads.into_iter().chain(tail_grads).collect();
         let lr = self.train.schedule.lr(self.train.optimizer.lr(), self.step);
         self.optimizer.step(&params, &grads, lr);
@@ -585,60 +625,36 @@ impl Trainer {
         Ok(loss)
     }
 
-    /// A split step's micro-batches, pipelined: each one's prefix runs and is sent while the
-    /// server works on the ones before; then each answer's gradient is backpropagated into
-    /// its prefix while the server works on the ones after.
-    fn pipelined(&mut self, parts: Vec<(Boundary, Tensor, Microbatch)>) -> Result<Vec<MicrobatchPass>> {
-        let step = self.step;
-        let mut sent = Vec::with_capacity(parts.len());
-        for (inputs, targets, microbatch) in parts {
-            let at_split = match &mut self.prefix {
-                Some(prefix) => prefix.forward(step, microbatch, &inputs)?,
-                None => inputs,
-            };
-            sent.push(float_leaves(&at_split));
-            let mut payload = at_split.detached();
-            payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
-            self.link.as_mut().expect("linked").send_forward(&payload, microbatch)?;
-        }
-        sent.into_iter()
-            .map(|prefix_outputs| {
-                let answer = self.link.as_mut().expect("linked").forward_answer()?;
-                let loss = answer.loss.ok_or(Breach::NoLoss)?;
-                let prefix = self.backward_prefix(&prefix_outputs, &answer.boundary)?;
-                Ok(MicrobatchPass { loss, prefix, tail: Grads::new(), server_norms: answer.norms })
-            })
-            .collect()
-    }
-
     /// The forward and backward passes of one micro-batch, monolithic or U-shaped: its
     /// weighed loss and this side's parameter gradients (the server sums its own).
     fn microbatch(&mut self, inputs: Boundary, targets: Tensor, microbatch: Microbatch) -> Result<MicrobatchPass> {
         let step = self.step;
-        let at_split = match &mut self.prefix {
+        let (prefix, tail, link) = match &mut self.sides {
+            Sides::Monolithic { model } => {
+                let output = model.forward(step, microbatch, &inputs)?;
+                let loss = microbatch.weigh(&step_loss(&self.bundle, self.train.loss, output, &targets)?);
+                let grads = backward(Some(&loss), model.parameters(), &[])?.parameters;
+                return Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix: grads, tail: Grads::new(), server_norms: Vec::new() });
+            }
+            Sides::Split { prefix, tail, link } => (prefix, tail, link),
+        };
+        let at_split = match prefix.as_mut() {
             Some(prefix) => prefix.forward(step, microbatch, &inputs)?,
             None => inputs,
         };
         let prefix_outputs = float_leaves(&at_split);
-        let Some(link) = self.link.as_mut() else {
-            // Monolithic: the prefix is the whole model.
-            let loss = microbatch.weigh(&step_loss(&self.bundle, self.train.loss, at_split, &targets)?);
-            let prefix = self.prefix.as_ref().expect("a monolithic run holds every stage");
-            let prefix_grads = backward(Some(&loss), prefix.parameters(), &[])?.parameters;
-            return Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix: prefix_grads, tail: Grads::new(), server_norms: Vec::new() });
-        };
         // U-shaped: the middle's output comes back, the tail and the loss run here.
         let middle = link.forward(&at_split.detached(), microbatch)?.boundary;
         let leaves = track_gradients(&middle);
-        let output = match &mut self.tail {
+        let output = match tail.as_mut() {
             Some(tail) => tail.forward(step, microbatch, &middle)?,
             None => middle,
         };
         let loss = microbatch.weigh(&step_loss(&self.bundle, self.train.loss, output, &targets)?);
-        let tail_params = self.tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
+        let tail_params = tail.as_ref().map(|t| named(t.parameters())).unwrap_or_default();
         let tail = backward(Some(&loss), &tail_params, &leaves)?;
-        let back = self.link.as_mut().expect("linked").backward(&tail.boundary)?;
-        let prefix = self.backward_prefix(&prefix_outputs, &back.boundary)?;
+        let back = link.backward(&tail.boundary)?;
+        let prefix = backward_prefix(prefix.as_ref(), &prefix_outputs, &back.boundary)?;
         Ok(MicrobatchPass { loss: loss.double_value(&[]), prefix, tail: tail.parameters, server_norms: back.norms })
     }
 
@@ -648,15 +664,14 @@ impl Trainer {
     /// weights and takes the group's average in their place (FedAvg); the optimizer's state
     /// stays this edge's own.
     fn end_round(&mut self) -> Result<()> {
-        let Some(clients) = &self.train.clients else { return Ok(()) };
-        let link = self.link.as_mut().expect("a client group trains a server part");
+        // A client group trains a server part: `Cuts::of` refuses one that does not.
+        let (Some(clients), Sides::Split { prefix, tail, link }) = (&self.train.clients, &mut self.sides) else { return Ok(()) };
         if clients.mode == ClientMode::Sequential {
             return link.end_round().map(drop);
         }
-        let weights: Vec<(String, Tensor)> = self
-            .prefix
+        let weights: Vec<(String, Tensor)> = prefix
             .iter()
-            .chain(self.tail.iter())
+            .chain(tail.iter())
             .flat_map(|p| p.parameters().iter().chain(p.buffers()))
             .filter(|(_, t)| t.is_floating_point())
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -677,7 +692,7 @@ impl Trainer {
     /// its own gradients by it and takes its step.
     fn clip(&mut self, max_norm: f64, norms: &[f32], grads: [&Grads; 2]) -> Result<()> {
         let coefficient = clip_coefficient(max_norm, norms).map_err(TrainError::NormNotFinite)?;
-        if let Some(link) = self.link.as_mut() {
+        if let Sides::Split { link, .. } = &mut self.sides {
             let server = link.clip_step(coefficient)?;
             if server != self.step + 1 {
                 return Err(Breach::StepApart { server, host: self.step + 1 }.into());
@@ -689,28 +704,21 @@ impl Trainer {
         Ok(())
     }
 
-    /// The prefix's parameter gradients, continuing the backward pass from the server's
-    /// gradient at the split (none without a prefix).
-    fn backward_prefix(&self, outputs: &[(String, Tensor)], grads_at_split: &Boundary) -> Result<Grads> {
-        let Some(prefix) = &self.prefix else { return Ok(Grads::new()) };
-        Ok(backward_from_boundary(outputs, grads_at_split, prefix.parameters(), &[])?.parameters)
-    }
-
     /// Mean loss and accuracy on the held-out set, in eval mode (split inference over the session).
     fn evaluate(&mut self, test_set: &Dataset) -> Result<(f64, f64)> {
         let rows: Vec<i64> = (0..test_set.rows()).collect();
         let (mut loss_sum, mut right) = (0.0f64, 0i64);
         for chunk in rows.chunks(self.train.eval_batch_size as usize) {
             let (inputs, targets) = test_set.batch(chunk);
-            let at_split = match &mut self.prefix {
-                Some(prefix) => prefix.evaluate(&inputs)?,
-                None => inputs,
-            };
-            let output = match self.link.as_mut() {
-                None => at_split,
-                Some(link) => {
+            let output = match &mut self.sides {
+                Sides::Monolithic { model } => model.evaluate(&inputs)?,
+                Sides::Split { prefix, tail, link } => {
+                    let at_split = match prefix.as_mut() {
+                        Some(prefix) => prefix.evaluate(&inputs)?,
+                        None => inputs,
+                    };
                     let returned = link.evaluate(&at_split)?.boundary;
-                    match &mut self.tail {
+                    match tail.as_mut() {
                         Some(tail) => tail.evaluate(&returned)?,
                         None => returned,
                     }
@@ -731,7 +739,7 @@ impl Trainer {
     fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let name = checkpoint_name(self.step);
         let dir = self.checkpoints.join(&name);
-        let parts: Vec<&TrainableStages> = self.prefix.iter().chain(self.tail.iter()).collect();
+        let parts = self.sides.parts();
         let meta = CheckpointMeta {
             bundle_id: self.bundle.id().to_string(),
             ranges: parts.iter().map(|p| [p.range().start, p.range().end]).collect(),
@@ -747,7 +755,7 @@ impl Trainer {
             }),
         };
         checkpoint::save(&dir.join(HOST_CHECKPOINT), &meta, &parts, &self.optimizer)?;
-        if let Some(link) = self.link.as_mut() {
+        if let Sides::Split { link, .. } = &mut self.sides {
             let server_step = link.save(&name)?;
             if server_step != self.step {
                 return Err(Breach::CheckpointStep { server: server_step, host: self.step }.into());
@@ -755,6 +763,43 @@ impl Trainer {
         }
         Ok(dir)
     }
+}
+
+/// A split step's micro-batches, pipelined: each one's prefix runs and is sent while the
+/// server works on the ones before; then each answer's gradient is backpropagated into its
+/// prefix while the server works on the ones after.
+fn pipelined(
+    step: u64,
+    mut prefix: Option<&mut TrainableStages>,
+    link: &mut TrainLink,
+    parts: Vec<(Boundary, Tensor, Microbatch)>,
+) -> Result<Vec<MicrobatchPass>> {
+    let mut sent = Vec::with_capacity(parts.len());
+    for (inputs, targets, microbatch) in parts {
+        let at_split = match prefix.as_deref_mut() {
+            Some(prefix) => prefix.forward(step, microbatch, &inputs)?,
+            None => inputs,
+        };
+        sent.push(float_leaves(&at_split));
+        let mut payload = at_split.detached();
+        payload.values.push((TARGETS_VALUE.to_string(), Value::Tensor(targets)));
+        link.send_forward(&payload, microbatch)?;
+    }
+    sent.into_iter()
+        .map(|prefix_outputs| {
+            let answer = link.forward_answer()?;
+            let loss = answer.loss.ok_or(Breach::NoLoss)?;
+            let prefix = backward_prefix(prefix.as_deref(), &prefix_outputs, &answer.boundary)?;
+            Ok(MicrobatchPass { loss, prefix, tail: Grads::new(), server_norms: answer.norms })
+        })
+        .collect()
+}
+
+/// The prefix's parameter gradients, continuing the backward pass from the server's gradient
+/// at the split (none without a prefix).
+fn backward_prefix(prefix: Option<&TrainableStages>, outputs: &[(String, Tensor)], grads_at_split: &Boundary) -> Result<Grads> {
+    let Some(prefix) = prefix else { return Ok(Grads::new()) };
+    Ok(backward_from_boundary(outputs, grads_at_split, prefix.parameters(), &[])?.parameters)
 }
 
 fn named(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
