@@ -150,8 +150,11 @@ impl Worker {
                 let _held = held;
                 run_batch(batch, together, &metrics, &label)
             });
-            // A batch the device lost drops its replies: those streams end.
-            let _ = ran.await;
+            // Answered here, once the device has counted the batch; a batch the device lost
+            // drops its replies: those streams end.
+            for (reply, ran) in ran.await.unwrap_or_default() {
+                let _ = reply.send(ran);
+            }
         }
     }
 
@@ -240,27 +243,25 @@ impl Ready {
     }
 }
 
-/// Runs `batch` (on its device's scheduler) and answers each job: those whose steps pass their
-/// checks as one batch where `together` (room for the merged caches) and there are more than
-/// one, else each alone.
-fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str) {
-    let (mut ready, mut replies) = (Vec::with_capacity(batch.len()), Vec::with_capacity(batch.len()));
+/// Runs `batch` (on its device's scheduler): each job's reply with its answer, for the worker
+/// to send once the device has counted the batch. Steps that pass their checks run as one
+/// batch where `together` (room for the merged caches) and there are more than one, else each
+/// alone.
+fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str) -> Vec<(oneshot::Sender<Ran>, Ran)> {
+    let (mut ready, mut replies, mut answers) = (Vec::with_capacity(batch.len()), Vec::with_capacity(batch.len()), Vec::new());
     for Job { session, step, answer_limit, reply, .. } in batch {
         match check(session, &step, answer_limit) {
             Ok(checked) => {
                 ready.push(checked);
                 replies.push(reply);
             }
-            Err(ran) => {
-                let _ = reply.send(*ran);
-            }
+            Err(ran) => answers.push((reply, *ran)),
         }
     }
     let ran =
         if together && ready.len() > 1 { run_together_or_alone(ready, metrics, label) } else { ready.into_iter().map(Ready::run_alone).collect() };
-    for (reply, ran) in replies.into_iter().zip(ran) {
-        let _ = reply.send(ran);
-    }
+    answers.extend(replies.into_iter().zip(ran));
+    answers
 }
 
 /// Runs `ready` as one batch; where that fails (before any session changed), each alone.

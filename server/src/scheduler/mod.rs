@@ -135,8 +135,9 @@ pub(crate) struct ProfileJob {
 }
 
 /// Work of another kind for the device, run on its thread in its turn: a batch of generation
-/// steps or a prompt's step. Its answer travels inside `run`; dropped unrun (the device is
-/// down), its caller sees that answer gone.
+/// steps or a prompt's step. `run` does the work and gives back what answers its caller,
+/// called once the work is counted (a scrape after an answer counts its work); dropped unrun
+/// (the device is down), its caller sees that answer gone.
 pub(crate) struct DeviceTask {
     /// The model (its index on the device) whose SLO and priority key it.
     pub(crate) model: usize,
@@ -144,7 +145,7 @@ pub(crate) struct DeviceTask {
     pub(crate) kind: &'static str,
     /// The rows it carries.
     pub(crate) rows: usize,
-    pub(crate) run: Box<dyn FnOnce() + Send>,
+    pub(crate) run: Box<dyn FnOnce() -> Box<dyn FnOnce() + Send> + Send>,
 }
 
 /// A training session's request for the device; granted with the sender the session drops
@@ -221,8 +222,11 @@ impl DeviceScheduler {
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, RequestError> {
         let (done, answer) = oneshot::channel();
-        let run = Box::new(move || {
-            let _ = done.send(work());
+        let run = Box::new(move || -> Box<dyn FnOnce() + Send> {
+            let output = work();
+            Box::new(move || {
+                let _ = done.send(output);
+            })
         });
         self.work.send_async(Work::Task(DeviceTask { model, kind, rows, run }, Instant::now())).await.map_err(|_| Internal::SchedulerGone)?;
         answer.await.map_err(|_| Internal::SchedulerGone.into())
@@ -554,10 +558,12 @@ impl Worker {
         self.metrics.queued(label, -1);
         let _running = tracing::debug_span!("task", kind = task.kind, model = %label, rows = task.rows).entered();
         let started = Instant::now();
-        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task.run)) {
-            tracing::error!(kind = task.kind, panic = %panic_message(panic.as_ref()), "a device task panicked");
-        }
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task.run));
         self.metrics.device_worked(&self.device, task.kind, started.elapsed());
+        match ran {
+            Ok(answer) => answer(),
+            Err(panic) => tracing::error!(kind = task.kind, panic = %panic_message(panic.as_ref()), "a device task panicked"),
+        }
     }
 
     /// Runs one request to the last cut by itself.
