@@ -18,7 +18,6 @@
 //! - [`device`]: `auto`, `cpu`, `cuda:N` and what they resolve to on this machine.
 //! - [`verify`]: run every split point against the bundle's references.
 //! - [`stats`]: the one percentile definition (medians, p95, p99).
-//! - [`tables`]: the tables printed for people (split points, verification runs).
 //! - [`tensor_memory`]: a CPU tensor's memory as bytes without copying (the workspace's one
 //!   `unsafe` module).
 //! - [`error`]: the bundle runtime's error type, one variant per step that can fail.
@@ -38,7 +37,6 @@ pub mod security;
 pub mod spec;
 pub mod stages;
 pub mod stats;
-pub mod tables;
 pub mod telemetry;
 pub mod tensor_memory;
 pub mod training;

@@ -7,8 +7,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use cleave_common::stats::{median, Percentiles};
-use cleave_common::tables::human_bytes;
 use cleave_common::{Bundle, Value};
+use cleave_tables::human_bytes;
 use serde::Serialize;
 
 use crate::client::{RequestMetrics, RequestOutcome, ServedBy, ServerTimes, StreamCounts};

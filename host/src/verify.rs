@@ -4,9 +4,9 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use cleave_common::tables::{split_table, thousands, verify_table, SplitTable};
 use cleave_common::verify::{verify_splits, VerifyReport};
 use cleave_common::DeviceSpec;
+use cleave_tables::{split_table, thousands, verify_table, SplitTable};
 
 use crate::error::Result;
 

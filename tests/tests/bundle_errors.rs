@@ -196,11 +196,11 @@ fn bytes_at_a_sequence_length_follow_the_specs() {
     assert_eq!(short[3].bytes_per_token, Some((8 * 32 * 4 + 8 * 8 + 8 * 8) as f64 / 8.0));
     // `host splits --seq 8` shows them, with a column per token; a bundle without a sequence
     // shows none.
-    let table = cleave_common::tables::split_table(&bundle, Some(8)).to_string();
+    let table = cleave_tables::split_table(&bundle, Some(8)).to_string();
     assert!(table.contains("per token (S = 8)") && table.contains(&format!("{:.1} B", at(1, 8) as f64 / 8.0)), "{table}");
     let digits = digits();
     assert!(digits.split_points().iter().all(|p| p.seq_len.is_none() && p.bytes_per_token.is_none()));
-    assert!(!cleave_common::tables::split_table(&digits, None).to_string().contains("per token"));
+    assert!(!cleave_tables::split_table(&digits, None).to_string().contains("per token"));
 }
 
 #[test]
@@ -217,7 +217,7 @@ fn host_splits_says_each_reason_a_cut_is_unusable_once_and_an_unknown_size_as_un
         m["cuts"][4]["tensors"][0]["shape"][1] = "?".into();
         m["cuts"][4]["bytes_per_sample"] = 0.into();
     });
-    let table = cleave_common::tables::split_table(&Bundle::open(&dir).unwrap(), None).to_string();
+    let table = cleave_tables::split_table(&Bundle::open(&dir).unwrap(), None).to_string();
     assert_eq!(table.matches(reason).count(), 1, "{table}");
     assert!(table.ends_with(&format!("\n(1) {reason}")), "{table}");
     assert_eq!(table.matches("no (1)").count(), 3, "{table}");

@@ -400,7 +400,7 @@ fn trained_weights_written_back_serve_split_inference() {
     // ... and its references were recomputed: every split of the new bundle reproduces them.
     for batch in trained.reference_batches() {
         let report = cleave_common::verify::verify_splits(&trained, DeviceSpec::Cpu, batch).unwrap();
-        assert!(report.passed(), "batch {batch}: {}", cleave_common::tables::verify_table(&report));
+        assert!(report.passed(), "batch {batch}: {}", cleave_tables::verify_table(&report));
     }
 }
 

@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context};
 use clap::Parser;
 use cleave_common::stats::median;
-use cleave_common::tables::thousands;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
+use cleave_tables::thousands;
 use tch::{Kind, Tensor};
 
 #[derive(Parser)]

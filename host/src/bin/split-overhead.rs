@@ -30,13 +30,13 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use cleave_common::config::allowed_cores;
 use cleave_common::stats::median;
-use cleave_common::tables::human_bytes;
 use cleave_common::wire::{Codec, Key};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
 use cleave_host::session::{EdgeSession, Link};
+use cleave_tables::human_bytes;
 use support::{connect_when_up, start_server, ServerOptions, Side};
 
 #[derive(Parser)]

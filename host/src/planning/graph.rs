@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use cleave_common::bundle::{Bundle, StageInfo};
-use cleave_common::tables::{human_bytes, si, thousands};
+use cleave_tables::{human_bytes, si, thousands};
 
 /// The DOT file's name inside the directory given to [`write_stage_graph`].
 pub const STAGE_GRAPH_DOT: &str = "stage_graph.dot";

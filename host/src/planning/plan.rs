@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use cleave_common::stats::Percentiles;
-use cleave_common::tables::human_bytes;
 use cleave_common::wire::Codec;
 use cleave_common::Bundle;
+use cleave_tables::human_bytes;
 use serde::Serialize;
 
 use super::codec_choice;

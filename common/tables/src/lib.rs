@@ -3,8 +3,8 @@
 use comfy_table::presets::UTF8_FULL_CONDENSED;
 use comfy_table::{CellAlignment, Table};
 
-use crate::bundle::Bundle;
-use crate::verify::VerifyReport;
+use cleave_common::verify::VerifyReport;
+use cleave_common::Bundle;
 
 /// Bytes in binary units (`1.5 MiB`).
 pub fn human_bytes(bytes: u64) -> String {
