@@ -22,7 +22,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 # The import-cycle check reads every crate's source and the exporter's modules: no circles
 # between files, nor between a crate's top-level modules.
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
-	--rust common/codec/src --rust common/src --rust common/tables/src --rust server/src --rust host/src
+	--rust client/src --rust common/codec/src --rust common/src --rust common/tables/src --rust server/src --rust host/src
 
 .PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate image image-bases deploy-check clean
 
@@ -94,6 +94,7 @@ lint: $(VENV)/.installed
 	cd tools/export && $(CURDIR)/$(VENV)/bin/ruff check .
 	$(CYCLE_CHECK)
 	python3 tools/export/check_architecture.py
+	python3 tools/export/check_client_deps.py
 
 # Lint first; `build` before the tests: the exporter tests run the release `host` against
 # torch.optim (and must not skip).

@@ -18,6 +18,8 @@ use cleave_common::training::schedule::{check_clip_norm, Schedule};
 use cleave_common::wire::{Codec, CodecPolicy};
 use cleave_common::DeviceSpec;
 
+use cleave_client::{Link, RetryPolicy};
+
 use crate::planner::Objective;
 
 /// `encryption:` in edge.yaml.
@@ -164,63 +166,15 @@ pub struct Resilience {
 
 impl Default for Resilience {
     fn default() -> Self {
+        let link = Link::default();
         Self {
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(30),
-            keepalive_interval: Duration::from_secs(10),
-            keepalive_timeout: Duration::from_secs(10),
+            connect_timeout: link.connect_timeout,
+            request_timeout: link.request_timeout,
+            keepalive_interval: link.keepalive.0,
+            keepalive_timeout: link.keepalive.1,
             retry: RetryPolicy::default(),
             fallback: Fallback::None,
         }
-    }
-}
-
-/// `retry:` in edge.yaml: reconnect after exponential backoff with jitter, from 100 ms up to
-/// `max_backoff`; a request is sent at most `max_attempts` times, and the run gives up after
-/// `max_attempts` connection attempts in a row fail or answer nothing (with the defaults, a
-/// server down for about 20 s or more).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetryPolicy {
-    /// Sends of one request, and connection attempts in a row, before giving up.
-    pub max_attempts: u32,
-    /// The longest wait between two connection attempts.
-    pub max_backoff: Duration,
-}
-
-impl RetryPolicy {
-    /// The waits between connection attempts: from 100 ms, doubling with jitter, up to
-    /// `max_backoff`, without end.
-    pub fn backoff(&self) -> Backoff {
-        use backon::BackoffBuilder;
-        let waits = backon::ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100).min(self.max_backoff))
-            .with_max_delay(self.max_backoff)
-            .with_jitter()
-            .without_max_times()
-            .build();
-        Backoff { waits, max: self.max_backoff }
-    }
-}
-
-/// The waits of a [`RetryPolicy`], never longer than its `max_backoff` (backon's jitter adds
-/// up to one more delay on top of its maximum).
-#[derive(Debug)]
-pub struct Backoff {
-    waits: backon::ExponentialBackoff,
-    max: Duration,
-}
-
-impl Iterator for Backoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        Some(self.waits.next().unwrap_or(self.max).min(self.max))
-    }
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        Self { max_attempts: 10, max_backoff: Duration::from_secs(5) }
     }
 }
 
@@ -508,6 +462,23 @@ pub enum Job {
 }
 
 impl EdgeConfig {
+    /// How to reach its servers: the TLS trust, token, key and timeouts of this config.
+    /// Servers reached by the addresses their name resolves to (`resolve_every`) are checked
+    /// against that name.
+    pub fn link(&self) -> Link {
+        let r = &self.resilience;
+        let link = Link {
+            connect_timeout: r.connect_timeout,
+            keepalive: (r.keepalive_interval, r.keepalive_timeout),
+            request_timeout: r.request_timeout,
+            ..Link::secured(&self.security)
+        };
+        match self.resolve_every {
+            Some(_) => link.checking_name_of(&self.server),
+            None => link,
+        }
+    }
+
     /// The training section, when this config trains.
     pub fn train(&self) -> Option<&TrainConfig> {
         match &self.job {
@@ -754,18 +725,4 @@ fn clients_config(raw: RawClients, mode: &TrainMode, resumes: bool, writes_bundl
         return Err(("write_bundle", "the server's part of a client group is trained by every edge: write it from the server's checkpoint".into()));
     }
     Ok(ClientsConfig { mode: raw.mode, group: raw.group, edges: raw.edges, edge: raw.edge })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_waits_never_exceed_max_backoff_jitter_included() {
-        let retry = RetryPolicy { max_attempts: 10, max_backoff: Duration::from_secs(5) };
-        let waits: Vec<Duration> = retry.backoff().take(200).collect();
-        assert!(waits.iter().all(|w| *w <= retry.max_backoff), "{waits:?}");
-        assert!(waits[0] >= Duration::from_millis(100) && waits[0] < Duration::from_millis(200), "{waits:?}");
-        assert!(waits.iter().skip(10).any(|w| *w > Duration::from_millis(4500)), "they reach it: {waits:?}");
-    }
 }

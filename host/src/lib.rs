@@ -4,8 +4,8 @@
 //!   the boundaries to the server, write predictions, metrics, a summary and plots.
 //! - [`run_options`]: [`RunOptions`], what `host --config` is given beside its config, for an
 //!   inference run and a training run alike.
-//! - [`session`]: the one connect (endpoint, token, `Info`, protocol and bundle checks) that
-//!   runs, plans and training share; limits come from the server's `Info`.
+//! - The link to a server (connect, token, `Info`, protocol and bundle checks, retries) is the
+//!   `cleave-client` crate's: runs, plans, `host load`, training and generation all use it.
 //! - [`client`]: the streaming client (prefix thread, in-flight window, result reassembly).
 //! - [`planner`]: the split planner's model: from profiles, every cut's predicted latency
 //!   and throughput, the best cut for an [`planner::Objective`], the re-planner; what each
@@ -59,11 +59,11 @@ pub mod records;
 pub mod report;
 pub mod run;
 pub mod run_options;
-pub mod session;
+
 pub mod training;
 pub mod verify;
 
-pub use error::{HostError, RequestFailure, Result, StreamError};
+pub use error::{HostError, RequestFailure, Result};
 #[cfg(feature = "loopback")]
 pub use loopback::LoopbackServer;
 pub use run::run;

@@ -27,7 +27,7 @@ use crate::progress::{Bar, Event, InferenceStart, Progress};
 use crate::records::Planned;
 use crate::report::{self, CpuMeter, ReportWriter, Summary};
 use crate::run_options::RunOptions;
-use crate::session::{connect_first, EdgeSession, Link};
+use cleave_client::{connect_first, ServerSession};
 
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to
 /// `summary.json` in the output directory, beside the other files).
@@ -119,7 +119,7 @@ struct Connected {
     /// server with `--loopback`).
     servers: Option<watch::Receiver<Vec<String>>>,
     loopback: Option<LoopbackServer>,
-    session: EdgeSession,
+    session: ServerSession,
     split: usize,
     auto: Option<AutoStart>,
     chooser: Option<Arc<CodecChooser>>,
@@ -140,7 +140,7 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
         (None, None) if config.servers.len() > 1 => (config.servers.clone(), Some(watch::channel(config.servers.clone()).1)),
         (None, None) => (config.servers.clone(), None),
     };
-    let mut session = connect_first(&first, bundle, &Link::of(config), &config.resilience.retry).await?;
+    let mut session = connect_first(&first, bundle, &config.link(), &config.resilience.retry).await?;
     let url = session.url.clone();
     let auto = match fixed {
         None => Some(start_auto_split(config, &mut session, bundle, &opts.progress).await?),
@@ -159,7 +159,7 @@ async fn connect(config: &EdgeConfig, opts: &RunOptions, bundle: &Bundle) -> Res
 
 /// Streams over the servers `servers` lists, or the one `session` is connected to.
 async fn stream_to_servers(
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     servers: Option<watch::Receiver<Vec<String>>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(crate::client::RequestOutcome),
@@ -242,7 +242,7 @@ struct AutoStart {
     profiles: Profiles,
 }
 
-async fn start_auto_split(config: &EdgeConfig, session: &mut EdgeSession, bundle: &Bundle, progress: &Progress) -> Result<AutoStart> {
+async fn start_auto_split(config: &EdgeConfig, session: &mut ServerSession, bundle: &Bundle, progress: &Progress) -> Result<AutoStart> {
     // With `codec: auto` too, every candidate is measured at every cut: the plan chooses the
     // cut and the codec together, and the chooser starts from the same costs.
     let codec_candidates = if config.codec_auto { codec_choice::candidates(session)? } else { Vec::new() };

@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cleave_client::RetryPolicy;
+use cleave_client::{connect, connect_retrying, Link};
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceServer};
@@ -19,10 +21,9 @@ use cleave_common::protocol::{ServedModel, ServerInfo, BUNDLE_ID_METADATA, HOST_
 use cleave_common::wire::{payload_frames, Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::client::{stream_requests, RequestOutcome, ServedBy, Splits, StreamCounts, StreamPlan};
-use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience, RetryPolicy};
+use cleave_host::config::{EdgeConfig, Fallback, InputSource, Resilience};
 use cleave_host::inputs::Inputs;
 use cleave_host::report::OutputMode;
-use cleave_host::session::{connect, connect_retrying, Link};
 use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::{Batching, DeviceFailurePolicy, DeviceFaults, ModelConfig, PeerLimits, PreparedServer, SchedulerConfig};
 use cleave_tests::bundle_dir;
@@ -65,7 +66,7 @@ fn plan(bundle: &Bundle, split: usize, requests: u64, resilience: Resilience) ->
 
 /// Streams `plan` on `session` and returns every outcome by id, checking there is exactly one
 /// per id. A run that does not end within a minute is a deadlock.
-async fn run_plan(session: &mut cleave_host::session::EdgeSession, plan: StreamPlan) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
+async fn run_plan(session: &mut cleave_client::ServerSession, plan: StreamPlan) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
     let mut outcomes = HashMap::new();
     let streamed = stream_requests(session, plan, |o| assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id"));
     let counts = tokio::time::timeout(Duration::from_secs(60), streamed).await.expect("the host ended (no deadlock)").unwrap();

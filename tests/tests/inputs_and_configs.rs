@@ -3,12 +3,13 @@
 use std::path::Path;
 use std::time::Duration;
 
+use cleave_client::RetryPolicy;
 use cleave_common::config::CpuUse;
 use cleave_common::training::loss::LossKind;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::SplitSpec;
 use cleave_common::{Bundle, DeviceSpec};
-use cleave_host::config::{ClientMode, ClientsConfig, EdgeConfig, Fallback, InputSource, Job, Resilience, RetryPolicy, TrainMode};
+use cleave_host::config::{ClientMode, ClientsConfig, EdgeConfig, Fallback, InputSource, Job, Resilience, TrainMode};
 use cleave_host::error::{HostError, InputError};
 use cleave_host::inputs::Inputs;
 use cleave_host::planning::fleet::Fleet;
@@ -473,9 +474,9 @@ fn server_takes_one_url_or_a_list_each_checked() {
     assert_eq!(load_with("http://a:1", "resolve_every: 10s\n").unwrap().resolve_every, Some(std::time::Duration::from_secs(10)));
     assert_eq!(load("http://a:1").unwrap().resolve_every, None);
     let tls = load_with("https://cleave-server.ml.svc:50051", "resolve_every: 10s\ntls: {ca: ca.pem}\n").unwrap();
-    assert_eq!(cleave_host::session::Link::of(&tls).tls.unwrap().domain.as_deref(), Some("cleave-server.ml.svc"));
+    assert_eq!(tls.link().tls.unwrap().domain.as_deref(), Some("cleave-server.ml.svc"));
     let named = load_with("https://cleave-server.ml.svc:50051", "resolve_every: 10s\ntls: {ca: ca.pem, domain: gpu.example}\n").unwrap();
-    assert_eq!(cleave_host::session::Link::of(&named).tls.unwrap().domain.as_deref(), Some("gpu.example"));
+    assert_eq!(named.link().tls.unwrap().domain.as_deref(), Some("gpu.example"));
     for (server, extra, expected) in [
         ("http://a:1", "resolve_every: 100ms\n", "at least 1s"),
         ("[https://a:1, https://b:1]", "resolve_every: 10s\ntls: {ca: ca.pem}\n", "set `tls.domain`"),

@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cleave_client::RetryPolicy;
+use cleave_client::{connect, Link};
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
@@ -12,9 +14,8 @@ use cleave_common::spec::DType;
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
-use cleave_host::config::{InputSource, Resilience, RetryPolicy};
+use cleave_host::config::{InputSource, Resilience};
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{connect, Link};
 use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::{ModelConfig, PreparedServer, SchedulerConfig};
 use cleave_tests::{bundle_dir, metric_sample, parse_metrics};
@@ -501,7 +502,7 @@ fn generation_reference(bundle: &Bundle) -> (tch::Tensor, tch::Tensor) {
 /// The code and message of the server's refusal.
 fn refusal<T>(result: Result<T, cleave_host::HostError>) -> (tonic::Code, String) {
     match result {
-        Err(cleave_host::HostError::Rpc { code, message, .. }) => (code, message),
+        Err(cleave_host::HostError::Link(cleave_client::LinkError::Rpc { code, message, .. })) => (code, message),
         Err(other) => panic!("expected a refusal, got {other}"),
         Ok(_) => panic!("expected a refusal"),
     }

@@ -112,10 +112,10 @@ fn plan_writes_the_profiles_a_fleet_is_planned_from() {
 
 #[test]
 fn profile_and_echo_refuse_what_they_cannot_do() {
+    use cleave_client::{connect, Link};
     use cleave_common::config::Limits;
     use cleave_common::pb;
     use cleave_common::{Bundle, DeviceSpec};
-    use cleave_host::session::{connect, Link};
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let server = cleave_host::LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();

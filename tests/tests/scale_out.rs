@@ -9,13 +9,14 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use cleave_client::RetryPolicy;
+use cleave_client::{connect, Link};
 use cleave_common::pb::{self, split_inference_client::SplitInferenceClient};
 use cleave_common::wire::Codec;
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_balanced, RequestOutcome, Splits, StreamCounts, StreamPlan};
-use cleave_host::config::{InputSource, Resilience, RetryPolicy};
+use cleave_host::config::{InputSource, Resilience};
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{connect, Link};
 use cleave_tests::{bundle_dir, release_binary};
 use tokio::sync::watch;
 use tonic_health::pb::health_check_response::ServingStatus;

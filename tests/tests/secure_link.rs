@@ -2,6 +2,7 @@
 //! TLS with a bearer token (and the refusals without it), and every way a sealed payload
 //! can be attacked, each refused with its own status while the stream keeps serving.
 
+use cleave_client::{connect, connect_retrying, Link, LinkError, RetryPolicy};
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
@@ -9,11 +10,8 @@ use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdenti
 use cleave_common::wire::{Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
-use cleave_host::config::RetryPolicy;
 use cleave_host::config::{EdgeConfig, InputSource};
-use cleave_host::error::HostError;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{connect, connect_retrying, Link};
 use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::write_dev_secrets;
 use cleave_tests::bundle_dir;
@@ -182,7 +180,7 @@ fn a_link_that_cannot_work_fails_at_its_first_attempt_not_after_every_retry() {
             let link = Link::secured(&security);
             let attempt = connect_retrying(&url, &bundle, &link, &retry);
             let err = tokio::time::timeout(std::time::Duration::from_secs(60), attempt).await.expect("no hang").unwrap_err();
-            assert!(matches!(err, HostError::Unreachable { .. }) && err.is_lasting(), "{case}: {err:?}");
+            assert!(matches!(err, LinkError::Unreachable { .. }) && err.is_lasting(), "{case}: {err:?}");
             let message = err.to_string();
             assert!(
                 message.contains(names) && message.contains("trying again cannot fix this") && !message.contains("attempts"),
@@ -351,8 +349,8 @@ fn secret_config_errors_name_the_key_and_never_the_secret() {
 
 #[test]
 fn the_handshake_refuses_a_codec_or_key_the_server_does_not_accept_naming_what_it_does() {
+    use cleave_client::check_server_accepts;
     use cleave_common::protocol::{ServerInfo, PROTOCOL_VERSION};
-    use cleave_host::session::check_server_accepts;
     let support = pb::CodecSupport {
         precisions: vec!["full".into(), "fp16".into()],
         compressions: vec!["none".into(), "lz4".into()],

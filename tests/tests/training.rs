@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use cleave_client::{connect, Link};
 use cleave_common::config::Limits;
 use cleave_common::pb::{self, train_frame, TrainFrame};
 use cleave_common::security::ServerSecurity;
@@ -17,7 +18,6 @@ use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, StageRange};
 use cleave_host::config::EdgeConfig;
 use cleave_host::report::OutputMode;
-use cleave_host::session::{connect, Link};
 use cleave_host::training::{checkpoint_name, checkpoint_state, TrainingSummary, HOST_CHECKPOINT};
 use cleave_host::{LoopbackServer, RunOptions};
 use cleave_server::TrainingOptions;

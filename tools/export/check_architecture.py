@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CRATES = ("common/codec/src", "common/src", "common/tables/src", "server/src", "host/src")
+CRATES = ("client/src", "common/codec/src", "common/src", "common/tables/src", "server/src", "host/src")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use clap::Parser;
+use cleave_client::Link;
 use cleave_common::config::allowed_cores;
 use cleave_common::stats::median;
 use cleave_common::wire::Codec;
@@ -23,7 +24,6 @@ use cleave_common::{Bundle, DeviceSpec};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::Link;
 use support::{connect_when_up, rss_bytes, start_server, ServerOptions, Side};
 
 #[derive(Parser)]

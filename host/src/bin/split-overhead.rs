@@ -28,6 +28,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use cleave_client::{Link, ServerSession};
 use cleave_common::config::allowed_cores;
 use cleave_common::stats::median;
 use cleave_common::wire::{Codec, Key};
@@ -35,7 +36,6 @@ use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
-use cleave_host::session::{EdgeSession, Link};
 use cleave_tables::human_bytes;
 use support::{connect_when_up, start_server, ServerOptions, Side};
 
@@ -517,7 +517,7 @@ impl<'a> Bench<'a> {
     }
 
     /// (c) the split, the edge on its side: each configuration's requests on its own session.
-    async fn split_round(&mut self, edge: &Side, sessions: &mut [EdgeSession], timed: bool) -> anyhow::Result<()> {
+    async fn split_round(&mut self, edge: &Side, sessions: &mut [ServerSession], timed: bool) -> anyhow::Result<()> {
         edge.enter()?;
         for (k, (&(_, s, codec), session)) in self.configs.iter().zip(sessions).enumerate() {
             let ids: Vec<u64> = (self.next_id..self.next_id + self.args.per_round).collect();

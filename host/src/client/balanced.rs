@@ -24,7 +24,7 @@ use super::servers::{Delivered, Dispatch, LinkHealth, LinkSetup, ServerLink};
 use super::{Run, StreamCounts, SAME_LASTING_ERRORS_TO_STOP};
 use crate::config::MAX_SERVERS;
 use crate::error::Result;
-use crate::session::EdgeSession;
+use cleave_client::ServerSession;
 
 /// How often the loop checks whether any server can still be reached.
 const REACHABLE_CHECK: Duration = Duration::from_millis(200);
@@ -36,7 +36,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
     /// the connection to one of them).
     pub(super) async fn stream_balanced(
         mut self,
-        session: &EdgeSession,
+        session: &ServerSession,
         mut servers: watch::Receiver<Vec<String>>,
         mut produced: mpsc::UnboundedReceiver<Produced>,
     ) -> Result<StreamCounts> {
@@ -96,7 +96,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
     }
 
     /// What every server's link is made with.
-    fn link_setup(&self, session: &EdgeSession) -> Arc<LinkSetup> {
+    fn link_setup(&self, session: &ServerSession) -> Arc<LinkSetup> {
         Arc::new(LinkSetup {
             bundle: self.bundle.clone(),
             link: session.link.clone(),
@@ -192,7 +192,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
 struct Links {
     setup: Arc<LinkSetup>,
     /// The caller's connection, for the link to its server.
-    first: Option<EdgeSession>,
+    first: Option<ServerSession>,
     changes: mpsc::Sender<Discovered>,
     health: BTreeMap<String, Arc<LinkHealth>>,
 }

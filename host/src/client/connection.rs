@@ -14,8 +14,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::request::{ms, ServerTimes};
-use crate::error::{ConnectFailure, HostError, RequestFailure, Result, StreamError};
-use crate::session::EdgeSession;
+use crate::error::{HostError, RequestFailure, Result};
+use cleave_client::ServerSession;
+use cleave_client::{ConnectFailure, LinkError, StreamError};
 
 /// A live `Infer` stream.
 pub(crate) struct Connection {
@@ -40,14 +41,14 @@ pub(crate) struct Answer {
 impl Connection {
     /// Opens the stream on a connected session, within `timeout`. Requests carry the host's
     /// session id, so that the server answers one it already computed from its window.
-    pub(crate) async fn open(session: &EdgeSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self> {
+    pub(crate) async fn open(session: &ServerSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self> {
         let (frames, rx) = mpsc::unbounded_channel();
         let mut request = session.model_request(UnboundedReceiverStream::new(rx));
         request.metadata_mut().insert(HOST_SESSION_METADATA, host_session.parse().expect("a hex session id is a valid header value"));
         let mut client = session.client.clone();
         let opened = tokio::time::timeout(timeout, client.infer(request))
             .await
-            .map_err(|_| HostError::Connect { url: session.url.clone(), failure: ConnectFailure::StreamNotOpened(timeout), attempts: 1 })?
+            .map_err(|_| LinkError::Connect { url: session.url.clone(), failure: ConnectFailure::StreamNotOpened(timeout), attempts: 1 })?
             .map_err(|s| HostError::rpc("Infer", &s))?;
         // Results must come back sealed when requests go sealed: a stripped seal is refused.
         let policy = CodecPolicy { require_encryption: sealed, ..CodecPolicy::default() };

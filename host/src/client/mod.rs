@@ -40,13 +40,14 @@ use self::connection::{Answer, Connection};
 use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
 use self::request::ms;
 use crate::config::{Fallback, Resilience};
-use crate::error::{ConnectFailure, HostError, RequestFailure, Result, StreamError};
-use crate::session::{connect, EdgeSession};
+use crate::error::{HostError, RequestFailure, Result};
+use cleave_client::{connect, ServerSession};
+use cleave_client::{ConnectFailure, LinkError, StreamError};
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
 /// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's
 /// message limit and accepted up to its payload limit. `session` ends as the last connection.
-pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
+pub async fn stream_requests(session: &mut ServerSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
     stream_to(session, None, plan, on_outcome).await
 }
 
@@ -55,7 +56,7 @@ pub async fn stream_requests(session: &mut EdgeSession, plan: StreamPlan, on_out
 /// picked at random; a request whose server is lost goes to another. `fallback: edge` is not
 /// offered here.
 pub async fn stream_balanced(
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     servers: tokio::sync::watch::Receiver<Vec<String>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(RequestOutcome),
@@ -72,7 +73,7 @@ pub async fn stream_balanced(
 
 /// The run over the servers `servers` lists, or over `session`'s server alone.
 async fn stream_to(
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     servers: Option<tokio::sync::watch::Receiver<Vec<String>>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(RequestOutcome),
@@ -220,10 +221,10 @@ struct Run<F> {
 struct Reconnect {
     attempts: u32,
     at: Option<tokio::time::Instant>,
-    backoff: crate::config::Backoff,
+    backoff: cleave_client::Backoff,
 }
 
-type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(EdgeSession, Connection)>> + Send>>;
+type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(ServerSession, Connection)>> + Send>>;
 
 /// The run's link to the server: the connection, or the one being opened, and how
 /// reconnecting goes.
@@ -232,7 +233,7 @@ struct Link {
     connecting: Option<Connecting>,
     reconnect: Reconnect,
     /// The caller's connection, which the first stream opens on.
-    first: Option<EdgeSession>,
+    first: Option<ServerSession>,
     opened_before: bool,
     /// The connection's last sign of life: it opened, or it answered. The server answers a
     /// stream's requests in order, so while answers come nothing is stalled.
@@ -241,7 +242,7 @@ struct Link {
 }
 
 impl<F: FnMut(RequestOutcome)> Run<F> {
-    async fn stream(mut self, session: &mut EdgeSession, mut produced: mpsc::UnboundedReceiver<Produced>) -> Result<StreamCounts> {
+    async fn stream(mut self, session: &mut ServerSession, mut produced: mpsc::UnboundedReceiver<Produced>) -> Result<StreamCounts> {
         let mut link = Link {
             conn: None,
             connecting: None,
@@ -302,7 +303,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     }
 
     /// An answer on the connection, or its end; true when the run gives up.
-    fn on_answer(&mut self, answer: std::result::Result<Answer, StreamError>, link: &mut Link, session: &EdgeSession) -> bool {
+    fn on_answer(&mut self, answer: std::result::Result<Answer, StreamError>, link: &mut Link, session: &ServerSession) -> bool {
         match answer.and_then(|a| self.answered(a)) {
             Ok(()) => {
                 link.progress = Instant::now();
@@ -321,7 +322,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// A connection opened (what was not answered is resent on it) or failed to; true when
     /// the run gives up.
-    fn on_opened(&mut self, opened: Result<(EdgeSession, Connection)>, link: &mut Link, session: &mut EdgeSession) -> bool {
+    fn on_opened(&mut self, opened: Result<(ServerSession, Connection)>, link: &mut Link, session: &mut ServerSession) -> bool {
         match opened {
             Ok((s, c)) => {
                 if link.opened_before {
@@ -351,7 +352,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// Opens a stream: on `first` (the caller's connection) or on a new connection to the
     /// same server, which must serve the same bundle and accept the same payloads.
-    fn connect(&self, first: Option<EdgeSession>, last: &EdgeSession) -> Connecting {
+    fn connect(&self, first: Option<ServerSession>, last: &ServerSession) -> Connecting {
         let (url, link, bundle) = (last.url.clone(), last.link.clone(), self.bundle.clone());
         let (codecs, key_id, ring, host_session) = (self.codecs.clone(), self.key_id, self.ring.clone(), self.host_session.clone());
         let timeout = self.resilience.connect_timeout;
@@ -439,7 +440,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// The connection is gone: what it had not answered waits for the next one. After a
     /// connection that answered, the next is tried at once; one that answered nothing counts
     /// as a failed attempt (backoff, fallback, giving up: true when the run gives up).
-    fn lost(&mut self, reason: StreamError, answered: bool, reconnect: &mut Reconnect, session: &EdgeSession) -> bool {
+    fn lost(&mut self, reason: StreamError, answered: bool, reconnect: &mut Reconnect, session: &ServerSession) -> bool {
         tracing::warn!(unanswered = self.unanswered.len(), "connection dropped: {reason}");
         for u in self.unanswered.values_mut() {
             u.sent_at = None;
@@ -449,7 +450,8 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             *reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));
             return false;
         }
-        let error = HostError::Connect { url: session.url.clone(), failure: ConnectFailure::AnsweredNothing(Box::new(reason)), attempts: 1 };
+        let failure = ConnectFailure::AnsweredNothing(Box::new(reason));
+        let error = HostError::from(LinkError::Connect { url: session.url.clone(), failure, attempts: 1 });
         self.connect_failed(&error, reconnect)
     }
 
@@ -567,7 +569,7 @@ async fn next_answer(conn: &mut Option<Connection>) -> Result<Answer, StreamErro
 }
 
 /// The connection being opened, if one is (never resolves otherwise).
-async fn opening(connecting: &mut Option<Connecting>) -> Result<(EdgeSession, Connection)> {
+async fn opening(connecting: &mut Option<Connecting>) -> Result<(ServerSession, Connection)> {
     match connecting {
         Some(f) => f.await,
         None => std::future::pending().await,

@@ -27,8 +27,9 @@ use tonic_health::pb::HealthCheckRequest;
 
 use super::connection::{Answer, Connection};
 use crate::config::Resilience;
-use crate::error::{RequestFailure, Result, StreamError};
-use crate::session::{connect, EdgeSession, Link};
+use crate::error::{RequestFailure, Result};
+use cleave_client::StreamError;
+use cleave_client::{connect, Link, ServerSession};
 
 /// What every server's task needs to connect and open its stream.
 pub(super) struct LinkSetup {
@@ -88,7 +89,7 @@ pub(super) struct LinkHealth {
 
 impl ServerLink {
     /// Starts the task for `url` (on `first` when that is already its connection).
-    pub(super) fn spawn(url: &str, first: Option<EdgeSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
+    pub(super) fn spawn(url: &str, first: Option<ServerSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
         let (jobs, jobs_rx) = mpsc::channel(setup.in_flight);
         let (ready_tx, ready) = watch::channel(false);
         let health = Arc::new(LinkHealth::default());
@@ -144,7 +145,7 @@ struct LinkTask {
 type OnStream = BTreeMap<u64, oneshot::Sender<Delivered>>;
 
 impl LinkTask {
-    async fn run(mut self, mut first: Option<EdgeSession>) {
+    async fn run(mut self, mut first: Option<ServerSession>) {
         let mut backoff = self.setup.resilience.retry.backoff();
         let mut opened_before = false;
         loop {
@@ -193,7 +194,7 @@ impl LinkTask {
 
     /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
     /// stream.
-    async fn open(&self, first: Option<EdgeSession>) -> Result<(EdgeSession, Connection)> {
+    async fn open(&self, first: Option<ServerSession>) -> Result<(ServerSession, Connection)> {
         let s = &self.setup;
         let session = match first {
             Some(session) => session,
@@ -230,7 +231,7 @@ impl LinkTask {
 
     /// Sends and answers on an open stream until it is lost (the reason, and whether it
     /// answered anything) or the link is dropped (no reason).
-    async fn serve(&mut self, session: &EdgeSession, mut conn: Connection, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
+    async fn serve(&mut self, session: &ServerSession, mut conn: Connection, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
         let timeout = self.setup.resilience.request_timeout;
         // Ready only once the health service says SERVING (a server reached while it drains
         // is given nothing), or at once where it has none.
@@ -296,7 +297,10 @@ impl LinkTask {
     /// The model's status on the server's health service as it changes, and its first
     /// status; none where the server has no health service or says nothing within
     /// `connect_timeout` (the stream alone then tells).
-    async fn follow_health(&self, session: &EdgeSession) -> (Option<tonic::Streaming<tonic_health::pb::HealthCheckResponse>>, Option<ServingStatus>) {
+    async fn follow_health(
+        &self,
+        session: &ServerSession,
+    ) -> (Option<tonic::Streaming<tonic_health::pb::HealthCheckResponse>>, Option<ServingStatus>) {
         let mut client = HealthClient::new(session.channel.clone());
         let request = HealthCheckRequest { service: session.model.bundle_id.clone() };
         let watch = async {

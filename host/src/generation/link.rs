@@ -16,7 +16,8 @@ use tonic::Streaming;
 
 use crate::client::ServerTimes;
 use crate::error::{Breach, HostError, Result};
-use crate::session::EdgeSession;
+use cleave_client::LinkError;
+use cleave_client::ServerSession;
 
 /// A session open on a server.
 pub struct GenerateLink {
@@ -43,22 +44,22 @@ pub struct Answered {
 
 /// The stream ended under a step: the server went (its caches with it).
 fn closed() -> HostError {
-    HostError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }
+    LinkError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }.into()
 }
 
 /// No answer within `request_timeout`: the server holds the stream but does not answer.
 fn unanswered(timeout: Duration) -> HostError {
     let message = format!("no answer within {timeout:?} (`resilience.request_timeout`)");
-    HostError::Rpc { call: "Generate", code: tonic::Code::DeadlineExceeded, message }
+    LinkError::Rpc { call: "Generate", code: tonic::Code::DeadlineExceeded, message }.into()
 }
 
 fn refused(error: &pb::Error) -> HostError {
-    HostError::Rpc { call: "Generate", code: tonic::Code::from_i32(error.code), message: error.message.clone() }
+    LinkError::Rpc { call: "Generate", code: tonic::Code::from_i32(error.code), message: error.message.clone() }.into()
 }
 
 impl GenerateLink {
     /// Opens a session on `session`'s server: it reserves the caches of `open`'s stages.
-    pub async fn open(session: &mut EdgeSession, open: pb::OpenGeneration) -> Result<Self> {
+    pub async fn open(session: &mut ServerSession, open: pb::OpenGeneration) -> Result<Self> {
         let key = session.link.key.clone();
         session.check_accepts(&cleave_common::wire::Codec::RAW, key.as_ref().map(|(id, _)| *id))?;
         let seals = match key {

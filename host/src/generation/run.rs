@@ -10,10 +10,12 @@ use tch::Tensor;
 
 use super::sampling::{Sampler, Sampling};
 use super::split::{GenerationSplit, Scores, SplitGenerator};
-use crate::config::{EdgeConfig, RetryPolicy};
+use crate::config::EdgeConfig;
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
-use crate::session::{connect_first, Link};
+use cleave_client::LinkError;
+use cleave_client::RetryPolicy;
+use cleave_client::{connect_first, Link};
 
 /// What `host generate` does.
 #[derive(Debug, Clone)]
@@ -98,7 +100,7 @@ pub async fn generate(config: &EdgeConfig, options: &GenerateOptions, on_token: 
     let bundle = open_config_bundle(config).await?;
     let loopback = if options.loopback { Some(crate::loopback::for_inference(config).await?) } else { None };
     let servers = loopback.as_ref().map_or_else(|| config.servers.clone(), |l| vec![l.url.clone()]);
-    let servers = Servers { urls: servers, link: Link::of(config), retry: config.resilience.retry };
+    let servers = Servers { urls: servers, link: config.link(), retry: config.resilience.retry };
     let generated = generate_on(&bundle, &servers, options, on_token).await;
     if let Some(loopback) = loopback {
         loopback.shutdown().await?;
@@ -120,7 +122,7 @@ pub struct Servers {
 /// closed it idle): a new server, given the tokens again, can go on.
 fn session_lost(e: &HostError) -> bool {
     use tonic::Code::{Aborted, Cancelled, DeadlineExceeded, Unavailable, Unknown};
-    matches!(e, HostError::Rpc { call: "Generate", code: Unavailable | Unknown | Cancelled | Aborted | DeadlineExceeded, .. })
+    matches!(e, HostError::Link(LinkError::Rpc { call: "Generate", code: Unavailable | Unknown | Cancelled | Aborted | DeadlineExceeded, .. }))
 }
 
 /// Generates on `servers`: when the server's session is lost, the next server that answers

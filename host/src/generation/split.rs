@@ -9,7 +9,7 @@ use tch::Tensor;
 use super::link::GenerateLink;
 use crate::client::ServerTimes;
 use crate::error::{HostError, Result};
-use crate::session::EdgeSession;
+use cleave_client::ServerSession;
 
 /// Where a generation splits and how large its session is.
 #[derive(Debug, Clone, Copy)]
@@ -56,7 +56,7 @@ pub struct SplitGenerator {
 impl SplitGenerator {
     /// Loads the edge's stages and warms them up (blocking), and opens the server's session
     /// on `session`.
-    pub async fn open(bundle: &Bundle, session: &mut EdgeSession, split: GenerationSplit) -> Result<Self> {
+    pub async fn open(bundle: &Bundle, session: &mut ServerSession, split: GenerationSplit) -> Result<Self> {
         let info = bundle.manifest().generation.clone().ok_or(BundleError::NoGeneration)?;
         let n = info.stages.len();
         let server_end = if split.tail_on_edge { n - 1 } else { n };
@@ -224,7 +224,7 @@ impl SplitGenerator {
     /// Continues on a new server (`session`): opens the session there and gives it every
     /// row's tokens again, so that its caches are what the lost server's were. Rows must
     /// stand at one position (a step carries as many tokens for every row).
-    pub async fn resume(&mut self, session: &mut EdgeSession) -> Result<()> {
+    pub async fn resume(&mut self, session: &mut ServerSession) -> Result<()> {
         let lengths = self.lengths();
         if lengths.iter().any(|&l| l != lengths[0]) {
             return Err(HostError::Generation(format!("rows at positions {lengths:?} cannot be given to a new server in one replay")));

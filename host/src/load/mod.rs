@@ -46,11 +46,12 @@ use self::mix::{apportion, assign_edges, EdgeSlot};
 use self::report::{write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport, LOAD_FILES};
 use crate::client::connection::{Answer, Connection};
 use crate::config::EdgeConfig;
-use crate::error::{HostError, LoadSetupError, RequestFailure, Result, StreamError};
+use crate::error::{HostError, LoadSetupError, RequestFailure, Result};
 use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
 use crate::progress::{Event, LoadStart, LoadedModel, Progress};
-use crate::session::{connect, Link};
+use cleave_client::connect;
+use cleave_client::StreamError;
 
 /// Requests an open-loop edge may have unanswered at once, by default.
 pub const DEFAULT_IN_FLIGHT_CAP: usize = 64;
@@ -409,7 +410,7 @@ impl Edge {
     /// config's codec and key, and opens the edge's `Infer` stream.
     async fn open(slot: EdgeSlot, model: &Model, boundary: Boundary, opts: &LoadOptions) -> Result<(Self, ServedModel)> {
         let config = &model.config;
-        let session = connect(&config.server, &model.bundle, &Link::of(config)).await?;
+        let session = connect(&config.server, &model.bundle, &config.link()).await?;
         let key_id = config.security.key.as_ref().map(|(id, _)| *id);
         session.check_accepts(&config.codec, key_id)?;
         let ring = config.security.ring();

@@ -16,7 +16,7 @@ use tracing::Instrument;
 use crate::client::RequestMetrics;
 use crate::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
 use crate::records::{Planned, Probes, ProfilingTime, SplitMove};
-use crate::session::EdgeSession;
+use cleave_client::ServerSession;
 
 /// How much each transfer moves the bandwidth estimate (in the logarithm: half way).
 const ESTIMATE_WEIGHT: f64 = 0.5;
@@ -134,7 +134,7 @@ impl AutoSplit {
 /// feeds the estimate: sized to take [`PROBE_TARGET`] at the estimated bandwidth (four times
 /// larger after one too quick to count, so a link that became much faster is still seen),
 /// at most [`PROBE_DUTY`] of the time. Runs until aborted.
-pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: EdgeSession) {
+pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: ServerSession) {
     let mut client = session.client;
     let largest = (session.server.limits.max_message_bytes.saturating_sub(4096) as usize).max(1);
     let mut pause = PROBE_EVERY;

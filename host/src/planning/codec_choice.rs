@@ -18,11 +18,12 @@ use cleave_common::wire::{Codec, WireError};
 use cleave_common::Boundary;
 
 use crate::client::{ChoosesCodec, RequestMetrics};
-use crate::error::{Refusal, Result};
+use crate::error::Result;
 use crate::planner::codec_cost::{eligible, CodecCost};
 use crate::planner::{BandwidthEstimate, Link, Profiles};
 use crate::records::CodecChoiceReport;
-use crate::session::EdgeSession;
+use cleave_client::Refusal;
+use cleave_client::ServerSession;
 
 /// What `codec: auto` chooses among, fastest first.
 pub const CANDIDATES: [Codec; 3] = [Codec::RAW, Codec::SHUFFLE_LZ4, Codec::SHUFFLE_ZSTD_1];
@@ -89,7 +90,7 @@ impl CodecChooser {
 }
 
 /// The candidates `session`'s server accepts; none is an error.
-pub(crate) fn candidates(session: &EdgeSession) -> Result<Vec<Codec>> {
+pub(crate) fn candidates(session: &ServerSession) -> Result<Vec<Codec>> {
     let candidates: Vec<Codec> = CANDIDATES.into_iter().filter(|c| session.server.policy.check(c).is_ok()).collect();
     if candidates.is_empty() {
         return Err(Refusal::NoAutoCodec { candidates: CANDIDATES.iter().map(Codec::to_string).collect() }.into());
@@ -100,7 +101,7 @@ pub(crate) fn candidates(session: &EdgeSession) -> Result<Vec<Codec>> {
 /// `codec: auto`'s chooser for `session`'s server, from `split: auto`'s profiles where it
 /// planned (the link it probed, the costs it measured at each cut), else from a probe of
 /// its own.
-pub(crate) async fn for_session(session: &EdgeSession, planned: Option<&Profiles>) -> Result<CodecChooser> {
+pub(crate) async fn for_session(session: &ServerSession, planned: Option<&Profiles>) -> Result<CodecChooser> {
     let candidates = candidates(session)?;
     Ok(match planned {
         Some(profiles) => CodecChooser::with_costs(candidates, profiles.link, profiles.codec_costs_by_cut()),

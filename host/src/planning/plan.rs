@@ -22,7 +22,7 @@ use crate::inputs::Inputs;
 use crate::planner::{best, CutPrediction, Objective, Profiles};
 use crate::plots::run::{plot_breakdown, plot_latency_cdf, plot_predicted_vs_measured, CutBreakdown, BREAKDOWN, LATENCY_CDF, PREDICTED_VS_MEASURED};
 use crate::report::median_breakdown;
-use crate::session::{connect, EdgeSession, Link};
+use cleave_client::{connect, ServerSession};
 
 /// One cut as measured by `--measure`: medians of each part, milliseconds.
 #[derive(Debug, Clone, Serialize)]
@@ -109,7 +109,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
     let batch = config.batch_size;
     let loopback = if opts.loopback { Some(crate::loopback::for_inference(&config).await?) } else { None };
     let url = loopback.as_ref().map_or(config.server.clone(), |l| l.url.clone());
-    let mut session = connect(&url, &bundle, &Link::of(&config)).await?;
+    let mut session = connect(&url, &bundle, &config.link()).await?;
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;
 
     let codec_candidates = if config.codec_auto { codec_choice::candidates(&session)? } else { Vec::new() };
@@ -164,7 +164,7 @@ pub async fn plan(config: EdgeConfig, opts: PlanOptions) -> Result<PlanRun> {
 /// edge's stages. A fleet's rates count requests of one sample: the config's batch must be 1.
 async fn fleet_profiles(
     config: &EdgeConfig,
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     bundle: &Bundle,
     profiles: &Profiles,
     batches: &[u32],
@@ -230,7 +230,7 @@ fn write_json(path: &std::path::Path, what: &'static str, value: &impl Serialize
 /// round first warms up and is left out.
 async fn measure_cuts(
     config: &EdgeConfig,
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     bundle: &Bundle,
     cuts: &[usize],
     codec: Codecs,

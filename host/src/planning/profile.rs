@@ -18,7 +18,7 @@ use crate::inputs::Inputs;
 use crate::planner::codec_cost::{CodecCost, CutCodecs};
 use crate::planner::{Link, Profiles};
 use crate::records::ProfilingTime;
-use crate::session::EdgeSession;
+use cleave_client::ServerSession;
 
 /// The measured profiles, with the edge's stages they ran and how long each part took.
 pub(crate) struct Measured {
@@ -36,7 +36,7 @@ pub(crate) struct Measured {
 /// auto`), the server's stages, the link.
 pub(crate) async fn measure_profiles(
     config: &EdgeConfig,
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     bundle: &Bundle,
     repeats: usize,
     codec_candidates: &[Codec],
@@ -138,7 +138,7 @@ fn profile_edge(bundle: &Bundle, device: DeviceSpec, batch: i64, codec: &Codec, 
 /// half and all of that size, three each, then give the bandwidth as the inverse slope of
 /// time against size (least squares over each size's median), which the round trip and
 /// any fixed cost per call do not bias.
-pub(crate) async fn probe_link(session: &EdgeSession) -> Result<Link> {
+pub(crate) async fn probe_link(session: &ServerSession) -> Result<Link> {
     let max_message = session.server.limits.max_message_bytes;
     let echo = |size: usize| {
         let mut client = session.client.clone();

@@ -24,9 +24,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
-use crate::config::RetryPolicy;
-use crate::error::{Breach, HostError, LinkLost, Refusal, Result};
-use crate::session::{connect_retrying, EdgeSession};
+use crate::error::{Breach, HostError, LinkLost, Result};
+use cleave_client::RetryPolicy;
+use cleave_client::{connect_retrying, ServerSession};
+use cleave_client::{LinkError, Refusal};
 
 /// An answer from the server.
 pub(crate) struct Answer {
@@ -55,7 +56,7 @@ impl AnswerReceivers {
 }
 
 /// What reaching the server again takes besides the session's URL and link (which its
-/// `EdgeSession` keeps).
+/// `ServerSession` keeps).
 pub(crate) struct Reconnect {
     pub(crate) bundle: Bundle,
     pub(crate) retry: RetryPolicy,
@@ -65,7 +66,7 @@ pub(crate) struct Reconnect {
 pub(crate) struct TrainLink {
     runtime: Handle,
     /// The connection the stream runs on.
-    session: EdgeSession,
+    session: ServerSession,
     frames: mpsc::Sender<TrainFrame>,
     replies: Streaming<TrainReply>,
     reconnect: Reconnect,
@@ -104,7 +105,7 @@ fn closed() -> HostError {
 /// Opens a `Train` stream on `session` with `open` as its first frame; returns it and the
 /// session the server opened (or continued).
 async fn open_stream(
-    session: &mut EdgeSession,
+    session: &mut ServerSession,
     open: pb::OpenSession,
 ) -> Result<(mpsc::Sender<TrainFrame>, Streaming<TrainReply>, pb::SessionOpened)> {
     let (frames, rx) = mpsc::channel::<TrainFrame>(64);
@@ -119,7 +120,7 @@ async fn open_stream(
 impl TrainLink {
     /// Opens a reattachable session on a connected client (from async code); the server
     /// loads its stages before it answers.
-    pub(crate) async fn open(mut session: EdgeSession, request: SessionRequest, reconnect: Reconnect) -> Result<(Self, pb::SessionOpened)> {
+    pub(crate) async fn open(mut session: ServerSession, request: SessionRequest, reconnect: Reconnect) -> Result<(Self, pb::SessionOpened)> {
         let (start, end) = (request.open.start, request.open.end);
         let server_has_loss = end as usize == session.model.stage_count;
         let open = pb::OpenSession { reattachable: true, ..request.open };
@@ -267,7 +268,7 @@ impl TrainLink {
             loop {
                 match open_stream(&mut session, open.clone()).await {
                     Ok((frames, replies, _)) => return Ok((session, frames, replies)),
-                    Err(HostError::Refused(Refusal::Call { message, .. }))
+                    Err(HostError::Link(LinkError::Refused(Refusal::Call { message, .. })))
                         if message.contains(SESSION_NOT_WAITING) && asked < r.retry.max_attempts =>
                     {
                         asked += 1;
@@ -438,7 +439,7 @@ async fn send(frames: &mpsc::Sender<TrainFrame>, replies: &mut Streaming<TrainRe
         return Ok(());
     }
     match tokio::time::timeout(std::time::Duration::from_secs(5), next_reply(replies)).await {
-        Ok(Err(refused @ HostError::Refused(_))) => Err(refused),
+        Ok(Err(refused @ HostError::Link(LinkError::Refused(_)))) => Err(refused),
         _ => Err(closed()),
     }
 }

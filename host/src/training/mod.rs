@@ -43,7 +43,7 @@ use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::records::EpochRecord;
 use crate::run_options::RunOptions;
-use crate::session::{connect, connect_first, EdgeSession, Link};
+use cleave_client::{connect, connect_first, ServerSession};
 use data::Dataset;
 use link::{Reconnect, SessionRequest, TrainLink};
 pub use report::{TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
@@ -93,7 +93,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<TrainingSummary
     let (sides, server_namespace) = match edge.stages {
         EdgeStages::Split { prefix, tail } => {
             let session = match &loopback {
-                Some(l) => connect(&l.url, &bundle, &Link::of(&config)).await?,
+                Some(l) => connect(&l.url, &bundle, &config.link()).await?,
                 None => training_server(&config, &bundle).await?,
             };
             let url = session.url.clone();
@@ -292,9 +292,9 @@ struct SessionStart {
 /// The connection to the one server a training run uses from start to end (its session lives
 /// there; a broken link reattaches there): the first of its servers (each address its names
 /// resolve to with `resolve_every`) that answers.
-async fn training_server(config: &EdgeConfig, bundle: &Bundle) -> Result<EdgeSession> {
+async fn training_server(config: &EdgeConfig, bundle: &Bundle) -> Result<ServerSession> {
     let servers = crate::client::dns::servers_now(config).await;
-    connect_first(&servers, bundle, &Link::of(config), &config.resilience.retry).await
+    Ok(connect_first(&servers, bundle, &config.link(), &config.resilience.retry).await?)
 }
 
 /// Opens the server's session for `[split, tail)` on `session` (resuming `server_resume`
@@ -304,7 +304,7 @@ async fn open_session(
     train: &TrainConfig,
     bundle: &Bundle,
     cuts: Cuts,
-    session: EdgeSession,
+    session: ServerSession,
     SessionStart { server_resume, step, samples }: SessionStart,
 ) -> Result<(TrainLink, pb::SessionOpened)> {
     session.check_accepts(&config.codec, config.security.key.as_ref().map(|(id, _)| *id))?;

@@ -7,10 +7,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use cleave_client::{connect, Link, ServerSession};
 use cleave_common::config::pin_thread;
 use cleave_common::wire::Key;
 use cleave_common::{Bundle, DeviceSpec};
-use cleave_host::session::{connect, EdgeSession, Link};
 
 /// Where a side runs: its cores and libtorch's threads.
 #[derive(Clone)]
@@ -75,7 +75,7 @@ pub(crate) fn start_server(bin: &Path, bundle: &Bundle, side: &Side, options: &S
 }
 
 /// A session once the server answers (it loads its stages first), or the server's exit.
-pub(crate) async fn connect_when_up(url: &str, bundle: &Bundle, link: &Link, server: &mut Child) -> anyhow::Result<EdgeSession> {
+pub(crate) async fn connect_when_up(url: &str, bundle: &Bundle, link: &Link, server: &mut Child) -> anyhow::Result<ServerSession> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         match connect(url, bundle, link).await {

@@ -1,91 +1,26 @@
-//! The one way the edge connects to a server, for runs, plans and training alike: the
-//! endpoint (HTTP/2 windows, TLS trust, Nagle off), the bearer token on every call, then
-//! `Info` and the checks a host makes before it sends anything: the protocol version, the
-//! bundle id, and (per run) that the server accepts the host's codec and can open its
+//! The one way a program connects to a server, for inference, training and generation alike:
+//! the endpoint (HTTP/2 windows, TLS trust, Nagle off), the bearer token on every call, then
+//! `Info` and the checks a caller makes before it sends anything: the protocol version, the
+//! bundle id, and (per run) that the server accepts the caller's codec and can open its
 //! payloads. The message limit and the result payload limit are the server's, from `Info`:
-//! the host frames what it sends and accepts what it receives by them.
-
-use std::time::Duration;
+//! the caller frames what it sends and accepts what it receives by them.
 
 use cleave_common::bundle::short_id;
 use cleave_common::pb;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::protocol::{ExportFacts, ServedModel, ServerInfo, BUNDLE_ID_METADATA};
-use cleave_common::security::{ClientTls, EdgeSecurity, Token};
 use cleave_common::telemetry::{traceparent, TRACEPARENT_METADATA};
-use cleave_common::wire::{chunk_bytes_for, Codec, Key};
+use cleave_common::wire::{chunk_bytes_for, Codec};
 use cleave_common::Bundle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
-use crate::config::{EdgeConfig, Resilience, RetryPolicy};
-use crate::error::{BundleMismatch, ConnectFailure, HostError, Refusal, Result};
+use crate::error::{BundleMismatch, ConnectFailure, LinkError, Refusal};
+use crate::link::{Link, RetryPolicy};
 
-/// How to reach a server: TLS trust, bearer token, and how long to wait for it.
-#[derive(Debug, Clone)]
-pub struct Link {
-    /// TLS trust (the URL must then be https://).
-    pub tls: Option<ClientTls>,
-    /// Bearer token sent with every call.
-    pub token: Option<Token>,
-    /// The key id and key generation steps are sealed with (plaintext where absent).
-    pub key: Option<(u32, Key)>,
-    /// Opening the connection and its `Info` call.
-    pub connect_timeout: Duration,
-    /// HTTP/2 PING interval, and how long a PING may go unanswered before the connection is
-    /// taken for broken: a server that stops answering is noticed even between requests.
-    pub keepalive: (Duration, Duration),
-    /// How long a generation step's answer may take (`request_timeout`): a server that keeps
-    /// the connection alive but never answers is left, as one that went away.
-    pub request_timeout: Duration,
-}
-
-impl Default for Link {
-    fn default() -> Self {
-        let r = Resilience::default();
-        let keepalive = (r.keepalive_interval, r.keepalive_timeout);
-        Self { tls: None, token: None, key: None, connect_timeout: r.connect_timeout, keepalive, request_timeout: r.request_timeout }
-    }
-}
-
-impl Link {
-    /// Plaintext, no token.
-    pub fn plain() -> Self {
-        Self::default()
-    }
-
-    /// With the TLS trust, token and key of an edge config.
-    pub fn secured(security: &EdgeSecurity) -> Self {
-        Self { tls: security.tls.clone(), token: security.token.clone(), key: security.key.clone(), ..Self::default() }
-    }
-
-    /// With the TLS trust, token and timeouts of an edge config. Servers reached by the
-    /// addresses their name resolves to (`resolve_every`) are checked against that name.
-    pub fn of(config: &EdgeConfig) -> Self {
-        let r = &config.resilience;
-        let mut link = Self {
-            connect_timeout: r.connect_timeout,
-            keepalive: (r.keepalive_interval, r.keepalive_timeout),
-            request_timeout: r.request_timeout,
-            ..Self::secured(&config.security)
-        };
-        if let (Some(tls), Some(_)) = (&mut link.tls, config.resolve_every) {
-            tls.domain = tls.domain.take().or_else(|| url_host(&config.server));
-        }
-        link
-    }
-}
-
-/// The host of `url` (`https://name:port/` gives `name`).
-fn url_host(url: &str) -> Option<String> {
-    let authority = url.split_once("://")?.1.split('/').next()?;
-    let host = match authority.rsplit_once(':') {
-        Some((host, port)) if port.parse::<u16>().is_ok() => host,
-        _ => authority,
-    };
-    Some(host.trim_start_matches('[').trim_end_matches(']').to_string())
-}
+/// Result alias of the link.
+type Result<T, E = LinkError> = std::result::Result<T, E>;
 
 /// Adds `authorization: Bearer <token>` to every call when there is a token, and the calling
 /// span's `traceparent` when it is sampled, so that the server's span of a unary call
@@ -108,14 +43,14 @@ impl tonic::service::Interceptor for CallHeaders {
 /// A connected client.
 pub type Client = SplitInferenceClient<InterceptedService<Channel, CallHeaders>>;
 
-/// A connection to a server that serves this host's bundle.
+/// A connection to a server that serves the caller's bundle.
 #[derive(Clone)]
-pub struct EdgeSession {
+pub struct ServerSession {
     /// The gRPC client, its message limits set from the server's.
     pub client: Client,
     /// What the server said of itself.
     pub server: ServerInfo,
-    /// The model of this host's bundle among those it serves.
+    /// The model of the caller's bundle among those it serves.
     pub model: ServedModel,
     /// Its URL.
     pub url: String,
@@ -125,16 +60,16 @@ pub struct EdgeSession {
     pub channel: Channel,
 }
 
-impl std::fmt::Debug for EdgeSession {
+impl std::fmt::Debug for ServerSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EdgeSession").field("url", &self.url).field("server", &self.server).finish_non_exhaustive()
+        f.debug_struct("ServerSession").field("url", &self.url).field("server", &self.server).finish_non_exhaustive()
     }
 }
 
 /// Connects to `url`, asks `Info`, and checks the protocol version and the bundle id.
-pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSession> {
-    let connect_error = |failure| HostError::Connect { url: url.to_string(), failure, attempts: 1 };
-    let lasting_error = |failure| HostError::Unreachable { url: url.to_string(), failure };
+pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<ServerSession> {
+    let connect_error = |failure| LinkError::Connect { url: url.to_string(), failure, attempts: 1 };
+    let lasting_error = |failure| LinkError::Unreachable { url: url.to_string(), failure };
     let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| lasting_error(ConnectFailure::Transport(e)))?
         .tcp_nodelay(true)
@@ -157,7 +92,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         }
         endpoint = endpoint.tls_config(config).map_err(|e| lasting_error(ConnectFailure::TlsConfig(e)))?;
     }
-    // A server that accepts and then says nothing (stopped, say) must not hold the host: the
+    // A server that accepts and then says nothing (stopped, say) must not hold the caller: the
     // whole handshake and `Info` get `connect_timeout`.
     let timed_out = || connect_error(ConnectFailure::NoAnswer(link.connect_timeout));
     let channel = tokio::time::timeout(link.connect_timeout, endpoint.connect()).await.map_err(|_| timed_out())?.map_err(|e| {
@@ -168,7 +103,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
         }
     })?;
     let token = match &link.token {
-        Some(t) => Some(t.bearer().parse().map_err(|_| HostError::TokenNotAHeaderValue)?),
+        Some(t) => Some(t.bearer().parse().map_err(|_| LinkError::TokenNotAHeaderValue)?),
         None => None,
     };
     let mut client = SplitInferenceClient::with_interceptor(channel.clone(), CallHeaders(token));
@@ -177,7 +112,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     // A refusal is final; a server that is not there yet (or stalls) may be tried again.
     let reply = client.info(info).instrument(tracing::debug_span!("server_info")).await.map_err(|s| match s.code() {
         tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::Unimplemented | tonic::Code::InvalidArgument => {
-            HostError::Rpc { call: "Info", code: s.code(), message: format!("{url}: {}", s.message()) }
+            LinkError::Rpc { call: "Info", code: s.code(), message: format!("{url}: {}", s.message()) }
         }
         tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => connect_error(ConnectFailure::NoInfo(link.connect_timeout)),
         code => connect_error(ConnectFailure::Info { code, message: s.message().to_string() }),
@@ -188,10 +123,10 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<EdgeSess
     };
     let max_message = server.limits.max_message_bytes as usize;
     let client = client.max_decoding_message_size(max_message).max_encoding_message_size(max_message);
-    Ok(EdgeSession { client, server, model, url: url.to_string(), link: link.clone(), channel })
+    Ok(ServerSession { client, server, model, url: url.to_string(), link: link.clone(), channel })
 }
 
-/// The server serves no bundle with this host's id: the ids on each side and, for a served
+/// The server serves no bundle with the caller's id: the ids on each side and, for a served
 /// model of the same source, what differs between the two exports.
 fn bundle_mismatch(bundle: &Bundle, server: &ServerInfo, url: &str) -> BundleMismatch {
     let source = &bundle.manifest().model.source;
@@ -245,22 +180,22 @@ fn may_pass(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// [`connect`], tried up to `retry.max_attempts` times with exponential backoff and jitter
-/// between attempts (a host started while its server is down, or restarting, waits for it).
-/// A server that answers and refuses this host (another bundle, say), or one that cannot be
-/// reached for a lasting reason (see [`HostError::Unreachable`]), is not tried again.
-pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
+/// between attempts (a caller started while its server is down, or restarting, waits for it).
+/// A server that answers and refuses this caller (another bundle, say), or one that cannot be
+/// reached for a lasting reason (see [`LinkError::Unreachable`]), is not tried again.
+pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
     let mut backoff = retry.backoff();
     let mut attempt = 1;
     loop {
         match connect(url, bundle, link).await {
             Ok(session) => return Ok(session),
-            Err(e @ HostError::Connect { .. }) if attempt < retry.max_attempts => {
+            Err(e @ LinkError::Connect { .. }) if attempt < retry.max_attempts => {
                 let wait = backoff.next().unwrap_or(retry.max_backoff);
                 tracing::warn!(attempt, of = retry.max_attempts, error = %e, "cannot reach the server; trying again in {wait:?}");
                 tokio::time::sleep(wait).await;
                 attempt += 1;
             }
-            Err(HostError::Connect { url, failure, .. }) => return Err(HostError::Connect { url, failure, attempts: attempt }),
+            Err(LinkError::Connect { url, failure, .. }) => return Err(LinkError::Connect { url, failure, attempts: attempt }),
             Err(e) => return Err(e),
         }
     }
@@ -269,7 +204,7 @@ pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &R
 /// A connection to the first of `servers` that answers, tried in turn, the whole list up to
 /// `retry.max_attempts` times with backoff between passes; the last error when none answers
 /// (at once when every server refused for a reason that stays).
-pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<EdgeSession> {
+pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
     let [_, _, ..] = servers else {
         return connect_retrying(&servers[0], bundle, link, retry).await;
     };
@@ -297,9 +232,9 @@ pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, ret
     unreachable!("the last pass returns")
 }
 
-impl EdgeSession {
+impl ServerSession {
     /// Checks, before anything is sent, that the server accepts this codec and can open this
-    /// host's payloads (see [`check_server_accepts`]).
+    /// caller's payloads (see [`check_server_accepts`]).
     pub fn check_accepts(&self, codec: &Codec, key_id: Option<u32>) -> Result<()> {
         check_server_accepts(&self.server, codec, key_id)
     }
@@ -314,7 +249,7 @@ impl EdgeSession {
         self.server.limits.max_payload_bytes
     }
 
-    /// A call's request, carrying the bundle id that selects this host's model on the server.
+    /// A call's request, carrying the bundle id that selects the caller's model on the server.
     pub fn model_request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         let id = self.model.bundle_id.parse().expect("a bundle id (hex) is a valid header value");

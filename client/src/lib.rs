@@ -1,0 +1,21 @@
+//! cleave's client library: the link from a program to a cleave server, and nothing else.
+//!
+//! - [`Link`]: how to reach a server (TLS trust, bearer token, payload key, timeouts);
+//!   [`RetryPolicy`]: how often and how patiently to try again.
+//! - [`connect`] (once), [`connect_retrying`] (with backoff), [`connect_first`] (the first of
+//!   several that answers): a [`ServerSession`] with a server that serves the caller's bundle,
+//!   after its `Info` passed the protocol version and bundle checks.
+//! - [`LinkError`]: why a server cannot be reached or refuses, and whether trying again
+//!   could help ([`LinkError::is_lasting`]).
+//!
+//! Architecture invariant: this crate and everything it depends on pull in no plotting, table,
+//! progress-bar, tokenizer or CLI crate (`make lint` checks it); `cleave-host` keeps its CLI,
+//! planning, reports and plots on top of it.
+
+pub mod error;
+pub mod link;
+pub mod session;
+
+pub use error::{BundleMismatch, ConnectFailure, LinkError, Refusal, StreamError};
+pub use link::{Backoff, Link, RetryPolicy};
+pub use session::{check_server_accepts, connect, connect_first, connect_retrying, CallHeaders, Client, ServerSession};
