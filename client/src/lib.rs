@@ -5,6 +5,8 @@
 //! - [`connect`] (once), [`connect_retrying`] (with backoff), [`connect_first`] (the first of
 //!   several that answers): a [`ServerSession`] with a server that serves the caller's bundle,
 //!   after its `Info` passed the protocol version and bundle checks.
+//! - [`InferStream`]: an `Infer` stream on a session: send a request's frames, receive each
+//!   [`Answer`] reassembled and decoded into a boundary (or the server's error for it).
 //! - [`LinkError`]: why a server cannot be reached or refuses, and whether trying again
 //!   could help ([`LinkError::is_lasting`]).
 //!
@@ -13,9 +15,13 @@
 //! planning, reports and plots on top of it.
 
 pub mod error;
+pub mod infer;
 pub mod link;
 pub mod session;
+pub mod times;
 
 pub use error::{BundleMismatch, ConnectFailure, LinkError, Refusal, StreamError};
+pub use infer::{Answer, AnswerError, InferStream};
 pub use link::{Backoff, Link, RetryPolicy};
 pub use session::{check_server_accepts, connect, connect_first, connect_retrying, CallHeaders, Client, ServerSession};
+pub use times::ServerTimes;

@@ -10,7 +10,7 @@ use cleave_common::training::TrainError;
 use cleave_common::wire::{Codec, CodecError, WireError};
 use cleave_common::BundleError;
 
-use cleave_client::{LinkError, Refusal};
+use cleave_client::{AnswerError, LinkError, Refusal};
 
 use crate::loopback::LoopbackError;
 use crate::planner::ProfileError;
@@ -269,6 +269,15 @@ pub enum RequestFailure {
     /// The edge's prefix thread stopped before it finished the request there.
     #[error("the edge could not finish this request: the prefix thread stopped")]
     EdgeStopped,
+}
+
+impl From<AnswerError> for RequestFailure {
+    fn from(e: AnswerError) -> Self {
+        match e {
+            AnswerError::Refused { code, message } => Self::Refused { code, message },
+            AnswerError::Undecodable(error) => Self::Undecodable(error),
+        }
+    }
 }
 
 impl RequestFailure {

@@ -37,7 +37,7 @@ RULES = (
         "every channel is bounded",
         re.compile(r"\bunbounded_channel\b"),
         allowed={
-            "host/src/client/connection.rs": "a request's frames: in-flight tokens bound the requests queued",
+            "client/src/infer.rs": "a request's frames: its callers bound the requests queued (the host by in-flight tokens)",
             "host/src/client/mod.rs": "the prefix thread's outcomes: at most `in_flight` requests",
             "server/src/lib.rs": "device events: a few per device failure or restart",
         },

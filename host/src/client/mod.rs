@@ -19,7 +19,6 @@
 //!   again cannot fix (a wrong key, a refused input) stops there rather than send the rest.
 
 mod balanced;
-pub(crate) mod connection;
 pub mod dns;
 mod prefix;
 mod request;
@@ -34,14 +33,15 @@ use cleave_common::wire::{Codec, KeyRing, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::sync::mpsc;
 
-pub use self::request::{ChoosesCodec, Codecs, RequestMetrics, RequestOutcome, ServedBy, ServerTimes, Splits, StreamCounts, StreamPlan};
+pub use self::request::{ChoosesCodec, Codecs, RequestMetrics, RequestOutcome, ServedBy, Splits, StreamCounts, StreamPlan};
+pub use cleave_client::ServerTimes;
 
-use self::connection::{Answer, Connection};
 use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
 use self::request::ms;
 use crate::config::{Fallback, Resilience};
 use crate::error::{HostError, RequestFailure, Result};
 use cleave_client::{connect, ServerSession};
+use cleave_client::{Answer, AnswerError, InferStream};
 use cleave_client::{ConnectFailure, LinkError, StreamError};
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
@@ -224,12 +224,12 @@ struct Reconnect {
     backoff: cleave_client::Backoff,
 }
 
-type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(ServerSession, Connection)>> + Send>>;
+type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(ServerSession, InferStream)>> + Send>>;
 
 /// The run's link to the server: the connection, or the one being opened, and how
 /// reconnecting goes.
 struct Link {
-    conn: Option<Connection>,
+    conn: Option<InferStream>,
     connecting: Option<Connecting>,
     reconnect: Reconnect,
     /// The caller's connection, which the first stream opens on.
@@ -322,7 +322,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// A connection opened (what was not answered is resent on it) or failed to; true when
     /// the run gives up.
-    fn on_opened(&mut self, opened: Result<(ServerSession, Connection)>, link: &mut Link, session: &mut ServerSession) -> bool {
+    fn on_opened(&mut self, opened: Result<(ServerSession, InferStream)>, link: &mut Link, session: &mut ServerSession) -> bool {
         match opened {
             Ok((s, c)) => {
                 if link.opened_before {
@@ -364,7 +364,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             for codec in &codecs {
                 session.check_accepts(codec, key_id)?;
             }
-            let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), timeout).await?;
+            let conn = InferStream::open(&session, &host_session, &ring, key_id.is_some(), timeout).await?;
             Ok((session, conn))
         })
     }
@@ -392,7 +392,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// A request fresh from the prefix thread: sent at once when connected; with no
     /// connection, kept for the next one, or finished on the edge with `fallback: edge`.
-    fn take(&mut self, prepared: Prepared, conn: Option<&Connection>) {
+    fn take(&mut self, prepared: Prepared, conn: Option<&InferStream>) {
         let mut u = Unanswered { prepared, sent_at: None, attempt: tracing::Span::none() };
         match conn {
             Some(c) => self.send(&mut u, c),
@@ -402,7 +402,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         self.unanswered.insert(u.prepared.id, u);
     }
 
-    fn send(&mut self, u: &mut Unanswered, conn: &Connection) {
+    fn send(&mut self, u: &mut Unanswered, conn: &InferStream) {
         let traceparent = count_attempt(&mut self.counts, u);
         // A stream that is gone shows on its inbound side, which ends.
         conn.send(&u.prepared.frames, traceparent.as_deref());
@@ -419,7 +419,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             }
             return Err(StreamError::NeverSent(a.id));
         };
-        if let Err(RequestFailure::Refused { code: tonic::Code::Unavailable, message }) = a.output {
+        if let Err(AnswerError::Refused { code: tonic::Code::Unavailable, message }) = a.output {
             self.unanswered.insert(a.id, u);
             return Err(StreamError::Draining(message));
         }
@@ -433,7 +433,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         }
         metrics.server_url = a.from;
         metrics.e2e_ms = ms(u.prepared.started);
-        self.record(RequestOutcome { request_id: a.id, metrics, output: a.output });
+        self.record(RequestOutcome { request_id: a.id, metrics, output: a.output.map_err(RequestFailure::from) });
         Ok(())
     }
 
@@ -467,7 +467,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// Resends, in id order, every request not answered on a connection just opened; one
     /// already sent `retry.max_attempts` times gets its outcome instead.
-    fn resend(&mut self, conn: &Connection) {
+    fn resend(&mut self, conn: &InferStream) {
         let max = self.resilience.retry.max_attempts;
         let ids: Vec<u64> = self.unanswered.keys().copied().collect();
         for id in ids {
@@ -561,7 +561,7 @@ fn count_attempt(counts: &mut StreamCounts, u: &mut Unanswered) -> Option<String
 }
 
 /// The next answer on the connection, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<Connection>) -> Result<Answer, StreamError> {
+async fn next_answer(conn: &mut Option<InferStream>) -> Result<Answer, StreamError> {
     match conn {
         Some(c) => c.next_answer().await,
         None => std::future::pending().await,
@@ -569,7 +569,7 @@ async fn next_answer(conn: &mut Option<Connection>) -> Result<Answer, StreamErro
 }
 
 /// The connection being opened, if one is (never resolves otherwise).
-async fn opening(connecting: &mut Option<Connecting>) -> Result<(ServerSession, Connection)> {
+async fn opening(connecting: &mut Option<Connecting>) -> Result<(ServerSession, InferStream)> {
     match connecting {
         Some(f) => f.await,
         None => std::future::pending().await,

@@ -25,11 +25,11 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use super::connection::{Answer, Connection};
 use crate::config::Resilience;
-use crate::error::{RequestFailure, Result};
+use crate::error::Result;
 use cleave_client::StreamError;
 use cleave_client::{connect, Link, ServerSession};
+use cleave_client::{Answer, AnswerError, InferStream};
 
 /// What every server's task needs to connect and open its stream.
 pub(super) struct LinkSetup {
@@ -79,7 +79,7 @@ type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::e
 /// How a server's task is doing, for the caller to tell when no server can be reached.
 #[derive(Default)]
 pub(super) struct LinkHealth {
-    /// Connection attempts in a row that failed (0 once one answers).
+    /// InferStream attempts in a row that failed (0 once one answers).
     pub(super) failed_attempts: AtomicU32,
     /// Streams opened after the first.
     pub(super) reconnects: AtomicU32,
@@ -194,7 +194,7 @@ impl LinkTask {
 
     /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
     /// stream.
-    async fn open(&self, first: Option<ServerSession>) -> Result<(ServerSession, Connection)> {
+    async fn open(&self, first: Option<ServerSession>) -> Result<(ServerSession, InferStream)> {
         let s = &self.setup;
         let session = match first {
             Some(session) => session,
@@ -203,7 +203,7 @@ impl LinkTask {
         for codec in &s.codecs {
             session.check_accepts(codec, s.key_id)?;
         }
-        let conn = Connection::open(&session, &s.host_session, &s.ring, s.key_id.is_some(), s.resilience.connect_timeout).await?;
+        let conn = InferStream::open(&session, &s.host_session, &s.ring, s.key_id.is_some(), s.resilience.connect_timeout).await?;
         Ok((session, conn))
     }
 
@@ -231,7 +231,7 @@ impl LinkTask {
 
     /// Sends and answers on an open stream until it is lost (the reason, and whether it
     /// answered anything) or the link is dropped (no reason).
-    async fn serve(&mut self, session: &ServerSession, mut conn: Connection, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
+    async fn serve(&mut self, session: &ServerSession, mut conn: InferStream, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
         let timeout = self.setup.resilience.request_timeout;
         // Ready only once the health service says SERVING (a server reached while it drains
         // is given nothing), or at once where it has none.
@@ -265,7 +265,7 @@ impl LinkTask {
                         Ok(a) => a,
                         Err(e) => return (Some(e), answered),
                     };
-                    if let Err(RequestFailure::Refused { code: tonic::Code::Unavailable, message }) = &answer.output {
+                    if let Err(AnswerError::Refused { code: tonic::Code::Unavailable, message }) = &answer.output {
                         return (Some(StreamError::Draining(message.clone())), answered);
                     }
                     let Some(waiting) = on_stream.remove(&answer.id) else {

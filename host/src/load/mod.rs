@@ -44,14 +44,14 @@ pub use self::mix::Ratio;
 use self::arrivals::Arrivals;
 use self::mix::{apportion, assign_edges, EdgeSlot};
 use self::report::{write_json, write_latency_csv, LoadReport, LoadStats, ModelReport, RequestRecord, SplitReport, LOAD_FILES};
-use crate::client::connection::{Answer, Connection};
 use crate::config::EdgeConfig;
-use crate::error::{HostError, LoadSetupError, RequestFailure, Result};
+use crate::error::{HostError, LoadSetupError, Result};
 use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
 use crate::progress::{Event, LoadStart, LoadedModel, Progress};
 use cleave_client::connect;
 use cleave_client::StreamError;
+use cleave_client::{Answer, AnswerError, InferStream};
 
 /// Requests an open-loop edge may have unanswered at once, by default.
 pub const DEFAULT_IN_FLIGHT_CAP: usize = 64;
@@ -392,7 +392,7 @@ const ENCODE_FAILED: &str = "encode_failed";
 struct Edge {
     slot: EdgeSlot,
     /// None once the stream broke.
-    conn: Option<Connection>,
+    conn: Option<InferStream>,
     /// None while a request is being encoded (or after the encoder panicked).
     encoder: Option<Encoder>,
     /// The model's bundle id, for its requests' spans.
@@ -421,7 +421,7 @@ impl Edge {
         // A session id of its own: the server's window of recent results is keyed by it, and
         // edges number their requests alike.
         let host_session = format!("{:032x}", rand::random::<u128>());
-        let conn = Connection::open(&session, &host_session, &ring, key_id.is_some(), config.resilience.connect_timeout).await?;
+        let conn = InferStream::open(&session, &host_session, &ring, key_id.is_some(), config.resilience.connect_timeout).await?;
         let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(LoadSetupError::Rate)?;
         let edge = Self {
             slot,
@@ -571,7 +571,7 @@ impl Edge {
         };
         let error = match &answer.output {
             Ok(_) => None,
-            Err(RequestFailure::Refused { code, .. }) => Some(format!("{code:?}")),
+            Err(AnswerError::Refused { code, .. }) => Some(format!("{code:?}")),
             Err(_) => Some(UNDECODABLE.to_string()),
         };
         if let Some(error) = &error {
@@ -602,7 +602,7 @@ impl Edge {
 }
 
 /// The next answer on the stream, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<Connection>) -> std::result::Result<Answer, StreamError> {
+async fn next_answer(conn: &mut Option<InferStream>) -> std::result::Result<Answer, StreamError> {
     match conn {
         Some(c) => c.next_answer().await,
         None => std::future::pending().await,
