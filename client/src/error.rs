@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use cleave_common::error::with_causes;
 use cleave_common::protocol::ProtocolError;
-use cleave_common::wire::{PolicyError, WireError};
+use cleave_common::wire::{CodecError, PolicyError, WireError};
 
 /// Why the link to a server failed.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +47,12 @@ pub enum LinkError {
     /// The bearer token cannot go in an HTTP header.
     #[error("the bearer token is not a valid header value")]
     TokenNotAHeaderValue,
+    /// The server broke the protocol (an answer out of order, a missing reply).
+    #[error(transparent)]
+    Breach(#[from] Breach),
+    /// A message could not be sealed or opened with the link's key.
+    #[error(transparent)]
+    Seal(#[from] CodecError),
 }
 
 impl LinkError {
@@ -62,7 +68,7 @@ impl LinkError {
         match self {
             Self::Unreachable { .. } | Self::Refused(_) | Self::TokenNotAHeaderValue => true,
             Self::Rpc { code, .. } => matches!(code, Unauthenticated | PermissionDenied | Unimplemented | InvalidArgument),
-            Self::Connect { .. } => false,
+            Self::Connect { .. } | Self::Breach(_) | Self::Seal(_) => false,
         }
     }
 }
@@ -221,4 +227,76 @@ impl BundleMismatch {
             .map(|(id, differs)| format!("; {id} is another export of the same model ({differs}): copy one bundle directory to both sides"))
             .collect()
     }
+}
+
+/// How the server broke the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Breach {
+    /// A training step whose loss the server computes came back without it.
+    #[error("the server sent no loss")]
+    NoLoss,
+    /// The server checkpointed another step than this host.
+    #[error("the server checkpointed step {server}, this host step {host}")]
+    CheckpointStep {
+        /// The server's step.
+        server: u64,
+        /// This host's.
+        host: u64,
+    },
+    /// The first reply of a training stream is not the session's opening.
+    #[error("the server did not open the session")]
+    NotOpened,
+    /// A generation step answered with another request's id, or an output that is not the
+    /// tensor asked for.
+    #[error("the server answered generation step {request_id} with {got}, expected {expected}")]
+    GenerationAnswer {
+        /// The step.
+        request_id: u64,
+        /// What came.
+        got: String,
+        /// What the step asked for.
+        expected: String,
+    },
+    /// A checkpoint request answered without a checkpoint.
+    #[error("the server answered a checkpoint request without saving")]
+    NotSaved,
+    /// An answer asked for with no call in flight (a bug of this host, not the server's).
+    #[error("an answer was awaited with no training call in flight")]
+    NothingInFlight,
+    /// A gradient-norm call answered without the step being taken.
+    #[error("the server answered the clipping coefficient without taking the step")]
+    NotStepped,
+    /// The end of a client group's round answered without the round ended.
+    #[error("the server answered the end of the round without ending it")]
+    RoundNotEnded,
+    /// A `splitfed` round's average lacks one of this edge's weights, or has another shape.
+    #[error("the server's average of the edges' weights has no {name} of its shape and type")]
+    Average {
+        /// The weight.
+        name: String,
+    },
+    /// The server took another step than this host.
+    #[error("the server took step {server}, this host step {host}")]
+    StepApart {
+        /// The server's step.
+        server: u64,
+        /// This host's.
+        host: u64,
+    },
+    /// A boundary at another cut than the call expects.
+    #[error("the server answered with a boundary at cut {got}, expected cut {expected}")]
+    WrongCut {
+        /// The answer's cut.
+        got: u32,
+        /// The cut expected.
+        expected: u32,
+    },
+    /// An answer to another call than the one waiting.
+    #[error("the server answered call {answered} while call {waiting} was waiting")]
+    OutOfOrder {
+        /// The call answered.
+        answered: u64,
+        /// The call waiting.
+        waiting: u64,
+    },
 }

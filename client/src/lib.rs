@@ -7,6 +7,8 @@
 //!   after its `Info` passed the protocol version and bundle checks.
 //! - [`InferStream`]: an `Infer` stream on a session: send a request's frames, receive each
 //!   [`Answer`] reassembled and decoded into a boundary (or the server's error for it).
+//! - [`GenerateLink`]: a `Generate` session on a server: one step at a time, each answered
+//!   with the output tensor asked for (sealed whole with the link's key when it has one).
 //! - [`LinkError`]: why a server cannot be reached or refuses, and whether trying again
 //!   could help ([`LinkError::is_lasting`]).
 //!
@@ -15,12 +17,14 @@
 //! planning, reports and plots on top of it.
 
 pub mod error;
+pub mod generate;
 pub mod infer;
 pub mod link;
 pub mod session;
 pub mod times;
 
-pub use error::{BundleMismatch, ConnectFailure, LinkError, Refusal, StreamError};
+pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, Refusal, StreamError};
+pub use generate::{Answered, GenerateLink};
 pub use infer::{Answer, AnswerError, InferStream};
 pub use link::{Backoff, Link, RetryPolicy};
 pub use session::{check_server_accepts, connect, connect_first, connect_retrying, CallHeaders, Client, ServerSession};

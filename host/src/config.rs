@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use cleave_client::{Link, RetryPolicy};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::config::{auto_device, ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::logs::LogFormat;
@@ -17,8 +18,6 @@ use cleave_common::training::optim::OptimizerConfig;
 use cleave_common::training::schedule::{check_clip_norm, Schedule};
 use cleave_common::wire::{Codec, CodecPolicy};
 use cleave_common::DeviceSpec;
-
-use cleave_client::{Link, RetryPolicy};
 
 use crate::planner::Objective;
 

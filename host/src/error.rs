@@ -5,12 +5,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use cleave_client::{AnswerError, Breach, LinkError, Refusal};
 use cleave_common::config::ConfigError;
 use cleave_common::training::TrainError;
 use cleave_common::wire::{Codec, CodecError, WireError};
 use cleave_common::BundleError;
-
-use cleave_client::{AnswerError, LinkError, Refusal};
 
 use crate::loopback::LoopbackError;
 use crate::planner::ProfileError;
@@ -55,9 +54,6 @@ pub enum HostError {
     /// The link to the server: it cannot be reached, refuses, or a call failed.
     #[error(transparent)]
     Link(#[from] LinkError),
-    /// The server broke the protocol (an answer out of order, a missing reply).
-    #[error(transparent)]
-    Stream(#[from] Breach),
     /// The connection or stream to the server broke (a training link continues its session
     /// on a new one).
     #[error("the link to the server broke: {0}")]
@@ -219,6 +215,12 @@ impl HostError {
     }
 }
 
+impl From<Breach> for HostError {
+    fn from(e: Breach) -> Self {
+        Self::Link(e.into())
+    }
+}
+
 impl From<Refusal> for HostError {
     fn from(e: Refusal) -> Self {
         Self::Link(e.into())
@@ -293,78 +295,6 @@ impl RequestFailure {
     pub fn same_refusal(&self, other: &Self) -> bool {
         matches!((self, other), (Self::Refused { code: a, message: m }, Self::Refused { code: b, message: n }) if a == b && m == n)
     }
-}
-
-/// How the server broke the protocol.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Breach {
-    /// A training step whose loss the server computes came back without it.
-    #[error("the server sent no loss")]
-    NoLoss,
-    /// The server checkpointed another step than this host.
-    #[error("the server checkpointed step {server}, this host step {host}")]
-    CheckpointStep {
-        /// The server's step.
-        server: u64,
-        /// This host's.
-        host: u64,
-    },
-    /// The first reply of a training stream is not the session's opening.
-    #[error("the server did not open the session")]
-    NotOpened,
-    /// A generation step answered with another request's id, or an output that is not the
-    /// tensor asked for.
-    #[error("the server answered generation step {request_id} with {got}, expected {expected}")]
-    GenerationAnswer {
-        /// The step.
-        request_id: u64,
-        /// What came.
-        got: String,
-        /// What the step asked for.
-        expected: String,
-    },
-    /// A checkpoint request answered without a checkpoint.
-    #[error("the server answered a checkpoint request without saving")]
-    NotSaved,
-    /// An answer asked for with no call in flight (a bug of this host, not the server's).
-    #[error("an answer was awaited with no training call in flight")]
-    NothingInFlight,
-    /// A gradient-norm call answered without the step being taken.
-    #[error("the server answered the clipping coefficient without taking the step")]
-    NotStepped,
-    /// The end of a client group's round answered without the round ended.
-    #[error("the server answered the end of the round without ending it")]
-    RoundNotEnded,
-    /// A `splitfed` round's average lacks one of this edge's weights, or has another shape.
-    #[error("the server's average of the edges' weights has no {name} of its shape and type")]
-    Average {
-        /// The weight.
-        name: String,
-    },
-    /// The server took another step than this host.
-    #[error("the server took step {server}, this host step {host}")]
-    StepApart {
-        /// The server's step.
-        server: u64,
-        /// This host's.
-        host: u64,
-    },
-    /// A boundary at another cut than the call expects.
-    #[error("the server answered with a boundary at cut {got}, expected cut {expected}")]
-    WrongCut {
-        /// The answer's cut.
-        got: u32,
-        /// The cut expected.
-        expected: u32,
-    },
-    /// An answer to another call than the one waiting.
-    #[error("the server answered call {answered} while call {waiting} was waiting")]
-    OutOfOrder {
-        /// The call answered.
-        answered: u64,
-        /// The call waiting.
-        waiting: u64,
-    },
 }
 
 /// How a training stream to the server broke.

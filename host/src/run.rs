@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use cleave_client::{connect_first, ServerSession};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::device::device_name;
 use cleave_common::{Bundle, LoadedStages};
@@ -27,7 +28,6 @@ use crate::progress::{Bar, Event, InferenceStart, Progress};
 use crate::records::Planned;
 use crate::report::{self, CpuMeter, ReportWriter, Summary};
 use crate::run_options::RunOptions;
-use cleave_client::{connect_first, ServerSession};
 
 /// `host --config edge.yaml`: the whole run. Returns the summary (also written to
 /// `summary.json` in the output directory, beside the other files).

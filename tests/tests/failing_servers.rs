@@ -11,8 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cleave_client::RetryPolicy;
-use cleave_client::{connect, connect_retrying, Link};
+use cleave_client::{connect, connect_retrying, Link, RetryPolicy};
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceServer};

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cleave_client::RetryPolicy;
-use cleave_client::{connect, Link};
+use cleave_client::{connect, Link, RetryPolicy};
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
@@ -500,8 +499,8 @@ fn generation_reference(bundle: &Bundle) -> (tch::Tensor, tch::Tensor) {
 }
 
 /// The code and message of the server's refusal.
-fn refusal<T>(result: Result<T, cleave_host::HostError>) -> (tonic::Code, String) {
-    match result {
+fn refusal<T>(result: Result<T, impl Into<cleave_host::HostError>>) -> (tonic::Code, String) {
+    match result.map_err(Into::into) {
         Err(cleave_host::HostError::Link(cleave_client::LinkError::Rpc { code, message, .. })) => (code, message),
         Err(other) => panic!("expected a refusal, got {other}"),
         Ok(_) => panic!("expected a refusal"),
@@ -709,7 +708,7 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
 /// session held is given back when its stream ends (metrics).
 #[test]
 fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing() {
-    use cleave_host::generation::GenerateLink;
+    use cleave_client::GenerateLink;
     use cleave_server::{GenerationOptions, PeerLimits};
     let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
     let info = bundle.manifest().generation.clone().unwrap();

@@ -9,8 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use cleave_client::RetryPolicy;
-use cleave_client::{connect, Link};
+use cleave_client::{connect, Link, RetryPolicy};
 use cleave_common::pb::{self, split_inference_client::SplitInferenceClient};
 use cleave_common::wire::Codec;
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};

@@ -19,12 +19,13 @@ use tower::discover::Change;
 use tower::load::{CompleteOnResponse, PendingRequests};
 use tower::Service;
 
+use cleave_client::ServerSession;
+
 use super::prefix::Produced;
 use super::servers::{Delivered, Dispatch, LinkHealth, LinkSetup, ServerLink};
 use super::{Run, StreamCounts, SAME_LASTING_ERRORS_TO_STOP};
 use crate::config::MAX_SERVERS;
 use crate::error::Result;
-use cleave_client::ServerSession;
 
 /// How often the loop checks whether any server can still be reached.
 const REACHABLE_CHECK: Duration = Duration::from_millis(200);

@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use cleave_client::{connect, Answer, AnswerError, ConnectFailure, InferStream, LinkError, ServerSession, StreamError};
 use cleave_common::wire::{Codec, KeyRing, PayloadSender};
 use cleave_common::{Boundary, Bundle};
 use tokio::sync::mpsc;
@@ -40,9 +41,6 @@ use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
 use self::request::ms;
 use crate::config::{Fallback, Resilience};
 use crate::error::{HostError, RequestFailure, Result};
-use cleave_client::{connect, ServerSession};
-use cleave_client::{Answer, AnswerError, InferStream};
-use cleave_client::{ConnectFailure, LinkError, StreamError};
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
 /// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_client::ServerTimes;
-
 use cleave_common::wire::{Codec, Key, WireError};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
 

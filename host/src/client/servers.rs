@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use cleave_client::{connect, Answer, AnswerError, InferStream, Link, ServerSession, StreamError};
 use cleave_common::pb::InferFrame;
 use cleave_common::wire::{Codec, KeyRing};
 use cleave_common::Bundle;
@@ -27,9 +28,6 @@ use tonic_health::pb::HealthCheckRequest;
 
 use crate::config::Resilience;
 use crate::error::Result;
-use cleave_client::StreamError;
-use cleave_client::{connect, Link, ServerSession};
-use cleave_client::{Answer, AnswerError, InferStream};
 
 /// What every server's task needs to connect and open its stream.
 pub(super) struct LinkSetup {

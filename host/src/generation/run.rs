@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use cleave_client::{connect_first, Link, LinkError, RetryPolicy};
 use cleave_common::Bundle;
 use tch::Tensor;
 
@@ -13,9 +14,6 @@ use super::split::{GenerationSplit, Scores, SplitGenerator};
 use crate::config::EdgeConfig;
 use crate::error::{HostError, Result};
 use crate::files::open_config_bundle;
-use cleave_client::LinkError;
-use cleave_client::RetryPolicy;
-use cleave_client::{connect_first, Link};
 
 /// What `host generate` does.
 #[derive(Debug, Clone)]

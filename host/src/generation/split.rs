@@ -1,15 +1,14 @@
 //! A split generation session on the edge: the edge's stages and caches, the tokens each
 //! row was fed, and the server's session.
 
+use cleave_client::{GenerateLink, ServerSession};
 use cleave_common::generation::GenerationStages;
 use cleave_common::spec::{DType, TorchDType};
 use cleave_common::{pb, Bundle, BundleError, DeviceSpec, StageRange};
 use tch::Tensor;
 
-use super::link::GenerateLink;
 use crate::client::ServerTimes;
 use crate::error::{HostError, Result};
-use cleave_client::ServerSession;
 
 /// Where a generation splits and how large its session is.
 #[derive(Debug, Clone, Copy)]

@@ -29,6 +29,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use cleave_client::{connect, Answer, AnswerError, InferStream, StreamError};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::pb::InferFrame;
 use cleave_common::protocol::ServedModel;
@@ -49,9 +50,6 @@ use crate::error::{HostError, LoadSetupError, Result};
 use crate::files::{claim_output, open_config_bundle, EarlierRun, OutputMode};
 use crate::plots::load::{plot_latency_over_time, TimedLatencies, LATENCY_OVER_TIME};
 use crate::progress::{Event, LoadStart, LoadedModel, Progress};
-use cleave_client::connect;
-use cleave_client::StreamError;
-use cleave_client::{Answer, AnswerError, InferStream};
 
 /// Requests an open-loop edge may have unanswered at once, by default.
 pub const DEFAULT_IN_FLIGHT_CAP: usize = 64;

@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
+use cleave_client::ServerSession;
+
 use crate::client::RequestMetrics;
 use crate::planner::{BandwidthEstimate, CutPrediction, Objective, ProfileError, Profiles, Replanner};
 use crate::records::{Planned, Probes, ProfilingTime, SplitMove};
-use cleave_client::ServerSession;
 
 /// How much each transfer moves the bandwidth estimate (in the logarithm: half way).
 const ESTIMATE_WEIGHT: f64 = 0.5;

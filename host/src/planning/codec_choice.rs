@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use cleave_client::{Refusal, ServerSession};
 use cleave_common::wire::{Codec, WireError};
 use cleave_common::Boundary;
 
@@ -22,8 +23,6 @@ use crate::error::Result;
 use crate::planner::codec_cost::{eligible, CodecCost};
 use crate::planner::{BandwidthEstimate, Link, Profiles};
 use crate::records::CodecChoiceReport;
-use cleave_client::Refusal;
-use cleave_client::ServerSession;
 
 /// What `codec: auto` chooses among, fastest first.
 pub const CANDIDATES: [Codec; 3] = [Codec::RAW, Codec::SHUFFLE_LZ4, Codec::SHUFFLE_ZSTD_1];

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use cleave_client::{connect, ServerSession};
 use cleave_common::stats::Percentiles;
 use cleave_common::wire::Codec;
 use cleave_common::Bundle;
@@ -22,7 +23,6 @@ use crate::inputs::Inputs;
 use crate::planner::{best, CutPrediction, Objective, Profiles};
 use crate::plots::run::{plot_breakdown, plot_latency_cdf, plot_predicted_vs_measured, CutBreakdown, BREAKDOWN, LATENCY_CDF, PREDICTED_VS_MEASURED};
 use crate::report::median_breakdown;
-use cleave_client::{connect, ServerSession};
 
 /// One cut as measured by `--measure`: medians of each part, milliseconds.
 #[derive(Debug, Clone, Serialize)]

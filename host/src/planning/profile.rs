@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use cleave_client::ServerSession;
 use cleave_common::stats::median;
 use cleave_common::wire::{Codec, CodecPolicy, Direction, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender};
 use cleave_common::{Bundle, DeviceSpec, LoadedStages, StageRange};
@@ -18,7 +19,6 @@ use crate::inputs::Inputs;
 use crate::planner::codec_cost::{CodecCost, CutCodecs};
 use crate::planner::{Link, Profiles};
 use crate::records::ProfilingTime;
-use cleave_client::ServerSession;
 
 /// The measured profiles, with the edge's stages they ran and how long each part took.
 pub(crate) struct Measured {

@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 
+use cleave_client::{connect_retrying, Breach, LinkError, Refusal, RetryPolicy, ServerSession};
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
 use cleave_common::protocol::SESSION_NOT_WAITING;
 use cleave_common::training::microbatch::Microbatch;
@@ -24,10 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
-use crate::error::{Breach, HostError, LinkLost, Result};
-use cleave_client::RetryPolicy;
-use cleave_client::{connect_retrying, ServerSession};
-use cleave_client::{LinkError, Refusal};
+use crate::error::{HostError, LinkLost, Result};
 
 /// An answer from the server.
 pub(crate) struct Answer {

@@ -23,6 +23,7 @@ pub mod report;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use cleave_client::{connect, connect_first, Breach, ServerSession};
 use cleave_common::device::device_name;
 use cleave_common::pb;
 use cleave_common::stats::median;
@@ -37,13 +38,12 @@ use cleave_common::{Boundary, Bundle, DeviceSpec, StageRange, Value};
 use tch::Tensor;
 
 use crate::config::{ClientMode, EdgeConfig, TrainConfig, TrainMode};
-use crate::error::{Breach, HostError, OutputError, Result, TrainingSetupError};
+use crate::error::{HostError, OutputError, Result, TrainingSetupError};
 use crate::files::{claim_output, EarlierRun, OutputMode};
 use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::records::EpochRecord;
 use crate::run_options::RunOptions;
-use cleave_client::{connect, connect_first, ServerSession};
 use data::Dataset;
 use link::{Reconnect, SessionRequest, TrainLink};
 pub use report::{TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};

@@ -14,10 +14,11 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
-use crate::client::ServerTimes;
-use crate::error::{Breach, HostError, Result};
-use cleave_client::LinkError;
-use cleave_client::ServerSession;
+use crate::error::{Breach, LinkError};
+use crate::session::ServerSession;
+use crate::times::ServerTimes;
+
+type Result<T, E = LinkError> = std::result::Result<T, E>;
 
 /// A session open on a server.
 pub struct GenerateLink {
@@ -43,18 +44,18 @@ pub struct Answered {
 }
 
 /// The stream ended under a step: the server went (its caches with it).
-fn closed() -> HostError {
-    LinkError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }.into()
+fn closed() -> LinkError {
+    LinkError::Rpc { call: "Generate", code: tonic::Code::Unavailable, message: "the server closed the stream".into() }
 }
 
 /// No answer within `request_timeout`: the server holds the stream but does not answer.
-fn unanswered(timeout: Duration) -> HostError {
+fn unanswered(timeout: Duration) -> LinkError {
     let message = format!("no answer within {timeout:?} (`resilience.request_timeout`)");
-    LinkError::Rpc { call: "Generate", code: tonic::Code::DeadlineExceeded, message }.into()
+    LinkError::Rpc { call: "Generate", code: tonic::Code::DeadlineExceeded, message }
 }
 
-fn refused(error: &pb::Error) -> HostError {
-    LinkError::Rpc { call: "Generate", code: tonic::Code::from_i32(error.code), message: error.message.clone() }.into()
+fn refused(error: &pb::Error) -> LinkError {
+    LinkError::Rpc { call: "Generate", code: tonic::Code::from_i32(error.code), message: error.message.clone() }
 }
 
 impl GenerateLink {
@@ -74,9 +75,9 @@ impl GenerateLink {
         let call = session.model_request(ReceiverStream::new(rx));
         let answer_timeout = session.link.request_timeout;
         let opening = async {
-            let mut replies = session.client.generate(call).await.map_err(|s| HostError::rpc("Generate", &s))?.into_inner();
+            let mut replies = session.client.generate(call).await.map_err(|s| LinkError::rpc("Generate", &s))?.into_inner();
             let first = next_reply(&mut replies).await?;
-            Ok::<_, HostError>((replies, first))
+            Ok::<_, LinkError>((replies, first))
         };
         let (replies, first) = tokio::time::timeout(answer_timeout, opening).await.map_err(|_| unanswered(answer_timeout))??;
         if let Some(error) = &first.error {
@@ -147,6 +148,6 @@ async fn next_reply(replies: &mut Streaming<GenerateReply>) -> Result<GenerateRe
     match replies.message().await {
         Ok(Some(reply)) => Ok(reply),
         Ok(None) => Err(closed()),
-        Err(status) => Err(HostError::rpc("Generate", &status)),
+        Err(status) => Err(LinkError::rpc("Generate", &status)),
     }
 }
