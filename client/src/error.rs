@@ -53,6 +53,13 @@ pub enum LinkError {
     /// A message could not be sealed or opened with the link's key.
     #[error(transparent)]
     Seal(#[from] CodecError),
+    /// A payload could not be encoded, or one received cannot be reassembled or decoded.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// The connection or stream to the server broke (a training link continues its session
+    /// on a new one).
+    #[error("the link to the server broke: {0}")]
+    Lost(LinkLost),
 }
 
 impl LinkError {
@@ -68,7 +75,7 @@ impl LinkError {
         match self {
             Self::Unreachable { .. } | Self::Refused(_) | Self::TokenNotAHeaderValue => true,
             Self::Rpc { code, .. } => matches!(code, Unauthenticated | PermissionDenied | Unimplemented | InvalidArgument),
-            Self::Connect { .. } | Self::Breach(_) | Self::Seal(_) => false,
+            Self::Connect { .. } | Self::Breach(_) | Self::Seal(_) | Self::Wire(_) | Self::Lost(_) => false,
         }
     }
 }
@@ -298,5 +305,21 @@ pub enum Breach {
         answered: u64,
         /// The call waiting.
         waiting: u64,
+    },
+}
+
+/// How a training stream to the server broke.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkLost {
+    /// The stream ended.
+    #[error("the server closed the training stream")]
+    Closed,
+    /// The stream failed with a gRPC status.
+    #[error("training stream failed: {code:?}: {message}")]
+    Failed {
+        /// The status code.
+        code: tonic::Code,
+        /// Its message.
+        message: String,
     },
 }

@@ -9,6 +9,9 @@
 //!   [`Answer`] reassembled and decoded into a boundary (or the server's error for it).
 //! - [`GenerateLink`]: a `Generate` session on a server: one step at a time, each answered
 //!   with the output tensor asked for (sealed whole with the link's key when it has one).
+//! - [`TrainLink`]: a training session on a server, as blocking calls from a training
+//!   thread (forward, backward, evaluate, save, ...), reattached and resent under the same
+//!   ids when the connection breaks.
 //! - [`LinkError`]: why a server cannot be reached or refuses, and whether trying again
 //!   could help ([`LinkError::is_lasting`]).
 //!
@@ -22,10 +25,12 @@ pub mod infer;
 pub mod link;
 pub mod session;
 pub mod times;
+pub mod train;
 
-pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, Refusal, StreamError};
+pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, LinkLost, Refusal, StreamError};
 pub use generate::{Answered, GenerateLink};
 pub use infer::{Answer, AnswerError, InferStream};
 pub use link::{Backoff, Link, RetryPolicy};
 pub use session::{check_server_accepts, connect, connect_first, connect_retrying, CallHeaders, Client, ServerSession};
 pub use times::ServerTimes;
+pub use train::{SessionRequest, TrainAnswer, TrainLink};

@@ -54,10 +54,6 @@ pub enum HostError {
     /// The link to the server: it cannot be reached, refuses, or a call failed.
     #[error(transparent)]
     Link(#[from] LinkError),
-    /// The connection or stream to the server broke (a training link continues its session
-    /// on a new one).
-    #[error("the link to the server broke: {0}")]
-    Lost(LinkLost),
     /// `host plan --fleet-profile` cannot write its profiles.
     #[error("--fleet-profile: {0}")]
     FleetProfile(String),
@@ -295,22 +291,6 @@ impl RequestFailure {
     pub fn same_refusal(&self, other: &Self) -> bool {
         matches!((self, other), (Self::Refused { code: a, message: m }, Self::Refused { code: b, message: n }) if a == b && m == n)
     }
-}
-
-/// How a training stream to the server broke.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LinkLost {
-    /// The stream ended.
-    #[error("the server closed the training stream")]
-    Closed,
-    /// The stream failed with a gRPC status.
-    #[error("training stream failed: {code:?}: {message}")]
-    Failed {
-        /// The status code.
-        code: tonic::Code,
-        /// Its message.
-        message: String,
-    },
 }
 
 /// What profiling was doing with a cut's boundary when it failed.

@@ -17,7 +17,6 @@
 
 mod data;
 pub mod export;
-mod link;
 pub mod report;
 
 use std::path::{Path, PathBuf};
@@ -44,8 +43,8 @@ use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::records::EpochRecord;
 use crate::run_options::RunOptions;
+use cleave_client::train::{Reconnect, SessionRequest, TrainLink};
 use data::Dataset;
-use link::{Reconnect, SessionRequest, TrainLink};
 pub use report::{TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
 
 /// The host's checkpoint file inside a checkpoint directory (`checkpoints/step-N/`).
@@ -667,7 +666,8 @@ impl Trainer {
         // A client group trains a server part: `Cuts::of` refuses one that does not.
         let (Some(clients), Sides::Split { prefix, tail, link }) = (&self.train.clients, &mut self.sides) else { return Ok(()) };
         if clients.mode == ClientMode::Sequential {
-            return link.end_round().map(drop);
+            link.end_round()?;
+            return Ok(());
         }
         let weights: Vec<(String, Tensor)> = prefix
             .iter()

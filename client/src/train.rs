@@ -13,7 +13,6 @@
 
 use std::collections::VecDeque;
 
-use cleave_client::{connect_retrying, Breach, LinkError, Refusal, RetryPolicy, ServerSession};
 use cleave_common::pb::{self, train_frame, Phase, TrainFrame, TrainReply};
 use cleave_common::protocol::SESSION_NOT_WAITING;
 use cleave_common::training::microbatch::Microbatch;
@@ -25,16 +24,21 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
-use crate::error::{HostError, LinkLost, Result};
+use crate::error::{Breach, LinkError, LinkLost, Refusal};
+use crate::link::RetryPolicy;
+use crate::session::{connect_retrying, ServerSession};
 
-/// An answer from the server.
-pub(crate) struct Answer {
+type Result<T, E = LinkError> = std::result::Result<T, E>;
+
+/// A training call's answer from the server.
+#[derive(Debug)]
+pub struct TrainAnswer {
     /// The boundary it sent back (a gradient or a boundary at the session's end cut).
-    pub(crate) boundary: Boundary,
+    pub boundary: Boundary,
     /// The loss, when the server computed it.
-    pub(crate) loss: Option<f64>,
+    pub loss: Option<f64>,
     /// With clipping, on a step's gradient: the norm of each of the server's gradients.
-    pub(crate) norms: Vec<f32>,
+    pub norms: Vec<f32>,
 }
 
 /// What the answers of a stream are received with: each stream's answers are sealed under a
@@ -55,13 +59,15 @@ impl AnswerReceivers {
 
 /// What reaching the server again takes besides the session's URL and link (which its
 /// `ServerSession` keeps).
-pub(crate) struct Reconnect {
-    pub(crate) bundle: Bundle,
-    pub(crate) retry: RetryPolicy,
+pub struct Reconnect {
+    /// The bundle the session trains (checked again on the new connection).
+    pub bundle: Bundle,
+    /// How often and how patiently to connect again.
+    pub retry: RetryPolicy,
 }
 
 /// An open training session.
-pub(crate) struct TrainLink {
+pub struct TrainLink {
     runtime: Handle,
     /// The connection the stream runs on.
     session: ServerSession,
@@ -90,14 +96,17 @@ pub(crate) struct TrainLink {
 }
 
 /// How to open a session (frames and payloads are sized by the server's limits).
-pub(crate) struct SessionRequest {
-    pub(crate) open: pb::OpenSession,
-    pub(crate) codec: Codec,
-    pub(crate) key: Option<(u32, Key)>,
+pub struct SessionRequest {
+    /// The session asked for (stages, optimizer, pipeline depth, ...).
+    pub open: pb::OpenSession,
+    /// The codec of the boundaries and gradients sent.
+    pub codec: Codec,
+    /// The key id and key payloads are sealed with (plaintext where absent).
+    pub key: Option<(u32, Key)>,
 }
 
-fn closed() -> HostError {
-    HostError::Lost(LinkLost::Closed)
+fn closed() -> LinkError {
+    LinkError::Lost(LinkLost::Closed)
 }
 
 /// Opens a `Train` stream on `session` with `open` as its first frame; returns it and the
@@ -109,7 +118,7 @@ async fn open_stream(
     let (frames, rx) = mpsc::channel::<TrainFrame>(64);
     let call = session.model_request(ReceiverStream::new(rx));
     frames.send(TrainFrame { kind: Some(train_frame::Kind::Open(open)) }).await.map_err(|_| closed())?;
-    let mut replies = session.client.train(call).await.map_err(|s| HostError::rpc("Train", &s))?.into_inner();
+    let mut replies = session.client.train(call).await.map_err(|s| LinkError::rpc("Train", &s))?.into_inner();
     let first = next_reply(&mut replies).await?;
     let opened = first.opened.ok_or(Breach::NotOpened)?;
     Ok((frames, replies, opened))
@@ -118,7 +127,7 @@ async fn open_stream(
 impl TrainLink {
     /// Opens a reattachable session on a connected client (from async code); the server
     /// loads its stages before it answers.
-    pub(crate) async fn open(mut session: ServerSession, request: SessionRequest, reconnect: Reconnect) -> Result<(Self, pb::SessionOpened)> {
+    pub async fn open(mut session: ServerSession, request: SessionRequest, reconnect: Reconnect) -> Result<(Self, pb::SessionOpened)> {
         let (start, end) = (request.open.start, request.open.end);
         let server_has_loss = end as usize == session.model.stage_count;
         let open = pb::OpenSession { reattachable: true, ..request.open };
@@ -162,7 +171,7 @@ impl TrainLink {
 
     /// A training step's boundary at `start` (with the targets when the server has the
     /// loss), of the whole batch or one of its micro-batches.
-    pub(crate) fn forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<Answer> {
+    pub fn forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<TrainAnswer> {
         self.send_forward(boundary, microbatch)?;
         self.next_answer()
     }
@@ -170,7 +179,7 @@ impl TrainLink {
     /// [`Self::forward`] without waiting for the answer: micro-batches are sent one after
     /// another while the server works, and their answers taken in order with
     /// [`Self::forward_answer`] (at most the session's pipeline depth in flight).
-    pub(crate) fn send_forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<()> {
+    pub fn send_forward(&mut self, boundary: &Boundary, microbatch: Microbatch) -> Result<()> {
         let expect = if self.server_has_loss { (Direction::Gradient, self.start) } else { (Direction::Result, self.end) };
         let id = self.take_id();
         let to = (Direction::Request, self.start);
@@ -178,50 +187,50 @@ impl TrainLink {
     }
 
     /// The answer to the oldest forward sent with [`Self::send_forward`].
-    pub(crate) fn forward_answer(&mut self) -> Result<Answer> {
+    pub fn forward_answer(&mut self) -> Result<TrainAnswer> {
         self.next_answer()
     }
 
     /// U-shaped: the gradient at `end` of the step just sent; answers the gradient at `start`.
-    pub(crate) fn backward(&mut self, grads: &Boundary) -> Result<Answer> {
+    pub fn backward(&mut self, grads: &Boundary) -> Result<TrainAnswer> {
         self.call(Phase::Backward, Microbatch::WHOLE, (Direction::Gradient, self.end), grads, (Direction::Gradient, self.start))
     }
 
     /// An evaluation batch at `start`; answers the boundary at `end` (eval mode).
-    pub(crate) fn evaluate(&mut self, boundary: &Boundary) -> Result<Answer> {
+    pub fn evaluate(&mut self, boundary: &Boundary) -> Result<TrainAnswer> {
         self.call(Phase::Evaluate, Microbatch::WHOLE, (Direction::Request, self.start), boundary, (Direction::Result, self.end))
     }
 
     /// Asks the server to write its checkpoint `name`; returns the step it holds.
-    pub(crate) fn save(&mut self, name: &str) -> Result<u64> {
+    pub fn save(&mut self, name: &str) -> Result<u64> {
         let id = self.take_id();
         self.reattaching(|link| link.try_save(id, name))
     }
 
     /// With clipping: what the gradients of the step just answered are multiplied by; the
     /// server scales its own and takes the step. Returns the steps it has taken.
-    pub(crate) fn clip_step(&mut self, coefficient: f32) -> Result<u64> {
+    pub fn clip_step(&mut self, coefficient: f32) -> Result<u64> {
         let id = self.take_id();
         self.reattaching(|link| link.try_clip_step(id, coefficient))
     }
 
     /// In a client group: this edge's steps of the round are taken; returns once every edge
     /// of the group has ended the round, with the rounds ended.
-    pub(crate) fn end_round(&mut self) -> Result<u64> {
+    pub fn end_round(&mut self) -> Result<u64> {
         let id = self.take_id();
         self.reattaching(|link| link.try_end_round(id))
     }
 
     /// In a `splitfed` group: [`Self::end_round`] with this edge's weights; answers the
     /// average of every edge's.
-    pub(crate) fn average(&mut self, weights: &Boundary) -> Result<Boundary> {
+    pub fn average(&mut self, weights: &Boundary) -> Result<Boundary> {
         let at_start = (Direction::Request, self.start);
         Ok(self.call(Phase::Average, Microbatch::WHOLE, at_start, weights, (Direction::Result, self.start))?.boundary)
     }
 
     /// Ends the session: closes this side of the stream and waits for the server to end its
     /// own, so that it does not keep the session for a host that has finished.
-    pub(crate) fn close(self) {
+    pub fn close(self) {
         let Self { runtime, frames, mut replies, .. } = self;
         drop(frames);
         let ended =
@@ -237,13 +246,13 @@ impl TrainLink {
         let mut attempts = 1;
         loop {
             match call(self) {
-                Err(HostError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
+                Err(LinkError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
                     attempts += 1;
                     tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
                     match self.reattach_session() {
                         // Lost again while continuing: the call fails at once on the old link,
                         // and the next attempt continues the session again.
-                        Ok(()) | Err(HostError::Lost(_)) => {}
+                        Ok(()) | Err(LinkError::Lost(_)) => {}
                         Err(e) => return Err(e),
                     }
                 }
@@ -266,7 +275,7 @@ impl TrainLink {
             loop {
                 match open_stream(&mut session, open.clone()).await {
                     Ok((frames, replies, _)) => return Ok((session, frames, replies)),
-                    Err(HostError::Link(LinkError::Refused(Refusal::Call { message, .. })))
+                    Err(LinkError::Refused(Refusal::Call { message, .. }))
                         if message.contains(SESSION_NOT_WAITING) && asked < r.retry.max_attempts =>
                     {
                         asked += 1;
@@ -313,7 +322,14 @@ impl TrainLink {
         id
     }
 
-    fn call(&mut self, phase: Phase, microbatch: Microbatch, to: (Direction, u32), boundary: &Boundary, expect: (Direction, u32)) -> Result<Answer> {
+    fn call(
+        &mut self,
+        phase: Phase,
+        microbatch: Microbatch,
+        to: (Direction, u32),
+        boundary: &Boundary,
+        expect: (Direction, u32),
+    ) -> Result<TrainAnswer> {
         let id = self.take_id();
         self.send(InFlight { id, phase, microbatch, to, boundary: boundary.shallow_clone(), expect })?;
         self.next_answer()
@@ -325,7 +341,7 @@ impl TrainLink {
         let sent = if self.broken { Ok(()) } else { self.try_send(&call) };
         self.in_flight.push_back(call);
         match sent {
-            Err(HostError::Lost(_)) => {
+            Err(LinkError::Lost(_)) => {
                 self.broken = true;
                 Ok(())
             }
@@ -336,19 +352,19 @@ impl TrainLink {
     /// The answer to the oldest call in flight. When the link broke, continues the session
     /// on a new connection and sends every call in flight again under its id (the server
     /// answers those it had run from memory), up to `retry.max_attempts` times.
-    fn next_answer(&mut self) -> Result<Answer> {
+    fn next_answer(&mut self) -> Result<TrainAnswer> {
         let mut attempts = 1;
         loop {
             let oldest = self.in_flight.front().map(InFlight::shallow_clone).ok_or(Breach::NothingInFlight)?;
             let received = if self.broken { Err(closed()) } else { self.try_receive(&oldest) };
             match received {
-                Err(HostError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
+                Err(LinkError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
                     attempts += 1;
                     tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
                     match self.reattach_session().and_then(|()| self.resend_in_flight()) {
                         Ok(()) => self.broken = false,
                         // Lost again while continuing: the next attempt continues it again.
-                        Err(HostError::Lost(_)) => self.broken = true,
+                        Err(LinkError::Lost(_)) => self.broken = true,
                         Err(e) => return Err(e),
                     }
                 }
@@ -390,7 +406,7 @@ impl TrainLink {
     }
 
     /// Receives the answer to `call`, the next one on the stream.
-    fn try_receive(&mut self, call: &InFlight) -> Result<Answer> {
+    fn try_receive(&mut self, call: &InFlight) -> Result<TrainAnswer> {
         let (id, expect) = (call.id, call.expect);
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
         let replies = &mut self.replies;
@@ -401,14 +417,14 @@ impl TrainLink {
                 check_id(&reply, id)?;
                 let assembled = answer.push(&reply, |r| receiver.start(r.request_id, &r.header).map(|a| (a, ()))).map_err(|(_, e)| e)?;
                 if let Some((assembly, ())) = assembled {
-                    return Ok::<_, HostError>((receiver.finish(assembly)?, reply.loss, reply.grad_norms));
+                    return Ok::<_, LinkError>((receiver.finish(assembly)?, reply.loss, reply.grad_norms));
                 }
             }
         })?;
         if received.split != expect.1 {
             return Err(Breach::WrongCut { got: received.split, expected: expect.1 }.into());
         }
-        Ok(Answer { boundary: received.boundary, loss, norms })
+        Ok(TrainAnswer { boundary: received.boundary, loss, norms })
     }
 }
 
@@ -437,7 +453,7 @@ async fn send(frames: &mpsc::Sender<TrainFrame>, replies: &mut Streaming<TrainRe
         return Ok(());
     }
     match tokio::time::timeout(std::time::Duration::from_secs(5), next_reply(replies)).await {
-        Ok(Err(refused @ HostError::Link(LinkError::Refused(_)))) => Err(refused),
+        Ok(Err(refused @ LinkError::Refused(_))) => Err(refused),
         _ => Err(closed()),
     }
 }
@@ -445,7 +461,7 @@ async fn send(frames: &mpsc::Sender<TrainFrame>, replies: &mut Streaming<TrainRe
 async fn next_reply(replies: &mut Streaming<TrainReply>) -> Result<TrainReply> {
     let reply = match replies.next().await {
         Some(Ok(reply)) => reply,
-        Some(Err(status)) => return Err(HostError::Lost(LinkLost::Failed { code: status.code(), message: status.message().to_string() })),
+        Some(Err(status)) => return Err(LinkError::Lost(LinkLost::Failed { code: status.code(), message: status.message().to_string() })),
         None => return Err(closed()),
     };
     if let Some(e) = &reply.error {
