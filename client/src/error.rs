@@ -308,14 +308,14 @@ pub enum Breach {
     },
 }
 
-/// How a training stream to the server broke.
+/// How a stream to the server broke.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LinkLost {
     /// The stream ended.
-    #[error("the server closed the training stream")]
+    #[error("the server closed the stream")]
     Closed,
     /// The stream failed with a gRPC status.
-    #[error("training stream failed: {code:?}: {message}")]
+    #[error("the stream failed: {code:?}: {message}")]
     Failed {
         /// The status code.
         code: tonic::Code,

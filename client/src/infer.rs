@@ -7,19 +7,23 @@ use std::time::{Duration, Instant};
 
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::protocol::HOST_SESSION_METADATA;
-use cleave_common::wire::{CodecPolicy, Direction, FrameAssembler, KeyRing, PayloadReceiver, WireError};
+use cleave_common::wire::{
+    payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError,
+};
 use cleave_common::Boundary;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use crate::error::{ConnectFailure, LinkError, StreamError};
+use crate::error::{ConnectFailure, LinkError, LinkLost, StreamError};
 use crate::session::ServerSession;
 use crate::times::ServerTimes;
 
 /// A live `Infer` stream.
 pub struct InferStream {
     frames: mpsc::UnboundedSender<InferFrame>,
+    /// Data bytes per frame under the server's message limit.
+    chunk_bytes: usize,
     inbound: tonic::Streaming<pb::ResultFrame>,
     results: ResultAssembler,
 }
@@ -76,7 +80,7 @@ impl InferStream {
             receiver: PayloadReceiver::new(Direction::Result, session.max_payload_bytes(), policy, ring),
             frames: FrameAssembler::default(),
         };
-        Ok(Self { frames, inbound: opened.into_inner(), results })
+        Ok(Self { frames, chunk_bytes: session.chunk_bytes(), inbound: opened.into_inner(), results })
     }
 
     /// Queues a request's frames, its trace context in the first; false when the stream is
@@ -90,6 +94,27 @@ impl InferStream {
             }
             self.frames.send(frame).is_ok()
         })
+    }
+
+    /// Encodes `boundary` as request `id` at cut `split` with `codec` (sealed when `sender`
+    /// seals: one sender for every request of a run, so that its nonces never repeat), frames it
+    /// by the server's message limit and queues it. Returns its frames, to be resent as they are
+    /// on a new stream should this one break; `LinkLost::Closed` when the stream is gone.
+    pub fn send_boundary(
+        &self,
+        sender: &mut PayloadSender,
+        id: u64,
+        split: u32,
+        codec: &Codec,
+        boundary: &Boundary,
+    ) -> Result<Vec<InferFrame>, LinkError> {
+        let meta = PayloadMeta { request_id: id, split, direction: Direction::Request };
+        let encoded = sender.encode(meta, codec, boundary)?;
+        let frames: Vec<InferFrame> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
+        match self.send(&frames, None) {
+            true => Ok(frames),
+            false => Err(LinkError::Lost(LinkLost::Closed)),
+        }
     }
 
     /// The next whole answer; an error when the stream ended, failed or broke the framing
