@@ -4,7 +4,7 @@
 //! plots. With `split: auto` the planner picks the cut and moves it while the run goes on.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cleave_client::{connect_first, ServerSession};
@@ -21,7 +21,7 @@ use crate::files::open_config_bundle;
 use crate::inputs::Inputs;
 use crate::loopback::LoopbackServer;
 use crate::planner::Profiles;
-use crate::planning::auto_split::{self, AutoSplit};
+use crate::planning::auto_split::{AutoSplit, AutoSplitTask};
 use crate::planning::codec_choice::{self, CodecChooser};
 use crate::planning::profile::measure_profiles;
 use crate::progress::{Bar, Event, InferenceStart, Progress};
@@ -46,8 +46,7 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let ids: Vec<u64> = (0..config.requests).filter(|id| !done.contains(id)).collect();
     opts.progress.tell(Event::BarStarts { bar: Bar::Requests, total: ids.len() as u64 });
     let plan = connected.stream_plan(&config, &bundle, ids, inputs);
-    let planner = connected.auto.as_ref().map(|a| Arc::clone(&a.planner));
-    let prober = planner.as_ref().map(|auto| tokio::spawn(auto_split::probe_while_on_edge(Arc::clone(auto), connected.session.clone())));
+    let mut planner = connected.auto.as_mut().and_then(|a| a.planner.take()).map(|p| AutoSplitTask::spawn(p, connected.session.clone()));
     let started = Instant::now();
     let startup = (run_started.elapsed(), cpu_time::process() - run_cpu);
     let mut cpu = CpuMeter::new();
@@ -57,8 +56,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
     let streamed = stream_to_servers(&mut connected.session, servers, plan, |outcome| {
         opts.progress.tell(Event::Advanced { loss: None });
         cpu.answered(&outcome.metrics);
-        if let Some(auto) = &planner {
-            auto.lock().expect("auto split").observe(outcome.request_id, &outcome.metrics);
+        if let Some(planner) = &mut planner {
+            planner.observe(outcome.request_id, &outcome.metrics);
         }
         if let Some(chooser) = &chooser {
             chooser.observe(&outcome.metrics);
@@ -69,8 +68,8 @@ pub async fn run(config: EdgeConfig, opts: RunOptions) -> Result<Summary> {
         }
     })
     .await;
-    if let Some(prober) = prober {
-        prober.abort();
+    if let (Some(planner), Some(auto)) = (planner, &mut connected.auto) {
+        auto.planner = Some(planner.finish().await.map_err(|error| HostError::Task { what: "split: auto", error })?);
     }
     opts.progress.tell(Event::BarEnds);
     let counts = streamed?;
@@ -177,7 +176,7 @@ impl Connected {
         StreamPlan {
             bundle: bundle.clone(),
             split: match &self.auto {
-                Some(auto) => Splits::Moving(auto.planner.lock().expect("auto split").cut()),
+                Some(auto) => Splits::Moving(auto.cut.clone()),
                 None => Splits::Fixed(self.split),
             },
             device: config.device,
@@ -197,7 +196,7 @@ impl Connected {
     /// The run's summary from its outcomes' figures: where it ran, and how its cut and codec
     /// were chosen.
     fn summary(self, config: &EdgeConfig, bundle: &Bundle, figures: Summary) -> Result<Summary> {
-        let planner = self.auto.as_ref().map(|a| a.planner.lock().expect("auto split"));
+        let planner = self.auto.as_ref().and_then(|a| a.planner.as_ref());
         Ok(Summary {
             bundle: config.bundle.display().to_string(),
             bundle_id: bundle.id().to_string(),
@@ -236,7 +235,10 @@ async fn read_inputs(config: &EdgeConfig, bundle: &Bundle) -> Result<Inputs> {
 /// each request), and the edge's stages the profile loaded and warmed.
 struct AutoStart {
     planned: Planned,
-    planner: Arc<Mutex<AutoSplit>>,
+    /// The planner: here before and after the run, its task's while the run goes.
+    planner: Option<AutoSplit>,
+    /// The cut it publishes.
+    cut: watch::Receiver<usize>,
     /// Handed to the stream (taken once).
     warm_stages: Option<LoadedStages>,
     profiles: Profiles,
@@ -250,7 +252,8 @@ async fn start_auto_split(config: &EdgeConfig, session: &mut ServerSession, bund
     let profiles = measured.profiles.clone();
     let (auto_split, planned) = AutoSplit::plan(measured.profiles, measured.took, config.objective)?;
     progress.tell(Event::AutoSplitPlanned(Box::new(planned.clone())));
-    Ok(AutoStart { planned, planner: Arc::new(Mutex::new(auto_split)), warm_stages: Some(measured.edge_stages), profiles })
+    let cut = auto_split.cut();
+    Ok(AutoStart { planned, planner: Some(auto_split), cut, warm_stages: Some(measured.edge_stages), profiles })
 }
 
 fn inference_start(config: &EdgeConfig, bundle: &Bundle, split: usize, url: &str, server_device: &str) -> Result<InferenceStart> {

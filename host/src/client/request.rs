@@ -1,7 +1,6 @@
 //! What a request is to the streaming client: the plan of a run (`StreamPlan`, `Splits`), a
 //! request's measurements and its one outcome, and what became of a run's requests.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -88,7 +87,7 @@ pub enum Splits {
     Fixed(usize),
     /// Read when each request's prefix starts (`split: auto`: the planner moves it between
     /// requests on the same stream).
-    Moving(Arc<AtomicUsize>),
+    Moving(tokio::sync::watch::Receiver<usize>),
     /// Request `i` at `cuts[i % cuts.len()]` (`host plan --measure`: every cut under the
     /// same conditions, interleaved).
     RoundRobin(Vec<usize>),
@@ -99,7 +98,7 @@ impl Splits {
     pub fn for_request(&self, id: u64) -> usize {
         match self {
             Splits::Fixed(cut) => *cut,
-            Splits::Moving(cut) => cut.load(Ordering::Relaxed),
+            Splits::Moving(cut) => *cut.borrow(),
             Splits::RoundRobin(cuts) => cuts[(id % cuts.len().max(1) as u64) as usize],
         }
     }

@@ -6,11 +6,18 @@
 //! so while the split sits there a prober sends an upload-only `Echo` now and then: without
 //! it, a link that gets faster again would never be noticed. Probes are small and rare (at
 //! most 5% of the time): they compete with the requests for a weak edge's processor.
+//!
+//! One task owns the planner ([`AutoSplitTask`]): the result loop sends it each answer's
+//! measurements, it probes from there, and the prefix thread reads the cut it publishes on a
+//! `watch` channel. Nothing of it is shared under a lock.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
 
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use cleave_client::ServerSession;
@@ -35,9 +42,15 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// weak edge device cannot spare: a probe's duration sets the pause after it).
 const PROBE_DUTY: f64 = 0.05;
 
-/// The running planner, shared by the result loop and the prober.
+/// Answers' measurements the planner's task may hold unread: far more than it falls behind
+/// by (it does a little arithmetic per answer). One that finds them full is dropped, and the
+/// count said when the run ends.
+const OBSERVATIONS_QUEUED: usize = 4096;
+
+/// The running planner: the bandwidth estimate, the re-planner, and what it did.
 pub struct AutoSplit {
-    cut: Arc<AtomicUsize>,
+    /// The cut requests take, published to the prefix thread.
+    cut: watch::Sender<usize>,
     replanner: Replanner,
     estimate: BandwidthEstimate,
     rtt_ms: f64,
@@ -69,16 +82,21 @@ impl AutoSplit {
             profiling: took,
             predictions,
         };
-        let cut = Arc::new(AtomicUsize::new(chosen.cut));
+        let cut = watch::Sender::new(chosen.cut);
         Ok((
             Self { cut, replanner, estimate, rtt_ms, result_bytes, last_cut, last_request: 0, moves: Vec::new(), probes: Probes::default() },
             planned,
         ))
     }
 
-    /// The cut requests read when their prefix starts.
-    pub fn cut(&self) -> Arc<AtomicUsize> {
-        Arc::clone(&self.cut)
+    /// The cut requests read when their prefix starts, as it moves.
+    pub fn cut(&self) -> watch::Receiver<usize> {
+        self.cut.subscribe()
+    }
+
+    /// Whether the split sits at the last cut (every request wholly on the edge).
+    fn on_edge(&self) -> bool {
+        *self.cut.borrow() == self.last_cut
     }
 
     /// Every move so far.
@@ -114,6 +132,21 @@ impl AutoSplit {
         counted
     }
 
+    /// Records a probe of `size` bytes that took `elapsed` and, when it was answered, feeds it
+    /// and returns the size of the next one (four times larger after one too quick to count).
+    fn probed(&mut self, size: usize, elapsed: Duration, answered: bool) -> Option<usize> {
+        self.probes.count += 1;
+        self.probes.bytes += size as u64;
+        self.probes.seconds += elapsed.as_secs_f64();
+        if !answered {
+            return None;
+        }
+        Some(match self.observe_probe(size as u64, elapsed.as_secs_f64() * 1e3) {
+            true => self.probe_bytes(),
+            false => (size * 4).min(*PROBE_BYTES.end()),
+        })
+    }
+
     /// The size of the next probe: [`PROBE_TARGET`] at the estimated bandwidth.
     fn probe_bytes(&self) -> usize {
         ((self.estimate.bytes_per_s() * PROBE_TARGET.as_secs_f64()) as usize).clamp(*PROBE_BYTES.start(), *PROBE_BYTES.end())
@@ -126,47 +159,89 @@ impl AutoSplit {
             let mbit_per_s = self.estimate.bytes_per_s() * 8.0 / 1e6;
             tracing::info!(from = before, to = now, mbit_per_s, "split moved");
             self.moves.push(SplitMove { after_request: self.last_request, from: before, to: now, mbit_per_s });
-            self.cut.store(now, Ordering::Relaxed);
+            self.cut.send_replace(now);
         }
     }
 }
 
-/// While the split sits at the last cut, uploads a probe through `Echo` now and then and
-/// feeds the estimate: sized to take [`PROBE_TARGET`] at the estimated bandwidth (four times
-/// larger after one too quick to count, so a link that became much faster is still seen),
-/// at most [`PROBE_DUTY`] of the time. Runs until aborted.
-pub async fn probe_while_on_edge(auto: Arc<Mutex<AutoSplit>>, session: ServerSession) {
-    let mut client = session.client;
-    let largest = (session.server.limits.max_message_bytes.saturating_sub(4096) as usize).max(1);
-    let mut pause = PROBE_EVERY;
-    let mut bytes = auto.lock().expect("auto split").probe_bytes();
-    loop {
-        tokio::time::sleep(pause).await;
-        let on_edge = {
-            let a = auto.lock().expect("auto split");
-            a.cut.load(Ordering::Relaxed) == a.last_cut
-        };
-        if !on_edge {
-            pause = PROBE_EVERY;
-            continue;
-        }
-        let size = bytes.min(largest);
-        let started = Instant::now();
-        let probe = cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: 0 };
-        let answer = client.echo(probe).instrument(tracing::debug_span!("bandwidth_probe", bytes = size)).await;
-        let elapsed = started.elapsed();
-        pause = PROBE_EVERY.max(elapsed.div_f64(PROBE_DUTY));
-        let mut a = auto.lock().expect("auto split");
-        a.probes.count += 1;
-        a.probes.bytes += size as u64;
-        a.probes.seconds += elapsed.as_secs_f64();
-        match answer {
-            Ok(_) => {
-                bytes = if a.observe_probe(size as u64, elapsed.as_secs_f64() * 1e3) { a.probe_bytes() } else { (size * 4).min(*PROBE_BYTES.end()) };
-            }
-            Err(status) => tracing::warn!(%status, "bandwidth probe failed"),
+/// The planner's task, and what the run talks to it through.
+pub struct AutoSplitTask {
+    observations: mpsc::Sender<(u64, RequestMetrics)>,
+    dropped: u64,
+    task: JoinHandle<AutoSplit>,
+}
+
+impl AutoSplitTask {
+    /// Starts the task that owns `auto`, probing through `session` while the split sits at the
+    /// last cut.
+    pub fn spawn(auto: AutoSplit, session: ServerSession) -> Self {
+        let (observations, received) = mpsc::channel(OBSERVATIONS_QUEUED);
+        let task = tokio::spawn(plan_while_running(auto, session, received));
+        Self { observations, dropped: 0, task }
+    }
+
+    /// Hands one answered request's measurements to the planner.
+    pub fn observe(&mut self, request_id: u64, metrics: &RequestMetrics) {
+        if self.observations.try_send((request_id, metrics.clone())).is_err() {
+            self.dropped += 1;
         }
     }
+
+    /// Stops the task (a probe under way is abandoned) and gives the planner back, with what
+    /// it did.
+    pub async fn finish(self) -> Result<AutoSplit, tokio::task::JoinError> {
+        drop(self.observations);
+        if self.dropped > 0 {
+            tracing::warn!(dropped = self.dropped, "split: auto fell behind: some answers were not counted in the bandwidth estimate");
+        }
+        self.task.await
+    }
+}
+
+/// A probe under way: its size, how long it took, and whether it was answered.
+type Probe = Pin<Box<dyn Future<Output = (usize, Duration, bool)> + Send>>;
+
+/// The planner's task: it feeds each answer's measurements to the estimate and, while the
+/// split sits at the last cut, uploads a probe through `Echo` now and then: sized to take
+/// [`PROBE_TARGET`] at the estimated bandwidth (four times larger after one too quick to
+/// count, so a link that became much faster is still seen), at most [`PROBE_DUTY`] of the
+/// time. Ends, giving the planner back, when the run drops its sender.
+async fn plan_while_running(mut auto: AutoSplit, session: ServerSession, mut observations: mpsc::Receiver<(u64, RequestMetrics)>) -> AutoSplit {
+    let largest = (session.server.limits.max_message_bytes.saturating_sub(4096) as usize).max(1);
+    let mut bytes = auto.probe_bytes();
+    let mut next_probe = Instant::now() + PROBE_EVERY;
+    let mut probe: Option<Probe> = None;
+    loop {
+        tokio::select! {
+            observed = observations.recv() => match observed {
+                Some((request_id, metrics)) => auto.observe(request_id, &metrics),
+                None => return auto,
+            },
+            (size, elapsed, answered) = async { probe.as_mut().expect("a probe is under way").await }, if probe.is_some() => {
+                probe = None;
+                next_probe = Instant::now() + PROBE_EVERY.max(elapsed.div_f64(PROBE_DUTY));
+                bytes = auto.probed(size, elapsed, answered).unwrap_or(bytes);
+            }
+            () = tokio::time::sleep_until(next_probe), if probe.is_none() => {
+                next_probe = Instant::now() + PROBE_EVERY;
+                if auto.on_edge() {
+                    probe = Some(Box::pin(upload(session.client.clone(), bytes.min(largest))));
+                }
+            }
+        }
+    }
+}
+
+/// Uploads `size` bytes through `Echo` (an empty reply): how long it took, and whether it was
+/// answered.
+async fn upload(mut client: cleave_client::Client, size: usize) -> (usize, Duration, bool) {
+    let started = Instant::now();
+    let probe = cleave_common::pb::EchoRequest { payload: bytes::Bytes::from(vec![0u8; size]), reply_bytes: 0 };
+    let answer = client.echo(probe).instrument(tracing::debug_span!("bandwidth_probe", bytes = size)).await;
+    if let Err(status) = &answer {
+        tracing::warn!(%status, "bandwidth probe failed");
+    }
+    (size, started.elapsed(), answer.is_ok())
 }
 
 #[cfg(test)]
@@ -189,7 +264,7 @@ mod tests {
     #[test]
     fn slow_transfers_move_the_split_and_each_move_is_recorded() {
         let (mut auto, planned) = AutoSplit::plan(profiles(), ProfilingTime::default(), Objective::Latency).unwrap();
-        assert_eq!((planned.cut, auto.cut().load(Ordering::Relaxed)), (0, 0));
+        assert_eq!((planned.cut, *auto.cut().borrow()), (0, 0));
         // The predicted latency at cut 0: 0.48 ms up, 1 ms round trip, 8 ms server, 0.0032 ms down.
         assert!((planned.predicted_ms - (0.48 + 1.0 + 8.0 + 0.0032)).abs() < 1e-9, "{planned:?}");
         // The link drops to about 2 Mbit/s: 604 kB in 2.4 s. A few requests move the estimate
@@ -197,7 +272,7 @@ mod tests {
         for id in 0..6 {
             auto.observe(id, &request(0, 600_000, 2417.0));
         }
-        assert_eq!(auto.cut().load(Ordering::Relaxed), 4);
+        assert_eq!(*auto.cut().borrow(), 4);
         let moves = auto.moves().to_vec();
         assert!(!moves.is_empty());
         assert_eq!((moves[0].from, moves.last().unwrap().to), (0, 4));
@@ -214,7 +289,7 @@ mod tests {
         for _ in 0..10 {
             auto.observe_probe(256 << 10, 1.0 + 2.1);
         }
-        assert_eq!(auto.cut().load(Ordering::Relaxed), 0);
+        assert_eq!(*auto.cut().borrow(), 0);
         // At about 1 Gbit/s, 200 ms is more than the 4 MiB ceiling.
         assert_eq!(auto.probe_bytes(), 4 << 20);
     }
