@@ -60,6 +60,12 @@ pub enum LinkError {
     /// on a new one).
     #[error("the link to the server broke: {0}")]
     Lost(LinkLost),
+    /// An `Infer` stream is of no more use.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// A list of servers to connect to the first of was empty.
+    #[error("no server to connect to: the list of servers is empty")]
+    NoServer,
 }
 
 impl LinkError {
@@ -73,9 +79,9 @@ impl LinkError {
     pub fn is_lasting(&self) -> bool {
         use tonic::Code::{InvalidArgument, PermissionDenied, Unauthenticated, Unimplemented};
         match self {
-            Self::Unreachable { .. } | Self::Refused(_) | Self::TokenNotAHeaderValue => true,
+            Self::Unreachable { .. } | Self::Refused(_) | Self::TokenNotAHeaderValue | Self::NoServer => true,
             Self::Rpc { code, .. } => matches!(code, Unauthenticated | PermissionDenied | Unimplemented | InvalidArgument),
-            Self::Connect { .. } | Self::Breach(_) | Self::Seal(_) | Self::Wire(_) | Self::Lost(_) => false,
+            Self::Connect { .. } | Self::Breach(_) | Self::Seal(_) | Self::Wire(_) | Self::Lost(_) | Self::Stream(_) => false,
         }
     }
 }
@@ -155,10 +161,10 @@ pub enum StreamError {
     Draining(String),
 }
 
-/// Why the server cannot serve this host as configured, or what it refused.
+/// Why the server cannot serve the caller as configured, or what it refused.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
-    /// The server's `Info` describes a server this host cannot work with.
+    /// The server's `Info` describes a server the caller cannot work with.
     #[error("{url}: {error}")]
     Info {
         /// The server's URL.
@@ -166,7 +172,7 @@ pub enum Refusal {
         /// What does not fit.
         error: ProtocolError,
     },
-    /// The server serves no bundle with this host's id.
+    /// The server serves no bundle with the caller's id.
     #[error(transparent)]
     Bundle(#[from] BundleMismatch),
     /// A codec the server does not accept.
@@ -192,7 +198,7 @@ pub enum Refusal {
     /// A key id the server does not hold.
     #[error("the server holds key ids {held:?}, not {id}: it could not open this host's payloads")]
     KeyNotHeld {
-        /// This host's key id.
+        /// The caller's key id.
         id: u32,
         /// The server's.
         held: Vec<u32>,
@@ -209,13 +215,13 @@ pub enum Refusal {
     },
 }
 
-/// The server serves no bundle with this host's id: the ids on each side (whole: they are
+/// The server serves no bundle with the caller's id: the ids on each side (whole: they are
 /// what is matched) and, for each served model of the same source, what differs between the
 /// two exports.
 #[derive(Debug, thiserror::Error)]
 #[error("bundle mismatch: this host has {bundle_id} ({source_name}), the server at {url} serves {}{}", served.join(", "), self.other_exports())]
 pub struct BundleMismatch {
-    /// This host's bundle id.
+    /// The caller's bundle id.
     pub bundle_id: String,
     /// Its model's source (`torchvision:resnet18`).
     pub source_name: String,
@@ -242,12 +248,12 @@ pub enum Breach {
     /// A training step whose loss the server computes came back without it.
     #[error("the server sent no loss")]
     NoLoss,
-    /// The server checkpointed another step than this host.
+    /// The server checkpointed another step than the caller.
     #[error("the server checkpointed step {server}, this host step {host}")]
     CheckpointStep {
         /// The server's step.
         server: u64,
-        /// This host's.
+        /// The caller's.
         host: u64,
     },
     /// The first reply of a training stream is not the session's opening.
@@ -267,7 +273,7 @@ pub enum Breach {
     /// A checkpoint request answered without a checkpoint.
     #[error("the server answered a checkpoint request without saving")]
     NotSaved,
-    /// An answer asked for with no call in flight (a bug of this host, not the server's).
+    /// An answer asked for with no call in flight (a bug of the caller, not the server's).
     #[error("an answer was awaited with no training call in flight")]
     NothingInFlight,
     /// A gradient-norm call answered without the step being taken.
@@ -282,12 +288,12 @@ pub enum Breach {
         /// The weight.
         name: String,
     },
-    /// The server took another step than this host.
+    /// The server took another step than the caller.
     #[error("the server took step {server}, this host step {host}")]
     StepApart {
         /// The server's step.
         server: u64,
-        /// This host's.
+        /// The caller's.
         host: u64,
     },
     /// A boundary at another cut than the call expects.
@@ -308,14 +314,14 @@ pub enum Breach {
     },
 }
 
-/// How a stream to the server broke.
+/// How a training stream to the server broke.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LinkLost {
     /// The stream ended.
-    #[error("the server closed the stream")]
+    #[error("the server closed the training stream")]
     Closed,
     /// The stream failed with a gRPC status.
-    #[error("the stream failed: {code:?}: {message}")]
+    #[error("training stream failed: {code:?}: {message}")]
     Failed {
         /// The status code.
         code: tonic::Code,

@@ -34,7 +34,7 @@ pub struct GenerateLink {
 }
 
 /// A step's answer.
-pub struct Answered {
+pub struct GenerateAnswer {
     /// Hidden states or logits, of the shape asked for.
     pub output: Tensor,
     /// For a step of a `top_k`: the token id of each logit of `output`, in its order.
@@ -90,7 +90,7 @@ impl GenerateLink {
     /// Sends `step` (its request id set here) and waits for its output, which must be of
     /// `shape` and `dtype` (with a `top_k`, the logits of each token's candidates, with their
     /// ids below `vocab_size`), and the times the server gives with it.
-    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType, vocab_size: i64) -> Result<Answered> {
+    pub async fn step(&mut self, mut step: pb::GenerateStep, shape: &[i64], dtype: DType, vocab_size: i64) -> Result<GenerateAnswer> {
         let id = self.next_id;
         self.next_id += 1;
         step.request_id = id;
@@ -127,7 +127,7 @@ impl GenerateLink {
         }
         let token_ids = if top_k > 0 { Some(token_ids(&reply.token_ids, shape, vocab_size).map_err(mismatch)?) } else { None };
         let output = Tensor::f_from_data_size(&reply.output, shape, dtype.kind()).map_err(|e| mismatch(e.to_string()))?;
-        Ok(Answered { output, token_ids, server_times: reply.timings.map(ServerTimes::from).unwrap_or_default() })
+        Ok(GenerateAnswer { output, token_ids, server_times: reply.timings.map(ServerTimes::from).unwrap_or_default() })
     }
 }
 

@@ -8,16 +8,53 @@ use std::time::{Duration, Instant};
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::protocol::HOST_SESSION_METADATA;
 use cleave_common::wire::{
-    payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError,
+    payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError,
 };
 use cleave_common::Boundary;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use crate::error::{ConnectFailure, LinkError, LinkLost, StreamError};
+use crate::error::{ConnectFailure, LinkError, StreamError};
 use crate::session::ServerSession;
 use crate::times::ServerTimes;
+
+/// What every `Infer` stream of a run opens with.
+#[derive(Debug, Clone)]
+pub struct InferSetup {
+    /// Every codec requests may travel with: each server must accept each.
+    pub codecs: Vec<Codec>,
+    /// The key id requests are sealed with (their results must then come back sealed).
+    pub key_id: Option<u32>,
+    /// The keys results are opened with.
+    pub ring: KeyRing,
+    /// The caller's session id (hex), on every stream: the server answers a request it already
+    /// computed for this session from its window of recent results.
+    pub host_session: String,
+    /// How long a stream may take to open.
+    pub open_timeout: Duration,
+}
+
+impl InferSetup {
+    /// A run's setup under a fresh random session id.
+    pub fn new(codecs: Vec<Codec>, key: Option<(u32, Key)>, open_timeout: Duration) -> Self {
+        let key_id = key.as_ref().map(|(id, _)| *id);
+        let ring = KeyRing::new(key).expect("one key");
+        Self { codecs, key_id, ring, host_session: format!("{:032x}", rand::random::<u128>()), open_timeout }
+    }
+
+    /// Checks that `session`'s server accepts every codec and the key (see
+    /// [`ServerSession::check_accepts`]).
+    pub fn check(&self, session: &ServerSession) -> Result<(), LinkError> {
+        self.codecs.iter().try_for_each(|codec| session.check_accepts(codec, self.key_id))
+    }
+
+    /// Checks that `session`'s server accepts every codec and the key, then opens a stream on it.
+    pub async fn open(&self, session: &ServerSession) -> Result<InferStream, LinkError> {
+        self.check(session)?;
+        InferStream::open(session, &self.host_session, &self.ring, self.key_id.is_some(), self.open_timeout).await
+    }
+}
 
 /// A live `Infer` stream.
 pub struct InferStream {
@@ -30,7 +67,7 @@ pub struct InferStream {
 
 /// A whole answer from the server.
 #[derive(Debug)]
-pub struct Answer {
+pub struct InferAnswer {
     /// The request's id.
     pub id: u64,
     /// The boundary at the last cut, or why there is none.
@@ -65,7 +102,7 @@ impl InferStream {
     /// Opens the stream on a connected session, within `timeout`. Requests carry the caller's
     /// session id (`host_session`, hex), so that the server answers one it already computed
     /// from its window. Results are opened with `ring`, and must come back sealed when `sealed`.
-    pub async fn open(session: &ServerSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self, LinkError> {
+    async fn open(session: &ServerSession, host_session: &str, ring: &KeyRing, sealed: bool, timeout: Duration) -> Result<Self, LinkError> {
         let (frames, rx) = mpsc::unbounded_channel();
         let mut request = session.model_request(UnboundedReceiverStream::new(rx));
         request.metadata_mut().insert(HOST_SESSION_METADATA, host_session.parse().expect("a hex session id is a valid header value"));
@@ -99,7 +136,7 @@ impl InferStream {
     /// Encodes `boundary` as request `id` at cut `split` with `codec` (sealed when `sender`
     /// seals: one sender for every request of a run, so that its nonces never repeat), frames it
     /// by the server's message limit and queues it. Returns its frames, to be resent as they are
-    /// on a new stream should this one break; `LinkLost::Closed` when the stream is gone.
+    /// on a new stream should this one break; [`StreamError::Ended`] when the stream is gone.
     pub fn send_boundary(
         &self,
         sender: &mut PayloadSender,
@@ -113,14 +150,14 @@ impl InferStream {
         let frames: Vec<InferFrame> = payload_frames(id, encoded.envelope, &encoded.data, self.chunk_bytes);
         match self.send(&frames, None) {
             true => Ok(frames),
-            false => Err(LinkError::Lost(LinkLost::Closed)),
+            false => Err(StreamError::Ended.into()),
         }
     }
 
     /// The next whole answer; an error when the stream ended, failed or broke the framing
     /// (the connection is then of no more use). Cancel-safe: frames of an answer part-way in
     /// stay in the assembler.
-    pub async fn next_answer(&mut self) -> Result<Answer, StreamError> {
+    pub async fn next_answer(&mut self) -> Result<InferAnswer, StreamError> {
         loop {
             let frame = match self.inbound.next().await {
                 None => return Err(StreamError::Ended),
@@ -143,12 +180,12 @@ struct ResultAssembler {
 impl ResultAssembler {
     /// Takes one result frame; returns the answer once its last frame is in. A result that
     /// cannot be reassembled is an error: the server broke the framing.
-    fn push(&mut self, frame: pb::ResultFrame) -> Result<Option<Answer>, StreamError> {
+    fn push(&mut self, frame: pb::ResultFrame) -> Result<Option<InferAnswer>, StreamError> {
         let id = frame.request_id;
         if let Some(err) = &frame.error {
             self.frames.abandon();
             let output = Err(AnswerError::Refused { code: tonic::Code::from(err.code), message: err.message.clone() });
-            return Ok(Some(Answer { id, output, decode_ms: 0.0, copied_bytes: 0, server: None, from: None }));
+            return Ok(Some(InferAnswer { id, output, decode_ms: 0.0, copied_bytes: 0, server: None, from: None }));
         }
         let receiver = &self.receiver;
         let assembly = match self.frames.push(&frame, |f| receiver.start(f.request_id, &f.header).map(|a| (a, ()))) {
@@ -161,6 +198,6 @@ impl ResultAssembler {
         let copied_bytes = received.as_ref().map_or(0, |r| r.copied_bytes);
         let output = received.map(|r| r.boundary);
         let server = frame.timings.map(ServerTimes::from);
-        Ok(Some(Answer { id, output, decode_ms: t.elapsed().as_secs_f64() * 1e3, copied_bytes, server, from: None }))
+        Ok(Some(InferAnswer { id, output, decode_ms: t.elapsed().as_secs_f64() * 1e3, copied_bytes, server, from: None }))
     }
 }

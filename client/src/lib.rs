@@ -5,8 +5,9 @@
 //! - [`connect`] (once), [`connect_retrying`] (with backoff), [`connect_first`] (the first of
 //!   several that answers): a [`ServerSession`] with a server that serves the caller's bundle,
 //!   after its `Info` passed the protocol version and bundle checks.
-//! - [`InferStream`]: an `Infer` stream on a session: send a request's frames, receive each
-//!   [`Answer`] reassembled and decoded into a boundary (or the server's error for it).
+//! - [`InferSetup`] opens an [`InferStream`] on a session: send a boundary as tensors
+//!   ([`InferStream::send_boundary`]) or a request's frames as encoded, receive each
+//!   [`InferAnswer`] reassembled and decoded into a boundary (or the server's error for it).
 //! - [`GenerateLink`]: a `Generate` session on a server: one step at a time, each answered
 //!   with the output tensor asked for (sealed whole with the link's key when it has one).
 //! - [`TrainLink`]: a training session on a server, as blocking calls from a training
@@ -28,9 +29,9 @@ pub mod times;
 pub mod train;
 
 pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, LinkLost, Refusal, StreamError};
-pub use generate::{Answered, GenerateLink};
-pub use infer::{Answer, AnswerError, InferStream};
+pub use generate::{GenerateAnswer, GenerateLink};
+pub use infer::{AnswerError, InferAnswer, InferSetup, InferStream};
 pub use link::{Backoff, Link, RetryPolicy};
 pub use session::{check_server_accepts, connect, connect_first, connect_retrying, CallHeaders, Client, ServerSession};
 pub use times::ServerTimes;
-pub use train::{SessionRequest, TrainAnswer, TrainLink};
+pub use train::{SessionRequest, TrainAnswer, TrainLink, TrainReconnect};

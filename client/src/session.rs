@@ -206,7 +206,8 @@ pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &R
 /// (at once when every server refused for a reason that stays).
 pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
     let [_, _, ..] = servers else {
-        return connect_retrying(&servers[0], bundle, link, retry).await;
+        let url = servers.first().ok_or(LinkError::NoServer)?;
+        return connect_retrying(url, bundle, link, retry).await;
     };
     let mut backoff = retry.backoff();
     let passes = retry.max_attempts.max(1);

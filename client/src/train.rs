@@ -59,7 +59,7 @@ impl AnswerReceivers {
 
 /// What reaching the server again takes besides the session's URL and link (which its
 /// `ServerSession` keeps).
-pub struct Reconnect {
+pub struct TrainReconnect {
     /// The bundle the session trains (checked again on the new connection).
     pub bundle: Bundle,
     /// How often and how patiently to connect again.
@@ -73,7 +73,7 @@ pub struct TrainLink {
     session: ServerSession,
     frames: mpsc::Sender<TrainFrame>,
     replies: Streaming<TrainReply>,
-    reconnect: Reconnect,
+    reconnect: TrainReconnect,
     /// What continues the session on a new stream.
     reattach: pb::Reattach,
     codec: Codec,
@@ -127,7 +127,7 @@ async fn open_stream(
 impl TrainLink {
     /// Opens a reattachable session on a connected client (from async code); the server
     /// loads its stages before it answers.
-    pub async fn open(mut session: ServerSession, request: SessionRequest, reconnect: Reconnect) -> Result<(Self, pb::SessionOpened)> {
+    pub async fn open(mut session: ServerSession, request: SessionRequest, reconnect: TrainReconnect) -> Result<(Self, pb::SessionOpened)> {
         let (start, end) = (request.open.start, request.open.end);
         let server_has_loss = end as usize == session.model.stage_count;
         let open = pb::OpenSession { reattachable: true, ..request.open };

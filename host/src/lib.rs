@@ -6,7 +6,7 @@
 //!   inference run and a training run alike.
 //! - The link to a server (connect, token, `Info`, protocol and bundle checks, retries) is the
 //!   `cleave-client` crate's: runs, plans, `host load`, training and generation all use it.
-//! - [`client`]: the streaming client (prefix thread, in-flight window, result reassembly).
+//! - [`client`]: the streaming client (prefix thread, in-flight window, one outcome per request).
 //! - [`planner`]: the split planner's model: from profiles, every cut's predicted latency
 //!   and throughput, the best cut for an [`planner::Objective`], the re-planner; what each
 //!   codec costs at a cut. It talks to no server and uses no other module.
@@ -59,7 +59,6 @@ pub mod records;
 pub mod report;
 pub mod run;
 pub mod run_options;
-
 pub mod training;
 pub mod verify;
 

@@ -373,14 +373,14 @@ fn host_with_another_bundle_is_refused_naming_both() {
     });
 }
 
-/// A program that embeds `cleave-client` (no host run): it connects, opens an `Infer` stream,
-/// sends boundaries it computed as tensors, raw and lz4-compressed, and receives each result
-/// bit for bit the suffix run locally; a request at a cut the bundle lacks gets the server's
-/// error for that request alone, and the stream goes on serving.
+/// A program that embeds `cleave-client` (no host run; the host crate only makes the inputs
+/// and starts the server): it connects, opens an `Infer` stream, sends boundaries it computed
+/// as tensors, raw and lz4-compressed, and receives each result bit for bit the suffix run
+/// locally; a request at a cut the bundle lacks gets the server's error for that request
+/// alone, and the stream goes on serving.
 #[test]
 fn the_client_library_sends_boundaries_as_tensors_and_receives_exact_results() {
-    use cleave_client::{AnswerError, InferStream};
-    use cleave_common::wire::KeyRing;
+    use cleave_client::{AnswerError, InferSetup};
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let whole = LoadedStages::load(&bundle, StageRange::all(&bundle), DeviceSpec::Cpu).unwrap();
     let split = 2;
@@ -388,13 +388,13 @@ fn the_client_library_sends_boundaries_as_tensors_and_receives_exact_results() {
     runtime().block_on(async {
         let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
         let session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
-        let ring = KeyRing::new(None).unwrap();
-        let mut stream = InferStream::open(&session, &format!("{:032x}", 7u128), &ring, false, Duration::from_secs(5)).await.unwrap();
+        let codecs = ["raw", "lz4"].map(|c| c.parse::<Codec>().unwrap());
+        let mut stream = InferSetup::new(codecs.to_vec(), None, Duration::from_secs(5)).open(&session).await.unwrap();
         let mut sender = PayloadSender::plain();
         let inputs = Inputs::new(&InputSource::Synthetic { seed: 5 }, &bundle, 4).unwrap();
-        for (id, codec) in [(0u64, "raw"), (1, "lz4")] {
+        for (id, codec) in [(0u64, codecs[0]), (1, codecs[1])] {
             let boundary = whole.run(prefix, &inputs.batch(id)).unwrap();
-            stream.send_boundary(&mut sender, id, split as u32, &codec.parse::<Codec>().unwrap(), &boundary).unwrap();
+            stream.send_boundary(&mut sender, id, split as u32, &codec, &boundary).unwrap();
             let answer = stream.next_answer().await.unwrap();
             assert_eq!(answer.id, id);
             let want = whole.run(StageRange::suffix(&bundle, split), &boundary).unwrap();
@@ -404,6 +404,7 @@ fn the_client_library_sends_boundaries_as_tensors_and_receives_exact_results() {
         let beyond = bundle.stage_count() as u32 + 5;
         stream.send_boundary(&mut sender, 2, beyond, &Codec::RAW, &boundary).unwrap();
         let answer = stream.next_answer().await.unwrap();
+        assert_eq!(answer.id, 2);
         match answer.output {
             Err(AnswerError::Refused { code, message }) => {
                 assert!(code == tonic::Code::InvalidArgument && message.contains(&beyond.to_string()), "{code:?}: {message}")

@@ -101,10 +101,7 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
         Arc::new(LinkSetup {
             bundle: self.bundle.clone(),
             link: session.link.clone(),
-            codecs: self.codecs.clone(),
-            key_id: self.key_id,
-            ring: self.ring.clone(),
-            host_session: self.host_session.clone(),
+            stream: self.setup.clone(),
             resilience: self.resilience,
             in_flight: self.in_flight,
         })

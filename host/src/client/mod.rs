@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cleave_client::{connect, Answer, AnswerError, ConnectFailure, InferStream, LinkError, ServerSession, StreamError};
-use cleave_common::wire::{Codec, KeyRing, PayloadSender};
+use cleave_client::{connect, AnswerError, ConnectFailure, InferAnswer, InferSetup, InferStream, LinkError, ServerSession, StreamError};
+use cleave_common::wire::PayloadSender;
 use cleave_common::{Boundary, Bundle};
 use tokio::sync::mpsc;
 
@@ -76,11 +76,8 @@ async fn stream_to(
     plan: StreamPlan,
     on_outcome: impl FnMut(RequestOutcome),
 ) -> Result<StreamCounts> {
-    let key_id = plan.key.as_ref().map(|(id, _)| *id);
-    let codecs = plan.codec.all();
-    for codec in &codecs {
-        session.check_accepts(codec, key_id)?;
-    }
+    let setup = InferSetup::new(plan.codec.all(), plan.key.clone(), plan.resilience.connect_timeout);
+    setup.check(session)?;
     if plan.in_flight == 0 {
         return Err(HostError::NoRequestCanBeSent { why: "in_flight must be at least 1" });
     }
@@ -88,11 +85,10 @@ async fn stream_to(
     if plan.ids.windows(2).any(|w| w[0] >= w[1]) {
         return Err(HostError::NoRequestCanBeSent { why: "request ids must be strictly increasing" });
     }
-    let ring = KeyRing::new(plan.key.clone()).expect("one key");
     // One sender for the whole run: a request resent on a new connection goes as it was
     // sealed, and new ones continue its nonce counter.
-    let sender = match key_id {
-        Some(id) => PayloadSender::sealed(&ring, id)?,
+    let sender = match setup.key_id {
+        Some(id) => PayloadSender::sealed(&setup.ring, id)?,
         None => PayloadSender::plain(),
     };
     let (asks, asks_rx) = std::sync::mpsc::channel();
@@ -106,10 +102,7 @@ async fn stream_to(
         in_flight: plan.in_flight,
         resilience: plan.resilience,
         bundle: plan.bundle.clone(),
-        codecs,
-        key_id,
-        ring,
-        host_session: format!("{:032x}", rand::random::<u128>()),
+        setup,
         unanswered: BTreeMap::new(),
         at_edge: HashSet::new(),
         outcomes: HashSet::new(),
@@ -196,12 +189,9 @@ struct Run<F> {
     in_flight: usize,
     resilience: Resilience,
     bundle: Bundle,
-    /// Every codec requests may travel with: a new connection's server must accept each.
-    codecs: Vec<Codec>,
-    key_id: Option<u32>,
-    ring: KeyRing,
-    /// Random per run: the server's window of recent results is keyed by it.
-    host_session: String,
+    /// What each stream opens with (a new connection's server must accept every codec); its
+    /// session id is random per run.
+    setup: InferSetup,
     /// By id: resent in order, so that sealed payloads keep increasing nonces on a stream.
     unanswered: BTreeMap<u64, Unanswered>,
     /// Handed to the prefix thread to finish on the edge.
@@ -301,7 +291,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     }
 
     /// An answer on the connection, or its end; true when the run gives up.
-    fn on_answer(&mut self, answer: std::result::Result<Answer, StreamError>, link: &mut Link, session: &ServerSession) -> bool {
+    fn on_answer(&mut self, answer: std::result::Result<InferAnswer, StreamError>, link: &mut Link, session: &ServerSession) -> bool {
         match answer.and_then(|a| self.answered(a)) {
             Ok(()) => {
                 link.progress = Instant::now();
@@ -352,17 +342,13 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
     /// same server, which must serve the same bundle and accept the same payloads.
     fn connect(&self, first: Option<ServerSession>, last: &ServerSession) -> Connecting {
         let (url, link, bundle) = (last.url.clone(), last.link.clone(), self.bundle.clone());
-        let (codecs, key_id, ring, host_session) = (self.codecs.clone(), self.key_id, self.ring.clone(), self.host_session.clone());
-        let timeout = self.resilience.connect_timeout;
+        let setup = self.setup.clone();
         Box::pin(async move {
             let session = match first {
                 Some(s) => s,
                 None => connect(&url, &bundle, &link).await?,
             };
-            for codec in &codecs {
-                session.check_accepts(codec, key_id)?;
-            }
-            let conn = InferStream::open(&session, &host_session, &ring, key_id.is_some(), timeout).await?;
+            let conn = setup.open(&session).await?;
             Ok((session, conn))
         })
     }
@@ -408,7 +394,7 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
 
     /// Takes a whole answer; an error when the connection is of no more use (it answered
     /// UNAVAILABLE: the server is draining; or an id it was never sent).
-    fn answered(&mut self, a: Answer) -> Result<(), StreamError> {
+    fn answered(&mut self, a: InferAnswer) -> Result<(), StreamError> {
         let Some(u) = self.unanswered.remove(&a.id) else {
             if self.outcomes.contains(&a.id) || self.at_edge.contains(&a.id) {
                 self.counts.duplicates_dropped += 1;
@@ -559,7 +545,7 @@ fn count_attempt(counts: &mut StreamCounts, u: &mut Unanswered) -> Option<String
 }
 
 /// The next answer on the connection, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<InferStream>) -> Result<Answer, StreamError> {
+async fn next_answer(conn: &mut Option<InferStream>) -> Result<InferAnswer, StreamError> {
     match conn {
         Some(c) => c.next_answer().await,
         None => std::future::pending().await,

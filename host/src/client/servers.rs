@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use cleave_client::{connect, Answer, AnswerError, InferStream, Link, ServerSession, StreamError};
+use cleave_client::{connect, AnswerError, InferAnswer, InferSetup, InferStream, Link, ServerSession, StreamError};
 use cleave_common::pb::InferFrame;
-use cleave_common::wire::{Codec, KeyRing};
+
 use cleave_common::Bundle;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::StreamExt;
@@ -33,11 +33,8 @@ use crate::error::Result;
 pub(super) struct LinkSetup {
     pub(super) bundle: Bundle,
     pub(super) link: Link,
-    /// Every codec requests may travel with: each server must accept each.
-    pub(super) codecs: Vec<Codec>,
-    pub(super) key_id: Option<u32>,
-    pub(super) ring: KeyRing,
-    pub(super) host_session: String,
+    /// What its stream opens with: each server must accept every codec and the key.
+    pub(super) stream: InferSetup,
     pub(super) resilience: Resilience,
     /// Requests in flight at most, over every server: no link holds more jobs than that.
     pub(super) in_flight: usize,
@@ -53,7 +50,7 @@ pub(super) struct Dispatch {
 /// What became of a request given to a server.
 pub(super) enum Delivered {
     /// The server answered it (a result or an error).
-    Answer { server: Arc<str>, answer: Answer },
+    Answer { server: Arc<str>, answer: InferAnswer },
     /// Its stream was lost before it answered: send it elsewhere.
     Lost { server: Arc<str>, reason: String },
 }
@@ -77,7 +74,7 @@ type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::e
 /// How a server's task is doing, for the caller to tell when no server can be reached.
 #[derive(Default)]
 pub(super) struct LinkHealth {
-    /// InferStream attempts in a row that failed (0 once one answers).
+    /// Connection attempts in a row that failed (0 once one answers).
     pub(super) failed_attempts: AtomicU32,
     /// Streams opened after the first.
     pub(super) reconnects: AtomicU32,
@@ -198,10 +195,7 @@ impl LinkTask {
             Some(session) => session,
             None => connect(&self.url, &s.bundle, &s.link).await?,
         };
-        for codec in &s.codecs {
-            session.check_accepts(codec, s.key_id)?;
-        }
-        let conn = InferStream::open(&session, &s.host_session, &s.ring, s.key_id.is_some(), s.resilience.connect_timeout).await?;
+        let conn = s.stream.open(&session).await?;
         Ok((session, conn))
     }
 
@@ -272,7 +266,7 @@ impl LinkTask {
                     sent_at.remove(&answer.id);
                     (answered, progress) = (true, Instant::now());
                     self.health.failed_attempts.store(0, Ordering::Relaxed);
-                    let answer = Answer { from: Some(Arc::clone(&self.url)), ..answer };
+                    let answer = InferAnswer { from: Some(Arc::clone(&self.url)), ..answer };
                     let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });
                 }
                 () = sleep_until(stalled_at) => return (Some(StreamError::Stalled(timeout)), answered),

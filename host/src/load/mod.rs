@@ -29,7 +29,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use cleave_client::{connect, Answer, AnswerError, InferStream, StreamError};
+use cleave_client::{connect, AnswerError, InferAnswer, InferSetup, InferStream, StreamError};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::pb::InferFrame;
 use cleave_common::protocol::ServedModel;
@@ -409,17 +409,14 @@ impl Edge {
     async fn open(slot: EdgeSlot, model: &Model, boundary: Boundary, opts: &LoadOptions) -> Result<(Self, ServedModel)> {
         let config = &model.config;
         let session = connect(&config.server, &model.bundle, &config.link()).await?;
-        let key_id = config.security.key.as_ref().map(|(id, _)| *id);
-        session.check_accepts(&config.codec, key_id)?;
-        let ring = config.security.ring();
-        let sender = match key_id {
-            Some(id) => PayloadSender::sealed(&ring, id)?,
-            None => PayloadSender::plain(),
-        };
         // A session id of its own: the server's window of recent results is keyed by it, and
         // edges number their requests alike.
-        let host_session = format!("{:032x}", rand::random::<u128>());
-        let conn = InferStream::open(&session, &host_session, &ring, key_id.is_some(), config.resilience.connect_timeout).await?;
+        let setup = InferSetup::new(vec![config.codec], config.security.key.clone(), config.resilience.connect_timeout);
+        let sender = match setup.key_id {
+            Some(id) => PayloadSender::sealed(&setup.ring, id)?,
+            None => PayloadSender::plain(),
+        };
+        let conn = setup.open(&session).await?;
         let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(LoadSetupError::Rate)?;
         let edge = Self {
             slot,
@@ -562,7 +559,7 @@ impl Edge {
 
     /// A whole answer, recorded against its request: false for an id this edge is not
     /// waiting for.
-    fn answered(&mut self, answer: Answer, at: Instant, in_flight: &mut HashMap<u64, Origin>) -> bool {
+    fn answered(&mut self, answer: InferAnswer, at: Instant, in_flight: &mut HashMap<u64, Origin>) -> bool {
         let Some(origin) = in_flight.remove(&answer.id) else {
             tracing::warn!(edge = self.slot.edge, request_id = answer.id, "an answer for a request not waiting: ignored");
             return false;
@@ -600,7 +597,7 @@ impl Edge {
 }
 
 /// The next answer on the stream, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<InferStream>) -> std::result::Result<Answer, StreamError> {
+async fn next_answer(conn: &mut Option<InferStream>) -> std::result::Result<InferAnswer, StreamError> {
     match conn {
         Some(c) => c.next_answer().await,
         None => std::future::pending().await,

@@ -43,7 +43,7 @@ use crate::plots::training::plot_training;
 use crate::progress::{Bar, Event, Progress, TrainingStart};
 use crate::records::EpochRecord;
 use crate::run_options::RunOptions;
-use cleave_client::train::{Reconnect, SessionRequest, TrainLink};
+use cleave_client::{SessionRequest, TrainLink, TrainReconnect};
 use data::Dataset;
 pub use report::{TrainingSummary, METRICS_CSV, SUMMARY_JSON, TRAINING_SVG};
 
@@ -329,7 +329,7 @@ async fn open_session(
         ..Default::default()
     };
     let request = SessionRequest { open, codec: config.codec, key: config.security.key.clone() };
-    let reconnect = Reconnect { bundle: bundle.clone(), retry: config.resilience.retry };
+    let reconnect = TrainReconnect { bundle: bundle.clone(), retry: config.resilience.retry };
     let (link, opened) = TrainLink::open(session, request, reconnect).await?;
     if opened.step != step {
         return Err(TrainingSetupError::ResumedApart { server: opened.step, host: step }.into());
