@@ -8,6 +8,9 @@
 //! - [`InferSetup`] opens an [`InferStream`] on a session: send a boundary as tensors
 //!   ([`InferStream::send_boundary`]) or a request's frames as encoded, receive each
 //!   [`InferAnswer`] reassembled and decoded into a boundary (or the server's error for it).
+//! - [`server_link::ServerLink`]: one server among several, as a tower service a balancer picks
+//!   between; the task behind it connects, reconnects with backoff, follows the model on the
+//!   server's health service, and hands back each answer, or the request to send elsewhere.
 //! - [`GenerateLink`]: a `Generate` session on a server: one step at a time, each answered
 //!   with the output tensor asked for (sealed whole with the link's key when it has one).
 //! - [`TrainLink`]: a training session on a server, as blocking calls from a training
@@ -24,6 +27,7 @@ pub mod error;
 pub mod generate;
 pub mod infer;
 pub mod link;
+pub mod server_link;
 pub mod session;
 pub mod times;
 pub mod train;

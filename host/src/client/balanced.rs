@@ -19,10 +19,10 @@ use tower::discover::Change;
 use tower::load::{CompleteOnResponse, PendingRequests};
 use tower::Service;
 
+use cleave_client::server_link::{Delivered, Dispatch, LinkHealth, LinkSetup, ServerLink};
 use cleave_client::ServerSession;
 
 use super::prefix::Produced;
-use super::servers::{Delivered, Dispatch, LinkHealth, LinkSetup, ServerLink};
 use super::{Run, StreamCounts, SAME_LASTING_ERRORS_TO_STOP};
 use crate::config::MAX_SERVERS;
 use crate::error::Result;
@@ -102,7 +102,8 @@ impl<F: FnMut(super::RequestOutcome)> Run<F> {
             bundle: self.bundle.clone(),
             link: session.link.clone(),
             stream: self.setup.clone(),
-            resilience: self.resilience,
+            retry: self.resilience.retry,
+            request_timeout: self.resilience.request_timeout,
             in_flight: self.in_flight,
         })
     }

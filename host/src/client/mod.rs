@@ -22,7 +22,6 @@ mod balanced;
 pub mod dns;
 mod prefix;
 mod request;
-mod servers;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};

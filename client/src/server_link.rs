@@ -1,5 +1,6 @@
-//! One server among several: [`ServerLink`], the tower service the balancer picks between,
-//! and the task behind it that owns the server's connection and `Infer` stream.
+//! One server among several: [`ServerLink`], a tower service a balancer picks between (the
+//! host's p2c over the requests each has outstanding), and the task behind it that owns the
+//! server's connection and `Infer` stream.
 //!
 //! The task connects (again after a break, with backoff), opens the stream, follows the
 //! model's status on the server's health service, sends what it is given and hands each
@@ -16,9 +17,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use cleave_client::{connect, AnswerError, InferAnswer, InferSetup, InferStream, Link, ServerSession, StreamError};
 use cleave_common::pb::InferFrame;
-
 use cleave_common::Bundle;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::StreamExt;
@@ -26,33 +25,58 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use crate::config::Resilience;
-use crate::error::Result;
+use crate::error::{LinkError, StreamError};
+use crate::infer::{AnswerError, InferAnswer, InferSetup, InferStream};
+use crate::link::{Link, RetryPolicy};
+use crate::session::{connect, ServerSession};
 
 /// What every server's task needs to connect and open its stream.
-pub(super) struct LinkSetup {
-    pub(super) bundle: Bundle,
-    pub(super) link: Link,
-    /// What its stream opens with: each server must accept every codec and the key.
-    pub(super) stream: InferSetup,
-    pub(super) resilience: Resilience,
+#[derive(Debug)]
+pub struct LinkSetup {
+    /// The bundle each server must serve.
+    pub bundle: Bundle,
+    /// How to reach each server.
+    pub link: Link,
+    /// What its stream opens with (each server must accept every codec and the key); its
+    /// `open_timeout` also bounds the wait for the server's health service.
+    pub stream: InferSetup,
+    /// Reconnecting after a break: backoff between attempts, and the attempts in a row after
+    /// which the server counts as unreachable.
+    pub retry: RetryPolicy,
+    /// A stream that leaves its oldest request unanswered this long is dropped as stalled.
+    pub request_timeout: Duration,
     /// Requests in flight at most, over every server: no link holds more jobs than that.
-    pub(super) in_flight: usize,
+    pub in_flight: usize,
 }
 
 /// A request to send: its frames as encoded (and sealed) once for every server.
-pub(super) struct Dispatch {
-    pub(super) id: u64,
-    pub(super) frames: Vec<InferFrame>,
-    pub(super) traceparent: Option<String>,
+#[derive(Debug)]
+pub struct Dispatch {
+    /// The request's id, the same on whichever server it goes to.
+    pub id: u64,
+    /// Its frames.
+    pub frames: Vec<InferFrame>,
+    /// Its trace context, put in its first frame.
+    pub traceparent: Option<String>,
 }
 
 /// What became of a request given to a server.
-pub(super) enum Delivered {
+#[derive(Debug)]
+pub enum Delivered {
     /// The server answered it (a result or an error).
-    Answer { server: Arc<str>, answer: InferAnswer },
+    Answer {
+        /// The server's URL.
+        server: Arc<str>,
+        /// Its answer.
+        answer: InferAnswer,
+    },
     /// Its stream was lost before it answered: send it elsewhere.
-    Lost { server: Arc<str>, reason: String },
+    Lost {
+        /// The server's URL.
+        server: Arc<str>,
+        /// Why its stream was lost.
+        reason: String,
+    },
 }
 
 struct Job {
@@ -61,7 +85,7 @@ struct Job {
 }
 
 /// A server, as the balancer sees it: ready while its stream is open and its model serving.
-pub(super) struct ServerLink {
+pub struct ServerLink {
     url: Arc<str>,
     jobs: mpsc::Sender<Job>,
     ready: watch::Receiver<bool>,
@@ -72,19 +96,19 @@ pub(super) struct ServerLink {
 type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::error::RecvError>> + Send>>;
 
 /// How a server's task is doing, for the caller to tell when no server can be reached.
-#[derive(Default)]
-pub(super) struct LinkHealth {
+#[derive(Debug, Default)]
+pub struct LinkHealth {
     /// Connection attempts in a row that failed (0 once one answers).
-    pub(super) failed_attempts: AtomicU32,
+    pub failed_attempts: AtomicU32,
     /// Streams opened after the first.
-    pub(super) reconnects: AtomicU32,
+    pub reconnects: AtomicU32,
     /// Whether the link takes requests now (its stream open, its model SERVING).
-    pub(super) ready: std::sync::atomic::AtomicBool,
+    pub ready: std::sync::atomic::AtomicBool,
 }
 
 impl ServerLink {
     /// Starts the task for `url` (on `first` when that is already its connection).
-    pub(super) fn spawn(url: &str, first: Option<ServerSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
+    pub fn spawn(url: &str, first: Option<ServerSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
         let (jobs, jobs_rx) = mpsc::channel(setup.in_flight);
         let (ready_tx, ready) = watch::channel(false);
         let health = Arc::new(LinkHealth::default());
@@ -141,7 +165,7 @@ type OnStream = BTreeMap<u64, oneshot::Sender<Delivered>>;
 
 impl LinkTask {
     async fn run(mut self, mut first: Option<ServerSession>) {
-        let mut backoff = self.setup.resilience.retry.backoff();
+        let mut backoff = self.setup.retry.backoff();
         let mut opened_before = false;
         loop {
             let opened = self.open(first.take()).await;
@@ -165,7 +189,7 @@ impl LinkTask {
                     if e.is_lasting() {
                         // Trying again cannot help (a refused token, another bundle): this
                         // server counts as unreachable at once, tried again only slowly.
-                        self.health.failed_attempts.store(self.setup.resilience.retry.max_attempts, Ordering::Relaxed);
+                        self.health.failed_attempts.store(self.setup.retry.max_attempts, Ordering::Relaxed);
                     }
                     false
                 }
@@ -176,11 +200,11 @@ impl LinkTask {
             }
             if answered {
                 self.health.failed_attempts.store(0, Ordering::Relaxed);
-                backoff = self.setup.resilience.retry.backoff();
+                backoff = self.setup.retry.backoff();
                 continue;
             }
             self.health.failed_attempts.fetch_add(1, Ordering::Relaxed);
-            let wait = backoff.next().unwrap_or(self.setup.resilience.retry.max_backoff);
+            let wait = backoff.next().unwrap_or(self.setup.retry.max_backoff);
             if !self.lose_jobs_for(wait).await {
                 return;
             }
@@ -189,7 +213,7 @@ impl LinkTask {
 
     /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
     /// stream.
-    async fn open(&self, first: Option<ServerSession>) -> Result<(ServerSession, InferStream)> {
+    async fn open(&self, first: Option<ServerSession>) -> Result<(ServerSession, InferStream), LinkError> {
         let s = &self.setup;
         let session = match first {
             Some(session) => session,
@@ -224,7 +248,7 @@ impl LinkTask {
     /// Sends and answers on an open stream until it is lost (the reason, and whether it
     /// answered anything) or the link is dropped (no reason).
     async fn serve(&mut self, session: &ServerSession, mut conn: InferStream, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
-        let timeout = self.setup.resilience.request_timeout;
+        let timeout = self.setup.request_timeout;
         // Ready only once the health service says SERVING (a server reached while it drains
         // is given nothing), or at once where it has none.
         let (mut statuses, first) = self.follow_health(session).await;
@@ -303,7 +327,7 @@ impl LinkTask {
             };
             Some((statuses, first))
         };
-        match tokio::time::timeout(self.setup.resilience.connect_timeout, watch).await {
+        match tokio::time::timeout(self.setup.stream.open_timeout, watch).await {
             Ok(Some((statuses, first))) => (Some(statuses), first),
             _ => {
                 tracing::debug!(server = %self.url, "no health service to follow");
