@@ -23,7 +23,7 @@ pub enum LogFormat {
 }
 
 /// The crates whose spans are exported (a request's spans are at debug level).
-const TRACED_CRATES: [&str; 3] = ["cleave_host", "cleave_server", "cleave_common"];
+const TRACED_CRATES: [&str; 4] = ["cleave_client", "cleave_host", "cleave_server", "cleave_common"];
 
 /// Starts logging to stdout in `format`, at `default_filter` unless `RUST_LOG` says otherwise,
 /// and exporting spans as `telemetry` says, as `service` unless it names one. Call once,
