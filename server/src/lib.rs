@@ -71,7 +71,9 @@ use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 pub use budget::MemoryBudget;
-pub use config::{Batching, DeviceFailurePolicy, GenerationOptions, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions};
+pub use config::{
+    Batching, DeviceFailurePolicy, GenerationOptions, ModelConfig, PeerLimits, Policy, SchedulerConfig, ServerConfig, TrainingOptions, WorkTarget,
+};
 pub use dev_secrets::{write_dev_secrets, DevSecrets, DevSecretsError};
 pub use error::ServerError;
 pub use health::LIVENESS;

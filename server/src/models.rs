@@ -132,5 +132,6 @@ fn load_on_device(bundle: &Bundle, config: &ModelConfig) -> Result<DeviceModel, 
         return Err(ServerError::WarmBatch { bundle: config.bundle.display().to_string(), batch, min, max });
     }
     let stages = LoadedStages::load(bundle, StageRange::all(bundle), config.device)?;
-    Ok(DeviceModel::new(stages, config.batching, config.slo, config.priority).warmed_at(&config.warm_batches))
+    let model = DeviceModel::new(stages, config.batching, config.slo, config.priority).keyed(config.generate_target(), config.train);
+    Ok(model.warmed_at(&config.warm_batches))
 }

@@ -20,13 +20,13 @@ use cleave_common::wire::{CodecPolicy, KeyRing, Precision};
 use crate::metrics::EndpointLimits;
 
 pub use generation::GenerationOptions;
-pub use models::{Batching, DeviceFailurePolicy, ModelConfig, Policy, SchedulerConfig};
+pub use models::{Batching, DeviceFailurePolicy, ModelConfig, Policy, SchedulerConfig, WorkTarget};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawServerConfig {
     listen: String,
-    /// One model: `bundle:` and, beside it, `device`, `batching`, `slo_ms`, `priority`, `warm_batches`.
+    /// One model: `bundle:` and, beside it, `device`, `batching`, `slo_ms`, `priority`, `warm_batches`, `kinds`.
     #[serde(default)]
     bundle: Option<PathBuf>,
     #[serde(default)]
@@ -39,6 +39,8 @@ struct RawServerConfig {
     priority: Option<f64>,
     #[serde(default)]
     warm_batches: Option<Vec<i64>>,
+    #[serde(default)]
+    kinds: Option<models::RawKinds>,
     /// Several models, each with those keys.
     #[serde(default)]
     models: Option<Vec<models::RawModel>>,
@@ -607,6 +609,7 @@ fn served_models(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<Vec
                 slo_ms: raw.slo_ms.take(),
                 priority: raw.priority.take(),
                 warm_batches: raw.warm_batches.take(),
+                kinds: raw.kinds.take(),
             };
             Ok(vec![ModelConfig::from_raw(file, "", model)?])
         }
@@ -617,6 +620,7 @@ fn served_models(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<Vec
                 ("slo_ms", raw.slo_ms.is_some()),
                 ("priority", raw.priority.is_some()),
                 ("warm_batches", raw.warm_batches.is_some()),
+                ("kinds", raw.kinds.is_some()),
             ];
             if let Some((key, _)) = stray.iter().find(|(_, set)| *set) {
                 return Err(file.invalid(key, "with `models:`, write it in each model's entry"));
@@ -893,10 +897,31 @@ mod tests {
             ("bundle: b\non_device_failure: reboot", "on_device_failure", "exit or restart"),
             ("bundle: b\ntelemetry: {sample_ratio: 1.5}", "telemetry.sample_ratio", "between 0 and 1"),
             ("bundle: b\ntelemetry: {otlp_endpoint: collector:4317}", "telemetry.otlp_endpoint", "http://localhost:4317"),
+            ("models: [{bundle: c}]\nkinds: {train: {slo_ms: 5}}", "kinds", "each model's entry"),
+            ("models: [{bundle: c, kinds: {train: {priority: 0}}}]", "models[0].kinds.train.priority", "positive"),
+            ("bundle: b\nkinds: {generate: {slo_ms: 0}}", "kinds.generate.slo_ms", "positive"),
         ] {
             let err = load_raw(yaml).unwrap_err();
             assert!(err.contains(&format!("`{key}`")) && err.contains(says), "{yaml}: {err}");
         }
         assert!(load_raw("models: [{bundle: c, batch: 3}]").unwrap_err().contains("unknown field `batch`"));
+        assert!(load_raw("bundle: b\nkinds: {infer: {slo_ms: 5}}").unwrap_err().contains("unknown field `infer`"));
+        assert!(load_raw("bundle: b\nkinds: {train: {deadline_ms: 5}}").unwrap_err().contains("unknown field `deadline_ms`"));
+    }
+
+    #[test]
+    fn each_kind_of_a_model_s_work_has_its_target_and_priority() {
+        let ms = |n| Some(Duration::from_millis(n));
+        let plain = load("listen: 127.0.0.1:1\ndevice: cpu\nslo_ms: 40\npriority: 2\n").unwrap();
+        let m = &plain.models[0];
+        // Generation steps are keyed as the model's requests; training calls have no target.
+        assert_eq!(m.generate_target(), WorkTarget { slo: ms(40), priority: 2.0 });
+        assert_eq!(m.train, WorkTarget { slo: None, priority: 1.0 });
+        let yaml = "listen: 127.0.0.1:1\ndevice: cpu\nslo_ms: 40\nkinds: {generate: {slo_ms: 200}, train: {slo_ms: 1000, priority: 0.5}}\n";
+        let kinds = load(yaml).unwrap();
+        let m = &kinds.models[0];
+        assert_eq!((m.slo, m.priority), (ms(40), 1.0));
+        assert_eq!(m.generate_target(), WorkTarget { slo: ms(200), priority: 1.0 });
+        assert_eq!(m.train, WorkTarget { slo: ms(1000), priority: 0.5 });
     }
 }

@@ -24,6 +24,28 @@ pub(super) struct RawModel {
     pub(super) priority: Option<f64>,
     #[serde(default)]
     pub(super) warm_batches: Option<Vec<i64>>,
+    #[serde(default)]
+    pub(super) kinds: Option<RawKinds>,
+}
+
+/// `kinds:` of a model: how its other kinds of work are keyed beside its inference requests.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKinds {
+    #[serde(default)]
+    generate: Option<RawTarget>,
+    #[serde(default)]
+    train: Option<RawTarget>,
+}
+
+/// A kind's `{slo_ms, priority}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTarget {
+    #[serde(default)]
+    slo_ms: Option<u64>,
+    #[serde(default)]
+    priority: Option<f64>,
 }
 
 /// `batching:` of a model.
@@ -71,6 +93,37 @@ impl Batching {
 /// The longest `batching.max_wait_ms`: a wait is a latency every request may pay.
 const MAX_WAIT_MS: u64 = 10_000;
 
+/// How one kind of a model's work is keyed by its device's policy: its latency target and the
+/// weight of its deadlines under `edf`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkTarget {
+    /// Its target; none: it yields to work that arrived after it for up to `scheduler.max_age`.
+    pub slo: Option<Duration>,
+    /// Weight of its deadlines under `edf` (higher: sooner); positive.
+    pub priority: f64,
+}
+
+impl Default for WorkTarget {
+    /// No target, priority 1.
+    fn default() -> Self {
+        Self { slo: None, priority: 1.0 }
+    }
+}
+
+impl WorkTarget {
+    /// Validates `slo_ms` and `priority` (the keys under `at`), `priority` 1 where absent.
+    fn from_raw(file: &ConfigFile<'_>, at: &dyn Fn(&str) -> String, slo_ms: Option<u64>, priority: Option<f64>) -> Result<Self, ConfigError> {
+        if slo_ms == Some(0) {
+            return Err(file.invalid(&at("slo_ms"), "must be positive (leave it out for no target)"));
+        }
+        let priority = priority.unwrap_or(1.0);
+        if !(priority.is_finite() && priority > 0.0) {
+            return Err(file.invalid(&at("priority"), "must be a positive number"));
+        }
+        Ok(Self { slo: slo_ms.map(Duration::from_millis), priority })
+    }
+}
+
 /// One model a server serves, validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -84,6 +137,11 @@ pub struct ModelConfig {
     pub slo: Option<Duration>,
     /// Weight of its deadlines under `edf` (higher: sooner); positive.
     pub priority: f64,
+    /// Its generation steps (`kinds.generate`); none: as its requests (`slo_ms`, `priority`).
+    pub generate: Option<WorkTarget>,
+    /// Its training sessions' calls (`kinds.train`): by default no target (each yields to other
+    /// work for up to `scheduler.max_age`).
+    pub train: WorkTarget,
     /// Batch sizes its stages are warmed at before the server serves, besides its smallest
     /// and its batch limit (the sizes its hosts send: a size never run pays for its set-up on
     /// its first request, 0.4 s for a CUDA device).
@@ -91,9 +149,15 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// How its generation steps are keyed: `kinds.generate`, else as its requests.
+    pub fn generate_target(&self) -> WorkTarget {
+        self.generate.unwrap_or(WorkTarget { slo: self.slo, priority: self.priority })
+    }
+
     /// A model on `device` with no batching, no target and priority 1.
     pub fn new(bundle: impl Into<PathBuf>, device: DeviceSpec) -> Self {
-        Self { bundle: bundle.into(), device, batching: Batching::default(), slo: None, priority: 1.0, warm_batches: Vec::new() }
+        let (generate, train) = (None, WorkTarget::default());
+        Self { bundle: bundle.into(), device, batching: Batching::default(), slo: None, priority: 1.0, generate, train, warm_batches: Vec::new() }
     }
 
     /// Validates a raw entry; `key` is where it sits (`models[1]`, or empty at the top level).
@@ -115,18 +179,19 @@ impl ModelConfig {
         if batching.max_wait > Duration::from_millis(MAX_WAIT_MS) {
             return Err(file.invalid(&at("batching.max_wait_ms"), format!("must be at most {MAX_WAIT_MS}")));
         }
-        if raw.slo_ms == Some(0) {
-            return Err(file.invalid(&at("slo_ms"), "must be positive (leave it out for no target)"));
-        }
-        let priority = raw.priority.unwrap_or(1.0);
-        if !(priority.is_finite() && priority > 0.0) {
-            return Err(file.invalid(&at("priority"), "must be a positive number"));
-        }
+        let requests = WorkTarget::from_raw(file, &at, raw.slo_ms, raw.priority)?;
+        let kinds = raw.kinds.unwrap_or(RawKinds { generate: None, train: None });
+        let kind = |name: &str, raw: Option<RawTarget>| {
+            raw.map(|t| WorkTarget::from_raw(file, &|k: &str| at(&format!("kinds.{name}.{k}")), t.slo_ms, t.priority)).transpose()
+        };
+        let generate = kind("generate", kinds.generate)?;
+        let train = kind("train", kinds.train)?.unwrap_or_default();
         let warm_batches = raw.warm_batches.unwrap_or_default();
         if warm_batches.iter().any(|&b| b < 1) {
             return Err(file.invalid(&at("warm_batches"), "batch sizes must be at least 1"));
         }
-        Ok(Self { bundle: file.resolve(&raw.bundle), device, batching, slo: raw.slo_ms.map(Duration::from_millis), priority, warm_batches })
+        let (slo, priority) = (requests.slo, requests.priority);
+        Ok(Self { bundle: file.resolve(&raw.bundle), device, batching, slo, priority, generate, train, warm_batches })
     }
 }
 

@@ -14,12 +14,14 @@
 //! one bad request fails alone.
 //!
 //! Generation steps (a batch of decode steps, or a prompt's step) come as [`DeviceTask`]s:
-//! each is keyed by the policy like a request of its model (its SLO and priority) and run on
-//! this thread in its turn, so an inference SLO sees the device's whole load.
+//! each is keyed by the policy like a request of its model (by `kinds.generate`, else its
+//! model's SLO and priority) and run on this thread in its turn, so an inference SLO sees the
+//! device's whole load.
 //!
 //! Training sessions run on threads of their own, with their own copy of the stages; before
 //! each step a session asks for a [`Turn`], which the scheduler grants between inference
-//! batches at the lowest priority (its key is its arrival plus `scheduler.max_age`). While a
+//! batches at the lowest priority (its key is its arrival plus `scheduler.max_age`), or by its
+//! model's `kinds.train` target when it has one. While a
 //! session holds the device the scheduler runs nothing, yet it is not blocked: it takes in
 //! what arrives (a profile waits in the queue) and drops what was abandoned, until the
 //! session's [`Turn`] drops.
@@ -38,7 +40,7 @@ use cleave_common::spec::BoundarySizes;
 use cleave_common::{Boundary, LoadedStages, StageRange};
 use tokio::sync::oneshot;
 
-use crate::config::{Batching, SchedulerConfig};
+use crate::config::{Batching, SchedulerConfig, WorkTarget};
 use crate::error::{catch_panic, panic_message, Busy, DeviceFailure, Internal, RequestError};
 use crate::metrics::Metrics;
 use cleave_common::scheduling::{Entry, Group, Pick, Queue};
@@ -51,6 +53,9 @@ pub(crate) struct DeviceModel {
     batching: Batching,
     slo: Option<Duration>,
     priority: f64,
+    /// How its generation steps and its training calls are keyed (`kinds:`).
+    generate: WorkTarget,
+    train: WorkTarget,
     /// By cut: whether requests entering there merge ([`cleave_common::Bundle::batchable_cuts`]).
     batchable: Vec<bool>,
     /// Batch sizes warmed besides the smallest and the batch limit (`warm_batches`).
@@ -64,7 +69,13 @@ impl DeviceModel {
         for cut in bundle.batchable_cuts() {
             batchable[cut] = true;
         }
-        Self { label: bundle.id().to_string(), stages, batching, slo, priority, batchable, warm_batches: Vec::new() }
+        let (generate, train) = (WorkTarget { slo, priority }, WorkTarget::default());
+        Self { label: bundle.id().to_string(), stages, batching, slo, priority, generate, train, batchable, warm_batches: Vec::new() }
+    }
+
+    /// The same, its generation steps and training calls keyed by `generate` and `train`.
+    pub(crate) fn keyed(self, generate: WorkTarget, train: WorkTarget) -> Self {
+        Self { generate, train, ..self }
     }
 
     /// The same, warmed at `batches` too.
@@ -151,6 +162,8 @@ pub(crate) struct DeviceTask {
 /// A training session's request for the device; granted with the sender the session drops
 /// to give the device back.
 pub(crate) struct TurnRequest {
+    /// The model whose session asks (its `kinds.train` keys the turn).
+    model: usize,
     grant: std_mpsc::Sender<flume::Sender<()>>,
 }
 
@@ -232,10 +245,25 @@ impl DeviceScheduler {
         answer.await.map_err(|_| Internal::SchedulerGone.into())
     }
 
+    /// How the training sessions of model `model` (its index on the device) take the device.
+    pub(crate) fn turns(&self, model: usize) -> Turns {
+        Turns { scheduler: self.clone(), model }
+    }
+}
+
+/// How one model's training sessions take their device, a call at a time.
+#[derive(Clone)]
+pub(crate) struct Turns {
+    scheduler: DeviceScheduler,
+    model: usize,
+}
+
+impl Turns {
     /// Blocks the calling thread (a training session's) until the device is its own.
     pub(crate) fn turn(&self) -> Result<Turn, RequestError> {
         let (grant, granted) = std_mpsc::channel();
-        self.work.send(Work::Turn(TurnRequest { grant }, Instant::now())).map_err(|_| Internal::SchedulerGone)?;
+        let request = TurnRequest { model: self.model, grant };
+        self.scheduler.work.send(Work::Turn(request, Instant::now())).map_err(|_| Internal::SchedulerGone)?;
         let release = granted.recv().map_err(|_| Internal::SchedulerGone)?;
         Ok(Turn { _release: release })
     }
@@ -410,11 +438,11 @@ impl Worker {
             Work::Task(task, arrived) => {
                 let model = &self.models[task.model];
                 self.metrics.queued(&model.label, 1);
-                let key = request_key(&self.config, arrived, model.slo, model.priority);
+                let key = request_key(&self.config, arrived, model.generate.slo, model.generate.priority);
                 queue.push(Entry { group: None, samples: task.rows as i64, key, ready_at: arrived, item: Item::Task(task) });
             }
             Work::Turn(turn, arrived) => {
-                let key = arrived + self.config.max_age;
+                let key = turn_key(&self.config, arrived, self.models[turn.model].train);
                 queue.push(Entry { group: None, samples: 0, key, ready_at: arrived, item: Item::Turn(turn) });
             }
             Work::Profile(other) if phase == Phase::Profiling => {
@@ -630,6 +658,16 @@ fn request_key(config: &SchedulerConfig, arrived: Instant, slo: Option<Duration>
     cleave_common::scheduling::request_key(config.policy, config.max_age, arrived, slo, priority)
 }
 
+/// A training turn's place: with a target (`kinds.train`), a request's under the policy;
+/// without, its arrival plus `max_age` under either policy (it yields to what comes after it,
+/// for that long at most).
+fn turn_key(config: &SchedulerConfig, arrived: Instant, target: WorkTarget) -> Instant {
+    match target.slo {
+        Some(_) => request_key(config, arrived, target.slo, target.priority),
+        None => arrived + config.max_age,
+    }
+}
+
 fn answer(w: Waiting, output: Result<Boundary, RequestError>) {
     let queue = w.started.map_or(Duration::ZERO, |s| s.duration_since(w.arrived));
     // The receiver may be gone (its stream ended); the result is then dropped.
@@ -712,5 +750,21 @@ mod tests {
         // Requests arriving before t0 + 1950 ms have deadlines before the turn's key (0, 10
         // ... 1940 ms: 195 of them); the one at 1950 ms ties and the turn, queued first, runs.
         assert_eq!(ran_before_turn, 195);
+    }
+
+    #[test]
+    fn a_training_turn_is_keyed_by_its_model_s_train_target_when_it_has_one() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let fifo = SchedulerConfig { policy: Policy::Fifo, max_age: ms(2000), ..SchedulerConfig::default() };
+        let edf = SchedulerConfig { policy: Policy::Edf, ..fifo };
+        // Without a target it yields for max_age under either policy, whatever its priority.
+        for config in [&fifo, &edf] {
+            assert_eq!(turn_key(config, t0, WorkTarget { slo: None, priority: 8.0 }), t0 + ms(2000));
+        }
+        // With one, it is a request of that target and priority.
+        let target = WorkTarget { slo: Some(ms(300)), priority: 3.0 };
+        assert_eq!(turn_key(&edf, t0, target), t0 + ms(100));
+        assert_eq!(turn_key(&fifo, t0, target), t0);
     }
 }

@@ -22,7 +22,7 @@ use super::group::{Groups, Member};
 use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
 use crate::error::{Busy, GroupError, RequestError};
-use crate::scheduler::DeviceScheduler;
+use crate::scheduler::Turns;
 
 /// The training side of the service: options and the sessions open now.
 #[derive(Debug, Clone, Default)]
@@ -116,13 +116,7 @@ impl Training {
 
     /// Checks an `OpenSession` against `bundle`; the session then loads on `device` and runs
     /// each call in a turn of that device's scheduler.
-    pub(crate) fn setup(
-        &self,
-        bundle: &Bundle,
-        device: DeviceSpec,
-        turns: DeviceScheduler,
-        open: &pb::OpenSession,
-    ) -> Result<SessionSetup, RequestError> {
+    pub(crate) fn setup(&self, bundle: &Bundle, device: DeviceSpec, turns: Turns, open: &pb::OpenSession) -> Result<SessionSetup, RequestError> {
         let n = bundle.stage_count();
         let (start, end) = (open.start as usize, open.end as usize);
         let refused = |e: SetupError| RequestError::Training(e.into());

@@ -27,7 +27,7 @@ use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
 use super::group::{ClientMode, Member, SharedPart, TrainedPart, Waited};
 use crate::error::{GroupError, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
-use crate::scheduler::DeviceScheduler;
+use crate::scheduler::Turns;
 
 /// A validated `OpenSession`: what the session thread loads.
 pub(crate) struct SessionSetup {
@@ -35,7 +35,7 @@ pub(crate) struct SessionSetup {
     pub(crate) range: StageRange,
     pub(crate) device: DeviceSpec,
     /// The scheduler of that device: each call runs in a turn it grants.
-    pub(crate) turns: DeviceScheduler,
+    pub(crate) turns: Turns,
     pub(crate) optimizer: OptimizerConfig,
     /// The learning rate of each step.
     pub(crate) schedule: Schedule,

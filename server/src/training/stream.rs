@@ -111,7 +111,7 @@ pub(crate) async fn serve_stream(mut stream: OpenStream<pb::TrainFrame, TrainRep
 
 /// Opens a new session for `open` on the stream's model.
 async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Attached, RequestError> {
-    let mut setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.clone(), open)?;
+    let mut setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.turns(ctx.model.index), open)?;
     let slot = ctx.training.admit(&ctx.model.bundle, open.clients.as_ref().map(|c| c.name.as_str()))?;
     setup.member = ctx.training.join(&ctx.model.bundle, open)?;
     let (session, opened) = SessionHandle::spawn(setup, &slot.id, ctx.metrics.clone()).await?;
