@@ -238,17 +238,9 @@ impl From<tch::TchError> for HostError {
 /// Why a request has no result.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum RequestFailure {
-    /// The server answered it with an error status.
-    #[error("{code:?}: {message}")]
-    Refused {
-        /// The answer's status code.
-        code: tonic::Code,
-        /// The server's message.
-        message: String,
-    },
-    /// Its result came back and cannot be opened or decoded.
-    #[error("result: {0}")]
-    Undecodable(WireError),
+    /// The server answered it with an error status, or its result cannot be opened or decoded.
+    #[error(transparent)]
+    Server(#[from] AnswerError),
     /// The run stopped before its answer came.
     #[error("Cancelled: {reason}")]
     Cancelled {
@@ -269,27 +261,19 @@ pub enum RequestFailure {
     EdgeStopped,
 }
 
-impl From<AnswerError> for RequestFailure {
-    fn from(e: AnswerError) -> Self {
-        match e {
-            AnswerError::Refused { code, message } => Self::Refused { code, message },
-            AnswerError::Undecodable(error) => Self::Undecodable(error),
-        }
-    }
-}
-
 impl RequestFailure {
     /// The status code of the server's error answer.
     pub fn server_code(&self) -> Option<tonic::Code> {
         match self {
-            Self::Refused { code, .. } => Some(*code),
+            Self::Server(AnswerError::Refused { code, .. }) => Some(*code),
             _ => None,
         }
     }
 
     /// Whether both are the same error answer from the server.
     pub fn same_refusal(&self, other: &Self) -> bool {
-        matches!((self, other), (Self::Refused { code: a, message: m }, Self::Refused { code: b, message: n }) if a == b && m == n)
+        use AnswerError::Refused;
+        matches!((self, other), (Self::Server(Refused { code: a, message: m }), Self::Server(Refused { code: b, message: n })) if a == b && m == n)
     }
 }
 
