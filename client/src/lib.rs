@@ -22,6 +22,34 @@
 //! Architecture invariant: this crate and everything it depends on pull in no plotting, table,
 //! progress-bar, tokenizer or CLI crate (`make lint` checks it); `cleave-host` keeps its CLI,
 //! planning, reports and plots on top of it.
+//!
+//! A program that runs a bundle's first stages itself and the rest on a server (the bundle's
+//! stages and values come from `cleave-common`, re-exported here as [`cleave_common`]):
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! use cleave_client::cleave_common::{Boundary, DeviceSpec, LoadedStages, StageRange};
+//! use cleave_client::{connect, Bundle, Codec, InferSetup, Link, PayloadSender};
+//!
+//! # async fn run(inputs: Boundary) -> Result<(), Box<dyn std::error::Error>> {
+//! let bundle = Bundle::open("bundles/resnet18")?;
+//! let session = connect("http://127.0.0.1:50051", &bundle, &Link::plain()).await?;
+//! let codec: Codec = "shuffle+lz4".parse()?;
+//! let mut stream = InferSetup::new(vec![codec], None, Duration::from_secs(5)).open(&session).await?;
+//!
+//! let split = 3;
+//! let edge = LoadedStages::load(&bundle, StageRange::prefix(split), DeviceSpec::Cpu)?;
+//! let boundary = edge.run(StageRange::prefix(split), &inputs)?;
+//! // One sender for every request of the run (with a key: `PayloadSender::sealed`).
+//! let mut sender = PayloadSender::plain();
+//! stream.send_boundary(&mut sender, 0, split as u32, &codec, &boundary)?;
+//! let answer = stream.next_answer().await?;
+//! let outputs: Boundary = answer.output?;
+//! # let _ = outputs;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod error;
 pub mod generate;
@@ -32,6 +60,9 @@ pub mod session;
 pub mod times;
 pub mod train;
 
+pub use cleave_common;
+pub use cleave_common::wire::{Codec, Key, PayloadSender};
+pub use cleave_common::{Boundary, Bundle};
 pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, LinkLost, Refusal, StreamError};
 pub use generate::{GenerateAnswer, GenerateLink};
 pub use infer::{AnswerError, InferAnswer, InferSetup, InferStream};
