@@ -830,6 +830,17 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
             let values: Vec<f32> = Vec::try_from(top.output.flatten(0, -1)).unwrap();
             assert_eq!(top.token_ids.unwrap().into_iter().zip(values).collect::<Vec<_>>(), ranked[..7], "hidden states {at}");
         }
+        // Hidden states that are not finite are refused before they run, with a top_k or
+        // without, and the row stays where it stood.
+        for bad in [f32::NAN, f32::INFINITY] {
+            let values: Vec<u8> = (0..2 * width).flat_map(|i| if i == 3 { bad } else { 0.0f32 }.to_le_bytes()).collect();
+            for top_k in [0u32, 3] {
+                let asked = if top_k == 0 { shape(2) } else { [1, 2, 3] };
+                let bad_step = pb::GenerateStep { top_k, hidden: values.clone().into(), ..step(2, 0) };
+                let (c, m) = refusal(first.step(bad_step, &asked, DType::Float32, info.vocab_size).await);
+                assert!(c == tonic::Code::InvalidArgument && m.contains("not finite"), "{bad} top_k {top_k}: {m}");
+            }
+        }
         // None of those moved the row: a prompt of 2 then a token run from position 0.
         assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32, info.vocab_size).await.unwrap().output.size(), shape(2));
         assert_eq!(

@@ -174,6 +174,11 @@ impl Session {
         let starts = self.check_step(step, answer_limit)?;
         let (batch, tokens) = (self.lengths.len() as i64, i64::from(step.tokens));
         let hidden = Tensor::f_from_data_size(&step.hidden, &[batch, tokens, self.width], self.kind).map_err(torch_error)?;
+        // Refused before it runs: the stages would advance the session on them, and the head's
+        // top_k would rank nothing.
+        if hidden.f_isfinite().and_then(|f| f.f_all()).map_err(torch_error)?.int64_value(&[]) == 0 {
+            return Err(GenerationError::Step("hidden states that are not finite (NaN or infinity): a step sends finite values".into()).into());
+        }
         let positions: Vec<i64> = starts.iter().flat_map(|&at| at..at + tokens).collect();
         let positions = Tensor::from_slice(&positions).view([batch, tokens]);
         let restart_rows = step.restart_rows.iter().map(|&row| row as usize).collect();
