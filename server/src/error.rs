@@ -172,7 +172,9 @@ pub(crate) enum GenerationError {
     #[error("the answer would take {bytes} bytes, above the message limit of {limit} (`limits.max_message_bytes`): send fewer tokens a step, or ask for the last token only")]
     AnswerTooLarge { bytes: u64, limit: u64 },
     /// The host sent nothing for the idle timeout: the server closed the session.
-    #[error("nothing came for {idle:?} (`generation.session_idle_timeout`): session {session} is closed and its caches freed")]
+    #[error(
+        "no step ran for {idle:?} (`generation.session_idle_timeout`; refused steps do not count): session {session} is closed and its caches freed"
+    )]
     Idle { idle: std::time::Duration, session: String },
 }
 

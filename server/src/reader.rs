@@ -40,6 +40,10 @@ pub(crate) struct FrameReader<S> {
     idle_timeout: Option<Duration>,
     /// When the payload part-way in must be complete.
     deadline: Option<Instant>,
+    /// Since when the stream counts as idle: the last frame, or with [`Self::renewed_by_work`]
+    /// the last work its owner said it did ([`Self::renew`]).
+    active_at: Instant,
+    frames_renew: bool,
 }
 
 impl<S, F> FrameReader<S>
@@ -47,13 +51,28 @@ where
     S: Stream<Item = Result<F, Status>> + Unpin,
 {
     pub(crate) fn new(inbound: S, draining: CancellationToken, request_timeout: Duration, idle_timeout: Option<Duration>) -> Self {
-        Self { inbound, draining, request_timeout, idle_timeout, deadline: None }
+        Self { inbound, draining, request_timeout, idle_timeout, deadline: None, active_at: Instant::now(), frames_renew: true }
+    }
+
+    /// From now on frames do not keep the stream alive: only what its owner calls
+    /// [`Self::renew`] for (a generation step that ran, not a refused one or an empty frame).
+    pub(crate) fn renewed_by_work(&mut self) {
+        self.frames_renew = false;
+        self.renew();
+    }
+
+    /// The stream did work: its idle timeout starts again.
+    pub(crate) fn renew(&mut self) {
+        self.active_at = Instant::now();
     }
 
     /// Waits for what comes first: the server draining, `answers_gone` (the response
     /// dropped), the payload part-way in stalling or the stream going idle, or the next frame.
     pub(crate) async fn next(&mut self, answers_gone: impl Future<Output = ()>) -> Next<F> {
-        let wait_until = self.deadline.or_else(|| self.idle_timeout.map(|idle| Instant::now() + idle));
+        if self.frames_renew {
+            self.renew();
+        }
+        let wait_until = self.deadline.or_else(|| self.idle_timeout.map(|idle| self.active_at + idle));
         let quiet = async {
             match wait_until {
                 Some(at) => tokio::time::sleep_until(at).await,

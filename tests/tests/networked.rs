@@ -750,6 +750,54 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
 /// A generation session's refusals are precise and leave it as it was: a step at positions
 /// the server's rows do not stand at, hidden states of the wrong size, a step past the cache,
 /// an answer over the message limit; sessions past `generation.max_sessions` or caches past
+/// Only a step that runs keeps a generation session: steps that run more often than
+/// `generation.session_idle_timeout` keep it, refused steps sent as often do not, and it is
+/// closed (its host told why, or its stream ended) once none has run for that long.
+#[test]
+fn refused_steps_do_not_keep_a_generation_session() {
+    use cleave_client::GenerateLink;
+    use cleave_server::GenerationOptions;
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let info = bundle.manifest().generation.clone().unwrap();
+    let (n, width) = (info.stages.len() as u32, info.hidden_width());
+    runtime().block_on(async {
+        let dir = bundle.dir().to_path_buf();
+        let idle = Duration::from_millis(1500);
+        let prepared = tokio::task::spawn_blocking(move || {
+            let options = GenerationOptions { session_idle_timeout: idle, ..GenerationOptions::default() };
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
+        })
+        .await
+        .unwrap();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let mut link = GenerateLink::open(&mut session, pb::OpenGeneration { start: 1, end: n, batch: 1, max_len: 16 }).await.unwrap();
+        let hidden = bytes::Bytes::from(vec![0u8; (width * 4) as usize]);
+        let shape = [1, 1, info.vocab_size];
+        let step = |at: u32| pb::GenerateStep { tokens: 1, hidden: hidden.clone(), positions_from: vec![at], ..Default::default() };
+        // Six steps that run, 300 ms apart: the session outlives its 1.5 s idle timeout.
+        for at in 0..6 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            link.step(step(at), &shape, DType::Float32, info.vocab_size).await.unwrap();
+        }
+        // Steps refused (the row stands at 6, not 9), 200 ms apart, do not keep it.
+        let started = std::time::Instant::now();
+        let (code, message) = loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (code, message) = refusal(link.step(step(9), &shape, DType::Float32, info.vocab_size).await);
+            if code != tonic::Code::InvalidArgument {
+                break (code, message);
+            }
+            assert!(message.contains("stands at position 6"), "{message}");
+            assert!(started.elapsed() < Duration::from_secs(10), "refused steps kept the session open");
+        };
+        let told = code == tonic::Code::DeadlineExceeded && message.contains("`generation.session_idle_timeout`");
+        let ended = code == tonic::Code::Unavailable && message.contains("closed the stream");
+        assert!(told || ended, "{code:?}: {message}");
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// `limits.kv_cache_bytes` are refused, the embedding is never the server's, and what a
 /// session held is given back when its stream ends (metrics).
 #[test]

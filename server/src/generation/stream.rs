@@ -2,8 +2,9 @@
 //! share of the budget, the caches), then runs its steps in order through the model's step
 //! queue (batched with other sessions' steps), one answer or one error each (a sealed step's
 //! answer sealed: `sealing`); a refused step leaves the session as it was. The session ends
-//! with the stream, when its host says nothing for `generation.session_idle_timeout`, or
-//! when the server drains; its caches and place go with it.
+//! with the stream, when no step of its runs for `generation.session_idle_timeout` (refused
+//! steps and empty frames do not count), or when the server drains; its caches and place go
+//! with it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -103,6 +104,8 @@ async fn answer_steps(
     let idle = ctx.generation.options().session_idle_timeout;
     let mut session = Some(session);
     let mut seals = StreamSeals::new(ctx.keys.clone(), ctx.sealing_required);
+    // Only a step that runs keeps the session: refused steps and empty frames do not.
+    reader.renewed_by_work();
     loop {
         let frame = match reader.next(out.closed()).await {
             Next::Frame(frame) => frame,
@@ -124,6 +127,9 @@ async fn answer_steps(
             Ok(()) => match step_of(&mut seals, frame.kind) {
                 Ok(Some((step, sealed))) => {
                     let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
+                    if reply.error.is_none() {
+                        reader.renew();
+                    }
                     let reply = if sealed && reply.error.is_none() {
                         seals.seal(&reply).unwrap_or_else(|e| error_reply(reply.request_id, &e))
                     } else {
