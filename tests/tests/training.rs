@@ -1171,6 +1171,33 @@ fn a_reattachable_session_outlives_its_broken_stream_and_a_resent_step_is_answer
     });
 }
 
+/// A reattachable session outlives its stream reset between calls, on a connection that stays
+/// (the host dropped the call), as `OpenSession.reattachable` promises; its token continues it
+/// at the step it had reached. (A host that ends its side and reads on closes it: the test above.)
+#[test]
+fn a_reattachable_session_outlives_its_stream_reset_between_calls() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    runtime().block_on(async {
+        let options = TrainingOptions { session_idle_timeout: std::time::Duration::from_secs(30), ..TrainingOptions::default() };
+        let server = checkpointing_server(&bundle, dir.path(), options).await;
+        let (mut first, reply) =
+            open_session(&server.url, &bundle, pb::OpenSession { reattachable: true, ..open_digits(7, 12, "cross-entropy") }).await;
+        let opened = reply.opened.expect("opened");
+        train_step(&mut first, 1).await;
+        // The host drops the call between calls: its request side ends (END_STREAM) and, as it
+        // reads no more, the stream is reset (RST_STREAM) right after.
+        let (frames, replies) = first;
+        drop(replies);
+        drop(frames);
+        let (mut second, reply) = reattach(&server.url, &bundle, &opened.session_id, &opened.reattach_token).await;
+        let continued = reply.opened.clone().unwrap_or_else(|| panic!("continued after a reset: {reply:?}"));
+        assert_eq!((continued.session_id.as_str(), continued.step), (opened.session_id.as_str(), 1));
+        train_step(&mut second, 2).await;
+        server.shutdown().await.unwrap();
+    });
+}
+
 #[test]
 fn pipelined_micro_batches_resent_after_a_break_are_all_answered_from_memory() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();

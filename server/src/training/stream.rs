@@ -134,6 +134,23 @@ async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Atta
     })
 }
 
+/// How long after the end of a host's side of the stream a reset may still come: a host that
+/// drops its call ends its request side and resets the stream at once (it reads no more).
+const RESET_AFTER_END: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The host ended its side of the stream: it closes the session (it reads on until the server
+/// ends its own), unless, for a reattachable session, the answers' reader goes within
+/// [`RESET_AFTER_END`]: the host dropped the call, and the stream broke.
+async fn host_ended(out: &mpsc::Sender<Result<TrainReply, Status>>, attached: &Attached) -> StreamEnd {
+    if attached.reattach_token.is_none() {
+        return StreamEnd::Closed;
+    }
+    match tokio::time::timeout(RESET_AFTER_END, out.closed()).await {
+        Ok(()) => StreamEnd::Broken,
+        Err(_) => StreamEnd::Closed,
+    }
+}
+
 /// Answers the calls of a stream in order until it ends.
 async fn answer_calls(
     reader: &mut FrameReader<Streaming<pb::TrainFrame>>,
@@ -156,7 +173,7 @@ async fn answer_calls(
                 }
                 frame
             }
-            Next::End => return StreamEnd::Closed,
+            Next::End => return host_ended(out, attached).await,
             Next::Broken => return StreamEnd::Broken,
             Next::Stalled => {
                 if let Some(id) = stream.frames.give_up() {
