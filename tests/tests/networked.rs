@@ -889,6 +889,12 @@ fn generation_sessions_are_held_to_their_budgets_and_a_bad_step_changes_nothing(
                 assert!(c == tonic::Code::InvalidArgument && m.contains("not finite"), "{bad} top_k {top_k}: {m}");
             }
         }
+        // Finite hidden states whose logits rank nothing (1e30 everywhere: the layer norms
+        // overflow) fail without moving the row, alone or in a batch.
+        let huge: Vec<u8> = (0..2 * width).flat_map(|_| 1e30f32.to_le_bytes()).collect();
+        let (c, m) =
+            refusal(first.step(pb::GenerateStep { top_k: 3, hidden: huge.into(), ..step(2, 0) }, &[1, 2, 3], DType::Float32, info.vocab_size).await);
+        assert!(c != tonic::Code::Ok && m.contains("NaN"), "{c:?}: {m}");
         // None of those moved the row: a prompt of 2 then a token run from position 0.
         assert_eq!(first.step(step(2, 0), &shape(2), DType::Float32, info.vocab_size).await.unwrap().output.size(), shape(2));
         assert_eq!(

@@ -185,12 +185,15 @@ impl Session {
         Ok(Checked { hidden, positions, starts, restart_rows, tokens, last_only: step.last_token_only, top_k: i64::from(step.top_k) })
     }
 
-    /// Runs a checked step alone.
+    /// Runs a checked step alone. The session moves only once its answer is made: a step whose
+    /// output cannot be answered (logits that rank nothing) leaves every row where it stood
+    /// (the cache positions it wrote lie past them, and are written again before they are read).
     pub(crate) fn run(&mut self, step: Checked) -> Result<Answer, RequestError> {
-        self.restart(&step);
         let output = self.stages.step_last(&step.hidden, &step.positions, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
+        let answer = Answer::of(output, step.top_k)?;
+        self.restart(&step);
         self.advance(step.tokens);
-        Answer::of(output, step.top_k)
+        Ok(answer)
     }
 
     pub(crate) fn batch_key(&self) -> BatchKey {
