@@ -81,6 +81,32 @@ struct Worker {
     /// Its device's scheduler, and its index there.
     device: DeviceScheduler,
     index: usize,
+    /// Its batches that failed, for a log line at most every [`FAILED_BATCH_LOG_EVERY`].
+    failures: Arc<Mutex<FailedBatches>>,
+}
+
+/// A failed batch of a model is logged at most once this often: a peer can make each of its
+/// batches fail (steps whose logits rank nothing), and a line each would flood the log.
+const FAILED_BATCH_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// A model's failed batches since the last one logged.
+#[derive(Debug, Default)]
+struct FailedBatches {
+    logged_at: Option<Instant>,
+    unlogged: u64,
+}
+
+impl FailedBatches {
+    /// A batch failed at `now`: `Some(n)` when it is to be logged, `n` failures not logged since
+    /// the last line; `None` when it is counted for the next.
+    fn failed(&mut self, now: Instant) -> Option<u64> {
+        if self.logged_at.is_some_and(|at| now.duration_since(at) < FAILED_BATCH_LOG_EVERY) {
+            self.unlogged += 1;
+            return None;
+        }
+        self.logged_at = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
 }
 
 /// What a step's rows are to the scheduler.
@@ -115,8 +141,13 @@ impl StepQueues {
             Some(jobs) if !jobs.is_closed() => jobs.clone(),
             _ => {
                 let (jobs, queued) = mpsc::channel(self.inner.shared.generation.options().max_sessions as usize);
-                let worker =
-                    Worker { shared: self.inner.shared.clone(), label: label.to_string(), device: model.scheduler.clone(), index: model.index };
+                let worker = Worker {
+                    shared: self.inner.shared.clone(),
+                    label: label.to_string(),
+                    device: model.scheduler.clone(),
+                    index: model.index,
+                    failures: Arc::default(),
+                };
                 tokio::spawn(worker.serve(queued));
                 queues.insert(label.to_string(), jobs.clone());
                 jobs
@@ -143,12 +174,12 @@ impl Worker {
             };
             let batch = self.gather(first, &mut waiting, &mut queued).await;
             let held = self.hold_merged_caches(&batch);
-            let (together, metrics, label) = (held.is_some(), self.shared.metrics.clone(), self.label.clone());
+            let (together, metrics, label, failures) = (held.is_some(), self.shared.metrics.clone(), self.label.clone(), Arc::clone(&self.failures));
             let rows = batch.iter().map(|job| job.session.rows()).sum();
             let ran = self.device.run(self.index, TASK, rows, move || {
                 // The merged caches' bytes are held until the batch has run.
                 let _held = held;
-                run_batch(batch, together, &metrics, &label)
+                run_batch(batch, together, &metrics, &label, &failures)
             });
             // Answered here, once the device has counted the batch; a batch the device lost
             // drops its replies: those streams end.
@@ -247,7 +278,7 @@ impl Ready {
 /// to send once the device has counted the batch. Steps that pass their checks run as one
 /// batch where `together` (room for the merged caches) and there are more than one, else each
 /// alone.
-fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str) -> Vec<(oneshot::Sender<Ran>, Ran)> {
+fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str, failures: &Mutex<FailedBatches>) -> Vec<(oneshot::Sender<Ran>, Ran)> {
     let (mut ready, mut replies, mut answers) = (Vec::with_capacity(batch.len()), Vec::with_capacity(batch.len()), Vec::new());
     for Job { session, step, answer_limit, reply, .. } in batch {
         match check(session, &step, answer_limit) {
@@ -258,14 +289,17 @@ fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str) ->
             Err(ran) => answers.push((reply, *ran)),
         }
     }
-    let ran =
-        if together && ready.len() > 1 { run_together_or_alone(ready, metrics, label) } else { ready.into_iter().map(Ready::run_alone).collect() };
+    let ran = if together && ready.len() > 1 {
+        run_together_or_alone(ready, metrics, label, failures)
+    } else {
+        ready.into_iter().map(Ready::run_alone).collect()
+    };
     answers.extend(replies.into_iter().zip(ran));
     answers
 }
 
 /// Runs `ready` as one batch; where that fails (before any session changed), each alone.
-fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str) -> Vec<Ran> {
+fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str, failures: &Mutex<FailedBatches>) -> Vec<Ran> {
     let started = Instant::now();
     let ran = {
         let mut steps: Vec<(&mut Session, &Checked)> = ready.iter_mut().map(|r| (&mut r.session, &r.step)).collect();
@@ -278,8 +312,27 @@ fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str) 
             ready.into_iter().zip(outputs).map(|(r, output)| Ran { session: r.session, output: Ok(output), decode: r.decode, compute }).collect()
         }
         Err(e) => {
-            tracing::warn!(error = %e, sessions = ready.len(), "a batch of generation steps failed; each runs alone");
+            if let Some(unlogged) = lock(failures).failed(Instant::now()) {
+                tracing::warn!(error = %e, sessions = ready.len(), unlogged, "a batch of generation steps failed; each runs alone");
+            }
             ready.into_iter().map(Ready::run_alone).collect()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_batches_are_logged_at_most_once_every_ten_seconds_with_the_rest_counted() {
+        let t0 = Instant::now();
+        let mut failures = FailedBatches::default();
+        assert_eq!(failures.failed(t0), Some(0), "the first is logged");
+        for ms in [1, 500, 9_999] {
+            assert_eq!(failures.failed(t0 + Duration::from_millis(ms)), None);
+        }
+        assert_eq!(failures.failed(t0 + FAILED_BATCH_LOG_EVERY), Some(3), "the next line counts those not logged");
+        assert_eq!(failures.failed(t0 + FAILED_BATCH_LOG_EVERY + Duration::from_secs(1)), None);
     }
 }
