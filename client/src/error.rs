@@ -156,6 +156,10 @@ pub enum StreamError {
     /// Nothing came back within `request_timeout`.
     #[error("no answer within {0:?} (`request_timeout`)")]
     Stalled(Duration),
+    /// The server's health service said the model was not SERVING for this long
+    /// (`request_timeout`).
+    #[error("the server did not serve the model for {0:?} (`request_timeout`)")]
+    NotServing(Duration),
     /// The server answered UNAVAILABLE (it is draining), with this message.
     #[error("the server cannot take requests now: Unavailable: {0}")]
     Draining(String),

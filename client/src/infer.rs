@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use cleave_common::pb::{self, InferFrame};
 use cleave_common::protocol::HOST_SESSION_METADATA;
 use cleave_common::wire::{
-    payload_frames, Codec, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError,
+    payload_frames, Codec, CodecError, CodecPolicy, Direction, FrameAssembler, Key, KeyRing, PayloadMeta, PayloadReceiver, PayloadSender, WireError,
 };
 use cleave_common::Boundary;
 use tokio::sync::mpsc;
@@ -47,6 +47,15 @@ impl InferSetup {
     /// [`ServerSession::check_accepts`]).
     pub fn check(&self, session: &ServerSession) -> Result<(), LinkError> {
         self.codecs.iter().try_for_each(|codec| session.check_accepts(codec, self.key_id))
+    }
+
+    /// The one payload sender of a run: it seals with the run's key, if any. A request sent
+    /// again goes as it was sealed, and new ones continue its nonce counter.
+    pub fn sender(&self) -> Result<PayloadSender, CodecError> {
+        match self.key_id {
+            Some(id) => PayloadSender::sealed(&self.ring, id),
+            None => Ok(PayloadSender::plain()),
+        }
     }
 
     /// Checks that `session`'s server accepts every codec and the key, then opens a stream on it.

@@ -1,31 +1,33 @@
-//! One server among several: [`ServerLink`], a tower service a balancer picks between (the
-//! host's p2c over the requests each has outstanding), and the task behind it that owns the
-//! server's connection and `Infer` stream.
+//! The link to one server: [`ServerLink`], a tower service a balancer picks between (the
+//! host's p2c over the requests each has outstanding; a run over one server has one), and the
+//! task behind it that alone owns the server's connection and `Infer` stream.
 //!
 //! The task connects (again after a break, with backoff), opens the stream, follows the
 //! model's status on the server's health service, sends what it is given and hands each
 //! answer back to the request's caller. The service is ready while the stream is open and
 //! the model SERVING: a server that drains (NOT_SERVING) is given no new requests. When the
-//! stream is lost (it ended, failed, stalled or answered UNAVAILABLE) every request on it
-//! comes back [`Delivered::Lost`] for the caller to send elsewhere, under the same id.
+//! stream is lost (it ended, failed, stalled, answered UNAVAILABLE, or the model was not
+//! SERVING for `request_timeout`) every request on it comes back [`Delivered::Lost`] for the
+//! caller to send again, here or elsewhere, under the same id. A connection attempt that fails,
+//! or a stream lost before it answered anything, is a failed attempt: the task waits its
+//! backoff, and its [`LinkHealth`] says so.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use cleave_common::pb::InferFrame;
 use cleave_common::Bundle;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_stream::StreamExt;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use crate::error::{LinkError, StreamError};
+use crate::error::{ConnectFailure, LinkError, StreamError};
 use crate::infer::{AnswerError, InferAnswer, InferSetup, InferStream};
 use crate::link::{Link, RetryPolicy};
 use crate::session::{connect, ServerSession};
@@ -43,6 +45,12 @@ pub struct LinkSetup {
     /// Reconnecting after a break: backoff between attempts, and the attempts in a row after
     /// which the server counts as unreachable.
     pub retry: RetryPolicy,
+    /// Whether a task stops once its server is unreachable (`retry.max_attempts` failed
+    /// attempts in a row, or one that trying again cannot fix): a run with no other server to
+    /// go to. Otherwise it goes on trying, `max_backoff` apart: a server may come back.
+    pub gives_up: bool,
+    /// Told whenever a task's [`LinkHealth`] changes.
+    pub health_changed: Arc<Notify>,
     /// A stream that leaves its oldest request unanswered this long is dropped as stalled.
     pub request_timeout: Duration,
     /// Requests in flight at most, over every server: no link holds more jobs than that.
@@ -98,12 +106,44 @@ type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::e
 /// How a server's task is doing, for the caller to tell when no server can be reached.
 #[derive(Debug, Default)]
 pub struct LinkHealth {
-    /// Connection attempts in a row that failed (0 once one answers).
-    pub failed_attempts: AtomicU32,
-    /// Streams opened after the first.
-    pub reconnects: AtomicU32,
+    state: Mutex<LinkState>,
+}
+
+/// A link's health at one moment.
+#[derive(Debug, Default, Clone)]
+pub struct LinkState {
     /// Whether the link takes requests now (its stream open, its model SERVING).
-    pub ready: std::sync::atomic::AtomicBool,
+    pub ready: bool,
+    /// Connection attempts in a row that failed (0 once one answers).
+    pub failed_attempts: u32,
+    /// Streams opened after the first.
+    pub reconnects: u32,
+    /// Why the last attempt failed.
+    pub last_failure: Option<LinkFailure>,
+    /// The task stopped: its server is unreachable ([`LinkSetup::gives_up`]).
+    pub given_up: bool,
+}
+
+/// Why a link's last connection attempt failed.
+#[derive(Debug, Clone)]
+pub struct LinkFailure {
+    /// The error, as it reads.
+    pub message: String,
+    /// Whether trying again cannot help (see [`LinkError::is_lasting`]).
+    pub lasting: bool,
+}
+
+impl LinkHealth {
+    /// The link's health now.
+    pub fn now(&self) -> LinkState {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn update<T>(&self, changed: &Notify, change: impl FnOnce(&mut LinkState) -> T) -> T {
+        let out = change(&mut self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        changed.notify_one();
+        out
+    }
 }
 
 impl ServerLink {
@@ -168,47 +208,73 @@ impl LinkTask {
         let mut backoff = self.setup.retry.backoff();
         let mut opened_before = false;
         loop {
-            let opened = self.open(first.take()).await;
-            let answered = match opened {
+            let failure = match self.open(first.take()).await {
                 Ok((session, conn)) => {
                     if std::mem::replace(&mut opened_before, true) {
-                        self.health.reconnects.fetch_add(1, Ordering::Relaxed);
+                        self.update(|s| s.reconnects += 1);
                     }
-                    let mut on_stream = OnStream::new();
-                    let (reason, answered) = self.serve(&session, conn, &mut on_stream).await;
-                    let Some(reason) = reason else { return };
-                    self.set_ready(false);
-                    tracing::warn!(server = %self.url, unanswered = on_stream.len(), "stream lost: {reason}; its requests go to other servers");
-                    for (_, waiting) in on_stream {
-                        let _ = waiting.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
-                    }
-                    answered
+                    let Some((reason, answered)) = self.serve_until_lost(&session, conn).await else { return };
+                    // A stream that answered is followed by another at once; one lost before it
+                    // answered anything counts as a failed attempt.
+                    (!answered).then(|| LinkError::Connect {
+                        url: self.url.to_string(),
+                        failure: ConnectFailure::AnsweredNothing(Box::new(reason)),
+                        attempts: 1,
+                    })
                 }
                 Err(e) => {
                     tracing::warn!(server = %self.url, error = %e, "cannot reach the server");
-                    if e.is_lasting() {
-                        // Trying again cannot help (a refused token, another bundle): this
-                        // server counts as unreachable at once, tried again only slowly.
-                        self.health.failed_attempts.store(self.setup.retry.max_attempts, Ordering::Relaxed);
-                    }
-                    false
+                    Some(e)
                 }
             };
             // A link dropped (the run ended, or its server left the list) does not reconnect.
             if self.jobs.is_closed() {
                 return;
             }
-            if answered {
-                self.health.failed_attempts.store(0, Ordering::Relaxed);
+            let Some(error) = failure else {
                 backoff = self.setup.retry.backoff();
                 continue;
+            };
+            if self.failed(&error) {
+                return;
             }
-            self.health.failed_attempts.fetch_add(1, Ordering::Relaxed);
             let wait = backoff.next().unwrap_or(self.setup.retry.max_backoff);
             if !self.lose_jobs_for(wait).await {
                 return;
             }
         }
+    }
+
+    /// Serves on an open stream until it is lost: every request on it comes back lost. Returns
+    /// why, and whether it answered anything; none once the link is dropped.
+    async fn serve_until_lost(&mut self, session: &ServerSession, conn: InferStream) -> Option<(StreamError, bool)> {
+        let mut on_stream = OnStream::new();
+        let (reason, answered) = self.serve(session, conn, &mut on_stream).await;
+        let reason = reason?;
+        self.set_ready(false);
+        tracing::warn!(server = %self.url, unanswered = on_stream.len(), "stream lost: {reason}; its requests are sent again");
+        for (_, waiting) in on_stream {
+            let _ = waiting.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
+        }
+        Some((reason, answered))
+    }
+
+    /// Counts a failed attempt; true when the task stops here ([`LinkSetup::gives_up`]). One
+    /// that trying again cannot fix (a refused token, another bundle) makes the server count
+    /// as unreachable at once.
+    fn failed(&self, error: &LinkError) -> bool {
+        let (max, gives_up) = (self.setup.retry.max_attempts, self.setup.gives_up);
+        let lasting = error.is_lasting();
+        self.update(|s| {
+            s.failed_attempts = if lasting { s.failed_attempts.max(max) } else { s.failed_attempts + 1 };
+            s.last_failure = Some(LinkFailure { message: error.to_string(), lasting });
+            s.given_up = gives_up && s.failed_attempts >= max;
+            s.given_up
+        })
+    }
+
+    fn update<T>(&self, change: impl FnOnce(&mut LinkState) -> T) -> T {
+        self.health.update(&self.setup.health_changed, change)
     }
 
     /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
@@ -241,7 +307,7 @@ impl LinkTask {
     }
 
     fn set_ready(&self, ready: bool) {
-        self.health.ready.store(ready, Ordering::Relaxed);
+        self.update(|s| s.ready = ready);
         self.ready.send_replace(ready);
     }
 
@@ -254,6 +320,10 @@ impl LinkTask {
         let (mut statuses, first) = self.follow_health(session).await;
         let mut serving = first != Some(ServingStatus::NotServing) && first != Some(ServingStatus::ServiceUnknown);
         self.set_ready(serving);
+        // A model not SERVING for `request_timeout` loses the stream: the server may be one
+        // that never serves it again (it drains, its device failed), and a new connection may
+        // reach one that does.
+        let mut not_serving_since = Instant::now();
         let (mut answered, mut progress) = (false, Instant::now());
         let mut sent_at = BTreeMap::<u64, Instant>::new();
         // Once the link is dropped (the run ended, or the server left the list), the requests
@@ -265,6 +335,7 @@ impl LinkTask {
             }
             let oldest = sent_at.values().min().map(|t| *t.max(&progress));
             let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t) + timeout);
+            let given_up_at = (!serving).then(|| tokio::time::Instant::from_std(not_serving_since.max(progress)) + timeout);
             tokio::select! {
                 job = self.jobs.recv(), if !closing => {
                     let Some(job) = job else {
@@ -288,12 +359,15 @@ impl LinkTask {
                         return (Some(StreamError::NeverSent(answer.id)), answered);
                     };
                     sent_at.remove(&answer.id);
-                    (answered, progress) = (true, Instant::now());
-                    self.health.failed_attempts.store(0, Ordering::Relaxed);
+                    progress = Instant::now();
+                    if !std::mem::replace(&mut answered, true) {
+                        self.update(|s| s.failed_attempts = 0);
+                    }
                     let answer = InferAnswer { from: Some(Arc::clone(&self.url)), ..answer };
                     let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });
                 }
                 () = sleep_until(stalled_at) => return (Some(StreamError::Stalled(timeout)), answered),
+                () = sleep_until(given_up_at) => return (Some(StreamError::NotServing(timeout)), answered),
                 status = next_status(&mut statuses) => {
                     // A health stream that ends leaves the stream alone to tell: serving.
                     let now_serving = status.is_none_or(|s| s == ServingStatus::Serving);
@@ -303,6 +377,7 @@ impl LinkTask {
                     if now_serving != serving {
                         tracing::info!(server = %self.url, serving = now_serving, "the server's health changed");
                         serving = now_serving;
+                        not_serving_since = Instant::now();
                         self.set_ready(serving);
                     }
                 },

@@ -65,7 +65,7 @@ fn plan(bundle: &Bundle, split: usize, requests: u64, resilience: Resilience) ->
 
 /// Streams `plan` on `session` and returns every outcome by id, checking there is exactly one
 /// per id. A run that does not end within a minute is a deadlock.
-async fn run_plan(session: &mut cleave_client::ServerSession, plan: StreamPlan) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
+async fn run_plan(session: &cleave_client::ServerSession, plan: StreamPlan) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
     let mut outcomes = HashMap::new();
     let streamed = stream_requests(session, plan, |o| assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id"));
     let counts = tokio::time::timeout(Duration::from_secs(60), streamed).await.expect("the host ended (no deadlock)").unwrap();
@@ -84,6 +84,8 @@ enum Misbehaviour {
     Garbage,
     /// Reads everything and answers nothing.
     Silent,
+    /// Answers every request, and its health service says the model is NOT_SERVING.
+    NeverServing,
 }
 
 struct Fake {
@@ -207,10 +209,21 @@ async fn serve_fake(bundle: &Bundle, how: Misbehaviour) -> (String, Arc<AtomicUs
     };
     let streams = Arc::new(AtomicUsize::new(0));
     let fake = Fake { info: pb::InfoReply::from(&info), how, streams: Arc::clone(&streams) };
+    let health = match how {
+        Misbehaviour::NeverServing => {
+            let (reporter, health) = tonic_health::server::health_reporter();
+            reporter.set_service_status(bundle.id(), tonic_health::ServingStatus::NotServing).await;
+            Some(health)
+        }
+        _ => None,
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(
-        tonic::transport::Server::builder().add_service(SplitInferenceServer::new(fake)).serve_with_incoming(TcpListenerStream::new(listener)),
+        tonic::transport::Server::builder()
+            .add_service(SplitInferenceServer::new(fake))
+            .add_optional_service(health)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     (url, streams)
 }
@@ -225,8 +238,8 @@ fn a_server_that_ends_the_stream_part_way_has_every_request_resent_and_answered_
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let (url, streams) = serve_fake(&bundle, Misbehaviour::EndAfter(3)).await;
-        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
-        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 20, quick(5, Fallback::None))).await;
+        let session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&session, plan(&bundle, 3, 20, quick(5, Fallback::None))).await;
         assert_eq!(outcomes.len(), 20);
         for (id, o) in &outcomes {
             assert_eq!(answered_id(o), *id as f32, "request {id} got another request's answer");
@@ -242,8 +255,8 @@ fn a_server_that_resets_the_stream_has_every_request_resent_and_answered_once() 
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let (url, _) = serve_fake(&bundle, Misbehaviour::ResetAfter(2)).await;
-        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
-        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 12, quick(5, Fallback::None))).await;
+        let session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&session, plan(&bundle, 3, 12, quick(5, Fallback::None))).await;
         assert!(outcomes.iter().all(|(id, o)| answered_id(o) == *id as f32));
         assert_eq!((counts.answered, counts.failed, counts.never_sent), (12, 0, 0), "{counts:?}");
         assert!(counts.reconnects >= 5, "{counts:?}");
@@ -255,8 +268,8 @@ fn a_server_that_sends_garbage_is_given_up_after_max_attempts_connections_that_a
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let (url, streams) = serve_fake(&bundle, Misbehaviour::Garbage).await;
-        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
-        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 6, quick(3, Fallback::None))).await;
+        let session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&session, plan(&bundle, 3, 6, quick(3, Fallback::None))).await;
         // The four in flight are sent on three connections that answer nothing, then the run
         // stops: they fail, the last two are never sent.
         assert_eq!(outcomes.len(), 4);
@@ -279,12 +292,30 @@ fn a_silent_server_gives_errors_after_the_request_deadline_never_a_hang() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let (url, streams) = serve_fake(&bundle, Misbehaviour::Silent).await;
-        let mut session = connect(&url, &bundle, &Link::plain()).await.unwrap();
-        let (outcomes, counts) = run_plan(&mut session, plan(&bundle, 3, 5, quick(2, Fallback::None))).await;
+        let session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&session, plan(&bundle, 3, 5, quick(2, Fallback::None))).await;
         assert_eq!((outcomes.len() as u64, counts.failed, counts.retried, counts.never_sent), (4, 4, 4, 1), "{counts:?}");
         assert!(outcomes
             .values()
             .all(|o| o.output.as_ref().is_err_and(|e| e.to_string().contains("request_timeout") && e.to_string().contains("in 2 attempts"))));
+        assert_eq!(streams.load(Ordering::SeqCst), 2);
+    });
+}
+
+#[test]
+fn a_server_whose_model_is_never_serving_is_left_after_max_attempts_request_timeouts_with_nothing_sent() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (url, streams) = serve_fake(&bundle, Misbehaviour::NeverServing).await;
+        let session = connect(&url, &bundle, &Link::plain()).await.unwrap();
+        let (outcomes, counts) = run_plan(&session, plan(&bundle, 3, 6, quick(2, Fallback::None))).await;
+        // The four from the prefix wait for a server that takes requests; none is sent. Each
+        // stream is given up after `request_timeout` not SERVING, and the run after two.
+        assert_eq!((outcomes.len() as u64, counts.sent, counts.failed, counts.never_sent), (4, 0, 4, 2), "{counts:?}");
+        for o in outcomes.values() {
+            let e = o.output.as_ref().expect_err("never served").to_string();
+            assert!(e.contains("in 2 attempts") && e.contains("did not serve the model for 600ms (`request_timeout`)"), "{e}");
+        }
         assert_eq!(streams.load(Ordering::SeqCst), 2);
     });
 }
@@ -339,11 +370,11 @@ async fn run_with(
     outcome_seen: mpsc::UnboundedSender<u64>,
     pace: Duration,
 ) -> (HashMap<u64, RequestOutcome>, StreamCounts) {
-    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
+    let session = connect(url, bundle, &Link::plain()).await.unwrap();
     let mut p = plan(bundle, 4, requests, resilience);
     p.in_flight = 2;
     let mut outcomes = HashMap::new();
-    let streamed = stream_requests(&mut session, p, |o| {
+    let streamed = stream_requests(&session, p, |o| {
         let _ = outcome_seen.send(o.request_id);
         std::thread::sleep(pace);
         assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id");
@@ -618,7 +649,7 @@ async fn six_requests_when_the_device_dies(
     faults: &DeviceFaults,
     metrics: &cleave_server::Metrics,
 ) -> HashMap<u64, RequestOutcome> {
-    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
+    let session = connect(url, bundle, &Link::plain()).await.unwrap();
     let queued = {
         let metrics = metrics.clone();
         let id = bundle.id().to_string();
@@ -628,7 +659,7 @@ async fn six_requests_when_the_device_dies(
             }
         }
     };
-    let running = run_plan(&mut session, device_plan(bundle, 0..6, 1));
+    let running = run_plan(&session, device_plan(bundle, 0..6, 1));
     let kill = async {
         tokio::time::timeout(Duration::from_secs(8), queued).await.expect("the six requests are queued");
         faults.crash("cpu", "injected: the scheduler dies");
@@ -703,8 +734,8 @@ fn a_device_that_dies_under_on_device_failure_restart_answers_its_requests_inter
             let serving = async { while watch.next().await.unwrap().unwrap().status != ServingStatus::Serving as i32 {} };
             tokio::time::timeout(Duration::from_secs(30), serving).await.unwrap_or_else(|_| panic!("{service:?} is SERVING again"));
         }
-        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
-        let (after, _) = run_plan(&mut session, device_plan(&bundle, 10..14, 16)).await;
+        let session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let (after, _) = run_plan(&session, device_plan(&bundle, 10..14, 16)).await;
         for (id, expected) in (10..14).zip(&want) {
             let got = after[&id].output.as_ref().unwrap_or_else(|e| panic!("request {id} after the restart: {e}"));
             assert!(got.bit_identical(expected), "request {id} after the restart differs from the whole model on the edge");

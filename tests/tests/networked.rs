@@ -26,7 +26,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Sends `requests` batches of `batch` split at `split`; returns each request's output.
 async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i64, requests: u64) -> Vec<(u64, Result<Boundary, RequestFailure>)> {
-    let mut session = connect(url, bundle, &Link::plain()).await.unwrap();
+    let session = connect(url, bundle, &Link::plain()).await.unwrap();
     let plan = StreamPlan {
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
@@ -41,7 +41,7 @@ async fn run_host(url: &str, bundle: &Bundle, split: usize, batch: i64, seed: i6
         key: None,
     };
     let mut outcomes = Vec::new();
-    stream_requests(&mut session, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
+    stream_requests(&session, plan, |o| outcomes.push((o.request_id, o.output))).await.unwrap();
     outcomes
 }
 
@@ -120,7 +120,7 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
     let schedule = vec![n, 0, 5, n, 11];
     runtime().block_on(async {
         let server = LoopbackServer::start(bundle.dir(), DeviceSpec::Cpu, Limits::default()).await.unwrap();
-        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
         let plan = StreamPlan {
             bundle: bundle.clone(),
             split: Splits::RoundRobin(schedule.clone()),
@@ -134,7 +134,7 @@ fn a_split_that_changes_per_request_and_the_last_cut_give_exact_results() {
             key: None,
         };
         let mut outcomes = Vec::new();
-        stream_requests(&mut session, plan, |o| outcomes.push(o)).await.unwrap();
+        stream_requests(&session, plan, |o| outcomes.push(o)).await.unwrap();
         outcomes.sort_by_key(|o| o.request_id);
         assert_eq!(outcomes.iter().map(|o| o.request_id).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
         for o in outcomes {
@@ -167,7 +167,7 @@ fn a_raw_boundary_is_copied_at_most_once_per_side() {
         .unwrap();
         let metrics = prepared.metrics();
         let server = LoopbackServer::serve(prepared).await.unwrap();
-        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
         let plan = StreamPlan {
             bundle: bundle.clone(),
             split: Splits::Fixed(3),
@@ -181,7 +181,7 @@ fn a_raw_boundary_is_copied_at_most_once_per_side() {
             key: None,
         };
         let mut outcomes = Vec::new();
-        stream_requests(&mut session, plan, |o| outcomes.push(o)).await.unwrap();
+        stream_requests(&session, plan, |o| outcomes.push(o)).await.unwrap();
         let (mut boundaries, mut results) = (0, 0);
         for o in &outcomes {
             let result = o.output.as_ref().unwrap().tensor_bytes() as u64;

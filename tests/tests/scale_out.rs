@@ -143,8 +143,8 @@ fn run_over(
     let mut outcomes: HashMap<u64, RequestOutcome> = HashMap::new();
     let mut answered_by = Vec::new();
     let counts = runtime().block_on(async {
-        let mut session = connect(&first, bundle, &Link::plain()).await.unwrap();
-        let streamed = stream_balanced(&mut session, listed, plan, |o| {
+        let session = connect(&first, bundle, &Link::plain()).await.unwrap();
+        let streamed = stream_balanced(&session, listed, plan, |o| {
             answered_by.push(o.metrics.server_url.as_deref().unwrap_or("none").to_string());
             during(&o);
             assert!(outcomes.insert(o.request_id, o).is_none(), "two outcomes for one id");

@@ -31,7 +31,7 @@ async fn run_host(
     security: &EdgeSecurity,
     requests: u64,
 ) -> anyhow::Result<Vec<(u64, Result<Boundary, RequestFailure>)>> {
-    let mut session = connect(url, bundle, &Link::secured(security)).await?;
+    let session = connect(url, bundle, &Link::secured(security)).await?;
     let plan = StreamPlan {
         bundle: bundle.clone(),
         split: Splits::Fixed(split),
@@ -45,7 +45,7 @@ async fn run_host(
         key: security.key.clone(),
     };
     let mut outcomes = Vec::new();
-    stream_requests(&mut session, plan, |o| outcomes.push((o.request_id, o.output))).await?;
+    stream_requests(&session, plan, |o| outcomes.push((o.request_id, o.output))).await?;
     Ok(outcomes)
 }
 

@@ -82,7 +82,7 @@ fn main() -> anyhow::Result<()> {
     );
     let rt = tokio::runtime::Runtime::new()?;
     let result = rt.block_on(async {
-        let mut session = connect_when_up(&url, &bundle, &Link::default(), &mut server).await?;
+        let session = connect_when_up(&url, &bundle, &Link::default(), &mut server).await?;
         println!("server RSS when it answers: {:.1} MiB", rss_bytes(pid)? as f64 / MIB);
         let plan = StreamPlan {
             bundle: bundle.clone(),
@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
             key: None,
         };
         let (mut latencies, mut errors, mut rss) = (Vec::new(), Vec::new(), Vec::new());
-        stream_requests(&mut session, plan, |o| {
+        stream_requests(&session, plan, |o| {
             match &o.output {
                 Ok(_) => latencies.push(o.metrics.e2e_ms - o.metrics.input_ms),
                 Err(e) => errors.push(e.clone()),

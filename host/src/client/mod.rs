@@ -3,48 +3,50 @@
 //! requests travelling at once (the prefix of request i+1 runs while request i is on the
 //! wire or on the server).
 //!
-//! Servers fail, stall and restart; the client keeps every request until it has its one
-//! outcome:
-//! - A connection that ends, fails, carries garbage, answers UNAVAILABLE (a server
-//!   draining) or leaves a request unanswered past `request_timeout` is dropped whole.
-//! - The client reconnects after exponential backoff with jitter (`retry:`) and resends
-//!   every request not yet answered, as it was encoded, in order. Requests carry the host's
-//!   session id: one the server computed before is answered from its window of recent
-//!   results rather than computed again.
+//! Each server is reached through its one link ([`cleave_client::server_link`]), which owns
+//! its connection and stream; the run keeps every request until it has its one outcome
+//! ([`links`]):
+//! - A stream that ends, fails, carries garbage, answers UNAVAILABLE (a server draining) or
+//!   leaves a request unanswered past `request_timeout` is dropped whole, and its link
+//!   reconnects after exponential backoff with jitter (`retry:`).
+//! - Every request it had not answered is sent again, as it was encoded, in order, under the
+//!   same id and the host's session id: one the server computed before is answered from its
+//!   window of recent results rather than computed again.
 //! - An id gets exactly one outcome: an answer for an id already answered is dropped (and
-//!   counted). A request sent `retry.max_attempts` times, and every request once
-//!   `retry.max_attempts` connection attempts in a row fail, gets an error, unless
-//!   `fallback: edge` runs it on the edge instead.
+//!   counted). A request sent `retry.max_attempts` times gets an error, and the run stops once
+//!   its server (every server) fails `retry.max_attempts` connection attempts in a row, or
+//!   once for a reason that stays, unless `fallback: edge` runs requests on the edge
+//!   meanwhile.
 //! - A run whose first [`SAME_LASTING_ERRORS_TO_STOP`] outcomes are one error that sending
 //!   again cannot fix (a wrong key, a refused input) stops there rather than send the rest.
 
-mod balanced;
 pub mod dns;
+mod links;
 mod prefix;
 mod request;
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cleave_client::{connect, AnswerError, ConnectFailure, InferAnswer, InferSetup, InferStream, LinkError, ServerSession, StreamError};
-use cleave_common::wire::PayloadSender;
+use cleave_client::{AnswerError, InferAnswer, InferSetup, ServerSession, StreamError};
 use cleave_common::{Boundary, Bundle};
 use tokio::sync::mpsc;
 
 pub use self::request::{ChoosesCodec, Codecs, RequestMetrics, RequestOutcome, ServedBy, Splits, StreamCounts, StreamPlan};
 pub use cleave_client::ServerTimes;
 
-use self::prefix::{run_prefixes, PrefixChannels, Prepared, Produced, ToPrefix};
+use self::prefix::{run_prefixes, PrefixChannels, Prepared, ToPrefix};
 use self::request::ms;
 use crate::config::{Fallback, Resilience};
 use crate::error::{HostError, RequestFailure, Result};
 
 /// Sends every request and calls `on_outcome` exactly once per request id, in the order the
 /// outcomes come, reconnecting as `plan.resilience` says. Results are framed by the server's
-/// message limit and accepted up to its payload limit. `session` ends as the last connection.
-pub async fn stream_requests(session: &mut ServerSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
+/// message limit and accepted up to its payload limit. `session` is the first connection to
+/// the server; the run's link to it reconnects as it must.
+pub async fn stream_requests(session: &ServerSession, plan: StreamPlan, on_outcome: impl FnMut(RequestOutcome)) -> Result<StreamCounts> {
     stream_to(session, None, plan, on_outcome).await
 }
 
@@ -53,7 +55,7 @@ pub async fn stream_requests(session: &mut ServerSession, plan: StreamPlan, on_o
 /// picked at random; a request whose server is lost goes to another. `fallback: edge` is not
 /// offered here.
 pub async fn stream_balanced(
-    session: &mut ServerSession,
+    session: &ServerSession,
     servers: tokio::sync::watch::Receiver<Vec<String>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(RequestOutcome),
@@ -70,7 +72,7 @@ pub async fn stream_balanced(
 
 /// The run over the servers `servers` lists, or over `session`'s server alone.
 async fn stream_to(
-    session: &mut ServerSession,
+    session: &ServerSession,
     servers: Option<tokio::sync::watch::Receiver<Vec<String>>>,
     plan: StreamPlan,
     on_outcome: impl FnMut(RequestOutcome),
@@ -86,10 +88,7 @@ async fn stream_to(
     }
     // One sender for the whole run: a request resent on a new connection goes as it was
     // sealed, and new ones continue its nonce counter.
-    let sender = match setup.key_id {
-        Some(id) => PayloadSender::sealed(&setup.ring, id)?,
-        None => PayloadSender::plain(),
-    };
+    let sender = setup.sender()?;
     let (asks, asks_rx) = std::sync::mpsc::channel();
     for _ in 0..plan.in_flight {
         asks.send(ToPrefix::Go).expect("the receiver is here");
@@ -118,8 +117,13 @@ async fn stream_to(
         .spawn(move || run_prefixes(plan, sender, chunk_bytes, channels))
         .map_err(|error| HostError::ThreadStart { what: "the prefix thread", error })?;
     let counts = match servers {
-        Some(servers) => run.stream_balanced(session, servers, produced).await,
-        None => run.stream(session, produced).await,
+        Some(servers) => run.stream(session, servers, false, produced).await,
+        None => {
+            // One server, and no other to go to: its link gives up when it cannot be reached,
+            // unless requests run on the edge meanwhile.
+            let gives_up = run.resilience.fallback != Fallback::Edge;
+            run.stream(session, tokio::sync::watch::channel(vec![session.url.clone()]).1, gives_up, produced).await
+        }
     };
     let produced = producer.join().map_err(|_| HostError::ThreadPanicked { what: "the prefix thread" })?;
     produced?;
@@ -204,154 +208,7 @@ struct Run<F> {
     on_outcome: F,
 }
 
-/// Reconnecting: attempts in a row that failed, and when the next one starts.
-struct Reconnect {
-    attempts: u32,
-    at: Option<tokio::time::Instant>,
-    backoff: cleave_client::Backoff,
-}
-
-type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(ServerSession, InferStream)>> + Send>>;
-
-/// The run's link to the server: the connection, or the one being opened, and how
-/// reconnecting goes.
-struct Link {
-    conn: Option<InferStream>,
-    connecting: Option<Connecting>,
-    reconnect: Reconnect,
-    /// The caller's connection, which the first stream opens on.
-    first: Option<ServerSession>,
-    opened_before: bool,
-    /// The connection's last sign of life: it opened, or it answered. The server answers a
-    /// stream's requests in order, so while answers come nothing is stalled.
-    progress: Instant,
-    answered_on_conn: bool,
-}
-
 impl<F: FnMut(RequestOutcome)> Run<F> {
-    async fn stream(mut self, session: &mut ServerSession, mut produced: mpsc::UnboundedReceiver<Produced>) -> Result<StreamCounts> {
-        let mut link = Link {
-            conn: None,
-            connecting: None,
-            reconnect: self.fresh_reconnect(Some(tokio::time::Instant::now())),
-            first: Some(session.clone()),
-            opened_before: false,
-            progress: Instant::now(),
-            answered_on_conn: false,
-        };
-        let mut produced_open = true;
-        let timeout = self.resilience.request_timeout;
-        loop {
-            if self.outcomes.len() == self.total || (!produced_open && self.unanswered.is_empty() && self.at_edge.is_empty()) {
-                break;
-            }
-            if let Some(error) = self.first_outcomes.stop_on() {
-                tracing::error!("the first {SAME_LASTING_ERRORS_TO_STOP} requests all failed with {error}: the rest are not sent");
-                self.stop_early(&format!("the run stopped after its first {SAME_LASTING_ERRORS_TO_STOP} requests failed alike"));
-                break;
-            }
-            let now = tokio::time::Instant::now();
-            if link.conn.is_none() && link.connecting.is_none() && link.reconnect.at.is_some_and(|at| at <= now) {
-                link.reconnect.at = None;
-                link.connecting = Some(self.connect(link.first.take(), session));
-            }
-            let oldest = link.conn.as_ref().and(self.unanswered.values().filter_map(|u| u.sent_at).min());
-            let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t.max(link.progress)) + timeout);
-            let retry_at = if link.conn.is_none() && link.connecting.is_none() { link.reconnect.at } else { None };
-            let gave_up = tokio::select! {
-                p = produced.recv(), if produced_open => {
-                    match p {
-                        None => {
-                            produced_open = false;
-                            self.prefix_thread_gone();
-                        }
-                        Some(Produced::Local(outcome)) => self.record(outcome),
-                        Some(Produced::Remote(p)) => self.take(p, link.conn.as_ref()),
-                    }
-                    false
-                }
-                answer = next_answer(&mut link.conn) => self.on_answer(answer, &mut link, session),
-                () = sleep_until(stalled_at) => {
-                    link.conn = None;
-                    self.lost(StreamError::Stalled(timeout), link.answered_on_conn, &mut link.reconnect, session)
-                }
-                opened = opening(&mut link.connecting) => {
-                    link.connecting = None;
-                    self.on_opened(opened, &mut link, session)
-                }
-                () = sleep_until(retry_at) => false,
-            };
-            if gave_up {
-                break;
-            }
-        }
-        self.counts.never_sent = (self.total - self.outcomes.len()) as u64;
-        Ok(self.counts)
-    }
-
-    /// An answer on the connection, or its end; true when the run gives up.
-    fn on_answer(&mut self, answer: std::result::Result<InferAnswer, StreamError>, link: &mut Link, session: &ServerSession) -> bool {
-        match answer.and_then(|a| self.answered(a)) {
-            Ok(()) => {
-                link.progress = Instant::now();
-                if !link.answered_on_conn {
-                    link.answered_on_conn = true;
-                    link.reconnect = self.fresh_reconnect(None);
-                }
-                false
-            }
-            Err(reason) => {
-                link.conn = None;
-                self.lost(reason, link.answered_on_conn, &mut link.reconnect, session)
-            }
-        }
-    }
-
-    /// A connection opened (what was not answered is resent on it) or failed to; true when
-    /// the run gives up.
-    fn on_opened(&mut self, opened: Result<(ServerSession, InferStream)>, link: &mut Link, session: &mut ServerSession) -> bool {
-        match opened {
-            Ok((s, c)) => {
-                if link.opened_before {
-                    self.counts.reconnects += 1;
-                    tracing::info!(url = %s.url, unanswered = self.unanswered.len(), "reconnected: resending what was not answered");
-                }
-                link.opened_before = true;
-                *session = s;
-                // The backoff goes on until the connection answers something.
-                (link.progress, link.answered_on_conn) = (Instant::now(), false);
-                self.on_edge.store(false, Ordering::Relaxed);
-                self.resend(&c);
-                link.conn = Some(c);
-                false
-            }
-            Err(e) => self.connect_failed(&e, &mut link.reconnect),
-        }
-    }
-}
-
-impl<F: FnMut(RequestOutcome)> Run<F> {
-    /// Backoff from the start (the next attempt `at`), then from 100 ms doubling with jitter
-    /// up to `retry.max_backoff`.
-    fn fresh_reconnect(&self, at: Option<tokio::time::Instant>) -> Reconnect {
-        Reconnect { attempts: 0, at, backoff: self.resilience.retry.backoff() }
-    }
-
-    /// Opens a stream: on `first` (the caller's connection) or on a new connection to the
-    /// same server, which must serve the same bundle and accept the same payloads.
-    fn connect(&self, first: Option<ServerSession>, last: &ServerSession) -> Connecting {
-        let (url, link, bundle) = (last.url.clone(), last.link.clone(), self.bundle.clone());
-        let setup = self.setup.clone();
-        Box::pin(async move {
-            let session = match first {
-                Some(s) => s,
-                None => connect(&url, &bundle, &link).await?,
-            };
-            let conn = setup.open(&session).await?;
-            Ok((session, conn))
-        })
-    }
-
     /// Records a request's one outcome and lets the prefix thread start another.
     fn record(&mut self, outcome: RequestOutcome) {
         self.first_outcomes.observe(&outcome.output);
@@ -371,24 +228,6 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         }
         let _ = self.asks.send(ToPrefix::Go);
         (self.on_outcome)(outcome);
-    }
-
-    /// A request fresh from the prefix thread: sent at once when connected; with no
-    /// connection, kept for the next one, or finished on the edge with `fallback: edge`.
-    fn take(&mut self, prepared: Prepared, conn: Option<&InferStream>) {
-        let mut u = Unanswered { prepared, sent_at: None, attempt: tracing::Span::none() };
-        match conn {
-            Some(c) => self.send(&mut u, c),
-            None if self.on_edge.load(Ordering::Relaxed) => return self.finish_on_edge(u),
-            None => {}
-        }
-        self.unanswered.insert(u.prepared.id, u);
-    }
-
-    fn send(&mut self, u: &mut Unanswered, conn: &InferStream) {
-        let traceparent = count_attempt(&mut self.counts, u);
-        // A stream that is gone shows on its inbound side, which ends.
-        conn.send(&u.prepared.frames, traceparent.as_deref());
     }
 
     /// Takes a whole answer; an error when the connection is of no more use (it answered
@@ -420,24 +259,6 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
         Ok(())
     }
 
-    /// The connection is gone: what it had not answered waits for the next one. After a
-    /// connection that answered, the next is tried at once; one that answered nothing counts
-    /// as a failed attempt (backoff, fallback, giving up: true when the run gives up).
-    fn lost(&mut self, reason: StreamError, answered: bool, reconnect: &mut Reconnect, session: &ServerSession) -> bool {
-        tracing::warn!(unanswered = self.unanswered.len(), "connection dropped: {reason}");
-        for u in self.unanswered.values_mut() {
-            u.sent_at = None;
-            u.attempt = tracing::Span::none();
-        }
-        if answered {
-            *reconnect = self.fresh_reconnect(Some(tokio::time::Instant::now()));
-            return false;
-        }
-        let failure = ConnectFailure::AnsweredNothing(Box::new(reason));
-        let error = HostError::from(LinkError::Connect { url: session.url.clone(), failure, attempts: 1 });
-        self.connect_failed(&error, reconnect)
-    }
-
     /// The prefix thread stopped (it failed, or every request is out): requests handed to it
     /// to finish on the edge will not be.
     fn prefix_thread_gone(&mut self) {
@@ -446,52 +267,6 @@ impl<F: FnMut(RequestOutcome)> Run<F> {
             let output = Err(RequestFailure::EdgeStopped);
             self.record(RequestOutcome { request_id: id, metrics: RequestMetrics::default(), output });
         }
-    }
-
-    /// Resends, in id order, every request not answered on a connection just opened; one
-    /// already sent `retry.max_attempts` times gets its outcome instead.
-    fn resend(&mut self, conn: &InferStream) {
-        let max = self.resilience.retry.max_attempts;
-        let ids: Vec<u64> = self.unanswered.keys().copied().collect();
-        for id in ids {
-            let mut u = self.unanswered.remove(&id).expect("listed");
-            if u.prepared.metrics.attempts >= max {
-                let reason = format!("no answer after {max} sends (`retry.max_attempts`)");
-                self.give_up(u, &reason);
-                continue;
-            }
-            self.send(&mut u, conn);
-            self.unanswered.insert(id, u);
-        }
-    }
-
-    /// A connection attempt failed. With `fallback: edge` every waiting request goes to the
-    /// edge (and new ones run there) while attempts go on; otherwise the run gives up after
-    /// `retry.max_attempts` in a row, or at once when trying again cannot help: true when it
-    /// does.
-    fn connect_failed(&mut self, error: &HostError, reconnect: &mut Reconnect) -> bool {
-        reconnect.attempts += 1;
-        let max = self.resilience.retry.max_attempts;
-        tracing::warn!(attempt = reconnect.attempts, of = max, %error, "cannot reach the server");
-        if self.resilience.fallback == Fallback::Edge {
-            self.on_edge.store(true, Ordering::Relaxed);
-            for (_, u) in std::mem::take(&mut self.unanswered) {
-                self.finish_on_edge(u);
-            }
-        } else if error.is_lasting() || reconnect.attempts >= max {
-            let reason = if error.is_lasting() {
-                error.to_string()
-            } else {
-                format!("no connection to the server answered in {max} attempts in a row (`retry.max_attempts`): {error}")
-            };
-            for (_, u) in std::mem::take(&mut self.unanswered) {
-                self.give_up(u, &reason);
-            }
-            return true;
-        }
-        let wait = reconnect.backoff.next().unwrap_or(self.resilience.retry.max_backoff);
-        reconnect.at = Some(tokio::time::Instant::now() + wait);
-        false
     }
 
     /// Hands a request to the prefix thread, which runs its suffix on the edge.
@@ -541,27 +316,4 @@ fn count_attempt(counts: &mut StreamCounts, u: &mut Unanswered) -> Option<String
     u.sent_at = Some(Instant::now());
     u.attempt = tracing::debug_span!(parent: &u.prepared.span, "attempt", attempt = u.prepared.metrics.attempts);
     cleave_common::telemetry::traceparent(&u.attempt)
-}
-
-/// The next answer on the connection, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<InferStream>) -> Result<InferAnswer, StreamError> {
-    match conn {
-        Some(c) => c.next_answer().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// The connection being opened, if one is (never resolves otherwise).
-async fn opening(connecting: &mut Option<Connecting>) -> Result<(ServerSession, InferStream)> {
-    match connecting {
-        Some(f) => f.await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }

@@ -412,10 +412,7 @@ impl Edge {
         // A session id of its own: the server's window of recent results is keyed by it, and
         // edges number their requests alike.
         let setup = InferSetup::new(vec![config.codec], config.security.key.clone(), config.resilience.connect_timeout);
-        let sender = match setup.key_id {
-            Some(id) => PayloadSender::sealed(&setup.ring, id)?,
-            None => PayloadSender::plain(),
-        };
+        let sender = setup.sender()?;
         let conn = setup.open(&session).await?;
         let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(LoadSetupError::Rate)?;
         let edge = Self {
