@@ -149,6 +149,17 @@ impl LinkHealth {
 impl ServerLink {
     /// Starts the task for `url` (on `first` when that is already its connection).
     pub fn spawn(url: &str, first: Option<ServerSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
+        Self::start(url, first.map(|session| (session, None)), setup)
+    }
+
+    /// Starts the task for `session`'s server on `stream`, already open on it (the caller
+    /// opened it to see any refusal as it is).
+    pub fn on_stream(session: ServerSession, stream: InferStream, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
+        let url = session.url.clone();
+        Self::start(&url, Some((session, Some(stream))), setup)
+    }
+
+    fn start(url: &str, first: Option<First>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
         let (jobs, jobs_rx) = mpsc::channel(setup.in_flight);
         let (ready_tx, ready) = watch::channel(false);
         let health = Arc::new(LinkHealth::default());
@@ -200,11 +211,14 @@ struct LinkTask {
     health: Arc<LinkHealth>,
 }
 
+/// What a task starts on: a connection, and perhaps a stream already open on it.
+type First = (ServerSession, Option<InferStream>);
+
 /// Requests on the stream, by id: who waits for each.
 type OnStream = BTreeMap<u64, oneshot::Sender<Delivered>>;
 
 impl LinkTask {
-    async fn run(mut self, mut first: Option<ServerSession>) {
+    async fn run(mut self, mut first: Option<First>) {
         let mut backoff = self.setup.retry.backoff();
         let mut opened_before = false;
         loop {
@@ -278,11 +292,12 @@ impl LinkTask {
     }
 
     /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
-    /// stream.
-    async fn open(&self, first: Option<ServerSession>) -> Result<(ServerSession, InferStream), LinkError> {
+    /// stream (or takes the one `first` has).
+    async fn open(&self, first: Option<First>) -> Result<(ServerSession, InferStream), LinkError> {
         let s = &self.setup;
         let session = match first {
-            Some(session) => session,
+            Some((session, Some(stream))) => return Ok((session, stream)),
+            Some((session, None)) => session,
             None => connect(&self.url, &s.bundle, &s.link).await?,
         };
         let conn = s.stream.open(&session).await?;

@@ -180,35 +180,20 @@ fn may_pass(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// [`connect`], tried up to `retry.max_attempts` times with exponential backoff and jitter
-/// between attempts (a caller started while its server is down, or restarting, waits for it).
-/// A server that answers and refuses this caller (another bundle, say), or one that cannot be
-/// reached for a lasting reason (see [`LinkError::Unreachable`]), is not tried again.
+/// between attempts (a caller started while its server is down, or restarting, waits for it):
+/// [`connect_first`] over a list of one.
 pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
-    let mut backoff = retry.backoff();
-    let mut attempt = 1;
-    loop {
-        match connect(url, bundle, link).await {
-            Ok(session) => return Ok(session),
-            Err(e @ LinkError::Connect { .. }) if attempt < retry.max_attempts => {
-                let wait = backoff.next().unwrap_or(retry.max_backoff);
-                tracing::warn!(attempt, of = retry.max_attempts, error = %e, "cannot reach the server; trying again in {wait:?}");
-                tokio::time::sleep(wait).await;
-                attempt += 1;
-            }
-            Err(LinkError::Connect { url, failure, .. }) => return Err(LinkError::Connect { url, failure, attempts: attempt }),
-            Err(e) => return Err(e),
-        }
-    }
+    connect_first(&[url.to_string()], bundle, link, retry).await
 }
 
 /// A connection to the first of `servers` that answers, tried in turn, the whole list up to
-/// `retry.max_attempts` times with backoff between passes; the last error when none answers
-/// (at once when every server refused for a reason that stays).
+/// `retry.max_attempts` times with backoff between passes; the last error when none answers,
+/// at once when every server refused for a reason that stays (see [`LinkError::is_lasting`]:
+/// a server that answers and refuses this caller, or one unreachable for good).
 pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
-    let [_, _, ..] = servers else {
-        let url = servers.first().ok_or(LinkError::NoServer)?;
-        return connect_retrying(url, bundle, link, retry).await;
-    };
+    if servers.is_empty() {
+        return Err(LinkError::NoServer);
+    }
     let mut backoff = retry.backoff();
     let passes = retry.max_attempts.max(1);
     for pass in 1..=passes {
@@ -218,17 +203,21 @@ pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, ret
             match connect(url, bundle, link).await {
                 Ok(session) => return Ok(session),
                 Err(e) => {
-                    tracing::warn!(server = %url, error = %e, "cannot reach the server; trying the next");
                     lasting &= e.is_lasting();
                     last = Some(e);
                 }
             }
         }
-        let last = last.expect("several servers were tried");
+        let last = last.expect("one server or more was tried");
         if lasting || pass == passes {
-            return Err(last);
+            return Err(match last {
+                LinkError::Connect { url, failure, .. } => LinkError::Connect { url, failure, attempts: pass },
+                other => other,
+            });
         }
-        tokio::time::sleep(backoff.next().unwrap_or(retry.max_backoff)).await;
+        let wait = backoff.next().unwrap_or(retry.max_backoff);
+        tracing::warn!(attempt = pass, of = passes, error = %last, "cannot reach the server; trying again in {wait:?}");
+        tokio::time::sleep(wait).await;
     }
     unreachable!("the last pass returns")
 }

@@ -404,6 +404,12 @@ pub enum InputError {
 /// before anything is sent.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadSetupError {
+    /// An edge's server did not take requests in time.
+    #[error("the server did not take requests within {waited:?} (`connect_timeout`): its model is not SERVING, or its link gave up")]
+    NotServing {
+        /// How long the edge waited.
+        waited: std::time::Duration,
+    },
     /// No config given.
     #[error("a load run needs at least one --config")]
     NoConfig,

@@ -11,7 +11,7 @@ use cleave_host::config::EdgeConfig;
 use cleave_host::load::report::LATENCY_HEADER;
 use cleave_host::load::{self, LoadMode, LoadOptions};
 use cleave_host::LoopbackServer;
-use cleave_server::PreparedServer;
+use cleave_server::{PeerLimits, PreparedServer};
 use cleave_tests::bundle_dir;
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -93,5 +93,45 @@ fn a_closed_loop_of_three_edges_is_answered_and_its_files_agree() {
         let err = load::run(vec![config], opts).await.unwrap_err().to_string();
         assert!(err.contains("--force"), "{err}");
         server.shutdown().await.unwrap();
+    });
+}
+
+/// A server that drains quickly when stopped.
+fn quick_drain_server() -> PreparedServer {
+    let peers = PeerLimits { drain_timeout: Duration::from_millis(100), ..PeerLimits::default() };
+    PreparedServer::prepare(&bundle_dir("digits"), DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_peer_limits(peers).unwrap()
+}
+
+#[test]
+fn load_edges_reconnect_when_their_server_restarts_and_go_on_sending() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("load");
+    let (first, second) = (quick_drain_server(), quick_drain_server());
+    runtime().block_on(async {
+        let server = LoopbackServer::serve(first).await.unwrap();
+        let (url, addr) = (server.url.clone(), server.url.trim_start_matches("http://").to_string());
+        let config = edge_config(dir.path(), &url);
+        // Stopped half a second in, back 200 ms after it is gone, at the same address.
+        let chaos = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            server.shutdown().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            LoopbackServer::serve_at(second, &addr).await.unwrap()
+        });
+        let opts =
+            LoadOptions { edges: 2, mode: LoadMode::Closed, duration: Duration::from_secs(3), output: output.clone(), ..LoadOptions::default() };
+        let report = load::run(vec![config], opts).await.unwrap();
+        let restarted = chaos.await.unwrap();
+        // Any error is a request that was on a stream when it broke.
+        let lost = report.overall.errors_by_code.get("stream_lost").copied().unwrap_or(0);
+        assert_eq!(report.overall.errors, lost, "{:?}", report.overall.errors_by_code);
+        let csv = std::fs::read_to_string(output.join("latency.csv")).unwrap();
+        let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+        let answered_late = rows.iter().filter(|r| r[0].parse::<f64>().unwrap() >= 2.0 && r[5] == "ok");
+        let mut edges_after: Vec<&str> = answered_late.map(|r| r[2]).collect();
+        edges_after.sort_unstable();
+        edges_after.dedup();
+        assert_eq!(edges_after, ["0", "1"], "both edges sent on their new streams in the last second");
+        restarted.shutdown().await.unwrap();
     });
 }

@@ -13,9 +13,11 @@
 //! sends late still counts its wait: no coordinated omission) and from its send in a closed
 //! one, to its whole answer. An open-loop edge holds at most `in_flight_cap` requests; one
 //! due beyond that is dropped and counted (`dropped_in_flight_cap`). Requests unanswered
-//! `grace` after the end count as `unanswered`; an edge whose stream breaks stops, and what
-//! it had sent and what would have followed count as `stream_lost` (no reconnects: a load
-//! run reports what the server did).
+//! `grace` after the end count as `unanswered`. Each edge reaches its server through its own
+//! link ([`cleave_client::server_link`]), as a host does: a request sent on a stream that breaks,
+//! or due while the link reconnects, counts as `stream_lost` (it is not sent again: a load run
+//! reports what the server did), and once the link gives up (`retry.max_attempts` failed
+//! attempts in a row) the edge stops and what would have followed counts so too.
 //!
 //! - [`arrivals`]: when each edge sends (closed loop, seeded Poisson arrivals).
 //! - [`mix`]: which model and cut each edge streams (`--ratio`, `--splits`).
@@ -26,10 +28,15 @@ pub mod mix;
 pub mod report;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use cleave_client::{connect, AnswerError, InferAnswer, InferSetup, InferStream, StreamError};
+use cleave_client::server_link::{Delivered, Dispatch, LinkSetup, ServerLink};
+use cleave_client::{connect, AnswerError, InferAnswer, InferSetup};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::pb::InferFrame;
 use cleave_common::protocol::ServedModel;
@@ -37,7 +44,10 @@ use cleave_common::telemetry::traceparent;
 use cleave_common::value::synthetic_inputs;
 use cleave_common::wire::{payload_frames, Codec, Direction, EncodedPayload, PayloadMeta, PayloadSender, WireError};
 use cleave_common::{Boundary, Bundle, LoadedStages, StageRange};
+use futures_util::stream::FuturesUnordered;
 use tokio::task::{JoinError, JoinHandle};
+use tokio_stream::StreamExt;
+use tower::Service;
 
 pub use self::arrivals::LoadMode;
 pub use self::mix::Ratio;
@@ -386,11 +396,15 @@ const STREAM_LOST: &str = "stream_lost";
 const UNANSWERED: &str = "unanswered";
 const ENCODE_FAILED: &str = "encode_failed";
 
-/// One edge: its connection and stream, its encoder and its schedule.
+/// What became of a request handed to an edge's link.
+type Delivery = Pin<Box<dyn Future<Output = (u64, std::result::Result<Delivered, tower::BoxError>)> + Send>>;
+
+/// One edge: its link to the server, its encoder and its schedule.
 struct Edge {
     slot: EdgeSlot,
-    /// None once the stream broke.
-    conn: Option<InferStream>,
+    /// Its link, until the edge runs (the run then holds it, and drops it once it gave up or
+    /// the encoder panicked: the edge sends no more).
+    link: Option<ServerLink>,
     /// None while a request is being encoded (or after the encoder panicked).
     encoder: Option<Encoder>,
     /// The model's bundle id, for its requests' spans.
@@ -405,7 +419,8 @@ struct Edge {
 
 impl Edge {
     /// Connects (its own connection, `Info` checked), checks that the server accepts the
-    /// config's codec and key, and opens the edge's `Infer` stream.
+    /// config's codec and key, opens the edge's `Infer` stream and waits until its link takes
+    /// requests (the model SERVING).
     async fn open(slot: EdgeSlot, model: &Model, boundary: Boundary, opts: &LoadOptions) -> Result<(Self, ServedModel)> {
         let config = &model.config;
         let session = connect(&config.server, &model.bundle, &config.link()).await?;
@@ -413,31 +428,51 @@ impl Edge {
         // edges number their requests alike.
         let setup = InferSetup::new(vec![config.codec], config.security.key.clone(), config.resilience.connect_timeout);
         let sender = setup.sender()?;
-        let conn = setup.open(&session).await?;
+        let stream = setup.open(&session).await?;
         let arrivals = Arrivals::for_edge(opts.mode, opts.edges, slot.edge, opts.seed).map_err(LoadSetupError::Rate)?;
+        let cap = if opts.mode == LoadMode::Closed { 1 } else { opts.in_flight_cap };
+        let (chunk_bytes, served) = (session.chunk_bytes(), session.model.clone());
+        let link_setup = LinkSetup {
+            bundle: model.bundle.clone(),
+            link: config.link(),
+            stream: setup,
+            retry: config.resilience.retry,
+            gives_up: true,
+            health_changed: Arc::default(),
+            request_timeout: config.resilience.request_timeout,
+            in_flight: cap,
+        };
+        let (mut link, _) = ServerLink::on_stream(session, stream, Arc::new(link_setup));
+        let waited = config.resilience.connect_timeout;
+        match tokio::time::timeout(waited, std::future::poll_fn(|cx| link.poll_ready(cx))).await {
+            Ok(Ok(())) => {}
+            _ => return Err(LoadSetupError::NotServing { waited }.into()),
+        }
         let edge = Self {
             slot,
-            conn: Some(conn),
+            link: Some(link),
             encoder: Some(Encoder { sender, boundary }),
             bundle_id: model.bundle.id().to_string(),
             codec: config.codec,
-            chunk_bytes: session.chunk_bytes(),
+            chunk_bytes,
             closed: opts.mode == LoadMode::Closed,
             arrivals,
-            cap: if opts.mode == LoadMode::Closed { 1 } else { opts.in_flight_cap },
+            cap,
             records: Vec::new(),
         };
-        Ok((edge, session.model))
+        Ok((edge, served))
     }
 
     /// Sends on schedule until the clock's end, waits for the answers up to its grace, and
     /// returns a record per request.
     async fn run(mut self, clock: Clock) -> Vec<RequestRecord> {
+        let mut link = self.link.take();
         let before_end = |t: Duration| (t < clock.duration).then_some(t);
         let mut next_at = before_end(self.arrivals.first());
         let mut due: VecDeque<Due> = VecDeque::new();
         let mut encoding: Option<(Due, Encoding)> = None;
         let mut in_flight: HashMap<u64, Origin> = HashMap::new();
+        let mut deliveries = FuturesUnordered::<Delivery>::new();
         let mut next_id = 0u64;
         let give_up_at = clock.start + clock.duration + clock.grace;
         loop {
@@ -447,7 +482,7 @@ impl Edge {
                 next_at = self.arrivals.after_arrival(at).and_then(before_end);
                 let d = Due { id: next_id, at };
                 next_id += 1;
-                if self.conn.is_none() {
+                if link.is_none() {
                     self.record(d.at, None, Some(STREAM_LOST));
                 } else if in_flight.len() + due.len() + usize::from(encoding.is_some()) >= self.cap {
                     self.record(d.at, None, Some(DROPPED));
@@ -455,7 +490,15 @@ impl Edge {
                     due.push_back(d);
                 }
             }
-            if encoding.is_none() && self.conn.is_some() && self.encoder.is_some() {
+            // While the link reconnects, what is due waits (its latency counted from its time);
+            // once it gave up, what is due is lost.
+            let takes = self.link_takes_requests(&mut link);
+            if link.is_none() {
+                for d in due.drain(..).collect::<Vec<_>>() {
+                    self.record(d.at, None, Some(STREAM_LOST));
+                }
+            }
+            if encoding.is_none() && takes && self.encoder.is_some() {
                 if let Some(d) = due.pop_front() {
                     let encoder = self.encoder.take().expect("checked");
                     encoding = Some((d, self.encode(encoder, d.id)));
@@ -472,27 +515,24 @@ impl Edge {
                 break;
             }
             let next_arrival = next_at.map(|at| clock.start + at);
+            let waits_for_link = !takes && !due.is_empty() && encoding.is_none();
             tokio::select! {
-                answer = next_answer(&mut self.conn) => match answer {
-                    Ok(answer) => {
-                        let answered = Instant::now();
-                        if self.answered(answer, answered, &mut in_flight) && self.closed {
-                            next_at = self.arrivals.after_answer(answered - clock.start).and_then(before_end);
-                        }
+                Some((id, delivered)) = deliveries.next() => {
+                    let settled = Instant::now();
+                    if self.delivered(id, delivered, settled, &mut in_flight) && self.closed {
+                        next_at = self.arrivals.after_answer(settled - clock.start).and_then(before_end);
                     }
-                    Err(reason) => {
-                        tracing::warn!(edge = self.slot.edge, %reason, "the stream broke: this edge stops");
-                        self.conn = None;
-                        let lost = due.drain(..).map(|d| d.at).chain(in_flight.drain().map(|(_, o)| o.since_start)).collect::<Vec<_>>();
-                        for at in lost {
-                            self.record(at, None, Some(STREAM_LOST));
-                        }
-                    }
-                },
+                }
                 encoded = finished(&mut encoding) => {
                     let (d, _) = encoding.take().expect("a request was being encoded");
-                    self.encoded(d, encoded, clock, &mut in_flight);
+                    match self.encoded(d, encoded, clock, &mut link, &mut in_flight) {
+                        Some(delivery) => deliveries.push(delivery),
+                        // Its outcome came without it going out: a closed loop goes on.
+                        None if self.closed => next_at = self.arrivals.after_answer(Instant::now() - clock.start).and_then(before_end),
+                        None => {}
+                    }
                 }
+                () = link_ready(&mut link), if waits_for_link => {}
                 () = sleep_until(next_arrival) => {}
                 () = tokio::time::sleep_until(give_up_at.into()) => {}
             }
@@ -510,14 +550,15 @@ impl Edge {
         })
     }
 
-    /// A request's payload is ready: its frames go on the stream.
+    /// A request's payload is ready: its frames go to the link, when it takes requests now.
     fn encoded(
         &mut self,
         d: Due,
         encoded: std::result::Result<(Encoder, Result<EncodedPayload, WireError>), JoinError>,
         clock: Clock,
+        link: &mut Option<ServerLink>,
         in_flight: &mut HashMap<u64, Origin>,
-    ) {
+    ) -> Option<Delivery> {
         let payload = match encoded {
             Ok((encoder, payload)) => {
                 self.encoder = Some(encoder);
@@ -526,32 +567,69 @@ impl Edge {
             Err(e) => {
                 // The encoder went with the task: this edge can send no more.
                 tracing::warn!(edge = self.slot.edge, error = %e, "encoding panicked: this edge stops");
-                self.conn = None;
+                *link = None;
                 self.record(d.at, None, Some(ENCODE_FAILED));
-                return;
+                return None;
             }
         };
         let payload = match payload {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(edge = self.slot.edge, error = %e, "a request cannot be encoded");
-                return self.record(d.at, None, Some(ENCODE_FAILED));
+                self.record(d.at, None, Some(ENCODE_FAILED));
+                return None;
             }
         };
-        let Some(conn) = &self.conn else {
-            return self.record(d.at, None, Some(STREAM_LOST));
-        };
+        if !self.link_takes_requests(link) {
+            self.record(d.at, None, Some(STREAM_LOST));
+            return None;
+        }
         let frames: Vec<InferFrame> = payload_frames(d.id, payload.envelope, &payload.data, self.chunk_bytes);
         let (edge, cut) = (self.slot.edge, self.slot.split);
         let span = tracing::debug_span!("request", request_id = d.id, model = %self.bundle_id, cut, codec = %self.codec, edge, error = tracing::field::Empty);
         let sent = Instant::now();
-        // A stream that is gone shows on its inbound side, which ends.
-        conn.send(&frames, traceparent(&span).as_deref());
+        let dispatch = Dispatch { id: d.id, frames, traceparent: traceparent(&span) };
+        let delivered = link.as_mut().expect("it takes requests").call(dispatch);
         let origin = match self.closed {
             true => Origin { since_start: sent - clock.start, at: sent, span },
             false => Origin { since_start: d.at, at: clock.start + d.at, span },
         };
         in_flight.insert(d.id, origin);
+        let id = d.id;
+        Some(Box::pin(async move { (id, delivered.await) }))
+    }
+
+    /// Whether the link takes a request now: not while it reconnects; never again once it gave
+    /// up (it is then dropped, and the edge stops).
+    fn link_takes_requests(&self, link: &mut Option<ServerLink>) -> bool {
+        let Some(l) = link else { return false };
+        match l.poll_ready(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(())) => true,
+            Poll::Pending => false,
+            Poll::Ready(Err(e)) => {
+                tracing::warn!(edge = self.slot.edge, error = %e, "the link to the server gave up: this edge stops");
+                *link = None;
+                false
+            }
+        }
+    }
+
+    /// What became of a request given to the link: its answer, or it was lost with its
+    /// stream. False for an id this edge is not waiting for.
+    fn delivered(
+        &mut self,
+        id: u64,
+        delivered: std::result::Result<Delivered, tower::BoxError>,
+        at: Instant,
+        in_flight: &mut HashMap<u64, Origin>,
+    ) -> bool {
+        if let Ok(Delivered::Answer { answer, .. }) = delivered {
+            return self.answered(answer, at, in_flight);
+        }
+        let Some(origin) = in_flight.remove(&id) else { return false };
+        origin.span.record("error", STREAM_LOST);
+        self.record(origin.since_start, None, Some(STREAM_LOST));
+        true
     }
 
     /// A whole answer, recorded against its request: false for an id this edge is not
@@ -593,10 +671,12 @@ impl Edge {
     }
 }
 
-/// The next answer on the stream, if there is one (never resolves otherwise).
-async fn next_answer(conn: &mut Option<InferStream>) -> std::result::Result<InferAnswer, StreamError> {
-    match conn {
-        Some(c) => c.next_answer().await,
+/// Once the link takes requests again, or gave up (never resolves without a link).
+async fn link_ready(link: &mut Option<ServerLink>) {
+    match link {
+        Some(l) => {
+            let _ = std::future::poll_fn(|cx| l.poll_ready(cx)).await;
+        }
         None => std::future::pending().await,
     }
 }
