@@ -211,6 +211,24 @@ struct LinkTask {
     health: Arc<LinkHealth>,
 }
 
+/// How a stream ended.
+enum StreamEnd {
+    /// The link was dropped, and the stream answered what it had.
+    Dropped,
+    /// The server ended it with nothing on it.
+    Quiet,
+    /// It was lost: why, and whether it answered anything.
+    Lost { reason: StreamError, answered: bool },
+}
+
+/// Sends a request on the stream and keeps who waits for its answer.
+fn send_job(conn: &InferStream, job: Job, sent_at: &mut BTreeMap<u64, Instant>, on_stream: &mut OnStream) {
+    let id = job.dispatch.id;
+    conn.send(&job.dispatch.frames, job.dispatch.traceparent.as_deref());
+    sent_at.insert(id, Instant::now());
+    on_stream.insert(id, job.answer);
+}
+
 /// What a task starts on: a connection, and perhaps a stream already open on it.
 type First = (ServerSession, Option<InferStream>);
 
@@ -221,23 +239,38 @@ impl LinkTask {
     async fn run(mut self, mut first: Option<First>) {
         let mut backoff = self.setup.retry.backoff();
         let mut opened_before = false;
+        // A request that came while no stream was open, for the next one.
+        let mut waiting: Option<Job> = None;
         loop {
             let failure = match self.open(first.take()).await {
                 Ok((session, conn)) => {
-                    if std::mem::replace(&mut opened_before, true) {
+                    if std::mem::replace(&mut opened_before, true) && waiting.is_none() {
                         self.update(|s| s.reconnects += 1);
                     }
-                    let Some((reason, answered)) = self.serve_until_lost(&session, conn).await else { return };
-                    // A stream that answered is followed by another at once; one lost before it
-                    // answered anything counts as a failed attempt.
-                    (!answered).then(|| LinkError::Connect {
-                        url: self.url.to_string(),
-                        failure: ConnectFailure::AnsweredNothing(Box::new(reason)),
-                        attempts: 1,
-                    })
+                    match self.serve_until_lost(&session, conn, waiting.take()).await {
+                        StreamEnd::Dropped => return,
+                        StreamEnd::Quiet => {
+                            // The server ended a stream with nothing on it (no request in
+                            // progress for its `limits.idle_stream_timeout`): the next request
+                            // opens another on the same connection.
+                            let Some(job) = self.jobs.recv().await else { return };
+                            (waiting, first) = (Some(job), Some((session, None)));
+                            continue;
+                        }
+                        // A stream that answered is followed by another at once; one lost
+                        // before it answered anything counts as a failed attempt.
+                        StreamEnd::Lost { reason, answered } => (!answered).then(|| LinkError::Connect {
+                            url: self.url.to_string(),
+                            failure: ConnectFailure::AnsweredNothing(Box::new(reason)),
+                            attempts: 1,
+                        }),
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(server = %self.url, error = %e, "cannot reach the server");
+                    if let Some(job) = waiting.take() {
+                        self.lose(job, &e.to_string());
+                    }
                     Some(e)
                 }
             };
@@ -259,18 +292,28 @@ impl LinkTask {
         }
     }
 
-    /// Serves on an open stream until it is lost: every request on it comes back lost. Returns
-    /// why, and whether it answered anything; none once the link is dropped.
-    async fn serve_until_lost(&mut self, session: &ServerSession, conn: InferStream) -> Option<(StreamError, bool)> {
+    /// Serves on an open stream (`waiting` first) until it ends: every request on it then
+    /// comes back lost.
+    async fn serve_until_lost(&mut self, session: &ServerSession, conn: InferStream, waiting: Option<Job>) -> StreamEnd {
         let mut on_stream = OnStream::new();
-        let (reason, answered) = self.serve(session, conn, &mut on_stream).await;
-        let reason = reason?;
+        let (reason, answered) = self.serve(session, conn, &mut on_stream, waiting).await;
+        let Some(reason) = reason else { return StreamEnd::Dropped };
+        // (Not while the model is not SERVING: no request would come to reopen it.)
+        if matches!(reason, StreamError::Ended) && on_stream.is_empty() && *self.ready.borrow() {
+            tracing::debug!(server = %self.url, "the server ended a stream with nothing on it");
+            return StreamEnd::Quiet;
+        }
         self.set_ready(false);
         tracing::warn!(server = %self.url, unanswered = on_stream.len(), "stream lost: {reason}; its requests are sent again");
-        for (_, waiting) in on_stream {
-            let _ = waiting.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
+        for (_, job) in on_stream {
+            let _ = job.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
         }
-        Some((reason, answered))
+        StreamEnd::Lost { reason, answered }
+    }
+
+    /// Gives a request back to its caller, to be sent again.
+    fn lose(&self, job: Job, reason: &str) {
+        let _ = job.answer.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
     }
 
     /// Counts a failed attempt; true when the task stops here ([`LinkSetup::gives_up`]). One
@@ -314,7 +357,7 @@ impl LinkTask {
                 job = self.jobs.recv() => match job {
                     None => return false,
                     Some(job) => {
-                        let _ = job.answer.send(Delivered::Lost { server: Arc::clone(&self.url), reason: "no stream open to this server".into() });
+                        self.lose(job, "no stream open to this server");
                     }
                 },
             }
@@ -328,7 +371,13 @@ impl LinkTask {
 
     /// Sends and answers on an open stream until it is lost (the reason, and whether it
     /// answered anything) or the link is dropped (no reason).
-    async fn serve(&mut self, session: &ServerSession, mut conn: InferStream, on_stream: &mut OnStream) -> (Option<StreamError>, bool) {
+    async fn serve(
+        &mut self,
+        session: &ServerSession,
+        mut conn: InferStream,
+        on_stream: &mut OnStream,
+        waiting: Option<Job>,
+    ) -> (Option<StreamError>, bool) {
         let timeout = self.setup.request_timeout;
         // Ready only once the health service says SERVING (a server reached while it drains
         // is given nothing), or at once where it has none.
@@ -341,6 +390,9 @@ impl LinkTask {
         let mut not_serving_since = Instant::now();
         let (mut answered, mut progress) = (false, Instant::now());
         let mut sent_at = BTreeMap::<u64, Instant>::new();
+        if let Some(job) = waiting {
+            send_job(&conn, job, &mut sent_at, on_stream);
+        }
         // Once the link is dropped (the run ended, or the server left the list), the requests
         // on the stream are still answered here.
         let mut closing = false;
@@ -357,10 +409,7 @@ impl LinkTask {
                         closing = true;
                         continue;
                     };
-                    let id = job.dispatch.id;
-                    conn.send(&job.dispatch.frames, job.dispatch.traceparent.as_deref());
-                    sent_at.insert(id, Instant::now());
-                    on_stream.insert(id, job.answer);
+                    send_job(&conn, job, &mut sent_at, on_stream);
                 }
                 answer = conn.next_answer() => {
                     let answer = match answer {

@@ -4,13 +4,16 @@
 //! A connection is first *handshaking*: accepted, its TLS handshake (when TLS is on), HTTP/2
 //! preface and first call still to come. It counts against `limits.max_handshaking_connections`
 //! only, so sockets that say nothing cannot take the places of peers that call, and it is
-//! closed when no call has come within `limits.handshake_timeout`. Its first call makes it
-//! *established*: it then takes one of `limits.max_connections` places, or that call is
-//! refused with RESOURCE_EXHAUSTED naming the limit. With `limits.max_connections_per_address`,
-//! one peer address holds at most that many sockets in either state.
+//! closed when no call has come within `limits.handshake_timeout`; when every handshaking place
+//! is taken, the oldest handshaking socket is closed to make room for the new one (a flood of
+//! sockets that say nothing then turns over, and a peer that calls at once gets through). Its
+//! first call makes it *established*: it then takes one of `limits.max_connections` places, or
+//! that call is refused with RESOURCE_EXHAUSTED naming the limit. One peer address (an IPv6
+//! peer's /64) holds at most `limits.max_connections_per_address` sockets in either state (a
+//! quarter of `max_connections` by default), so no one address takes every place.
 //!
 //! - [`Connections::admit`] wraps each accepted socket in a [`TrackedIo`], or closes it at
-//!   once when the handshaking places or its address's share are taken.
+//!   once when its address's share is taken.
 //! - [`TrackedIo`] fails its reads and writes (so hyper drops the connection) when its
 //!   handshake deadline passes before a call, when it has had no call open for
 //!   `limits.idle_connection_timeout`, when an answer on it has not been written within
@@ -21,13 +24,13 @@
 //!   the chunks that carry them (see [`crate::unsent`]), and turns a panicking handler into
 //!   INTERNAL for that call.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -52,9 +55,12 @@ pub(crate) struct Connections {
     max: usize,
     /// Places of handshaking connections (`limits.max_handshaking_connections`).
     handshakes: Arc<Semaphore>,
+    /// The connections admitted, oldest first: the oldest still handshaking gives its place up
+    /// when none is free.
+    admitted: Mutex<VecDeque<Weak<Connection>>>,
     max_handshakes: usize,
-    /// Sockets per peer address, when `limits.max_connections_per_address` is set.
-    per_address: Option<Arc<AddressShares>>,
+    /// Sockets per peer address (`limits.max_connections_per_address`).
+    per_address: Arc<AddressShares>,
     closing: CancellationToken,
     handshake_timeout: Duration,
     idle_timeout: Duration,
@@ -65,7 +71,8 @@ pub(crate) struct Connections {
 /// Why an accepted socket was closed at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {
-    /// `limits.max_handshaking_connections` sockets are waiting for their first call.
+    /// `limits.max_handshaking_connections` sockets are waiting for their first call, and
+    /// none of them could give its place up.
     Handshakes(usize),
     /// Its address holds `limits.max_connections_per_address` sockets already.
     AddressShare(u32),
@@ -80,14 +87,35 @@ impl std::fmt::Display for Refusal {
     }
 }
 
+/// The peers that share one place in the per-address count: an IPv4 address, or an IPv6
+/// peer's /64 (what one host or one subscriber is usually given).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum PeerGroup {
+    V4(std::net::Ipv4Addr),
+    V6Prefix(u64),
+}
+
+impl PeerGroup {
+    fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Self::V4(v4),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => Self::V4(v4),
+                None => Self::V6Prefix((v6.to_bits() >> 64) as u64),
+            },
+        }
+    }
+}
+
 impl Connections {
     pub(crate) fn new(limits: &PeerLimits, metrics: Metrics) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(limits.max_connections as usize)),
             max: limits.max_connections as usize,
             handshakes: Arc::new(Semaphore::new(limits.max_handshaking_connections as usize)),
+            admitted: Mutex::default(),
             max_handshakes: limits.max_handshaking_connections as usize,
-            per_address: limits.max_connections_per_address.map(|max| Arc::new(AddressShares { max, held: Mutex::default() })),
+            per_address: Arc::new(AddressShares { max: limits.max_connections_per_address, held: Mutex::default() }),
             closing: CancellationToken::new(),
             handshake_timeout: limits.handshake_timeout,
             idle_timeout: limits.idle_connection_timeout,
@@ -99,11 +127,14 @@ impl Connections {
     /// Tracks an accepted socket as handshaking, or says why it must be closed (dropping the
     /// socket closes it, so the peer learns at once instead of hanging in the backlog).
     pub(crate) fn admit(&self, io: TcpStream) -> Result<TrackedIo, Refusal> {
-        let share = match (&self.per_address, io.peer_addr()) {
-            (Some(shares), Ok(peer)) => Some(AddressShares::take(shares, peer.ip()).ok_or(Refusal::AddressShare(shares.max))?),
-            _ => None,
+        let share = match io.peer_addr() {
+            Ok(peer) => Some(AddressShares::take(&self.per_address, peer.ip()).ok_or(Refusal::AddressShare(self.per_address.max))?),
+            Err(_) => None,
         };
-        let handshake = Arc::clone(&self.handshakes).try_acquire_owned().map_err(|_| Refusal::Handshakes(self.max_handshakes))?;
+        let handshake = match Arc::clone(&self.handshakes).try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => self.oldest_handshake_gives_way().ok_or(Refusal::Handshakes(self.max_handshakes))?,
+        };
         let connection = Arc::new(Connection {
             open_calls: AtomicUsize::new(0),
             last_active: Mutex::new(Instant::now()),
@@ -111,8 +142,11 @@ impl Connections {
             place: Mutex::new(Place::Handshaking(handshake)),
             slots: Arc::clone(&self.slots),
             max_connections: self.max,
+            given_way: CancellationToken::new(),
             _share: share,
         });
+        self.remember(&connection);
+        let given_way = Box::pin(connection.given_way.clone().cancelled_owned());
         Ok(TrackedIo {
             io,
             connection,
@@ -121,10 +155,38 @@ impl Connections {
             // The handshake deadline first; the idle timeout once established.
             idle: Box::pin(tokio::time::sleep(self.handshake_timeout)),
             closing: Box::pin(self.closing.clone().cancelled_owned()),
+            given_way,
             answer_timeout: self.answer_timeout,
             answer_check: Box::pin(tokio::time::sleep(self.answer_timeout)),
             metrics: self.metrics.clone(),
         })
+    }
+
+    /// Closes the oldest connection still handshaking and takes its place, if there is one.
+    fn oldest_handshake_gives_way(&self) -> Option<OwnedSemaphorePermit> {
+        let mut admitted = lock(&self.admitted);
+        while let Some(oldest) = admitted.pop_front() {
+            let Some(connection) = oldest.upgrade() else { continue };
+            let mut place = lock(&connection.place);
+            if !matches!(*place, Place::Handshaking(_)) {
+                continue;
+            }
+            let Place::Handshaking(handshake) = std::mem::replace(&mut *place, Place::Closed) else { unreachable!("matched above") };
+            connection.given_way.cancel();
+            self.metrics.handshake_given_way();
+            return Some(handshake);
+        }
+        None
+    }
+
+    /// Keeps `connection` in the admission order; the connections no longer handshaking are
+    /// forgotten whenever they outnumber the handshaking places, so the list stays bounded.
+    fn remember(&self, connection: &Arc<Connection>) {
+        let mut admitted = lock(&self.admitted);
+        if admitted.len() >= 2 * self.max_handshakes {
+            admitted.retain(|c| c.upgrade().is_some_and(|c| matches!(*lock(&c.place), Place::Handshaking(_))));
+        }
+        admitted.push_back(Arc::downgrade(connection));
     }
 
     /// Established connections open now.
@@ -138,21 +200,22 @@ impl Connections {
     }
 }
 
-/// How many sockets each peer address holds, against its share.
+/// How many sockets each peer address (group) holds, against its share.
 struct AddressShares {
     max: u32,
-    held: Mutex<HashMap<IpAddr, u32>>,
+    held: Mutex<HashMap<PeerGroup, u32>>,
 }
 
 impl AddressShares {
     fn take(shares: &Arc<Self>, ip: IpAddr) -> Option<AddressShare> {
+        let group = PeerGroup::of(ip);
         let mut held = lock(&shares.held);
-        let n = held.entry(ip).or_insert(0);
+        let n = held.entry(group).or_insert(0);
         if *n >= shares.max {
             return None;
         }
         *n += 1;
-        Some(AddressShare { shares: Arc::clone(shares), ip })
+        Some(AddressShare { shares: Arc::clone(shares), group })
     }
 }
 
@@ -160,7 +223,7 @@ impl AddressShares {
 #[derive(Debug)]
 struct AddressShare {
     shares: Arc<AddressShares>,
-    ip: IpAddr,
+    group: PeerGroup,
 }
 
 impl std::fmt::Debug for AddressShares {
@@ -172,10 +235,10 @@ impl std::fmt::Debug for AddressShares {
 impl Drop for AddressShare {
     fn drop(&mut self) {
         let mut held = lock(&self.shares.held);
-        if let Some(n) = held.get_mut(&self.ip) {
+        if let Some(n) = held.get_mut(&self.group) {
             *n -= 1;
             if *n == 0 {
-                held.remove(&self.ip);
+                held.remove(&self.group);
             }
         }
     }
@@ -185,7 +248,7 @@ impl Drop for AddressShare {
 #[derive(Debug)]
 enum Place {
     /// Waiting for its first call.
-    Handshaking(#[expect(dead_code, reason = "held, never read")] OwnedSemaphorePermit),
+    Handshaking(OwnedSemaphorePermit),
     /// One of `limits.max_connections`.
     Established(#[expect(dead_code, reason = "held, never read")] OwnedSemaphorePermit),
     /// Its socket is gone.
@@ -205,6 +268,8 @@ pub(crate) struct Connection {
     /// The places of established connections, one of which its first call takes.
     slots: Arc<Semaphore>,
     max_connections: usize,
+    /// Cancelled when it gave its handshaking place up to a newer socket: it closes.
+    given_way: CancellationToken,
     _share: Option<AddressShare>,
 }
 
@@ -272,6 +337,7 @@ pub(crate) struct TrackedIo {
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     closing: Pin<Box<WaitForCancellationFutureOwned>>,
+    given_way: Pin<Box<WaitForCancellationFutureOwned>>,
     answer_timeout: Duration,
     /// When to look at the oldest answer not yet written next.
     answer_check: Pin<Box<Sleep>>,
@@ -283,6 +349,10 @@ impl TrackedIo {
     fn must_close(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
         if self.closing.as_mut().poll(cx).is_ready() {
             return Some(io::Error::new(io::ErrorKind::ConnectionAborted, "the server is closing every connection"));
+        }
+        if self.given_way.as_mut().poll(cx).is_ready() {
+            tracing::debug!("closing the oldest handshaking connection: every handshaking place is taken");
+            return Some(io::Error::new(io::ErrorKind::TimedOut, "a newer connection took its handshaking place"));
         }
         if !self.established && self.connection.is_established() {
             self.established = true;
@@ -465,5 +535,19 @@ impl http_body::Body for TrackedBody {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ipv6_peer_counts_by_its_64_and_a_mapped_ipv4_peer_as_ipv4() {
+        let group = |ip: &str| PeerGroup::of(ip.parse().unwrap());
+        assert_eq!(group("2001:db8:1:2::1"), group("2001:db8:1:2:ffff:ffff:ffff:ffff"));
+        assert_ne!(group("2001:db8:1:2::1"), group("2001:db8:1:3::1"));
+        assert_eq!(group("::ffff:192.0.2.7"), group("192.0.2.7"));
+        assert_ne!(group("192.0.2.7"), group("192.0.2.8"));
     }
 }

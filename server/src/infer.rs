@@ -94,7 +94,7 @@ pub(crate) async fn serve_stream(open: OpenStream<InferFrame, ResultFrame>, ctx:
 struct Held {
     /// When its first frame came.
     since: Instant,
-    _slot: OwnedSemaphorePermit,
+    _slot: Slot,
     bytes: Option<Reservation>,
     /// The request's envelope: its result is kept in the window under it.
     envelope: bytes::Bytes,
@@ -134,7 +134,7 @@ impl Pending {
 }
 
 async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: InferContext, pending: mpsc::Sender<Pending>) {
-    let slots = Arc::new(Semaphore::new(ctx.max_requests));
+    let slots = Slots::new(ctx.max_requests);
     let mut frames = FrameAssembler::<Held>::default();
     let mut read_buffer = ReadBuffer::default();
     loop {
@@ -144,7 +144,7 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
             tokio::select! {
                 biased;
                 () = ctx.draining.cancelled() => return,
-                s = Arc::clone(&slots).acquire_owned() => slot = s.ok(),
+                s = Arc::clone(&slots.places).acquire_owned() => slot = s.ok(),
             }
         }
         // Answers are sent by the responder, which goes with the stream.
@@ -155,7 +155,19 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 frame
             }
             Next::End | Next::Broken => return,
-            Next::Stalled | Next::Idle | Next::Draining => {
+            Next::Idle if slots.busy(slot.is_some()) => {
+                // Requests are being answered: the stream is working.
+                reader.renew();
+                continue;
+            }
+            // A request was answered since: the stream is idle from then.
+            Next::Idle if reader.renew_from(slots.freed_at()) => continue,
+            Next::Idle => {
+                // (A request part-way in has its own deadline, which comes first: Stalled.)
+                tracing::debug!("ending an Infer stream with no request in progress (`limits.idle_stream_timeout`)");
+                return;
+            }
+            Next::Stalled | Next::Draining => {
                 let draining = matches!(next, Next::Draining);
                 if let Some(id) = frames.give_up() {
                     let e = if draining { RequestError::Draining } else { reader.stalled() };
@@ -178,7 +190,7 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 frames.skip_payload(&frame);
                 Some(given_up(id, e))
             }
-            (true, Some(slot), Ok(())) => match start_request(&ctx.receiver, &ctx, &frame, slot).await {
+            (true, Some(slot), Ok(())) => match start_request(&ctx.receiver, &ctx, &frame, slots.held(slot)).await {
                 Ok(Started::Recalled(answer)) => {
                     frames.skip_payload(&frame);
                     Some(answer)
@@ -196,6 +208,48 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 return;
             }
         }
+    }
+}
+
+/// The places of a stream's requests (`limits.max_requests_per_stream`), one held by each
+/// request from its first frame to its answer, and when one was last given back.
+struct Slots {
+    places: Arc<Semaphore>,
+    max: usize,
+    freed_at: Arc<Mutex<tokio::time::Instant>>,
+}
+
+/// A request's place among its stream's: given back with its answer, the stream's last work.
+struct Slot {
+    _place: OwnedSemaphorePermit,
+    freed_at: Arc<Mutex<tokio::time::Instant>>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        *self.freed_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::time::Instant::now();
+    }
+}
+
+impl Slots {
+    fn new(max: usize) -> Self {
+        Self { places: Arc::new(Semaphore::new(max)), max, freed_at: Arc::new(Mutex::new(tokio::time::Instant::now())) }
+    }
+
+    /// The place taken for the next request, now held by a request.
+    fn held(&self, place: OwnedSemaphorePermit) -> Slot {
+        Slot { _place: place, freed_at: Arc::clone(&self.freed_at) }
+    }
+
+    /// Whether a request is between its first frame and its answer (`reading`: one place is
+    /// taken for the next request, not yet read).
+    fn busy(&self, reading: bool) -> bool {
+        self.places.available_permits() + usize::from(reading) < self.max
+    }
+
+    /// When a request last gave its place back.
+    fn freed_at(&self) -> tokio::time::Instant {
+        *self.freed_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -229,12 +283,7 @@ enum Started {
 /// Starts a request from its first frame: its envelope checked against the cut it names;
 /// then its answer taken from the window when its host sent it before, or else its declared
 /// bytes reserved in the memory budget (waiting briefly for room).
-async fn start_request(
-    receiver: &Mutex<PayloadReceiver>,
-    ctx: &InferContext,
-    frame: &InferFrame,
-    slot: OwnedSemaphorePermit,
-) -> Result<Started, RequestError> {
+async fn start_request(receiver: &Mutex<PayloadReceiver>, ctx: &InferContext, frame: &InferFrame, slot: Slot) -> Result<Started, RequestError> {
     let since = Instant::now();
     let assembly = receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).start(frame.request_id, &frame.header)?;
     let span = request_span(ctx, frame, &assembly);

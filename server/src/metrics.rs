@@ -92,6 +92,7 @@ struct Inner {
     open_streams: Family<KindLabel, Gauge>,
     abandoned: Family<AbandonedLabels, Counter>,
     answer_timeouts: Counter,
+    handshakes_given_way: Counter,
     device_failures: Family<DeviceLabel, Counter>,
     device_restarts: Family<DeviceLabel, Counter>,
     training_sessions: Gauge,
@@ -177,6 +178,12 @@ impl Metrics {
                 "Connections closed because an answer on them was not written within limits.answer_timeout (their peer did not read)",
                 Counter::default(),
             ),
+            handshakes_given_way: registered(
+                r,
+                "handshakes_given_way",
+                "Handshaking connections closed to make room for a newer one: every place under limits.max_handshaking_connections was taken",
+                Counter::default(),
+            ),
             device_failures: registered(
                 r,
                 "device_failures",
@@ -242,6 +249,11 @@ impl Metrics {
     /// A connection was closed because an answer on it waited too long to be written.
     pub(crate) fn answer_timeout(&self) {
         self.inner.answer_timeouts.inc();
+    }
+
+    /// The oldest handshaking connection was closed to make room for a newer one.
+    pub(crate) fn handshake_given_way(&self) {
+        self.inner.handshakes_given_way.inc();
     }
 
     /// A device's scheduler thread died.

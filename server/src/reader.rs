@@ -66,6 +66,13 @@ where
         self.active_at = Instant::now();
     }
 
+    /// The stream did work at `at`: true when that is later than what it last did.
+    pub(crate) fn renew_from(&mut self, at: Instant) -> bool {
+        let later = at > self.active_at;
+        self.active_at = self.active_at.max(at);
+        later
+    }
+
     /// Waits for what comes first: the server draining, `answers_gone` (the response
     /// dropped), the payload part-way in stalling or the stream going idle, or the next frame.
     pub(crate) async fn next(&mut self, answers_gone: impl Future<Output = ()>) -> Next<F> {

@@ -249,11 +249,12 @@ impl Service {
         Ok(answering(Box::pin(answers) as Answers<R>, unsent))
     }
 
-    /// How long a stream of `kind` may say nothing between its calls (none: as long as it
-    /// likes): the one place the idle rule of streams is set.
+    /// How long a stream of `kind` may do nothing: an `Infer` stream with no request in
+    /// progress, a training or generation session with no call (none: as long as it likes).
+    /// The one place the idle rule of streams is set.
     fn idle_timeout(&self, kind: StreamKind) -> Option<Duration> {
         match kind {
-            StreamKind::Infer => None,
+            StreamKind::Infer => Some(self.peers.idle_stream_timeout),
             StreamKind::Train => Some(self.training.options.session_idle_timeout),
             StreamKind::Generate => Some(self.generation.options().session_idle_timeout),
         }

@@ -419,6 +419,28 @@ fn a_server_stopped_and_restarted_mid_run_answers_every_request_exactly_once_and
 }
 
 #[test]
+fn a_host_whose_stream_the_server_ends_for_idling_opens_another_when_it_next_sends_and_loses_nothing() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let requests = 6;
+    let want = local_outputs(&bundle, requests);
+    runtime().block_on(async {
+        let peers = PeerLimits { idle_stream_timeout: Duration::from_millis(150), ..quick_drain() };
+        let server = real_server(&bundle, "127.0.0.1:0", peers).await;
+        // A slow consumer: 500 ms between outcomes, long enough for the server to end a stream
+        // idle twice over (each would count as a failed attempt if the host reopened at once).
+        let (seen_tx, _seen) = mpsc::unbounded_channel();
+        let (outcomes, counts) = run_with(&server.url, &bundle, requests, quick(2, Fallback::None), seen_tx, Duration::from_millis(500)).await;
+        assert_eq!(outcomes.len() as u64, requests);
+        for (id, o) in &outcomes {
+            let got = o.output.as_ref().unwrap_or_else(|e| panic!("request {id}: {e}"));
+            assert!(got.bit_identical(&want[*id as usize]));
+        }
+        assert_eq!((counts.answered, counts.failed, counts.reconnects), (requests, 0, 0), "{counts:?}");
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
 fn with_fallback_edge_requests_run_on_the_edge_while_no_server_answers_and_return_to_the_split_after() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let requests = 120;

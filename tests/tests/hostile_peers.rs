@@ -375,7 +375,7 @@ fn silent_sockets_neither_lock_callers_out_nor_outlive_the_handshake_timeout() {
 #[test]
 fn one_address_holds_at_most_its_share_of_connections() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
-    let peers = PeerLimits { max_connections_per_address: Some(3), handshake_timeout: Duration::from_secs(30), ..PeerLimits::default() };
+    let peers = PeerLimits { max_connections_per_address: 3, handshake_timeout: Duration::from_secs(30), ..PeerLimits::default() };
     runtime().block_on(async {
         let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
         let mut silent = silent_sockets(&server.url, "127.0.0.2", 4).await;
@@ -392,6 +392,90 @@ fn one_address_holds_at_most_its_share_of_connections() {
         for socket in &mut silent_sockets(&server.url, "127.0.0.2", 3).await {
             assert!(!closed_within(socket, Duration::from_millis(300)).await, "an address's share is not given back");
         }
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A connection from `source` with an `Infer` stream opened on it and nothing sent; the error
+/// when the server closed the socket at once or refused the call.
+async fn silent_stream_from(source: &str, url: &str, bundle: &Bundle) -> Result<RawStream, String> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_string()).unwrap().local_address(Some(source.parse().unwrap()));
+    let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
+    let mut client = SplitInferenceClient::new(channel);
+    let (frames, rx) = mpsc::channel(16);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(cleave_common::protocol::BUNDLE_ID_METADATA, bundle.id().parse().unwrap());
+    let results = client.infer(request).await.map_err(|e| e.to_string())?.into_inner();
+    Ok(RawStream { frames, results })
+}
+
+#[test]
+fn connections_holding_silent_streams_from_one_address_take_only_its_share_and_callers_elsewhere_are_served() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let peers = PeerLimits::default();
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        // As many connections from 127.0.0.2 as `max_connections` (256), each holding an
+        // `Infer` stream that sends nothing: its share (a quarter) is held, the rest closed.
+        let mut held = Vec::new();
+        for _ in 0..peers.max_connections {
+            if let Ok(stream) = silent_stream_from("127.0.0.2", &server.url, &bundle).await {
+                held.push(stream);
+            }
+        }
+        assert_eq!((held.len() as u32, peers.max_connections_per_address), (peers.max_connections / 4, 64));
+        for _ in 0..3 {
+            info_call(server.url.clone()).await.expect("a caller on 127.0.0.1 is served beside them");
+        }
+        drop(held);
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn with_every_handshaking_place_taken_the_oldest_socket_gives_way_to_a_caller() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let peers = PeerLimits { max_handshaking_connections: 4, handshake_timeout: Duration::from_secs(30), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let server = prepared(&bundle, Limits::default(), peers).await;
+        let metrics = server.metrics();
+        let server = LoopbackServer::serve(server).await.unwrap();
+        let mut silent = silent_sockets(&server.url, "127.0.0.2", 4).await;
+        info_call(server.url.clone()).await.expect("a caller gets the oldest silent socket's handshaking place");
+        assert!(closed_within(&mut silent[0], Duration::from_secs(10)).await, "the oldest silent socket is kept");
+        for socket in &mut silent[1..] {
+            assert!(!closed_within(socket, Duration::from_millis(300)).await, "a newer silent socket is closed");
+        }
+        assert_eq!(metric(&metrics, "cleave_handshakes_given_way_total", &[]), 1.0);
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn an_infer_stream_ends_once_no_request_is_in_progress_for_the_idle_stream_timeout() {
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    let peers = PeerLimits { idle_stream_timeout: Duration::from_millis(150), ..PeerLimits::default() };
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        // A stream that sends nothing ends, cleanly, after the timeout (the guard turns a
+        // stream kept for ever into a failure).
+        let mut silent = open_stream(&server.url, &bundle).await;
+        let end = tokio::time::timeout(Duration::from_secs(10), silent.results.next()).await.expect("a stream that does nothing ends");
+        assert!(end.is_none(), "it ends cleanly: {end:?}");
+        // Requests in progress keep a stream, however long they take: four at batch 32, and
+        // one more sent once they are answered.
+        let mut busy = open_stream(&server.url, &bundle).await;
+        for id in 0..4 {
+            busy.send(id, &input, 1, 1).await;
+        }
+        for id in 0..4 {
+            assert_eq!(busy.answer().await, (id, None));
+        }
+        busy.send(4, &input, 1, 1).await;
+        assert_eq!(busy.answer().await, (4, None), "a request sent after the others' answers is read and answered");
+        let end = tokio::time::timeout(Duration::from_secs(10), busy.results.next()).await.expect("then the stream ends");
+        assert!(end.is_none(), "{end:?}");
         server.shutdown().await.unwrap();
     });
 }

@@ -103,6 +103,7 @@ struct RawServerLimits {
     request_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     idle_connection_timeout: Option<Duration>,
+    idle_stream_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     keepalive_interval: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
@@ -133,10 +134,11 @@ impl RawServerLimits {
             queue_depth: self.queue_depth.unwrap_or(l.queue_depth),
         };
         let p = PeerLimits::fitting(&limits);
+        let max_connections = self.max_connections.unwrap_or(p.max_connections);
         let peers = PeerLimits {
-            max_connections: self.max_connections.unwrap_or(p.max_connections),
+            max_connections,
             max_handshaking_connections: self.max_handshaking_connections.unwrap_or(p.max_handshaking_connections),
-            max_connections_per_address: self.max_connections_per_address.or(p.max_connections_per_address),
+            max_connections_per_address: self.max_connections_per_address.unwrap_or_else(|| PeerLimits::address_share_of(max_connections)),
             handshake_timeout: self.handshake_timeout.unwrap_or(p.handshake_timeout),
             max_streams_per_connection: self.max_streams_per_connection.unwrap_or(p.max_streams_per_connection),
             max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
@@ -146,6 +148,7 @@ impl RawServerLimits {
             budget_wait: self.budget_wait.unwrap_or(p.budget_wait),
             request_timeout: self.request_timeout.unwrap_or(p.request_timeout),
             idle_connection_timeout: self.idle_connection_timeout.unwrap_or(p.idle_connection_timeout),
+            idle_stream_timeout: self.idle_stream_timeout.unwrap_or(p.idle_stream_timeout),
             keepalive_interval: self.keepalive_interval.unwrap_or(p.keepalive_interval),
             keepalive_timeout: self.keepalive_timeout.unwrap_or(p.keepalive_timeout),
             stream_window_bytes: self.stream_window_bytes.unwrap_or(p.stream_window_bytes),
@@ -177,9 +180,11 @@ pub struct PeerLimits {
     /// one more is closed as soon as it is accepted. They do not count against
     /// `max_connections`, so sockets that say nothing cannot lock callers out.
     pub max_handshaking_connections: u32,
-    /// Sockets one peer address may hold, handshaking or established; off by default: behind
-    /// a load balancer or a NAT every peer may arrive from one address.
-    pub max_connections_per_address: Option<u32>,
+    /// Sockets one peer address (an IPv6 peer's /64) may hold, handshaking or established: by
+    /// default a quarter of `max_connections`, so that no one address takes every place. Behind
+    /// a load balancer or a NAT, where every peer may arrive from one address, raise it to
+    /// `max_connections`.
+    pub max_connections_per_address: u32,
     /// From a connection's accept to its first call (TLS handshake and HTTP/2 preface
     /// included): longer and it is closed.
     pub handshake_timeout: Duration,
@@ -205,6 +210,10 @@ pub struct PeerLimits {
     pub request_timeout: Duration,
     /// A connection with no call open for this long is closed.
     pub idle_connection_timeout: Duration,
+    /// How long an `Infer` stream may have no request in progress (none being received or
+    /// answered) before the server ends it: a connection whose streams do nothing then holds
+    /// no call and counts as idle. The host opens a new stream when it next sends.
+    pub idle_stream_timeout: Duration,
     /// HTTP/2 PING interval on every connection.
     pub keepalive_interval: Duration,
     /// A connection whose PING is not answered within this is closed.
@@ -249,7 +258,7 @@ impl Default for PeerLimits {
             max_connections: 256,
             // With the established ones, within the usual 1024 descriptors of a process.
             max_handshaking_connections: 512,
-            max_connections_per_address: None,
+            max_connections_per_address: Self::address_share_of(256),
             handshake_timeout: Duration::from_secs(10),
             max_streams_per_connection: 32,
             max_requests_per_stream: 32,
@@ -261,6 +270,7 @@ impl Default for PeerLimits {
             budget_wait: Duration::from_secs(2),
             request_timeout: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(300),
+            idle_stream_timeout: Duration::from_secs(60),
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(10),
             // hyper's own defaults. 1 MiB at a 50 ms round trip is 20 MB/s a connection (raise
@@ -296,6 +306,15 @@ fn largest_request_bytes(limits: &Limits) -> u64 {
 }
 
 impl PeerLimits {
+    /// The default share of one peer address: a quarter of `max_connections` (at least one).
+    pub const fn address_share_of(max_connections: u32) -> u32 {
+        if max_connections >= 4 {
+            max_connections / 4
+        } else {
+            1
+        }
+    }
+
     /// The defaults, with the memory budget raised where `limits` allow larger requests than
     /// it holds.
     pub fn fitting(limits: &Limits) -> Self {
@@ -309,13 +328,14 @@ impl PeerLimits {
         let positive = [
             ("limits.max_connections", u64::from(self.max_connections)),
             ("limits.max_handshaking_connections", u64::from(self.max_handshaking_connections)),
-            ("limits.max_connections_per_address", u64::from(self.max_connections_per_address.unwrap_or(1))),
+            ("limits.max_connections_per_address", u64::from(self.max_connections_per_address)),
             ("limits.handshake_timeout", self.handshake_timeout.as_millis() as u64),
             ("limits.max_streams_per_connection", u64::from(self.max_streams_per_connection)),
             ("limits.max_requests_per_stream", u64::from(self.max_requests_per_stream)),
             ("limits.request_timeout", self.request_timeout.as_millis() as u64),
             ("limits.answer_timeout", self.answer_timeout.as_millis() as u64),
             ("limits.idle_connection_timeout", self.idle_connection_timeout.as_millis() as u64),
+            ("limits.idle_stream_timeout", self.idle_stream_timeout.as_millis() as u64),
             ("limits.keepalive_interval", self.keepalive_interval.as_millis() as u64),
             ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
             ("limits.max_profile_repeats", u64::from(self.max_profile_repeats)),
@@ -733,7 +753,7 @@ mod tests {
         assert_eq!(c.training.session_idle_timeout, TrainingOptions::default().session_idle_timeout);
         let c = load(
             "listen: 127.0.0.1:1\nlimits:\n  max_connections: 3\n  max_streams_per_connection: 4\n  max_requests_per_stream: 5\n  \
-             memory_budget_bytes: 3221225472\n  kv_cache_bytes: 65536\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  \
+             memory_budget_bytes: 3221225472\n  kv_cache_bytes: 65536\n  free_memory_kept_bytes: 1048576\n  budget_wait: 250ms\n  request_timeout: 7s\n  idle_connection_timeout: 1m\n  idle_stream_timeout: 45s\n  \
              keepalive_interval: 9s\n  keepalive_timeout: 3s\n  answer_timeout: 12s\n  stream_window_bytes: 65536\n  connection_window_bytes: 131072\n  max_frame_bytes: 65536\n  max_profile_repeats: 6\n  \
              drain_timeout: 2s\n  drain_notice: 1s\n  dedup_window_requests: 10\n  dedup_window_bytes: 4096\n  max_handshaking_connections: 7\n  \
              max_connections_per_address: 2\n  handshake_timeout: 4s\n  metrics_max_connections: 3\n  metrics_timeout: 2s\ntraining:\n  session_idle_timeout: 90s\n  max_sessions: 2\n  max_pipeline_depth: 3\n  max_kept_answer_bytes: 1024\n  client_wait_timeout: 7s\n",
@@ -749,6 +769,7 @@ mod tests {
             budget_wait: Duration::from_millis(250),
             request_timeout: Duration::from_secs(7),
             idle_connection_timeout: Duration::from_secs(60),
+            idle_stream_timeout: Duration::from_secs(45),
             keepalive_interval: Duration::from_secs(9),
             keepalive_timeout: Duration::from_secs(3),
             stream_window_bytes: 65536,
@@ -761,7 +782,7 @@ mod tests {
             dedup_window_requests: 10,
             dedup_window_bytes: 4096,
             max_handshaking_connections: 7,
-            max_connections_per_address: Some(2),
+            max_connections_per_address: 2,
             handshake_timeout: Duration::from_secs(4),
             metrics_endpoint: EndpointLimits { max_connections: 3, timeout: Duration::from_secs(2) },
         };
