@@ -103,6 +103,7 @@ struct RawServerLimits {
     request_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     idle_connection_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
     idle_stream_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     keepalive_interval: Option<Duration>,
