@@ -67,3 +67,51 @@ pub fn release_binary(name: &str) -> PathBuf {
     assert!(path.is_file(), "{} is missing: run `make build` (or `make test`)", path.display());
     path
 }
+
+/// `sockets` sockets from `source` (an address of this machine, `127.0.0.2` say) to `server`,
+/// each saying nothing and opened again as soon as the server closes it, on a thread of their
+/// own until `stop`; the thread returns how many were opened in all.
+pub fn reopen_flood(
+    server: std::net::SocketAddr,
+    source: std::net::IpAddr,
+    sockets: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<u64> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tokio::io::AsyncReadExt;
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+        runtime.block_on(async move {
+            let opened = Arc::new(AtomicU64::new(0));
+            let tasks: Vec<_> = (0..sockets)
+                .map(|_| {
+                    let (stop, opened) = (Arc::clone(&stop), Arc::clone(&opened));
+                    tokio::spawn(async move {
+                        while !stop.load(Ordering::Relaxed) {
+                            let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+                            socket.bind(std::net::SocketAddr::new(source, 0)).expect("bound to the source address");
+                            let Ok(mut stream) = socket.connect(server).await else {
+                                tokio::time::sleep(Duration::from_millis(1)).await;
+                                continue;
+                            };
+                            opened.fetch_add(1, Ordering::Relaxed);
+                            let mut buf = [0u8; 256];
+                            // Until the server closes it (or the flood stops).
+                            while !stop.load(Ordering::Relaxed) {
+                                if let Ok(Ok(0) | Err(_)) = tokio::time::timeout(Duration::from_millis(50), stream.read(&mut buf)).await {
+                                    break;
+                                }
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for task in tasks {
+                let _ = task.await;
+            }
+            opened.load(Ordering::Relaxed)
+        })
+    })
+}

@@ -12,7 +12,7 @@ use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec};
 use cleave_host::LoopbackServer;
 use cleave_server::{PeerLimits, PreparedServer, TrainingOptions};
-use cleave_tests::{bundle_dir, metric_sample, parse_metrics};
+use cleave_tests::{bundle_dir, metric_sample, parse_metrics, reopen_flood};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -428,6 +428,26 @@ fn connections_holding_silent_streams_from_one_address_take_only_its_share_and_c
             info_call(server.url.clone()).await.expect("a caller on 127.0.0.1 is served beside them");
         }
         drop(held);
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_caller_is_served_while_600_silent_sockets_from_one_address_are_reopened_as_fast_as_they_close() {
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    runtime().block_on(async {
+        let (server, _) = serve(&bundle, Limits::default(), PeerLimits::default(), TrainingOptions::default()).await;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let addr = server.url.trim_start_matches("http://").parse().unwrap();
+        let flood = reopen_flood(addr, "127.0.0.2".parse().unwrap(), 600, std::sync::Arc::clone(&stop));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for call in 0..5 {
+            let served = tokio::time::timeout(Duration::from_secs(10), info_call(server.url.clone())).await;
+            served.unwrap_or_else(|_| panic!("call {call} hung")).unwrap_or_else(|e| panic!("call {call} refused: {e}"));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let opened = tokio::task::spawn_blocking(move || flood.join().unwrap()).await.unwrap();
+        assert!(opened > 600, "the flood opened its sockets again as they closed: {opened} in all");
         server.shutdown().await.unwrap();
     });
 }
