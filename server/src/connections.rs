@@ -87,16 +87,26 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// The peers that share one place in the per-address count: an IPv4 address, or an IPv6
-/// peer's /64 (what one host or one subscriber is usually given).
+/// The peers that count as one: an IPv4 address, or an IPv6 peer's /64 (what one host or one
+/// subscriber is usually given). Shares per peer (connections, generation sessions and their
+/// caches) are counted by it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum PeerGroup {
+pub(crate) enum PeerGroup {
     V4(std::net::Ipv4Addr),
     V6Prefix(u64),
 }
 
+impl std::fmt::Display for PeerGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::V4(v4) => write!(f, "{v4}"),
+            Self::V6Prefix(prefix) => write!(f, "{}/64", std::net::Ipv6Addr::from_bits(u128::from(*prefix) << 64)),
+        }
+    }
+}
+
 impl PeerGroup {
-    fn of(ip: IpAddr) -> Self {
+    pub(crate) fn of(ip: IpAddr) -> Self {
         match ip {
             IpAddr::V4(v4) => Self::V4(v4),
             IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
@@ -127,9 +137,10 @@ impl Connections {
     /// Tracks an accepted socket as handshaking, or says why it must be closed (dropping the
     /// socket closes it, so the peer learns at once instead of hanging in the backlog).
     pub(crate) fn admit(&self, io: TcpStream) -> Result<TrackedIo, Refusal> {
-        let share = match io.peer_addr() {
-            Ok(peer) => Some(AddressShares::take(&self.per_address, peer.ip()).ok_or(Refusal::AddressShare(self.per_address.max))?),
-            Err(_) => None,
+        let peer = io.peer_addr().ok().map(|a| PeerGroup::of(a.ip()));
+        let share = match peer {
+            Some(peer) => Some(AddressShares::take(&self.per_address, peer).ok_or(Refusal::AddressShare(self.per_address.max))?),
+            None => None,
         };
         let handshake = match Arc::clone(&self.handshakes).try_acquire_owned() {
             Ok(place) => place,
@@ -143,6 +154,7 @@ impl Connections {
             slots: Arc::clone(&self.slots),
             max_connections: self.max,
             given_way: CancellationToken::new(),
+            peer,
             _share: share,
         });
         self.remember(&connection);
@@ -207,8 +219,7 @@ struct AddressShares {
 }
 
 impl AddressShares {
-    fn take(shares: &Arc<Self>, ip: IpAddr) -> Option<AddressShare> {
-        let group = PeerGroup::of(ip);
+    fn take(shares: &Arc<Self>, group: PeerGroup) -> Option<AddressShare> {
         let mut held = lock(&shares.held);
         let n = held.entry(group).or_insert(0);
         if *n >= shares.max {
@@ -270,6 +281,8 @@ pub(crate) struct Connection {
     max_connections: usize,
     /// Cancelled when it gave its handshaking place up to a newer socket: it closes.
     given_way: CancellationToken,
+    /// Who it is from (none where the socket could not tell).
+    pub(crate) peer: Option<PeerGroup>,
     _share: Option<AddressShare>,
 }
 
@@ -549,5 +562,6 @@ mod tests {
         assert_ne!(group("2001:db8:1:2::1"), group("2001:db8:1:3::1"));
         assert_eq!(group("::ffff:192.0.2.7"), group("192.0.2.7"));
         assert_ne!(group("192.0.2.7"), group("192.0.2.8"));
+        assert_eq!((group("2001:db8:1:2::1").to_string(), group("::ffff:192.0.2.7").to_string()), ("2001:db8:1:2::/64".into(), "192.0.2.7".into()));
     }
 }

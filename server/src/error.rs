@@ -162,6 +162,15 @@ pub(crate) enum GenerationError {
          {free} free: ask for fewer rows or a shorter max_len, or try again later"
     )]
     CacheBudget { bytes: u64, free: u64, budget: u64 },
+    /// The peer holds its share of the places.
+    #[error("this peer ({peer}) holds {max} generation sessions, its share (`generation.max_sessions_per_peer`): close one, or try again later")]
+    PeerSessions { peer: String, max: u32 },
+    /// The session's caches do not fit in what the peer's share of the cache budget leaves.
+    #[error(
+        "the session's key/value caches take {bytes} bytes, and this peer ({peer}) holds {held} of its share of {share} bytes \
+         (`limits.kv_cache_bytes_per_peer`): ask for fewer rows or a shorter max_len, or close a session"
+    )]
+    PeerCache { peer: String, bytes: u64, held: u64, share: u64 },
     /// A step whose rows do not stand where the server's do.
     #[error("{0}")]
     Step(String),
@@ -419,7 +428,10 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             GenerationError::NotExported { .. } => Code::FailedPrecondition,
             GenerationError::Range { .. } | GenerationError::Batch { .. } | GenerationError::MaxLen { .. } => Code::InvalidArgument,
             GenerationError::Step(_) | GenerationError::AnswerTooLarge { .. } => Code::InvalidArgument,
-            GenerationError::Sessions { .. } | GenerationError::CacheBudget { .. } => Code::ResourceExhausted,
+            GenerationError::Sessions { .. }
+            | GenerationError::CacheBudget { .. }
+            | GenerationError::PeerSessions { .. }
+            | GenerationError::PeerCache { .. } => Code::ResourceExhausted,
             GenerationError::CacheFull { .. } => Code::OutOfRange,
             GenerationError::Idle { .. } => Code::DeadlineExceeded,
         },

@@ -122,7 +122,12 @@ impl PreparedServer {
         let models = models::Models::load(models, &context)?;
         let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.budget_wait);
         metrics.watch_memory_budget(budget.clone());
-        let generation = generation::admission::Generation::new(GenerationOptions::default(), peers.kv_cache_bytes, metrics.clone());
+        let generation = generation::admission::Generation::new(
+            GenerationOptions::default(),
+            peers.kv_cache_bytes,
+            peers.kv_cache_bytes_per_peer,
+            metrics.clone(),
+        );
         let service = service::Service {
             step_queues: generation::queue::StepQueues::new(generation.clone(), budget.clone(), metrics.clone()),
             generation,
@@ -178,7 +183,7 @@ impl PreparedServer {
     /// budget and the memory budget.
     fn set_generation(&mut self, options: GenerationOptions) {
         let s = &mut self.service;
-        s.generation = generation::admission::Generation::new(options, s.peers.kv_cache_bytes, s.metrics.clone());
+        s.generation = generation::admission::Generation::new(options, s.peers.kv_cache_bytes, s.peers.kv_cache_bytes_per_peer, s.metrics.clone());
         s.step_queues = generation::queue::StepQueues::new(s.generation.clone(), s.budget.clone(), s.metrics.clone());
     }
 

@@ -197,6 +197,7 @@ impl SplitInference for Service {
     async fn generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<Self::GenerateStream>, Status> {
         let context = |open: &OpenStream<pb::GenerateFrame, pb::GenerateReply>| GenerateContext {
             model: Arc::clone(&open.model),
+            peer: open.peer,
             generation: self.generation.clone(),
             queues: self.step_queues.clone(),
             metrics: self.metrics.clone(),
@@ -234,10 +235,11 @@ impl Service {
             return Err(RequestError::Draining.into());
         }
         let unsent = unsent_of(&request);
+        let peer = connection_of(request.extensions()).and_then(|c| c.peer);
         let (answers, answers_rx) = mpsc::channel(kind.answers_queued());
         let peer_gone = CancellationToken::new();
         let reader = FrameReader::new(request.into_inner(), self.draining.clone(), self.peers.request_timeout, self.idle_timeout(kind));
-        let open = OpenStream { model, reader, answers, unsent: unsent.clone(), peer_gone: peer_gone.clone() };
+        let open = OpenStream { model, reader, answers, unsent: unsent.clone(), peer_gone: peer_gone.clone(), peer };
         let ctx = context(&open);
         tokio::spawn(serve(open, ctx));
         // tonic drops the response when the peer resets the stream or its connection closes.

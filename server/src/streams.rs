@@ -12,6 +12,7 @@ use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
+use crate::connections::PeerGroup;
 use crate::models::Model;
 use crate::reader::FrameReader;
 use crate::unsent::Unsent;
@@ -52,6 +53,8 @@ pub(crate) struct OpenStream<F, R> {
     /// Cancelled when tonic drops the response: the peer reset the stream or its connection
     /// closed (or the stream ended with nothing left to answer).
     pub(crate) peer_gone: CancellationToken,
+    /// Who the peer is, for its shares (none where its connection could not tell).
+    pub(crate) peer: Option<PeerGroup>,
 }
 
 impl<F, R> OpenStream<F, R> {

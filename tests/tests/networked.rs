@@ -798,6 +798,42 @@ fn refused_steps_do_not_keep_a_generation_session() {
     });
 }
 
+/// One peer (here 127.0.0.1) holds at most its share of the generation places; the place a
+/// closed session held comes back to it.
+#[test]
+fn a_peer_holds_at_most_its_share_of_generation_sessions() {
+    use cleave_client::GenerateLink;
+    use cleave_server::GenerationOptions;
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let n = bundle.manifest().generation.as_ref().unwrap().stages.len() as u32;
+    runtime().block_on(async {
+        let dir = bundle.dir().to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let options = GenerationOptions { max_sessions: 8, max_sessions_per_peer: 1, ..GenerationOptions::default() };
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
+        })
+        .await
+        .unwrap();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let open = pb::OpenGeneration { start: 1, end: n, batch: 1, max_len: 16 };
+        let first = GenerateLink::open(&mut session, open).await.unwrap();
+        let (c, m) = refusal(GenerateLink::open(&mut session, open).await);
+        assert!(c == tonic::Code::ResourceExhausted && m.contains("127.0.0.1") && m.contains("generation.max_sessions_per_peer"), "{m}");
+        drop(first);
+        let mut reopened = None;
+        for _ in 0..100 {
+            if let Ok(link) = GenerateLink::open(&mut session, open).await {
+                reopened = Some(link);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert!(reopened.is_some(), "the place of a closed session comes back to its peer");
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// `limits.kv_cache_bytes` are refused, the embedding is never the server's, and what a
 /// session held is given back when its stream ends (metrics).
 #[test]

@@ -14,6 +14,8 @@ use cleave_common::config::{ConfigError, ConfigFile};
 pub(super) struct RawServerGeneration {
     #[serde(default)]
     max_sessions: Option<u32>,
+    #[serde(default)]
+    max_sessions_per_peer: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     session_idle_timeout: Option<Duration>,
     #[serde(default)]
@@ -27,6 +29,9 @@ pub(super) struct RawServerGeneration {
 pub struct GenerationOptions {
     /// Sessions open at once, on every model together; one more is refused RESOURCE_EXHAUSTED.
     pub max_sessions: u32,
+    /// Sessions one peer (an address, an IPv6 peer's /64) may hold at once: by default a
+    /// quarter of `max_sessions`, so that no one peer takes every place.
+    pub max_sessions_per_peer: u32,
     /// A session whose host sends nothing for this long is closed and its caches freed (a
     /// vanished host never keeps the cache budget from others).
     pub session_idle_timeout: Duration,
@@ -40,8 +45,19 @@ pub struct GenerationOptions {
 
 impl Default for GenerationOptions {
     fn default() -> Self {
-        Self { max_sessions: 64, session_idle_timeout: Duration::from_secs(300), max_batch: 16, max_wait: Duration::from_millis(2) }
+        Self {
+            max_sessions: 64,
+            max_sessions_per_peer: 16,
+            session_idle_timeout: Duration::from_secs(300),
+            max_batch: 16,
+            max_wait: Duration::from_millis(2),
+        }
     }
+}
+
+/// A quarter of `n`: one peer's default share.
+fn quarter(n: u32) -> u32 {
+    n / 4
 }
 
 /// The longest `generation.max_wait`: every token of every session may wait this long.
@@ -54,6 +70,7 @@ pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -
         None => d,
         Some(g) => GenerationOptions {
             max_sessions: g.max_sessions.unwrap_or(d.max_sessions),
+            max_sessions_per_peer: g.max_sessions_per_peer.unwrap_or_else(|| quarter(g.max_sessions.unwrap_or(d.max_sessions)).max(1)),
             session_idle_timeout: g.session_idle_timeout.unwrap_or(d.session_idle_timeout),
             max_batch: g.max_batch.unwrap_or(d.max_batch),
             max_wait: g.max_wait.unwrap_or(d.max_wait),
@@ -61,6 +78,9 @@ pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -
     };
     if options.max_sessions == 0 {
         return Err(file.invalid("generation.max_sessions", "must be positive"));
+    }
+    if options.max_sessions_per_peer == 0 {
+        return Err(file.invalid("generation.max_sessions_per_peer", "must be positive"));
     }
     if options.session_idle_timeout.is_zero() {
         return Err(file.invalid("generation.session_idle_timeout", "must be positive"));

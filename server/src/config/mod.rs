@@ -96,6 +96,7 @@ struct RawServerLimits {
     max_requests_per_stream: Option<u32>,
     memory_budget_bytes: Option<u64>,
     kv_cache_bytes: Option<u64>,
+    kv_cache_bytes_per_peer: Option<u64>,
     free_memory_kept_bytes: Option<u64>,
     #[serde(default, with = "humantime_serde")]
     budget_wait: Option<Duration>,
@@ -145,6 +146,7 @@ impl RawServerLimits {
             max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
             memory_budget_bytes: self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes),
             kv_cache_bytes: self.kv_cache_bytes.unwrap_or(p.kv_cache_bytes),
+            kv_cache_bytes_per_peer: self.kv_cache_bytes_per_peer.unwrap_or_else(|| self.kv_cache_bytes.unwrap_or(p.kv_cache_bytes) / 4),
             free_memory_kept_bytes: self.free_memory_kept_bytes.unwrap_or(p.free_memory_kept_bytes),
             budget_wait: self.budget_wait.unwrap_or(p.budget_wait),
             request_timeout: self.request_timeout.unwrap_or(p.request_timeout),
@@ -201,6 +203,9 @@ pub struct PeerLimits {
     /// own beside the memory budget (a session's caches live as long as the session, not a
     /// request): a session whose caches do not fit is refused RESOURCE_EXHAUSTED.
     pub kv_cache_bytes: u64,
+    /// Of them, what one peer's sessions (an address, an IPv6 peer's /64) may hold: by default
+    /// a quarter, so that no one peer takes the whole budget.
+    pub kv_cache_bytes_per_peer: u64,
     /// Freed memory the allocator may keep for reuse beyond its low point: more (after a
     /// burst of peers' buffers) and it is given back to the system within a second
     /// (`allocator::Trimmer`). The stages' activations are reused from what it keeps.
@@ -266,6 +271,7 @@ impl Default for PeerLimits {
             // Holds the largest request of the default limits (1 GiB) as received and decoded.
             memory_budget_bytes: 9 << 28,
             kv_cache_bytes: 1 << 30,
+            kv_cache_bytes_per_peer: 1 << 28,
             // Above the activations a CPU stage chain frees and reuses on each request.
             free_memory_kept_bytes: 64 << 20,
             budget_wait: Duration::from_secs(2),
@@ -341,6 +347,7 @@ impl PeerLimits {
             ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
             ("limits.max_profile_repeats", u64::from(self.max_profile_repeats)),
             ("limits.kv_cache_bytes", self.kv_cache_bytes),
+            ("limits.kv_cache_bytes_per_peer", self.kv_cache_bytes_per_peer),
             ("limits.metrics_max_connections", u64::from(self.metrics_endpoint.max_connections)),
             ("limits.metrics_timeout", self.metrics_endpoint.timeout.as_millis() as u64),
         ];
@@ -766,6 +773,7 @@ mod tests {
             max_requests_per_stream: 5,
             memory_budget_bytes: 3 << 30,
             kv_cache_bytes: 65536,
+            kv_cache_bytes_per_peer: 16384,
             free_memory_kept_bytes: 1 << 20,
             budget_wait: Duration::from_millis(250),
             request_timeout: Duration::from_secs(7),
@@ -793,11 +801,18 @@ mod tests {
         assert_eq!(c.training.client_wait_timeout, Duration::from_secs(7));
         assert_eq!(c.generation, GenerationOptions::default());
         let c = load("listen: 127.0.0.1:1\ngeneration: {max_sessions: 3, session_idle_timeout: 20s, max_batch: 4, max_wait: 2ms}\n").unwrap();
-        let want =
-            GenerationOptions { max_sessions: 3, session_idle_timeout: Duration::from_secs(20), max_batch: 4, max_wait: Duration::from_millis(2) };
+        let want = GenerationOptions {
+            max_sessions: 3,
+            max_sessions_per_peer: 1,
+            session_idle_timeout: Duration::from_secs(20),
+            max_batch: 4,
+            max_wait: Duration::from_millis(2),
+        };
         assert_eq!(c.generation, want);
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
+            ("limits: {kv_cache_bytes_per_peer: 0}", "limits.kv_cache_bytes_per_peer", "must be positive"),
+            ("generation: {max_sessions_per_peer: 0}", "generation.max_sessions_per_peer", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
             ("limits: {handshake_timeout: 0s}", "limits.handshake_timeout", "must be positive"),
             ("limits: {max_handshaking_connections: 0}", "limits.max_handshaking_connections", "must be positive"),

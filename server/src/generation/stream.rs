@@ -21,6 +21,7 @@ use super::queue::{Ran, StepQueues};
 use super::sealing::StreamSeals;
 use super::session::{check_open, Answer, Session};
 use crate::budget::{MemoryBudget, Reservation};
+use crate::connections::PeerGroup;
 use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
 use crate::metrics::Metrics;
 use crate::models::Model;
@@ -31,6 +32,8 @@ use crate::unsent::Unsent;
 /// What one `Generate` stream needs.
 pub(crate) struct GenerateContext {
     pub(crate) model: Arc<Model>,
+    /// Who opens the session, for its share of places and caches.
+    pub(crate) peer: Option<PeerGroup>,
     pub(crate) generation: Generation,
     pub(crate) queues: StepQueues,
     pub(crate) metrics: Metrics,
@@ -81,7 +84,7 @@ pub(crate) async fn serve_stream(mut stream: OpenStream<pb::GenerateFrame, Gener
 async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, pb::GenerationOpened), RequestError> {
     let Some(generate_frame::Kind::Open(open)) = first.kind else { return Err(GenerationError::NotOpened.into()) };
     let asked = check_open(&ctx.model.bundle, &open)?;
-    let (admission, cache_bytes) = (ctx.generation.admit(ctx.model.bundle.id(), asked.range, asked.cache_bytes)?, asked.cache_bytes);
+    let (admission, cache_bytes) = (ctx.generation.admit(ctx.model.bundle.id(), asked.range, asked.cache_bytes, ctx.peer)?, asked.cache_bytes);
     let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
     let session = tokio::task::spawn_blocking(move || {
         catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked, admission))
