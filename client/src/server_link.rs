@@ -268,6 +268,8 @@ impl LinkTask {
                 }
                 Err(e) => {
                     tracing::warn!(server = %self.url, error = %e, "cannot reach the server");
+                    // (After a quiet end the link was still taking requests.)
+                    self.set_ready(false);
                     if let Some(job) = waiting.take() {
                         self.lose(job, &e.to_string());
                     }
