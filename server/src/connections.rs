@@ -78,6 +78,16 @@ pub(crate) enum Refusal {
     AddressShare(u32),
 }
 
+impl Refusal {
+    /// Its label in `cleave_connections_refused_total`.
+    fn reason(self) -> &'static str {
+        match self {
+            Self::Handshakes(_) => "handshakes",
+            Self::AddressShare(_) => "address_share",
+        }
+    }
+}
+
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -137,6 +147,14 @@ impl Connections {
     /// Tracks an accepted socket as handshaking, or says why it must be closed (dropping the
     /// socket closes it, so the peer learns at once instead of hanging in the backlog).
     pub(crate) fn admit(&self, io: TcpStream) -> Result<TrackedIo, Refusal> {
+        let admitted = self.track(io);
+        if let Err(refusal) = &admitted {
+            self.metrics.connection_refused(refusal.reason());
+        }
+        admitted
+    }
+
+    fn track(&self, io: TcpStream) -> Result<TrackedIo, Refusal> {
         let peer = io.peer_addr().ok().map(|a| PeerGroup::of(a.ip()));
         let share = match peer {
             Some(peer) => Some(AddressShares::take(&self.per_address, peer).ok_or(Refusal::AddressShare(self.per_address.max))?),

@@ -42,6 +42,7 @@ mod error;
 mod generation;
 mod health;
 mod infer;
+mod log_every;
 pub mod metrics;
 mod models;
 mod payloads;
@@ -322,15 +323,22 @@ impl DeviceFaults {
     }
 }
 
+/// Sockets closed at once are logged at most once this often (all counted in
+/// `cleave_connections_refused_total`).
+const REFUSED_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The accepted connections: Nagle's algorithm off on each (small messages, a training
 /// step's gradient say, must not wait for delayed ACKs), one past
-/// `limits.max_handshaking_connections` or its address's share closed at once, and a failed accept (out of file descriptors, say) waiting a moment before
+/// `limits.max_handshaking_connections` or its address's share closed at once (the oldest
+/// handshaking one gives way first), and a failed accept (out of file descriptors, say) waiting a moment before
 /// the next: tonic goes on accepting after an error, and retrying at once would spin a core
 /// while the descriptors stay taken.
 fn accept(
     listener: TcpListener,
     connections: Arc<connections::Connections>,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<connections::TrackedIo>> {
+    // A flood of sockets would write a line each.
+    let mut refused = log_every::LogEvery::new(REFUSED_LOG_EVERY);
     TcpListenerStream::new(listener)
         .then(|stream| async move {
             match stream {
@@ -348,7 +356,9 @@ fn accept(
                 match connections.admit(stream) {
                     Ok(tracked) => Some(Ok(tracked)),
                     Err(refusal) => {
-                        tracing::warn!(?peer, "a connection closed at once: {refusal}");
+                        if let Some(unlogged) = refused.came(std::time::Instant::now()) {
+                            tracing::warn!(?peer, unlogged, "a connection closed at once: {refusal} (`cleave_connections_refused_total`)");
+                        }
                         None
                     }
                 }

@@ -46,6 +46,11 @@ struct BudgetLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeviceLabel {
     device: String,
 }
@@ -93,6 +98,7 @@ struct Inner {
     abandoned: Family<AbandonedLabels, Counter>,
     answer_timeouts: Counter,
     handshakes_given_way: Counter,
+    connections_refused: Family<ReasonLabel, Counter>,
     device_failures: Family<DeviceLabel, Counter>,
     device_restarts: Family<DeviceLabel, Counter>,
     training_sessions: Gauge,
@@ -184,6 +190,12 @@ impl Metrics {
                 "Handshaking connections closed to make room for a newer one: every place under limits.max_handshaking_connections was taken",
                 Counter::default(),
             ),
+            connections_refused: registered(
+                r,
+                "connections_refused",
+                "Sockets closed as soon as they were accepted, by reason: address_share (limits.max_connections_per_address) or handshakes (limits.max_handshaking_connections, none could give way)",
+                Family::default(),
+            ),
             device_failures: registered(
                 r,
                 "device_failures",
@@ -254,6 +266,11 @@ impl Metrics {
     /// The oldest handshaking connection was closed to make room for a newer one.
     pub(crate) fn handshake_given_way(&self) {
         self.inner.handshakes_given_way.inc();
+    }
+
+    /// An accepted socket was closed at once, for `reason`.
+    pub(crate) fn connection_refused(&self, reason: &'static str) {
+        self.inner.connections_refused.get_or_create(&ReasonLabel { reason }).inc();
     }
 
     /// A device's scheduler thread died.

@@ -68,10 +68,33 @@ pub fn release_binary(name: &str) -> PathBuf {
     path
 }
 
+/// Sockets from `source` (an address of this machine, `127.0.0.2` say) to a server, each
+/// saying nothing and opened again as soon as the server closes it, on a thread of their own.
+pub struct Flood {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl Flood {
+    /// Starts `sockets` of them to `server`.
+    pub fn start(server: std::net::SocketAddr, source: std::net::IpAddr, sockets: usize) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = reopen_flood(server, source, sockets, std::sync::Arc::clone(&stop));
+        Self { stop, thread }
+    }
+
+    /// Stops it; how many sockets it opened in all.
+    pub async fn stop(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let thread = self.thread;
+        tokio::task::spawn_blocking(move || thread.join().expect("the flood's thread")).await.expect("joined")
+    }
+}
+
 /// `sockets` sockets from `source` (an address of this machine, `127.0.0.2` say) to `server`,
 /// each saying nothing and opened again as soon as the server closes it, on a thread of their
 /// own until `stop`; the thread returns how many were opened in all.
-pub fn reopen_flood(
+fn reopen_flood(
     server: std::net::SocketAddr,
     source: std::net::IpAddr,
     sockets: usize,

@@ -12,7 +12,7 @@ use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec};
 use cleave_host::LoopbackServer;
 use cleave_server::{PeerLimits, PreparedServer, TrainingOptions};
-use cleave_tests::{bundle_dir, metric_sample, parse_metrics, reopen_flood};
+use cleave_tests::{bundle_dir, metric_sample, parse_metrics, Flood};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -414,7 +414,9 @@ fn connections_holding_silent_streams_from_one_address_take_only_its_share_and_c
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let peers = PeerLimits::default();
     runtime().block_on(async {
-        let (server, _) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let server = prepared(&bundle, Limits::default(), peers).await;
+        let metrics = server.metrics();
+        let server = LoopbackServer::serve(server).await.unwrap();
         // As many connections from 127.0.0.2 as `max_connections` (256), each holding an
         // `Infer` stream that sends nothing: its share (a quarter) is held, the rest closed.
         let mut held = Vec::new();
@@ -424,6 +426,9 @@ fn connections_holding_silent_streams_from_one_address_take_only_its_share_and_c
             }
         }
         assert_eq!((held.len() as u32, peers.max_connections_per_address), (peers.max_connections / 4, 64));
+        // Each connection refused (a client may try its socket more than once) is counted.
+        let refused = metric(&metrics, "cleave_connections_refused_total", &[("reason", "address_share")]);
+        assert!(refused >= 192.0, "{refused} refusals counted for 192 connections refused");
         for _ in 0..3 {
             info_call(server.url.clone()).await.expect("a caller on 127.0.0.1 is served beside them");
         }
@@ -437,16 +442,13 @@ fn a_caller_is_served_while_600_silent_sockets_from_one_address_are_reopened_as_
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let (server, _) = serve(&bundle, Limits::default(), PeerLimits::default(), TrainingOptions::default()).await;
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let addr = server.url.trim_start_matches("http://").parse().unwrap();
-        let flood = reopen_flood(addr, "127.0.0.2".parse().unwrap(), 600, std::sync::Arc::clone(&stop));
+        let flood = Flood::start(server.url.trim_start_matches("http://").parse().unwrap(), "127.0.0.2".parse().unwrap(), 600);
         tokio::time::sleep(Duration::from_millis(300)).await;
         for call in 0..5 {
             let served = tokio::time::timeout(Duration::from_secs(10), info_call(server.url.clone())).await;
             served.unwrap_or_else(|_| panic!("call {call} hung")).unwrap_or_else(|e| panic!("call {call} refused: {e}"));
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let opened = tokio::task::spawn_blocking(move || flood.join().unwrap()).await.unwrap();
+        let opened = flood.stop().await;
         assert!(opened > 600, "the flood opened its sockets again as they closed: {opened} in all");
         server.shutdown().await.unwrap();
     });

@@ -14,7 +14,7 @@ use cleave_host::config::{EdgeConfig, InputSource};
 use cleave_host::inputs::Inputs;
 use cleave_host::{LoopbackServer, RequestFailure};
 use cleave_server::write_dev_secrets;
-use cleave_tests::{bundle_dir, reopen_flood};
+use cleave_tests::{bundle_dir, Flood};
 use prost::Message;
 use tokio_stream::StreamExt;
 
@@ -159,18 +159,15 @@ fn a_tls_host_is_served_while_600_silent_sockets_from_one_address_are_reopened_a
     let (server_security, edge) = secured_pair(secrets.path());
     runtime().block_on(async {
         let server = LoopbackServer::start_secured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), server_security).await.unwrap();
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let addr = server.url.trim_start_matches("https://").parse().unwrap();
         // Sockets that never start their TLS handshake, from 127.0.0.2.
-        let flood = reopen_flood(addr, "127.0.0.2".parse().unwrap(), 600, std::sync::Arc::clone(&stop));
+        let flood = Flood::start(server.url.trim_start_matches("https://").parse().unwrap(), "127.0.0.2".parse().unwrap(), 600);
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         for run in 0..3 {
             let hosted = tokio::time::timeout(std::time::Duration::from_secs(20), run_host(&server.url, &bundle, 3, Codec::RAW, &edge, 2)).await;
             let outcomes = hosted.unwrap_or_else(|_| panic!("run {run} hung")).unwrap_or_else(|e| panic!("run {run} failed: {e}"));
             assert!(outcomes.iter().all(|(_, o)| o.is_ok()), "run {run}: {outcomes:?}");
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let opened = tokio::task::spawn_blocking(move || flood.join().unwrap()).await.unwrap();
+        let opened = flood.stop().await;
         assert!(opened > 600, "the flood opened its sockets again as they closed: {opened} in all");
         server.shutdown().await.unwrap();
     });

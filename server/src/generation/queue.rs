@@ -20,6 +20,7 @@ use super::session::{run_together, Answer, Checked, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::config::GenerationOptions;
 use crate::error::{catch_panic, lock, RequestError};
+use crate::log_every::LogEvery;
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::scheduler::DeviceScheduler;
@@ -82,32 +83,12 @@ struct Worker {
     device: DeviceScheduler,
     index: usize,
     /// Its batches that failed, for a log line at most every [`FAILED_BATCH_LOG_EVERY`].
-    failures: Arc<Mutex<FailedBatches>>,
+    failures: Arc<Mutex<LogEvery>>,
 }
 
 /// A failed batch of a model is logged at most once this often: a peer can make each of its
 /// batches fail (steps whose logits rank nothing), and a line each would flood the log.
 const FAILED_BATCH_LOG_EVERY: Duration = Duration::from_secs(10);
-
-/// A model's failed batches since the last one logged.
-#[derive(Debug, Default)]
-struct FailedBatches {
-    logged_at: Option<Instant>,
-    unlogged: u64,
-}
-
-impl FailedBatches {
-    /// A batch failed at `now`: `Some(n)` when it is to be logged, `n` failures not logged since
-    /// the last line; `None` when it is counted for the next.
-    fn failed(&mut self, now: Instant) -> Option<u64> {
-        if self.logged_at.is_some_and(|at| now.duration_since(at) < FAILED_BATCH_LOG_EVERY) {
-            self.unlogged += 1;
-            return None;
-        }
-        self.logged_at = Some(now);
-        Some(std::mem::take(&mut self.unlogged))
-    }
-}
 
 /// What a step's rows are to the scheduler.
 const TASK: &str = "generate";
@@ -146,7 +127,7 @@ impl StepQueues {
                     label: label.to_string(),
                     device: model.scheduler.clone(),
                     index: model.index,
-                    failures: Arc::default(),
+                    failures: Arc::new(Mutex::new(LogEvery::new(FAILED_BATCH_LOG_EVERY))),
                 };
                 tokio::spawn(worker.serve(queued));
                 queues.insert(label.to_string(), jobs.clone());
@@ -278,7 +259,7 @@ impl Ready {
 /// to send once the device has counted the batch. Steps that pass their checks run as one
 /// batch where `together` (room for the merged caches) and there are more than one, else each
 /// alone.
-fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str, failures: &Mutex<FailedBatches>) -> Vec<(oneshot::Sender<Ran>, Ran)> {
+fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str, failures: &Mutex<LogEvery>) -> Vec<(oneshot::Sender<Ran>, Ran)> {
     let (mut ready, mut replies, mut answers) = (Vec::with_capacity(batch.len()), Vec::with_capacity(batch.len()), Vec::new());
     for Job { session, step, answer_limit, reply, .. } in batch {
         match check(session, &step, answer_limit) {
@@ -299,7 +280,7 @@ fn run_batch(batch: Vec<Job>, together: bool, metrics: &Metrics, label: &str, fa
 }
 
 /// Runs `ready` as one batch; where that fails (before any session changed), each alone.
-fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str, failures: &Mutex<FailedBatches>) -> Vec<Ran> {
+fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str, failures: &Mutex<LogEvery>) -> Vec<Ran> {
     let started = Instant::now();
     let ran = {
         let mut steps: Vec<(&mut Session, &Checked)> = ready.iter_mut().map(|r| (&mut r.session, &r.step)).collect();
@@ -312,27 +293,10 @@ fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str, 
             ready.into_iter().zip(outputs).map(|(r, output)| Ran { session: r.session, output: Ok(output), decode: r.decode, compute }).collect()
         }
         Err(e) => {
-            if let Some(unlogged) = lock(failures).failed(Instant::now()) {
+            if let Some(unlogged) = lock(failures).came(Instant::now()) {
                 tracing::warn!(error = %e, sessions = ready.len(), unlogged, "a batch of generation steps failed; each runs alone");
             }
             ready.into_iter().map(Ready::run_alone).collect()
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn failed_batches_are_logged_at_most_once_every_ten_seconds_with_the_rest_counted() {
-        let t0 = Instant::now();
-        let mut failures = FailedBatches::default();
-        assert_eq!(failures.failed(t0), Some(0), "the first is logged");
-        for ms in [1, 500, 9_999] {
-            assert_eq!(failures.failed(t0 + Duration::from_millis(ms)), None);
-        }
-        assert_eq!(failures.failed(t0 + FAILED_BATCH_LOG_EVERY), Some(3), "the next line counts those not logged");
-        assert_eq!(failures.failed(t0 + FAILED_BATCH_LOG_EVERY + Duration::from_secs(1)), None);
     }
 }
