@@ -404,7 +404,7 @@ impl LinkTask {
             }
             let oldest = sent_at.values().min().map(|t| *t.max(&progress));
             let stalled_at = oldest.map(|t| tokio::time::Instant::from_std(t) + timeout);
-            let given_up_at = (!serving).then(|| tokio::time::Instant::from_std(not_serving_since.max(progress)) + timeout);
+            let not_serving_until = (!serving).then(|| tokio::time::Instant::from_std(not_serving_since.max(progress)) + timeout);
             tokio::select! {
                 job = self.jobs.recv(), if !closing => {
                     let Some(job) = job else {
@@ -433,7 +433,7 @@ impl LinkTask {
                     let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });
                 }
                 () = sleep_until(stalled_at) => return (Some(StreamError::Stalled(timeout)), answered),
-                () = sleep_until(given_up_at) => return (Some(StreamError::NotServing(timeout)), answered),
+                () = sleep_until(not_serving_until) => return (Some(StreamError::NotServing(timeout)), answered),
                 status = next_status(&mut statuses) => {
                     // A health stream that ends leaves the stream alone to tell: serving.
                     let now_serving = status.is_none_or(|s| s == ServingStatus::Serving);

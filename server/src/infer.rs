@@ -160,8 +160,9 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 reader.renew();
                 continue;
             }
-            // A request was answered since: the stream is idle from then.
-            Next::Idle if reader.renew_from(slots.freed_at()) => continue,
+            // A request was answered since the stream was last active: it has another idle
+            // period from now (`next` starts one).
+            Next::Idle if slots.freed_at() > reader.active_at() => continue,
             Next::Idle => {
                 // (A request part-way in has its own deadline, which comes first: Stalled.)
                 tracing::debug!("ending an Infer stream with no request in progress (`limits.idle_stream_timeout`)");

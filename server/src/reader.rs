@@ -66,11 +66,9 @@ where
         self.active_at = Instant::now();
     }
 
-    /// The stream did work at `at`: true when that is later than what it last did.
-    pub(crate) fn renew_from(&mut self, at: Instant) -> bool {
-        let later = at > self.active_at;
-        self.active_at = self.active_at.max(at);
-        later
+    /// When the stream last counted as active (its idle timeout runs from then).
+    pub(crate) fn active_at(&self) -> Instant {
+        self.active_at
     }
 
     /// Waits for what comes first: the server draining, `answers_gone` (the response
