@@ -95,6 +95,40 @@ impl RetryPolicy {
             .build();
         Backoff { waits, max: self.max_backoff }
     }
+
+    /// Runs `call` on a session that lives on the server (training, generation) and goes on
+    /// over a new connection when its link breaks: when `call` fails with an error that
+    /// `resumable` says a new connection can mend, `resume` continues the session on one and
+    /// `call` is sent again, at most `max_attempts` sends in all. A `resume` that fails for
+    /// such a reason is tried again after a backoff, each try counted as a send.
+    pub async fn resuming<S, T, E: std::fmt::Display>(
+        &self,
+        session: &mut S,
+        resumable: impl Fn(&E) -> bool,
+        mut call: impl AsyncFnMut(&mut S) -> Result<T, E>,
+        mut resume: impl AsyncFnMut(&mut S) -> Result<(), E>,
+    ) -> Result<T, E> {
+        let mut backoff = self.backoff();
+        let mut attempts = 1;
+        loop {
+            let mut error = match call(session).await {
+                Err(e) if resumable(&e) && attempts < self.max_attempts => e,
+                done => return done,
+            };
+            loop {
+                attempts += 1;
+                tracing::warn!(%error, attempt = attempts, of = self.max_attempts, "the link broke: continuing the session on a new connection");
+                match resume(session).await {
+                    Ok(()) => break,
+                    Err(e) if resumable(&e) && attempts < self.max_attempts => {
+                        error = e;
+                        tokio::time::sleep(backoff.next().unwrap_or(self.max_backoff)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
 }
 
 impl Default for RetryPolicy {
@@ -129,6 +163,62 @@ mod tests {
         assert_eq!(url_host("https://gpu.example").as_deref(), Some("gpu.example"));
         assert_eq!(url_host("https://[::1]:50051").as_deref(), Some("::1"));
         assert_eq!(url_host("gpu.example:50051"), None);
+    }
+
+    /// A session whose link breaks `breaks` times, and whose resumes fail `resume_fails` times.
+    #[derive(Default)]
+    struct Session {
+        breaks: u32,
+        resume_fails: u32,
+        sends: u32,
+        resumes: u32,
+    }
+
+    fn run(retry: RetryPolicy, session: &mut Session, lasting_resume: bool) -> Result<u32, String> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let resumable = |e: &String| e.starts_with("lost");
+        let call = async |s: &mut Session| {
+            s.sends += 1;
+            if s.breaks > 0 {
+                s.breaks -= 1;
+                return Err("lost: the stream broke".to_string());
+            }
+            Ok(s.sends)
+        };
+        let resume = async |s: &mut Session| {
+            s.resumes += 1;
+            match s.resume_fails {
+                0 => Ok(()),
+                _ if lasting_resume => Err("refused: another bundle".to_string()),
+                _ => {
+                    s.resume_fails -= 1;
+                    Err("lost: no server".to_string())
+                }
+            }
+        };
+        runtime.block_on(retry.resuming(session, resumable, call, resume))
+    }
+
+    #[test]
+    fn a_session_is_resumed_and_its_call_sent_again_at_most_max_attempts_sends_in_all() {
+        let retry = RetryPolicy { max_attempts: 4, max_backoff: Duration::from_millis(1) };
+        let mut s = Session { breaks: 2, ..Session::default() };
+        assert_eq!(run(retry, &mut s, false), Ok(3), "answered on the third send");
+        assert_eq!((s.sends, s.resumes), (3, 2));
+        // A resume that fails for a reason a new connection can mend counts as a send.
+        let mut s = Session { breaks: 1, resume_fails: 1, ..Session::default() };
+        assert_eq!(run(retry, &mut s, false), Ok(2));
+        assert_eq!((s.sends, s.resumes), (2, 2));
+        let mut s = Session { breaks: 10, ..Session::default() };
+        assert_eq!(run(retry, &mut s, false), Err("lost: the stream broke".to_string()));
+        assert_eq!((s.sends, s.resumes), (4, 3), "4 sends, the last error returned");
+        let mut s = Session { breaks: 1, resume_fails: 10, ..Session::default() };
+        assert_eq!(run(retry, &mut s, false), Err("lost: no server".to_string()));
+        assert_eq!((s.sends, s.resumes), (1, 3), "every resume counted");
+        // One that a new connection cannot mend ends it at once.
+        let mut s = Session { breaks: 1, resume_fails: 1, ..Session::default() };
+        assert_eq!(run(retry, &mut s, true), Err("refused: another bundle".to_string()));
+        assert_eq!((s.sends, s.resumes), (1, 1));
     }
 
     #[test]

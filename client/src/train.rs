@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
+use tracing::Instrument;
 
 use crate::error::{Breach, LinkError, LinkLost, Refusal};
 use crate::link::RetryPolicy;
@@ -204,21 +205,24 @@ impl TrainLink {
     /// Asks the server to write its checkpoint `name`; returns the step it holds.
     pub fn save(&mut self, name: &str) -> Result<u64> {
         let id = self.take_id();
-        self.reattaching(|link| link.try_save(id, name))
+        let kind = train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() });
+        Ok(self.message(id, kind)?.saved.ok_or(Breach::NotSaved)?.step)
     }
 
     /// With clipping: what the gradients of the step just answered are multiplied by; the
     /// server scales its own and takes the step. Returns the steps it has taken.
     pub fn clip_step(&mut self, coefficient: f32) -> Result<u64> {
         let id = self.take_id();
-        self.reattaching(|link| link.try_clip_step(id, coefficient))
+        let kind = train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient });
+        Ok(self.message(id, kind)?.stepped.ok_or(Breach::NotStepped)?.step)
     }
 
     /// In a client group: this edge's steps of the round are taken; returns once every edge
     /// of the group has ended the round, with the rounds ended.
     pub fn end_round(&mut self) -> Result<u64> {
         let id = self.take_id();
-        self.reattaching(|link| link.try_end_round(id))
+        let kind = train_frame::Kind::EndRound(pb::EndRound { request_id: id });
+        Ok(self.message(id, kind)?.round_ended.ok_or(Breach::RoundNotEnded)?.round)
     }
 
     /// In a `splitfed` group: [`Self::end_round`] with this edge's weights; answers the
@@ -241,76 +245,38 @@ impl TrainLink {
     }
 
     /// Runs `call` (one attempt of a call under its id); when the link broke, continues the
-    /// session on a new connection and tries again, up to `retry.max_attempts` times.
-    fn reattaching<T>(&mut self, mut call: impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
-        let mut attempts = 1;
-        loop {
-            match call(self) {
-                Err(LinkError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
-                    attempts += 1;
-                    tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
-                    match self.reattach_session() {
-                        // Lost again while continuing: the call fails at once on the old link,
-                        // and the next attempt continues the session again.
-                        Ok(()) | Err(LinkError::Lost(_)) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                other => return other,
-            }
-        }
+    /// session on a new connection, sends every call in flight again and tries again, as
+    /// [`RetryPolicy::resuming`] rules.
+    fn resuming<T>(&mut self, call: impl AsyncFnMut(&mut Self) -> Result<T>) -> Result<T> {
+        let (runtime, retry) = (self.runtime.clone(), self.reconnect.retry);
+        runtime.block_on(retry.resuming(self, reattachable, call, Self::reattach))
     }
 
-    /// Connects again and continues the session on a new stream.
-    fn reattach_session(&mut self) -> Result<()> {
-        let (r, old) = (&self.reconnect, &self.session);
+    /// Connects again, continues the session on a new stream and sends every call in flight
+    /// on it under its id (the server answers those it had run from memory).
+    async fn reattach(&mut self) -> Result<()> {
+        tracing::info!(session = %self.reattach.session_id, "continuing the training session on a new connection");
+        let mut session = connect_retrying(&self.session.url, &self.reconnect.bundle, &self.session.link, &self.reconnect.retry).await?;
         let open = pb::OpenSession { reattach: Some(self.reattach.clone()), ..Default::default() };
-        let (session, frames, replies) = self.runtime.block_on(async {
-            let mut session = connect_retrying(&old.url, &r.bundle, &old.link, &r.retry).await?;
-            // The server may not have noticed yet that the old stream broke: it says so, and
-            // the session is asked for again a little later, up to `retry.max_attempts` times
-            // (a server that restarted, or a session closed meanwhile, answers the same).
-            let mut backoff = r.retry.backoff();
-            let mut asked = 1;
-            loop {
-                match open_stream(&mut session, open.clone()).await {
-                    Ok((frames, replies, _)) => return Ok((session, frames, replies)),
-                    Err(LinkError::Refused(Refusal::Call { message, .. }))
-                        if message.contains(SESSION_NOT_WAITING) && asked < r.retry.max_attempts =>
-                    {
-                        asked += 1;
-                        tokio::time::sleep(backoff.next().unwrap_or(r.retry.max_backoff)).await;
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        })?;
+        let (frames, replies, _) = open_stream(&mut session, open).await?;
         (self.session, self.frames, self.replies) = (session, frames, replies);
         (self.results, self.gradient_results) = self.answers.new_pair();
+        self.broken = false;
+        let calls: Vec<InFlight> = self.in_flight.iter().map(InFlight::shallow_clone).collect();
+        for call in &calls {
+            self.send_call(call).await?;
+        }
         Ok(())
     }
 
-    fn try_clip_step(&mut self, id: u64, coefficient: f32) -> Result<u64> {
-        let reply = self.try_message(id, train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient }))?;
-        Ok(reply.stepped.ok_or(Breach::NotStepped)?.step)
-    }
-
-    fn try_end_round(&mut self, id: u64) -> Result<u64> {
-        let reply = self.try_message(id, train_frame::Kind::EndRound(pb::EndRound { request_id: id }))?;
-        Ok(reply.round_ended.ok_or(Breach::RoundNotEnded)?.round)
-    }
-
-    fn try_save(&mut self, id: u64, name: &str) -> Result<u64> {
-        let reply = self.try_message(id, train_frame::Kind::Save(pb::SaveCheckpoint { request_id: id, name: name.to_string() }))?;
-        Ok(reply.saved.ok_or(Breach::NotSaved)?.step)
-    }
-
-    /// One attempt of a call `id` that is one message each way (no payload).
-    fn try_message(&mut self, id: u64, kind: train_frame::Kind) -> Result<TrainReply> {
-        let (frames, replies) = (&self.frames, &mut self.replies);
-        self.runtime.block_on(async {
-            send(frames, replies, TrainFrame { kind: Some(kind) }).await?;
-            let reply = next_reply(replies).await?;
+    /// A call `id` that is one message each way (no payload).
+    fn message(&mut self, id: u64, kind: train_frame::Kind) -> Result<TrainReply> {
+        self.resuming(async |link| {
+            if link.broken {
+                return Err(closed());
+            }
+            send(&link.frames, &mut link.replies, TrainFrame { kind: Some(kind.clone()) }).await?;
+            let reply = next_reply(&mut link.replies).await?;
             check_id(&reply, id)?;
             Ok(reply)
         })
@@ -338,7 +304,7 @@ impl TrainLink {
     /// Sends a call without waiting for its answer ([`Self::next_answer`] takes the answers
     /// in order). A link found broken here is mended when the next answer is asked for.
     fn send(&mut self, call: InFlight) -> Result<()> {
-        let sent = if self.broken { Ok(()) } else { self.try_send(&call) };
+        let sent = if self.broken { Ok(()) } else { self.runtime.clone().block_on(self.send_call(&call)) };
         self.in_flight.push_back(call);
         match sent {
             Err(LinkError::Lost(_)) => {
@@ -350,44 +316,20 @@ impl TrainLink {
     }
 
     /// The answer to the oldest call in flight. When the link broke, continues the session
-    /// on a new connection and sends every call in flight again under its id (the server
-    /// answers those it had run from memory), up to `retry.max_attempts` times.
+    /// on a new connection (which sends every call in flight again) and waits again.
     fn next_answer(&mut self) -> Result<TrainAnswer> {
-        let mut attempts = 1;
-        loop {
-            let oldest = self.in_flight.front().map(InFlight::shallow_clone).ok_or(Breach::NothingInFlight)?;
-            let received = if self.broken { Err(closed()) } else { self.try_receive(&oldest) };
-            match received {
-                Err(LinkError::Lost(reason)) if attempts < self.reconnect.retry.max_attempts => {
-                    attempts += 1;
-                    tracing::warn!(session = %self.reattach.session_id, %reason, "the training link broke: continuing the session on a new connection");
-                    match self.reattach_session().and_then(|()| self.resend_in_flight()) {
-                        Ok(()) => self.broken = false,
-                        // Lost again while continuing: the next attempt continues it again.
-                        Err(LinkError::Lost(_)) => self.broken = true,
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(answer) => {
-                    self.in_flight.pop_front();
-                    return Ok(answer);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    fn resend_in_flight(&mut self) -> Result<()> {
-        let calls: Vec<InFlight> = self.in_flight.iter().map(InFlight::shallow_clone).collect();
-        calls.iter().try_for_each(|call| self.try_send(call))
+        let oldest = self.in_flight.front().map(InFlight::shallow_clone).ok_or(Breach::NothingInFlight)?;
+        let answer = self.resuming(async |link| if link.broken { Err(closed()) } else { link.receive(&oldest).await })?;
+        self.in_flight.pop_front();
+        Ok(answer)
     }
 
     /// Encodes a call and hands its frames to the stream.
-    fn try_send(&mut self, call: &InFlight) -> Result<()> {
+    async fn send_call(&mut self, call: &InFlight) -> Result<()> {
         let (direction, split) = call.to;
-        let span = tracing::debug_span!("train_call", phase = ?call.phase, request_id = call.id).entered();
+        let span = tracing::debug_span!("train_call", phase = ?call.phase, request_id = call.id);
         let sender = if direction == Direction::Gradient { &mut self.gradients } else { &mut self.boundaries };
-        let encoded = sender.encode(PayloadMeta { request_id: call.id, split, direction }, &self.codec, &call.boundary)?;
+        let encoded = span.in_scope(|| sender.encode(PayloadMeta { request_id: call.id, split, direction }, &self.codec, &call.boundary))?;
         let mut payload: Vec<pb::TrainPayloadFrame> = payload_frames(call.id, encoded.envelope, &encoded.data, self.chunk_bytes);
         if let Some(first) = payload.first_mut() {
             first.phase = call.phase as i32;
@@ -397,34 +339,44 @@ impl TrainLink {
             first.traceparent = cleave_common::telemetry::traceparent(&span).unwrap_or_default();
         }
         let (frames, replies) = (&self.frames, &mut self.replies);
-        self.runtime.block_on(async {
+        async {
             for frame in payload {
                 send(frames, replies, TrainFrame { kind: Some(train_frame::Kind::Payload(frame)) }).await?;
             }
             Ok(())
-        })
+        }
+        .instrument(span)
+        .await
     }
 
     /// Receives the answer to `call`, the next one on the stream.
-    fn try_receive(&mut self, call: &InFlight) -> Result<TrainAnswer> {
+    async fn receive(&mut self, call: &InFlight) -> Result<TrainAnswer> {
         let (id, expect) = (call.id, call.expect);
         let receiver = if expect.0 == Direction::Gradient { &mut self.gradient_results } else { &mut self.results };
-        let replies = &mut self.replies;
-        let (received, loss, norms) = self.runtime.block_on(async {
-            let mut answer = FrameAssembler::default();
-            loop {
-                let reply = next_reply(replies).await?;
-                check_id(&reply, id)?;
-                let assembled = answer.push(&reply, |r| receiver.start(r.request_id, &r.header).map(|a| (a, ()))).map_err(|(_, e)| e)?;
-                if let Some((assembly, ())) = assembled {
-                    return Ok::<_, LinkError>((receiver.finish(assembly)?, reply.loss, reply.grad_norms));
-                }
+        let mut answer = FrameAssembler::default();
+        let (received, loss, norms) = loop {
+            let reply = next_reply(&mut self.replies).await?;
+            check_id(&reply, id)?;
+            let assembled = answer.push(&reply, |r| receiver.start(r.request_id, &r.header).map(|a| (a, ()))).map_err(|(_, e)| e)?;
+            if let Some((assembly, ())) = assembled {
+                break (receiver.finish(assembly)?, reply.loss, reply.grad_norms);
             }
-        })?;
+        };
         if received.split != expect.1 {
             return Err(Breach::WrongCut { got: received.split, expected: expect.1 }.into());
         }
         Ok(TrainAnswer { boundary: received.boundary, loss, norms })
+    }
+}
+
+/// Whether a new connection can mend `error`: the link was lost, or the server has not yet
+/// noticed that the session's old stream broke (it is asked again a little later; a server
+/// that restarted, or a session closed meanwhile, answers the same).
+fn reattachable(error: &LinkError) -> bool {
+    match error {
+        LinkError::Lost(_) => true,
+        LinkError::Refused(Refusal::Call { message, .. }) => message.contains(SESSION_NOT_WAITING),
+        _ => false,
     }
 }
 

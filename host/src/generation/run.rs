@@ -156,25 +156,17 @@ pub async fn generate_on(bundle: &Bundle, servers: &Servers, options: &GenerateO
     let mut sampler = Sampler::new(options.sampling);
     let (mut tokens, mut times) = (Vec::new(), Vec::new());
     let mut input = Tensor::from_slice(&options.prompt).unsqueeze(0);
-    let mut lost_in_a_row = 0;
     loop {
         let started = Instant::now();
         let fed_before = generator.lengths()[0];
-        let scores = match generator.step_scores(&input, &[], true, options.sampling.candidates()).await {
-            Ok(scores) => scores,
-            Err(e) if session_lost(&e) && lost_in_a_row < servers.retry.max_attempts => {
-                lost_in_a_row += 1;
-                tracing::warn!(error = %e, tokens = tokens.len(), "the server's generation session is lost: giving its tokens to a server again");
-                resume(&mut generator, bundle, servers).await?;
-                // A prompt in several steps: the steps the lost server took are given again
-                // by the replay, the rest are sent again.
-                let taken = generator.lengths()[0] - fed_before;
-                input = input.narrow(1, taken, input.size()[1] - taken);
-                continue;
-            }
-            Err(e) => return Err(e),
+        let step = async |generator: &mut SplitGenerator| {
+            // After a resume, a prompt in several steps: the steps the lost server took were
+            // given again by the replay, the rest are sent again.
+            let taken = generator.lengths()[0] - fed_before;
+            let input = input.narrow(1, taken, input.size()[1] - taken);
+            generator.step_scores(&input, &[], true, options.sampling.candidates()).await
         };
-        lost_in_a_row = 0;
+        let scores = servers.retry.resuming(&mut generator, session_lost, step, async |g| resume(g, bundle, servers).await).await?;
         let token = sample(&mut sampler, scores).map_err(|e| invalid(e.to_string()))?;
         let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
         let server = generator.server_times();
@@ -210,15 +202,9 @@ fn sample(sampler: &mut Sampler, scores: Scores) -> std::result::Result<i64, tch
     })
 }
 
-/// Gives `generator`'s tokens to the first server of `servers` that answers, again until one
-/// takes them all (within the retry policy's attempts).
+/// Gives `generator`'s tokens to the first server of `servers` that answers.
 async fn resume(generator: &mut SplitGenerator, bundle: &Bundle, servers: &Servers) -> Result<()> {
-    let mut attempts = 1;
-    loop {
-        let mut session = connect_first(&servers.urls, bundle, &servers.link, &servers.retry).await?;
-        match generator.resume(&mut session).await {
-            Err(e) if session_lost(&e) && attempts < servers.retry.max_attempts => attempts += 1,
-            resumed => return resumed,
-        }
-    }
+    tracing::info!(tokens = generator.lengths()[0], "giving the generation's tokens to a server again");
+    let mut session = connect_first(&servers.urls, bundle, &servers.link, &servers.retry).await?;
+    generator.resume(&mut session).await
 }
