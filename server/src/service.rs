@@ -96,6 +96,7 @@ impl Service {
 
     async fn run_echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
         let unsent = unsent_of(&request);
+        let budget = self.budget.for_peer(connection_of(request.extensions()).and_then(|c| c.peer));
         // Only the size is kept: the payload, a slice of tonic's read buffer, goes now rather
         // than wait for room with the reply.
         let reply_bytes = request.into_inner().reply_bytes;
@@ -106,7 +107,7 @@ impl Service {
         }
         // A reply holds its bytes in the memory budget until they are written: peers that ask
         // and never read cannot pile replies up past it.
-        let mut held = self.budget.reserve(reply_bytes).await.map_err(RequestError::from)?;
+        let mut held = budget.reserve(reply_bytes).await.map_err(RequestError::from)?;
         let reply = pb::EchoReply { payload: Bytes::from(vec![0u8; reply_bytes as usize]) };
         unsent.hold(&reply, &mut held);
         Ok(answering(reply, unsent))
@@ -157,7 +158,7 @@ impl SplitInference for Service {
             max_payload_bytes: self.limits.max_payload_bytes,
             chunk_bytes: self.limits.chunk_bytes(),
             max_requests: self.peers.max_requests_per_stream as usize,
-            budget: self.budget.clone(),
+            budget: self.budget.for_peer(open.peer),
             draining: self.draining.clone(),
             window: session.map(|s| (self.window.clone(), s)),
             peer_gone: open.peer_gone.clone(),
@@ -186,7 +187,7 @@ impl SplitInference for Service {
             security: Arc::clone(&self.security),
             training: self.training.clone(),
             parking: self.parking.clone(),
-            budget: self.budget.clone(),
+            budget: self.budget.for_peer(open.peer),
             unsent: open.unsent.clone(),
         };
         self.open_stream(request, StreamKind::Train, context, crate::training::stream::serve_stream)
@@ -204,7 +205,7 @@ impl SplitInference for Service {
             keys: self.security.keys.clone(),
             sealing_required: self.security.policy.require_encryption,
             max_message_bytes: self.limits.max_message_bytes,
-            budget: self.budget.clone(),
+            budget: self.budget.for_peer(open.peer),
             unsent: open.unsent.clone(),
         };
         self.open_stream(request, StreamKind::Generate, context, crate::generation::stream::serve_stream)

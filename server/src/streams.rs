@@ -12,8 +12,8 @@ use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
-use crate::connections::PeerGroup;
 use crate::models::Model;
+use crate::peer::PeerGroup;
 use crate::reader::FrameReader;
 use crate::unsent::Unsent;
 

@@ -685,7 +685,14 @@ fn grpc_message(message: &impl prost::Message) -> Bytes {
 
 /// A raw HTTP/2 connection whose receive window is 0: it reads nothing the server sends.
 async fn never_reading(addr: &str) -> h2::client::SendRequest<Bytes> {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    never_reading_from("127.0.0.1", addr).await
+}
+
+/// [`never_reading`] from the address `source`.
+async fn never_reading_from(source: &str, addr: &str) -> h2::client::SendRequest<Bytes> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    let tcp = socket.connect(addr.parse().unwrap()).await.unwrap();
     let (h2, connection) = h2::client::Builder::new().initial_window_size(0).handshake::<_, Bytes>(tcp).await.unwrap();
     tokio::spawn(connection);
     h2
@@ -762,6 +769,85 @@ fn echo_replies_nobody_reads_hold_the_one_memory_budget_until_the_answer_timeout
         let back = client.echo(pb::EchoRequest { payload: Bytes::new(), reply_bytes }).await.unwrap().into_inner();
         assert_eq!(back.payload.len() as u64, reply_bytes);
         assert_eq!(budget.held_bytes(), 0, "a reply written gives its bytes back");
+        drop(unread);
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Echo replies of `reply_bytes` asked for by a peer at `source` that never reads them, until
+/// one is refused: how many were sent, and the refusal's `grpc-message`.
+async fn unread_echoes_from(source: &str, addr: &str, bundle: &Bundle, reply_bytes: u64) -> (Vec<http::Response<h2::RecvStream>>, String) {
+    let h2 = never_reading_from(source, addr).await;
+    let ask = grpc_message(&pb::EchoRequest { payload: Bytes::new(), reply_bytes });
+    let mut unread = Vec::new();
+    for _ in 0..31 {
+        let response = call_raw(h2.clone(), addr, "Echo", bundle, ask.clone(), true).await;
+        if let Some(status) = response.headers().get("grpc-status") {
+            assert_eq!(status, "8", "RESOURCE_EXHAUSTED");
+            let message = response.headers().get("grpc-message").map(|m| m.to_str().unwrap().to_string()).unwrap_or_default();
+            return (unread, message);
+        }
+        unread.push(response);
+    }
+    panic!("31 replies of {reply_bytes} bytes held for a peer that reads none");
+}
+
+#[test]
+fn slow_readers_and_stalled_requests_of_other_peers_hold_only_their_shares_and_a_caller_is_served() {
+    // Two peers spend the memory budget: 127.0.0.2 asks for Echo replies and never reads
+    // them, 127.0.0.3 opens streams that each send half a request and stall (their read
+    // buffers and reservations held). Each holds only its share (`memory_budget_bytes_per_peer`),
+    // so a host on 127.0.0.1 has every request answered. With a share as large as the
+    // budget, the slow reader alone takes all of it and the host is refused.
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let input = resnet_input(&bundle);
+    let raw = (input.tensor_bytes() as u64).div_ceil(1024) * 1024;
+    let limits = Limits { max_payload_bytes: raw, ..Limits::default() };
+    let reply_bytes = 1 << 20;
+    let share = 8 << 20;
+    let peers = PeerLimits {
+        memory_budget_bytes: 3 * share,
+        memory_budget_bytes_per_peer: share,
+        budget_wait: Duration::from_millis(300),
+        ..PeerLimits::default()
+    };
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let (unread, refusal) = unread_echoes_from("127.0.0.2", &addr, &bundle, reply_bytes).await;
+        assert_eq!(unread.len() as u64, share / reply_bytes, "its share of unread replies");
+        assert!(refusal.contains("127.0.0.2") && refusal.contains("memory_budget_bytes_per_peer"), "{refusal}");
+        let mut stalled = Vec::new();
+        for id in 0..8 {
+            let s = silent_stream_from("127.0.0.3", &server.url, &bundle).await.unwrap();
+            s.send(id, &input, 2, 1).await;
+            stalled.push(s);
+        }
+        // The stalled requests past 127.0.0.3's share wait the budget's wait, then are refused.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let held = budget.held_bytes();
+        assert!(held > share + raw && held <= 2 * share, "{held} bytes held by two peers of {share}-byte shares");
+        let mut caller = open_stream(&server.url, &bundle).await;
+        for id in 1..=4 {
+            caller.send(id, &input, 1, 1).await;
+            assert_eq!(caller.answer().await, (id, None), "the caller's request {id} is answered");
+        }
+        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        for _ in 0..3 {
+            let echoed = client.echo(pb::EchoRequest { payload: Bytes::new(), reply_bytes }).await.expect("the caller's echo is answered");
+            assert_eq!(echoed.into_inner().payload.len() as u64, reply_bytes);
+        }
+        drop((unread, stalled, caller));
+        server.shutdown().await.unwrap();
+
+        let one_share = PeerLimits { memory_budget_bytes_per_peer: 3 * share, ..peers };
+        let (server, _) = serve(&bundle, limits, one_share, TrainingOptions::default()).await;
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let (unread, _) = unread_echoes_from("127.0.0.2", &addr, &bundle, reply_bytes).await;
+        assert_eq!(unread.len() as u64, 3 * share / reply_bytes, "the whole budget");
+        let mut client = SplitInferenceClient::connect(server.url.clone()).await.unwrap();
+        let refused = client.echo(pb::EchoRequest { payload: Bytes::new(), reply_bytes }).await.unwrap_err();
+        assert!(refused.message().contains("`limits.memory_budget_bytes`"), "{}", refused.message());
         drop(unread);
         server.shutdown().await.unwrap();
     });

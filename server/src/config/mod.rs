@@ -95,6 +95,7 @@ struct RawServerLimits {
     max_streams_per_connection: Option<u32>,
     max_requests_per_stream: Option<u32>,
     memory_budget_bytes: Option<u64>,
+    memory_budget_bytes_per_peer: Option<u64>,
     kv_cache_bytes: Option<u64>,
     kv_cache_bytes_per_peer: Option<u64>,
     free_memory_kept_bytes: Option<u64>,
@@ -137,6 +138,7 @@ impl RawServerLimits {
         };
         let p = PeerLimits::fitting(&limits);
         let max_connections = self.max_connections.unwrap_or(p.max_connections);
+        let memory_budget_bytes = self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes);
         let peers = PeerLimits {
             max_connections,
             max_handshaking_connections: self.max_handshaking_connections.unwrap_or(p.max_handshaking_connections),
@@ -144,7 +146,8 @@ impl RawServerLimits {
             handshake_timeout: self.handshake_timeout.unwrap_or(p.handshake_timeout),
             max_streams_per_connection: self.max_streams_per_connection.unwrap_or(p.max_streams_per_connection),
             max_requests_per_stream: self.max_requests_per_stream.unwrap_or(p.max_requests_per_stream),
-            memory_budget_bytes: self.memory_budget_bytes.unwrap_or(p.memory_budget_bytes),
+            memory_budget_bytes,
+            memory_budget_bytes_per_peer: self.memory_budget_bytes_per_peer.unwrap_or(memory_budget_bytes / 4),
             kv_cache_bytes: self.kv_cache_bytes.unwrap_or(p.kv_cache_bytes),
             kv_cache_bytes_per_peer: self.kv_cache_bytes_per_peer.unwrap_or_else(|| self.kv_cache_bytes.unwrap_or(p.kv_cache_bytes) / 4),
             free_memory_kept_bytes: self.free_memory_kept_bytes.unwrap_or(p.free_memory_kept_bytes),
@@ -199,6 +202,11 @@ pub struct PeerLimits {
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
     /// they decode into), answers until written, and each `Infer` stream's read buffer.
     pub memory_budget_bytes: u64,
+    /// Of them, what one peer (an address, an IPv6 peer's /64) may hold: by default a quarter,
+    /// so that a peer that sends much and reads little waits for its own bytes, not others'.
+    /// A request larger than the share takes all of it, so a peer that holds nothing else may
+    /// still send the largest request the limits allow.
+    pub memory_budget_bytes_per_peer: u64,
     /// Bytes the key/value caches of every generation session hold together, a budget of its
     /// own beside the memory budget (a session's caches live as long as the session, not a
     /// request): a session whose caches do not fit is refused RESOURCE_EXHAUSTED.
@@ -270,6 +278,7 @@ impl Default for PeerLimits {
             max_requests_per_stream: 32,
             // Holds the largest request of the default limits (1 GiB) as received and decoded.
             memory_budget_bytes: 9 << 28,
+            memory_budget_bytes_per_peer: 9 << 26,
             kv_cache_bytes: 1 << 30,
             kv_cache_bytes_per_peer: 1 << 28,
             // Above the activations a CPU stage chain frees and reuses on each request.
@@ -326,7 +335,8 @@ impl PeerLimits {
     /// it holds.
     pub fn fitting(limits: &Limits) -> Self {
         let d = Self::default();
-        Self { memory_budget_bytes: d.memory_budget_bytes.max(largest_request_bytes(limits)), ..d }
+        let memory_budget_bytes = d.memory_budget_bytes.max(largest_request_bytes(limits));
+        Self { memory_budget_bytes, memory_budget_bytes_per_peer: memory_budget_bytes / 4, ..d }
     }
 
     /// Checks every limit against the request limits; an error names the key (under
@@ -346,6 +356,7 @@ impl PeerLimits {
             ("limits.keepalive_interval", self.keepalive_interval.as_millis() as u64),
             ("limits.keepalive_timeout", self.keepalive_timeout.as_millis() as u64),
             ("limits.max_profile_repeats", u64::from(self.max_profile_repeats)),
+            ("limits.memory_budget_bytes_per_peer", self.memory_budget_bytes_per_peer),
             ("limits.kv_cache_bytes", self.kv_cache_bytes),
             ("limits.kv_cache_bytes_per_peer", self.kv_cache_bytes_per_peer),
             ("limits.metrics_max_connections", u64::from(self.metrics_endpoint.max_connections)),
@@ -772,6 +783,8 @@ mod tests {
             max_streams_per_connection: 4,
             max_requests_per_stream: 5,
             memory_budget_bytes: 3 << 30,
+            // A quarter of the budget where the key is not set.
+            memory_budget_bytes_per_peer: 3 << 28,
             kv_cache_bytes: 65536,
             kv_cache_bytes_per_peer: 16384,
             free_memory_kept_bytes: 1 << 20,
@@ -812,6 +825,7 @@ mod tests {
         for (yaml, key, says) in [
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {kv_cache_bytes_per_peer: 0}", "limits.kv_cache_bytes_per_peer", "must be positive"),
+            ("limits: {memory_budget_bytes_per_peer: 0}", "limits.memory_budget_bytes_per_peer", "must be positive"),
             ("generation: {max_sessions_per_peer: 0}", "generation.max_sessions_per_peer", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
             ("limits: {handshake_timeout: 0s}", "limits.handshake_timeout", "must be positive"),

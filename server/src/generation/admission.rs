@@ -12,10 +12,10 @@ use cleave_common::generation::GenerationStages;
 use cleave_common::StageRange;
 
 use crate::config::GenerationOptions;
-use crate::connections::PeerGroup;
 use crate::error::{lock, GenerationError, RequestError};
 use crate::metrics::{Metrics, OpenGuard};
 use crate::models::Model;
+use crate::peer::PeerGroup;
 
 /// Places, cache budget and loaded stages; cheap to clone.
 #[derive(Clone)]
