@@ -234,6 +234,12 @@ pub(crate) enum Busy {
     /// Every training session place is taken.
     #[error("{open} training sessions are open, this server's most (`training.max_sessions`): try again when one closes")]
     Sessions { open: usize },
+    /// The peer holds its share of the training session places.
+    #[error(
+        "this peer ({peer}) holds {max} training sessions, its share (`training.max_sessions_per_peer`; a client group's \
+         sessions count once): close one, or try again later"
+    )]
+    PeerSessions { peer: String, max: u32 },
     /// The bundle has a session and the server keeps one per bundle.
     #[error(
         "bundle {bundle} is already being trained by session {holder} (open for {open_s} s, its host last heard from {heard_s} s \

@@ -188,6 +188,7 @@ impl SplitInference for Service {
             training: self.training.clone(),
             parking: self.parking.clone(),
             budget: self.budget.for_peer(open.peer),
+            peer: open.peer,
             unsent: open.unsent.clone(),
         };
         self.open_stream(request, StreamKind::Train, context, crate::training::stream::serve_stream)

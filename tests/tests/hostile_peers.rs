@@ -592,7 +592,13 @@ fn profiles_run_one_at_a_time_let_inference_by_and_stop_when_their_caller_goes()
 type TrainStream = (mpsc::Sender<TrainFrame>, tonic::Streaming<pb::TrainReply>);
 
 async fn open_session(url: &str, bundle: &Bundle) -> (TrainStream, pb::TrainReply) {
-    let mut client = SplitInferenceClient::connect(url.to_string()).await.unwrap();
+    open_session_from("127.0.0.1", url, bundle).await
+}
+
+/// [`open_session`] from the address `source`.
+async fn open_session_from(source: &str, url: &str, bundle: &Bundle) -> (TrainStream, pb::TrainReply) {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_string()).unwrap().local_address(Some(source.parse().unwrap()));
+    let mut client = SplitInferenceClient::new(endpoint.connect().await.unwrap());
     let open = pb::OpenSession {
         start: 7,
         end: 12,
@@ -614,16 +620,28 @@ async fn open_session(url: &str, bundle: &Bundle) -> (TrainStream, pb::TrainRepl
 #[test]
 fn an_idle_training_session_is_closed_and_sessions_are_capped() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
-    let options =
-        TrainingOptions { concurrent_sessions: true, max_sessions: 2, session_idle_timeout: Duration::from_secs(1), ..TrainingOptions::default() };
+    let options = TrainingOptions {
+        concurrent_sessions: true,
+        max_sessions: 3,
+        max_sessions_per_peer: 2,
+        session_idle_timeout: Duration::from_secs(1),
+        ..TrainingOptions::default()
+    };
     runtime().block_on(async {
         let (server, _) = serve(&bundle, Limits::default(), PeerLimits::default(), options).await;
         let (mut a, opened) = open_session(&server.url, &bundle).await;
         assert!(opened.opened.is_some(), "{opened:?}");
         let (_b, opened) = open_session(&server.url, &bundle).await;
         assert!(opened.opened.is_some(), "{opened:?}");
-        // A third is refused while two are open.
+        // A third from the same address is past its share; one from elsewhere takes the last place.
         let (_, refused) = open_session(&server.url, &bundle).await;
+        let e = refused.error.expect("refused");
+        assert_eq!(tonic::Code::from(e.code), tonic::Code::ResourceExhausted, "{}", e.message);
+        assert!(e.message.contains("(127.0.0.1)") && e.message.contains("`training.max_sessions_per_peer`"), "{}", e.message);
+        let (_elsewhere, opened) = open_session_from("127.0.0.2", &server.url, &bundle).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        // A fourth is refused while three are open.
+        let (_, refused) = open_session_from("127.0.0.3", &server.url, &bundle).await;
         let e = refused.error.expect("refused");
         assert_eq!(tonic::Code::from(e.code), tonic::Code::ResourceExhausted, "{}", e.message);
         assert!(e.message.contains("`training.max_sessions`"), "{}", e.message);

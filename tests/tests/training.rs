@@ -885,7 +885,8 @@ fn a_session_cannot_overwrite_another_session_s_checkpoints() {
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     runtime().block_on(async {
-        let options = TrainingOptions { concurrent_sessions: true, ..TrainingOptions::default() };
+        // Three sessions from this one address.
+        let options = TrainingOptions { concurrent_sessions: true, max_sessions_per_peer: 3, ..TrainingOptions::default() };
         let server = checkpointing_server(&bundle, dir.path(), options).await;
         let (mut a, opened_a) = open_session(&server.url, &bundle, open_digits(7, 12, "cross-entropy")).await;
         let ns_a = opened_a.opened.unwrap().namespace;
@@ -1347,7 +1348,14 @@ fn a_client_group_s_sessions_are_checked_share_the_bundle_and_wait_for_each_othe
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     runtime().block_on(async {
         let wait = std::time::Duration::from_secs(2);
-        let options = TrainingOptions { checkpoint_dir: None, max_sessions: 2, client_wait_timeout: wait, ..TrainingOptions::default() };
+        // Both edges are on one address, whose share is one place: a group's sessions take one.
+        let options = TrainingOptions {
+            checkpoint_dir: None,
+            max_sessions: 2,
+            max_sessions_per_peer: 1,
+            client_wait_timeout: wait,
+            ..TrainingOptions::default()
+        };
         let server =
             LoopbackServer::start_configured(bundle.dir(), DeviceSpec::Cpu, Limits::default(), ServerSecurity::default(), options).await.unwrap();
         let (mut a, opened) = open_session(&server.url, &bundle, open_in_group("sequential", 2, 0)).await;

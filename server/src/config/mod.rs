@@ -399,6 +399,8 @@ struct RawServerTraining {
     #[serde(default)]
     max_sessions: Option<u32>,
     #[serde(default)]
+    max_sessions_per_peer: Option<u32>,
+    #[serde(default)]
     max_checkpoints: Option<u32>,
     #[serde(default)]
     max_checkpoint_bytes: Option<u64>,
@@ -425,6 +427,10 @@ pub struct TrainingOptions {
     pub session_idle_timeout: Duration,
     /// Sessions open at once (with `concurrent_sessions`; otherwise one).
     pub max_sessions: u32,
+    /// Of them, what one peer (an address, an IPv6 peer's /64) may hold, a client group's
+    /// sessions counting once: by default half (at least one), so that no one peer takes
+    /// every place of the few there are.
+    pub max_sessions_per_peer: u32,
     /// Checkpoints one namespace may hold (overwriting one of them counts once).
     pub max_checkpoints: u32,
     /// Bytes on disk one namespace's checkpoints may hold together, the one being saved
@@ -458,6 +464,7 @@ impl Default for TrainingOptions {
             concurrent_sessions: false,
             session_idle_timeout: Duration::from_secs(600),
             max_sessions: 4,
+            max_sessions_per_peer: 2,
             max_checkpoints: 64,
             max_checkpoint_bytes: 4 << 30,
             max_checkpoint_bytes_total: 16 << 30,
@@ -605,6 +612,7 @@ fn training_options(file: &ConfigFile<'_>, raw: Option<RawServerTraining>) -> Re
             concurrent_sessions: t.concurrent_sessions,
             session_idle_timeout: t.session_idle_timeout.unwrap_or(d.session_idle_timeout),
             max_sessions: t.max_sessions.unwrap_or(d.max_sessions),
+            max_sessions_per_peer: t.max_sessions_per_peer.unwrap_or_else(|| (t.max_sessions.unwrap_or(d.max_sessions) / 2).max(1)),
             max_checkpoints: t.max_checkpoints.unwrap_or(d.max_checkpoints),
             max_checkpoint_bytes: t.max_checkpoint_bytes.unwrap_or(d.max_checkpoint_bytes),
             max_checkpoint_bytes_total: t.max_checkpoint_bytes_total.unwrap_or(d.max_checkpoint_bytes_total),
@@ -621,6 +629,9 @@ fn training_options(file: &ConfigFile<'_>, raw: Option<RawServerTraining>) -> Re
     }
     if training.max_sessions == 0 {
         return Err(file.invalid("training.max_sessions", "must be positive"));
+    }
+    if training.max_sessions_per_peer == 0 {
+        return Err(file.invalid("training.max_sessions_per_peer", "must be positive"));
     }
     if training.max_pipeline_depth == 0 {
         return Err(file.invalid("training.max_pipeline_depth", "must be positive"));
@@ -810,6 +821,9 @@ mod tests {
         };
         assert_eq!(c.peers, want);
         assert_eq!((c.training.session_idle_timeout, c.training.max_sessions), (Duration::from_secs(90), 2));
+        assert_eq!(c.training.max_sessions_per_peer, 1, "half of max_sessions (2)");
+        let one = load("listen: 127.0.0.1:1\ntraining: {max_sessions: 1}\n").unwrap();
+        assert_eq!(one.training.max_sessions_per_peer, 1, "at least one");
         assert_eq!((c.training.max_pipeline_depth, c.training.max_kept_answer_bytes), (3, 1024));
         assert_eq!(c.training.client_wait_timeout, Duration::from_secs(7));
         assert_eq!(c.generation, GenerationOptions::default());
@@ -826,6 +840,7 @@ mod tests {
             ("limits: {max_connections: 0}", "limits.max_connections", "must be positive"),
             ("limits: {kv_cache_bytes_per_peer: 0}", "limits.kv_cache_bytes_per_peer", "must be positive"),
             ("limits: {memory_budget_bytes_per_peer: 0}", "limits.memory_budget_bytes_per_peer", "must be positive"),
+            ("training: {max_sessions_per_peer: 0}", "training.max_sessions_per_peer", "must be positive"),
             ("generation: {max_sessions_per_peer: 0}", "generation.max_sessions_per_peer", "must be positive"),
             ("limits: {request_timeout: 0s}", "limits.request_timeout", "must be positive"),
             ("limits: {handshake_timeout: 0s}", "limits.handshake_timeout", "must be positive"),

@@ -22,6 +22,7 @@ use super::group::{Groups, Member};
 use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
 use crate::error::{Busy, GroupError, RequestError};
+use crate::peer::PeerGroup;
 use crate::scheduler::Turns;
 
 /// The training side of the service: options and the sessions open now.
@@ -47,6 +48,8 @@ struct OpenEntry {
     bundle: String,
     /// Its client group's name: the sessions of one group train the bundle together.
     group: Option<String>,
+    /// Its host's address, when known.
+    peer: Option<PeerGroup>,
     opened: Instant,
     /// When its host last sent a frame (a session idle for `training.session_idle_timeout`
     /// is closed).
@@ -82,10 +85,12 @@ impl Training {
         Self { options, sessions: Arc::default(), checkpoints, groups: Arc::default() }
     }
 
-    /// Takes a place for a new session on `bundle` (of client group `group`), or says why not.
-    pub(crate) fn admit(&self, bundle: &Bundle, group: Option<&str>) -> Result<SessionSlot, RequestError> {
+    /// Takes a place for a new session on `bundle` (of client group `group`) for `peer`, or
+    /// says why not.
+    pub(crate) fn admit(&self, bundle: &Bundle, group: Option<&str>, peer: Option<PeerGroup>) -> Result<SessionSlot, RequestError> {
         let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
-        if (self.options.concurrent_sessions || group.is_some()) && open.len() >= self.options.max_sessions as usize {
+        let several = self.options.concurrent_sessions || group.is_some();
+        if several && open.len() >= self.options.max_sessions as usize {
             return Err(Busy::Sessions { open: open.len() }.into());
         }
         let same_bundle = open.iter().find(|e| e.bundle == bundle.id() && (group.is_none() || e.group.as_deref() != group));
@@ -99,10 +104,32 @@ impl Training {
             }
             .into());
         }
+        if let Some(peer) = peer.filter(|_| several) {
+            self.check_peer_share(&open, peer, group)?;
+        }
         let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
         let now = Instant::now();
-        open.push(OpenEntry { id: id.clone(), bundle: bundle.id().to_string(), group: group.map(str::to_string), opened: now, heard: now });
+        let entry = OpenEntry { id: id.clone(), bundle: bundle.id().to_string(), group: group.map(str::to_string), peer, opened: now, heard: now };
+        open.push(entry);
         Ok(SessionSlot { sessions: Arc::clone(&self.sessions), id })
+    }
+
+    /// Refuses a session of `peer` that holds its share of places already
+    /// (`training.max_sessions_per_peer`): the sessions of one client group take one place,
+    /// its edges being one job, often on one machine.
+    fn check_peer_share(&self, open: &[OpenEntry], peer: PeerGroup, group: Option<&str>) -> Result<(), RequestError> {
+        let mine = open.iter().filter(|e| e.peer == Some(peer));
+        if group.is_some() && mine.clone().any(|e| e.group.as_deref() == group) {
+            return Ok(());
+        }
+        let mut jobs: Vec<&str> = mine.map(|e| e.group.as_deref().unwrap_or(&e.id)).collect();
+        jobs.sort_unstable();
+        jobs.dedup();
+        let max = self.options.max_sessions_per_peer;
+        if jobs.len() >= max as usize {
+            return Err(Busy::PeerSessions { peer: peer.to_string(), max }.into());
+        }
+        Ok(())
     }
 
     /// Places a session of a client group among its edges (none for a session alone).
