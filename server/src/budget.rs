@@ -241,7 +241,7 @@ impl MemoryBudget {
     }
 
     /// Reserves what `held` lacks of `bytes` (waiting as [`Self::reserve`] does), keeping it
-    /// as it was when refused: a stream's read buffer growing to its largest frame.
+    /// as it was when refused.
     pub async fn grow(&self, held: &mut Reservation, bytes: u64) -> Result<(), OverBudget> {
         let units = |b: u64| b.div_ceil(UNIT);
         if units(held.bytes) < units(bytes) {

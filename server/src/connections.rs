@@ -21,8 +21,9 @@
 //!   called at the end of the drain.
 //! - [`CallTracking`], a tower layer under tonic, establishes a connection at its first call,
 //!   counts each connection's open calls, ties the reservations of a response's messages to
-//!   the chunks that carry them (see [`crate::unsent`]), and turns a panicking handler into
-//!   INTERNAL for that call.
+//!   the chunks that carry them (see [`crate::unsent`]), counts what each call's request body
+//!   holds in its peer's share of the budget as it arrives (see [`crate::inbound`]), and turns
+//!   a panicking handler into INTERNAL for that call.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -42,8 +43,10 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::transport::server::{Connected, TlsConnectInfo};
 
+use crate::budget::MemoryBudget;
 use crate::config::PeerLimits;
 use crate::error::{lock, RequestError};
+use crate::inbound::{CountedBody, InboundLimits};
 use crate::metrics::Metrics;
 use crate::peer::PeerGroup;
 use crate::unsent::{AnswerClocks, Unsent};
@@ -456,15 +459,26 @@ impl AsyncWrite for TrackedIo {
     }
 }
 
-/// The tower layer that tracks calls (see the module doc).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct CallTracking;
+/// The tower layer that tracks calls (see the module doc), and counts what their request
+/// bodies hold in their peer's share of the budget ([`CountedBody`]).
+#[derive(Debug, Clone)]
+pub(crate) struct CallTracking {
+    budget: MemoryBudget,
+    max_message_bytes: u64,
+    request_timeout: Duration,
+}
+
+impl CallTracking {
+    pub(crate) fn new(budget: MemoryBudget, max_message_bytes: u64, request_timeout: Duration) -> Self {
+        Self { budget, max_message_bytes, request_timeout }
+    }
+}
 
 impl<S> tower::Layer<S> for CallTracking {
     type Service = TrackedCalls<S>;
 
     fn layer(&self, inner: S) -> TrackedCalls<S> {
-        TrackedCalls { inner }
+        TrackedCalls { inner, tracking: self.clone() }
     }
 }
 
@@ -472,13 +486,14 @@ impl<S> tower::Layer<S> for CallTracking {
 #[derive(Debug, Clone)]
 pub(crate) struct TrackedCalls<S> {
     inner: S,
+    tracking: CallTracking,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-impl<S, B> tower::Service<http::Request<B>> for TrackedCalls<S>
+impl<S> tower::Service<http::Request<tonic::body::Body>> for TrackedCalls<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S: tower::Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>>,
     S::Future: Send + 'static,
 {
     type Response = http::Response<tonic::body::Body>;
@@ -489,11 +504,18 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         let connection = connection_of(request.extensions());
         if let Some(Err(refused)) = connection.as_ref().map(|c| c.establish()) {
             return Box::pin(async move { Ok(refused.into_http()) });
         }
+        let t = &self.tracking;
+        let limits = InboundLimits {
+            budget: t.budget.for_peer(connection.as_ref().and_then(|c| c.peer)),
+            max_message_bytes: t.max_message_bytes,
+            request_timeout: t.request_timeout,
+        };
+        let request = request.map(|body| tonic::body::Body::new(CountedBody::new(body, limits)));
         let call = connection.map(|c| c.call_opened());
         let path = request.uri().path().to_string();
         let response = self.inner.call(request);

@@ -30,7 +30,7 @@ use crate::error::{error_frame, status_code, Internal, RequestError};
 use crate::metrics::{Answered, Metrics};
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
-use crate::reader::{FrameReader, Next, ReadBuffer};
+use crate::reader::{FrameReader, Next};
 use crate::scheduler::{InferJob, JobResult};
 use crate::streams::OpenStream;
 use crate::unsent::{answer_bytes, Unsent};
@@ -136,7 +136,6 @@ impl Pending {
 async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: InferContext, pending: mpsc::Sender<Pending>) {
     let slots = Slots::new(ctx.max_requests);
     let mut frames = FrameAssembler::<Held>::default();
-    let mut read_buffer = ReadBuffer::default();
     loop {
         // A new request needs a place among the stream's requests before it is read.
         let mut slot = None;
@@ -183,15 +182,8 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 continue;
             }
         };
-        let covered = read_buffer.cover(&ctx.budget, &frame).await;
-        let done = match (frames.starts_payload(&frame), slot, covered) {
-            (false, _, Err(e)) if frames.in_progress() => {
-                let id = frames.give_up().unwrap_or(frame.request_id);
-                // Its later frames are skipped, none if this one was its last.
-                frames.skip_payload(&frame);
-                Some(given_up(id, e))
-            }
-            (true, Some(slot), Ok(())) => match start_request(&ctx.receiver, &ctx, &frame, slots.held(slot)).await {
+        let done = match (frames.starts_payload(&frame), slot) {
+            (true, Some(slot)) => match start_request(&ctx.receiver, &ctx, &frame, slots.held(slot)).await {
                 Ok(Started::Recalled(answer)) => {
                     frames.skip_payload(&frame);
                     Some(answer)
@@ -199,7 +191,6 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 Ok(Started::New(assembly, held)) => push(&mut frames, &frame, Some(Ok((*assembly, held))), &ctx).await,
                 Err(e) => push(&mut frames, &frame, Some(Err(e)), &ctx).await,
             },
-            (true, Some(_), Err(e)) => push(&mut frames, &frame, Some(Err(e)), &ctx).await,
             _ => push(&mut frames, &frame, None, &ctx).await,
         };
         // A request part-way in must be complete by its deadline.

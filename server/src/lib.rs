@@ -41,6 +41,7 @@ mod dev_secrets;
 mod error;
 mod generation;
 mod health;
+mod inbound;
 mod infer;
 mod log_every;
 pub mod metrics;
@@ -240,6 +241,7 @@ impl PreparedServer {
         let max_message = limits.max_message_bytes as usize;
         let security = Arc::clone(&self.service.security);
         let metrics = self.service.metrics.clone();
+        let inbound = connections::CallTracking::new(self.service.budget.clone(), limits.max_message_bytes, peers.request_timeout);
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         let model_ids = self.service.models.all().iter().map(|m| m.bundle.id().to_string()).collect();
         let health = health::Health::serving(health_reporter, model_ids).await;
@@ -266,7 +268,7 @@ impl PreparedServer {
             .max_concurrent_streams(Some(peers.max_streams_per_connection))
             .http2_keepalive_interval(Some(peers.keepalive_interval))
             .http2_keepalive_timeout(Some(peers.keepalive_timeout))
-            .layer(connections::CallTracking)
+            .layer(inbound)
             .add_service(health_service)
             .add_service(inference)
             .serve_with_incoming_shutdown(incoming, async {

@@ -12,7 +12,6 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use crate::budget::{MemoryBudget, Reservation};
 use crate::error::RequestError;
 
 /// What a stream's reader deals with next.
@@ -130,25 +129,6 @@ where
     /// The error a payload part-way in is given up with when it stalls.
     pub(crate) fn stalled(&self) -> RequestError {
         RequestError::Stalled(self.request_timeout)
-    }
-}
-
-/// What a stream's read buffer holds, counted in the budget: tonic reads each message whole
-/// into one buffer, which keeps the capacity of the largest so far for the next (and the
-/// frame in hand is a slice of it), for as long as the stream lives.
-#[derive(Default)]
-pub(crate) struct ReadBuffer {
-    share: Reservation,
-    /// The largest message read so far (gRPC's prefix included).
-    largest: u64,
-}
-
-impl ReadBuffer {
-    /// Grows the share to the largest message read, `frame` included, waiting for room as a
-    /// request does (refused, the next frame tries again: the buffer has grown regardless).
-    pub(crate) async fn cover(&mut self, budget: &MemoryBudget, frame: &impl prost::Message) -> Result<(), RequestError> {
-        self.largest = self.largest.max(crate::unsent::wire_bytes(frame));
-        Ok(budget.grow(&mut self.share, self.largest).await?)
     }
 }
 

@@ -871,6 +871,68 @@ fn slow_readers_and_stalled_requests_of_other_peers_hold_only_their_shares_and_a
     });
 }
 
+/// An HTTP/2 connection from `source` that reads what it is sent.
+async fn h2_from(source: &str, addr: &str) -> h2::client::SendRequest<Bytes> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    let tcp = socket.connect(addr.parse().unwrap()).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    h2
+}
+
+#[test]
+fn a_message_begun_is_held_in_the_budget_from_its_prefix_and_given_up_after_the_request_timeout() {
+    // A peer opens `Infer` calls that each declare a 4 MiB message and send a little of it
+    // (tonic reserves the declared length and holds what comes). Each message is counted in
+    // the peer's share from its prefix on: three fit, the next waits and its call fails; a
+    // caller elsewhere is served; at `request_timeout` the messages are given up and every
+    // byte comes back.
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let limits = Limits { max_payload_bytes: 4 << 20, ..Limits::default() };
+    let declared: u32 = 4 << 20;
+    let share = 16 << 20;
+    let peers = PeerLimits {
+        memory_budget_bytes: 3 * share,
+        memory_budget_bytes_per_peer: share,
+        budget_wait: Duration::from_millis(300),
+        request_timeout: Duration::from_secs(3),
+        ..PeerLimits::default()
+    };
+    runtime().block_on(async {
+        let (server, budget) = serve(&bundle, limits, peers, TrainingOptions::default()).await;
+        let addr = server.url.trim_start_matches("http://").to_string();
+        let h2 = h2_from("127.0.0.2", &addr).await;
+        let mut begun = Vec::new();
+        for _ in 0..5 {
+            let mut start = vec![0u8];
+            start.extend_from_slice(&declared.to_be_bytes());
+            start.extend(std::iter::repeat_n(1u8, 64 << 10));
+            begun.push(call_raw(h2.clone(), &addr, "Infer", &bundle, start.into(), false).await);
+        }
+        let message = u64::from(declared) + 5;
+        let counted = eventually(Duration::from_secs(5), || budget.held_bytes() >= 3 * message).await;
+        assert!(counted, "3 messages begun are held from their prefixes: {} bytes held", budget.held_bytes());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(budget.held_bytes() <= share, "{} bytes held for one peer of a {share}-byte share", budget.held_bytes());
+        // A caller on 127.0.0.1 is served beside them.
+        let mut caller = open_stream(&server.url, &bundle).await;
+        let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(2)).unwrap();
+        caller.send(1, &input, 1, 1).await;
+        assert_eq!(caller.answer().await, (1, None));
+        drop(caller);
+        // Past `request_timeout` the messages are given up: their calls end, their bytes come back.
+        let freed = eventually(Duration::from_secs(10), || budget.held_bytes() == 0).await;
+        assert!(freed, "still held after the request timeout: {}", budget.held_bytes());
+        for response in begun {
+            let mut body = response.into_body();
+            let ended = tokio::time::timeout(Duration::from_secs(5), async { while body.data().await.is_some() {} }).await;
+            assert!(ended.is_ok(), "the call of a message given up ends");
+        }
+        server.shutdown().await.unwrap();
+    });
+}
+
 #[test]
 fn a_result_nobody_reads_holds_the_budget_as_its_request_did_until_the_answer_timeout() {
     // An Infer stream whose peer never reads: the result's bytes stay held in the budget

@@ -200,7 +200,8 @@ pub struct PeerLimits {
     /// until one is answered.
     pub max_requests_per_stream: u32,
     /// Bytes held by all streams together: requests (reassembly buffers and the boundaries
-    /// they decode into), answers until written, and each `Infer` stream's read buffer.
+    /// they decode into), answers until written, and each call's largest message (from its
+    /// prefix on: what tonic holds of it).
     pub memory_budget_bytes: u64,
     /// Of them, what one peer (an address, an IPv6 peer's /64) may hold: by default a quarter,
     /// so that a peer that sends much and reads little waits for its own bytes, not others'.

@@ -25,7 +25,7 @@ use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestE
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::peer::PeerGroup;
-use crate::reader::{FrameReader, Next, ReadBuffer};
+use crate::reader::{FrameReader, Next};
 use crate::streams::OpenStream;
 use crate::unsent::Unsent;
 
@@ -58,12 +58,7 @@ fn error_reply(request_id: u64, e: &RequestError) -> GenerateReply {
 pub(crate) async fn serve_stream(mut stream: OpenStream<pb::GenerateFrame, GenerateReply>, ctx: GenerateContext) {
     let Some(first) = stream.opening_frame().await else { return };
     let out = &stream.answers;
-    let mut read_buffer = ReadBuffer::default();
-    let opened = match read_buffer.cover(&ctx.budget, &first).await {
-        Ok(()) => open_session(&ctx, first).await,
-        Err(e) => Err(e),
-    };
-    let (session, opened) = match opened {
+    let (session, opened) = match open_session(&ctx, first).await {
         Ok(opened) => opened,
         Err(e) => {
             tracing::info!(error = %e, "generation session refused");
@@ -75,7 +70,7 @@ pub(crate) async fn serve_stream(mut stream: OpenStream<pb::GenerateFrame, Gener
     let id = opened.session_id.clone();
     if out.send(Ok(GenerateReply { opened: Some(opened), ..Default::default() })).await.is_ok() {
         let _open = ctx.metrics.stream_open("generate");
-        answer_steps(&mut stream.reader, &ctx, out, session, read_buffer, &id).await;
+        answer_steps(&mut stream.reader, &ctx, out, session, &id).await;
     }
     tracing::info!(session = %id, "generation session closed");
 }
@@ -96,14 +91,7 @@ async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result
 }
 
 /// Answers the steps of a stream in order until it ends.
-async fn answer_steps(
-    reader: &mut FrameReader<Streaming<pb::GenerateFrame>>,
-    ctx: &GenerateContext,
-    out: &Out,
-    session: Session,
-    mut read_buffer: ReadBuffer,
-    id: &str,
-) {
+async fn answer_steps(reader: &mut FrameReader<Streaming<pb::GenerateFrame>>, ctx: &GenerateContext, out: &Out, session: Session, id: &str) {
     let idle = ctx.generation.options().session_idle_timeout;
     let mut session = Some(session);
     let mut seals = StreamSeals::new(ctx.keys.clone(), ctx.sealing_required);
@@ -125,29 +113,23 @@ async fn answer_steps(
             }
         };
         let step_id = request_id(&frame);
-        let (reply, mut held) = match read_buffer.cover(&ctx.budget, &frame).await {
-            Err(e) => (error_reply(step_id, &e), Reservation::none()),
-            Ok(()) => match step_of(&mut seals, frame.kind) {
-                Ok(Some((step, sealed))) => {
-                    let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
-                    if reply.error.is_none() {
-                        reader.renew();
-                    }
-                    let reply = if sealed && reply.error.is_none() {
-                        seals.seal(&reply).unwrap_or_else(|e| error_reply(reply.request_id, &e))
-                    } else {
-                        reply
-                    };
-                    let Some(kept) = kept else {
-                        let _ = out.send(Ok(reply)).await;
-                        return;
-                    };
-                    session = Some(kept);
-                    (reply, held)
+        let (reply, mut held) = match step_of(&mut seals, frame.kind) {
+            Ok(Some((step, sealed))) => {
+                let (reply, held, kept) = run_step(ctx, session.take().expect("kept between steps"), step).await;
+                if reply.error.is_none() {
+                    reader.renew();
                 }
-                Err(e) => (error_reply(step_id, &e), Reservation::none()),
-                Ok(None) => (error_reply(0, &GenerationError::AlreadyOpen.into()), Reservation::none()),
-            },
+                let reply =
+                    if sealed && reply.error.is_none() { seals.seal(&reply).unwrap_or_else(|e| error_reply(reply.request_id, &e)) } else { reply };
+                let Some(kept) = kept else {
+                    let _ = out.send(Ok(reply)).await;
+                    return;
+                };
+                session = Some(kept);
+                (reply, held)
+            }
+            Err(e) => (error_reply(step_id, &e), Reservation::none()),
+            Ok(None) => (error_reply(0, &GenerationError::AlreadyOpen.into()), Reservation::none()),
         };
         ctx.unsent.hold(&reply, &mut held);
         if out.send(Ok(reply)).await.is_err() {

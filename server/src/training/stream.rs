@@ -26,7 +26,7 @@ use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
 use crate::peer::PeerGroup;
-use crate::reader::{FrameReader, Next, ReadBuffer};
+use crate::reader::{FrameReader, Next};
 use crate::streams::OpenStream;
 use crate::unsent::{wire_bytes, Unsent};
 
@@ -66,12 +66,6 @@ fn error_reply(request_id: u64, e: &RequestError) -> TrainReply {
 pub(crate) async fn serve_stream(mut stream: OpenStream<pb::TrainFrame, TrainReply>, ctx: TrainContext) {
     let Some(first) = stream.opening_frame().await else { return };
     let out = &stream.answers;
-    // The stream's read buffer is counted in the budget from its first message on.
-    let mut read_buffer = ReadBuffer::default();
-    if let Err(e) = read_buffer.cover(&ctx.budget, &first).await {
-        let _ = out.send(Ok(error_reply(0, &e))).await;
-        return;
-    }
     let Some(train_frame::Kind::Open(open)) = first.kind else {
         let _ = out.send(Ok(error_reply(0, &SessionError::NotOpened.into()))).await;
         return;
@@ -105,7 +99,7 @@ pub(crate) async fn serve_stream(mut stream: OpenStream<pb::TrainFrame, TrainRep
         }
     } else {
         let _open = ctx.metrics.stream_open("train");
-        answer_calls(&mut stream.reader, &ctx, out, &attached, read_buffer).await
+        answer_calls(&mut stream.reader, &ctx, out, &attached).await
     };
     if ended == StreamEnd::Broken && attached.reattach_token.is_some() {
         ctx.parking.keep(attached, ctx.training.options.session_idle_timeout);
@@ -160,7 +154,6 @@ async fn answer_calls(
     ctx: &TrainContext,
     out: &mpsc::Sender<Result<TrainReply, Status>>,
     attached: &Attached,
-    mut read_buffer: ReadBuffer,
 ) -> StreamEnd {
     let (slot, session) = (&attached.slot, &attached.session);
     let mut stream = CallStream::new(ctx, attached);
@@ -197,14 +190,6 @@ async fn answer_calls(
                 return StreamEnd::Closed;
             }
         };
-        let covered = read_buffer.cover(&ctx.budget, &frame).await;
-        if let Some(reply) = covered.err().and_then(|e| refused(&mut stream.frames, &frame, &e)) {
-            reader.track(&stream.frames);
-            if out.send(Ok(reply)).await.is_err() {
-                return StreamEnd::Broken;
-            }
-            continue;
-        }
         let (replies, mut held) = match frame.kind {
             Some(train_frame::Kind::Save(save)) => (vec![save_reply(session, save).await], Reservation::none()),
             Some(train_frame::Kind::Clip(clip)) => (vec![clip_reply(session, clip).await], Reservation::none()),
@@ -234,24 +219,6 @@ async fn answer_calls(
                 return StreamEnd::Broken;
             }
         }
-    }
-}
-
-/// The answer to a frame whose message the stream's read buffer could not be covered for in
-/// the budget: the payload it starts or continues is given up (its later frames skipped), or
-/// the call it makes refused; none for a frame of a payload already given up (skipped as
-/// ever).
-fn refused(frames: &mut FrameAssembler<(CallHead, Reservation, tracing::Span)>, frame: &pb::TrainFrame, e: &RequestError) -> Option<TrainReply> {
-    match &frame.kind {
-        Some(train_frame::Kind::Payload(p)) => {
-            let id = if frames.starts_payload(p) { p.request_id } else { frames.give_up()? };
-            frames.skip_payload(p);
-            Some(error_reply(id, e))
-        }
-        Some(train_frame::Kind::Save(save)) => Some(error_reply(save.request_id, e)),
-        Some(train_frame::Kind::Clip(clip)) => Some(error_reply(clip.request_id, e)),
-        Some(train_frame::Kind::EndRound(end)) => Some(error_reply(end.request_id, e)),
-        Some(train_frame::Kind::Open(_)) | None => Some(error_reply(0, e)),
     }
 }
 
