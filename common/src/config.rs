@@ -123,9 +123,9 @@ pub enum LimitRule {
         /// The most.
         max: u64,
     },
-    /// Room for the largest request as received and decoded, and its stream's read buffer.
+    /// Room for the largest request as received and decoded, and its call's message buffer.
     #[error(
-        "must hold the largest request as received and decoded, and its stream's read buffer: at least 2.1 x \
+        "must hold the largest request as received and decoded, and its call's message buffer: at least 2.1 x \
          limits.max_payload_bytes + 1 MiB + the smaller of limits.max_message_bytes and 1.1 x limits.max_payload_bytes + 1 MiB = {0}"
     )]
     LargestRequest(u64),

@@ -8,8 +8,10 @@
 //! Each peer (an address, see [`PeerGroup`]) spends its own share of it
 //! (`limits.memory_budget_bytes_per_peer`): a stream reserves through its peer's view of the
 //! budget ([`MemoryBudget::for_peer`]), which takes the bytes from the peer's share as well as
-//! from the whole. A reservation larger than the share takes the whole share, so a peer that
-//! holds nothing else may still send the largest request the limits allow.
+//! from the whole. One reservation takes at most the share less one message (the largest a
+//! call may send: what the call's own message buffer holds, see [`crate::inbound`]), or half
+//! the share where that is more, so a peer that holds nothing else may still send the largest
+//! request the limits allow.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +43,8 @@ struct Inner {
     peak_units: AtomicU64,
     /// Each peer's share, in units.
     share_units: u64,
+    /// The most of it one reservation takes, in units.
+    share_take_units: u64,
     /// The shares of the peers that hold a view or a reservation.
     shares: Mutex<HashMap<PeerGroup, Weak<Semaphore>>>,
 }
@@ -56,7 +60,7 @@ struct PeerShare {
 #[derive(Debug, Default)]
 pub struct Reservation {
     _permit: Option<OwnedSemaphorePermit>,
-    /// What it takes of its peer's share: as many units, at most the whole share.
+    /// What it takes of its peer's share: as many units, at most the share less one message.
     _share: Option<OwnedSemaphorePermit>,
     bytes: u64,
 }
@@ -137,17 +141,20 @@ pub enum OverBudget {
 }
 
 impl MemoryBudget {
-    /// A budget of `bytes`, of which each peer may hold `share_bytes`; a reservation waits at
-    /// most `wait` for room.
-    pub fn new(bytes: u64, share_bytes: u64, wait: Duration) -> Self {
+    /// A budget of `bytes`, of which each peer may hold `share_bytes` (one reservation at
+    /// most the share less `message_bytes`, or half the share where that is more); a
+    /// reservation waits at most `wait` for room.
+    pub fn new(bytes: u64, share_bytes: u64, message_bytes: u64, wait: Duration) -> Self {
         let total_units = (bytes / UNIT).min(Semaphore::MAX_PERMITS as u64);
         let share_units = (share_bytes / UNIT).clamp(1, total_units.max(1));
+        let share_take_units = share_units.saturating_sub(message_bytes.div_ceil(UNIT)).max(share_units / 2).max(1);
         let inner = Inner {
             units: Arc::new(Semaphore::new(total_units as usize)),
             total_units,
             wait,
             peak_units: AtomicU64::new(0),
             share_units,
+            share_take_units,
             shares: Mutex::default(),
         };
         Self { inner: Arc::new(inner), peer: None }
@@ -173,6 +180,11 @@ impl MemoryBudget {
     /// peer's own share first, then the whole budget).
     pub async fn reserve(&self, bytes: u64) -> Result<Reservation, OverBudget> {
         let units = bytes.div_ceil(UNIT);
+        self.acquire(bytes, units, self.share_take(units)).await
+    }
+
+    /// Reserves `units` (for `bytes`), `share_units` of them from the peer's share.
+    async fn acquire(&self, bytes: u64, units: u64, share_units: u32) -> Result<Reservation, OverBudget> {
         let wait = self.inner.wait;
         let refused = |waited| OverBudget::Server { bytes, budget: self.total_bytes(), waited };
         if units == 0 {
@@ -186,7 +198,7 @@ impl MemoryBudget {
         let share = match &self.peer {
             None => None,
             Some(share) => {
-                let acquire = Arc::clone(&share.units).acquire_many_owned(self.share_units_of(units32));
+                let acquire = Arc::clone(&share.units).acquire_many_owned(share_units);
                 let refused = || self.share_refused(share, bytes);
                 Some(timeout_at(deadline, acquire).await.map_err(|_| refused())?.map_err(|_| refused())?)
             }
@@ -205,15 +217,15 @@ impl MemoryBudget {
         }
         let share = match &self.peer {
             None => None,
-            Some(share) => Some(Arc::clone(&share.units).try_acquire_many_owned(self.share_units_of(units)).ok()?),
+            Some(share) => Some(Arc::clone(&share.units).try_acquire_many_owned(self.share_take(u64::from(units))).ok()?),
         };
         let permit = Arc::clone(&self.inner.units).try_acquire_many_owned(units).ok()?;
         Some(self.held(permit, share, bytes))
     }
 
-    /// What `units` take of a peer's share: as many, at most the whole share.
-    fn share_units_of(&self, units: u32) -> u32 {
-        units.min(u32::try_from(self.inner.share_units).unwrap_or(u32::MAX))
+    /// What `units` take of a peer's share: as many, at most the share less one message.
+    fn share_take(&self, units: u64) -> u32 {
+        u32::try_from(units.min(self.inner.share_take_units)).unwrap_or(u32::MAX)
     }
 
     fn share_refused(&self, share: &PeerShare, bytes: u64) -> OverBudget {
@@ -243,9 +255,11 @@ impl MemoryBudget {
     /// Reserves what `held` lacks of `bytes` (waiting as [`Self::reserve`] does), keeping it
     /// as it was when refused.
     pub async fn grow(&self, held: &mut Reservation, bytes: u64) -> Result<(), OverBudget> {
-        let units = |b: u64| b.div_ceil(UNIT);
-        if units(held.bytes) < units(bytes) {
-            held.merge(self.reserve((units(bytes) - units(held.bytes)) * UNIT).await?);
+        let (have, want) = (held.bytes.div_ceil(UNIT), bytes.div_ceil(UNIT));
+        if have < want {
+            let share_held = held._share.as_ref().map_or(0, |p| p.num_permits() as u32);
+            let more = self.acquire((want - have) * UNIT, want - have, self.share_take(want).saturating_sub(share_held)).await?;
+            held.merge(more);
         }
         Ok(())
     }
@@ -272,7 +286,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_reservation_waits_for_room_then_is_refused_and_every_byte_comes_back() {
-        let budget = MemoryBudget::new(10 << 10, 10 << 10, Duration::from_secs(2));
+        let budget = MemoryBudget::new(10 << 10, 10 << 10, 1 << 10, Duration::from_secs(2));
         let a = budget.reserve(6 << 10).await.unwrap();
         assert_eq!(budget.held_bytes(), 6 << 10);
         // 6 + 6 KiB do not fit in 10: the second waits the budget's wait, then is refused.
@@ -297,7 +311,7 @@ mod tests {
 
     #[test]
     fn a_reservation_tried_is_taken_only_where_there_is_room_now() {
-        let budget = MemoryBudget::new(10 << 10, 10 << 10, Duration::from_secs(2));
+        let budget = MemoryBudget::new(10 << 10, 10 << 10, 1 << 10, Duration::from_secs(2));
         let a = budget.try_reserve(6 << 10).unwrap();
         assert!(budget.try_reserve(5 << 10).is_none(), "4 KiB are left");
         let b = budget.try_reserve(4 << 10).unwrap();
@@ -310,7 +324,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_peer_spends_its_own_share_and_may_take_all_of_it_at_once_when_it_holds_nothing() {
-        let budget = MemoryBudget::new(16 << 10, 4 << 10, Duration::from_secs(2));
+        let budget = MemoryBudget::new(16 << 10, 4 << 10, 1 << 10, Duration::from_secs(2));
         let peer = |ip: &str| Some(PeerGroup::of(ip.parse().unwrap()));
         let (greedy, other) = (budget.for_peer(peer("192.0.2.7")), budget.for_peer(peer("192.0.2.8")));
         let a = greedy.reserve(3 << 10).await.unwrap();
@@ -331,11 +345,18 @@ mod tests {
         drop(a.split_off(2 << 10));
         let d = greedy.reserve(3 << 10).await.unwrap();
         drop((a, d));
-        // A request larger than the share takes all of it: only when the peer holds nothing else.
-        let big = greedy.reserve(12 << 10).await.unwrap();
-        assert_eq!(budget.held_bytes(), 12 << 10);
+        // A request larger than the share takes all of it but one message (its call's own
+        // message buffer): only when the peer holds no more than that.
+        let message = greedy.reserve(1 << 10).await.unwrap();
+        let mut big = greedy.reserve(12 << 10).await.unwrap();
+        assert_eq!(budget.held_bytes(), 13 << 10);
         assert!(greedy.try_reserve(1).is_none(), "the share is taken");
-        assert!(other.try_reserve(4 << 10).is_some(), "the rest of the budget is not");
+        assert!(other.try_reserve(3 << 10).is_some(), "the rest of the budget is not");
+        // Grown, a reservation takes no more of the share than one of that size.
+        drop(message);
+        budget.grow(&mut big, 14 << 10).await.unwrap();
+        assert_eq!(budget.held_bytes(), 14 << 10);
+        assert!(greedy.try_reserve(1 << 10).is_some(), "one message's room is left in the share");
         drop(big);
         assert_eq!(budget.held_bytes(), 0);
         assert!(greedy.try_reserve(4 << 10).is_some(), "the whole share is back");
@@ -343,7 +364,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_reservation_splits_merges_and_resizes_without_losing_a_unit() {
-        let budget = MemoryBudget::new(10 << 10, 10 << 10, Duration::from_secs(1));
+        let budget = MemoryBudget::new(10 << 10, 10 << 10, 1 << 10, Duration::from_secs(1));
         let mut a = budget.reserve(6 << 10).await.unwrap();
         let b = a.split_off(2 << 10);
         assert_eq!((a.bytes(), b.bytes(), budget.held_bytes()), (4 << 10, 2 << 10, 6 << 10));

@@ -74,6 +74,11 @@ pub(crate) enum RequestError {
     /// The server is draining: this request was not started; resend it to a server.
     #[error("the server is shutting down: this request was not started, resend it")]
     Draining,
+    /// The call's request bytes were refused as they came (see [`crate::inbound`]): no room
+    /// for a message in its peer's share of the budget, or a message begun and not ended in
+    /// time. The call ends.
+    #[error("{message}")]
+    Inbound { code: Code, message: String },
     /// A shared resource is taken or a quota full (a profile running, training sessions,
     /// checkpoints).
     #[error(transparent)]
@@ -445,6 +450,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
         RequestError::OverBudget(_) | RequestError::Busy(_) | RequestError::ConnectionLimit { .. } => Code::ResourceExhausted,
         RequestError::ConnectionClosing => Code::Cancelled,
         RequestError::Stalled(_) => Code::DeadlineExceeded,
+        RequestError::Inbound { code, .. } => *code,
         RequestError::Draining => Code::Unavailable,
         RequestError::Panicked(_) => Code::Internal,
     }

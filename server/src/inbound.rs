@@ -7,8 +7,10 @@
 //! peer's share of the memory budget, the largest message it has declared (prefix included),
 //! reserved when the prefix arrives: the chunk that carries it waits for room (as a request
 //! does, `limits.budget_wait`), and the call fails `RESOURCE_EXHAUSTED` when none comes. A
-//! message begun must end within `limits.request_timeout`, or the call fails
-//! `DEADLINE_EXCEEDED` and what it held is given back.
+//! message begun must end within `limits.request_timeout`: once past it, the call fails
+//! `DEADLINE_EXCEEDED` when it next waits for the message's bytes and none have come (bytes
+//! already in hand are read first). Either way the stream answers the request part-way in with the
+//! error and ends ([`crate::reader::Next::Refused`]), and what the call held is given back.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -68,8 +70,9 @@ impl CountedBody {
             (true, true) => self.deadline = Some(Box::pin(tokio::time::sleep_until(Instant::now() + self.limits.request_timeout))),
             (true, false) => {}
         }
-        let largest = seen.largest_declared.min(PREFIX as u64 + self.limits.max_message_bytes);
-        if largest <= self.held.bytes() {
+        // (A message longer than the limit is refused by tonic: nothing is held for it.)
+        let largest = seen.largest_declared;
+        if largest <= self.held.bytes() || largest > PREFIX as u64 + self.limits.max_message_bytes {
             return None;
         }
         // (The reservation travels with the wait; refused, the call fails and it goes.)
@@ -180,6 +183,42 @@ mod tests {
         m.extend_from_slice(&len.to_be_bytes());
         m.extend(std::iter::repeat_n(7u8, len as usize));
         m
+    }
+
+    /// A body of the chunks sent on the returned channel, counted with a 10 s request timeout.
+    fn counted(budget: &MemoryBudget) -> (tokio::sync::mpsc::Sender<Bytes>, CountedBody) {
+        use tokio_stream::StreamExt;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+        let frames = tokio_stream::wrappers::ReceiverStream::new(rx).map(|b| Ok::<_, Status>(Frame::data(b)));
+        let inner = tonic::body::Body::new(http_body_util::StreamBody::new(frames));
+        let limits = InboundLimits { budget: budget.clone(), max_message_bytes: 1 << 20, request_timeout: Duration::from_secs(10) };
+        (tx, CountedBody::new(inner, limits))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_is_held_from_its_prefix_and_given_up_when_it_has_not_ended_in_time() {
+        use http_body_util::BodyExt;
+        let budget = MemoryBudget::new(1 << 20, 1 << 20, 0, Duration::from_secs(1));
+        let (tx, mut body) = counted(&budget);
+        let m = message(100 << 10);
+        tx.send(Bytes::copy_from_slice(&m[..1000])).await.unwrap();
+        assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 1000, "the chunk is passed on");
+        assert_eq!(budget.held_bytes(), 101 << 10, "the declared message, from its prefix");
+        // More bytes 9 s in; past 10 s, bytes in hand are read first, then the call is given up.
+        assert!(tokio::time::timeout(Duration::from_secs(9), body.frame()).await.is_err(), "9 s: still waiting");
+        tx.send(Bytes::copy_from_slice(&m[1000..2000])).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(body.frame().await.unwrap().is_ok(), "the bytes in hand");
+        let given_up = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(given_up.code(), tonic::Code::DeadlineExceeded, "{given_up:?}");
+        drop(body);
+        assert_eq!(budget.held_bytes(), 0, "what the call held comes back");
+        // No room for a message: the chunk waits the budget's wait, then the call fails.
+        let (tx, mut body) = counted(&budget);
+        let _taken = budget.reserve(1 << 20).await.unwrap();
+        tx.send(Bytes::copy_from_slice(&message(10)[..])).await.unwrap();
+        let refused = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
     }
 
     #[test]

@@ -76,14 +76,23 @@ pub(crate) async fn serve_stream(open: OpenStream<InferFrame, ResultFrame>, ctx:
         model: Arc::clone(&ctx.model),
         metrics: ctx.metrics.clone(),
     };
-    tokio::spawn(responder.respond(pending_rx));
+    let responder = tokio::spawn(responder.respond(pending_rx));
     let reader = tokio::spawn(read_requests(open.reader, ctx, pending_tx));
-    // A panic in the reader (a bug) ends the stream with INTERNAL rather than silently.
-    if let Err(e) = reader.await {
-        if e.is_panic() {
-            let message = crate::error::panic_message(e.into_panic().as_ref());
-            tracing::error!(panic = %message, "an Infer stream's reader panicked");
-            let _ = open.answers.send(Err(RequestError::Panicked(format!("the stream's reader panicked: {message}")).into())).await;
+    match reader.await {
+        // The call's bytes were refused with no request part-way in: it ends with why, after
+        // the answers to the requests before.
+        Ok(Some(refused)) => {
+            let _ = responder.await;
+            let _ = open.answers.send(Err(refused.into())).await;
+        }
+        Ok(None) => {}
+        // A panic in the reader (a bug) ends the stream with INTERNAL rather than silently.
+        Err(e) => {
+            if e.is_panic() {
+                let message = crate::error::panic_message(e.into_panic().as_ref());
+                tracing::error!(panic = %message, "an Infer stream's reader panicked");
+                let _ = open.answers.send(Err(RequestError::Panicked(format!("the stream's reader panicked: {message}")).into())).await;
+            }
         }
     }
 }
@@ -133,7 +142,9 @@ impl Pending {
     }
 }
 
-async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: InferContext, pending: mpsc::Sender<Pending>) {
+/// Reads the stream's requests until it ends; the error its call ends with when its request
+/// bytes were refused as they came (after the answers to the requests before).
+async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: InferContext, pending: mpsc::Sender<Pending>) -> Option<RequestError> {
     let slots = Slots::new(ctx.max_requests);
     let mut frames = FrameAssembler::<Held>::default();
     loop {
@@ -142,7 +153,7 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
         if !frames.in_progress() {
             tokio::select! {
                 biased;
-                () = ctx.draining.cancelled() => return,
+                () = ctx.draining.cancelled() => return None,
                 s = Arc::clone(&slots.places).acquire_owned() => slot = s.ok(),
             }
         }
@@ -153,7 +164,17 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                 ctx.metrics.received(ctx.model.bundle.id(), (frame.header.len() + frame.data.len()) as u64);
                 frame
             }
-            Next::End | Next::Broken => return,
+            Next::End | Next::Broken => return None,
+            Next::Refused(e) => {
+                // The request part-way in is answered with why (none: the call ends with it).
+                match frames.give_up() {
+                    Some(id) => {
+                        let _ = pending.send(given_up(id, e)).await;
+                        return None;
+                    }
+                    None => return Some(e),
+                }
+            }
             Next::Idle if slots.busy(slot.is_some()) => {
                 // Requests are being answered: the stream is working.
                 reader.renew();
@@ -165,7 +186,7 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
             Next::Idle => {
                 // (A request part-way in has its own deadline, which comes first: Stalled.)
                 tracing::debug!("ending an Infer stream with no request in progress (`limits.idle_stream_timeout`)");
-                return;
+                return None;
             }
             Next::Stalled | Next::Draining => {
                 let draining = matches!(next, Next::Draining);
@@ -173,11 +194,11 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
                     let e = if draining { RequestError::Draining } else { reader.stalled() };
                     reader.track(&frames);
                     if pending.send(given_up(id, e)).await.is_err() {
-                        return;
+                        return None;
                     }
                 }
                 if draining {
-                    return;
+                    return None;
                 }
                 continue;
             }
@@ -197,7 +218,7 @@ async fn read_requests(mut reader: FrameReader<Streaming<InferFrame>>, ctx: Infe
         reader.track(&frames);
         if let Some(done) = done {
             if pending.send(done).await.is_err() {
-                return;
+                return None;
             }
         }
     }

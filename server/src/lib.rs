@@ -123,7 +123,7 @@ impl PreparedServer {
         let (events, device_events) = tokio::sync::mpsc::unbounded_channel();
         let context = scheduler::watch::SchedulerContext { config: scheduler, depth: limits.queue_depth as usize, metrics: metrics.clone(), events };
         let models = models::Models::load(models, &context)?;
-        let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.memory_budget_bytes_per_peer, peers.budget_wait);
+        let budget = MemoryBudget::new(peers.memory_budget_bytes, peers.memory_budget_bytes_per_peer, limits.max_message_bytes, peers.budget_wait);
         metrics.watch_memory_budget(budget.clone());
         let generation = generation::admission::Generation::new(
             GenerationOptions::default(),
@@ -153,7 +153,8 @@ impl PreparedServer {
     pub fn with_peer_limits(mut self, peers: PeerLimits) -> Result<Self, ServerError> {
         peers.validate(&self.service.limits).map_err(ServerError::Limits)?;
         self.service.peers = peers;
-        self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.memory_budget_bytes_per_peer, peers.budget_wait);
+        let message = self.service.limits.max_message_bytes;
+        self.service.budget = MemoryBudget::new(peers.memory_budget_bytes, peers.memory_budget_bytes_per_peer, message, peers.budget_wait);
         self.service.metrics.watch_memory_budget(self.service.budget.clone());
         self.set_generation(self.service.generation.options());
         self.service.window = ResultWindow::new(peers.dedup_window_requests as usize, peers.dedup_window_bytes);

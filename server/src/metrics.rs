@@ -232,7 +232,7 @@ impl Metrics {
             budget_bytes: registered(
                 r,
                 "budget_bytes",
-                "Each budget's size: memory (limits.memory_budget_bytes: requests, answers, read buffers) and kv_cache (limits.kv_cache_bytes: generation sessions' caches)",
+                "Each budget's size: memory (limits.memory_budget_bytes: requests, answers, calls' message buffers) and kv_cache (limits.kv_cache_bytes: generation sessions' caches)",
                 Family::default(),
             ),
             held_bytes: registered(r, "budget_held_bytes", "Bytes held against each budget now", Family::default()),

@@ -28,6 +28,9 @@ pub(crate) enum Next<F> {
     End,
     /// The stream failed (reset, connection lost), or nobody reads its answers any more.
     Broken,
+    /// The call's request bytes were refused as they came ([`crate::inbound`]): the call ends
+    /// with this error.
+    Refused(RequestError),
 }
 
 /// Reads a stream's frames, keeping the deadline of the payload part-way in.
@@ -90,10 +93,16 @@ where
             () = quiet => if self.deadline.take().is_some() { Next::Stalled } else { Next::Idle },
             frame = self.inbound.next() => match frame {
                 Some(Ok(frame)) => Next::Frame(frame),
-                Some(Err(status)) => {
-                    tracing::debug!(%status, "inbound stream failed");
-                    Next::Broken
-                }
+                Some(Err(status)) => match status.code() {
+                    // (What `CountedBody` gives: tonic passes it on as it is.)
+                    code @ (tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded) => {
+                        Next::Refused(RequestError::Inbound { code, message: status.message().to_string() })
+                    }
+                    _ => {
+                        tracing::debug!(%status, "inbound stream failed");
+                        Next::Broken
+                    }
+                },
                 None => Next::End,
             },
         }
@@ -108,7 +117,7 @@ where
         self.payload_part_way(false);
         match next {
             Next::Frame(frame) => Some(frame),
-            Next::Stalled | Next::Idle | Next::Draining | Next::End | Next::Broken => None,
+            Next::Stalled | Next::Idle | Next::Draining | Next::End | Next::Broken | Next::Refused(_) => None,
         }
     }
 
@@ -157,6 +166,7 @@ mod tests {
             Next::Draining => "draining",
             Next::End => "end",
             Next::Broken => "broken",
+            Next::Refused(_) => "refused",
         }
     }
 
@@ -215,12 +225,21 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_host_ending_its_side_is_the_end_and_a_failed_stream_is_broken() {
+    async fn the_host_ending_its_side_is_the_end_a_failed_stream_is_broken_and_refused_bytes_end_the_call() {
         let draining = CancellationToken::new();
         let mut ended = FrameReader::new(tokio_stream::iter(vec![Ok::<u32, Status>(7)]), draining.clone(), TIMEOUT, None);
         assert!(matches!(ended.next(std::future::pending()).await, Next::Frame(7)));
         assert_eq!(name(&ended.next(std::future::pending()).await), "end");
-        let mut failed = FrameReader::new(tokio_stream::iter(vec![Err::<u32, Status>(Status::cancelled("reset"))]), draining, TIMEOUT, None);
+        let mut failed = FrameReader::new(tokio_stream::iter(vec![Err::<u32, Status>(Status::cancelled("reset"))]), draining.clone(), TIMEOUT, None);
         assert_eq!(name(&failed.next(std::future::pending()).await), "broken");
+        // The call's own bytes refused as they came (`inbound`): the call ends with why.
+        let refused = Status::resource_exhausted("no room in this peer's share");
+        let mut refused = FrameReader::new(tokio_stream::iter(vec![Err::<u32, Status>(refused)]), draining, TIMEOUT, None);
+        match refused.next(std::future::pending()).await {
+            Next::Refused(RequestError::Inbound { code, message }) => {
+                assert_eq!((code, message.as_str()), (tonic::Code::ResourceExhausted, "no room in this peer's share"));
+            }
+            other => panic!("{}", name(&other)),
+        }
     }
 }

@@ -146,7 +146,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_chunk_holds_the_reservations_and_clocks_of_the_messages_it_carries_until_dropped() {
-        let budget = MemoryBudget::new(1 << 20, 1 << 20, Duration::from_secs(1));
+        let budget = MemoryBudget::new(1 << 20, 1 << 20, 1 << 10, Duration::from_secs(1));
         let clocks = Arc::new(AnswerClocks::default());
         let unsent = Unsent::new(Some(Arc::clone(&clocks)));
         // 10 KiB on the wire each: 5 bytes of prefix, 3 of field tag and length, the payload.

@@ -146,8 +146,8 @@ async fn settles_at(what: &str, want: u64, held: impl Fn() -> u64) {
     assert_eq!(held(), want, "{what}");
 }
 
-/// What `frame` holds in the budget while its stream lives (its stream's read buffer is at
-/// least that large): its bytes on the wire, in the budget's whole KiB.
+/// What `frame` holds in the budget while its call lives (the call's message buffer, counted
+/// from its gRPC prefix, is at least that large): its bytes on the wire, in whole KiB.
 fn read_buffer_bytes(frame: &impl prost::Message) -> u64 {
     (5 + prost::Message::encoded_len(frame) as u64).div_ceil(1024) * 1024
 }
@@ -924,11 +924,23 @@ fn a_message_begun_is_held_in_the_budget_from_its_prefix_and_given_up_after_the_
         // Past `request_timeout` the messages are given up: their calls end, their bytes come back.
         let freed = eventually(Duration::from_secs(10), || budget.held_bytes() == 0).await;
         assert!(freed, "still held after the request timeout: {}", budget.held_bytes());
+        // Each call ends with why: no room in the peer's share, or its message given up.
+        let mut ended = Vec::new();
         for response in begun {
             let mut body = response.into_body();
-            let ended = tokio::time::timeout(Duration::from_secs(5), async { while body.data().await.is_some() {} }).await;
-            assert!(ended.is_ok(), "the call of a message given up ends");
+            let trailers = tokio::time::timeout(Duration::from_secs(5), async {
+                while body.data().await.is_some() {}
+                body.trailers().await.unwrap().unwrap()
+            })
+            .await
+            .expect("the call ends");
+            let field = |name: &str| trailers.get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+            ended.push((field("grpc-status"), field("grpc-message")));
         }
+        ended.sort();
+        let codes: Vec<&str> = ended.iter().map(|(code, _)| code.as_str()).collect();
+        assert_eq!(codes, ["4", "4", "4", "8", "8"], "{ended:?}");
+        assert!(ended[0].1.contains("request_timeout") && ended[4].1.contains("memory_budget_bytes_per_peer"), "{ended:?}");
         server.shutdown().await.unwrap();
     });
 }

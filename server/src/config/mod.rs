@@ -205,8 +205,9 @@ pub struct PeerLimits {
     pub memory_budget_bytes: u64,
     /// Of them, what one peer (an address, an IPv6 peer's /64) may hold: by default a quarter,
     /// so that a peer that sends much and reads little waits for its own bytes, not others'.
-    /// A request larger than the share takes all of it, so a peer that holds nothing else may
-    /// still send the largest request the limits allow.
+    /// One request takes at most the share less one message (`max_message_bytes`, its
+    /// call's message buffer), or half the share where that is more: a peer that holds
+    /// nothing else may still send the largest request the limits allow.
     pub memory_budget_bytes_per_peer: u64,
     /// Bytes the key/value caches of every generation session hold together, a budget of its
     /// own beside the memory budget (a session's caches live as long as the session, not a
@@ -315,7 +316,7 @@ impl Default for PeerLimits {
 /// the codec lets be larger than the tensors (our encoder stores a block that does not
 /// shrink, but a peer may declare compressed blocks up to the compressor's bound, about
 /// 100.4% for lz4; 110% covers every compressor, and 1 MiB a seal's tag and the headers);
-/// and its stream's read buffer, as large as its largest frame.
+/// and its call's message buffer, as large as the largest message (see `inbound`).
 fn largest_request_bytes(limits: &Limits) -> u64 {
     let p = limits.max_payload_bytes;
     let read_buffer = limits.max_message_bytes.min(p.saturating_add(p / 10).saturating_add(1 << 20));
@@ -754,7 +755,7 @@ mod tests {
             let meta = PayloadMeta { request_id: 1, split: 0, direction: Direction::Request };
             let e = PayloadSender::plain().encode(meta, &codec.parse().unwrap(), &boundary).unwrap();
             let rx = PayloadReceiver::new(Direction::Request, limits.max_payload_bytes, CodecPolicy::default(), &KeyRing::default());
-            // And its stream's read buffer, as large as the one frame it comes in (with 64 bytes
+            // And its call's message buffer, as large as the one frame it comes in (with 64 bytes
             // for the frame's fields and gRPC's prefix).
             let held = rx.start(1, &e.envelope).unwrap().held_bytes() + (e.envelope.len() + e.data.len() + 64) as u64;
             assert!(held <= floor, "{codec}: {held} bytes held, the smallest budget allowed is {floor}");

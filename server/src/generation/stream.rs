@@ -101,6 +101,10 @@ async fn answer_steps(reader: &mut FrameReader<Streaming<pb::GenerateFrame>>, ct
         let frame = match reader.next(out.closed()).await {
             Next::Frame(frame) => frame,
             Next::End | Next::Broken => return,
+            Next::Refused(e) => {
+                let _ = out.send(Ok(error_reply(0, &e))).await;
+                return;
+            }
             // A step is one message: nothing is ever part-way in.
             Next::Stalled => continue,
             Next::Idle => {

@@ -122,7 +122,8 @@ impl Training {
         if group.is_some() && mine.clone().any(|e| e.group.as_deref() == group) {
             return Ok(());
         }
-        let mut jobs: Vec<&str> = mine.map(|e| e.group.as_deref().unwrap_or(&e.id)).collect();
+        // A group's name is the host's to choose: it is kept apart from session ids.
+        let mut jobs: Vec<(bool, &str)> = mine.map(|e| e.group.as_deref().map_or((false, e.id.as_str()), |g| (true, g))).collect();
         jobs.sort_unstable();
         jobs.dedup();
         let max = self.options.max_sessions_per_peer;

@@ -171,6 +171,12 @@ async fn answer_calls(
             }
             Next::End => return host_ended(out, attached).await,
             Next::Broken => return StreamEnd::Broken,
+            Next::Refused(e) => {
+                // The call part-way in is answered with why; the stream ends, and a
+                // reattachable session is kept.
+                let _ = out.send(Ok(error_reply(stream.frames.give_up().unwrap_or(0), &e))).await;
+                return StreamEnd::Broken;
+            }
             Next::Stalled => {
                 if let Some(id) = stream.frames.give_up() {
                     if out.send(Ok(error_reply(id, &reader.stalled()))).await.is_err() {
