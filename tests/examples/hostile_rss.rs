@@ -13,7 +13,10 @@
 //!    while a caller on 127.0.0.1 asks for `Info`: it must be served;
 //! 5. slow readers: 48 connections x 32 streams each send 8 requests at the batch maximum
 //!    to the cut whose answer outweighs its request most, and never read an answer (their
-//!    HTTP/2 windows stay closed), for `limits.answer_timeout` and 10 s more.
+//!    HTTP/2 windows stay closed), for `limits.answer_timeout` and 10 s more;
+//! 6. partial messages: 400 `Infer` streams from 127.0.0.2 (13 connections) each send all but
+//!    the last byte of an 8 MiB gRPC message, while a caller on 127.0.0.1 asks for `Info`;
+//!    the RSS is taken again once `limits.request_timeout` has given the messages up.
 //!
 //! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%; the
 //! last also the RSS at its end, when the answers not taken should have been freed.
@@ -44,7 +47,7 @@ struct Args {
     budget_mib: u64,
     server_bin: PathBuf,
     port: u16,
-    /// Only this phase (1 to 5), or all.
+    /// Only this phase (1 to 6), or all.
     phase: Option<u32>,
     /// Phase 5's connections, streams per connection and requests per stream.
     slow: [usize; 3],
@@ -76,7 +79,7 @@ fn args() -> Args {
             "--budget-mib" => a.budget_mib = value.parse().expect("--budget-mib: a number"),
             "--server-bin" => a.server_bin = value.into(),
             "--port" => a.port = value.parse().expect("--port: a number"),
-            "--phase" => a.phase = Some(value.parse().expect("--phase: 1 to 5")),
+            "--phase" => a.phase = Some(value.parse().expect("--phase: 1 to 6")),
             "--slow" => {
                 let n: Vec<usize> = value.split('x').map(|n| n.parse().expect("--slow: CxSxR, as 48x32x8")).collect();
                 a.slow = n.try_into().expect("--slow: CxSxR, as 48x32x8");
@@ -209,6 +212,67 @@ fn verdict(peak: u64, idle: u64, budget: u64) -> String {
         bound / MIB,
         if over <= bound { "within" } else { "OVER" }
     )
+}
+
+/// An HTTP/2 connection from `source` to the server on `port`.
+async fn h2_from(source: &str, port: u16) -> h2::client::SendRequest<Bytes> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    let tcp = socket.connect(format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    h2
+}
+
+/// Phase 6: streams that each send all but the last byte of the largest message.
+async fn partial_messages(port: u16, bundle: &Bundle, sampler: &Sampler, idle: u64, budget: u64) {
+    const STREAMS: usize = 400;
+    let declared: u32 = (8 << 20) - 64;
+    let mut message = vec![0u8];
+    message.extend_from_slice(&declared.to_be_bytes());
+    message.resize(5 + declared as usize - 1, 7);
+    let message = Bytes::from(message);
+    sampler.take();
+    let mut begun = Vec::new();
+    for connection in 0..STREAMS.div_ceil(32) {
+        let h2 = h2_from("127.0.0.2", port).await;
+        for _ in 0..32.min(STREAMS - connection * 32) {
+            let request = http::Request::post(format!("http://127.0.0.1:{port}/cleave.v1.SplitInference/Infer"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .header(BUNDLE_ID_METADATA, bundle.id())
+                .body(())
+                .unwrap();
+            let Ok(mut ready) = h2.clone().ready().await else { break };
+            let Ok((response, mut body)) = ready.send_request(request, false) else { break };
+            let _ = body.send_data(message.clone(), false);
+            begun.push((response, body));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let asked = Instant::now();
+    let served = async {
+        let mut client = SplitInferenceClient::connect(format!("http://127.0.0.1:{port}")).await.map_err(|e| e.to_string())?;
+        client.info(cleave_common::pb::InfoRequest {}).await.map(|_| ()).map_err(|e| e.to_string())
+    };
+    let served = tokio::time::timeout(Duration::from_secs(20), served).await.unwrap_or_else(|_| Err("no answer in 20 s".into()));
+    let served_ms = asked.elapsed().as_millis();
+    let during = sampler.take().max(idle);
+    // The messages are given up at `request_timeout` (30 s by default).
+    tokio::time::sleep(Duration::from_secs(35)).await;
+    let after = rss_bytes(sampler.pid);
+    println!(
+        "{STREAMS} streams from 127.0.0.2, each all but the last byte of an 8 MiB message: a caller on 127.0.0.1 {} in {} ms; \
+         RSS {} MiB over idle 35 s later; {}",
+        match &served {
+            Ok(()) => "served".to_string(),
+            Err(e) => format!("NOT served ({e})"),
+        },
+        served_ms,
+        after.saturating_sub(idle) / MIB,
+        verdict(during, idle, budget)
+    );
+    drop(begun);
 }
 
 /// Phase 5: streams that send requests and never read their answers.
@@ -434,6 +498,10 @@ fn main() {
         if a.runs(5) {
             // 5. Slow readers.
             slow_readers(&url, &bundle, &sampler, idle, budget, &dir.path().join("server.log"), a.slow).await;
+        }
+
+        if a.runs(6) {
+            partial_messages(a.port, &bundle, &sampler, idle, budget).await;
         }
     });
     drop(sampler);
