@@ -109,15 +109,17 @@ where
     }
 
     /// The stream's opening frame, which must come within `request_timeout` (as a payload
-    /// part-way in must be complete): `None` when it does not, or when the server drains, the
-    /// answers go, or the host ends or breaks the stream first.
-    pub(crate) async fn first(&mut self, answers_gone: impl Future<Output = ()>) -> Option<F> {
+    /// part-way in must be complete): `Err(None)` when it does not, or when the server drains,
+    /// the answers go, or the host ends or breaks the stream first; `Err(Some(why))` when its
+    /// bytes were refused as they came.
+    pub(crate) async fn first(&mut self, answers_gone: impl Future<Output = ()>) -> Result<F, Option<RequestError>> {
         self.payload_part_way(true);
         let next = self.next(answers_gone).await;
         self.payload_part_way(false);
         match next {
-            Next::Frame(frame) => Some(frame),
-            Next::Stalled | Next::Idle | Next::Draining | Next::End | Next::Broken | Next::Refused(_) => None,
+            Next::Frame(frame) => Ok(frame),
+            Next::Refused(e) => Err(Some(e)),
+            Next::Stalled | Next::Idle | Next::Draining | Next::End | Next::Broken => Err(None),
         }
     }
 
@@ -212,13 +214,13 @@ mod tests {
     async fn an_opening_frame_comes_within_the_request_timeout_whatever_the_idle_timeout() {
         let (mut silent, _draining) = reading(vec![], Some(IDLE));
         let started = Instant::now();
-        assert!(silent.first(std::future::pending()).await.is_none());
+        assert!(matches!(silent.first(std::future::pending()).await, Err(None)));
         assert_eq!(started.elapsed(), TIMEOUT, "the request timeout, not the longer idle timeout");
         let (mut draining_first, draining) = reading(vec![], None);
         draining.cancel();
-        assert!(draining_first.first(std::future::pending()).await.is_none());
+        assert!(matches!(draining_first.first(std::future::pending()).await, Err(None)));
         let (mut opened, _draining) = reading(vec![Ok(3)], None);
-        assert_eq!(opened.first(std::future::pending()).await, Some(3));
+        assert!(matches!(opened.first(std::future::pending()).await, Ok(3)));
         // The opening frame's deadline went with it: without an idle timeout the reader waits.
         let waited = tokio::time::timeout(Duration::from_secs(3600), opened.next(std::future::pending())).await;
         assert!(waited.is_err());

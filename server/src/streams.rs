@@ -61,11 +61,21 @@ impl<F, R> OpenStream<F, R> {
     /// The stream's opening frame. It comes within the request timeout or not at all: a
     /// stream that says nothing should hold neither a place nor a task for long, nor delay a
     /// drain. `None` when it does not come, the server drains, or the host ends or breaks the
-    /// stream or stops reading its answers.
+    /// stream or stops reading its answers; or when its bytes were refused as they came, and
+    /// then the call ends with why.
     pub(crate) async fn opening_frame(&mut self) -> Option<F>
     where
         Streaming<F>: Stream<Item = Result<F, Status>> + Unpin,
     {
-        self.reader.first(self.answers.closed()).await
+        match self.reader.first(self.answers.closed()).await {
+            Ok(frame) => Some(frame),
+            Err(refused) => {
+                // Its bytes refused as they came (`inbound`): the call ends with why.
+                if let Some(e) = refused {
+                    let _ = self.answers.send(Err(e.into())).await;
+                }
+                None
+            }
+        }
     }
 }
