@@ -510,12 +510,14 @@ where
             return Box::pin(async move { Ok(refused.into_http()) });
         }
         let t = &self.tracking;
-        let limits = InboundLimits {
-            budget: t.budget.for_peer(connection.as_ref().and_then(|c| c.peer)),
-            max_message_bytes: t.max_message_bytes,
-            request_timeout: t.request_timeout,
-        };
-        let request = request.map(|body| tonic::body::Body::new(CountedBody::new(body, limits)));
+        // The peer's view of the budget, made once for the call: its body and its handler
+        // (through the request's extensions, see `service::budget_of`) spend the same share.
+        let budget = t.budget.for_peer(connection.as_ref().and_then(|c| c.peer));
+        let mut request = request.map(|body| {
+            let limits = InboundLimits { budget: budget.clone(), max_message_bytes: t.max_message_bytes, request_timeout: t.request_timeout };
+            tonic::body::Body::new(CountedBody::new(body, limits))
+        });
+        request.extensions_mut().insert(budget);
         let call = connection.map(|c| c.call_opened());
         let path = request.uri().path().to_string();
         let response = self.inner.call(request);

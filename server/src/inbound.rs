@@ -108,7 +108,7 @@ impl http_body::Body for CountedBody {
                 return Poll::Ready(Some(Err(RequestError::Stalled(this.limits.request_timeout).into())));
             }
         };
-        let Some(room) = frame.data_ref().and_then(|chunk| this.count(&chunk.clone())) else { return Poll::Ready(Some(Ok(frame))) };
+        let Some(room) = frame.data_ref().and_then(|chunk| this.count(chunk)) else { return Poll::Ready(Some(Ok(frame))) };
         this.waiting = Some((frame, room));
         // Polls the reservation once now (it registers the waker).
         Pin::new(this).poll_frame(cx)

@@ -96,7 +96,7 @@ impl Service {
 
     async fn run_echo(&self, request: Request<pb::EchoRequest>) -> Result<Response<pb::EchoReply>, Status> {
         let unsent = unsent_of(&request);
-        let budget = self.budget.for_peer(connection_of(request.extensions()).and_then(|c| c.peer));
+        let budget = self.budget_of(request.extensions());
         // Only the size is kept: the payload, a slice of tonic's read buffer, goes now rather
         // than wait for room with the reply.
         let reply_bytes = request.into_inner().reply_bytes;
@@ -158,7 +158,7 @@ impl SplitInference for Service {
             max_payload_bytes: self.limits.max_payload_bytes,
             chunk_bytes: self.limits.chunk_bytes(),
             max_requests: self.peers.max_requests_per_stream as usize,
-            budget: self.budget.for_peer(open.peer),
+            budget: open.budget.clone(),
             draining: self.draining.clone(),
             window: session.map(|s| (self.window.clone(), s)),
             peer_gone: open.peer_gone.clone(),
@@ -187,7 +187,7 @@ impl SplitInference for Service {
             security: Arc::clone(&self.security),
             training: self.training.clone(),
             parking: self.parking.clone(),
-            budget: self.budget.for_peer(open.peer),
+            budget: open.budget.clone(),
             peer: open.peer,
             unsent: open.unsent.clone(),
         };
@@ -206,7 +206,7 @@ impl SplitInference for Service {
             keys: self.security.keys.clone(),
             sealing_required: self.security.policy.require_encryption,
             max_message_bytes: self.limits.max_message_bytes,
-            budget: self.budget.for_peer(open.peer),
+            budget: open.budget.clone(),
             unsent: open.unsent.clone(),
         };
         self.open_stream(request, StreamKind::Generate, context, crate::generation::stream::serve_stream)
@@ -238,10 +238,11 @@ impl Service {
         }
         let unsent = unsent_of(&request);
         let peer = connection_of(request.extensions()).and_then(|c| c.peer);
+        let budget = self.budget_of(request.extensions());
         let (answers, answers_rx) = mpsc::channel(kind.answers_queued());
         let peer_gone = CancellationToken::new();
         let reader = FrameReader::new(request.into_inner(), self.draining.clone(), self.peers.request_timeout, self.idle_timeout(kind));
-        let open = OpenStream { model, reader, answers, unsent: unsent.clone(), peer_gone: peer_gone.clone(), peer };
+        let open = OpenStream { model, reader, answers, unsent: unsent.clone(), peer_gone: peer_gone.clone(), peer, budget };
         let ctx = context(&open);
         tokio::spawn(serve(open, ctx));
         // tonic drops the response when the peer resets the stream or its connection closes.
@@ -251,6 +252,12 @@ impl Service {
             answer
         });
         Ok(answering(Box::pin(answers) as Answers<R>, unsent))
+    }
+
+    /// The call's peer's view of the memory budget: the one its body counts its messages in
+    /// (made by `CallTracking`), else made here from its connection.
+    fn budget_of(&self, extensions: &http::Extensions) -> MemoryBudget {
+        extensions.get::<MemoryBudget>().cloned().unwrap_or_else(|| self.budget.for_peer(connection_of(extensions).and_then(|c| c.peer)))
     }
 
     /// How long a stream of `kind` may do nothing: an `Infer` stream with no request in

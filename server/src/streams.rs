@@ -12,6 +12,7 @@ use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
+use crate::budget::MemoryBudget;
 use crate::models::Model;
 use crate::peer::PeerGroup;
 use crate::reader::FrameReader;
@@ -55,6 +56,8 @@ pub(crate) struct OpenStream<F, R> {
     pub(crate) peer_gone: CancellationToken,
     /// Who the peer is, for its shares (none where its connection could not tell).
     pub(crate) peer: Option<PeerGroup>,
+    /// The peer's view of the memory budget, the one the call's body counts in.
+    pub(crate) budget: MemoryBudget,
 }
 
 impl<F, R> OpenStream<F, R> {
