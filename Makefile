@@ -24,7 +24,7 @@ EXPORT := cd tools/export && $(PYTHON) -m cleave_export --force -q
 CYCLE_CHECK := python3 tools/export/check_import_cycles.py --python tools/export/cleave_export \
 	--rust client/src --rust common/codec/src --rust common/src --rust common/tables/src --rust server/src --rust host/src
 
-.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss bench-serving bench-generate image image-bases deploy-check clean
+.PHONY: setup build lint test test-bundles extras test-extras demo demo-secure demo-train demo-train-fed digits-trained digits-cnn bench-activations link-sweep train-pipeline chaos hostile-rss generation-floods bench-serving bench-generate image image-bases deploy-check clean
 
 setup: build
 
@@ -176,6 +176,15 @@ chaos: build $(TEST_BUNDLES)/.stamp
 # The server's RSS while peers stall 64 MiB requests, send zstd bombs, say nothing or never read (bench/README.md).
 hostile-rss: build $(DEMO_BUNDLE)/manifest.json
 	cargo run --release -q -p cleave-tests --example hostile_rss -- --bundle $(DEMO_BUNDLE)
+
+# A lone generator's decode rate beside floods of other peers' generation sessions: decode,
+# prefill, NaN (bench/README.md); bench/generate's 4-layer GPT-2 of width 256, exported on first use.
+GENERATION_BUNDLE := target/bench-bundles/gpt2-gen
+$(GENERATION_BUNDLE)/manifest.json: $(VENV)/.installed $(EXPORTER_SOURCES)
+	$(EXPORT) hf:GPT2LMHeadModel --hf-config n_layer=4,n_embd=256,n_head=4 --generation --out $(CURDIR)/$(GENERATION_BUNDLE)
+
+generation-floods: build $(GENERATION_BUNDLE)/manifest.json
+	cargo run --release -q -p cleave-tests --example generation_floods -- --bundle $(GENERATION_BUNDLE)
 
 # One server, many edges and models, measured with `host load`: batching, edf against fifo,
 # merging across cuts (bench/README.md).

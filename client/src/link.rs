@@ -22,6 +22,9 @@ pub struct Link {
     /// How long an answer may take (`request_timeout`): a server that keeps the connection
     /// alive but never answers is left, as one that went away.
     pub request_timeout: Duration,
+    /// The local address connections leave from (the system's choice where absent): an edge
+    /// with several interfaces picks the one its traffic goes out on.
+    pub local_address: Option<std::net::IpAddr>,
 }
 
 impl Default for Link {
@@ -35,6 +38,7 @@ impl Default for Link {
             connect_timeout: Duration::from_secs(5),
             keepalive: (Duration::from_secs(10), Duration::from_secs(10)),
             request_timeout: Duration::from_secs(30),
+            local_address: None,
         }
     }
 }

@@ -73,6 +73,7 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<ServerSe
     let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| lasting_error(ConnectFailure::Transport(e)))?
         .tcp_nodelay(true)
+        .local_address(link.local_address)
         .connect_timeout(link.connect_timeout)
         .http2_keep_alive_interval(link.keepalive.0)
         .keep_alive_timeout(link.keepalive.1)

@@ -747,6 +747,87 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
     }
 }
 
+/// Generation shares the device (issue 70, item 5). With `generation.prefill_chunk_tokens` 1,
+/// a prompt's step runs one position a turn of the device (the work metric counts each part)
+/// and gives transformers' logits with its cache; and while another peer (127.0.0.2) has four
+/// sessions' prompts of 16 rows x 63 tokens running, a decode step from 127.0.0.1, sent once
+/// their first part has run, is answered before any of them: their parts take turns, one of
+/// that peer's in the device's queue at a time. (Whole, they queue as four turns, and a step
+/// sent after the first ran is answered after the others.)
+#[test]
+fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_them() {
+    use cleave_client::GenerateLink;
+    use cleave_host::generation::{GenerationSplit, SplitGenerator};
+    use cleave_server::GenerationOptions;
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let info = bundle.manifest().generation.clone().unwrap();
+    let (ids, want) = generation_reference(&bundle);
+    let (total, n, prompt, max_len) = (ids.size()[1], info.stages.len(), info.reference.prompt, info.reference.max_len);
+    let (ids, want) = (ids.narrow(0, 0, 1), want.narrow(0, 0, 1));
+    runtime().block_on(async {
+        let dir = bundle.dir().to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let options = GenerationOptions { prefill_chunk_tokens: 1, max_wait: Duration::ZERO, ..GenerationOptions::default() };
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
+        })
+        .await
+        .unwrap();
+        let metrics = prepared.metrics();
+        let work = move || metric_sample(&parse_metrics(&metrics.render()), "cleave_device_work_total", &[("device", "cpu"), ("kind", "generate")]);
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let split = GenerationSplit { cut: n / 2, tail_on_edge: false, batch: 1, max_len };
+        let mut generator = SplitGenerator::open(&bundle, &mut session, split).await.unwrap();
+        let before = work();
+        let mut logits = vec![generator.step(&ids.narrow(1, 0, prompt), &[], false).await.unwrap()];
+        assert_eq!(work() - before, prompt as f64, "the prompt ran one position a part");
+        for t in prompt..total {
+            logits.push(generator.step(&ids.narrow(1, t, 1), &[], true).await.unwrap());
+        }
+        let error = relative_error(&tch::Tensor::cat(&logits, 1), &want);
+        assert!(error <= 1e-4, "a prompt run in parts: relative error {error:e}");
+        // Its last token's alone: the parts before the last run no head.
+        let mut last_only = SplitGenerator::open(&bundle, &mut session, split).await.unwrap();
+        let got = last_only.step(&ids.narrow(1, 0, prompt), &[], true).await.unwrap();
+        let error = relative_error(&got, &want.narrow(1, prompt - 1, 1));
+        assert!(error <= 1e-4, "a prompt run in parts, its last token's logits: relative error {error:e}");
+        drop(last_only);
+
+        let hog_link = Link { local_address: Some("127.0.0.2".parse().unwrap()), ..Link::plain() };
+        let mut hog = connect(&server.url, &bundle, &hog_link).await.unwrap();
+        let (rows, tokens, width) = (16u32, 63u32, info.hidden_width() as usize);
+        let hidden = Bytes::from(vec![0u8; rows as usize * tokens as usize * width * 4]);
+        let mut prompts = Vec::new();
+        for _ in 0..4 {
+            let open = pb::OpenGeneration { start: 1, end: n as u32, batch: rows, max_len: tokens };
+            let mut link = GenerateLink::open(&mut hog, open).await.unwrap();
+            let step = pb::GenerateStep {
+                tokens,
+                hidden: hidden.clone(),
+                positions_from: vec![0; rows as usize],
+                last_token_only: true,
+                top_k: 1,
+                ..Default::default()
+            };
+            prompts.push(async move {
+                link.step(step, &[i64::from(rows), 1, 1], DType::Float32, info.vocab_size).await.map(|_| std::time::Instant::now())
+            });
+        }
+        let before = work();
+        let prompts = tokio::spawn(futures_util::future::join_all(prompts));
+        while work() == before {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let _next = generator.step(&ids.narrow(1, 0, 1), &[], true).await.unwrap();
+        let decoded = std::time::Instant::now();
+        let answered: Vec<std::time::Instant> = prompts.await.unwrap().into_iter().map(|done| done.unwrap()).collect();
+        let first_prompt = answered.iter().min().unwrap();
+        assert!(decoded < *first_prompt, "the decode step was answered {:?} after the first of the other peer's prompts", decoded - *first_prompt);
+        drop((generator, session, hog));
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// A generation session's refusals are precise and leave it as it was: a step at positions
 /// the server's rows do not stand at, hidden states of the wrong size, a step past the cache,
 /// an answer over the message limit; sessions past `generation.max_sessions` or caches past

@@ -22,6 +22,8 @@ pub(super) struct RawServerGeneration {
     max_batch: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     max_wait: Option<Duration>,
+    #[serde(default)]
+    prefill_chunk_tokens: Option<u32>,
 }
 
 /// How a server runs generation sessions.
@@ -41,6 +43,10 @@ pub struct GenerationOptions {
     /// How long a decode step waits for others to fill its batch, while fewer steps than
     /// sessions open are in it. 0 takes those that came while the last batch ran, and no more.
     pub max_wait: Duration,
+    /// A step run by itself (a prompt's) runs in parts of at most this many tokens (rows x
+    /// positions, at least one position), each a turn of the device, one part of a peer's in
+    /// its queue at a time: other peers' work runs between the parts of a long prompt.
+    pub prefill_chunk_tokens: u32,
 }
 
 impl Default for GenerationOptions {
@@ -51,6 +57,7 @@ impl Default for GenerationOptions {
             session_idle_timeout: Duration::from_secs(300),
             max_batch: 16,
             max_wait: Duration::from_millis(2),
+            prefill_chunk_tokens: 128,
         }
     }
 }
@@ -74,6 +81,7 @@ pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -
             session_idle_timeout: g.session_idle_timeout.unwrap_or(d.session_idle_timeout),
             max_batch: g.max_batch.unwrap_or(d.max_batch),
             max_wait: g.max_wait.unwrap_or(d.max_wait),
+            prefill_chunk_tokens: g.prefill_chunk_tokens.unwrap_or(d.prefill_chunk_tokens),
         },
     };
     if options.max_sessions == 0 {
@@ -87,6 +95,9 @@ pub(super) fn options(file: &ConfigFile<'_>, raw: Option<RawServerGeneration>) -
     }
     if options.max_batch == 0 {
         return Err(file.invalid("generation.max_batch", "must be positive (1 runs each session's steps alone)"));
+    }
+    if options.prefill_chunk_tokens == 0 {
+        return Err(file.invalid("generation.prefill_chunk_tokens", "must be positive (a part runs one position at least)"));
     }
     if options.max_wait > MAX_WAIT {
         return Err(file.invalid("generation.max_wait", format!("at most {MAX_WAIT:?}: a decode step waits this long for others on every token")));

@@ -829,13 +829,17 @@ mod tests {
         assert_eq!((c.training.max_pipeline_depth, c.training.max_kept_answer_bytes), (3, 1024));
         assert_eq!(c.training.client_wait_timeout, Duration::from_secs(7));
         assert_eq!(c.generation, GenerationOptions::default());
-        let c = load("listen: 127.0.0.1:1\ngeneration: {max_sessions: 3, session_idle_timeout: 20s, max_batch: 4, max_wait: 2ms}\n").unwrap();
+        let c = load(
+            "listen: 127.0.0.1:1\ngeneration: {max_sessions: 3, session_idle_timeout: 20s, max_batch: 4, max_wait: 2ms, prefill_chunk_tokens: 64}\n",
+        )
+        .unwrap();
         let want = GenerationOptions {
             max_sessions: 3,
             max_sessions_per_peer: 1,
             session_idle_timeout: Duration::from_secs(20),
             max_batch: 4,
             max_wait: Duration::from_millis(2),
+            prefill_chunk_tokens: 64,
         };
         assert_eq!(c.generation, want);
         for (yaml, key, says) in [
@@ -857,6 +861,7 @@ mod tests {
             ("generation: {session_idle_timeout: 0s}", "generation.session_idle_timeout", "must be positive"),
             ("generation: {max_batch: 0}", "generation.max_batch", "must be positive"),
             ("generation: {max_wait: 2s}", "generation.max_wait", "at most 1s"),
+            ("generation: {prefill_chunk_tokens: 0}", "generation.prefill_chunk_tokens", "must be positive"),
             ("limits: {stream_window_bytes: 1024}", "limits.stream_window_bytes", "from 65535"),
             ("limits: {stream_window_bytes: 8388608}", "limits.connection_window_bytes", "at least limits.stream_window_bytes"),
             ("limits: {max_frame_bytes: 1024}", "limits.max_frame_bytes", "from 16384"),

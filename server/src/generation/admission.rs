@@ -138,6 +138,13 @@ impl Generation {
     }
 }
 
+impl Admission {
+    /// The peer it was admitted for.
+    pub(crate) fn peer(&self) -> Option<PeerGroup> {
+        self.peer
+    }
+}
+
 impl Drop for Admission {
     fn drop(&mut self) {
         let inner = &self.generation.inner;

@@ -3,26 +3,34 @@
 //! in its turn among the device's other work): a step takes with it the decode steps of other
 //! sessions of its range that came while the last batch ran, or within `generation.max_wait`
 //! of its own arrival while other sessions are open, up to `generation.max_batch` rows, so
-//! sessions join and leave between steps. A prompt's step (and every step where `max_batch`
-//! is 1) goes to the scheduler by itself, beside the batches. A batch's caches are a copy of
-//! the positions its rows have written, held in the memory budget while it runs; where they
-//! do not fit, or the batch fails, each of its steps runs alone.
+//! sessions join and leave between steps. A batch is filled by turns: every peer with a step
+//! waiting has one in it before any peer has a second, so a peer with many sessions does not
+//! push another's steps to later batches. A batch's caches are a copy of the positions its
+//! rows have written, held in the memory budget while it runs; where they do not fit, or the
+//! batch fails, each of its steps runs alone.
+//!
+//! A prompt's step (and every step where `max_batch` is 1) goes to the scheduler by itself,
+//! beside the batches, in parts of at most `generation.prefill_chunk_tokens` rows x positions,
+//! each part a turn of its own; a peer has one part in the device's queue at a time. So a long
+//! prompt, or a peer's many prompts, hold the device a part at a time, and the work of every
+//! other peer and of the batches runs between them.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cleave_common::pb;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::admission::Generation;
-use super::session::{run_together, Answer, Checked, Session};
+use super::session::{run_together, Answer, Checked, Partial, Session};
 use crate::budget::{MemoryBudget, Reservation};
 use crate::config::GenerationOptions;
 use crate::error::{catch_panic, lock, RequestError};
 use crate::log_every::LogEvery;
 use crate::metrics::Metrics;
 use crate::models::Model;
+use crate::peer::PeerGroup;
 use crate::scheduler::DeviceScheduler;
 
 /// A step's session back, with the step's output or why it failed.
@@ -52,6 +60,22 @@ struct Ready {
     decode: Duration,
 }
 
+/// What a turn of the device did with a step run by itself: ran it, or the part of it it
+/// may run in one turn.
+enum Turned {
+    Ran(Ran),
+    Part(Part),
+}
+
+/// A step run by itself, part-way.
+struct Part {
+    session: Session,
+    partial: Partial,
+    decode: Duration,
+    /// The time its parts have taken so far.
+    compute: Duration,
+}
+
 /// Every model's step queue, each started at its model's first decode step; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct StepQueues {
@@ -62,6 +86,8 @@ struct Inner {
     shared: Shared,
     /// By bundle id.
     queues: Mutex<HashMap<String, mpsc::Sender<Job>>>,
+    /// Each peer's one place in the device's queue for the steps it runs by itself.
+    places: Mutex<HashMap<PeerGroup, Arc<Semaphore>>>,
 }
 
 /// What every queue's worker shares.
@@ -95,7 +121,8 @@ const TASK: &str = "generate";
 
 impl StepQueues {
     pub(crate) fn new(generation: Generation, budget: MemoryBudget, metrics: Metrics) -> Self {
-        Self { inner: Arc::new(Inner { shared: Shared { generation, budget, metrics }, queues: Mutex::default() }) }
+        let shared = Shared { generation, budget, metrics };
+        Self { inner: Arc::new(Inner { shared, queues: Mutex::default(), places: Mutex::default() }) }
     }
 
     /// Runs `step` of `session`, a session of `model`, on its device: the session back with
@@ -104,13 +131,43 @@ impl StepQueues {
     /// one message).
     pub(crate) async fn run(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
         if step.tokens != 1 || self.inner.shared.generation.options().max_batch == 1 {
-            let rows = session.rows();
-            return model.scheduler.run(model.index, TASK, rows, move || run_alone(session, &step, answer_limit)).await.ok();
+            return self.run_alone(model, session, step, answer_limit).await;
         }
         let (reply, ran) = oneshot::channel();
         let job = Job { session, step, answer_limit, arrived: tokio::time::Instant::now(), reply };
         self.queue(model).send(job).await.ok()?;
         ran.await.ok()
+    }
+
+    /// Runs `step` by itself, a part at a time (see the module's text): each part waits for
+    /// its peer's place, then for its turn of the device.
+    async fn run_alone(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
+        let (rows, peer) = (session.rows(), session.peer());
+        let positions = (i64::from(self.inner.shared.generation.options().prefill_chunk_tokens) / rows as i64).max(1);
+        let mut turned = {
+            let _place = self.place(peer).await;
+            model.scheduler.run(model.index, TASK, rows, move || start_alone(session, &step, answer_limit, positions)).await.ok()?
+        };
+        loop {
+            match turned {
+                Turned::Ran(ran) => return Some(ran),
+                Turned::Part(part) => {
+                    let _place = self.place(peer).await;
+                    turned = model.scheduler.run(model.index, TASK, rows, move || part.run_next(positions)).await.ok()?;
+                }
+            }
+        }
+    }
+
+    /// `peer`'s place in the device's queue, once its last part has run (none in-process).
+    async fn place(&self, peer: Option<PeerGroup>) -> Option<OwnedSemaphorePermit> {
+        let place = {
+            let mut places = lock(&self.inner.places);
+            // The places of peers with nothing waiting go.
+            places.retain(|_, place| Arc::strong_count(place) > 1);
+            Arc::clone(places.entry(peer?).or_insert_with(|| Arc::new(Semaphore::new(1))))
+        };
+        place.acquire_owned().await.ok()
     }
 
     /// `model`'s queue, its worker started (on the calling runtime) where there is none or
@@ -170,27 +227,26 @@ impl Worker {
         }
     }
 
-    /// `first` and the decode steps of its key waiting or coming, up to `max_batch` rows. It
-    /// waits for more until `max_wait` after `first` came while it holds fewer steps than
-    /// sessions of its model and range are open (a lone session never waits, whatever other
-    /// models' or ranges' sessions do), and not at all while steps of other keys wait (a
-    /// batch never holds up another).
+    /// `first` and the decode steps of its key waiting or coming, up to `max_batch` rows,
+    /// taken by turns: of the steps waiting that fit, the one whose peer has the fewest rows
+    /// in the batch, the earliest among equals. It waits for more until `max_wait` after
+    /// `first` came while it holds fewer steps than sessions of its model and range are open
+    /// (a lone session never waits, whatever other models' or ranges' sessions do), and not at
+    /// all while steps of other keys wait (a batch never holds up another).
     async fn gather(&self, first: Job, waiting: &mut VecDeque<Job>, queued: &mut mpsc::Receiver<Job>) -> Vec<Job> {
         let key = first.session.batch_key();
         let options = self.options();
         let max_rows = options.max_batch as usize;
         let fits = |job: &Job, rows: usize| job.session.batch_key() == key && rows + job.session.rows() <= max_rows;
+        while let Ok(job) = queued.try_recv() {
+            waiting.push_back(job);
+        }
         let mut rows = first.session.rows();
         let mut batch = vec![first];
-        let mut i = 0;
-        while i < waiting.len() && rows < max_rows {
-            if fits(&waiting[i], rows) {
-                let job = waiting.remove(i).expect("in range");
-                rows += job.session.rows();
-                batch.push(job);
-            } else {
-                i += 1;
-            }
+        while let Some(i) = next_turn(waiting, &batch, |job| fits(job, rows)) {
+            let job = waiting.remove(i).expect("in range");
+            rows += job.session.rows();
+            batch.push(job);
         }
         let deadline = batch[0].arrived + options.max_wait;
         let open = self.shared.generation.open_sessions(&self.label, key.range);
@@ -228,11 +284,42 @@ impl Worker {
     }
 }
 
-/// Checks `step` and runs it alone.
-fn run_alone(session: Session, step: &pb::GenerateStep, answer_limit: u64) -> Ran {
+/// Of the steps `waiting` that `fit`, the index of the one whose turn it is in `batch`: its
+/// peer's rows there the fewest, the earliest among equals.
+fn next_turn(waiting: &VecDeque<Job>, batch: &[Job], fit: impl Fn(&Job) -> bool) -> Option<usize> {
+    let of = |job: &Job| (job.session.peer(), job.session.rows());
+    turn_among(waiting.iter().map(|job| (of(job), fit(job))), batch.iter().map(of))
+}
+
+/// [`next_turn`] over each waiting step's peer and rows, and whether it fits.
+fn turn_among(
+    waiting: impl Iterator<Item = ((Option<PeerGroup>, usize), bool)>,
+    batch: impl Iterator<Item = (Option<PeerGroup>, usize)> + Clone,
+) -> Option<usize> {
+    let rows_of = |peer| batch.clone().filter(|(p, _)| *p == peer).map(|(_, rows)| rows).sum::<usize>();
+    waiting.enumerate().filter(|(_, (_, fits))| *fits).min_by_key(|(i, ((peer, _), _))| (rows_of(*peer), *i)).map(|(i, _)| i)
+}
+
+/// Checks `step` and runs its first `positions` (every row's).
+fn start_alone(session: Session, step: &pb::GenerateStep, answer_limit: u64, positions: i64) -> Turned {
     match check(session, step, answer_limit) {
-        Ok(ready) => ready.run_alone(),
-        Err(ran) => *ran,
+        Ok(Ready { session, step, decode }) => Part { session, partial: step.in_parts(), decode, compute: Duration::ZERO }.run_next(positions),
+        Err(ran) => Turned::Ran(*ran),
+    }
+}
+
+impl Part {
+    /// Runs its next `positions`: the session back with the answer once the step has run.
+    fn run_next(mut self, positions: i64) -> Turned {
+        let started = Instant::now();
+        let output = catch_panic("a generation step", || self.session.run_part(&mut self.partial, positions));
+        self.compute += started.elapsed();
+        let output = match output {
+            Ok(None) => return Turned::Part(self),
+            Ok(Some(answer)) => Ok(answer),
+            Err(e) => Err(e),
+        };
+        Turned::Ran(Ran { session: self.session, output, decode: self.decode, compute: self.compute })
     }
 }
 
@@ -298,5 +385,41 @@ fn run_together_or_alone(mut ready: Vec<Ready>, metrics: &Metrics, label: &str, 
             }
             ready.into_iter().map(Ready::run_alone).collect()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The batch each peer's steps make, filled by [`turn_among`] from `waiting` (peer, rows)
+    /// up to `max_rows`, `first` already in it.
+    fn fill(first: (Option<PeerGroup>, usize), waiting: &[(Option<PeerGroup>, usize)], max_rows: usize) -> Vec<(Option<PeerGroup>, usize)> {
+        let mut waiting = waiting.to_vec();
+        let mut batch = vec![first];
+        loop {
+            let rows: usize = batch.iter().map(|(_, r)| r).sum();
+            let candidates = waiting.iter().map(|&step| (step, rows + step.1 <= max_rows));
+            let Some(i) = turn_among(candidates, batch.iter().copied()) else { return batch };
+            batch.push(waiting.remove(i));
+        }
+    }
+
+    #[test]
+    fn a_batch_is_filled_by_turns_every_peer_once_before_any_twice() {
+        let peer = |last: u8| Some(PeerGroup::of(std::net::IpAddr::from([192, 0, 2, last])));
+        let (hog, other, third) = (peer(1), peer(2), peer(3));
+        // The hog's steps came first, the others' last: each other peer still has one in the
+        // batch of 4, and the hog's second comes after them.
+        let waiting = [(hog, 1), (hog, 1), (hog, 1), (hog, 1), (other, 1), (third, 1)];
+        assert_eq!(fill((hog, 1), &waiting, 4), [(hog, 1), (other, 1), (third, 1), (hog, 1)]);
+        // Turns count rows: a peer with a 3-row step in the batch waits behind one of 1 row.
+        let waiting = [(other, 1), (hog, 1), (other, 1), (third, 2)];
+        assert_eq!(fill((other, 3), &waiting, 8), [(other, 3), (hog, 1), (third, 2), (other, 1), (other, 1)]);
+        // A step that does not fit is passed over for one that does, the earliest first.
+        let waiting = [(other, 4), (hog, 1), (third, 1)];
+        assert_eq!(fill((hog, 2), &waiting, 4), [(hog, 2), (third, 1), (hog, 1)]);
+        // In-process steps (no peer) are one peer.
+        assert_eq!(fill((None, 1), &[(None, 1), (hog, 1)], 2), [(None, 1), (hog, 1)]);
     }
 }

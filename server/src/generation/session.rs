@@ -12,6 +12,7 @@ use tch::{Kind, Tensor};
 
 use super::admission::Admission;
 use crate::error::{GenerationError, RequestError};
+use crate::peer::PeerGroup;
 
 /// A session, open.
 pub(crate) struct Session {
@@ -23,7 +24,7 @@ pub(crate) struct Session {
     width: i64,
     kind: Kind,
     /// Its place and its caches' bytes, given back when the caches go.
-    _admission: Admission,
+    admission: Admission,
 }
 
 /// A step checked against its session, its tensors made, not yet run.
@@ -38,6 +39,22 @@ pub(crate) struct Checked {
     last_only: bool,
     /// Answer each token's `top_k` most likely tokens, not the logits (0: the logits).
     top_k: i64,
+}
+
+/// A checked step run a part of its positions at a time ([`Session::run_part`]).
+pub(crate) struct Partial {
+    step: Checked,
+    /// Positions of each row run so far.
+    done: i64,
+    /// The parts' outputs (only the last part's where the step answers its last token).
+    outputs: Vec<Tensor>,
+}
+
+impl Checked {
+    /// The step, to run in parts.
+    pub(crate) fn in_parts(self) -> Partial {
+        Partial { step: self, done: 0, outputs: Vec::new() }
+    }
 }
 
 /// A step's answer: its output [batch, tokens or 1, width], or with a `top_k` each token's
@@ -165,7 +182,7 @@ impl Session {
         let caches = stages.new_caches(asked.batch, asked.max_len).map_err(RequestError::Bundle)?;
         let info = stages.info();
         let (width, kind) = (info.hidden_width(), info.hidden.dtype.kind());
-        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind, _admission: admission })
+        Ok(Self { stages, caches, lengths: vec![0; asked.batch as usize], max_len: asked.max_len, width, kind, admission })
     }
 
     /// Checks `step` whole and makes its tensors; nothing of the session changes.
@@ -185,15 +202,57 @@ impl Session {
         Ok(Checked { hidden, positions, starts, restart_rows, tokens, last_only: step.last_token_only, top_k: i64::from(step.top_k) })
     }
 
-    /// Runs a checked step alone. The session moves only once its answer is made: a step whose
-    /// output cannot be answered (logits that rank nothing) leaves every row where it stood
-    /// (the cache positions it wrote lie past them, and are written again before they are read).
+    /// Runs a checked step alone, whole. The session moves only once its answer is made: a
+    /// step whose output cannot be answered (logits that rank nothing) leaves every row where
+    /// it stood (the cache positions it wrote lie past them, and are written again before they
+    /// are read).
     pub(crate) fn run(&mut self, step: Checked) -> Result<Answer, RequestError> {
-        let output = self.stages.step_last(&step.hidden, &step.positions, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
+        let mut partial = step.in_parts();
+        let answer = self.run_part(&mut partial, i64::MAX)?;
+        Ok(answer.expect("a part of every position is the whole step"))
+    }
+
+    /// Runs the next `positions` (one or more) of every row of `partial`'s step: its answer
+    /// once the last have run, the session then moved as [`Session::run`] moves it. A token
+    /// attends to the positions before it in the caches, the earlier parts' among them, so a
+    /// step run in parts computes what it computes whole; until the last part the session
+    /// stands where it stood.
+    pub(crate) fn run_part(&mut self, partial: &mut Partial, positions: i64) -> Result<Option<Answer>, RequestError> {
+        let step = &partial.step;
+        let count = positions.clamp(1, step.tokens - partial.done);
+        let (hidden, at) = (step.hidden.narrow(1, partial.done, count), step.positions.narrow(1, partial.done, count));
+        partial.done += count;
+        if step.last_only && partial.done < step.tokens {
+            // Only the caches it writes matter until the last part: no head for tokens whose
+            // answer nobody asked for.
+            let range = self.stages.range();
+            let layers = match self.stages.ends_with_head() {
+                true => self.stages.slice(StageRange::new(range.start, range.end - 1)).map_err(RequestError::Bundle)?,
+                false => self.stages.clone(),
+            };
+            if !layers.range().is_empty() {
+                let _unasked = layers.step_last(&hidden, &at, &mut self.caches, true).map_err(RequestError::Bundle)?;
+            }
+            return Ok(None);
+        }
+        let output = self.stages.step_last(&hidden, &at, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
+        partial.outputs.push(output);
+        if partial.done < step.tokens {
+            return Ok(None);
+        }
+        let output = match partial.outputs.len() {
+            1 => partial.outputs.pop().expect("one output"),
+            _ => Tensor::f_cat(&partial.outputs, 1).map_err(torch_error)?,
+        };
         let answer = Answer::of(output, step.top_k)?;
-        self.restart(&step);
+        self.restart(step);
         self.advance(step.tokens);
-        Ok(answer)
+        Ok(Some(answer))
+    }
+
+    /// The peer whose session it is (none in-process).
+    pub(crate) fn peer(&self) -> Option<PeerGroup> {
+        self.admission.peer()
     }
 
     pub(crate) fn batch_key(&self) -> BatchKey {
