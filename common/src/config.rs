@@ -12,7 +12,7 @@ use serde::Deserialize;
 use cleave_codec::Key;
 
 use crate::device::DeviceSpec;
-use crate::security::{SecretSource, TlsIdentity, Token};
+use crate::security::{SecretSource, ServerTokens, TlsIdentity, Token};
 pub use crate::yaml_errors::SchemaError;
 
 /// A configuration file that cannot be used.
@@ -156,6 +156,18 @@ pub struct RawAuth {
     pub token: SecretSource,
 }
 
+/// `auth:` of a server: one token every client carries, or one for each client by name.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServerAuth {
+    /// The one token, a file or an environment variable.
+    #[serde(default)]
+    pub token: Option<SecretSource>,
+    /// Each client's token, by its name.
+    #[serde(default)]
+    pub tokens: Option<std::collections::BTreeMap<String, SecretSource>>,
+}
+
 /// One config file being validated: reads its secrets and files (relative to it) and names
 /// the file and the key in every error.
 pub struct ConfigFile<'a> {
@@ -201,9 +213,40 @@ impl ConfigFile<'_> {
 
     /// The bearer token of `auth:`, if any.
     pub fn token(&self, auth: Option<RawAuth>) -> Result<Option<Token>, ConfigError> {
-        let Some(auth) = auth else { return Ok(None) };
-        let material = auth.token.relative_to(|f| self.resolve(f)).read().map_err(|e| self.invalid("auth.token", e.to_string()))?;
-        Token::parse(&material).map(Some).map_err(|e| self.invalid("auth.token", e.to_string()))
+        auth.map(|auth| self.secret_token("auth.token", auth.token)).transpose()
+    }
+
+    /// The bearer tokens of a server's `auth:`: `token` (one, shared) or `tokens` (one a
+    /// client, named with letters, digits, `.`, `_` and `-`, each a different token).
+    pub fn server_tokens(&self, auth: Option<RawServerAuth>) -> Result<ServerTokens, ConfigError> {
+        let Some(auth) = auth else { return Ok(ServerTokens::None) };
+        let named = match (auth.token, auth.tokens) {
+            (Some(token), None) => return Ok(ServerTokens::Shared(self.secret_token("auth.token", token)?)),
+            (None, Some(named)) if !named.is_empty() => named,
+            (Some(_), Some(_)) => {
+                return Err(self.invalid("auth", "give `token` (one, every client's) or `tokens` (one a client, by name), not both"))
+            }
+            (None, _) => return Err(self.invalid("auth", "give `token: {file: F}` (one, every client's) or `tokens: {NAME: {file: F}, ...}`")),
+        };
+        let mut tokens: Vec<(String, Token)> = Vec::with_capacity(named.len());
+        for (name, source) in named {
+            let key = format!("auth.tokens.{name}");
+            if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+                return Err(self.invalid(&key, "a client's name is 1 to 64 letters, digits, `.`, `_` or `-`"));
+            }
+            let token = self.secret_token(&key, source)?;
+            if let Some((other, _)) = tokens.iter().find(|(_, t)| t.matches_header(token.bearer().as_bytes())) {
+                return Err(self.invalid(&key, format!("the same token as `{other}`: each client's token names it alone")));
+            }
+            tokens.push((name, token));
+        }
+        Ok(ServerTokens::Named(tokens))
+    }
+
+    /// The token at `key`, read from `source`.
+    fn secret_token(&self, key: &str, source: SecretSource) -> Result<Token, ConfigError> {
+        let material = source.relative_to(|f| self.resolve(f)).read().map_err(|e| self.invalid(key, e.to_string()))?;
+        Token::parse(&material).map_err(|e| self.invalid(key, e.to_string()))
     }
 
     /// A server's TLS identity at `key`, if any.

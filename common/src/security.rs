@@ -111,6 +111,42 @@ impl Token {
     }
 }
 
+/// The bearer tokens a server takes (`auth:` in server.yaml).
+#[derive(Debug, Clone, Default)]
+pub enum ServerTokens {
+    /// None: calls carry no token.
+    #[default]
+    None,
+    /// One token that every client carries (`auth.token`).
+    Shared(Token),
+    /// A token for each client, by name (`auth.tokens`): what a client may hold of the
+    /// server's shares for its peers is counted by its token, wherever it connects from.
+    Named(Vec<(String, Token)>),
+}
+
+impl ServerTokens {
+    /// Whether every call must carry a token.
+    pub fn required(&self) -> bool {
+        !matches!(self, Self::None)
+    }
+
+    /// Whether an `authorization` header value carries a token taken here.
+    pub fn take(&self, header: &[u8]) -> bool {
+        match self {
+            Self::None => true,
+            Self::Shared(token) => token.matches_header(header),
+            Self::Named(_) => self.name_of(header).is_some(),
+        }
+    }
+
+    /// The name of the client whose token an `authorization` header value carries (named
+    /// tokens only). Every token is compared, in constant time.
+    pub fn name_of(&self, header: &[u8]) -> Option<&str> {
+        let Self::Named(tokens) = self else { return None };
+        tokens.iter().fold(None, |found, (name, token)| if token.matches_header(header) { Some(name.as_str()) } else { found })
+    }
+}
+
 /// A server's certificate chain and private key (PEM).
 #[derive(Clone)]
 pub struct TlsIdentity {
@@ -144,8 +180,8 @@ pub struct ServerSecurity {
     pub keys: KeyRing,
     /// TLS identity; plaintext when absent.
     pub tls: Option<TlsIdentity>,
-    /// Bearer token every call must carry; none when absent.
-    pub token: Option<Token>,
+    /// The bearer tokens a call may carry, one of which it must where there are any.
+    pub tokens: ServerTokens,
 }
 
 /// Everything a host uses beyond the bundle: its key, TLS trust, token.

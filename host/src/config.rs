@@ -11,7 +11,7 @@ use cleave_client::{Link, RetryPolicy};
 use cleave_common::bundle::SplitSpec;
 use cleave_common::config::{auto_device, ConfigError, ConfigFile, CpuUse, Limits, RawAuth, RawTlsIdentity};
 use cleave_common::logs::LogFormat;
-use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity};
+use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, ServerTokens, TlsIdentity};
 use cleave_common::telemetry::Telemetry;
 use cleave_common::training::loss::LossKind;
 use cleave_common::training::optim::OptimizerConfig;
@@ -502,7 +502,7 @@ impl EdgeConfig {
             policy: CodecPolicy { require_encryption: !keys.is_empty(), ..CodecPolicy::default() },
             keys,
             tls: self.loopback_tls.clone(),
-            token: self.security.token.clone(),
+            tokens: self.security.token.clone().map_or(ServerTokens::None, ServerTokens::Shared),
         }
     }
 }

@@ -5,7 +5,7 @@
 //! answer's, which is
 //! held until the answer is written to its connection (see [`crate::unsent`]), or dropped.
 //!
-//! Each peer (an address, see [`PeerGroup`]) spends its own share of it
+//! Each peer (an address, see [`Peer`]) spends its own share of it
 //! (`limits.memory_budget_bytes_per_peer`): a stream reserves through its peer's view of the
 //! budget ([`MemoryBudget::for_peer`]), which takes the bytes from the peer's share as well as
 //! from the whole. One reservation takes at most the share less one message (the largest a
@@ -21,7 +21,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{timeout_at, Instant};
 
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 
 /// The budget counts in KiB so that one request of any allowed size fits a semaphore's `u32`.
 const UNIT: u64 = 1024;
@@ -46,13 +46,13 @@ struct Inner {
     /// The most of it one reservation takes, in units.
     share_take_units: u64,
     /// The shares of the peers that hold a view or a reservation.
-    shares: Mutex<HashMap<PeerGroup, Weak<Semaphore>>>,
+    shares: Mutex<HashMap<Peer, Weak<Semaphore>>>,
 }
 
 /// One peer's share of the budget.
 #[derive(Debug, Clone)]
 struct PeerShare {
-    peer: PeerGroup,
+    peer: Peer,
     units: Arc<Semaphore>,
 }
 
@@ -162,7 +162,7 @@ impl MemoryBudget {
 
     /// `peer`'s view of the budget: what it reserves also comes out of its share. (Without a
     /// peer, or with shares as large as the budget, the budget itself.)
-    pub(crate) fn for_peer(&self, peer: Option<PeerGroup>) -> Self {
+    pub(crate) fn for_peer(&self, peer: Option<Peer>) -> Self {
         let whole = Self { peer: None, ..self.clone() };
         let Some(peer) = peer.filter(|_| self.inner.share_units < self.inner.total_units) else { return whole };
         let mut shares = self.inner.shares.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -170,7 +170,7 @@ impl MemoryBudget {
             // (Shares no one holds any more are forgotten as others are made.)
             shares.retain(|_, share| share.strong_count() > 0);
             let units = Arc::new(Semaphore::new(self.inner.share_units as usize));
-            shares.insert(peer, Arc::downgrade(&units));
+            shares.insert(peer.clone(), Arc::downgrade(&units));
             units
         });
         Self { inner: Arc::clone(&self.inner), peer: Some(PeerShare { peer, units }) }
@@ -325,7 +325,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_peer_spends_its_own_share_and_may_take_all_of_it_at_once_when_it_holds_nothing() {
         let budget = MemoryBudget::new(16 << 10, 4 << 10, 1 << 10, Duration::from_secs(2));
-        let peer = |ip: &str| Some(PeerGroup::of(ip.parse().unwrap()));
+        let peer = |ip: &str| Some(Peer::Address(crate::peer::PeerGroup::of(ip.parse().unwrap())));
         let (greedy, other) = (budget.for_peer(peer("192.0.2.7")), budget.for_peer(peer("192.0.2.8")));
         let a = greedy.reserve(3 << 10).await.unwrap();
         // Past its share, the peer waits the budget's wait and is refused, naming itself...

@@ -48,8 +48,9 @@ use crate::config::PeerLimits;
 use crate::error::{lock, RequestError};
 use crate::inbound::{CountedBody, InboundLimits};
 use crate::metrics::Metrics;
-use crate::peer::PeerGroup;
+use crate::peer::{CallPeer, Peer, PeerGroup};
 use crate::unsent::{AnswerClocks, Unsent};
+use cleave_common::security::ServerTokens;
 
 /// Every connection of a server.
 pub(crate) struct Connections {
@@ -466,11 +467,13 @@ pub(crate) struct CallTracking {
     budget: MemoryBudget,
     max_message_bytes: u64,
     request_timeout: Duration,
+    /// The bearer tokens: a named one says whose a call is.
+    tokens: Arc<ServerTokens>,
 }
 
 impl CallTracking {
-    pub(crate) fn new(budget: MemoryBudget, max_message_bytes: u64, request_timeout: Duration) -> Self {
-        Self { budget, max_message_bytes, request_timeout }
+    pub(crate) fn new(budget: MemoryBudget, max_message_bytes: u64, request_timeout: Duration, tokens: ServerTokens) -> Self {
+        Self { budget, max_message_bytes, request_timeout, tokens: Arc::new(tokens) }
     }
 }
 
@@ -510,14 +513,17 @@ where
             return Box::pin(async move { Ok(refused.into_http()) });
         }
         let t = &self.tracking;
-        // The peer's view of the budget, made once for the call: its body and its handler
-        // (through the request's extensions, see `service::budget_of`) spend the same share.
-        let budget = t.budget.for_peer(connection.as_ref().and_then(|c| c.peer));
+        // Whose call it is, and that peer's view of the budget, made once for the call: its
+        // body and its handler (through the request's extensions, see `service::budget_of`)
+        // spend the same share.
+        let peer = Peer::of_call(&t.tokens, request.headers(), connection.as_ref().and_then(|c| c.peer));
+        let budget = t.budget.for_peer(peer.clone());
         let mut request = request.map(|body| {
             let limits = InboundLimits { budget: budget.clone(), max_message_bytes: t.max_message_bytes, request_timeout: t.request_timeout };
             tonic::body::Body::new(CountedBody::new(body, limits))
         });
         request.extensions_mut().insert(budget);
+        request.extensions_mut().insert(CallPeer(peer));
         let call = connection.map(|c| c.call_opened());
         let path = request.uri().path().to_string();
         let response = self.inner.call(request);

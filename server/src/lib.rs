@@ -242,14 +242,15 @@ impl PreparedServer {
         let max_message = limits.max_message_bytes as usize;
         let security = Arc::clone(&self.service.security);
         let metrics = self.service.metrics.clone();
-        let inbound = connections::CallTracking::new(self.service.budget.clone(), limits.max_message_bytes, peers.request_timeout);
+        let inbound =
+            connections::CallTracking::new(self.service.budget.clone(), limits.max_message_bytes, peers.request_timeout, security.tokens.clone());
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         let model_ids = self.service.models.all().iter().map(|m| m.bundle.id().to_string()).collect();
         let health = health::Health::serving(health_reporter, model_ids).await;
         let _health_only = self.health_listener.map(|listener| serve_health_only(listener, health_service.clone(), &peers, metrics.clone()));
         let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
-        let token = security.token.clone();
-        let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(token.as_ref(), request));
+        let tokens = security.tokens.clone();
+        let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(&tokens, request));
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = &security.tls {
             let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
@@ -460,7 +461,7 @@ pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Resu
         metrics,
         health,
         tls: server.uses_tls(),
-        token: s.token.is_some(),
+        token: s.tokens.required(),
         key_ids: s.keys.ids(),
         encryption_required: s.policy.require_encryption,
         checkpoint_dir: config.training.checkpoint_dir.clone(),

@@ -1,7 +1,53 @@
-//! Who a peer is, for the shares each may hold: connections, memory, generation sessions and
-//! their caches.
+//! Who a peer is, for the shares each may hold: connections by address ([`PeerGroup`]);
+//! memory, generation sessions and their caches, and training sessions by [`Peer`]: the client
+//! its named token says, else its address.
 
 use std::net::IpAddr;
+use std::sync::Arc;
+
+use cleave_common::security::ServerTokens;
+
+/// Who spends a share of what the server holds for its peers (memory, generation sessions and
+/// their caches, training sessions): the client a named bearer token (`auth.tokens`) says,
+/// wherever it connects from; else its address group. (Connections are counted by address
+/// alone: one is counted before any call on it says whose it is.)
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Peer {
+    Address(PeerGroup),
+    Client(Arc<str>),
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Address(group) => group.fmt(f),
+            Self::Client(name) => write!(f, "client `{name}`"),
+        }
+    }
+}
+
+/// A call's peer, in its request's extensions (put there by `connections::CallTracking`).
+#[derive(Debug, Clone)]
+pub(crate) struct CallPeer(pub(crate) Option<Peer>);
+
+impl CallPeer {
+    /// The peer of the call whose extensions these are.
+    pub(crate) fn of(extensions: &http::Extensions) -> Option<Peer> {
+        extensions.get::<Self>().and_then(|call| call.0.clone())
+    }
+}
+
+impl Peer {
+    /// The peer of a call with these headers over a connection from `address`: the client
+    /// whose named token it carries, else the address (none in-process).
+    pub(crate) fn of_call(tokens: &ServerTokens, headers: &http::HeaderMap, address: Option<PeerGroup>) -> Option<Self> {
+        let client = headers.get("authorization").and_then(|value| tokens.name_of(value.as_bytes()));
+        match client {
+            Some(name) => Some(Self::Client(name.into())),
+            None => address.map(Self::Address),
+        }
+    }
+}
 
 /// The peers that count as one: an IPv4 address, or an IPv6 peer's /64 (what one host or one
 /// subscriber is usually given). Shares per peer (connections, memory, generation sessions and

@@ -32,6 +32,7 @@ use crate::generation::stream::GenerateContext;
 use crate::infer::InferContext;
 use crate::metrics::Metrics;
 use crate::models::Models;
+use crate::peer::CallPeer;
 use crate::reader::FrameReader;
 use crate::scheduler::ProfileJob;
 use crate::streams::{Answers, OpenStream, StreamKind};
@@ -188,7 +189,7 @@ impl SplitInference for Service {
             training: self.training.clone(),
             parking: self.parking.clone(),
             budget: open.budget.clone(),
-            peer: open.peer,
+            peer: open.peer.clone(),
             unsent: open.unsent.clone(),
         };
         self.open_stream(request, StreamKind::Train, context, crate::training::stream::serve_stream)
@@ -199,7 +200,7 @@ impl SplitInference for Service {
     async fn generate(&self, request: Request<Streaming<pb::GenerateFrame>>) -> Result<Response<Self::GenerateStream>, Status> {
         let context = |open: &OpenStream<pb::GenerateFrame, pb::GenerateReply>| GenerateContext {
             model: Arc::clone(&open.model),
-            peer: open.peer,
+            peer: open.peer.clone(),
             generation: self.generation.clone(),
             queues: self.step_queues.clone(),
             metrics: self.metrics.clone(),
@@ -237,7 +238,7 @@ impl Service {
             return Err(RequestError::Draining.into());
         }
         let unsent = unsent_of(&request);
-        let peer = connection_of(request.extensions()).and_then(|c| c.peer);
+        let peer = CallPeer::of(request.extensions());
         let budget = self.budget_of(request.extensions());
         let (answers, answers_rx) = mpsc::channel(kind.answers_queued());
         let peer_gone = CancellationToken::new();
@@ -257,7 +258,7 @@ impl Service {
     /// The call's peer's view of the memory budget: the one its body counts its messages in
     /// (made by `CallTracking`), else made here from its connection.
     fn budget_of(&self, extensions: &http::Extensions) -> MemoryBudget {
-        extensions.get::<MemoryBudget>().cloned().unwrap_or_else(|| self.budget.for_peer(connection_of(extensions).and_then(|c| c.peer)))
+        extensions.get::<MemoryBudget>().cloned().unwrap_or_else(|| self.budget.for_peer(CallPeer::of(extensions)))
     }
 
     /// How long a stream of `kind` may do nothing: an `Infer` stream with no request in
@@ -284,11 +285,13 @@ fn answering<T>(message: T, unsent: Unsent) -> Response<T> {
     response
 }
 
-/// Refuses a call without the server's bearer token (when it has one), before any handler.
-pub(crate) fn check_token(token: Option<&cleave_common::security::Token>, request: Request<()>) -> Result<Request<()>, Status> {
-    let Some(token) = token else { return Ok(request) };
+/// Refuses a call without a bearer token of the server's (when it has any), before any handler.
+pub(crate) fn check_token(tokens: &cleave_common::security::ServerTokens, request: Request<()>) -> Result<Request<()>, Status> {
+    if !tokens.required() {
+        return Ok(request);
+    }
     match request.metadata().get("authorization") {
-        Some(value) if token.matches_header(value.as_bytes()) => Ok(request),
+        Some(value) if tokens.take(value.as_bytes()) => Ok(request),
         Some(_) => Err(RequestError::Unauthenticated("wrong bearer token").into()),
         None => Err(RequestError::Unauthenticated("this server requires a bearer token (`authorization: Bearer ...`)").into()),
     }

@@ -14,7 +14,7 @@ use tonic::{Status, Streaming};
 
 use crate::budget::MemoryBudget;
 use crate::models::Model;
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 use crate::reader::FrameReader;
 use crate::unsent::Unsent;
 
@@ -55,7 +55,7 @@ pub(crate) struct OpenStream<F, R> {
     /// closed (or the stream ended with nothing left to answer).
     pub(crate) peer_gone: CancellationToken,
     /// Who the peer is, for its shares (none where its connection could not tell).
-    pub(crate) peer: Option<PeerGroup>,
+    pub(crate) peer: Option<Peer>,
     /// The peer's view of the memory budget, the one the call's body counts in.
     pub(crate) budget: MemoryBudget,
 }

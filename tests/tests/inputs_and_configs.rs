@@ -195,7 +195,7 @@ fn every_example_config_parses() {
     assert!(secure.loopback_security().tls.is_some() && secure.loopback_security().policy.require_encryption);
     let server = ServerConfig::load(&root.path().join("config/server-secure.yaml")).unwrap();
     assert_eq!(server.security.keys.ids(), [1]);
-    assert!(server.security.policy.require_encryption && server.security.tls.is_some() && server.security.token.is_some());
+    assert!(server.security.policy.require_encryption && server.security.tls.is_some() && server.security.tokens.required());
     let demo = EdgeConfig::load(&config_dir().join("demo.yaml")).unwrap();
     assert_eq!(demo.split, SplitSpec::After("layer2".into()));
     assert_eq!(demo.job, Job::Infer(InputSource::Synthetic { seed: 0 }));

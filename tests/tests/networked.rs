@@ -915,6 +915,46 @@ fn a_peer_holds_at_most_its_share_of_generation_sessions() {
     });
 }
 
+/// With a token for each client (`auth.tokens`), what a client may hold is counted by its
+/// token, not its address (issue 70, item 3): two clients on 127.0.0.1 with their own tokens
+/// each hold the one generation place a peer has; a second of either is refused naming that
+/// client; a caller without a token of the server's is refused UNAUTHENTICATED.
+#[test]
+fn with_named_tokens_each_client_holds_its_own_share_wherever_it_connects_from() {
+    use cleave_client::GenerateLink;
+    use cleave_common::security::{ServerSecurity, ServerTokens, Token};
+    use cleave_server::GenerationOptions;
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let n = bundle.manifest().generation.as_ref().unwrap().stages.len() as u32;
+    let token = |client: &str| Token::parse(format!("the-token-of-{client}-0123456789").as_bytes()).unwrap();
+    let tokens = ServerTokens::Named(vec![("edge-a".into(), token("edge-a")), ("edge-b".into(), token("edge-b"))]);
+    runtime().block_on(async {
+        let dir = bundle.dir().to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let options = GenerationOptions { max_sessions: 8, max_sessions_per_peer: 1, ..GenerationOptions::default() };
+            let security = ServerSecurity { tokens, ..ServerSecurity::default() };
+            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), security).unwrap().with_generation(options)
+        })
+        .await
+        .unwrap();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let open = pb::OpenGeneration { start: 1, end: n, batch: 1, max_len: 16 };
+        let mut held = Vec::new();
+        for client in ["edge-a", "edge-b"] {
+            let link = Link { token: Some(token(client)), ..Link::plain() };
+            let mut session = connect(&server.url, &bundle, &link).await.unwrap();
+            held.push(GenerateLink::open(&mut session, open).await.unwrap_or_else(|e| panic!("{client}'s first session: {e}")));
+            let (c, m) = refusal(GenerateLink::open(&mut session, open).await);
+            let named = format!("client `{client}`");
+            assert!(c == tonic::Code::ResourceExhausted && m.contains(&named) && m.contains("generation.max_sessions_per_peer"), "{m}");
+        }
+        let (c, m) = refusal(connect(&server.url, &bundle, &Link::plain()).await);
+        assert_eq!(c, tonic::Code::Unauthenticated, "{m}");
+        drop(held);
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// `limits.kv_cache_bytes` are refused, the embedding is never the server's, and what a
 /// session held is given back when its stream ends (metrics).
 #[test]

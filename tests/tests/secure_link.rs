@@ -6,7 +6,7 @@ use cleave_client::{connect, connect_retrying, Link, LinkError, RetryPolicy};
 use cleave_common::config::Limits;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
 use cleave_common::pb::{self, InferFrame};
-use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, TlsIdentity, Token};
+use cleave_common::security::{ClientTls, EdgeSecurity, ServerSecurity, ServerTokens, TlsIdentity, Token};
 use cleave_common::wire::{Codec, CodecPolicy, Direction, Key, KeyRing, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_host::client::{stream_requests, Splits, StreamPlan};
@@ -107,7 +107,7 @@ fn secured_pair(dir: &std::path::Path) -> (ServerSecurity, EdgeSecurity) {
         policy: CodecPolicy { require_encryption: true, ..CodecPolicy::default() },
         keys: KeyRing::new([key.clone()]).unwrap(),
         tls: Some(TlsIdentity { cert_pem: read("server.pem"), key_pem: read("server.key").into() }),
-        token: Some(token.clone()),
+        tokens: ServerTokens::Shared(token.clone()),
     };
     let edge = EdgeSecurity { key: Some(key), tls: Some(ClientTls { ca_pem: read("ca.pem"), domain: Some("localhost".into()) }), token: Some(token) };
     (server, edge)

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use cleave_common::config::{ConfigError, ConfigFile, CpuUse, LimitError, LimitRule, Limits, RawAuth, RawTlsIdentity};
+use cleave_common::config::{ConfigError, ConfigFile, CpuUse, LimitError, LimitRule, Limits, RawServerAuth, RawTlsIdentity};
 use cleave_common::logs::LogFormat;
 use cleave_common::security::ServerSecurity;
 use cleave_common::telemetry::Telemetry;
@@ -61,7 +61,7 @@ struct RawServerConfig {
     #[serde(default)]
     tls: Option<RawTlsIdentity>,
     #[serde(default)]
-    auth: Option<RawAuth>,
+    auth: Option<RawServerAuth>,
     #[serde(default)]
     training: Option<RawServerTraining>,
     #[serde(default)]
@@ -551,8 +551,8 @@ impl ServerConfig {
             raw.listen.parse().map_err(|_| file.invalid("listen", format!("{:?} is not an address like 0.0.0.0:50051", raw.listen)))?;
         // Other machines reach a non-loopback address: without TLS anyone on the path reads
         // and alters boundaries, without a token anyone may use the GPU.
-        if !listen.ip().is_loopback() && !raw.insecure && (security.tls.is_none() || security.token.is_none()) {
-            let missing = match (security.tls.is_none(), security.token.is_none()) {
+        if !listen.ip().is_loopback() && !raw.insecure && (security.tls.is_none() || !security.tokens.required()) {
+            let missing = match (security.tls.is_none(), !security.tokens.required()) {
                 (true, true) => "`tls` and `auth`",
                 (true, false) => "`tls`",
                 _ => "`auth` (a bearer token)",
@@ -723,7 +723,7 @@ fn server_security(file: &ConfigFile<'_>, raw: &mut RawServerConfig) -> Result<S
         keys = KeyRing::new(pairs).map_err(|e| file.invalid("encryption.keys", e.to_string()))?;
         policy.require_encryption = enc.required;
     }
-    Ok(ServerSecurity { policy, keys, tls: file.identity("tls", raw.tls.take())?, token: file.token(raw.auth.take())? })
+    Ok(ServerSecurity { policy, keys, tls: file.identity("tls", raw.tls.take())?, tokens: file.server_tokens(raw.auth.take())? })
 }
 
 #[cfg(test)]
@@ -737,6 +737,40 @@ mod tests {
         let path = dir.path().join("server.yaml");
         std::fs::write(&path, format!("bundle: b\n{yaml}")).unwrap();
         ServerConfig::load(&path).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_token_for_each_client_is_read_by_name_and_bad_ones_are_refused() {
+        use cleave_common::security::ServerTokens;
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = ("the-token-of-edge-a-0123456789", "the-token-of-edge-b-0123456789");
+        for (file, token) in [("a", a), ("b", b), ("same", a)] {
+            std::fs::write(dir.path().join(file), token).unwrap();
+        }
+        let load = |auth: &str| {
+            let path = dir.path().join("server.yaml");
+            std::fs::write(&path, format!("bundle: b\nlisten: 127.0.0.1:1\nauth: {auth}\n")).unwrap();
+            ServerConfig::load(&path).map_err(|e| e.to_string())
+        };
+        let bearer = |token: &str| format!("Bearer {token}").into_bytes();
+        let named = load("{tokens: {edge-a: {file: a}, edge.b_2: {file: b}}}").unwrap().security.tokens;
+        assert!(matches!(&named, ServerTokens::Named(t) if t.len() == 2));
+        assert_eq!((named.name_of(&bearer(a)), named.name_of(&bearer(b))), (Some("edge-a"), Some("edge.b_2")));
+        assert!(named.take(&bearer(b)) && !named.take(&bearer("the-token-of-edge-c-0123456789")) && !named.take(a.as_bytes()));
+        let shared = load("{token: {file: a}}").unwrap().security.tokens;
+        assert!(matches!(shared, ServerTokens::Shared(_)) && shared.take(&bearer(a)) && shared.name_of(&bearer(a)).is_none());
+        for (auth, says) in [
+            (
+                "{token: {file: a}, tokens: {x: {file: b}}}",
+                "`auth`: give `token` (one, every client's) or `tokens` (one a client, by name), not both",
+            ),
+            ("{tokens: {}}", "`auth`: give `token: {file: F}`"),
+            ("{tokens: {'an edge': {file: a}}}", "`auth.tokens.an edge`: a client's name is 1 to 64 letters"),
+            ("{tokens: {x: {file: a}, y: {file: same}}}", "`auth.tokens.y`: the same token as `x`"),
+        ] {
+            let err = load(auth).unwrap_err();
+            assert!(err.contains(says), "{auth}: {err}");
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::config::GenerationOptions;
 use crate::error::{lock, GenerationError, RequestError};
 use crate::metrics::{Metrics, OpenGuard};
 use crate::models::Model;
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 
 /// Places, cache budget and loaded stages; cheap to clone.
 #[derive(Clone)]
@@ -42,7 +42,7 @@ struct Held {
     /// a batch.
     by_range: HashMap<(String, StageRange), usize>,
     /// What each peer's sessions hold.
-    by_peer: HashMap<PeerGroup, PeerHeld>,
+    by_peer: HashMap<Peer, PeerHeld>,
 }
 
 /// One peer's sessions and their caches' bytes.
@@ -58,7 +58,7 @@ pub(crate) struct Admission {
     cache_bytes: u64,
     /// Its model's bundle id and its range.
     key: (String, StageRange),
-    peer: Option<PeerGroup>,
+    peer: Option<Peer>,
     _open: OpenGuard,
 }
 
@@ -82,11 +82,11 @@ impl Generation {
 
     /// Takes a place and `cache_bytes` of the budget for `peer`'s session of the model of
     /// bundle `model` over `range`, or says which is full: the peer's share first.
-    pub(crate) fn admit(&self, model: &str, range: StageRange, cache_bytes: u64, peer: Option<PeerGroup>) -> Result<Admission, GenerationError> {
+    pub(crate) fn admit(&self, model: &str, range: StageRange, cache_bytes: u64, peer: Option<Peer>) -> Result<Admission, GenerationError> {
         let inner = &self.inner;
         let mut held = lock(&inner.held);
-        if let Some(peer) = peer {
-            let mine = held.by_peer.get(&peer).copied().unwrap_or_default();
+        if let Some(peer) = &peer {
+            let mine = held.by_peer.get(peer).copied().unwrap_or_default();
             if mine.sessions >= inner.options.max_sessions_per_peer {
                 return Err(GenerationError::PeerSessions { peer: peer.to_string(), max: inner.options.max_sessions_per_peer });
             }
@@ -106,8 +106,8 @@ impl Generation {
         held.cache_bytes += cache_bytes;
         let key = (model.to_string(), range);
         *held.by_range.entry(key.clone()).or_default() += 1;
-        if let Some(peer) = peer {
-            let mine = held.by_peer.entry(peer).or_default();
+        if let Some(peer) = &peer {
+            let mine = held.by_peer.entry(peer.clone()).or_default();
             mine.sessions += 1;
             mine.cache_bytes += cache_bytes;
         }
@@ -140,8 +140,8 @@ impl Generation {
 
 impl Admission {
     /// The peer it was admitted for.
-    pub(crate) fn peer(&self) -> Option<PeerGroup> {
-        self.peer
+    pub(crate) fn peer(&self) -> Option<&Peer> {
+        self.peer.as_ref()
     }
 }
 
@@ -157,12 +157,12 @@ impl Drop for Admission {
                 held.by_range.remove(&self.key);
             }
         }
-        if let Some(peer) = self.peer {
-            if let Some(mine) = held.by_peer.get_mut(&peer) {
+        if let Some(peer) = &self.peer {
+            if let Some(mine) = held.by_peer.get_mut(peer) {
                 mine.sessions -= 1;
                 mine.cache_bytes -= self.cache_bytes;
                 if mine.sessions == 0 {
-                    held.by_peer.remove(&peer);
+                    held.by_peer.remove(peer);
                 }
             }
         }
@@ -202,24 +202,25 @@ mod tests {
         let options = GenerationOptions { max_sessions: 8, max_sessions_per_peer: 2, ..GenerationOptions::default() };
         let generation = Generation::new(options, 1000, 500, Metrics::new(Vec::new()));
         let range = StageRange::new(2, 6);
-        let (hog, other) = (PeerGroup::of("192.0.2.7".parse().unwrap()), PeerGroup::of("2001:db8::1".parse().unwrap()));
-        let admit = |bytes, peer| generation.admit("m", range, bytes, Some(peer));
-        let a = admit(300, hog).unwrap();
-        let refused = admit(201, hog).err().unwrap();
+        let address = |ip: &str| Peer::Address(crate::peer::PeerGroup::of(ip.parse().unwrap()));
+        let (hog, other) = (address("192.0.2.7"), address("2001:db8::1"));
+        let admit = |bytes, peer: &Peer| generation.admit("m", range, bytes, Some(peer.clone()));
+        let a = admit(300, &hog).unwrap();
+        let refused = admit(201, &hog).err().unwrap();
         assert!(matches!(refused, GenerationError::PeerCache { bytes: 201, held: 300, share: 500, .. }), "{refused}");
         assert!(refused.to_string().contains("192.0.2.7") && refused.to_string().contains("limits.kv_cache_bytes_per_peer"), "{refused}");
-        let b = admit(200, hog).unwrap();
-        let refused = admit(0, hog).err().unwrap();
+        let b = admit(200, &hog).unwrap();
+        let refused = admit(0, &hog).err().unwrap();
         assert!(matches!(refused, GenerationError::PeerSessions { max: 2, .. }), "{refused}");
         assert!(refused.to_string().contains("generation.max_sessions_per_peer"), "{refused}");
         // Another peer has its own share, within what the hog leaves of the whole.
-        let c = admit(500, other).unwrap();
-        assert!(matches!(admit(1, other), Err(GenerationError::PeerCache { .. })));
+        let c = admit(500, &other).unwrap();
+        assert!(matches!(admit(1, &other), Err(GenerationError::PeerCache { .. })));
         drop((a, c));
         // What a session held is given back to its peer's share.
-        let d = admit(300, hog).unwrap();
-        assert!(matches!(admit(0, hog), Err(GenerationError::PeerSessions { .. })));
+        let d = admit(300, &hog).unwrap();
+        assert!(matches!(admit(0, &hog), Err(GenerationError::PeerSessions { .. })));
         drop((b, d));
-        assert!(admit(500, hog).is_ok());
+        assert!(admit(500, &hog).is_ok());
     }
 }

@@ -30,7 +30,7 @@ use crate::error::{catch_panic, lock, RequestError};
 use crate::log_every::LogEvery;
 use crate::metrics::Metrics;
 use crate::models::Model;
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 use crate::scheduler::DeviceScheduler;
 
 /// A step's session back, with the step's output or why it failed.
@@ -87,7 +87,7 @@ struct Inner {
     /// By bundle id.
     queues: Mutex<HashMap<String, mpsc::Sender<Job>>>,
     /// Each peer's one place in the device's queue for the steps it runs by itself.
-    places: Mutex<HashMap<PeerGroup, Arc<Semaphore>>>,
+    places: Mutex<HashMap<Peer, Arc<Semaphore>>>,
 }
 
 /// What every queue's worker shares.
@@ -142,17 +142,17 @@ impl StepQueues {
     /// Runs `step` by itself, a part at a time (see the module's text): each part waits for
     /// its peer's place, then for its turn of the device.
     async fn run_alone(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
-        let (rows, peer) = (session.rows(), session.peer());
+        let (rows, peer) = (session.rows(), session.peer().cloned());
         let positions = (i64::from(self.inner.shared.generation.options().prefill_chunk_tokens) / rows as i64).max(1);
         let mut turned = {
-            let _place = self.place(peer).await;
+            let _place = self.place(peer.as_ref()).await;
             model.scheduler.run(model.index, TASK, rows, move || start_alone(session, &step, answer_limit, positions)).await.ok()?
         };
         loop {
             match turned {
                 Turned::Ran(ran) => return Some(ran),
                 Turned::Part(part) => {
-                    let _place = self.place(peer).await;
+                    let _place = self.place(peer.as_ref()).await;
                     turned = model.scheduler.run(model.index, TASK, rows, move || part.run_next(positions)).await.ok()?;
                 }
             }
@@ -160,12 +160,12 @@ impl StepQueues {
     }
 
     /// `peer`'s place in the device's queue, once its last part has run (none in-process).
-    async fn place(&self, peer: Option<PeerGroup>) -> Option<OwnedSemaphorePermit> {
+    async fn place(&self, peer: Option<&Peer>) -> Option<OwnedSemaphorePermit> {
         let place = {
             let mut places = lock(&self.inner.places);
             // The places of peers with nothing waiting go.
             places.retain(|_, place| Arc::strong_count(place) > 1);
-            Arc::clone(places.entry(peer?).or_insert_with(|| Arc::new(Semaphore::new(1))))
+            Arc::clone(places.entry(peer?.clone()).or_insert_with(|| Arc::new(Semaphore::new(1))))
         };
         place.acquire_owned().await.ok()
     }
@@ -287,14 +287,16 @@ impl Worker {
 /// Of the steps `waiting` that `fit`, the index of the one whose turn it is in `batch`: its
 /// peer's rows there the fewest, the earliest among equals.
 fn next_turn(waiting: &VecDeque<Job>, batch: &[Job], fit: impl Fn(&Job) -> bool) -> Option<usize> {
-    let of = |job: &Job| (job.session.peer(), job.session.rows());
+    fn of(job: &Job) -> (Option<&Peer>, usize) {
+        (job.session.peer(), job.session.rows())
+    }
     turn_among(waiting.iter().map(|job| (of(job), fit(job))), batch.iter().map(of))
 }
 
 /// [`next_turn`] over each waiting step's peer and rows, and whether it fits.
-fn turn_among(
-    waiting: impl Iterator<Item = ((Option<PeerGroup>, usize), bool)>,
-    batch: impl Iterator<Item = (Option<PeerGroup>, usize)> + Clone,
+fn turn_among<'a>(
+    waiting: impl Iterator<Item = ((Option<&'a Peer>, usize), bool)>,
+    batch: impl Iterator<Item = (Option<&'a Peer>, usize)> + Clone,
 ) -> Option<usize> {
     let rows_of = |peer| batch.clone().filter(|(p, _)| *p == peer).map(|(_, rows)| rows).sum::<usize>();
     waiting.enumerate().filter(|(_, (_, fits))| *fits).min_by_key(|(i, ((peer, _), _))| (rows_of(*peer), *i)).map(|(i, _)| i)
@@ -394,7 +396,7 @@ mod tests {
 
     /// The batch each peer's steps make, filled by [`turn_among`] from `waiting` (peer, rows)
     /// up to `max_rows`, `first` already in it.
-    fn fill(first: (Option<PeerGroup>, usize), waiting: &[(Option<PeerGroup>, usize)], max_rows: usize) -> Vec<(Option<PeerGroup>, usize)> {
+    fn fill<'a>(first: (Option<&'a Peer>, usize), waiting: &[(Option<&'a Peer>, usize)], max_rows: usize) -> Vec<(Option<&'a Peer>, usize)> {
         let mut waiting = waiting.to_vec();
         let mut batch = vec![first];
         loop {
@@ -407,8 +409,9 @@ mod tests {
 
     #[test]
     fn a_batch_is_filled_by_turns_every_peer_once_before_any_twice() {
-        let peer = |last: u8| Some(PeerGroup::of(std::net::IpAddr::from([192, 0, 2, last])));
-        let (hog, other, third) = (peer(1), peer(2), peer(3));
+        let peer = |last: u8| Peer::Address(crate::peer::PeerGroup::of(std::net::IpAddr::from([192, 0, 2, last])));
+        let peers = [peer(1), peer(2), peer(3)];
+        let (hog, other, third) = (Some(&peers[0]), Some(&peers[1]), Some(&peers[2]));
         // The hog's steps came first, the others' last: each other peer still has one in the
         // batch of 4, and the hog's second comes after them.
         let waiting = [(hog, 1), (hog, 1), (hog, 1), (hog, 1), (other, 1), (third, 1)];

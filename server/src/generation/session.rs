@@ -12,7 +12,7 @@ use tch::{Kind, Tensor};
 
 use super::admission::Admission;
 use crate::error::{GenerationError, RequestError};
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 
 /// A session, open.
 pub(crate) struct Session {
@@ -251,7 +251,7 @@ impl Session {
     }
 
     /// The peer whose session it is (none in-process).
-    pub(crate) fn peer(&self) -> Option<PeerGroup> {
+    pub(crate) fn peer(&self) -> Option<&Peer> {
         self.admission.peer()
     }
 

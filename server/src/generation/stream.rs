@@ -24,7 +24,7 @@ use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{catch_panic, error_frame, GenerationError, Internal, RequestError};
 use crate::metrics::Metrics;
 use crate::models::Model;
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 use crate::reader::{FrameReader, Next};
 use crate::streams::OpenStream;
 use crate::unsent::Unsent;
@@ -33,7 +33,7 @@ use crate::unsent::Unsent;
 pub(crate) struct GenerateContext {
     pub(crate) model: Arc<Model>,
     /// Who opens the session, for its share of places and caches.
-    pub(crate) peer: Option<PeerGroup>,
+    pub(crate) peer: Option<Peer>,
     pub(crate) generation: Generation,
     pub(crate) queues: StepQueues,
     pub(crate) metrics: Metrics,
@@ -79,7 +79,8 @@ pub(crate) async fn serve_stream(mut stream: OpenStream<pb::GenerateFrame, Gener
 async fn open_session(ctx: &GenerateContext, first: pb::GenerateFrame) -> Result<(Session, pb::GenerationOpened), RequestError> {
     let Some(generate_frame::Kind::Open(open)) = first.kind else { return Err(GenerationError::NotOpened.into()) };
     let asked = check_open(&ctx.model.bundle, &open)?;
-    let (admission, cache_bytes) = (ctx.generation.admit(ctx.model.bundle.id(), asked.range, asked.cache_bytes, ctx.peer)?, asked.cache_bytes);
+    let (admission, cache_bytes) =
+        (ctx.generation.admit(ctx.model.bundle.id(), asked.range, asked.cache_bytes, ctx.peer.clone())?, asked.cache_bytes);
     let (generation, model) = (ctx.generation.clone(), Arc::clone(&ctx.model));
     let session = tokio::task::spawn_blocking(move || {
         catch_panic("opening a generation session", || Session::open(&generation.stages(&model)?, &asked, admission))

@@ -22,7 +22,7 @@ use super::group::{Groups, Member};
 use super::session::{no_checkpoint_dir, SessionSetup};
 use crate::config::TrainingOptions;
 use crate::error::{Busy, GroupError, RequestError};
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 use crate::scheduler::Turns;
 
 /// The training side of the service: options and the sessions open now.
@@ -49,7 +49,7 @@ struct OpenEntry {
     /// Its client group's name: the sessions of one group train the bundle together.
     group: Option<String>,
     /// Its host's address, when known.
-    peer: Option<PeerGroup>,
+    peer: Option<Peer>,
     opened: Instant,
     /// When its host last sent a frame (a session idle for `training.session_idle_timeout`
     /// is closed).
@@ -87,7 +87,7 @@ impl Training {
 
     /// Takes a place for a new session on `bundle` (of client group `group`) for `peer`, or
     /// says why not.
-    pub(crate) fn admit(&self, bundle: &Bundle, group: Option<&str>, peer: Option<PeerGroup>) -> Result<SessionSlot, RequestError> {
+    pub(crate) fn admit(&self, bundle: &Bundle, group: Option<&str>, peer: Option<Peer>) -> Result<SessionSlot, RequestError> {
         let mut open = self.sessions.open.lock().unwrap_or_else(|p| p.into_inner());
         let several = self.options.concurrent_sessions || group.is_some();
         if several && open.len() >= self.options.max_sessions as usize {
@@ -104,7 +104,7 @@ impl Training {
             }
             .into());
         }
-        if let Some(peer) = peer.filter(|_| several) {
+        if let Some(peer) = peer.as_ref().filter(|_| several) {
             self.check_peer_share(&open, peer, group)?;
         }
         let id = format!("s{}", self.sessions.next.fetch_add(1, Ordering::Relaxed) + 1);
@@ -117,8 +117,8 @@ impl Training {
     /// Refuses a session of `peer` that holds its share of places already
     /// (`training.max_sessions_per_peer`): the sessions of one client group take one place,
     /// its edges being one job, often on one machine.
-    fn check_peer_share(&self, open: &[OpenEntry], peer: PeerGroup, group: Option<&str>) -> Result<(), RequestError> {
-        let mine = open.iter().filter(|e| e.peer == Some(peer));
+    fn check_peer_share(&self, open: &[OpenEntry], peer: &Peer, group: Option<&str>) -> Result<(), RequestError> {
+        let mine = open.iter().filter(|e| e.peer.as_ref() == Some(peer));
         if group.is_some() && mine.clone().any(|e| e.group.as_deref() == group) {
             return Ok(());
         }

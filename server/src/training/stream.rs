@@ -25,7 +25,7 @@ use crate::error::{error_frame, GroupError, Internal, RequestError, SessionError
 use crate::metrics::Metrics;
 use crate::models::Model;
 use crate::payloads::{decode_request, encode_answer, ResultEncoder, ResultSpec};
-use crate::peer::PeerGroup;
+use crate::peer::Peer;
 use crate::reader::{FrameReader, Next};
 use crate::streams::OpenStream;
 use crate::unsent::{wire_bytes, Unsent};
@@ -43,7 +43,7 @@ pub(crate) struct TrainContext {
     /// The memory every stream's payloads share (the host's view: its share of it).
     pub(crate) budget: MemoryBudget,
     /// The host's address, when known.
-    pub(crate) peer: Option<PeerGroup>,
+    pub(crate) peer: Option<Peer>,
     /// Where each answer's share of the budget waits for its bytes to be written.
     pub(crate) unsent: Unsent,
 }
@@ -109,7 +109,7 @@ pub(crate) async fn serve_stream(mut stream: OpenStream<pb::TrainFrame, TrainRep
 /// Opens a new session for `open` on the stream's model.
 async fn open_session(ctx: &TrainContext, open: &pb::OpenSession) -> Result<Attached, RequestError> {
     let mut setup = ctx.training.setup(&ctx.model.bundle, ctx.model.device_spec, ctx.model.scheduler.turns(ctx.model.index), open)?;
-    let slot = ctx.training.admit(&ctx.model.bundle, open.clients.as_ref().map(|c| c.name.as_str()), ctx.peer)?;
+    let slot = ctx.training.admit(&ctx.model.bundle, open.clients.as_ref().map(|c| c.name.as_str()), ctx.peer.clone())?;
     setup.member = ctx.training.join(&ctx.model.bundle, open)?;
     let (session, opened) = SessionHandle::spawn(setup, &slot.id, ctx.metrics.clone()).await?;
     tracing::info!(
