@@ -792,6 +792,15 @@ fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_t
         let error = relative_error(&got, &want.narrow(1, prompt - 1, 1));
         assert!(error <= 1e-4, "a prompt run in parts, its last token's logits: relative error {error:e}");
         drop(last_only);
+        // Each token's five most likely, kept part by part: the reference's five.
+        let mut top = SplitGenerator::open(&bundle, &mut session, split).await.unwrap();
+        let scores = top.step_scores(&ids.narrow(1, 0, prompt), &[], false, 5).await.unwrap();
+        let (values, want_ids) = want.narrow(1, 0, prompt).topk(5, -1, true, true);
+        let got_ids: Vec<i64> = Vec::try_from(scores.token_ids.expect("the head is the server's").flatten(0, -1)).unwrap();
+        assert_eq!(got_ids, Vec::<i64>::try_from(want_ids.flatten(0, -1)).unwrap(), "each token's five most likely, in parts");
+        let error = relative_error(&scores.logits, &values);
+        assert!(error <= 1e-4, "a prompt run in parts, each token's top 5: relative error {error:e}");
+        drop(top);
 
         let hog_link = Link { local_address: Some("127.0.0.2".parse().unwrap()), ..Link::plain() };
         let mut hog = connect(&server.url, &bundle, &hog_link).await.unwrap();
@@ -815,9 +824,12 @@ fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_t
         }
         let before = work();
         let prompts = tokio::spawn(futures_util::future::join_all(prompts));
-        while work() == before {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let first_part = async {
+            while work() == before {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), first_part).await.expect("a part of the other peer's prompts ran");
         let _next = generator.step(&ids.narrow(1, 0, 1), &[], true).await.unwrap();
         let decoded = std::time::Instant::now();
         let answered: Vec<std::time::Instant> = prompts.await.unwrap().into_iter().map(|done| done.unwrap()).collect();

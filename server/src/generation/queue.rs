@@ -3,9 +3,10 @@
 //! in its turn among the device's other work): a step takes with it the decode steps of other
 //! sessions of its range that came while the last batch ran, or within `generation.max_wait`
 //! of its own arrival while other sessions are open, up to `generation.max_batch` rows, so
-//! sessions join and leave between steps. A batch is filled by turns: every peer with a step
-//! waiting has one in it before any peer has a second, so a peer with many sessions does not
-//! push another's steps to later batches. A batch's caches are a copy of the positions its
+//! sessions join and leave between steps. A batch is filled by turns from the steps waiting
+//! when it is gathered: every peer with one has one in it before any peer has a second, so a
+//! peer with many sessions does not push another's steps to later batches (steps that come
+//! during `max_wait` join in their order of arrival). A batch's caches are a copy of the positions its
 //! rows have written, held in the memory budget while it runs; where they do not fit, or the
 //! batch fails, each of its steps runs alone.
 //!
@@ -86,8 +87,9 @@ struct Inner {
     shared: Shared,
     /// By bundle id.
     queues: Mutex<HashMap<String, mpsc::Sender<Job>>>,
-    /// Each peer's one place in the device's queue for the steps it runs by itself.
-    places: Mutex<HashMap<Peer, Arc<Semaphore>>>,
+    /// Each peer's one place in each device's queue for the steps it runs by itself, by peer
+    /// and device.
+    places: Mutex<HashMap<(Peer, String), Arc<Semaphore>>>,
 }
 
 /// What every queue's worker shares.
@@ -145,27 +147,28 @@ impl StepQueues {
         let (rows, peer) = (session.rows(), session.peer().cloned());
         let positions = (i64::from(self.inner.shared.generation.options().prefill_chunk_tokens) / rows as i64).max(1);
         let mut turned = {
-            let _place = self.place(peer.as_ref()).await;
+            let _place = self.place(peer.as_ref(), model).await;
             model.scheduler.run(model.index, TASK, rows, move || start_alone(session, &step, answer_limit, positions)).await.ok()?
         };
         loop {
             match turned {
                 Turned::Ran(ran) => return Some(ran),
                 Turned::Part(part) => {
-                    let _place = self.place(peer.as_ref()).await;
+                    let _place = self.place(peer.as_ref(), model).await;
                     turned = model.scheduler.run(model.index, TASK, rows, move || part.run_next(positions)).await.ok()?;
                 }
             }
         }
     }
 
-    /// `peer`'s place in the device's queue, once its last part has run (none in-process).
-    async fn place(&self, peer: Option<&Peer>) -> Option<OwnedSemaphorePermit> {
+    /// `peer`'s place in `model`'s device's queue, once its last part there has run (none
+    /// in-process).
+    async fn place(&self, peer: Option<&Peer>, model: &Model) -> Option<OwnedSemaphorePermit> {
         let place = {
             let mut places = lock(&self.inner.places);
             // The places of peers with nothing waiting go.
             places.retain(|_, place| Arc::strong_count(place) > 1);
-            Arc::clone(places.entry(peer?.clone()).or_insert_with(|| Arc::new(Semaphore::new(1))))
+            Arc::clone(places.entry((peer?.clone(), model.device.clone())).or_insert_with(|| Arc::new(Semaphore::new(1))))
         };
         place.acquire_owned().await.ok()
     }

@@ -46,14 +46,15 @@ pub(crate) struct Partial {
     step: Checked,
     /// Positions of each row run so far.
     done: i64,
-    /// The parts' outputs (only the last part's where the step answers its last token).
-    outputs: Vec<Tensor>,
+    /// The parts' answers, as the step asked them (each token's `top_k`, on the CPU): only the
+    /// last part's where the step answers its last token.
+    answers: Vec<Answer>,
 }
 
 impl Checked {
     /// The step, to run in parts.
     pub(crate) fn in_parts(self) -> Partial {
-        Partial { step: self, done: 0, outputs: Vec::new() }
+        Partial { step: self, done: 0, answers: Vec::new() }
     }
 }
 
@@ -65,6 +66,17 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
+    /// The answers of a step's parts, one after the other along the tokens.
+    fn joined(mut parts: Vec<Self>) -> Result<Self, RequestError> {
+        if parts.len() == 1 {
+            return Ok(parts.pop().expect("one part"));
+        }
+        let output = Tensor::f_cat(&parts.iter().map(|a| &a.output).collect::<Vec<_>>(), 1).map_err(torch_error)?;
+        let ids: Option<Vec<&Tensor>> = parts.iter().map(|a| a.token_ids.as_ref()).collect();
+        let token_ids = ids.map(|ids| Tensor::f_cat(&ids, 1)).transpose().map_err(torch_error)?;
+        Ok(Self { output, token_ids })
+    }
+
     /// `output` as the step asked, on the CPU: each token's `top_k` most likely, or all of it
     /// (0). They are chosen where `output` lies: only they are copied from a device.
     fn of(output: Tensor, top_k: i64) -> Result<Self, RequestError> {
@@ -203,9 +215,9 @@ impl Session {
     }
 
     /// Runs a checked step alone, whole. The session moves only once its answer is made: a
-    /// step whose output cannot be answered (logits that rank nothing) leaves every row where
-    /// it stood (the cache positions it wrote lie past them, and are written again before they
-    /// are read).
+    /// step that fails (logits that rank nothing, a stage's error) leaves every row where it
+    /// stood (the cache positions it wrote lie past them, and are written again before they
+    /// are read), but a row it restarts stands at 0, its first positions perhaps written.
     pub(crate) fn run(&mut self, step: Checked) -> Result<Answer, RequestError> {
         let mut partial = step.in_parts();
         let answer = self.run_part(&mut partial, i64::MAX)?;
@@ -213,11 +225,26 @@ impl Session {
     }
 
     /// Runs the next `positions` (one or more) of every row of `partial`'s step: its answer
-    /// once the last have run, the session then moved as [`Session::run`] moves it. A token
-    /// attends to the positions before it in the caches, the earlier parts' among them, so a
-    /// step run in parts computes what it computes whole; until the last part the session
-    /// stands where it stood.
+    /// once the last have run, the session then moved as [`Session::run`] moves it (and as it
+    /// says where a part fails). A token attends to the positions before it in the caches, the
+    /// earlier parts' among them, so a step run in parts computes what it computes whole; until
+    /// the last part the session stands where it stood.
     pub(crate) fn run_part(&mut self, partial: &mut Partial, positions: i64) -> Result<Option<Answer>, RequestError> {
+        let ran = self.run_positions(partial, positions);
+        match &ran {
+            Ok(None) => {}
+            Ok(Some(_)) => {
+                self.restart(&partial.step);
+                self.advance(partial.step.tokens);
+            }
+            // Its host, told the step failed, replays a restarted row's tokens from 0.
+            Err(_) => self.restart(&partial.step),
+        }
+        ran
+    }
+
+    /// [`Session::run_part`]'s work, the session's rows left as they stood.
+    fn run_positions(&mut self, partial: &mut Partial, positions: i64) -> Result<Option<Answer>, RequestError> {
         let step = &partial.step;
         let count = positions.clamp(1, step.tokens - partial.done);
         let (hidden, at) = (step.hidden.narrow(1, partial.done, count), step.positions.narrow(1, partial.done, count));
@@ -236,18 +263,12 @@ impl Session {
             return Ok(None);
         }
         let output = self.stages.step_last(&hidden, &at, &mut self.caches, step.last_only).map_err(RequestError::Bundle)?;
-        partial.outputs.push(output);
+        // Kept as answered (each token's top_k, on the CPU), not as the device's logits.
+        partial.answers.push(Answer::of(output, step.top_k)?);
         if partial.done < step.tokens {
             return Ok(None);
         }
-        let output = match partial.outputs.len() {
-            1 => partial.outputs.pop().expect("one output"),
-            _ => Tensor::f_cat(&partial.outputs, 1).map_err(torch_error)?,
-        };
-        let answer = Answer::of(output, step.top_k)?;
-        self.restart(step);
-        self.advance(step.tokens);
-        Ok(Some(answer))
+        Answer::joined(std::mem::take(&mut partial.answers)).map(Some)
     }
 
     /// The peer whose session it is (none in-process).
