@@ -201,6 +201,7 @@ impl SplitInference for Service {
         let context = |open: &OpenStream<pb::GenerateFrame, pb::GenerateReply>| GenerateContext {
             model: Arc::clone(&open.model),
             peer: open.peer.clone(),
+            peer_gone: open.peer_gone.clone(),
             generation: self.generation.clone(),
             queues: self.step_queues.clone(),
             metrics: self.metrics.clone(),

@@ -806,35 +806,55 @@ fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_t
         let mut hog = connect(&server.url, &bundle, &hog_link).await.unwrap();
         let (rows, tokens, width) = (16u32, 63u32, info.hidden_width() as usize);
         let hidden = Bytes::from(vec![0u8; rows as usize * tokens as usize * width * 4]);
-        let mut prompts = Vec::new();
-        for _ in 0..4 {
-            let open = pb::OpenGeneration { start: 1, end: n as u32, batch: rows, max_len: tokens };
-            let mut link = GenerateLink::open(&mut hog, open).await.unwrap();
-            let step = pb::GenerateStep {
-                tokens,
-                hidden: hidden.clone(),
-                positions_from: vec![0; rows as usize],
-                last_token_only: true,
-                top_k: 1,
-                ..Default::default()
-            };
-            prompts.push(async move {
-                link.step(step, &[i64::from(rows), 1, 1], DType::Float32, info.vocab_size).await.map(|_| std::time::Instant::now())
-            });
-        }
-        let before = work();
-        let prompts = tokio::spawn(futures_util::future::join_all(prompts));
-        let first_part = async {
-            while work() == before {
-                tokio::time::sleep(Duration::from_millis(1)).await;
+        // Four sessions' prompts, sent at once (in a task) once their first part has run.
+        let prompts = async |hog: &mut cleave_client::ServerSession| {
+            let mut prompts = Vec::new();
+            for _ in 0..4 {
+                let open = pb::OpenGeneration { start: 1, end: n as u32, batch: rows, max_len: tokens };
+                let mut link = GenerateLink::open(hog, open).await.unwrap();
+                let step = pb::GenerateStep {
+                    tokens,
+                    hidden: hidden.clone(),
+                    positions_from: vec![0; rows as usize],
+                    last_token_only: true,
+                    top_k: 1,
+                    ..Default::default()
+                };
+                prompts.push(async move {
+                    link.step(step, &[i64::from(rows), 1, 1], DType::Float32, info.vocab_size).await.map(|_| std::time::Instant::now())
+                });
             }
+            let before = work();
+            let running = tokio::spawn(futures_util::future::join_all(prompts));
+            let first_part = async {
+                while work() == before {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(60), first_part).await.expect("a part of the other peer's prompts ran");
+            (before, running)
         };
-        tokio::time::timeout(Duration::from_secs(60), first_part).await.expect("a part of the other peer's prompts ran");
+        let (_, prompts_running) = prompts(&mut hog).await;
         let _next = generator.step(&ids.narrow(1, 0, 1), &[], true).await.unwrap();
         let decoded = std::time::Instant::now();
-        let answered: Vec<std::time::Instant> = prompts.await.unwrap().into_iter().map(|done| done.unwrap()).collect();
+        let answered: Vec<std::time::Instant> = prompts_running.await.unwrap().into_iter().map(|done| done.unwrap()).collect();
         let first_prompt = answered.iter().min().unwrap();
         assert!(decoded < *first_prompt, "the decode step was answered {:?} after the first of the other peer's prompts", decoded - *first_prompt);
+        // Callers that go stop their prompts between two parts: four more, dropped once their
+        // first part has run, run far fewer than their 4 x 63 parts (all of them, before).
+        let (before, running) = prompts(&mut hog).await;
+        running.abort();
+        let _ = running.await;
+        let mut ran = work() - before;
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let now = work() - before;
+            if now == ran {
+                break;
+            }
+            ran = now;
+        }
+        assert!(ran < f64::from(4 * tokens) / 2.0, "{ran} of the {} parts ran after their callers went", 4 * tokens);
         drop((generator, session, hog));
         server.shutdown().await.unwrap();
     });

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use cleave_common::pb;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use super::admission::Generation;
 use super::session::{run_together, Answer, Checked, Partial, Session};
@@ -129,11 +130,18 @@ impl StepQueues {
 
     /// Runs `step` of `session`, a session of `model`, on its device: the session back with
     /// the output; `None` where the device or the queue lost it (the device failed, the
-    /// runtime is shutting down). `answer_limit` bounds the output's bytes (it must fit in
-    /// one message).
-    pub(crate) async fn run(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
+    /// runtime is shutting down), or its caller is `gone` between two parts of a step run by
+    /// itself. `answer_limit` bounds the output's bytes (it must fit in one message).
+    pub(crate) async fn run(
+        &self,
+        model: &Model,
+        session: Session,
+        step: pb::GenerateStep,
+        answer_limit: u64,
+        gone: &CancellationToken,
+    ) -> Option<Ran> {
         if step.tokens != 1 || self.inner.shared.generation.options().max_batch == 1 {
-            return self.run_alone(model, session, step, answer_limit).await;
+            return self.run_alone(model, session, step, answer_limit, gone).await;
         }
         let (reply, ran) = oneshot::channel();
         let job = Job { session, step, answer_limit, arrived: tokio::time::Instant::now(), reply };
@@ -142,8 +150,8 @@ impl StepQueues {
     }
 
     /// Runs `step` by itself, a part at a time (see the module's text): each part waits for
-    /// its peer's place, then for its turn of the device.
-    async fn run_alone(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64) -> Option<Ran> {
+    /// its peer's place, then for its turn of the device; none runs once its caller is `gone`.
+    async fn run_alone(&self, model: &Model, session: Session, step: pb::GenerateStep, answer_limit: u64, gone: &CancellationToken) -> Option<Ran> {
         let (rows, peer) = (session.rows(), session.peer().cloned());
         let positions = (i64::from(self.inner.shared.generation.options().prefill_chunk_tokens) / rows as i64).max(1);
         let mut turned = {
@@ -153,6 +161,7 @@ impl StepQueues {
         loop {
             match turned {
                 Turned::Ran(ran) => return Some(ran),
+                Turned::Part(_) if gone.is_cancelled() => return None,
                 Turned::Part(part) => {
                     let _place = self.place(peer.as_ref(), model).await;
                     turned = model.scheduler.run(model.index, TASK, rows, move || part.run_next(positions)).await.ok()?;

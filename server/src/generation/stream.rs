@@ -34,6 +34,8 @@ pub(crate) struct GenerateContext {
     pub(crate) model: Arc<Model>,
     /// Who opens the session, for its share of places and caches.
     pub(crate) peer: Option<Peer>,
+    /// Cancelled once the call's response is dropped (the host reset the stream or left).
+    pub(crate) peer_gone: tokio_util::sync::CancellationToken,
     pub(crate) generation: Generation,
     pub(crate) queues: StepQueues,
     pub(crate) metrics: Metrics,
@@ -172,7 +174,7 @@ async fn run_step(ctx: &GenerateContext, session: Session, step: pb::GenerateSte
         Ok(held) => held,
         Err(e) => return (error_reply(id, &e.into()), Reservation::none(), Some(session)),
     };
-    let Some(Ran { session, output, decode, compute }) = ctx.queues.run(&ctx.model, session, step, limit).await else {
+    let Some(Ran { session, output, decode, compute }) = ctx.queues.run(&ctx.model, session, step, limit, &ctx.peer_gone).await else {
         return (error_reply(id, &Internal::Cancelled("a generation step").into()), Reservation::none(), None);
     };
     let timings = pb::ServerTimings {
