@@ -24,7 +24,6 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,6 +33,7 @@ use cleave_client::{connect, GenerateLink, Link, ServerSession};
 use cleave_common::pb;
 use cleave_common::spec::DType;
 use cleave_common::Bundle;
+use cleave_tests::ServerProcess;
 
 struct Args {
     bundle: PathBuf,
@@ -227,31 +227,11 @@ fn main() {
     let bundle = Bundle::open(&a.bundle).unwrap_or_else(|e| panic!("{e} (make bench-generate exports target/bench-bundles/gpt2-gen)"));
     let info = bundle.manifest().generation.clone().expect("a bundle exported with --generation");
     let model = Model { stages: info.stages.len() as u32, width: info.hidden_width() as usize, vocab_size: info.vocab_size };
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("server.yaml");
     let generation = if a.generation.is_empty() { String::new() } else { format!("generation: {{{}}}\n", a.generation) };
-    std::fs::write(
-        &config,
-        format!("listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\n{generation}", a.port, std::fs::canonicalize(&a.bundle).unwrap().display()),
-    )
-    .unwrap();
-    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
-    let mut server: Child = Command::new(&a.server_bin)
-        .arg("--config")
-        .arg(&config)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("target/release/server (make build)");
+    let bundle_path = std::fs::canonicalize(&a.bundle).unwrap();
+    let config = format!("listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\n{generation}", a.port, bundle_path.display());
+    let server = ServerProcess::start(&a.server_bin, &config, a.port);
     let url = format!("http://127.0.0.1:{}", a.port);
-    let waited = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", a.port)).is_err() {
-        if let Ok(Some(status)) = server.try_wait() {
-            panic!("the server exited ({status}): {}", std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default());
-        }
-        assert!(waited.elapsed() < Duration::from_secs(120), "the server did not listen");
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // Beside a flood, a step may wait long: the lone generator waits for it.
@@ -289,6 +269,5 @@ fn main() {
             );
         }
     });
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
 }

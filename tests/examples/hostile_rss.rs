@@ -24,7 +24,6 @@
 //!     cargo run --release -p cleave-tests --example hostile_rss -- [--bundle bundles/resnet18] [--budget-mib 2048] [--phase N] [--slow 48x32x8] [--limits 'key: value, ...']
 
 use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +34,7 @@ use cleave_common::pb::{InferFrame, ResultFrame};
 use cleave_common::protocol::BUNDLE_ID_METADATA;
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
+use cleave_tests::ServerProcess;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -355,41 +355,20 @@ fn main() {
     let sample = prefix.run(StageRange::prefix(cut), &inputs.batch(0)).unwrap();
     drop(prefix);
 
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("server.yaml");
     // The largest payload the budget holds (as received, up to 110% with lz4, and decoded,
     // with its stream's read buffer of one 8 MiB frame).
     let max_payload = (budget - 10 * MIB) * 10 / 21;
-    std::fs::write(
-        &config,
-        format!(
-            "listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\nlimits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}{}}}\n",
-            a.port,
-            std::fs::canonicalize(&a.bundle).unwrap().display(),
-            if a.limits.is_empty() { String::new() } else { format!(", {}", a.limits) }
-        ),
-    )
-    .unwrap();
-    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
-    let mut server: Child = Command::new(&a.server_bin)
-        .arg("--config")
-        .arg(&config)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("target/release/server (make build)");
+    let config = format!(
+        "listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\nlimits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}{}}}\n",
+        a.port,
+        std::fs::canonicalize(&a.bundle).unwrap().display(),
+        if a.limits.is_empty() { String::new() } else { format!(", {}", a.limits) }
+    );
+    let server = ServerProcess::start(&a.server_bin, &config, a.port);
     let url = format!("http://127.0.0.1:{}", a.port);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let waited = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", a.port)).is_err() {
-        if let Ok(Some(status)) = server.try_wait() {
-            panic!("the server exited ({status}): {}", std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default());
-        }
-        assert!(waited.elapsed() < Duration::from_secs(120), "the server did not listen");
-        std::thread::sleep(Duration::from_millis(100));
-    }
     std::thread::sleep(Duration::from_secs(2));
-    let pid = server.id();
+    let pid = server.pid();
     let idle = rss_bytes(pid);
     println!(
         "hostile-rss: {} cut {cut} ({} per sample, batch max {max_batch}); budget {} MiB; idle RSS {} MiB",
@@ -497,7 +476,7 @@ fn main() {
 
         if a.runs(5) {
             // 5. Slow readers.
-            slow_readers(&url, &bundle, &sampler, idle, budget, &dir.path().join("server.log"), a.slow).await;
+            slow_readers(&url, &bundle, &sampler, idle, budget, &server.log(), a.slow).await;
         }
 
         if a.runs(6) {
@@ -505,6 +484,5 @@ fn main() {
         }
     });
     drop(sampler);
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
 }

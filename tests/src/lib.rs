@@ -68,6 +68,57 @@ pub fn release_binary(name: &str) -> PathBuf {
     path
 }
 
+/// A `server` process of its own (the benches' examples): its config and log in a directory
+/// of their own, killed when dropped.
+pub struct ServerProcess {
+    child: std::process::Child,
+    dir: tempfile::TempDir,
+}
+
+impl ServerProcess {
+    /// Starts `server_bin` with `config` (server.yaml's text) and waits until it listens on
+    /// 127.0.0.1:`port`; panics with its log when it exits or does not listen within 120 s.
+    pub fn start(server_bin: &Path, config: &str, port: u16) -> Self {
+        let dir = tempfile::tempdir().expect("a directory");
+        let config_path = dir.path().join("server.yaml");
+        std::fs::write(&config_path, config).expect("server.yaml written");
+        let log = std::fs::File::create(dir.path().join("server.log")).expect("server.log");
+        let mut child = std::process::Command::new(server_bin)
+            .arg("--config")
+            .arg(&config_path)
+            .stdout(log.try_clone().expect("server.log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e} (make build)", server_bin.display()));
+        let waited = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("the server exited ({status}): {}", std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default());
+            }
+            assert!(waited.elapsed() < std::time::Duration::from_secs(120), "the server did not listen");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        Self { child, dir }
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Its log file.
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("server.log")
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Sockets from `source` (an address of this machine, `127.0.0.2` say) to a server, each
 /// saying nothing and opened again as soon as the server closes it, on a thread of their own.
 pub struct Flood {
