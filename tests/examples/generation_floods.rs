@@ -1,6 +1,6 @@
 //! A lone generator's decode rate beside generation floods from other peers, measured on a
 //! separate `server` process (`make generation-floods`; not part of `make test`). It starts
-//! `server` on 127.0.0.1 with a generation bundle (by default `bench/generate`'s 4-layer GPT-2
+//! `server` on 127.0.0.1 (its models on `--device`) with a generation bundle (by default `bench/generate`'s 4-layer GPT-2
 //! of width 256), opens one session from 127.0.0.1 over every stage after the embedding (one
 //! row; `top_k` 1, so each answer is a token) and takes its decode rate alone: a 16-token
 //! prompt, then `--tokens` steps of one token or as many as `--seconds` allow, the median of
@@ -20,7 +20,7 @@
 //! where the goal is half of 1/(peers + 1): the share of a device split evenly between every
 //! active peer, halved.
 //!
-//!     cargo run --release -p cleave-tests --example generation_floods -- [--bundle target/bench-bundles/gpt2-gen] [--sessions 60] [--peers 4] [--tokens 200] [--seconds 15] [--repeats 3] [--floods decode,prefill,nan] [--generation 'key: value, ...']
+//!     cargo run --release -p cleave-tests --example generation_floods -- [--bundle target/bench-bundles/gpt2-gen] [--sessions 60] [--peers 4] [--tokens 200] [--seconds 15] [--repeats 3] [--floods decode,prefill,nan] [--device cpu] [--generation 'key: value, ...']
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -46,6 +46,8 @@ struct Args {
     seconds: f64,
     repeats: usize,
     floods: Vec<String>,
+    /// The server's device (`cpu`, `cuda:0`).
+    device: String,
     /// More of the server's `generation:`, as YAML flow entries (`max_batch: 8`).
     generation: String,
 }
@@ -61,6 +63,7 @@ fn args() -> Args {
         seconds: 15.0,
         repeats: 3,
         floods: vec!["decode".into(), "prefill".into(), "nan".into()],
+        device: "cpu".into(),
         generation: String::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -77,9 +80,10 @@ fn args() -> Args {
             "--seconds" => a.seconds = value.parse().expect("--seconds: a number"),
             "--repeats" => a.repeats = number("--repeats"),
             "--floods" => a.floods = value.split(',').map(str::to_string).collect(),
+            "--device" => a.device = value,
             "--generation" => a.generation = value,
             other => panic!(
-                "unknown option {other} (--bundle, --server-bin, --port, --sessions, --peers, --tokens, --seconds, --repeats, --floods decode,prefill,nan, --generation 'key: value, ...')"
+                "unknown option {other} (--bundle, --server-bin, --port, --sessions, --peers, --tokens, --seconds, --repeats, --floods decode,prefill,nan, --device, --generation 'key: value, ...')"
             ),
         }
     }
@@ -229,7 +233,7 @@ fn main() {
     let model = Model { stages: info.stages.len() as u32, width: info.hidden_width() as usize, vocab_size: info.vocab_size };
     let generation = if a.generation.is_empty() { String::new() } else { format!("generation: {{{}}}\n", a.generation) };
     let bundle_path = std::fs::canonicalize(&a.bundle).unwrap();
-    let config = format!("listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\n{generation}", a.port, bundle_path.display());
+    let config = format!("listen: 127.0.0.1:{}\nbundle: {}\ndevice: {}\n{generation}", a.port, bundle_path.display(), a.device);
     let server = ServerProcess::start(&a.server_bin, &config, a.port);
     let url = format!("http://127.0.0.1:{}", a.port);
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -1,11 +1,11 @@
 """bench/gpu runs every check on the CPU: `bench/gpu --device cpu --small` completes, reports
-a row for each of its eight checks, and the correctness rows hold (both bundles pass `server
+a row for each of its nine checks, and the correctness rows hold (both bundles pass `server
 check` within the CPU's 1e-5, the generation stages come within 1e-4 of their reference and
 `host generate` gives every token asked for, and split training with the loopback server on
 the CPU twice gives the same loss at every step within 1e-5; see the test for why not bit for
 bit). Its speed rows are benchmarks, not asserted.
 
-Needs the release binaries (host, server, split-overhead); skips without them unless
+Needs the release binaries (host, server, split-overhead, examples/generation_floods); skips without them unless
 CLEAVE_REQUIRE_HOST is set, as `make test` sets it. The script exports its own small bundles
 (the test bundles are cut finely and carry three reference batches: checking them would take
 longer than exporting small ones).
@@ -23,8 +23,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 BIN_DIR = REPO / "target" / "release"
-BINARIES = [BIN_DIR / name for name in ("host", "server", "split-overhead")]
-CHECKS = {"server-check", "split-overhead", "serving", "batching", "training", "nvml", "generation", "mixed"}
+BINARIES = [BIN_DIR / name for name in ("host", "server", "split-overhead", "examples/generation_floods")]
+CHECKS = {"server-check", "split-overhead", "serving", "batching", "training", "nvml", "generation", "mixed", "floods"}
 
 def test_bench_gpu_on_the_cpu_completes_and_its_correctness_rows_hold(tmp_path):
     missing = [str(b) for b in BINARIES if not b.exists()]
