@@ -173,11 +173,17 @@ impl StepQueues {
     /// `peer`'s place in `model`'s device's queue, once its last part there has run (none
     /// in-process).
     async fn place(&self, peer: Option<&Peer>, model: &Model) -> Option<OwnedSemaphorePermit> {
+        let key = (peer?.clone(), model.device.clone());
         let place = {
             let mut places = lock(&self.inner.places);
-            // The places of peers with nothing waiting go.
-            places.retain(|_, place| Arc::strong_count(place) > 1);
-            Arc::clone(places.entry((peer?.clone(), model.device.clone())).or_insert_with(|| Arc::new(Semaphore::new(1))))
+            match places.get(&key) {
+                Some(place) => Arc::clone(place),
+                None => {
+                    // (The places of peers with nothing waiting are forgotten as others are made.)
+                    places.retain(|_, place| Arc::strong_count(place) > 1);
+                    Arc::clone(places.entry(key).or_insert_with(|| Arc::new(Semaphore::new(1))))
+                }
+            }
         };
         place.acquire_owned().await.ok()
     }
