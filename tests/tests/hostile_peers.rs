@@ -513,15 +513,18 @@ fn shutdown_closes_every_connection_within_the_drain_timeout_whatever_peers_do()
     let input = resnet_input(&bundle);
     let peers = PeerLimits { drain_timeout: Duration::from_secs(1), ..PeerLimits::default() };
     runtime().block_on(async {
-        let (server, budget) = serve(&bundle, Limits::default(), peers, TrainingOptions::default()).await;
+        let server = prepared(&bundle, Limits::default(), peers).await;
+        let (budget, metrics) = (server.memory_budget(), server.metrics());
+        let server = LoopbackServer::serve(server).await.unwrap();
         let mut health = HealthClient::new(tonic::transport::Channel::from_shared(server.url.clone()).unwrap().connect().await.unwrap());
         let mut watch = health.watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
         assert_eq!(watch.next().await.unwrap().unwrap().status(), ServingStatus::Serving);
         let mut stalled = open_stream(&server.url, &bundle).await;
         stalled.send(7, &input, 2, 1).await;
-        while budget.held_bytes() == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        // Its first frame read by the stream (not just its bytes counted as they came in):
+        // the request is in progress when the drain starts.
+        let received = || metric(&metrics, "cleave_received_bytes_total", &[("model", bundle.id())]) > 0.0;
+        assert!(eventually(Duration::from_secs(20), received).await, "the first frame was read");
         let stopping = tokio::spawn(server.shutdown());
         assert_eq!(watch.next().await.unwrap().unwrap().status(), ServingStatus::NotServing);
         let (id, error) = stalled.answer().await;
