@@ -5,6 +5,9 @@
 //! - [`connect`] (once), [`connect_retrying`] (with backoff), [`connect_first`] (the first of
 //!   several that answers): a [`ServerSession`] with a server that serves the caller's bundle,
 //!   after its `Info` passed the protocol version and bundle checks.
+//! - [`Connector`]: connecting again, written once ([`connect_retrying`], [`connect_first`] and
+//!   each [`server_link::ServerLink`]'s task): servers in turn, backoff, giving up, the count in
+//!   a [`LinkHealth`].
 //! - [`InferSetup`] opens an [`InferStream`] on a session: send a boundary as tensors
 //!   ([`InferStream::send_boundary`]) or a request's frames as encoded, receive each
 //!   [`InferAnswer`] reassembled and decoded into a boundary (or the server's error for it).
@@ -51,6 +54,7 @@
 //! # }
 //! ```
 
+pub mod connector;
 pub mod error;
 pub mod generate;
 pub mod infer;
@@ -63,10 +67,11 @@ pub mod train;
 pub use cleave_common;
 pub use cleave_common::wire::{Codec, Key, PayloadSender};
 pub use cleave_common::{Boundary, Bundle};
+pub use connector::{connect_first, connect_retrying, Connector, LinkFailure, LinkHealth, LinkState};
 pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, LinkLost, Refusal, StreamError};
 pub use generate::{GenerateAnswer, GenerateLink};
 pub use infer::{AnswerError, InferAnswer, InferSetup, InferStream};
 pub use link::{Backoff, Link, RetryPolicy};
-pub use session::{check_server_accepts, connect, connect_first, connect_retrying, CallHeaders, Client, ServerSession};
+pub use session::{check_server_accepts, connect, CallHeaders, Client, ServerSession};
 pub use times::ServerTimes;
 pub use train::{SessionRequest, TrainAnswer, TrainLink, TrainReconnect};

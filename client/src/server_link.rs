@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -27,10 +27,13 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+pub use crate::connector::{LinkFailure, LinkHealth, LinkState};
+
+use crate::connector::Connector;
 use crate::error::{ConnectFailure, LinkError, StreamError};
 use crate::infer::{AnswerError, InferAnswer, InferSetup, InferStream};
 use crate::link::{Link, RetryPolicy};
-use crate::session::{connect, ServerSession};
+use crate::session::ServerSession;
 
 /// What every server's task needs to connect and open its stream.
 #[derive(Debug)]
@@ -103,49 +106,6 @@ pub struct ServerLink {
 /// Resolves when the link's readiness changes (an error once its task has ended).
 type ReadyChanged = Pin<Box<dyn Future<Output = std::result::Result<(), watch::error::RecvError>> + Send>>;
 
-/// How a server's task is doing, for the caller to tell when no server can be reached.
-#[derive(Debug, Default)]
-pub struct LinkHealth {
-    state: Mutex<LinkState>,
-}
-
-/// A link's health at one moment.
-#[derive(Debug, Default, Clone)]
-pub struct LinkState {
-    /// Whether the link takes requests now (its stream open, its model SERVING).
-    pub ready: bool,
-    /// Connection attempts in a row that failed (0 once one answers).
-    pub failed_attempts: u32,
-    /// Streams opened after the first.
-    pub reconnects: u32,
-    /// Why the last attempt failed.
-    pub last_failure: Option<LinkFailure>,
-    /// The task stopped: its server is unreachable ([`LinkSetup::gives_up`]).
-    pub given_up: bool,
-}
-
-/// Why a link's last connection attempt failed.
-#[derive(Debug, Clone)]
-pub struct LinkFailure {
-    /// The error, as it reads.
-    pub message: String,
-    /// Whether trying again cannot help (see [`LinkError::is_lasting`]).
-    pub lasting: bool,
-}
-
-impl LinkHealth {
-    /// The link's health now.
-    pub fn now(&self) -> LinkState {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-    }
-
-    fn update<T>(&self, changed: &Notify, change: impl FnOnce(&mut LinkState) -> T) -> T {
-        let out = change(&mut self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-        changed.notify_one();
-        out
-    }
-}
-
 impl ServerLink {
     /// Starts the task for `url` (on `first` when that is already its connection).
     pub fn spawn(url: &str, first: Option<ServerSession>, setup: Arc<LinkSetup>) -> (Self, Arc<LinkHealth>) {
@@ -163,8 +123,11 @@ impl ServerLink {
         let (jobs, jobs_rx) = mpsc::channel(setup.in_flight);
         let (ready_tx, ready) = watch::channel(false);
         let health = Arc::new(LinkHealth::default());
+        let connector = Connector::new(vec![url.to_string()], setup.bundle.clone(), setup.link.clone(), setup.retry)
+            .giving_up(setup.gives_up)
+            .reporting(Arc::clone(&health), Arc::clone(&setup.health_changed));
         let url: Arc<str> = url.into();
-        let task = LinkTask { url: Arc::clone(&url), setup, jobs: jobs_rx, ready: ready_tx, health: Arc::clone(&health) };
+        let task = LinkTask { url: Arc::clone(&url), setup, connector, jobs: jobs_rx, ready: ready_tx, health: Arc::clone(&health) };
         tokio::spawn(task.run(first));
         (Self { url, jobs, ready, changed: None }, health)
     }
@@ -206,6 +169,8 @@ impl tower::Service<Dispatch> for ServerLink {
 struct LinkTask {
     url: Arc<str>,
     setup: Arc<LinkSetup>,
+    /// Connects, and counts the failed attempts in `health`.
+    connector: Connector,
     jobs: mpsc::Receiver<Job>,
     ready: watch::Sender<bool>,
     health: Arc<LinkHealth>,
@@ -229,6 +194,11 @@ fn send_job(conn: &InferStream, job: Job, sent_at: &mut BTreeMap<u64, Instant>, 
     on_stream.insert(id, job.answer);
 }
 
+/// Gives a request back to its caller, to be sent again.
+fn lose(server: &Arc<str>, job: Job, reason: &str) {
+    let _ = job.answer.send(Delivered::Lost { server: Arc::clone(server), reason: reason.to_string() });
+}
+
 /// What a task starts on: a connection, and perhaps a stream already open on it.
 type First = (ServerSession, Option<InferStream>);
 
@@ -237,12 +207,23 @@ type OnStream = BTreeMap<u64, oneshot::Sender<Delivered>>;
 
 impl LinkTask {
     async fn run(mut self, mut first: Option<First>) {
-        let mut backoff = self.setup.retry.backoff();
         let mut opened_before = false;
         // A request that came while no stream was open, for the next one.
         let mut waiting: Option<Job> = None;
         loop {
-            let failure = match self.open(first.take()).await {
+            let opened = match first.take() {
+                Some((session, Some(stream))) => Ok((session, stream)),
+                Some((session, None)) => self.open_stream(session).await,
+                None => match self.connect().await {
+                    Some(Ok(session)) => self.open_stream(session).await,
+                    Some(Err(e)) => {
+                        tracing::warn!(server = %self.url, error = %e, "giving up on the server");
+                        return;
+                    }
+                    None => return,
+                },
+            };
+            let failure = match opened {
                 Ok((session, conn)) => {
                     if std::mem::replace(&mut opened_before, true) && waiting.is_none() {
                         self.update(|s| s.reconnects += 1);
@@ -267,7 +248,6 @@ impl LinkTask {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(server = %self.url, error = %e, "cannot reach the server");
                     // (After a quiet end the link was still taking requests.)
                     self.set_ready(false);
                     if let Some(job) = waiting.take() {
@@ -280,18 +260,33 @@ impl LinkTask {
             if self.jobs.is_closed() {
                 return;
             }
-            let Some(error) = failure else {
-                backoff = self.setup.retry.backoff();
-                continue;
-            };
-            if self.failed(&error) {
-                return;
-            }
-            let wait = backoff.next().unwrap_or(self.setup.retry.max_backoff);
-            if !self.lose_jobs_for(wait).await {
+            if failure.is_some_and(|error| self.connector.failed(&error)) {
                 return;
             }
         }
+    }
+
+    /// Connects (after the connector's backoff when an attempt failed before), losing the
+    /// requests given meanwhile (the balancer gave them before it saw the link not ready):
+    /// none once the link is dropped, the last error once the connector gives up.
+    async fn connect(&mut self) -> Option<Result<ServerSession, LinkError>> {
+        let connecting = self.connector.connect();
+        tokio::pin!(connecting);
+        loop {
+            tokio::select! {
+                connected = &mut connecting => return Some(connected),
+                job = self.jobs.recv() => match job {
+                    None => return None,
+                    Some(job) => lose(&self.url, job, "no stream open to this server"),
+                },
+            }
+        }
+    }
+
+    /// Checks the server accepts what this run sends and opens the stream on `session`.
+    async fn open_stream(&self, session: ServerSession) -> Result<(ServerSession, InferStream), LinkError> {
+        let conn = self.setup.stream.open(&session).await?;
+        Ok((session, conn))
     }
 
     /// Serves on an open stream (`waiting` first) until it ends: every request on it then
@@ -315,55 +310,11 @@ impl LinkTask {
 
     /// Gives a request back to its caller, to be sent again.
     fn lose(&self, job: Job, reason: &str) {
-        let _ = job.answer.send(Delivered::Lost { server: Arc::clone(&self.url), reason: reason.to_string() });
-    }
-
-    /// Counts a failed attempt; true when the task stops here ([`LinkSetup::gives_up`]). One
-    /// that trying again cannot fix (a refused token, another bundle) makes the server count
-    /// as unreachable at once.
-    fn failed(&self, error: &LinkError) -> bool {
-        let (max, gives_up) = (self.setup.retry.max_attempts, self.setup.gives_up);
-        let lasting = error.is_lasting();
-        self.update(|s| {
-            s.failed_attempts = if lasting { s.failed_attempts.max(max) } else { s.failed_attempts + 1 };
-            s.last_failure = Some(LinkFailure { message: error.to_string(), lasting });
-            s.given_up = gives_up && s.failed_attempts >= max;
-            s.given_up
-        })
+        lose(&self.url, job, reason);
     }
 
     fn update<T>(&self, change: impl FnOnce(&mut LinkState) -> T) -> T {
         self.health.update(&self.setup.health_changed, change)
-    }
-
-    /// Connects (or takes `first`), checks the server accepts what this run sends, opens the
-    /// stream (or takes the one `first` has).
-    async fn open(&self, first: Option<First>) -> Result<(ServerSession, InferStream), LinkError> {
-        let s = &self.setup;
-        let session = match first {
-            Some((session, Some(stream))) => return Ok((session, stream)),
-            Some((session, None)) => session,
-            None => connect(&self.url, &s.bundle, &s.link).await?,
-        };
-        let conn = s.stream.open(&session).await?;
-        Ok((session, conn))
-    }
-
-    /// While no stream is open: requests given meanwhile are lost at once (the balancer
-    /// gave them before it saw the link not ready). False once the link is dropped.
-    async fn lose_jobs_for(&mut self, wait: Duration) -> bool {
-        let until = tokio::time::Instant::now() + wait;
-        loop {
-            tokio::select! {
-                () = tokio::time::sleep_until(until) => return true,
-                job = self.jobs.recv() => match job {
-                    None => return false,
-                    Some(job) => {
-                        self.lose(job, "no stream open to this server");
-                    }
-                },
-            }
-        }
     }
 
     fn set_ready(&self, ready: bool) {
@@ -427,7 +378,7 @@ impl LinkTask {
                     sent_at.remove(&answer.id);
                     progress = Instant::now();
                     if !std::mem::replace(&mut answered, true) {
-                        self.update(|s| s.failed_attempts = 0);
+                        self.connector.succeeded();
                     }
                     let answer = InferAnswer { from: Some(Arc::clone(&self.url)), ..answer };
                     let _ = waiting.send(Delivered::Answer { server: Arc::clone(&self.url), answer });

@@ -17,7 +17,7 @@ use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
 use crate::error::{BundleMismatch, ConnectFailure, LinkError, Refusal};
-use crate::link::{Link, RetryPolicy};
+use crate::link::Link;
 
 /// Result alias of the link.
 type Result<T, E = LinkError> = std::result::Result<T, E>;
@@ -178,49 +178,6 @@ fn may_pass(error: &(dyn std::error::Error + 'static)) -> bool {
         source = e.source();
     }
     false
-}
-
-/// [`connect`], tried up to `retry.max_attempts` times with exponential backoff and jitter
-/// between attempts (a caller started while its server is down, or restarting, waits for it):
-/// [`connect_first`] over a list of one.
-pub async fn connect_retrying(url: &str, bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
-    connect_first(&[url.to_string()], bundle, link, retry).await
-}
-
-/// A connection to the first of `servers` that answers, tried in turn, the whole list up to
-/// `retry.max_attempts` times with backoff between passes; the last error when none answers,
-/// at once when every server refused for a reason that stays (see [`LinkError::is_lasting`]:
-/// a server that answers and refuses this caller, or one unreachable for good).
-pub async fn connect_first(servers: &[String], bundle: &Bundle, link: &Link, retry: &RetryPolicy) -> Result<ServerSession> {
-    if servers.is_empty() {
-        return Err(LinkError::NoServer);
-    }
-    let mut backoff = retry.backoff();
-    let passes = retry.max_attempts.max(1);
-    for pass in 1..=passes {
-        let mut last = None;
-        let mut lasting = true;
-        for url in servers {
-            match connect(url, bundle, link).await {
-                Ok(session) => return Ok(session),
-                Err(e) => {
-                    lasting &= e.is_lasting();
-                    last = Some(e);
-                }
-            }
-        }
-        let last = last.expect("one server or more was tried");
-        if lasting || pass == passes {
-            return Err(match last {
-                LinkError::Connect { url, failure, .. } => LinkError::Connect { url, failure, attempts: pass },
-                other => other,
-            });
-        }
-        let wait = backoff.next().unwrap_or(retry.max_backoff);
-        tracing::warn!(attempt = pass, of = passes, error = %last, "cannot reach the server; trying again in {wait:?}");
-        tokio::time::sleep(wait).await;
-    }
-    unreachable!("the last pass returns")
 }
 
 impl ServerSession {

@@ -25,9 +25,10 @@ use tokio_stream::StreamExt;
 use tonic::Streaming;
 use tracing::Instrument;
 
+use crate::connector::connect_retrying;
 use crate::error::{Breach, LinkError, LinkLost, Refusal};
 use crate::link::RetryPolicy;
-use crate::session::{connect_retrying, ServerSession};
+use crate::session::ServerSession;
 
 type Result<T, E = LinkError> = std::result::Result<T, E>;
 

@@ -336,6 +336,48 @@ fn a_server_that_accepts_and_never_speaks_is_refused_after_the_connect_timeout()
     });
 }
 
+#[test]
+fn a_connector_counts_failed_attempts_in_its_health_and_gives_up_only_when_told_to() {
+    use cleave_client::{Connector, LinkHealth};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    // A port nobody listens on: each attempt is refused, which may pass.
+    let url = format!("http://{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap());
+    let retry = RetryPolicy { max_attempts: 3, max_backoff: Duration::from_millis(5) };
+    let connector = |url: &str, health: &Arc<LinkHealth>| {
+        Connector::new(vec![url.to_string()], bundle.clone(), Link::plain(), retry).reporting(Arc::clone(health), Arc::default())
+    };
+    runtime().block_on(async {
+        let health = Arc::new(LinkHealth::default());
+        let err = connector(&url, &health).connect().await.unwrap_err();
+        assert!(err.to_string().contains("3 attempts"), "{err}");
+        assert_eq!((health.now().failed_attempts, health.now().given_up), (3, true));
+        // One that cannot pass (https:// without `tls:`) gives up at once, counted as all.
+        let health = Arc::new(LinkHealth::default());
+        let err = connector("https://127.0.0.1:1", &health).connect().await.unwrap_err();
+        assert!(err.to_string().contains("trying again cannot fix this"), "{err}");
+        assert_eq!((health.now().failed_attempts, health.now().given_up), (3, true));
+        // A stream that failed on a connection made counts too; an answer starts the count over.
+        let health = Arc::new(LinkHealth::default());
+        let mut streams = connector(&url, &health);
+        let lost = || cleave_client::LinkError::Lost(cleave_client::LinkLost::Closed);
+        assert_eq!([streams.failed(&lost()), streams.failed(&lost())], [false, false]);
+        streams.succeeded();
+        assert_eq!(health.now().failed_attempts, 0);
+        assert_eq!([streams.failed(&lost()), streams.failed(&lost()), streams.failed(&lost())], [false, false, true]);
+        // One told to go on does, past `max_attempts`, until dropped.
+        let health = Arc::new(LinkHealth::default());
+        let mut going_on = connector(&url, &health).giving_up(false);
+        let trying = tokio::spawn(async move { going_on.connect().await.map(drop) });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while health.now().failed_attempts < 6 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(health.now().failed_attempts >= 6 && !health.now().given_up, "{:?}", health.now());
+        assert!(!trying.is_finished());
+        trying.abort();
+    });
+}
+
 // ---- A real server, stopped and restarted ---------------------------------------------
 
 /// A server on `addr` (`127.0.0.1:0`: any port) that drains quickly when stopped.

@@ -20,8 +20,9 @@ use tower::discover::Change;
 use tower::load::{CompleteOnResponse, PendingRequests};
 use tower::Service;
 
-use cleave_client::server_link::{Delivered, Dispatch, LinkHealth, LinkSetup, LinkState, ServerLink};
+use cleave_client::server_link::{Delivered, Dispatch, LinkSetup, ServerLink};
 use cleave_client::ServerSession;
+use cleave_client::{LinkHealth, LinkState};
 
 use super::prefix::Produced;
 use super::{Run, StreamCounts, Unanswered, SAME_LASTING_ERRORS_TO_STOP};
