@@ -316,6 +316,11 @@ pub struct StageInfo {
     /// Its buffers' names (batch-norm statistics), which its `cleave_buffers()` method returns.
     #[serde(default)]
     pub buffer_names: Option<Vec<String>>,
+    /// Bytes per sample its training forward leaves for the backward (what autograd saves,
+    /// parameters and buffers aside), as the exporter measured them; absent in bundles
+    /// exported before it did.
+    #[serde(default)]
+    pub training_saved_bytes_per_sample: Option<u64>,
 }
 
 /// A reference input/output pair.
@@ -509,6 +514,14 @@ impl Bundle {
     /// Cut `index`.
     pub fn cut(&self, index: usize) -> &CutInfo {
         &self.manifest.cuts[index]
+    }
+
+    /// Bytes per sample that a training forward through `stages` holds until its backward:
+    /// what autograd saves in each stage (`training_saved_bytes_per_sample`) or, in a bundle
+    /// exported before the exporter measured it, the stage's input (a lower bound).
+    pub fn graph_bytes_per_sample(&self, stages: std::ops::Range<usize>) -> u64 {
+        let saved = |i: usize| self.manifest.stages[i].training_saved_bytes_per_sample.unwrap_or(self.cut(i).bytes_per_sample);
+        stages.map(saved).sum()
     }
 
     /// Every split point, from 0 (all on the server) to N (all on the edge), at the bundle's

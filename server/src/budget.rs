@@ -114,7 +114,7 @@ fn merge_permits(mine: &mut Option<OwnedSemaphorePermit>, theirs: Option<OwnedSe
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OverBudget {
     /// The whole budget had no room.
-    #[error("{bytes} request bytes do not fit in the server's memory budget of {budget} bytes (`limits.memory_budget_bytes`) within {waited:?}")]
+    #[error("{bytes} bytes do not fit in the server's memory budget of {budget} bytes (`limits.memory_budget_bytes`) within {waited:?}")]
     Server {
         /// What the request asked for.
         bytes: u64,
@@ -125,7 +125,7 @@ pub enum OverBudget {
     },
     /// The peer's share had no room: it holds what it may already.
     #[error(
-        "{bytes} request bytes do not fit in this peer's ({peer}) share of the memory budget, {share} bytes \
+        "{bytes} bytes do not fit in this peer's ({peer}) share of the memory budget, {share} bytes \
          (`limits.memory_budget_bytes_per_peer`), within {waited:?}: it holds its share in requests and unread answers"
     )]
     PeerShare {

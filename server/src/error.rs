@@ -129,6 +129,9 @@ pub(crate) enum SessionError {
     /// A checkpoint call on a server without a checkpoint directory.
     #[error("this server has no checkpoint directory (`training.checkpoint_dir`)")]
     NoCheckpointDir,
+    /// What a forward leaves for its backward does not fit in the memory budget.
+    #[error("the forward's graph at batch {batch} (what it keeps for its backward) does not fit: {over}")]
+    GraphOverBudget { batch: i64, over: crate::budget::OverBudget },
     /// The checkpoint directory or a namespace in it cannot be listed.
     #[error("cannot list {what} {}: {error}", dir.display())]
     CheckpointsUnlisted { what: &'static str, dir: std::path::PathBuf, error: std::io::Error },
@@ -416,6 +419,7 @@ pub(crate) fn status_code(err: &RequestError) -> Code {
             }
             TrainError::Bundle(_) | TrainError::Torch { .. } => Code::Internal,
         },
+        RequestError::Session(SessionError::GraphOverBudget { .. }) => Code::ResourceExhausted,
         RequestError::Session(_) | RequestError::AlreadyTraining { .. } | RequestError::UnknownModel { .. } => Code::FailedPrecondition,
         RequestError::Group(e) => match e {
             GroupError::Name(_)

@@ -16,7 +16,11 @@
 //!    HTTP/2 windows stay closed), for `limits.answer_timeout` and 10 s more;
 //! 6. partial messages: 400 `Infer` streams from 127.0.0.2 (13 connections) each send all but
 //!    the last byte of an 8 MiB gRPC message, while a caller on 127.0.0.1 asks for `Info`;
-//!    the RSS is taken again once `limits.request_timeout` has given the messages up.
+//!    the RSS is taken again once `limits.request_timeout` has given the messages up;
+//! 7. training graphs: two peers (127.0.0.2 and .3) each open their share of U-shaped
+//!    training sessions (2) over all but the model's head and send one forward whose graph
+//!    takes 80% of the peer's share of the budget between them, never its backward; the
+//!    budget's `held` gauge (from the metrics endpoint) is set against the RSS both grew by.
 //!
 //! For each phase it prints the peak RSS over the idle RSS against the budget plus 10%; the
 //! last also the RSS at its end, when the answers not taken should have been freed.
@@ -30,8 +34,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_common::pb::split_inference_client::SplitInferenceClient;
-use cleave_common::pb::{InferFrame, ResultFrame};
+use cleave_common::pb::{self, InferFrame, ResultFrame};
 use cleave_common::protocol::BUNDLE_ID_METADATA;
+use cleave_common::training::microbatch::Microbatch;
 use cleave_common::wire::{Codec, Direction, PayloadMeta, PayloadSender};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange, Value};
 use cleave_tests::ServerProcess;
@@ -47,7 +52,7 @@ struct Args {
     budget_mib: u64,
     server_bin: PathBuf,
     port: u16,
-    /// Only this phase (1 to 6), or all.
+    /// Only this phase (1 to 7), or all.
     phase: Option<u32>,
     /// Phase 5's connections, streams per connection and requests per stream.
     slow: [usize; 3],
@@ -79,7 +84,7 @@ fn args() -> Args {
             "--budget-mib" => a.budget_mib = value.parse().expect("--budget-mib: a number"),
             "--server-bin" => a.server_bin = value.into(),
             "--port" => a.port = value.parse().expect("--port: a number"),
-            "--phase" => a.phase = Some(value.parse().expect("--phase: 1 to 6")),
+            "--phase" => a.phase = Some(value.parse().expect("--phase: 1 to 7")),
             "--slow" => {
                 let n: Vec<usize> = value.split('x').map(|n| n.parse().expect("--slow: CxSxR, as 48x32x8")).collect();
                 a.slow = n.try_into().expect("--slow: CxSxR, as 48x32x8");
@@ -225,7 +230,7 @@ async fn h2_from(source: &str, port: u16) -> h2::client::SendRequest<Bytes> {
 }
 
 /// Phase 6: streams that each send all but the last byte of the largest message.
-async fn partial_messages(port: u16, bundle: &Bundle, sampler: &Sampler, idle: u64, budget: u64) {
+async fn partial_messages(port: u16, metrics: std::net::SocketAddr, bundle: &Bundle, sampler: &Sampler, idle: u64, budget: u64) {
     const STREAMS: usize = 400;
     let declared: u32 = (8 << 20) - 64;
     let mut message = vec![0u8];
@@ -250,6 +255,7 @@ async fn partial_messages(port: u16, bundle: &Bundle, sampler: &Sampler, idle: u
         }
     }
     tokio::time::sleep(Duration::from_secs(5)).await;
+    let (held, rss) = (held_bytes(metrics).await, rss_bytes(sampler.pid).saturating_sub(idle));
     let asked = Instant::now();
     let served = async {
         let mut client = SplitInferenceClient::connect(format!("http://127.0.0.1:{port}")).await.map_err(|e| e.to_string())?;
@@ -263,16 +269,100 @@ async fn partial_messages(port: u16, bundle: &Bundle, sampler: &Sampler, idle: u
     let after = rss_bytes(sampler.pid);
     println!(
         "{STREAMS} streams from 127.0.0.2, each all but the last byte of an 8 MiB message: a caller on 127.0.0.1 {} in {} ms; \
-         RSS {} MiB over idle 35 s later; {}",
+         budget held {} MiB, RSS +{} MiB over idle: {} within 20%; RSS {} MiB over idle 35 s later; {}",
         match &served {
             Ok(()) => "served".to_string(),
             Err(e) => format!("NOT served ({e})"),
         },
         served_ms,
+        held / MIB,
+        rss / MIB,
+        if held.abs_diff(rss) <= rss / 5 { "agree" } else { "DISAGREE" },
         after.saturating_sub(idle) / MIB,
         verdict(during, idle, budget)
     );
     drop(begun);
+}
+
+/// The memory budget's `held` gauge, scraped from the metrics endpoint at `metrics`.
+async fn held_bytes(metrics: std::net::SocketAddr) -> u64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(metrics).await.expect("the metrics endpoint");
+    socket.write_all(b"GET /metrics HTTP/1.1\r\nHost: cleave\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).await.unwrap();
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    cleave_tests::metric_sample(&cleave_tests::parse_metrics(body), "cleave_budget_held_bytes", &[("budget", "memory")]) as u64
+}
+
+/// Phase 7: U-shaped training sessions from two peers (each its share of sessions), each a
+/// forward whose graph is kept, its backward never sent.
+async fn training_graphs(url: &str, metrics: std::net::SocketAddr, bundle: &Bundle, sampler: &Sampler, idle: u64, budget: u64) {
+    use cleave_client::{connect, Link, RetryPolicy, SessionRequest, TrainLink, TrainReconnect};
+    const PEERS: [&str; 2] = ["127.0.0.2", "127.0.0.3"];
+    const SESSIONS_PER_PEER: usize = 2;
+    let end = bundle.stage_count() - 1;
+    let per_sample = bundle.graph_bytes_per_sample(0..end) + bundle.cut(end).bytes_per_sample;
+    // A peer's graphs take 80% of its share (a quarter of the budget).
+    let batch = (budget / 4 * 8 / 10 / SESSIONS_PER_PEER as u64 / per_sample).clamp(1, bundle.manifest().batch.max as u64) as i64;
+    let mut links = Vec::new();
+    for peer in PEERS {
+        for _ in 0..SESSIONS_PER_PEER {
+            let link = Link { local_address: Some(peer.parse().unwrap()), ..Link::plain() };
+            let session = connect(url, bundle, &link).await.expect("a connection");
+            let open = pb::OpenSession {
+                start: 0,
+                end: end as u32,
+                optimizer: Some(pb::Optimizer { kind: "sgd".into(), lr: 0.1, ..Default::default() }),
+                seed: 1,
+                ..Default::default()
+            };
+            let request = SessionRequest { open, codec: Codec::RAW, key: None };
+            let reconnect = TrainReconnect { bundle: bundle.clone(), retry: RetryPolicy::default() };
+            links.push(TrainLink::open(session, request, reconnect).await.expect("a training session").0);
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (rss_open, held_open) = (rss_bytes(sampler.pid), held_bytes(metrics).await);
+    sampler.take();
+    let forwards: Vec<_> = links
+        .into_iter()
+        .map(|mut link| {
+            let bundle = bundle.clone();
+            tokio::task::spawn_blocking(move || {
+                let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(batch)).unwrap();
+                let answered = link.forward(&input, Microbatch::WHOLE).map(drop).map_err(|e| e.to_string());
+                (link, answered)
+            })
+        })
+        .collect();
+    let mut kept = Vec::new();
+    let mut answered = 0;
+    for forward in forwards {
+        let (link, outcome) = forward.await.unwrap();
+        match outcome {
+            Ok(()) => answered += 1,
+            Err(e) => println!("  a forward was refused: {e}"),
+        }
+        kept.push(link);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (rss_pending, held_pending) = (rss_bytes(sampler.pid), held_bytes(metrics).await);
+    let (rss_grew, held_grew) = (rss_pending.saturating_sub(rss_open), held_pending.saturating_sub(held_open));
+    let agree = rss_grew.abs_diff(held_grew) <= rss_grew / 5;
+    println!(
+        "{} U-shaped training sessions from {} peers, each a forward at batch {batch} kept pending ({} MiB of graph each by \
+         the manifest): {answered} answered; budget held +{} MiB, RSS +{} MiB since the sessions opened: {} within 20%; {}",
+        kept.len(),
+        PEERS.len(),
+        per_sample * batch as u64 / MIB,
+        held_grew / MIB,
+        rss_grew / MIB,
+        if agree { "agree" } else { "DISAGREE" },
+        verdict(sampler.take().max(idle), idle, budget)
+    );
+    // The sessions close with their links (the server frees their graphs).
+    drop(kept);
 }
 
 /// Phase 5: streams that send requests and never read their answers.
@@ -358,8 +448,10 @@ fn main() {
     // The largest payload the budget holds (as received, up to 110% with lz4, and decoded,
     // with its stream's read buffer of one 8 MiB frame).
     let max_payload = (budget - 10 * MIB) * 10 / 21;
+    let metrics: std::net::SocketAddr = format!("127.0.0.1:{}", a.port + 1).parse().unwrap();
     let config = format!(
-        "listen: 127.0.0.1:{}\nbundle: {}\ndevice: cpu\nlimits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}{}}}\n",
+        "listen: 127.0.0.1:{}\nmetrics_listen: {metrics}\nbundle: {}\ndevice: cpu\ntraining: {{concurrent_sessions: true}}\n\
+         limits: {{memory_budget_bytes: {budget}, max_payload_bytes: {max_payload}{}}}\n",
         a.port,
         std::fs::canonicalize(&a.bundle).unwrap().display(),
         if a.limits.is_empty() { String::new() } else { format!(", {}", a.limits) }
@@ -480,7 +572,11 @@ fn main() {
         }
 
         if a.runs(6) {
-            partial_messages(a.port, &bundle, &sampler, idle, budget).await;
+            partial_messages(a.port, metrics, &bundle, &sampler, idle, budget).await;
+        }
+
+        if a.runs(7) {
+            training_graphs(&url, metrics, &bundle, &sampler, idle, budget).await;
         }
     });
     drop(sampler);

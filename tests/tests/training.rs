@@ -785,6 +785,117 @@ fn an_answer_above_the_payload_limit_is_refused_and_the_session_goes_on() {
     });
 }
 
+/// A server for `bundle` whose memory budget the test reads (and sizes with `peers`).
+async fn budgeted_server(bundle: &Bundle, limits: Limits, peers: cleave_server::PeerLimits) -> (LoopbackServer, cleave_server::MemoryBudget) {
+    let dir = bundle.dir().to_path_buf();
+    let prepared = tokio::task::spawn_blocking(move || {
+        cleave_server::PreparedServer::prepare(&dir, DeviceSpec::Cpu, limits, Default::default()).unwrap().with_peer_limits(peers).unwrap()
+    })
+    .await
+    .unwrap();
+    let budget = prepared.memory_budget();
+    (LoopbackServer::serve(prepared).await.unwrap(), budget)
+}
+
+/// What the budget holds once it has stopped changing (answers are given back as written).
+async fn settled(budget: &cleave_server::MemoryBudget) -> u64 {
+    let mut last = budget.held_bytes();
+    for _ in 0..500 {
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        let now = budget.held_bytes();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    panic!("the budget never settled")
+}
+
+#[test]
+fn a_u_shaped_forward_holds_its_graph_in_the_memory_budget_until_its_backward() {
+    // What a forward leaves for its backward (the stages' saved tensors, from the manifest,
+    // and the boundary at `end` the backward starts from) is reserved from the forward and
+    // given back with the backward.
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let (start, end, batch) = (2, 9, 16);
+    let graph = (bundle.graph_bytes_per_sample(start..end) + bundle.cut(end).bytes_per_sample) * batch as u64;
+    let input = cleave_common::value::synthetic_inputs(&bundle.cut(start).values, bundle.sizes_at(batch)).unwrap();
+    let grads = cleave_common::value::synthetic_inputs(&bundle.cut(end).values, bundle.sizes_at(batch)).unwrap();
+    runtime().block_on(async {
+        let (server, budget) = budgeted_server(&bundle, Limits::default(), cleave_server::PeerLimits::default()).await;
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(start as u32, end as u32, "")).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let replies = call(&mut stream, 1, pb::Phase::Forward, (start as u32, Direction::Request), &input).await;
+        assert!(replies.last().unwrap().error.is_none(), "{replies:?}");
+        let pending = settled(&budget).await;
+        let replies = call(&mut stream, 2, pb::Phase::Backward, (end as u32, Direction::Gradient), &grads).await;
+        assert!(replies.last().unwrap().error.is_none(), "{replies:?}");
+        let after = settled(&budget).await;
+        // With the graph pending the session keeps the forward's answer (the boundary at
+        // `end`) for a resend; after the backward, the backward's (the gradient at `start`)
+        // in its place. (The budget counts whole KiB.)
+        let kib = |bytes: u64| bytes.div_ceil(1024) * 1024;
+        let answers = |cut: usize| kib(bundle.cut(cut).bytes_per_sample * batch as u64);
+        assert_eq!(pending + answers(start) - after, kib(graph) + answers(end), "{pending} held with the graph pending, {after} after its backward");
+    });
+}
+
+#[test]
+fn the_answers_a_session_keeps_for_resent_calls_are_held_in_the_memory_budget() {
+    // A session keeps its last `pipeline_depth` answers for a host that resends a call; each
+    // is held in the memory budget while kept. Here, with the loss on the server, each answer
+    // is the gradient at cut 7: 16 x 2048 bytes.
+    use cleave_common::{training::TARGETS_VALUE, Value};
+    let bundle = Bundle::open(bundle_dir("digits")).unwrap();
+    let (start, batch, depth) = (7, 16, 3);
+    let answer = bundle.cut(start).bytes_per_sample * batch as u64;
+    let mut input = cleave_common::value::synthetic_inputs(&bundle.cut(start).values, bundle.sizes_at(batch)).unwrap();
+    input.values.push((TARGETS_VALUE.to_string(), Value::Tensor(Tensor::from_slice(&[3i64; 16]))));
+    runtime().block_on(async {
+        let (server, budget) = budgeted_server(&bundle, Limits::default(), cleave_server::PeerLimits::default()).await;
+        let open = pb::OpenSession { pipeline_depth: depth, ..open_digits(start as u32, 12, "cross-entropy") };
+        let (mut stream, opened) = open_session(&server.url, &bundle, open).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let mut held = vec![0];
+        for id in 1..=5 {
+            let replies = call(&mut stream, id, pb::Phase::Forward, (start as u32, Direction::Request), &input).await;
+            assert!(replies.last().unwrap().error.is_none(), "{:?}", replies.last().unwrap().error);
+            held.push(settled(&budget).await);
+        }
+        // (The budget counts whole KiB.)
+        let kept = answer.div_ceil(1024) * 1024;
+        assert_eq!(held[3] - held[1], 2 * kept, "held after each step: {held:?}");
+        assert_eq!(held[5], held[3], "no more than {depth} kept: {held:?}");
+    });
+}
+
+#[test]
+fn a_forward_whose_graph_does_not_fit_the_memory_budget_is_refused_before_it_runs() {
+    // resnet18 U-shaped over all but its head at batch 64: its graph (about 0.5 GB) cannot
+    // fit a 64 MiB budget, though its 3 MiB boundary does.
+    let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
+    let (end, batch) = (64, 64);
+    let graph = (bundle.graph_bytes_per_sample(0..end) + bundle.cut(end).bytes_per_sample) * batch as u64;
+    let limits = Limits { max_payload_bytes: 8 << 20, ..Limits::default() };
+    let budget_bytes = 64 << 20;
+    assert!(graph > budget_bytes, "{graph}");
+    let peers = cleave_server::PeerLimits { memory_budget_bytes: budget_bytes, memory_budget_bytes_per_peer: 16 << 20, ..Default::default() };
+    let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(batch)).unwrap();
+    runtime().block_on(async {
+        let (server, budget) = budgeted_server(&bundle, limits, peers).await;
+        let (mut stream, opened) = open_session(&server.url, &bundle, open_digits(0, end as u32, "")).await;
+        assert!(opened.opened.is_some(), "{opened:?}");
+        let replies = call(&mut stream, 1, pb::Phase::Forward, (0, Direction::Request), &input).await;
+        let (code, message) = error_of(replies.last().unwrap());
+        assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+        assert!(message.contains("graph at batch 64") && message.contains("limits.memory_budget_bytes"), "{message}");
+        // Nothing stays held for it, and the session goes on: an evaluation is answered.
+        let replies = call(&mut stream, 2, pb::Phase::Evaluate, (0, Direction::Request), &input).await;
+        assert!(replies.last().unwrap().error.is_none(), "{:?}", replies.last().unwrap().error);
+        assert!(settled(&budget).await < budget_bytes / 2, "{} held", budget.held_bytes());
+    });
+}
+
 #[test]
 fn a_training_payload_that_does_not_fit_its_session_s_cuts_is_refused_before_its_data() {
     // Boundaries come at the session's start (cut 7, plus the targets when the server holds

@@ -20,6 +20,7 @@ use cleave_common::{Bundle, DeviceSpec, StageRange};
 use super::checkpoints::{CheckpointRef, CheckpointStore};
 use super::group::{Groups, Member};
 use super::session::{no_checkpoint_dir, SessionSetup};
+use crate::budget::MemoryBudget;
 use crate::config::TrainingOptions;
 use crate::error::{Busy, GroupError, RequestError};
 use crate::peer::Peer;
@@ -144,7 +145,13 @@ impl Training {
 
     /// Checks an `OpenSession` against `bundle`; the session then loads on `device` and runs
     /// each call in a turn of that device's scheduler.
-    pub(crate) fn setup(&self, bundle: &Bundle, device: DeviceSpec, turns: Turns, open: &pb::OpenSession) -> Result<SessionSetup, RequestError> {
+    pub(crate) fn setup(
+        &self,
+        bundle: &Bundle,
+        (device, turns): (DeviceSpec, Turns),
+        budget: MemoryBudget,
+        open: &pb::OpenSession,
+    ) -> Result<SessionSetup, RequestError> {
         let n = bundle.stage_count();
         let (start, end) = (open.start as usize, open.end as usize);
         let refused = |e: SetupError| RequestError::Training(e.into());
@@ -193,6 +200,7 @@ impl Training {
             clips: open.clip_grad_norm != 0.0,
             pipeline_depth,
             max_kept_answer_bytes: self.options.max_kept_answer_bytes,
+            budget,
             loss,
             seed: open.seed,
             resume,

@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::checkpoints::{CheckpointRef, CheckpointStore, Namespace};
 use super::group::{ClientMode, Member, SharedPart, TrainedPart, Waited};
+use crate::budget::{MemoryBudget, Reservation};
 use crate::error::{GroupError, Internal, RequestError, SessionError};
 use crate::metrics::Metrics;
 use crate::scheduler::Turns;
@@ -45,6 +46,8 @@ pub(crate) struct SessionSetup {
     pub(crate) pipeline_depth: u32,
     /// Tensor bytes the kept answers may hold besides the last one.
     pub(crate) max_kept_answer_bytes: u64,
+    /// The memory budget (its opener's share) the kept answers are held in.
+    pub(crate) budget: MemoryBudget,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
     /// The checkpoint to resume from; the session continues in its namespace.
@@ -77,7 +80,7 @@ pub(crate) fn no_checkpoint_dir() -> RequestError {
 pub(crate) enum Call {
     /// A step's boundary (and targets when the server holds the loss): the whole batch, or
     /// one of its micro-batches.
-    Forward { input: Boundary, targets: Option<Tensor>, microbatch: Microbatch },
+    Forward { input: Boundary, targets: Option<Tensor>, microbatch: Microbatch, graph: Reservation },
     /// U-shaped: the gradient at `end` of the pending step.
     Backward { grads: Boundary },
     /// An evaluation batch.
@@ -158,6 +161,8 @@ struct PendingStep {
     inputs: Vec<(String, Tensor)>,
     /// The floating-point leaves of the boundary sent back (their gradients come in).
     outputs: Vec<(String, Tensor)>,
+    /// Its graph's bytes in the memory budget, held until the backward.
+    _graph: Reservation,
 }
 
 /// The state the session thread owns.
@@ -184,13 +189,15 @@ struct Session {
     /// Where it saves, held while the session lives.
     namespace: Option<Namespace>,
     /// The ids of the last calls answered (as many as the host may have in flight, within
-    /// `max_kept_answer_bytes` besides the last), their answers and tensor bytes, oldest first.
-    answered: VecDeque<(u64, Answer, u64)>,
+    /// `max_kept_answer_bytes` besides the last, and what the memory budget has room for),
+    /// their answers and their bytes in the budget, oldest first.
+    answered: VecDeque<(u64, Answer, Reservation)>,
     /// The highest id answered: a call resent under a lower one whose answer was let go is
     /// refused, never run again.
     last_answered: u64,
     pipeline_depth: usize,
     max_kept_answer_bytes: u64,
+    budget: MemoryBudget,
     /// `step`, for the streams (a continued session reports it).
     shared_step: Arc<AtomicU64>,
 }
@@ -239,6 +246,7 @@ impl Session {
             last_answered: 0,
             pipeline_depth: setup.pipeline_depth as usize,
             max_kept_answer_bytes: setup.max_kept_answer_bytes,
+            budget: setup.budget,
             shared_step,
         })
     }
@@ -362,7 +370,7 @@ impl Session {
     /// optimizer update is taken once the answer is out).
     fn run(&mut self, call: Call) -> Result<(Answer, Option<Grads>), RequestError> {
         Ok(match call {
-            Call::Forward { input, targets, microbatch } => self.forward(input, targets, microbatch)?,
+            Call::Forward { input, targets, microbatch, graph } => self.forward(input, targets, microbatch, graph)?,
             Call::Backward { grads } => self.backward(&grads)?,
             Call::Clip { coefficient } => self.clip_step(coefficient)?,
             Call::Evaluate { input } => (Answer::Output(self.part().stages.evaluate(&input)?.detached()), None),
@@ -394,8 +402,15 @@ impl Session {
 
     /// A training forward. With the loss here: backward too, returning the gradient answer
     /// (and the parameters' gradients, unless they wait for clipping); U-shaped: keeps the
-    /// graph pending and answers with the boundary at `end`.
-    fn forward(&mut self, input: Boundary, targets: Option<Tensor>, microbatch: Microbatch) -> Result<(Answer, Option<Grads>), TrainError> {
+    /// graph pending, with its bytes in the budget (`graph`), and answers with the boundary
+    /// at `end`.
+    fn forward(
+        &mut self,
+        input: Boundary,
+        targets: Option<Tensor>,
+        microbatch: Microbatch,
+        graph: Reservation,
+    ) -> Result<(Answer, Option<Grads>), TrainError> {
         if self.pending.take().is_some() {
             return Err(StepError::StillWaiting { step: self.step + 1 }.into());
         }
@@ -411,7 +426,7 @@ impl Session {
             if targets.is_some() {
                 return Err(StepError::TargetsPastTheLoss.into());
             }
-            self.pending = Some(PendingStep { microbatch, inputs: leaves, outputs: float_leaves(&output) });
+            self.pending = Some(PendingStep { microbatch, inputs: leaves, outputs: float_leaves(&output), _graph: graph });
             return Ok((Answer::Output(output.detached()), None));
         };
         let targets = targets.ok_or(StepError::NoTargets { value: TARGETS_VALUE })?;
@@ -423,8 +438,10 @@ impl Session {
 
     /// U-shaped: continues the pending step's backward pass from the gradient at `end`.
     fn backward(&mut self, grads: &Boundary) -> Result<(Answer, Option<Grads>), TrainError> {
-        let PendingStep { microbatch, inputs: leaves, outputs } = self.pending.take().ok_or(StepError::NoPendingForward)?;
+        let PendingStep { microbatch, inputs: leaves, outputs, _graph: graph } = self.pending.take().ok_or(StepError::NoPendingForward)?;
         let grads = backward_from_boundary(&outputs, grads, self.part().stages.parameters(), &leaves)?;
+        // (The graph is freed with `outputs`; its bytes go back with it.)
+        drop((outputs, graph));
         Ok(self.gradient_answer(None, grads, microbatch))
     }
 
@@ -495,15 +512,24 @@ impl Session {
     }
 
     /// Keeps an answer for a resend of its call: the last `pipeline_depth`, those before the
-    /// newest within `max_kept_answer_bytes`.
+    /// newest within `max_kept_answer_bytes`, each held in the memory budget. Older answers
+    /// are let go to make room; the newest is kept even where the budget has none left (one
+    /// answer a session, within `max_payload_bytes`: a resend of the last call must find it).
     fn keep_answer(&mut self, id: u64, answer: Answer) {
         let bytes = answer.tensor_bytes();
-        self.answered.push_back((id, answer, bytes));
         self.last_answered = self.last_answered.max(id);
-        let mut older: u64 = self.answered.iter().rev().skip(1).map(|(_, _, b)| b).sum();
+        let held = loop {
+            match self.budget.try_reserve(bytes) {
+                Some(held) => break held,
+                None if self.answered.is_empty() => break Reservation::none(),
+                None => drop(self.answered.pop_front()),
+            }
+        };
+        self.answered.push_back((id, answer, held));
+        let mut older: u64 = self.answered.iter().rev().skip(1).map(|(_, a, _)| a.tensor_bytes()).sum();
         while self.answered.len() > self.pipeline_depth.max(1) || (self.answered.len() > 1 && older > self.max_kept_answer_bytes) {
-            if let Some((_, _, b)) = self.answered.pop_front() {
-                older -= b;
+            if let Some((_, a, _)) = self.answered.pop_front() {
+                older -= a.tensor_bytes();
             }
         }
     }

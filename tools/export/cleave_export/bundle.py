@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from safetensors.torch import save_file
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 import cleave_export
@@ -138,6 +139,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
 
         t = time.perf_counter()
         flops = _stage_flops(stage_gms, traced.probe_inputs[0], traced.probes[0].batch)
+        saved = _stage_saved_bytes(stage_gms, traced.probe_inputs[0], traced.probes[0].batch)
         ref_entries = []
         for (b, seq), (inputs, expected) in sorted(references.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             name = f"reference_b{b}.safetensors" if seq is None else f"reference_b{b}_s{seq}.safetensors"
@@ -152,7 +154,7 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
         generation = write_generation(src.model, tmp, opts.seed) if opts.generation else None
         if generation:
             timings["generation"] = time.perf_counter() - generation_started
-        manifest = _manifest(opts, src, traced, stage_gms, compilers, inference, flops, seq_range, ref_entries, tmp)
+        manifest = _manifest(opts, src, traced, stage_gms, compilers, inference, (flops, saved), seq_range, ref_entries, tmp)
         manifest |= {"generation": generation} if generation else {}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _set_modes(tmp)
@@ -537,6 +539,39 @@ def _stage_flops(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> 
     return flops
 
 
+def _stage_saved_bytes(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> list[int]:
+    """Bytes per sample that each stage's training forward leaves for its backward: what
+    autograd saves, each storage once, less the stage's parameters and buffers (held anyway).
+    Measured at `batch` with the stage's floating-point inputs needing gradients, as on a
+    server that sends its boundary's gradient back; rounded up, so what does not grow with
+    the batch (batch-norm statistics) is spread over it. A trainer holds it from a forward to
+    its backward (the server reserves it in its memory budget)."""
+    saved = []
+    values = list(inputs)
+    for sgm in stage_gms:
+        resident = {t.untyped_storage().data_ptr() for t in (*sgm.parameters(), *sgm.buffers())}
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, resident=resident, storages=storages) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in resident:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            values = list(sgm(*tree_map(_needing_grad, values)))
+        saved.append(-(-sum(storages.values()) // batch))
+    return saved
+
+
+def _needing_grad(value):
+    """A floating-point tensor as a stage's input in training: needing its gradient (a copy,
+    so that the stage's in-place operations do not write to a leaf)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_().clone()
+    return value
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -578,9 +613,10 @@ def _shared_parameters(model: torch.nn.Module, stage_gms: list[fx.GraphModule]) 
 
 
 def _manifest(
-    opts, src, traced: Traced, stage_gms, compilers, inference: InferenceStages, flops, seq_range, references, tmp: Path,
+    opts, src, traced: Traced, stage_gms, compilers, inference: InferenceStages, costs, seq_range, references, tmp: Path,
 ) -> dict:
     model, part = src.model, traced.part
+    flops, saved = costs
     stage_params = [sum(p.numel() for p in sgm.parameters()) for sgm in stage_gms]
     cuts = []
     for k, cut in enumerate(part.cuts):
@@ -611,6 +647,7 @@ def _manifest(
             "operations": len(s.nodes),
             "parameters": stage_params[i],
             "flops_per_sample": flops[i],
+            "training_saved_bytes_per_sample": saved[i],
             "compiler": compilers[i],
             "parameter_names": [name for name, _ in stage_gms[i].named_parameters()],
             "buffer_names": [name for name, _ in stage_gms[i].named_buffers()],

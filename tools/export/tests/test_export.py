@@ -369,6 +369,14 @@ def test_digits_manifest_details(digits):
     flops = {"features.0": 2 * 16 * 1 * 9 * 64, "features.3": 2 * 32 * 16 * 9 * 64,
              "classifier.1": 2 * 512 * 64, "classifier.4": 2 * 64 * 10}
     assert [s["flops_per_sample"] for s in m["stages"]] == [flops.get(n, 0) for n in names]
+    # What each stage's training forward leaves for its backward, per sample (float32 unless
+    # said; the model as exported, in eval mode): a convolution, batch norm or linear layer its
+    # input, a ReLU its output, max pooling its input and int64 indices; flatten and dropout
+    # nothing.
+    saved = {"features.0": 4 * 64, "features.1": 4 * 16 * 64, "features.2": 4 * 16 * 64, "features.3": 4 * 16 * 64,
+             "features.4": 4 * 32 * 64, "features.5": 4 * 32 * 64, "features.6": 4 * 32 * 64 + 8 * 32 * 16,
+             "classifier.1": 4 * 512, "classifier.2": 4 * 64, "classifier.4": 4 * 64}
+    assert [s["training_saved_bytes_per_sample"] for s in m["stages"]] == [saved.get(n, 0) for n in names]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +444,9 @@ def test_fixed_batch_model_exports_with_one_batch_size(tmp_path):
     assert m["references"] == [{"batch_size": 3, "file": "reference_b3.safetensors"}]
     # FLOPs are per sample, measured here at batch 3: the 4 -> 2 linear layer costs 2 * 4 * 2.
     assert [(s["name"], s["flops_per_sample"]) for s in m["stages"]] == [("fc", 2 * 4 * 2), ("reshape", 0)]
+    # The linear layer keeps its input (4 floats a sample) for its backward; the weight it
+    # also keeps is a parameter, held anyway, and not counted.
+    assert [(s["name"], s["training_saved_bytes_per_sample"]) for s in m["stages"]] == [("fc", 4 * 4), ("reshape", 0)]
 
 
 @pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
