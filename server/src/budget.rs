@@ -126,7 +126,7 @@ pub enum OverBudget {
     /// The peer's share had no room: it holds what it may already.
     #[error(
         "{bytes} bytes do not fit in this peer's ({peer}) share of the memory budget, {share} bytes \
-         (`limits.memory_budget_bytes_per_peer`), within {waited:?}: it holds its share in requests and unread answers"
+         (`limits.memory_budget_bytes_per_peer`), within {waited:?}: it holds its share in requests, unread answers and training state"
     )]
     PeerShare {
         /// What the request asked for.
@@ -211,13 +211,38 @@ impl MemoryBudget {
     /// Reserves `bytes` if there is room now, without waiting: for what can be done without
     /// them (a batch that can run request by request).
     pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
-        let units = u32::try_from(bytes.div_ceil(UNIT)).ok()?;
+        let units = bytes.div_ceil(UNIT);
+        self.try_acquire(bytes, units, self.share_take(units))
+    }
+
+    /// Reserves `bytes` that a peer keeps beyond its requests (a training step's graph until
+    /// its backward, the answers a session keeps for resends), waiting as [`Self::reserve`]
+    /// does: all of them from the peer's share, so that what one peer keeps never takes
+    /// others' room (a request may take more of the whole budget for the time it runs).
+    pub async fn reserve_kept(&self, bytes: u64) -> Result<Reservation, OverBudget> {
+        let units = bytes.div_ceil(UNIT);
+        if let Some(share) = self.peer.as_ref().filter(|_| units > self.inner.share_units) {
+            return Err(OverBudget::PeerShare { bytes, peer: share.peer.to_string(), share: self.share_bytes(), waited: Duration::ZERO });
+        }
+        self.acquire(bytes, units, u32::try_from(units).unwrap_or(u32::MAX)).await
+    }
+
+    /// [`Self::reserve_kept`] if there is room now, without waiting.
+    pub fn try_reserve_kept(&self, bytes: u64) -> Option<Reservation> {
+        let units = bytes.div_ceil(UNIT);
+        self.try_acquire(bytes, units, u32::try_from(units).ok()?)
+    }
+
+    /// Reserves `units` (for `bytes`) if there is room now, `share_units` of them from the
+    /// peer's share.
+    fn try_acquire(&self, bytes: u64, units: u64, share_units: u32) -> Option<Reservation> {
+        let units = u32::try_from(units).ok()?;
         if units == 0 {
             return Some(Reservation { bytes, ..Reservation::none() });
         }
         let share = match &self.peer {
             None => None,
-            Some(share) => Some(Arc::clone(&share.units).try_acquire_many_owned(self.share_take(u64::from(units))).ok()?),
+            Some(share) => Some(Arc::clone(&share.units).try_acquire_many_owned(share_units).ok()?),
         };
         let permit = Arc::clone(&self.inner.units).try_acquire_many_owned(units).ok()?;
         Some(self.held(permit, share, bytes))

@@ -754,26 +754,33 @@ fn sessions_decoding_together_are_batched_and_each_gives_its_logits_alone() {
 /// their first part has run, is answered before any of them: their parts take turns, one of
 /// that peer's in the device's queue at a time. (Whole, they queue as four turns, and a step
 /// sent after the first ran is answered after the others.)
+/// A server for `bundle` whose prompts run one position a part (its batches not waiting), and
+/// the count of generation work its device has done.
+async fn server_with_parts_of_one(bundle: &Bundle) -> (PreparedServer, impl Fn() -> f64) {
+    use cleave_server::GenerationOptions;
+    let dir = bundle.dir().to_path_buf();
+    let prepared = tokio::task::spawn_blocking(move || {
+        let options = GenerationOptions { prefill_chunk_tokens: 1, max_wait: Duration::ZERO, ..GenerationOptions::default() };
+        PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
+    })
+    .await
+    .unwrap();
+    let metrics = prepared.metrics();
+    let work = move || metric_sample(&parse_metrics(&metrics.render()), "cleave_device_work_total", &[("device", "cpu"), ("kind", "generate")]);
+    (prepared, work)
+}
+
 #[test]
 fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_them() {
     use cleave_client::GenerateLink;
     use cleave_host::generation::{GenerationSplit, SplitGenerator};
-    use cleave_server::GenerationOptions;
     let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
     let info = bundle.manifest().generation.clone().unwrap();
     let (ids, want) = generation_reference(&bundle);
     let (total, n, prompt, max_len) = (ids.size()[1], info.stages.len(), info.reference.prompt, info.reference.max_len);
     let (ids, want) = (ids.narrow(0, 0, 1), want.narrow(0, 0, 1));
     runtime().block_on(async {
-        let dir = bundle.dir().to_path_buf();
-        let prepared = tokio::task::spawn_blocking(move || {
-            let options = GenerationOptions { prefill_chunk_tokens: 1, max_wait: Duration::ZERO, ..GenerationOptions::default() };
-            PreparedServer::prepare(&dir, DeviceSpec::Cpu, Limits::default(), Default::default()).unwrap().with_generation(options)
-        })
-        .await
-        .unwrap();
-        let metrics = prepared.metrics();
-        let work = move || metric_sample(&parse_metrics(&metrics.render()), "cleave_device_work_total", &[("device", "cpu"), ("kind", "generate")]);
+        let (prepared, work) = server_with_parts_of_one(&bundle).await;
         let server = LoopbackServer::serve(prepared).await.unwrap();
         let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
         let split = GenerationSplit { cut: n / 2, tail_on_edge: false, batch: 1, max_len };
@@ -856,6 +863,50 @@ fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_t
         }
         assert!(ran < f64::from(4 * tokens) / 2.0, "{ran} of the {} parts ran after their callers went", 4 * tokens);
         drop((generator, session, hog));
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_prompt_s_hidden_states_are_held_in_the_memory_budget_while_it_runs_in_parts() {
+    // Beside the call's message (counted as it arrives), the tensor a step's hidden states are
+    // decoded into is held in the budget while the step runs, here one position a part.
+    use cleave_client::GenerateLink;
+    let bundle = Bundle::open(bundle_dir("gpt2")).unwrap();
+    let info = bundle.manifest().generation.clone().unwrap();
+    let n = info.stages.len() as u32;
+    let (rows, tokens, width) = (16u32, 63u32, info.hidden_width() as usize);
+    let hidden = Bytes::from(vec![0u8; rows as usize * tokens as usize * width * 4]);
+    runtime().block_on(async {
+        let (prepared, work) = server_with_parts_of_one(&bundle).await;
+        let budget = prepared.memory_budget();
+        let server = LoopbackServer::serve(prepared).await.unwrap();
+        let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
+        let open = pb::OpenGeneration { start: 1, end: n, batch: rows, max_len: tokens };
+        let mut link = GenerateLink::open(&mut session, open).await.unwrap();
+        let step = pb::GenerateStep {
+            tokens,
+            hidden: hidden.clone(),
+            positions_from: vec![0; rows as usize],
+            last_token_only: true,
+            top_k: 1,
+            ..Default::default()
+        };
+        let before = work();
+        let running = tokio::spawn(async move { link.step(step, &[i64::from(rows), 1, 1], DType::Float32, info.vocab_size).await.map(drop) });
+        // The most held while its parts run (sampled from before the first to after the last).
+        let mut most = 0;
+        let watch = async {
+            while !running.is_finished() {
+                most = most.max(budget.held_bytes());
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), watch).await.expect("the prompt is answered");
+        running.await.unwrap().unwrap();
+        assert_eq!(work() - before, f64::from(tokens), "the prompt ran one position a part");
+        assert!(most >= 2 * hidden.len() as u64, "at most {most} bytes held while {} bytes of hidden states ran in parts", hidden.len());
+        drop(session);
         server.shutdown().await.unwrap();
     });
 }

@@ -797,6 +797,17 @@ async fn budgeted_server(bundle: &Bundle, limits: Limits, peers: cleave_server::
     (LoopbackServer::serve(prepared).await.unwrap(), budget)
 }
 
+/// What the budget holds once the session has done with every call before (a `ClipStep` of
+/// id `id`, refused by a session that does not clip, comes back only after them) and the
+/// budget has stopped changing (answers are given back as written).
+async fn settled_after(stream: &mut TrainStream, id: u64, budget: &cleave_server::MemoryBudget) -> u64 {
+    let clip = TrainFrame { kind: Some(train_frame::Kind::Clip(pb::ClipStep { request_id: id, coefficient: 1.0 })) };
+    stream.0.send(clip).await.unwrap();
+    let reply = stream.1.next().await.unwrap().unwrap();
+    assert!(error_of(&reply).1.contains("clip"), "{reply:?}");
+    settled(budget).await
+}
+
 /// What the budget holds once it has stopped changing (answers are given back as written).
 async fn settled(budget: &cleave_server::MemoryBudget) -> u64 {
     let mut last = budget.held_bytes();
@@ -813,12 +824,11 @@ async fn settled(budget: &cleave_server::MemoryBudget) -> u64 {
 
 #[test]
 fn a_u_shaped_forward_holds_its_graph_in_the_memory_budget_until_its_backward() {
-    // What a forward leaves for its backward (the stages' saved tensors, from the manifest,
-    // and the boundary at `end` the backward starts from) is reserved from the forward and
-    // given back with the backward.
+    // What a forward leaves for its backward (the stages' saved tensors, from the manifest)
+    // is reserved from the forward and given back with the backward.
     let bundle = Bundle::open(bundle_dir("digits")).unwrap();
     let (start, end, batch) = (2, 9, 16);
-    let graph = (bundle.graph_bytes_per_sample(start..end) + bundle.cut(end).bytes_per_sample) * batch as u64;
+    let graph = bundle.graph_bytes_per_sample(start..end) * batch as u64;
     let input = cleave_common::value::synthetic_inputs(&bundle.cut(start).values, bundle.sizes_at(batch)).unwrap();
     let grads = cleave_common::value::synthetic_inputs(&bundle.cut(end).values, bundle.sizes_at(batch)).unwrap();
     runtime().block_on(async {
@@ -827,10 +837,10 @@ fn a_u_shaped_forward_holds_its_graph_in_the_memory_budget_until_its_backward() 
         assert!(opened.opened.is_some(), "{opened:?}");
         let replies = call(&mut stream, 1, pb::Phase::Forward, (start as u32, Direction::Request), &input).await;
         assert!(replies.last().unwrap().error.is_none(), "{replies:?}");
-        let pending = settled(&budget).await;
+        let pending = settled_after(&mut stream, 10, &budget).await;
         let replies = call(&mut stream, 2, pb::Phase::Backward, (end as u32, Direction::Gradient), &grads).await;
         assert!(replies.last().unwrap().error.is_none(), "{replies:?}");
-        let after = settled(&budget).await;
+        let after = settled_after(&mut stream, 11, &budget).await;
         // With the graph pending the session keeps the forward's answer (the boundary at
         // `end`) for a resend; after the backward, the backward's (the gradient at `start`)
         // in its place. (The budget counts whole KiB.)
@@ -858,9 +868,9 @@ fn the_answers_a_session_keeps_for_resent_calls_are_held_in_the_memory_budget() 
         assert!(opened.opened.is_some(), "{opened:?}");
         let mut held = vec![0];
         for id in 1..=5 {
-            let replies = call(&mut stream, id, pb::Phase::Forward, (start as u32, Direction::Request), &input).await;
+            let replies = call(&mut stream, 2 * id, pb::Phase::Forward, (start as u32, Direction::Request), &input).await;
             assert!(replies.last().unwrap().error.is_none(), "{:?}", replies.last().unwrap().error);
-            held.push(settled(&budget).await);
+            held.push(settled_after(&mut stream, 2 * id + 1, &budget).await);
         }
         // (The budget counts whole KiB.)
         let kept = answer.div_ceil(1024) * 1024;
@@ -870,16 +880,17 @@ fn the_answers_a_session_keeps_for_resent_calls_are_held_in_the_memory_budget() 
 }
 
 #[test]
-fn a_forward_whose_graph_does_not_fit_the_memory_budget_is_refused_before_it_runs() {
-    // resnet18 U-shaped over all but its head at batch 64: its graph (about 0.5 GB) cannot
-    // fit a 64 MiB budget, though its 3 MiB boundary does.
+fn a_forward_whose_graph_does_not_fit_its_peer_s_share_is_refused_before_it_runs() {
+    // resnet18 U-shaped over all but its head at batch 16: its graph (about 41 MiB) fits the
+    // 64 MiB budget but not the peer's 16 MiB share, which is all a peer may keep; its 768 KiB
+    // boundary fits.
     let bundle = Bundle::open(bundle_dir("resnet18")).unwrap();
-    let (end, batch) = (64, 64);
-    let graph = (bundle.graph_bytes_per_sample(0..end) + bundle.cut(end).bytes_per_sample) * batch as u64;
+    let (end, batch) = (64, 16);
+    let graph = bundle.graph_bytes_per_sample(0..end) * batch as u64;
     let limits = Limits { max_payload_bytes: 8 << 20, ..Limits::default() };
-    let budget_bytes = 64 << 20;
-    assert!(graph > budget_bytes, "{graph}");
-    let peers = cleave_server::PeerLimits { memory_budget_bytes: budget_bytes, memory_budget_bytes_per_peer: 16 << 20, ..Default::default() };
+    let (budget_bytes, share) = (64 << 20, 16 << 20);
+    assert!(share < graph && graph < budget_bytes, "{graph}");
+    let peers = cleave_server::PeerLimits { memory_budget_bytes: budget_bytes, memory_budget_bytes_per_peer: share, ..Default::default() };
     let input = cleave_common::value::synthetic_inputs(&bundle.manifest().inputs, bundle.sizes_at(batch)).unwrap();
     runtime().block_on(async {
         let (server, budget) = budgeted_server(&bundle, limits, peers).await;
@@ -888,11 +899,11 @@ fn a_forward_whose_graph_does_not_fit_the_memory_budget_is_refused_before_it_run
         let replies = call(&mut stream, 1, pb::Phase::Forward, (0, Direction::Request), &input).await;
         let (code, message) = error_of(replies.last().unwrap());
         assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
-        assert!(message.contains("graph at batch 64") && message.contains("limits.memory_budget_bytes"), "{message}");
+        assert!(message.contains("graph at batch 16") && message.contains("limits.memory_budget_bytes_per_peer"), "{message}");
         // Nothing stays held for it, and the session goes on: an evaluation is answered.
         let replies = call(&mut stream, 2, pb::Phase::Evaluate, (0, Direction::Request), &input).await;
         assert!(replies.last().unwrap().error.is_none(), "{:?}", replies.last().unwrap().error);
-        assert!(settled(&budget).await < budget_bytes / 2, "{} held", budget.held_bytes());
+        assert!(settled(&budget).await < share, "{} held", budget.held_bytes());
     });
 }
 

@@ -169,12 +169,16 @@ async fn run_step(ctx: &GenerateContext, session: Session, step: pb::GenerateSte
     let id = step.request_id;
     let limit = ctx.max_message_bytes.saturating_sub(1 << 10);
     let arrived = Instant::now();
-    // The answer is held in the memory budget until written, as every answer is.
-    let held = match ctx.budget.reserve(limit.min(session.answer_bound(&step))).await {
+    // The answer is held in the memory budget until written, as every answer is; while the
+    // step runs (in parts, for a prompt), so is the tensor its hidden states are decoded into.
+    let answer_bytes = limit.min(session.answer_bound(&step));
+    let mut held = match ctx.budget.reserve(answer_bytes.saturating_add(step.hidden.len() as u64)).await {
         Ok(held) => held,
         Err(e) => return (error_reply(id, &e.into()), Reservation::none(), Some(session)),
     };
-    let Some(Ran { session, output, decode, compute }) = ctx.queues.run(&ctx.model, session, step, limit, &ctx.peer_gone).await else {
+    let ran = ctx.queues.run(&ctx.model, session, step, limit, &ctx.peer_gone).await;
+    held.shrink_to(answer_bytes);
+    let Some(Ran { session, output, decode, compute }) = ran else {
         return (error_reply(id, &Internal::Cancelled("a generation step").into()), Reservation::none(), None);
     };
     let timings = pb::ServerTimings {

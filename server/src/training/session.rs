@@ -46,7 +46,7 @@ pub(crate) struct SessionSetup {
     pub(crate) pipeline_depth: u32,
     /// Tensor bytes the kept answers may hold besides the last one.
     pub(crate) max_kept_answer_bytes: u64,
-    /// The memory budget (its opener's share) the kept answers are held in.
+    /// The memory budget (its opener's share) its graphs and kept answers are held in.
     pub(crate) budget: MemoryBudget,
     pub(crate) loss: Option<LossKind>,
     pub(crate) seed: u64,
@@ -80,7 +80,7 @@ pub(crate) fn no_checkpoint_dir() -> RequestError {
 pub(crate) enum Call {
     /// A step's boundary (and targets when the server holds the loss): the whole batch, or
     /// one of its micro-batches.
-    Forward { input: Boundary, targets: Option<Tensor>, microbatch: Microbatch, graph: Reservation },
+    Forward { input: Boundary, targets: Option<Tensor>, microbatch: Microbatch, batch: i64 },
     /// U-shaped: the gradient at `end` of the pending step.
     Backward { grads: Boundary },
     /// An evaluation batch.
@@ -197,7 +197,10 @@ struct Session {
     last_answered: u64,
     pipeline_depth: usize,
     max_kept_answer_bytes: u64,
+    /// Where its graphs and kept answers are held (its opener's share).
     budget: MemoryBudget,
+    /// Bytes per sample a forward keeps for its backward (`Bundle::graph_bytes_per_sample`).
+    graph_bytes_per_sample: u64,
     /// `step`, for the streams (a continued session reports it).
     shared_step: Arc<AtomicU64>,
 }
@@ -247,6 +250,7 @@ impl Session {
             pipeline_depth: setup.pipeline_depth as usize,
             max_kept_answer_bytes: setup.max_kept_answer_bytes,
             budget: setup.budget,
+            graph_bytes_per_sample: setup.bundle.graph_bytes_per_sample(setup.range.start..setup.range.end),
             shared_step,
         })
     }
@@ -338,10 +342,23 @@ impl Session {
         })
     }
 
+    /// What a forward keeps for its backward, its batch times the stages' bytes per sample,
+    /// reserved in the opener's share of the memory budget before the call takes the device
+    /// (waiting as a payload does); nothing for other calls, or for a forward that will be
+    /// refused because a step's backward is still awaited (its graph is then let go).
+    fn reserve_graph(&self, call: &Call, runtime: &tokio::runtime::Handle) -> Result<Reservation, RequestError> {
+        let Call::Forward { batch, .. } = *call else { return Ok(Reservation::none()) };
+        if self.pending.is_some() {
+            return Ok(Reservation::none());
+        }
+        let bytes = self.graph_bytes_per_sample.saturating_mul(batch.max(0) as u64);
+        runtime.block_on(self.budget.reserve_kept(bytes)).map_err(|over| SessionError::GraphOverBudget { batch, over }.into())
+    }
+
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the
     /// optimizer step overlaps with sending the gradient back.
     /// `reply` is taken when answered; a caller that catches a panic answers it if not.
-    fn handle(&mut self, id: u64, call: Call, started: Instant, reply: &mut Option<Reply>) {
+    fn handle(&mut self, id: u64, (call, graph): (Call, Reservation), started: Instant, reply: &mut Option<Reply>) {
         // What was answered, remembered once the call is done (its step included).
         let mut answered = None;
         let mut answer = |r: Result<Answer, RequestError>| {
@@ -352,7 +369,7 @@ impl Session {
                 let _ = reply.send(r.map(|a| (a, started.elapsed())));
             }
         };
-        match self.run(call) {
+        match self.run(call, graph) {
             Ok((answer_now, Some(param_grads))) => {
                 self.count_answered_step();
                 answer(Ok(answer_now));
@@ -368,9 +385,9 @@ impl Session {
 
     /// Runs a call: its answer, and the parameters' gradients when it completes a step (the
     /// optimizer update is taken once the answer is out).
-    fn run(&mut self, call: Call) -> Result<(Answer, Option<Grads>), RequestError> {
+    fn run(&mut self, call: Call, graph: Reservation) -> Result<(Answer, Option<Grads>), RequestError> {
         Ok(match call {
-            Call::Forward { input, targets, microbatch, graph } => self.forward(input, targets, microbatch, graph)?,
+            Call::Forward { input, targets, microbatch, .. } => self.forward(input, targets, microbatch, graph)?,
             Call::Backward { grads } => self.backward(&grads)?,
             Call::Clip { coefficient } => self.clip_step(coefficient)?,
             Call::Evaluate { input } => (Answer::Output(self.part().stages.evaluate(&input)?.detached()), None),
@@ -519,7 +536,7 @@ impl Session {
         let bytes = answer.tensor_bytes();
         self.last_answered = self.last_answered.max(id);
         let held = loop {
-            match self.budget.try_reserve(bytes) {
+            match self.budget.try_reserve_kept(bytes) {
                 Some(held) => break held,
                 None if self.answered.is_empty() => break Reservation::none(),
                 None => drop(self.answered.pop_front()),
@@ -565,6 +582,7 @@ impl SessionHandle {
             }
             gone
         };
+        let runtime = tokio::runtime::Handle::current();
         std::thread::Builder::new()
             .name("cleave-train".into())
             .spawn(move || {
@@ -597,6 +615,13 @@ impl SessionHandle {
                         continue;
                     }
                     let Some(job) = session.wait_in_group(job) else { continue };
+                    let graph = match session.reserve_graph(&job.call, &runtime) {
+                        Ok(graph) => graph,
+                        Err(e) => {
+                            let _ = job.reply.send(Err(e));
+                            continue;
+                        }
+                    };
                     // The device runs this call between inference batches; it is given back
                     // when the call is done (the optimizer step included).
                     let _turn = match turns.turn() {
@@ -611,8 +636,9 @@ impl SessionHandle {
                         continue;
                     }
                     let mut reply = Some(job.reply);
-                    let handled =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.handle(job.id, job.call, Instant::now(), &mut reply)));
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        session.handle(job.id, (job.call, graph), Instant::now(), &mut reply)
+                    }));
                     if let Err(panic) = handled {
                         // The call is answered INTERNAL; a step it left half done is dropped,
                         // and the session goes on with the next call.

@@ -12,7 +12,7 @@ use cleave_common::security::ServerSecurity;
 use cleave_common::training::microbatch::Microbatch;
 use cleave_common::training::{take_targets, TARGETS_VALUE};
 use cleave_common::wire::{payload_frames, Direction, FrameAssembler, PayloadReceiver, Reassembly};
-use cleave_common::{Boundary, CutTensors};
+use cleave_common::CutTensors;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 use tracing::Instrument;
@@ -229,19 +229,6 @@ async fn answer_calls(
     }
 }
 
-/// Reserves what a forward of `batch` samples holds until its backward, `per_sample` bytes
-/// each (waiting briefly for room, as a payload does).
-async fn reserve_graph(per_sample: u64, batch: i64, budget: &MemoryBudget) -> Result<Reservation, RequestError> {
-    let bytes = per_sample.saturating_mul(batch.max(0) as u64);
-    budget.reserve(bytes).await.map_err(|over| SessionError::GraphOverBudget { batch, over }.into())
-}
-
-/// The batch of a boundary: its first tensor's first dimension (checked against the cut's
-/// specs when it was received).
-fn batch_of(boundary: &Boundary) -> i64 {
-    boundary.tensors().first().map_or(1, |(_, t)| t.size().first().copied().unwrap_or(1))
-}
-
 /// A `ClipStep` call, answered: the session thread scales the waiting step's gradients
 /// and takes it.
 async fn clip_reply(session: &SessionHandle, clip: pb::ClipStep) -> TrainReply {
@@ -323,10 +310,6 @@ struct CallStream {
     receivers: Receivers,
     encoder: Arc<Mutex<ResultEncoder>>,
     chunk_bytes: usize,
-    /// Bytes per sample a training forward holds until its backward (reserved in the budget
-    /// for as long): what the stages save for it and, U-shaped, the boundary at `end` that
-    /// the backward starts from.
-    graph_bytes_per_sample: u64,
     /// What each payload's first frame says of its call, its bytes in the budget and its
     /// call's span.
     frames: FrameAssembler<(CallHead, Reservation, tracing::Span)>,
@@ -342,11 +325,8 @@ impl CallStream {
             let receiver = PayloadReceiver::new(d, ctx.limits.max_payload_bytes, ctx.security.policy.clone(), &ctx.security.keys);
             Arc::new(Mutex::new(receiver.checked_at(&ctx.model.bundle, cut as usize, rule).landing_for(ctx.model.torch_device)))
         };
-        let bundle = &ctx.model.bundle;
-        let holds_loss = end as usize == bundle.stage_count();
+        let holds_loss = end as usize == ctx.model.bundle.stage_count();
         let boundaries = if holds_loss { CutTensors::AllAndMaybe(TARGETS_VALUE) } else { CutTensors::All };
-        let outputs_kept = if holds_loss { 0 } else { bundle.cut(end as usize).bytes_per_sample };
-        let graph_bytes_per_sample = bundle.graph_bytes_per_sample(start as usize..end as usize) + outputs_kept;
         Self {
             start,
             end,
@@ -362,7 +342,6 @@ impl CallStream {
             },
             encoder: Arc::new(Mutex::new(ResultEncoder::new(Arc::clone(&ctx.security), ctx.limits.max_payload_bytes))),
             chunk_bytes: ctx.limits.chunk_bytes(),
-            graph_bytes_per_sample,
             frames: FrameAssembler::default(),
         }
     }
@@ -383,7 +362,7 @@ impl CallStream {
         // A host that leaves (its stream reset, its connection closed) takes its call with
         // it: dropping the call before the session thread has the device means it is never run.
         let replies = tokio::select! {
-            replies = self.answer(assembly, head, session, &ctx.budget).instrument(span) => replies,
+            replies = self.answer(assembly, head, session).instrument(span) => replies,
             () = out.closed() => return Handled::HostGone,
         };
         // The call's reservation becomes its answer's, held until written.
@@ -427,14 +406,10 @@ impl CallStream {
 
     /// Decodes a complete payload, runs its call and encodes the answer (decoding and
     /// encoding on the blocking pool, the call on the session thread).
-    async fn answer(
-        &mut self,
-        assembly: Reassembly,
-        CallHead { phase, microbatch }: CallHead,
-        session: &SessionHandle,
-        budget: &MemoryBudget,
-    ) -> Vec<TrainReply> {
+    async fn answer(&mut self, assembly: Reassembly, CallHead { phase, microbatch }: CallHead, session: &SessionHandle) -> Vec<TrainReply> {
         let id = assembly.request_id;
+        // (Checked against the cut's specs from its envelope, whatever order its tensors come in.)
+        let batch = assembly.sizes().map_or(1, |sizes| sizes.batch);
         let receiver = match self.receivers.of(phase) {
             Ok(receiver) => receiver,
             Err(e) => return vec![error_reply(id, &e)],
@@ -453,11 +428,7 @@ impl CallStream {
         let call = match phase {
             Phase::Forward => {
                 let targets = take_targets(&mut boundary);
-                let graph = match reserve_graph(self.graph_bytes_per_sample, batch_of(&boundary), budget).await {
-                    Ok(graph) => graph,
-                    Err(e) => return vec![error_reply(id, &e)],
-                };
-                Call::Forward { input: boundary, targets, microbatch, graph }
+                Call::Forward { input: boundary, targets, microbatch, batch }
             }
             Phase::Backward => Call::Backward { grads: boundary },
             Phase::Average => Call::Average { weights: boundary },

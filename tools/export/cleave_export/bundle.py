@@ -19,6 +19,7 @@ directory get under the umask (0644 and 0755 under the usual 022): see `_set_mod
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
@@ -139,7 +140,9 @@ def export_bundle(opts: ExportOptions) -> ExportReport:
 
         t = time.perf_counter()
         flops = _stage_flops(stage_gms, traced.probe_inputs[0], traced.probes[0].batch)
-        saved = _stage_saved_bytes(stage_gms, traced.probe_inputs[0], traced.probes[0].batch)
+        # At the longest sequence, as the cuts' bytes are: a trainer multiplies by the batch only.
+        batch = traced.probes[0].batch
+        saved = _stage_saved_bytes(stage_gms, src.example_inputs(opts.seed, batch, seq_range and seq_range[1]), batch)
         ref_entries = []
         for (b, seq), (inputs, expected) in sorted(references.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             name = f"reference_b{b}.safetensors" if seq is None else f"reference_b{b}_s{seq}.safetensors"
@@ -539,17 +542,23 @@ def _stage_flops(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> 
     return flops
 
 
-def _stage_saved_bytes(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> list[int]:
+def _stage_saved_bytes(stage_gms: list[fx.GraphModule], inputs: tuple, batch: int) -> list[int | None]:
     """Bytes per sample that each stage's training forward leaves for its backward: what
     autograd saves, each storage once, less the stage's parameters and buffers (held anyway).
-    Measured at `batch` with the stage's floating-point inputs needing gradients, as on a
-    server that sends its boundary's gradient back; rounded up, so what does not grow with
-    the batch (batch-norm statistics) is spread over it. A trainer holds it from a forward to
-    its backward (the server reserves it in its memory budget)."""
-    saved = []
+    Measured on a copy of the stage in training mode (dropout's masks, batch norm's batch
+    statistics), the random state left as it was, at `batch` with the stage's floating-point
+    inputs needing gradients, as on a server that sends its boundary's gradient back; rounded
+    up, so what does not grow with the batch is spread over it. A trainer holds it from a
+    forward to its backward (the server reserves it in its memory budget). A stage this cannot
+    run on gets None (the server then counts its input), and the stages after it too."""
+    saved: list[int | None] = []
     values = list(inputs)
-    for sgm in stage_gms:
-        resident = {t.untyped_storage().data_ptr() for t in (*sgm.parameters(), *sgm.buffers())}
+    for i, sgm in enumerate(stage_gms):
+        if values is None:
+            saved.append(None)
+            continue
+        stage = copy.deepcopy(sgm).train()
+        resident = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
         storages: dict[int, int] = {}
 
         def pack(t: torch.Tensor, resident=resident, storages=storages) -> torch.Tensor:
@@ -558,10 +567,21 @@ def _stage_saved_bytes(stage_gms: list[fx.GraphModule], inputs: tuple, batch: in
                 storages[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            values = list(sgm(*tree_map(_needing_grad, values)))
-        saved.append(-(-sum(storages.values()) // batch))
+        try:
+            with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = stage(*tree_map(_needing_grad, values))
+            values = [tree_map(_detached, v) for v in out]
+            saved.append(-(-sum(storages.values()) // batch))
+        except Exception as e:  # noqa: BLE001 - any failure leaves the field out, never the export
+            log.warning("stage %d: what its training forward keeps was not measured (%s): the server counts its input", i, first_line(e))
+            values = None
+            saved.append(None)
     return saved
+
+
+def _detached(value):
+    """A stage's output as the next stage's input: no graph behind it."""
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _needing_grad(value):
@@ -647,11 +667,11 @@ def _manifest(
             "operations": len(s.nodes),
             "parameters": stage_params[i],
             "flops_per_sample": flops[i],
-            "training_saved_bytes_per_sample": saved[i],
             "compiler": compilers[i],
             "parameter_names": [name for name, _ in stage_gms[i].named_parameters()],
             "buffer_names": [name for name, _ in stage_gms[i].named_buffers()],
         }
+        | ({} if saved[i] is None else {"training_saved_bytes_per_sample": saved[i]})
         | ({} if inference.file(i) is None else {"inference_file": inference.file(i), "inference_passes": inference.passes[i]})
         for i, s in enumerate(part.stages)
     ]

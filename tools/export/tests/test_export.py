@@ -370,12 +370,13 @@ def test_digits_manifest_details(digits):
              "classifier.1": 2 * 512 * 64, "classifier.4": 2 * 64 * 10}
     assert [s["flops_per_sample"] for s in m["stages"]] == [flops.get(n, 0) for n in names]
     # What each stage's training forward leaves for its backward, per sample (float32 unless
-    # said; the model as exported, in eval mode): a convolution, batch norm or linear layer its
-    # input, a ReLU its output, max pooling its input and int64 indices; flatten and dropout
-    # nothing.
-    saved = {"features.0": 4 * 64, "features.1": 4 * 16 * 64, "features.2": 4 * 16 * 64, "features.3": 4 * 16 * 64,
-             "features.4": 4 * 32 * 64, "features.5": 4 * 32 * 64, "features.6": 4 * 32 * 64 + 8 * 32 * 16,
-             "classifier.1": 4 * 512, "classifier.2": 4 * 64, "classifier.4": 4 * 64}
+    # said; in training mode): a convolution or linear layer its input, batch norm its input and
+    # the batch's mean and inverse deviation per channel (spread over the probe batch of 2), a
+    # ReLU its output, max pooling its input and int64 indices, dropout its mask; flatten nothing.
+    saved = {"features.0": 4 * 64, "features.1": 4 * 16 * 64 + 2 * 4 * 16 // 2, "features.2": 4 * 16 * 64,
+             "features.3": 4 * 16 * 64, "features.4": 4 * 32 * 64 + 2 * 4 * 32 // 2, "features.5": 4 * 32 * 64,
+             "features.6": 4 * 32 * 64 + 8 * 32 * 16, "classifier.1": 4 * 512, "classifier.2": 4 * 64,
+             "classifier.3": 4 * 64, "classifier.4": 4 * 64}
     assert [s["training_saved_bytes_per_sample"] for s in m["stages"]] == [saved.get(n, 0) for n in names]
 
 
