@@ -123,6 +123,19 @@ pub enum OverBudget {
         /// How long it waited.
         waited: Duration,
     },
+    /// What a peer would keep is more than its whole share: it can never fit.
+    #[error(
+        "{bytes} bytes are more than this peer's ({peer}) whole share of the memory budget, {share} bytes \
+         (`limits.memory_budget_bytes_per_peer`): ask for less (a smaller batch), or raise the share"
+    )]
+    LargerThanShare {
+        /// What was asked for.
+        bytes: u64,
+        /// The peer.
+        peer: String,
+        /// Its share.
+        share: u64,
+    },
     /// The peer's share had no room: it holds what it may already.
     #[error(
         "{bytes} bytes do not fit in this peer's ({peer}) share of the memory budget, {share} bytes \
@@ -222,7 +235,7 @@ impl MemoryBudget {
     pub async fn reserve_kept(&self, bytes: u64) -> Result<Reservation, OverBudget> {
         let units = bytes.div_ceil(UNIT);
         if let Some(share) = self.peer.as_ref().filter(|_| units > self.inner.share_units) {
-            return Err(OverBudget::PeerShare { bytes, peer: share.peer.to_string(), share: self.share_bytes(), waited: Duration::ZERO });
+            return Err(OverBudget::LargerThanShare { bytes, peer: share.peer.to_string(), share: self.share_bytes() });
         }
         self.acquire(bytes, units, u32::try_from(units).unwrap_or(u32::MAX)).await
     }

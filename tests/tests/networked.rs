@@ -770,6 +770,12 @@ async fn server_with_parts_of_one(bundle: &Bundle) -> (PreparedServer, impl Fn()
     (prepared, work)
 }
 
+/// A prompt of `tokens` tokens for each of `rows` rows from their first position, its hidden
+/// states `hidden`, answered with its last token's most likely.
+fn whole_prompt(rows: u32, tokens: u32, hidden: Bytes) -> pb::GenerateStep {
+    pb::GenerateStep { tokens, hidden, positions_from: vec![0; rows as usize], last_token_only: true, top_k: 1, ..Default::default() }
+}
+
 #[test]
 fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_them() {
     use cleave_client::GenerateLink;
@@ -819,14 +825,7 @@ fn a_prompt_runs_in_parts_with_its_logits_and_another_peer_s_steps_run_between_t
             for _ in 0..4 {
                 let open = pb::OpenGeneration { start: 1, end: n as u32, batch: rows, max_len: tokens };
                 let mut link = GenerateLink::open(hog, open).await.unwrap();
-                let step = pb::GenerateStep {
-                    tokens,
-                    hidden: hidden.clone(),
-                    positions_from: vec![0; rows as usize],
-                    last_token_only: true,
-                    top_k: 1,
-                    ..Default::default()
-                };
+                let step = whole_prompt(rows, tokens, hidden.clone());
                 prompts.push(async move {
                     link.step(step, &[i64::from(rows), 1, 1], DType::Float32, info.vocab_size).await.map(|_| std::time::Instant::now())
                 });
@@ -884,14 +883,7 @@ fn a_prompt_s_hidden_states_are_held_in_the_memory_budget_while_it_runs_in_parts
         let mut session = connect(&server.url, &bundle, &Link::plain()).await.unwrap();
         let open = pb::OpenGeneration { start: 1, end: n, batch: rows, max_len: tokens };
         let mut link = GenerateLink::open(&mut session, open).await.unwrap();
-        let step = pb::GenerateStep {
-            tokens,
-            hidden: hidden.clone(),
-            positions_from: vec![0; rows as usize],
-            last_token_only: true,
-            top_k: 1,
-            ..Default::default()
-        };
+        let step = whole_prompt(rows, tokens, hidden.clone());
         let before = work();
         let running = tokio::spawn(async move { link.step(step, &[i64::from(rows), 1, 1], DType::Float32, info.vocab_size).await.map(drop) });
         // The most held while its parts run (sampled from before the first to after the last).

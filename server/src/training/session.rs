@@ -352,7 +352,13 @@ impl Session {
             return Ok(Reservation::none());
         }
         let bytes = self.graph_bytes_per_sample.saturating_mul(batch.max(0) as u64);
-        runtime.block_on(self.budget.reserve_kept(bytes)).map_err(|over| SessionError::GraphOverBudget { batch, over }.into())
+        let reserved = match self.budget.try_reserve_kept(bytes) {
+            Some(graph) => Ok(graph),
+            // (A runtime shutting down while this waits panics its timer: the call is refused.)
+            None => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runtime.block_on(self.budget.reserve_kept(bytes))))
+                .map_err(|_| RequestError::Internal(Internal::SessionGone))?,
+        };
+        reserved.map_err(|over| SessionError::GraphOverBudget { batch, over }.into())
     }
 
     /// Runs a call; answers through `reply` as soon as the answer exists, so that the

@@ -557,21 +557,22 @@ def _stage_saved_bytes(stage_gms: list[fx.GraphModule], inputs: tuple, batch: in
         if values is None:
             saved.append(None)
             continue
-        stage = copy.deepcopy(sgm).train()
-        resident = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
         storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor, resident=resident, storages=storages) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in resident:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
         try:
+            stage = copy.deepcopy(sgm).train()
+            resident = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+
+            def pack(t: torch.Tensor, resident=resident, storages=storages) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in resident:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return t
+
             with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = stage(*tree_map(_needing_grad, values))
             values = [tree_map(_detached, v) for v in out]
             saved.append(-(-sum(storages.values()) // batch))
+            del stage, out
         except Exception as e:  # noqa: BLE001 - any failure leaves the field out, never the export
             log.warning("stage %d: what its training forward keeps was not measured (%s): the server counts its input", i, first_line(e))
             values = None
