@@ -165,6 +165,17 @@ struct PendingStep {
     _graph: Reservation,
 }
 
+/// An answer kept for a resend of its call.
+struct KeptAnswer {
+    /// Its call's id.
+    id: u64,
+    answer: Answer,
+    /// Its tensors' bytes.
+    bytes: u64,
+    /// Those bytes in the memory budget (none for a last answer the budget had no room for).
+    _held: Reservation,
+}
+
 /// The state the session thread owns.
 struct Session {
     /// The stages and their optimizer: the session's own, or its group's.
@@ -191,7 +202,7 @@ struct Session {
     /// The ids of the last calls answered (as many as the host may have in flight, within
     /// `max_kept_answer_bytes` besides the last, and what the memory budget has room for),
     /// their answers and their bytes in the budget, oldest first.
-    answered: VecDeque<(u64, Answer, Reservation)>,
+    answered: VecDeque<KeptAnswer>,
     /// The highest id answered: a call resent under a lower one whose answer was let go is
     /// refused, never run again.
     last_answered: u64,
@@ -541,25 +552,25 @@ impl Session {
     fn keep_answer(&mut self, id: u64, answer: Answer) {
         let bytes = answer.tensor_bytes();
         self.last_answered = self.last_answered.max(id);
-        let held = loop {
+        let _held = loop {
             match self.budget.try_reserve_kept(bytes) {
                 Some(held) => break held,
                 None if self.answered.is_empty() => break Reservation::none(),
                 None => drop(self.answered.pop_front()),
             }
         };
-        self.answered.push_back((id, answer, held));
-        let mut older: u64 = self.answered.iter().rev().skip(1).map(|(_, a, _)| a.tensor_bytes()).sum();
+        self.answered.push_back(KeptAnswer { id, answer, bytes, _held });
+        let mut older: u64 = self.answered.iter().rev().skip(1).map(|kept| kept.bytes).sum();
         while self.answered.len() > self.pipeline_depth.max(1) || (self.answered.len() > 1 && older > self.max_kept_answer_bytes) {
-            if let Some((_, a, _)) = self.answered.pop_front() {
-                older -= a.tensor_bytes();
+            if let Some(kept) = self.answered.pop_front() {
+                older -= kept.bytes;
             }
         }
     }
 
     /// The answer to call `id` when it is among the last calls answered (a resend).
     fn answered(&self, id: u64) -> Option<Answer> {
-        self.answered.iter().find(|(answered, _, _)| *answered == id).map(|(_, answer, _)| answer.shallow_clone())
+        self.answered.iter().find(|kept| kept.id == id).map(|kept| kept.answer.shallow_clone())
     }
 }
 
