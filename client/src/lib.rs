@@ -72,6 +72,6 @@ pub use error::{Breach, BundleMismatch, ConnectFailure, LinkError, LinkLost, Ref
 pub use generate::{GenerateAnswer, GenerateLink};
 pub use infer::{AnswerError, InferAnswer, InferSetup, InferStream};
 pub use link::{Backoff, Link, RetryPolicy};
-pub use session::{check_server_accepts, connect, CallHeaders, Client, ServerSession};
+pub use session::{check_server_accepts, connect, endpoint, CallHeaders, Client, ServerSession};
 pub use times::ServerTimes;
 pub use train::{SessionRequest, TrainAnswer, TrainLink, TrainReconnect};

@@ -66,9 +66,11 @@ impl std::fmt::Debug for ServerSession {
     }
 }
 
-/// Connects to `url`, asks `Info`, and checks the protocol version and the bundle id.
-pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<ServerSession> {
-    let connect_error = |failure| LinkError::Connect { url: url.to_string(), failure, attempts: 1 };
+/// The HTTP/2 endpoint every connection to a server is opened from: `link`'s TLS trust,
+/// keepalive and local address, no Nagle, and receive windows of 8 MiB a stream and 32 MiB
+/// the connection (a result is read as fast as it comes). (`split-overhead` opens its tonic
+/// floor from it too.)
+pub fn endpoint(url: &str, link: &Link) -> Result<Endpoint> {
     let lasting_error = |failure| LinkError::Unreachable { url: url.to_string(), failure };
     let mut endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| lasting_error(ConnectFailure::Transport(e)))?
@@ -93,6 +95,14 @@ pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<ServerSe
         }
         endpoint = endpoint.tls_config(config).map_err(|e| lasting_error(ConnectFailure::TlsConfig(e)))?;
     }
+    Ok(endpoint)
+}
+
+/// Connects to `url`, asks `Info`, and checks the protocol version and the bundle id.
+pub async fn connect(url: &str, bundle: &Bundle, link: &Link) -> Result<ServerSession> {
+    let connect_error = |failure| LinkError::Connect { url: url.to_string(), failure, attempts: 1 };
+    let lasting_error = |failure| LinkError::Unreachable { url: url.to_string(), failure };
+    let endpoint = endpoint(url, link)?;
     // A server that accepts and then says nothing (stopped, say) must not hold the caller: the
     // whole handshake and `Info` get `connect_timeout`.
     let timed_out = || connect_error(ConnectFailure::NoAnswer(link.connect_timeout));

@@ -64,7 +64,7 @@ use std::time::Duration;
 use cleave_common::config::Limits;
 use cleave_common::device::device_name;
 use cleave_common::pb::split_inference_server::SplitInferenceServer;
-use cleave_common::security::ServerSecurity;
+use cleave_common::security::{ServerSecurity, TlsIdentity};
 use cleave_common::verify::{verify_generation, verify_splits, GenerationCheck, VerifyReport};
 use cleave_common::{Bundle, DeviceSpec};
 use cleave_tables::verify_table;
@@ -251,31 +251,13 @@ impl PreparedServer {
         let inference = SplitInferenceServer::new(self.service).max_decoding_message_size(max_message).max_encoding_message_size(max_message);
         let tokens = security.tokens.clone();
         let inference = tonic::service::interceptor::InterceptedService::new(inference, move |request| service::check_token(&tokens, request));
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = &security.tls {
-            let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
-            builder = builder
-                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity).timeout(peers.handshake_timeout))
-                .map_err(ServerError::Tls)?;
-        }
+        let builder = http2_server(&peers, security.tls.as_ref())?;
         let connections = Arc::new(connections::Connections::new(&peers, metrics));
         let incoming = accept(listener, Arc::clone(&connections));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        // The receive windows bound what h2 buffers of requests not yet read; payloads are
-        // already raw or compressed, so gRPC compression stays off.
-        let serving = builder
-            .initial_stream_window_size(Some(peers.stream_window_bytes))
-            .initial_connection_window_size(Some(peers.connection_window_bytes))
-            .max_frame_size(Some(peers.max_frame_bytes))
-            .max_concurrent_streams(Some(peers.max_streams_per_connection))
-            .http2_keepalive_interval(Some(peers.keepalive_interval))
-            .http2_keepalive_timeout(Some(peers.keepalive_timeout))
-            .layer(inbound)
-            .add_service(health_service)
-            .add_service(inference)
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stopped.await;
-            });
+        let serving = builder.layer(inbound).add_service(health_service).add_service(inference).serve_with_incoming_shutdown(incoming, async {
+            let _ = stopped.await;
+        });
         tokio::pin!(serving);
         let down = tokio::select! {
             served = &mut serving => return served.map_err(ServerError::Serve),
@@ -467,6 +449,28 @@ pub async fn run(config: ServerConfig, started: impl FnOnce(&Listening)) -> Resu
         checkpoint_dir: config.training.checkpoint_dir.clone(),
     });
     server.serve(listener, shutdown_signal()).await
+}
+
+/// The HTTP/2 server cleave's inference listener runs on: TLS with `tls` (plaintext where
+/// absent), and the windows, frame size, streams and keepalive of `peers`. The receive
+/// windows bound what h2 buffers of requests not yet read; payloads are already raw or
+/// compressed, so gRPC compression stays off. (`grpc-floor`'s echo serves on it too, so that
+/// the floor it measures has the server's settings.)
+pub fn http2_server(peers: &PeerLimits, tls: Option<&TlsIdentity>) -> Result<tonic::transport::Server, ServerError> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem[..]);
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity).timeout(peers.handshake_timeout))
+            .map_err(ServerError::Tls)?;
+    }
+    Ok(builder
+        .initial_stream_window_size(Some(peers.stream_window_bytes))
+        .initial_connection_window_size(Some(peers.connection_window_bytes))
+        .max_frame_size(Some(peers.max_frame_bytes))
+        .max_concurrent_streams(Some(peers.max_streams_per_connection))
+        .http2_keepalive_interval(Some(peers.keepalive_interval))
+        .http2_keepalive_timeout(Some(peers.keepalive_timeout)))
 }
 
 /// Serves `health` alone on `listener` until the guard it returns is dropped (the server has

@@ -3,11 +3,12 @@
 //! the protocol.
 //!
 //! Two processes on two cores, as `split-overhead` puts the edge and the server: this one
-//! (the client) and a child serving `SplitInference::Infer` with an echo that answers each
-//! frame with a small result at once. The client opens one `Infer` stream with the host's
-//! HTTP/2 settings and, for each size, idles 5 ms (as the server idles while the edge runs
-//! its prefix), sends one request in frames of at most 16 KiB (as the host frames a
-//! payload) and waits for its answer.
+//! (the client) and a child serving `SplitInference::Infer` with an echo, on the server's
+//! HTTP/2 settings (its default `limits`). The client opens one `Infer` stream with the
+//! host's HTTP/2 settings and, for each size, idles 5 ms (as the server idles while the edge
+//! runs its prefix), sends one request in frames of at most 16 KiB and waits for its answer.
+//! The echo lands each request's bytes in one buffer (as the server lands a request in its
+//! tensor) and answers with 4000 bytes (a classifier's logits).
 //!
 //!     grpc-floor [--sizes 2355,37632,75264,100352] [--cores 0,1] [--repeats 200] [--via-thread]
 //!                [--compute-us 800]
@@ -19,7 +20,17 @@
 //!
 //! Prints one line per size: `grpc floor: N bytes p50 X ms (p10 A, p90 B)`, times less the
 //! compute.
+//!
+//! `split-overhead` starts the echo alone (`grpc-floor --serve-config FILE`, a `server`
+//! config: its address, `limits` and `tls`) for the tonic floor beside each of its rows; each
+//! request's first frame says how many bytes follow, how long to compute and how many bytes
+//! to answer ([`support::EchoAsk`]).
 
+#[allow(dead_code)] // the echo's header is all this program uses of the benches' support
+mod support;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
@@ -31,6 +42,9 @@ use cleave_common::pb::split_inference_server::{SplitInference, SplitInferenceSe
 use cleave_common::pb::{
     EchoReply, EchoRequest, InferFrame, InfoReply, InfoRequest, ProfileReply, ProfileRequest, ResultFrame, TrainFrame, TrainReply,
 };
+use cleave_common::security::TlsIdentity;
+use cleave_server::{PeerLimits, ServerConfig};
+use support::EchoAsk;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -50,6 +64,10 @@ struct Args {
     /// Serve on this port (the child process).
     #[arg(long, hide = true)]
     serve: Option<u16>,
+    /// Serve the echo alone as this `server` config says (its `listen`, `limits` and `tls`),
+    /// on the cores this process was started on.
+    #[arg(long)]
+    serve_config: Option<PathBuf>,
     /// The echo answers from a thread of its own, as the server's compute worker does.
     #[arg(long)]
     via_thread: bool,
@@ -58,10 +76,10 @@ struct Args {
     compute_us: u64,
 }
 
-/// Frames of a request, as the host cuts a payload.
+/// Frames of a request.
 const FRAME_BYTES: usize = 16 << 10;
 /// What the echo answers: about a classifier's logits.
-const ANSWER_BYTES: usize = 4000;
+const ANSWER_BYTES: u64 = 4000;
 /// How long each side idles between requests.
 const IDLE: Duration = Duration::from_millis(5);
 
@@ -69,18 +87,23 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let [client_core, server_core] = args.cores[..] else { bail!("--cores takes two cores") };
     let compute = Duration::from_micros(args.compute_us);
-    let worker = (args.via_thread || !compute.is_zero()).then_some(compute);
+    let via_thread = args.via_thread || !compute.is_zero();
+    if let Some(path) = &args.serve_config {
+        let config = ServerConfig::load(path)?;
+        let echo = Echo::new(true);
+        return tokio::runtime::Runtime::new()?.block_on(serve(config.listen, &config.peers, config.security.tls.as_ref(), echo));
+    }
     match args.serve {
         Some(port) => {
             pin_thread(0, &[server_core])?;
-            tokio::runtime::Runtime::new()?.block_on(serve(port, worker))
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            tokio::runtime::Runtime::new()?.block_on(serve(addr, &PeerLimits::default(), None, Echo::new(via_thread)))
         }
         None => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             let mut child = std::process::Command::new(std::env::current_exe()?)
                 .args(["--serve", &port.to_string(), "--cores", &format!("{client_core},{server_core}")])
-                .args(args.via_thread.then_some("--via-thread"))
-                .args(["--compute-us", &args.compute_us.to_string()])
+                .args(via_thread.then_some("--via-thread"))
                 .spawn()?;
             pin_thread(0, &[client_core])?;
             let measured = tokio::runtime::Runtime::new()?.block_on(measure(port, &args.sizes, args.repeats, compute));
@@ -95,11 +118,7 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) 
     let url = format!("http://127.0.0.1:{port}");
     let started = Instant::now();
     let channel = loop {
-        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())?
-            .tcp_nodelay(true)
-            .initial_stream_window_size(Some(8 << 20))
-            .initial_connection_window_size(Some(32 << 20));
-        match endpoint.connect().await {
+        match cleave_client::endpoint(&url, &cleave_client::Link::default())?.connect().await {
             Ok(channel) => break channel,
             Err(_) if started.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(20)).await,
             Err(e) => return Err(e).context("the echo server did not start"),
@@ -111,6 +130,7 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) 
     let mut id = 0u64;
     for &size in sizes {
         let mut times = Vec::with_capacity(repeats);
+        let ask = EchoAsk { request_bytes: size as u64, compute, answer_bytes: ANSWER_BYTES };
         for i in 0..repeats + 20 {
             tokio::time::sleep(IDLE).await;
             id += 1;
@@ -119,7 +139,8 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) 
             let chunks = size.div_ceil(FRAME_BYTES).max(1);
             for c in 0..chunks {
                 let part = data.slice(c * FRAME_BYTES..((c + 1) * FRAME_BYTES).min(size));
-                let frame = InferFrame { request_id: id, data: part, last: c + 1 == chunks, ..Default::default() };
+                let header = if c == 0 { ask.header() } else { bytes::Bytes::new() };
+                let frame = InferFrame { request_id: id, header, data: part, last: c + 1 == chunks, ..Default::default() };
                 frames.send(frame).await.context("the stream closed")?;
             }
             let answer = answers.message().await?.context("the server hung up")?;
@@ -137,26 +158,29 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) 
     Ok(())
 }
 
-/// `worker`: answer from a thread of its own after computing this long.
-async fn serve(port: u16, worker: Option<Duration>) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+/// Serves the echo on `addr` with the server's HTTP/2 settings for `peers` and `tls`.
+async fn serve(addr: SocketAddr, peers: &PeerLimits, tls: Option<&TlsIdentity>, echo: Echo) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
     let incoming = TcpListenerStream::new(listener).map(|s| {
         s.and_then(|s| {
             s.set_nodelay(true)?;
             Ok(s)
         })
     });
-    tonic::transport::Server::builder()
-        .initial_stream_window_size(Some(1 << 20))
-        .initial_connection_window_size(Some(1 << 20))
-        .add_service(SplitInferenceServer::new(Echo { worker: worker.map(spawn_worker) }).max_decoding_message_size(64 << 20))
+    cleave_server::http2_server(peers, tls)?
+        .add_service(SplitInferenceServer::new(echo).max_decoding_message_size(64 << 20))
         .serve_with_incoming(incoming)
         .await?;
     Ok(())
 }
 
-/// A request's id, and where its answer goes.
-type Job = (u64, tokio::sync::oneshot::Sender<ResultFrame>);
+/// A request whose bytes are in, and where its answer goes.
+struct Job {
+    id: u64,
+    ask: EchoAsk,
+    landed: Vec<u8>,
+    reply: tokio::sync::oneshot::Sender<ResultFrame>,
+}
 
 /// Answers each request once its last frame is in: on the stream's task, or with `worker`
 /// from a thread of its own (one hop there and one back, as the server's compute worker).
@@ -164,22 +188,54 @@ struct Echo {
     worker: Option<std::sync::mpsc::Sender<Job>>,
 }
 
-fn spawn_worker(compute: Duration) -> std::sync::mpsc::Sender<Job> {
+impl Echo {
+    fn new(via_thread: bool) -> Self {
+        Self { worker: via_thread.then(spawn_worker) }
+    }
+}
+
+/// The worker: computes (a busy loop) as long as each job asks, then answers it.
+fn spawn_worker() -> std::sync::mpsc::Sender<Job> {
     let (jobs, rx) = std::sync::mpsc::channel::<Job>();
     std::thread::spawn(move || {
-        while let Ok((id, reply)) = rx.recv() {
+        while let Ok(job) = rx.recv() {
             let started = Instant::now();
-            while started.elapsed() < compute {
+            while started.elapsed() < job.ask.compute {
                 std::hint::spin_loop();
             }
-            let _ = reply.send(answer(id));
+            drop(job.landed);
+            let _ = job.reply.send(answer(job.id, &job.ask));
         }
     });
     jobs
 }
 
-fn answer(request_id: u64) -> ResultFrame {
-    ResultFrame { request_id, data: vec![1u8; ANSWER_BYTES].into(), last: true, ..Default::default() }
+fn answer(request_id: u64, ask: &EchoAsk) -> ResultFrame {
+    ResultFrame { request_id, data: vec![1u8; ask.answer_bytes as usize].into(), last: true, ..Default::default() }
+}
+
+/// A request being landed: its ask and the bytes so far.
+struct Landing {
+    id: u64,
+    ask: EchoAsk,
+    landed: Vec<u8>,
+}
+
+impl Landing {
+    /// Lands `frame` (a new request's first frame opens one); the request once its last frame is in.
+    fn land(current: &mut Option<Landing>, frame: InferFrame) -> Result<Option<Landing>, Status> {
+        if current.as_ref().is_none_or(|l| l.id != frame.request_id) {
+            let ask =
+                EchoAsk::read(&frame.header).ok_or_else(|| Status::invalid_argument("a request's first frame carries the echo's 24-byte ask"))?;
+            *current = Some(Landing { id: frame.request_id, ask, landed: Vec::with_capacity(ask.request_bytes as usize) });
+        }
+        let landing = current.as_mut().expect("opened above");
+        if (landing.landed.len() + frame.data.len()) as u64 > landing.ask.request_bytes {
+            return Err(Status::invalid_argument(format!("request {} is longer than its ask's {} bytes", landing.id, landing.ask.request_bytes)));
+        }
+        landing.landed.extend_from_slice(&frame.data);
+        Ok(if frame.last { current.take() } else { None })
+    }
 }
 
 type Results = Pin<Box<dyn Stream<Item = Result<ResultFrame, Status>> + Send>>;
@@ -201,15 +257,21 @@ impl SplitInference for Echo {
         let worker = self.worker.clone();
         let (answers, out) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
+            let mut current = None;
             while let Some(Ok(frame)) = frames.next().await {
-                if !frame.last {
-                    continue;
-                }
+                let request = match Landing::land(&mut current, frame) {
+                    Ok(Some(request)) => request,
+                    Ok(None) => continue,
+                    Err(status) => {
+                        let _ = answers.send(Err(status)).await;
+                        break;
+                    }
+                };
                 let reply = match &worker {
-                    None => answer(frame.request_id),
+                    None => answer(request.id, &request.ask),
                     Some(worker) => {
                         let (reply, answered) = tokio::sync::oneshot::channel();
-                        let _ = worker.send((frame.request_id, reply));
+                        let _ = worker.send(Job { id: request.id, ask: request.ask, landed: request.landed, reply });
                         let Ok(reply) = answered.await else { break };
                         reply
                     }

@@ -69,7 +69,7 @@ fn main() -> anyhow::Result<()> {
         &server_bin,
         &bundle,
         &side,
-        &ServerOptions { device: DeviceSpec::Cpu, key: None, limits: "", warm_batches: &[] },
+        &ServerOptions { device: DeviceSpec::Cpu, key: None, limits: "", warm_batches: &[], tls: None },
         scratch.path(),
     )?;
     let pid = server.id();

@@ -16,7 +16,19 @@
 //! server's queue, decode and encode, the network (the round trip less the server's time,
 //! both ways on gRPC and h2), decoding the result, and the rest on the edge (hand-offs between
 //! its tasks). With `--runs N`, every figure is the median of N whole runs (each with a
-//! server of its own). Its last line: `worst split/floor ratio: X`.
+//! server of its own).
+//!
+//! Beside each row, tonic's floor for it, measured in the same rounds: a bare `Infer` stream
+//! from this process (the edge's cores, the host's HTTP/2 settings) to `grpc-floor`'s echo
+//! (the server's cores, config, HTTP/2 settings and TLS), the request's and the answer's
+//! sizes, the row's median prefix computed on a thread of the edge's before each request
+//! (the echo idling meanwhile) and the row's median suffix time computed on the echo's
+//! worker thread before it answers; the echo lands the request's bytes in one buffer, as the
+//! server does. `tonic ms` is that round trip less the suffix, `over tonic` the protocol's
+//! time less it. `--tls` runs the split and its floor over TLS (development secrets).
+//!
+//! Its last lines: `worst over-tonic: X ms (batch B, cut C, codec K)` and `worst split/floor
+//! ratio: X`.
 //!
 //!     cargo build --release
 //!     target/release/split-overhead --bundle bundles/resnet18 --batches 1,8 --codecs raw,shuffle+lz4
@@ -30,6 +42,8 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use cleave_client::{Link, ServerSession};
 use cleave_common::config::allowed_cores;
+use cleave_common::pb::split_inference_client::SplitInferenceClient;
+use cleave_common::pb::InferFrame;
 use cleave_common::stats::median;
 use cleave_common::wire::{Codec, Key};
 use cleave_common::{Boundary, Bundle, DeviceSpec, LoadedStages, StageRange};
@@ -37,7 +51,8 @@ use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
 use cleave_tables::human_bytes;
-use support::{connect_when_up, start_server, ServerOptions, Side};
+use support::{connect_when_up, spawn_on, start_server, write_server_config, EchoAsk, ServerOptions, Side};
+use tonic::transport::Channel;
 
 #[derive(Parser)]
 struct Args {
@@ -66,6 +81,9 @@ struct Args {
     /// Also seal every payload with AES-256-GCM (a random key).
     #[arg(long)]
     encrypt: bool,
+    /// Run the split and its tonic floor over TLS (a development CA and certificate).
+    #[arg(long)]
+    tls: bool,
     /// The server's `limits` other than the defaults, as YAML flow entries
     /// (`'stream_window_bytes: 8388608, connection_window_bytes: 8388608'`).
     #[arg(long, default_value = "")]
@@ -104,9 +122,12 @@ fn main() -> anyhow::Result<()> {
         None => std::env::current_exe()?.with_file_name("server"),
     };
     anyhow::ensure!(server_bin.exists(), "no server binary at {} (cargo build --release builds it)", server_bin.display());
+    let echo_bin = std::env::current_exe()?.with_file_name("grpc-floor");
+    anyhow::ensure!(echo_bin.exists(), "no grpc-floor binary at {} (cargo build --release builds it)", echo_bin.display());
     let key = args.encrypt.then(Key::random);
     print_header(&args, &bundle, &sides, key.is_some());
     let mut worst: f64 = 0.0;
+    let mut worst_over_tonic: Option<(f64, i64, usize, Codec)> = None;
     let rt = tokio::runtime::Runtime::new()?;
     let mut parts = Vec::new();
     let mut json_rows = Vec::new();
@@ -115,7 +136,8 @@ fn main() -> anyhow::Result<()> {
     for &batch in &args.batches {
         let (mut runs, mut firsts) = (Vec::new(), Vec::new());
         for _ in 0..args.runs.max(1) {
-            let (rows, first) = rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), &server_bin, &sides))?;
+            let bins = Binaries { server: &server_bin, echo: &echo_bin };
+            let (rows, first) = rt.block_on(measure_batch(&args, &bundle, &splits, batch, key.as_ref(), bins, &sides))?;
             runs.push(rows);
             firsts.push(first);
         }
@@ -130,6 +152,9 @@ fn main() -> anyhow::Result<()> {
         });
         for row in rows {
             worst = worst.max(row.split_per_floor);
+            if worst_over_tonic.is_none_or(|(w, ..)| row.over_tonic_ms > w) {
+                worst_over_tonic = Some((row.over_tonic_ms, batch, row.cut, row.codec));
+            }
             json_rows.push(row.to_json(batch));
             print_row(batch, &row, &bundle);
             parts.push((batch, row.cut, row.codec, row.protocol_parts));
@@ -140,8 +165,17 @@ fn main() -> anyhow::Result<()> {
         println!("{first}");
     }
     if let Some(path) = &args.json {
-        let all = serde_json::json!({ "server_device": args.server_device.to_string(), "rows": json_rows, "worst_split_per_floor": worst });
+        let all = serde_json::json!({
+            "server_device": args.server_device.to_string(),
+            "tls": args.tls,
+            "rows": json_rows,
+            "worst_split_per_floor": worst,
+            "worst_over_tonic_ms": worst_over_tonic.map(|(w, ..)| w),
+        });
         std::fs::write(path, serde_json::to_string_pretty(&all)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some((ms, batch, cut, codec)) = worst_over_tonic {
+        println!("worst over-tonic: {ms:.3} ms (batch {batch}, cut {cut}, codec {codec})");
     }
     println!("worst split/floor ratio: {worst:.3}");
     Ok(())
@@ -181,7 +215,7 @@ fn print_header(args: &Args, bundle: &Bundle, sides: &Sides, sealed: bool) {
     let Sides { edge, server: server_side, whole: whole_side } = sides;
     println!(
         "{}: edge on the CPU, server on {}, loopback gRPC, one request in flight; edge on cores {:?} with {} threads, server on cores {:?} with {} threads, \
-         whole model on cores {:?} with {} threads{}; {} rounds of {} requests per configuration{}",
+         whole model on cores {:?} with {} threads{}{}; {} rounds of {} requests per configuration{}",
         bundle.manifest().model.source,
         args.server_device,
         edge.cores,
@@ -191,24 +225,39 @@ fn print_header(args: &Args, bundle: &Bundle, sides: &Sides, sealed: bool) {
         whole_side.cores,
         whole_side.threads,
         if sealed { "; payloads sealed with AES-256-GCM" } else { "" },
+        if args.tls { "; over TLS" } else { "" },
         args.rounds,
         args.per_round,
         if args.runs > 1 { format!("; medians of {} runs", args.runs) } else { String::new() },
     );
     println!(
-        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
-        "batch", "cut", "codec", "whole ms", "floor ms", "split ms", "split/", "split/", "protocol", "budget", "on the", "prefix ms", "suffix ms"
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15} {:>9} {:>9}",
+        "batch",
+        "cut",
+        "codec",
+        "whole ms",
+        "floor ms",
+        "split ms",
+        "split/",
+        "split/",
+        "protocol",
+        "budget",
+        "on the",
+        "prefix ms",
+        "suffix ms",
+        "tonic",
+        "over"
     );
     println!(
-        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15}",
-        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire", "(b) / (c)", "(b) / (c)"
+        "{:<6} {:<26} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>10} {:>15} {:>15} {:>9} {:>9}",
+        "", "", "", "(a)", "(b)", "(c)", "floor", "whole", "ms p50", "ms", "wire", "(b) / (c)", "(b) / (c)", "ms p50", "tonic ms"
     );
 }
 
 /// One row of the first table.
 fn print_row(batch: i64, row: &Row, bundle: &Bundle) {
     println!(
-        "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15}",
+        "{:<6} {:<26} {:<12} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>11.3} {:>11.3} {:>10} {:>15} {:>15} {:>9.3} {:>9.3}",
         batch,
         format!("{} ({})", row.cut, bundle.cut(row.cut).name.trim_start_matches("after ")),
         row.codec.to_string(),
@@ -222,6 +271,8 @@ fn print_row(batch: i64, row: &Row, bundle: &Bundle) {
         human_bytes(row.wire_bytes),
         format!("{:.2} / {:.2}", row.floor_parts.0, row.split_parts.0),
         format!("{:.2} / {:.2}", row.floor_parts.1, row.split_parts.1),
+        row.tonic_ms,
+        row.over_tonic_ms,
     );
 }
 
@@ -313,6 +364,10 @@ struct Row {
     split_ms: f64,
     split_per_floor: f64,
     protocol_ms: f64,
+    /// tonic's floor for the row's request and answer (the echo's round trip less the suffix).
+    tonic_ms: f64,
+    /// The protocol's time less tonic's floor (per run, then the median of the runs).
+    over_tonic_ms: f64,
     wire_bytes: u64,
     /// Medians of the prefix and the suffix: in the floor, and as the split's request
     /// measured them (its prefix, the server's compute).
@@ -334,6 +389,8 @@ impl Row {
             "split_ms": self.split_ms,
             "split_per_floor": self.split_per_floor,
             "protocol_ms": self.protocol_ms,
+            "tonic_ms": self.tonic_ms,
+            "over_tonic_ms": self.over_tonic_ms,
             "budget_ms": budget_ms(self.wire_bytes),
             "wire_bytes": self.wire_bytes,
             "floor_prefix_ms": self.floor_parts.0,
@@ -368,6 +425,8 @@ fn medians_of_runs(runs: &[Vec<Row>]) -> anyhow::Result<Vec<Row>> {
             split_ms: of(&|r| r.split_ms)?,
             split_per_floor: of(&|r| r.split_per_floor)?,
             protocol_ms: of(&|r| r.protocol_ms)?,
+            tonic_ms: of(&|r| r.tonic_ms)?,
+            over_tonic_ms: of(&|r| r.over_tonic_ms)?,
             wire_bytes: row.wire_bytes,
             floor_parts: (of(&|r| r.floor_parts.0)?, of(&|r| r.floor_parts.1)?),
             split_parts: (of(&|r| r.split_parts.0)?, of(&|r| r.split_parts.1)?),
@@ -385,38 +444,126 @@ fn medians_of_runs(runs: &[Vec<Row>]) -> anyhow::Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// One run at `batch`: a fresh server, then the rounds, every configuration in each; the
-/// rows and the first request the server answered.
+/// The programs a run starts: the server, and `grpc-floor` for its echo.
+#[derive(Clone, Copy)]
+struct Binaries<'a> {
+    server: &'a Path,
+    echo: &'a Path,
+}
+
+/// One run at `batch`: a fresh server and echo, then the rounds, every configuration in
+/// each; the rows and the first request the server answered.
 async fn measure_batch(
     args: &Args,
     bundle: &Bundle,
     splits: &[usize],
     batch: i64,
     key: Option<&Key>,
-    server_bin: &Path,
+    bins: Binaries<'_>,
     sides: &Sides,
 ) -> anyhow::Result<(Vec<Row>, f64)> {
     let scratch = tempfile::tempdir()?;
-    let options = ServerOptions { device: args.server_device, key, limits: &args.server_limits, warm_batches: &[batch] };
-    let (mut server, url) = start_server(server_bin, bundle, &sides.server, &options, scratch.path())?;
+    let secrets = scratch.path().join("secrets");
+    if args.tls {
+        cleave_server::write_dev_secrets(&secrets)?;
+    }
+    let options = ServerOptions {
+        device: args.server_device,
+        key,
+        limits: &args.server_limits,
+        warm_batches: &[batch],
+        tls: args.tls.then_some(secrets.as_path()),
+    };
+    let link = options.link()?;
+    let (mut server, url) = start_server(bins.server, bundle, &sides.server, &options, scratch.path())?;
+    let (echo_config, echo_url) = write_server_config(bundle, &sides.server, &options, &scratch.path().join("echo.yaml"))?;
+    let mut echo = spawn_on(&sides.server, std::process::Command::new(bins.echo).arg("--serve-config").arg(echo_config))?;
     let result = async {
         let mut bench = Bench::new(args, bundle, splits, batch, key)?;
         let mut sessions = Vec::new();
         for _ in &bench.configs {
-            sessions.push(connect_when_up(&url, bundle, &Link::default(), &mut server).await?);
+            sessions.push(connect_when_up(&url, bundle, &link, &mut server).await?);
         }
+        let mut floor = TonicFloor::connect(&echo_url, &link, &mut echo).await?;
         for round in 0..=args.rounds {
             let timed = round > 0;
             bench.whole_round(sides, timed)?;
             bench.floor_round(sides, timed)?;
-            bench.split_round(&sides.edge, &mut sessions, timed).await?;
+            bench.split_round(&sides.edge, &mut sessions, &mut floor, timed).await?;
         }
         bench.rows()
     }
     .await;
-    let _ = server.kill();
-    let _ = server.wait();
+    for child in [&mut server, &mut echo] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     result
+}
+
+/// tonic's floor beside the split: a bare `Infer` stream to `grpc-floor`'s echo.
+struct TonicFloor {
+    client: SplitInferenceClient<Channel>,
+    next_id: u64,
+}
+
+impl TonicFloor {
+    /// Connected to the echo at `url` as the host connects to a server, once it answers.
+    async fn connect(url: &str, link: &Link, echo: &mut std::process::Child) -> anyhow::Result<Self> {
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            match cleave_client::endpoint(url, link)?.connect().await {
+                Ok(channel) => return Ok(Self { client: SplitInferenceClient::new(channel).max_decoding_message_size(usize::MAX), next_id: 0 }),
+                Err(e) if Instant::now() > deadline => bail!("the echo at {url} did not answer in 30 s: {e}"),
+                Err(_) => {
+                    if let Some(status) = echo.try_wait()? {
+                        bail!("the echo exited ({status}) before answering");
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    /// `count` requests as `ask` says, on a stream of their own, each sent in frames of
+    /// `chunk_bytes` from a thread that first computes (a busy loop) for `prefix`, as the edge's
+    /// prefix runs while the echo idles; each one's time from the prefix's end to its answer,
+    /// less the echo's compute, ms.
+    async fn round(&mut self, count: u64, ask: EchoAsk, prefix: std::time::Duration, chunk_bytes: usize) -> anyhow::Result<Vec<f64>> {
+        let (frames, outbound) = tokio::sync::mpsc::channel::<InferFrame>(64);
+        let mut answers = self.client.infer(tokio_stream::wrappers::ReceiverStream::new(outbound)).await?.into_inner();
+        let data = bytes::Bytes::from(vec![7u8; ask.request_bytes as usize]);
+        let mut times = Vec::new();
+        for _ in 0..count {
+            self.next_id += 1;
+            let (id, frames, data) = (self.next_id, frames.clone(), data.clone());
+            let sent = tokio::task::spawn_blocking(move || {
+                let started = Instant::now();
+                while started.elapsed() < prefix {
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                let parts: Vec<bytes::Bytes> =
+                    (0..data.len().max(1)).step_by(chunk_bytes).map(|at| data.slice(at..(at + chunk_bytes).min(data.len()))).collect();
+                for (c, part) in parts.iter().enumerate() {
+                    let header = if c == 0 { ask.header() } else { bytes::Bytes::new() };
+                    let frame = InferFrame { request_id: id, header, data: part.clone(), last: c + 1 == parts.len(), ..Default::default() };
+                    frames.blocking_send(frame).map_err(|_| anyhow::anyhow!("the echo's stream closed"))?;
+                }
+                anyhow::Ok(t)
+            });
+            let t = sent.await??;
+            loop {
+                let answer = answers.message().await?.context("the echo hung up")?;
+                anyhow::ensure!(answer.request_id == id, "the echo answered {} for request {id}", answer.request_id);
+                if answer.last {
+                    break;
+                }
+            }
+            times.push(t.elapsed().saturating_sub(ask.compute).as_secs_f64() * 1e3);
+        }
+        Ok(times)
+    }
 }
 
 /// One run's configurations and what their rounds measured.
@@ -439,7 +586,11 @@ struct Bench<'a> {
     floor_prefix: Vec<Vec<f64>>,
     floor_suffix: Vec<Vec<f64>>,
     requests: Vec<Vec<RequestMetrics>>,
+    /// tonic's floor for each configuration, ms.
+    tonic: Vec<Vec<f64>>,
     wire: Vec<u64>,
+    /// The output's bytes (what the server answers, raw).
+    answer_bytes: u64,
     /// The split's first request: the first the fresh server answers.
     first_ms: Option<f64>,
 }
@@ -466,7 +617,9 @@ impl<'a> Bench<'a> {
             floor_prefix: vec![Vec::new(); splits.len()],
             floor_suffix: vec![Vec::new(); splits.len()],
             requests: vec![Vec::new(); configs.len()],
+            tonic: vec![Vec::new(); configs.len()],
             wire: vec![0; configs.len()],
+            answer_bytes: 0,
             first_ms: None,
             configs,
         })
@@ -504,7 +657,8 @@ impl<'a> Bench<'a> {
                 let prefix = ms(t);
                 sides.server.enter()?;
                 let t = Instant::now();
-                self.server_stages.as_ref().unwrap_or(&self.stages).run(StageRange::new(s, n), &boundary)?.to_device(tch::Device::Cpu);
+                let output = self.server_stages.as_ref().unwrap_or(&self.stages).run(StageRange::new(s, n), &boundary)?.to_device(tch::Device::Cpu);
+                self.answer_bytes = output.tensor_bytes() as u64;
                 if timed {
                     let suffix = ms(t);
                     self.floor[k].push(prefix + suffix);
@@ -516,8 +670,9 @@ impl<'a> Bench<'a> {
         Ok(())
     }
 
-    /// (c) the split, the edge on its side: each configuration's requests on its own session.
-    async fn split_round(&mut self, edge: &Side, sessions: &mut [ServerSession], timed: bool) -> anyhow::Result<()> {
+    /// (c) the split, the edge on its side: each configuration's requests on its own session,
+    /// then as many through tonic's floor, with the sizes, prefix and suffix they had.
+    async fn split_round(&mut self, edge: &Side, sessions: &mut [ServerSession], floor: &mut TonicFloor, timed: bool) -> anyhow::Result<()> {
         edge.enter()?;
         for (k, (&(_, s, codec), session)) in self.configs.iter().zip(sessions).enumerate() {
             let ids: Vec<u64> = (self.next_id..self.next_id + self.args.per_round).collect();
@@ -535,14 +690,13 @@ impl<'a> Bench<'a> {
                 key: self.key.map(|k| (1, k.clone())),
             };
             let mut errors = Vec::new();
-            let (requests, wire, first_ms) = (&mut self.requests[k], &mut self.wire[k], &mut self.first_ms);
+            let mut answered = Vec::new();
+            let (wire, first_ms) = (&mut self.wire[k], &mut self.first_ms);
             stream_requests(session, plan, |o| match &o.output {
                 Ok(_) => {
                     let m = &o.metrics;
                     first_ms.get_or_insert(m.e2e_ms - m.input_ms);
-                    if timed {
-                        requests.push(m.clone());
-                    }
+                    answered.push(m.clone());
                     *wire = m.bytes_wire;
                 }
                 Err(e) => errors.push(e.clone()),
@@ -550,6 +704,17 @@ impl<'a> Bench<'a> {
             .await?;
             if let Some(e) = errors.first() {
                 bail!("batch {}, cut {s}, codec {codec}: {} requests failed, first: {e}", self.batch, errors.len());
+            }
+            let ask = EchoAsk {
+                request_bytes: self.wire[k],
+                compute: seconds(median_of(&answered, |m| m.server.compute_ms)? / 1e3),
+                answer_bytes: self.answer_bytes,
+            };
+            let prefix = seconds(median_of(&answered, |m| m.prefix_ms)? / 1e3);
+            let tonic = floor.round(self.args.per_round, ask, prefix, session.chunk_bytes()).await?;
+            if timed {
+                self.requests[k].extend(answered);
+                self.tonic[k].extend(tonic);
             }
         }
         Ok(())
@@ -562,6 +727,8 @@ impl<'a> Bench<'a> {
         for (k, &(f, cut, codec)) in self.configs.iter().enumerate() {
             let requests = &self.requests[k];
             let (floor_ms, split_ms) = (median(&self.floor[f])?, median_of(requests, |m| m.e2e_ms - m.input_ms)?);
+            let protocol_ms = median_of(requests, |m| m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms)?;
+            let tonic_ms = median(&self.tonic[k])?;
             rows.push(Row {
                 cut,
                 codec,
@@ -569,7 +736,9 @@ impl<'a> Bench<'a> {
                 floor_ms,
                 split_ms,
                 split_per_floor: split_ms / floor_ms,
-                protocol_ms: median_of(requests, |m| m.e2e_ms - m.input_ms - m.prefix_ms - m.server.compute_ms)?,
+                protocol_ms,
+                tonic_ms,
+                over_tonic_ms: protocol_ms - tonic_ms,
                 wire_bytes: self.wire[k],
                 floor_parts: (median(&self.floor_prefix[f])?, median(&self.floor_suffix[f])?),
                 split_parts: (median_of(requests, |m| m.prefix_ms)?, median_of(requests, |m| m.server.compute_ms)?),
@@ -582,4 +751,8 @@ impl<'a> Bench<'a> {
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
+}
+
+fn seconds(s: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(s.max(0.0))
 }
