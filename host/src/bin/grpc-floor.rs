@@ -21,10 +21,11 @@
 //! Prints one line per size: `grpc floor: N bytes p50 X ms (p10 A, p90 B)`, times less the
 //! compute.
 //!
-//! `split-overhead` starts the echo alone (`grpc-floor --serve-config FILE`, a `server`
-//! config: its address, `limits` and `tls`) for the tonic floor beside each of its rows; each
+//! `split-overhead` starts the echo alone (`grpc-floor --serve-config FILE`: a `server` config
+//! on a loopback address, whose HTTP/2 settings, TLS and message limit it serves with, with
+//! the server's allocator settings) for the tonic floor beside each of its rows; each
 //! request's first frame says how many bytes follow, how long to compute and how many bytes
-//! to answer ([`support::EchoAsk`]).
+//! to answer ([`support::EchoAsk`]), each within the config's `max_payload_bytes` and a minute.
 
 #[allow(dead_code)] // the echo's header is all this program uses of the benches' support
 mod support;
@@ -64,8 +65,8 @@ struct Args {
     /// Serve on this port (the child process).
     #[arg(long, hide = true)]
     serve: Option<u16>,
-    /// Serve the echo alone as this `server` config says (its `listen`, `limits` and `tls`),
-    /// on the cores this process was started on.
+    /// Serve the echo alone as this `server` config says (its loopback `listen`, HTTP/2 and
+    /// message limits, and `tls`), on the cores this process was started on.
     #[arg(long)]
     serve_config: Option<PathBuf>,
     /// The echo answers from a thread of its own, as the server's compute worker does.
@@ -82,6 +83,10 @@ const FRAME_BYTES: usize = 16 << 10;
 const ANSWER_BYTES: u64 = 4000;
 /// How long each side idles between requests.
 const IDLE: Duration = Duration::from_millis(5);
+/// The largest message, request and answer the standalone echo takes or makes.
+const STANDALONE_MAX_BYTES: u64 = 64 << 20;
+/// The longest an echo computes for one request.
+const MAX_COMPUTE: Duration = Duration::from_secs(60);
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -89,15 +94,27 @@ fn main() -> anyhow::Result<()> {
     let compute = Duration::from_micros(args.compute_us);
     let via_thread = args.via_thread || !compute.is_zero();
     if let Some(path) = &args.serve_config {
+        // As the server starts (its `main`): the same allocator, so that landing a request
+        // costs what it costs there.
+        if let Some(e) = cleave_server::allocator::restart_without_thread_cache() {
+            eprintln!("grpc-floor: could not start again with glibc's thread cache off, running with it: {e}");
+        }
+        cleave_server::allocator::keep_freed_memory();
         let config = ServerConfig::load(path)?;
-        let echo = Echo::new(true);
+        anyhow::ensure!(config.listen.ip().is_loopback(), "the echo serves a loopback address only, not {}", config.listen);
+        let echo = Echo::new(true, config.limits.max_message_bytes, config.limits.max_payload_bytes);
         return tokio::runtime::Runtime::new()?.block_on(serve(config.listen, &config.peers, config.security.tls.as_ref(), echo));
     }
     match args.serve {
         Some(port) => {
             pin_thread(0, &[server_core])?;
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
-            tokio::runtime::Runtime::new()?.block_on(serve(addr, &PeerLimits::default(), None, Echo::new(via_thread)))
+            tokio::runtime::Runtime::new()?.block_on(serve(
+                addr,
+                &PeerLimits::default(),
+                None,
+                Echo::new(via_thread, STANDALONE_MAX_BYTES, STANDALONE_MAX_BYTES),
+            ))
         }
         None => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
@@ -124,23 +141,19 @@ async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) 
             Err(e) => return Err(e).context("the echo server did not start"),
         }
     };
-    let mut client = SplitInferenceClient::new(channel).max_decoding_message_size(64 << 20);
+    let mut client = SplitInferenceClient::new(channel).max_decoding_message_size(STANDALONE_MAX_BYTES as usize);
     let (frames, outbound) = tokio::sync::mpsc::channel::<InferFrame>(64);
     let mut answers = client.infer(ReceiverStream::new(outbound)).await?.into_inner();
     let mut id = 0u64;
     for &size in sizes {
         let mut times = Vec::with_capacity(repeats);
         let ask = EchoAsk { request_bytes: size as u64, compute, answer_bytes: ANSWER_BYTES };
+        let data = bytes::Bytes::from(vec![7u8; size]);
         for i in 0..repeats + 20 {
             tokio::time::sleep(IDLE).await;
             id += 1;
             let t = Instant::now();
-            let data = bytes::Bytes::from(vec![7u8; size]);
-            let chunks = size.div_ceil(FRAME_BYTES).max(1);
-            for c in 0..chunks {
-                let part = data.slice(c * FRAME_BYTES..((c + 1) * FRAME_BYTES).min(size));
-                let header = if c == 0 { ask.header() } else { bytes::Bytes::new() };
-                let frame = InferFrame { request_id: id, header, data: part, last: c + 1 == chunks, ..Default::default() };
+            for frame in support::echo_frames(id, &ask, &data, FRAME_BYTES) {
                 frames.send(frame).await.context("the stream closed")?;
             }
             let answer = answers.message().await?.context("the server hung up")?;
@@ -167,8 +180,9 @@ async fn serve(addr: SocketAddr, peers: &PeerLimits, tls: Option<&TlsIdentity>, 
             Ok(s)
         })
     });
+    let max_message = echo.max_message_bytes as usize;
     cleave_server::http2_server(peers, tls)?
-        .add_service(SplitInferenceServer::new(echo).max_decoding_message_size(64 << 20))
+        .add_service(SplitInferenceServer::new(echo).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
         .serve_with_incoming(incoming)
         .await?;
     Ok(())
@@ -186,11 +200,15 @@ struct Job {
 /// from a thread of its own (one hop there and one back, as the server's compute worker).
 struct Echo {
     worker: Option<std::sync::mpsc::Sender<Job>>,
+    /// The largest gRPC message it takes or makes.
+    max_message_bytes: u64,
+    /// The largest request and answer, each in one or more messages.
+    max_payload_bytes: u64,
 }
 
 impl Echo {
-    fn new(via_thread: bool) -> Self {
-        Self { worker: via_thread.then(spawn_worker) }
+    fn new(via_thread: bool, max_message_bytes: u64, max_payload_bytes: u64) -> Self {
+        Self { worker: via_thread.then(spawn_worker), max_message_bytes, max_payload_bytes }
     }
 }
 
@@ -222,16 +240,27 @@ struct Landing {
 }
 
 impl Landing {
-    /// Lands `frame` (a new request's first frame opens one); the request once its last frame is in.
-    fn land(current: &mut Option<Landing>, frame: InferFrame) -> Result<Option<Landing>, Status> {
-        if current.as_ref().is_none_or(|l| l.id != frame.request_id) {
-            let ask =
-                EchoAsk::read(&frame.header).ok_or_else(|| Status::invalid_argument("a request's first frame carries the echo's 24-byte ask"))?;
-            *current = Some(Landing { id: frame.request_id, ask, landed: Vec::with_capacity(ask.request_bytes as usize) });
+    /// Lands `frame` (a new request's first frame opens one; its ask within `max_bytes` and
+    /// [`MAX_COMPUTE`]); the request once its last frame is in, with every byte its ask said.
+    fn land(current: &mut Option<Landing>, frame: InferFrame, max_bytes: u64) -> Result<Option<Landing>, Status> {
+        let refuse = |why: String| Err(Status::invalid_argument(why));
+        match current {
+            Some(landing) if landing.id != frame.request_id => {
+                return refuse(format!("request {} began before request {} ended", frame.request_id, landing.id));
+            }
+            Some(_) => {}
+            None => {
+                let Some(ask) = EchoAsk::read(&frame.header) else { return refuse("a request's first frame carries the echo's 24-byte ask".into()) };
+                if ask.request_bytes.max(ask.answer_bytes) > max_bytes || ask.compute > MAX_COMPUTE {
+                    return refuse(format!("{ask:?} is over the echo's {max_bytes} bytes or {MAX_COMPUTE:?}"));
+                }
+                *current = Some(Landing { id: frame.request_id, ask, landed: Vec::with_capacity(ask.request_bytes as usize) });
+            }
         }
         let landing = current.as_mut().expect("opened above");
-        if (landing.landed.len() + frame.data.len()) as u64 > landing.ask.request_bytes {
-            return Err(Status::invalid_argument(format!("request {} is longer than its ask's {} bytes", landing.id, landing.ask.request_bytes)));
+        let landed = (landing.landed.len() + frame.data.len()) as u64;
+        if landed > landing.ask.request_bytes || (frame.last && landed < landing.ask.request_bytes) {
+            return refuse(format!("request {} brings {landed} bytes or more against its ask's {}", landing.id, landing.ask.request_bytes));
         }
         landing.landed.extend_from_slice(&frame.data);
         Ok(if frame.last { current.take() } else { None })
@@ -254,12 +283,12 @@ impl SplitInference for Echo {
 
     async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<Results>, Status> {
         let mut frames = request.into_inner();
-        let worker = self.worker.clone();
+        let (worker, max_bytes) = (self.worker.clone(), self.max_payload_bytes);
         let (answers, out) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
             let mut current = None;
             while let Some(Ok(frame)) = frames.next().await {
-                let request = match Landing::land(&mut current, frame) {
+                let request = match Landing::land(&mut current, frame, max_bytes) {
                     Ok(Some(request)) => request,
                     Ok(None) => continue,
                     Err(status) => {
@@ -271,8 +300,15 @@ impl SplitInference for Echo {
                     None => answer(request.id, &request.ask),
                     Some(worker) => {
                         let (reply, answered) = tokio::sync::oneshot::channel();
-                        let _ = worker.send(Job { id: request.id, ask: request.ask, landed: request.landed, reply });
-                        let Ok(reply) = answered.await else { break };
+                        let job = Job { id: request.id, ask: request.ask, landed: request.landed, reply };
+                        let reply = match worker.send(job) {
+                            Ok(()) => answered.await.ok(),
+                            Err(_) => None,
+                        };
+                        let Some(reply) = reply else {
+                            let _ = answers.send(Err(Status::internal("the echo's worker is gone"))).await;
+                            break;
+                        };
                         reply
                     }
                 };

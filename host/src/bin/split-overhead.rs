@@ -18,14 +18,18 @@
 //! its tasks). With `--runs N`, every figure is the median of N whole runs (each with a
 //! server of its own).
 //!
-//! Beside each row, tonic's floor for it, measured in the same rounds: a bare `Infer` stream
-//! from this process (the edge's cores, the host's HTTP/2 settings) to `grpc-floor`'s echo
-//! (the server's cores, config, HTTP/2 settings and TLS), the request's and the answer's
-//! sizes, the row's median prefix computed on a thread of the edge's before each request
-//! (the echo idling meanwhile) and the row's median suffix time computed on the echo's
-//! worker thread before it answers; the echo lands the request's bytes in one buffer, as the
-//! server does. `tonic ms` is that round trip less the suffix, `over tonic` the protocol's
-//! time less it. `--tls` runs the split and its floor over TLS (development secrets).
+//! Beside each row, tonic's floor for it, measured in the same rounds: after each round's
+//! requests of a configuration, as many through a bare `Infer` stream from this process (the
+//! edge's cores, the host's HTTP/2 settings) to `grpc-floor`'s echo (beside this binary; the
+//! server's cores, config, HTTP/2 settings, TLS and allocator), as many bytes as the split's
+//! request frames took on the wire, framed as the host frames them, and the output's bytes
+//! back. Before each, a thread of the edge's computes (a busy loop) for the median prefix of
+//! the round's split requests, the echo idling meanwhile; the echo lands the request's bytes
+//! in one buffer, as the server does, and computes on a thread of its own for the server's
+//! median compute time of those requests before it answers. `tonic ms` is the time from the
+//! prefix's end to the answer less that compute, `over tonic` the protocol's time less it
+//! (per run; with `--runs`, the median of the runs' differences). `--tls` runs the split and
+//! its floor over TLS (development secrets).
 //!
 //! Its last lines: `worst over-tonic: X ms (batch B, cut C, codec K)` and `worst split/floor
 //! ratio: X`.
@@ -51,7 +55,7 @@ use cleave_host::client::{stream_requests, RequestMetrics, Splits, StreamPlan};
 use cleave_host::config::InputSource;
 use cleave_host::inputs::Inputs;
 use cleave_tables::human_bytes;
-use support::{connect_when_up, spawn_on, start_server, write_server_config, EchoAsk, ServerOptions, Side};
+use support::{connect_when_up, echo_frames, spawn_on, start_server, when_up, write_server_config, Children, EchoAsk, ServerOptions, Side};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -475,30 +479,23 @@ async fn measure_batch(
         tls: args.tls.then_some(secrets.as_path()),
     };
     let link = options.link()?;
-    let (mut server, url) = start_server(bins.server, bundle, &sides.server, &options, scratch.path())?;
+    let (server, url) = start_server(bins.server, bundle, &sides.server, &options, scratch.path())?;
+    let mut children = Children(vec![server]);
     let (echo_config, echo_url) = write_server_config(bundle, &sides.server, &options, &scratch.path().join("echo.yaml"))?;
-    let mut echo = spawn_on(&sides.server, std::process::Command::new(bins.echo).arg("--serve-config").arg(echo_config))?;
-    let result = async {
-        let mut bench = Bench::new(args, bundle, splits, batch, key)?;
-        let mut sessions = Vec::new();
-        for _ in &bench.configs {
-            sessions.push(connect_when_up(&url, bundle, &link, &mut server).await?);
-        }
-        let mut floor = TonicFloor::connect(&echo_url, &link, &mut echo).await?;
-        for round in 0..=args.rounds {
-            let timed = round > 0;
-            bench.whole_round(sides, timed)?;
-            bench.floor_round(sides, timed)?;
-            bench.split_round(&sides.edge, &mut sessions, &mut floor, timed).await?;
-        }
-        bench.rows()
+    children.0.push(spawn_on(&sides.server, std::process::Command::new(bins.echo).arg("--serve-config").arg(echo_config))?);
+    let mut bench = Bench::new(args, bundle, splits, batch, key)?;
+    let mut sessions = Vec::new();
+    for _ in &bench.configs {
+        sessions.push(connect_when_up(&url, bundle, &link, &mut children.0[0]).await?);
     }
-    .await;
-    for child in [&mut server, &mut echo] {
-        let _ = child.kill();
-        let _ = child.wait();
+    let mut floor = TonicFloor::connect(&echo_url, &link, &mut children.0[1]).await?;
+    for round in 0..=args.rounds {
+        let timed = round > 0;
+        bench.whole_round(sides, timed)?;
+        bench.floor_round(sides, timed)?;
+        bench.split_round(&sides.edge, &mut sessions, &mut floor, timed).await?;
     }
-    result
+    bench.rows()
 }
 
 /// tonic's floor beside the split: a bare `Infer` stream to `grpc-floor`'s echo.
@@ -510,25 +507,15 @@ struct TonicFloor {
 impl TonicFloor {
     /// Connected to the echo at `url` as the host connects to a server, once it answers.
     async fn connect(url: &str, link: &Link, echo: &mut std::process::Child) -> anyhow::Result<Self> {
-        let deadline = Instant::now() + std::time::Duration::from_secs(30);
-        loop {
-            match cleave_client::endpoint(url, link)?.connect().await {
-                Ok(channel) => return Ok(Self { client: SplitInferenceClient::new(channel).max_decoding_message_size(usize::MAX), next_id: 0 }),
-                Err(e) if Instant::now() > deadline => bail!("the echo at {url} did not answer in 30 s: {e}"),
-                Err(_) => {
-                    if let Some(status) = echo.try_wait()? {
-                        bail!("the echo exited ({status}) before answering");
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-            }
-        }
+        let endpoint = cleave_client::endpoint(url, link)?;
+        let channel = when_up(&format!("the echo at {url}"), echo, || endpoint.connect()).await?;
+        Ok(Self { client: SplitInferenceClient::new(channel).max_decoding_message_size(usize::MAX), next_id: 0 })
     }
 
     /// `count` requests as `ask` says, on a stream of their own, each sent in frames of
-    /// `chunk_bytes` from a thread that first computes (a busy loop) for `prefix`, as the edge's
-    /// prefix runs while the echo idles; each one's time from the prefix's end to its answer,
-    /// less the echo's compute, ms.
+    /// `chunk_bytes` (made beforehand) from a thread that first computes (a busy loop) for
+    /// `prefix`, as the edge's prefix runs while the echo idles; each one's time from the
+    /// prefix's end to its answer, less the echo's compute, ms.
     async fn round(&mut self, count: u64, ask: EchoAsk, prefix: std::time::Duration, chunk_bytes: usize) -> anyhow::Result<Vec<f64>> {
         let (frames, outbound) = tokio::sync::mpsc::channel::<InferFrame>(64);
         let mut answers = self.client.infer(tokio_stream::wrappers::ReceiverStream::new(outbound)).await?.into_inner();
@@ -536,23 +523,23 @@ impl TonicFloor {
         let mut times = Vec::new();
         for _ in 0..count {
             self.next_id += 1;
-            let (id, frames, data) = (self.next_id, frames.clone(), data.clone());
+            let (id, sender) = (self.next_id, frames.clone());
+            let request = echo_frames(id, &ask, &data, chunk_bytes);
             let sent = tokio::task::spawn_blocking(move || {
                 let started = Instant::now();
                 while started.elapsed() < prefix {
                     std::hint::spin_loop();
                 }
                 let t = Instant::now();
-                let parts: Vec<bytes::Bytes> =
-                    (0..data.len().max(1)).step_by(chunk_bytes).map(|at| data.slice(at..(at + chunk_bytes).min(data.len()))).collect();
-                for (c, part) in parts.iter().enumerate() {
-                    let header = if c == 0 { ask.header() } else { bytes::Bytes::new() };
-                    let frame = InferFrame { request_id: id, header, data: part.clone(), last: c + 1 == parts.len(), ..Default::default() };
-                    frames.blocking_send(frame).map_err(|_| anyhow::anyhow!("the echo's stream closed"))?;
-                }
-                anyhow::Ok(t)
+                let all_sent = request.into_iter().all(|frame| sender.blocking_send(frame).is_ok());
+                (t, all_sent)
             });
-            let t = sent.await??;
+            let (t, all_sent) = sent.await?;
+            if !all_sent {
+                // The echo ended the stream: its status says why.
+                let why = answers.message().await.err().map_or_else(|| "the stream ended".to_string(), |status| status.to_string());
+                bail!("the echo refused request {id}: {why}");
+            }
             loop {
                 let answer = answers.message().await?.context("the echo hung up")?;
                 anyhow::ensure!(answer.request_id == id, "the echo answered {} for request {id}", answer.request_id);

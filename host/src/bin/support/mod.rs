@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use cleave_client::{connect, Link, ServerSession};
 use cleave_common::config::pin_thread;
+use cleave_common::pb::InferFrame;
 use cleave_common::security::ClientTls;
-use cleave_common::wire::Key;
+use cleave_common::wire::{payload_frames, Key, PayloadData};
 use cleave_common::{Bundle, DeviceSpec};
 
 /// Where a side runs: its cores and libtorch's threads.
@@ -137,19 +138,50 @@ impl EchoAsk {
     }
 }
 
+/// A request of `ask.request_bytes` bytes (`data`'s first) as the host frames a payload
+/// ([`payload_frames`]): in frames of at most `chunk_bytes`, the ask's header on the first.
+#[allow(dead_code)] // used by some of the benches that include this module
+pub(crate) fn echo_frames(id: u64, ask: &EchoAsk, data: &bytes::Bytes, chunk_bytes: usize) -> Vec<InferFrame> {
+    let data = PayloadData::from(vec![data.slice(..ask.request_bytes as usize)]);
+    payload_frames(id, ask.header(), &data, chunk_bytes)
+}
+
 /// A session once the server answers (it loads its stages first), or the server's exit.
 pub(crate) async fn connect_when_up(url: &str, bundle: &Bundle, link: &Link, server: &mut Child) -> anyhow::Result<ServerSession> {
+    when_up(&format!("the server at {url}"), server, || connect(url, bundle, link)).await
+}
+
+/// What `connect` gives once it succeeds, tried every 100 ms for 60 s while `child` (`what`
+/// is it) runs.
+pub(crate) async fn when_up<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    child: &mut Child,
+    mut connect: impl FnMut() -> F,
+) -> anyhow::Result<T> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        match connect(url, bundle, link).await {
-            Ok(session) => return Ok(session),
-            Err(e) if Instant::now() > deadline => bail!("the server at {url} did not answer in 60 s: {e}"),
+        match connect().await {
+            Ok(connected) => return Ok(connected),
+            Err(e) if Instant::now() > deadline => bail!("{what} did not answer in 60 s: {e}"),
             Err(_) => {
-                if let Some(status) = server.try_wait()? {
-                    bail!("the server exited ({status}) before answering");
+                if let Some(status) = child.try_wait()? {
+                    bail!("{what} exited ({status}) before answering");
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+        }
+    }
+}
+
+/// Child processes, killed and waited for when this drops, however a run ends.
+#[allow(dead_code)] // used by some of the benches that include this module
+pub(crate) struct Children(pub Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }
