@@ -259,8 +259,11 @@ impl Landing {
         }
         let landing = current.as_mut().expect("opened above");
         let landed = (landing.landed.len() + frame.data.len()) as u64;
-        if landed > landing.ask.request_bytes || (frame.last && landed < landing.ask.request_bytes) {
-            return refuse(format!("request {} brings {landed} bytes or more against its ask's {}", landing.id, landing.ask.request_bytes));
+        if landed > landing.ask.request_bytes {
+            return refuse(format!("request {} is longer than its ask's {} bytes", landing.id, landing.ask.request_bytes));
+        }
+        if frame.last && landed < landing.ask.request_bytes {
+            return refuse(format!("request {} ended at {landed} bytes, short of its ask's {}", landing.id, landing.ask.request_bytes));
         }
         landing.landed.extend_from_slice(&frame.data);
         Ok(if frame.last { current.take() } else { None })
@@ -334,5 +337,62 @@ impl SplitInference for Echo {
 
     async fn echo(&self, _: Request<EchoRequest>) -> Result<Response<EchoReply>, Status> {
         Err(Status::unimplemented("echo only"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(id: u64, ask: Option<&EchoAsk>, bytes: usize, last: bool) -> InferFrame {
+        let header = ask.map(EchoAsk::header).unwrap_or_default();
+        InferFrame { request_id: id, header, data: vec![7u8; bytes].into(), last, ..Default::default() }
+    }
+
+    fn ask(request_bytes: u64) -> EchoAsk {
+        EchoAsk { request_bytes, compute: Duration::from_micros(850), answer_bytes: 4000 }
+    }
+
+    #[test]
+    fn an_ask_travels_in_its_header() {
+        let ask = ask(100_352);
+        assert_eq!(EchoAsk::read(&ask.header()), Some(ask));
+        assert_eq!(EchoAsk::read(&ask.header()[..23]), None);
+    }
+
+    #[test]
+    fn a_request_lands_whole_in_one_buffer_once_its_last_frame_is_in() {
+        let mut current = None;
+        let first = Landing::land(&mut current, frame(1, Some(&ask(10)), 6, false), 1 << 20).unwrap();
+        assert!(first.is_none());
+        let landed = Landing::land(&mut current, frame(1, None, 4, true), 1 << 20).unwrap().expect("complete");
+        assert_eq!((landed.id, landed.ask, landed.landed), (1, ask(10), vec![7u8; 10]));
+        assert!(current.is_none());
+    }
+
+    #[test]
+    fn the_echo_refuses_what_its_ask_does_not_allow() {
+        let refused = |frames: Vec<InferFrame>, max_bytes: u64| -> String {
+            let mut current = None;
+            for f in frames {
+                if let Err(status) = Landing::land(&mut current, f, max_bytes) {
+                    return status.message().to_string();
+                }
+            }
+            panic!("every frame was taken")
+        };
+        let too_long = EchoAsk { compute: MAX_COMPUTE + Duration::from_secs(1), ..ask(10) };
+        let cases = [
+            (vec![frame(1, None, 10, true)], 1 << 20, "carries the echo's 24-byte ask"),
+            (vec![frame(1, Some(&ask(2 << 20)), 10, true)], 1 << 20, "is over the echo's 1048576 bytes"),
+            (vec![frame(1, Some(&too_long), 10, true)], 1 << 20, "or 60s"),
+            (vec![frame(1, Some(&ask(10)), 11, true)], 1 << 20, "request 1 is longer than its ask's 10 bytes"),
+            (vec![frame(1, Some(&ask(10)), 9, true)], 1 << 20, "request 1 ended at 9 bytes, short of its ask's 10"),
+            (vec![frame(1, Some(&ask(10)), 5, false), frame(2, Some(&ask(10)), 10, true)], 1 << 20, "request 2 began before request 1 ended"),
+        ];
+        for (frames, max_bytes, why) in cases {
+            let message = refused(frames, max_bytes);
+            assert!(message.contains(why), "{message:?} does not say {why:?}");
+        }
     }
 }
