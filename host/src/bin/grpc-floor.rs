@@ -27,7 +27,7 @@
 //! request's first frame says how many bytes follow, how long to compute and how many bytes
 //! to answer ([`support::EchoAsk`]), each within the config's `max_payload_bytes` and a minute.
 
-#[allow(dead_code)] // the echo's header is all this program uses of the benches' support
+#[allow(dead_code)] // the echo's ask, its frames, waiting for it and its guard are what this program uses
 mod support;
 
 use std::net::SocketAddr;
@@ -118,29 +118,20 @@ fn main() -> anyhow::Result<()> {
         }
         None => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-            let mut child = std::process::Command::new(std::env::current_exe()?)
+            let echo = std::process::Command::new(std::env::current_exe()?)
                 .args(["--serve", &port.to_string(), "--cores", &format!("{client_core},{server_core}")])
                 .args(via_thread.then_some("--via-thread"))
                 .spawn()?;
+            let mut echo = support::Children(vec![echo]);
             pin_thread(0, &[client_core])?;
-            let measured = tokio::runtime::Runtime::new()?.block_on(measure(port, &args.sizes, args.repeats, compute));
-            let _ = child.kill();
-            let _ = child.wait();
-            measured
+            tokio::runtime::Runtime::new()?.block_on(measure(port, &mut echo.0[0], &args.sizes, args.repeats, compute))
         }
     }
 }
 
-async fn measure(port: u16, sizes: &[usize], repeats: usize, compute: Duration) -> anyhow::Result<()> {
-    let url = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    let channel = loop {
-        match cleave_client::endpoint(&url, &cleave_client::Link::default())?.connect().await {
-            Ok(channel) => break channel,
-            Err(_) if started.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(20)).await,
-            Err(e) => return Err(e).context("the echo server did not start"),
-        }
-    };
+async fn measure(port: u16, echo: &mut std::process::Child, sizes: &[usize], repeats: usize, compute: Duration) -> anyhow::Result<()> {
+    let endpoint = cleave_client::endpoint(&format!("http://127.0.0.1:{port}"), &cleave_client::Link::default())?;
+    let channel = support::when_up("the echo", echo, || endpoint.connect()).await?;
     let mut client = SplitInferenceClient::new(channel).max_decoding_message_size(STANDALONE_MAX_BYTES as usize);
     let (frames, outbound) = tokio::sync::mpsc::channel::<InferFrame>(64);
     let mut answers = client.infer(ReceiverStream::new(outbound)).await?.into_inner();
