@@ -84,7 +84,18 @@ impl TensorBuf {
     /// Allocates an uninitialised contiguous CPU tensor (libtorch's error for a shape it
     /// cannot build, such as one whose size overflows).
     pub fn empty(shape: &[i64], kind: Kind) -> Result<Self, TchError> {
-        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu))?;
+        Self::empty_in_order(shape, &[], kind)
+    }
+
+    /// Allocates an uninitialised CPU tensor of `shape` whose memory is dense in `order` (its
+    /// dimensions, outermost first; empty: row-major), so that bytes written in that order
+    /// make the tensor in its own shape, with no view to take afterwards (channels_last
+    /// arrives as channels_last).
+    pub fn empty_in_order(shape: &[i64], order: &[u32], kind: Kind) -> Result<Self, TchError> {
+        let tensor = match order {
+            [] => Tensor::f_empty(shape, (kind, Device::Cpu))?,
+            _ => Tensor::f_empty_strided(shape, dense_strides(shape, order)?, (kind, Device::Cpu))?,
+        };
         Ok(Self::of(tensor, kind, false))
     }
 
@@ -92,16 +103,17 @@ impl TensorBuf {
     /// stages' copy to the device can be asynchronous (see [`Tensor::to_device_`] with
     /// `non_blocking`). libtorch's caching host allocator keeps freed pinned blocks for reuse,
     /// and holds one back until the copies queued from it are done.
-    pub fn empty_pinned(shape: &[i64], kind: Kind, device: Device) -> Result<Self, TchError> {
+    pub fn empty_pinned(shape: &[i64], order: &[u32], kind: Kind, device: Device) -> Result<Self, TchError> {
         // tch cannot ask libtorch for an empty pinned tensor, and a pinned storage cannot be
-        // resized: an empty pageable one is pinned, which copies its untouched pages once.
-        // `_pin_memory`, because tch always passes `pin_memory` the device, which libtorch
-        // 2.11 deprecates with a warning on every call.
-        let tensor = Tensor::f_empty(shape, (kind, Device::Cpu)).and_then(|t| t.f_internal_pin_memory(device))?;
+        // resized: an empty pageable one is pinned (`_pin_memory` keeps its strides), which
+        // copies its untouched pages once. `_pin_memory`, because tch always passes
+        // `pin_memory` the device, which libtorch 2.11 deprecates with a warning on every call.
+        let tensor = Self::empty_in_order(shape, order, kind)?.tensor.f_internal_pin_memory(device)?;
         Ok(Self::of(tensor, kind, true))
     }
 
-    /// `tensor` must be contiguous, on the CPU, of `kind`, and have no other handle.
+    /// `tensor` must be dense with no storage offset (contiguous in some order of its
+    /// dimensions), on the CPU, of `kind`, and have no other handle.
     fn of(tensor: Tensor, kind: Kind, pinned: bool) -> Self {
         let len = tensor.numel() * kind.elt_size_in_bytes();
         Self { tensor, len, written: 0, pinned }
@@ -186,8 +198,9 @@ impl TensorBuf {
         if self.written == self.len {
             return &mut [];
         }
-        // SAFETY: the tensor was created by `empty` or `empty_pinned` as a contiguous CPU tensor
-        // of exactly `len` bytes with no other handle until `into_tensor` consumes `self`; the
+        // SAFETY: the tensor was created by `empty_in_order` or `empty_pinned` as a dense CPU
+        // tensor (contiguous in some order of its dimensions, from its data pointer) of
+        // exactly `len` bytes with no other handle until `into_tensor` consumes `self`; the
         // `&mut self` borrow makes this the only view of them while it lives. `MaybeUninit`
         // asks nothing of their contents.
         unsafe {
@@ -195,6 +208,26 @@ impl TensorBuf {
             std::slice::from_raw_parts_mut(start, self.len - self.written)
         }
     }
+}
+
+/// The strides of a tensor of `shape` dense in `order` (outermost first): the innermost
+/// dimension's is 1, each other's the product of the sizes inside it (a size of 0 counted as
+/// 1, as libtorch does). An error when `order` is not a permutation of the dimensions or a
+/// stride overflows.
+fn dense_strides(shape: &[i64], order: &[u32]) -> Result<Vec<i64>, TchError> {
+    let bad = || TchError::Shape(format!("no dense layout of shape {shape:?} in the order {order:?}"));
+    let mut sorted: Vec<u32> = order.to_vec();
+    sorted.sort_unstable();
+    if !sorted.iter().copied().eq(0..shape.len() as u32) {
+        return Err(bad());
+    }
+    let mut strides = vec![0i64; shape.len()];
+    let mut inside = 1i64;
+    for &d in order.iter().rev() {
+        strides[d as usize] = inside;
+        inside = inside.checked_mul(shape[d as usize].max(1)).ok_or_else(bad)?;
+    }
+    Ok(strides)
 }
 
 #[cfg(test)]
@@ -257,5 +290,24 @@ mod tests {
     #[test]
     fn a_shape_libtorch_cannot_allocate_is_an_error() {
         assert!(TensorBuf::empty(&[-1, 2], Kind::Float).is_err());
+        assert!(TensorBuf::empty_in_order(&[1, 2, 3, 4], &[0, 2, 3], Kind::Float).is_err(), "not every dimension");
+        assert!(TensorBuf::empty_in_order(&[1, 2, 3, 4], &[0, 2, 2, 1], Kind::Float).is_err(), "one twice");
+        assert!(TensorBuf::empty_in_order(&[1, 2], &[0, 2], Kind::Float).is_err(), "no such dimension");
+        assert!(TensorBuf::empty_in_order(&[1 << 32, 1 << 32, 0], &[2, 0, 1], Kind::Float).is_err(), "strides overflow");
+    }
+
+    #[test]
+    fn a_buffer_laid_out_in_another_order_is_written_in_that_order_and_is_the_tensor_in_its_shape() {
+        // NCHW [1, 3, 2, 2] in channels_last order (N, H, W, C): bytes come pixel by pixel.
+        let reference = Tensor::arange(12, (Kind::Float, Device::Cpu)).reshape([1, 3, 2, 2]);
+        let travelled = reference.permute([0, 2, 3, 1]).contiguous();
+        let mut buf = TensorBuf::empty_in_order(&[1, 3, 2, 2], &[0, 2, 3, 1], Kind::Float).unwrap();
+        let bytes: Vec<u8> = Vec::<f32>::try_from(travelled.flatten(0, -1)).unwrap().iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(buf.write(&bytes), 48);
+        let t = buf.into_tensor();
+        assert_eq!(t.size(), [1, 3, 2, 2]);
+        assert_eq!(t.stride(), [12, 1, 6, 3], "channels_last strides");
+        assert!(t.equal(&reference));
+        assert_eq!(dense_strides(&[2, 0, 3], &[1, 2, 0]).unwrap(), [1, 6, 2], "a size of 0 counts as 1");
     }
 }

@@ -209,23 +209,31 @@ fn tensor_bytes(t: &Tensor, owned: bool, keep_layout: bool) -> (Bytes, u64, Vec<
 /// an order that is not the shape's (channels_last: 0, 2, 3, 1): the view in that order is
 /// contiguous. `None` for a row-major tensor or one with gaps or overlaps.
 fn memory_order(t: &Tensor) -> Option<Vec<u32>> {
-    let strides = t.stride();
+    let (size, strides) = (t.size(), t.stride());
     let mut order: Vec<usize> = (0..strides.len()).collect();
     order.sort_by_key(|&d| std::cmp::Reverse(strides[d]));
     if order.iter().enumerate().all(|(i, &d)| i == d) {
         return None;
     }
-    let dims: Vec<i64> = order.iter().map(|&d| d as i64).collect();
-    t.permute(dims).is_contiguous().then(|| order.iter().map(|&d| d as u32).collect())
+    dense_in(&order, &size, &strides).then(|| order.iter().map(|&d| d as u32).collect())
 }
 
-/// The permutation that undoes `order` (a tensor laid out in `order`, viewed in its shape's).
-fn inverse(order: &[u32]) -> Vec<i64> {
-    let mut back = vec![0i64; order.len()];
-    for (i, &d) in order.iter().enumerate() {
-        back[d as usize] = i as i64;
+/// Whether a tensor of `size` and `strides` is contiguous once viewed in `order` (outermost
+/// first), as libtorch decides it: dimensions of size 1 may have any stride, and a tensor with
+/// no elements is. Worked out here rather than by a view, which costs a trip through
+/// libtorch's dispatcher per tensor sent.
+fn dense_in(order: &[usize], size: &[i64], strides: &[i64]) -> bool {
+    if size.contains(&0) {
+        return true;
     }
-    back
+    let mut inside = 1i64;
+    for &d in order.iter().rev() {
+        if size[d] != 1 && strides[d] != inside {
+            return false;
+        }
+        inside = inside.saturating_mul(size[d]);
+    }
+    true
 }
 
 fn copy_bytes(t: &Tensor) -> Bytes {
@@ -424,7 +432,6 @@ impl PayloadReceiver {
             return Err(CodecError::Truncated { expected: assembly.expected, got: assembly.received }.into());
         }
         let names: Vec<String> = assembly.incoming.declared_tensors().map(|(name, _, _)| name.to_string()).collect();
-        let orders: Vec<Vec<u32>> = assembly.incoming.dim_orders().map(<[u32]>::to_vec).collect();
         let (decoded, buffers) = match assembly.sink {
             Sink::Verbatim { mut buffers, tag, .. } if assembly.incoming.opens_in_tensor() => {
                 (assembly.incoming.open_verbatim(&mut self.opener, buffers[0].bytes_mut(), &tag)?, buffers)
@@ -442,10 +449,9 @@ impl PayloadReceiver {
         };
         let pinned_bytes = buffers.iter().filter(|b| b.is_pinned()).map(|b| b.len() as u64).sum();
         let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
-        for ((name, buffer), order) in names.into_iter().zip(buffers).zip(orders) {
-            // A tensor that travelled in another order of its dimensions is viewed in its shape's.
-            let tensor = if order.is_empty() { buffer.into_tensor() } else { buffer.into_tensor().permute(inverse(&order)) };
-            if tensors.insert(name.clone(), tensor).is_some() {
+        // A tensor that travelled in another order of its dimensions landed laid out in it.
+        for (name, buffer) in names.into_iter().zip(buffers) {
+            if tensors.insert(name.clone(), buffer.into_tensor()).is_some() {
                 return Err(WireError::BadTree(format!("tensor {name} appears twice in the header")));
             }
         }
@@ -480,8 +486,7 @@ fn tensor_buffers(incoming: &IncomingPayload, pinned_for: Option<tch::Device>) -
         .declared_tensors()
         .zip(incoming.dim_orders())
         .map(|((name, dtype, shape), order)| {
-            let laid_out: Vec<i64> = if order.is_empty() { shape.to_vec() } else { order.iter().map(|&d| shape[d as usize]).collect() };
-            allocate(&laid_out, dtype.kind(), pinned_for).map_err(|e| WireError::BadTensor {
+            allocate(shape, order, dtype.kind(), pinned_for).map_err(|e| WireError::BadTensor {
                 name: name.to_string(),
                 shape: shape.to_vec(),
                 message: first_line(&e.to_string()),
@@ -490,19 +495,20 @@ fn tensor_buffers(incoming: &IncomingPayload, pinned_for: Option<tch::Device>) -
         .collect()
 }
 
-/// A buffer pinned for `pinned_for` where it is set and libtorch can pin it; in pageable
-/// memory otherwise (said once: the copy to the device then blocks, nothing else changes).
-fn allocate(shape: &[i64], kind: tch::Kind, pinned_for: Option<tch::Device>) -> Result<TensorBuf, tch::TchError> {
+/// A buffer of `shape` dense in `order` (see [`TensorBuf::empty_in_order`]), pinned for
+/// `pinned_for` where it is set and libtorch can pin it; in pageable memory otherwise (said
+/// once: the copy to the device then blocks, nothing else changes).
+fn allocate(shape: &[i64], order: &[u32], kind: tch::Kind, pinned_for: Option<tch::Device>) -> Result<TensorBuf, tch::TchError> {
     static WARNED: std::sync::Once = std::sync::Once::new();
     if let Some(device) = pinned_for {
-        match TensorBuf::empty_pinned(shape, kind, device) {
+        match TensorBuf::empty_pinned(shape, order, kind, device) {
             Ok(buffer) => return Ok(buffer),
             Err(e) => WARNED.call_once(
                 || tracing::warn!(error = %first_line(&e.to_string()), "pinned host memory unavailable: received tensors land in pageable memory"),
             ),
         }
     }
-    TensorBuf::empty(shape, kind)
+    TensorBuf::empty_in_order(shape, order, kind)
 }
 
 /// The first non-empty line of libtorch's message (the rest is a C++ backtrace).

@@ -59,12 +59,8 @@ struct Held {
 struct Kept {
     envelope: Bytes,
     output: Boundary,
-}
-
-impl Kept {
-    fn bytes(&self) -> u64 {
-        (self.output.tensor_bytes() + self.envelope.len()) as u64
-    }
+    /// What it holds of the window: its tensors' bytes and its envelope's, counted once.
+    bytes: u64,
 }
 
 impl ResultWindow {
@@ -78,19 +74,19 @@ impl ResultWindow {
     /// Keeps the result of the request `envelope` started, dropping the least recently used
     /// to stay within the bounds. A result larger than the whole window is not kept.
     pub(crate) fn keep(&self, session: &HostSession, request_id: u64, envelope: &Bytes, output: &Boundary) {
-        let kept = Kept { envelope: envelope.clone(), output: output.shallow_clone() };
-        let bytes = kept.bytes();
+        let bytes = (output.tensor_bytes() + envelope.len()) as u64;
         if self.inner.max_results == 0 || bytes > self.inner.max_bytes {
             return;
         }
+        let kept = Kept { envelope: envelope.clone(), output: output.shallow_clone(), bytes };
         let mut held = self.lock();
         if let Some(old) = held.results.put((session.clone(), request_id), kept) {
-            held.bytes -= old.bytes();
+            held.bytes -= old.bytes;
         }
         held.bytes += bytes;
         while held.results.len() > self.inner.max_results || held.bytes > self.inner.max_bytes {
             let Some((_, dropped)) = held.results.pop_lru() else { break };
-            held.bytes -= dropped.bytes();
+            held.bytes -= dropped.bytes;
         }
     }
 
