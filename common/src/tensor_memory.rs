@@ -223,9 +223,12 @@ fn dense_strides(shape: &[i64], order: &[u32]) -> Result<Vec<i64>, TchError> {
     }
     let mut strides = vec![0i64; shape.len()];
     let mut inside = 1i64;
-    for &d in order.iter().rev() {
+    for (i, &d) in order.iter().enumerate().rev() {
         strides[d as usize] = inside;
-        inside = inside.checked_mul(shape[d as usize].max(1)).ok_or_else(bad)?;
+        // (The outermost size is no stride: it is not multiplied in.)
+        if i > 0 {
+            inside = inside.checked_mul(shape[d as usize].max(1)).ok_or_else(bad)?;
+        }
     }
     Ok(strides)
 }
@@ -293,7 +296,9 @@ mod tests {
         assert!(TensorBuf::empty_in_order(&[1, 2, 3, 4], &[0, 2, 3], Kind::Float).is_err(), "not every dimension");
         assert!(TensorBuf::empty_in_order(&[1, 2, 3, 4], &[0, 2, 2, 1], Kind::Float).is_err(), "one twice");
         assert!(TensorBuf::empty_in_order(&[1, 2], &[0, 2], Kind::Float).is_err(), "no such dimension");
-        assert!(TensorBuf::empty_in_order(&[1 << 32, 1 << 32, 0], &[2, 0, 1], Kind::Float).is_err(), "strides overflow");
+        assert!(TensorBuf::empty_in_order(&[2, 1 << 32, 1 << 32], &[0, 2, 1], Kind::Float).is_err(), "strides overflow");
+        // The outermost size is no stride: an empty tensor that large is allocated.
+        assert!(TensorBuf::empty_in_order(&[0, i64::MAX, 2], &[1, 2, 0], Kind::Float).is_ok());
     }
 
     #[test]

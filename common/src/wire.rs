@@ -183,7 +183,9 @@ fn flatten(boundary: &Boundary, owned: bool, keep_layout: bool) -> Result<Flat, 
 fn tensor_bytes(t: &Tensor, owned: bool, keep_layout: bool) -> (Bytes, u64, Vec<u32>) {
     let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
     let on_cpu = t.device() == tch::Device::Cpu;
-    let t = t.to_device(tch::Device::Cpu);
+    // (A second handle, not `to_device`: that goes through libtorch's dispatcher even when
+    // the tensor is where it is asked to be.)
+    let t = if on_cpu { t.shallow_clone() } else { t.to_device(tch::Device::Cpu) };
     // Most boundaries are row-major: their layout is looked into only when they are not.
     let order = if t.is_contiguous() || !keep_layout { None } else { memory_order(&t) };
     let (dense, dim_order, made) = match order {
