@@ -214,7 +214,7 @@ impl TensorBuf {
 /// dimension's is 1, each other's the product of the sizes inside it (a size of 0 counted as
 /// 1, as libtorch does). An error when `order` is not a permutation of the dimensions or a
 /// stride overflows.
-fn dense_strides(shape: &[i64], order: &[u32]) -> Result<Vec<i64>, TchError> {
+pub(crate) fn dense_strides(shape: &[i64], order: &[u32]) -> Result<Vec<i64>, TchError> {
     let bad = || TchError::Shape(format!("no dense layout of shape {shape:?} in the order {order:?}"));
     let mut sorted: Vec<u32> = order.to_vec();
     sorted.sort_unstable();

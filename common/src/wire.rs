@@ -29,7 +29,7 @@ pub use cleave_codec::{
 use crate::bundle::{Bundle, CutTensors};
 use crate::error::{BundleError, Shared};
 use crate::spec::{BoundarySizes, DType, TorchDType};
-use crate::tensor_memory::{TensorBuf, TensorBytes};
+use crate::tensor_memory::{dense_strides, TensorBuf, TensorBytes};
 use crate::value::{Boundary, Value};
 
 /// What can be wrong with a payload or its frames.
@@ -212,30 +212,17 @@ fn tensor_bytes(t: &Tensor, owned: bool, keep_layout: bool) -> (Bytes, u64, Vec<
 /// contiguous. `None` for a row-major tensor or one with gaps or overlaps.
 fn memory_order(t: &Tensor) -> Option<Vec<u32>> {
     let (size, strides) = (t.size(), t.stride());
-    let mut order: Vec<usize> = (0..strides.len()).collect();
-    order.sort_by_key(|&d| std::cmp::Reverse(strides[d]));
-    if order.iter().enumerate().all(|(i, &d)| i == d) {
+    let mut order: Vec<u32> = (0..strides.len() as u32).collect();
+    order.sort_by_key(|&d| std::cmp::Reverse(strides[d as usize]));
+    if order.iter().enumerate().all(|(i, &d)| i == d as usize) {
         return None;
     }
-    dense_in(&order, &size, &strides).then(|| order.iter().map(|&d| d as u32).collect())
-}
-
-/// Whether a tensor of `size` and `strides` is contiguous once viewed in `order` (outermost
-/// first), as libtorch decides it: dimensions of size 1 may have any stride, and a tensor with
-/// no elements is. Worked out here rather than by a view, which costs a trip through
-/// libtorch's dispatcher per tensor sent.
-fn dense_in(order: &[usize], size: &[i64], strides: &[i64]) -> bool {
-    if size.contains(&0) {
-        return true;
-    }
-    let mut inside = 1i64;
-    for &d in order.iter().rev() {
-        if size[d] != 1 && strides[d] != inside {
-            return false;
-        }
-        inside = inside.saturating_mul(size[d]);
-    }
-    true
+    // Contiguous once viewed in `order`, as libtorch decides it (a dimension of size 1 may
+    // have any stride, a tensor with no elements is): worked out from its strides rather than
+    // by a view, which costs a trip through libtorch's dispatcher per tensor sent.
+    let dense = dense_strides(&size, &order).ok()?;
+    let contiguous = size.contains(&0) || (0..size.len()).all(|d| size[d] == 1 || strides[d] == dense[d]);
+    contiguous.then_some(order)
 }
 
 fn copy_bytes(t: &Tensor) -> Bytes {
@@ -919,6 +906,19 @@ mod tests {
             }
         }
         unreachable!("the last part is marked last")
+    }
+
+    #[test]
+    fn a_tensor_dense_in_another_order_is_found_in_it_and_one_with_gaps_is_not() {
+        let nchw = Tensor::zeros([2, 3, 4, 5], (Kind::Float, Device::Cpu));
+        assert_eq!(memory_order(&nchw.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])), Some(vec![0, 2, 3, 1]));
+        assert_eq!(memory_order(&Tensor::zeros([3, 4], (Kind::Float, Device::Cpu)).tr()), Some(vec![1, 0]));
+        assert_eq!(memory_order(&nchw), None, "row-major");
+        assert_eq!(memory_order(&nchw.slice(3, 0, 5, 2).permute([0, 2, 3, 1])), None, "every other column: gaps");
+        // A dimension of size 1 may have any stride, as libtorch's `is_contiguous` has it.
+        let one = Tensor::zeros([6], (Kind::Float, Device::Cpu)).as_strided([2, 1, 3], [1, 99, 2], None);
+        assert_eq!(memory_order(&one), Some(vec![1, 2, 0]));
+        assert!(one.permute([1, 2, 0]).is_contiguous(), "libtorch agrees");
     }
 
     #[test]

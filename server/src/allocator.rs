@@ -29,6 +29,16 @@
 use std::ffi::{OsStr, OsString};
 use std::time::Duration;
 
+/// The allocator as the server runs with it: restarted without glibc's thread cache, then
+/// freed memory kept (see the module's comment). Call it first in `main`, before any thread
+/// starts; it returns only when it did not restart, with the error when it could not (for
+/// the caller to say: logging is not set up yet).
+pub fn set_up() -> Option<std::io::Error> {
+    let not_restarted = restart_without_thread_cache();
+    keep_freed_memory();
+    not_restarted
+}
+
 /// Blocks this large or larger are mapped on their own, and unmapped when freed (glibc's
 /// largest mmap threshold on 64 bits).
 const MAP_ON_THEIR_OWN_BYTES: i32 = 32 << 20;

@@ -49,10 +49,9 @@ const SERVICE: &str = "cleave-server";
 fn main() -> ExitCode {
     // First, before any thread starts: process-wide settings, one of which glibc reads only
     // when a program starts.
-    if let Some(e) = cleave_server::allocator::restart_without_thread_cache() {
+    if let Some(e) = cleave_server::allocator::set_up() {
         eprintln!("server: could not start again with glibc's thread cache off, running with it: {e}");
     }
-    cleave_server::allocator::keep_freed_memory();
     let cli = Cli::parse();
     if cli.command.is_some() {
         let _ = logs::init(LogFormat::Text, DEFAULT_LOG_FILTER, &Telemetry::default(), SERVICE);

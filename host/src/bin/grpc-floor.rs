@@ -25,7 +25,9 @@
 //! on a loopback address, whose HTTP/2 settings, TLS and message limit it serves with, with
 //! the server's allocator settings) for the tonic floor beside each of its rows; each
 //! request's first frame says how many bytes follow, how long to compute and how many bytes
-//! to answer ([`support::EchoAsk`]), each within the config's `max_payload_bytes` and a minute.
+//! to answer ([`support::EchoAsk`]): a request within the config's `max_payload_bytes`, an
+//! answer within one message under its `max_message_bytes` (the echo answers in one frame),
+//! and a minute.
 
 #[allow(dead_code)] // the echo's ask, its frames, waiting for it and its guard are what this program uses
 mod support;
@@ -96,10 +98,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(path) = &args.serve_config {
         // As the server starts (its `main`): the same allocator, so that landing a request
         // costs what it costs there.
-        if let Some(e) = cleave_server::allocator::restart_without_thread_cache() {
+        if let Some(e) = cleave_server::allocator::set_up() {
             eprintln!("grpc-floor: could not start again with glibc's thread cache off, running with it: {e}");
         }
-        cleave_server::allocator::keep_freed_memory();
         let config = ServerConfig::load(path)?;
         anyhow::ensure!(config.listen.ip().is_loopback(), "the echo serves a loopback address only, not {}", config.listen);
         let echo = Echo::new(true, config.limits.max_message_bytes, config.limits.max_payload_bytes);
@@ -143,8 +144,11 @@ async fn measure(port: u16, echo: &mut std::process::Child, sizes: &[usize], rep
         for i in 0..repeats + 20 {
             tokio::time::sleep(IDLE).await;
             id += 1;
+            // Framed before the clock starts, as `split-overhead`'s floor is: what is timed is
+            // the exchange.
+            let request = support::echo_frames(id, &ask, &data, FRAME_BYTES);
             let t = Instant::now();
-            for frame in support::echo_frames(id, &ask, &data, FRAME_BYTES) {
+            for frame in request {
                 frames.send(frame).await.context("the stream closed")?;
             }
             let answer = answers.message().await?.context("the server hung up")?;
@@ -155,9 +159,8 @@ async fn measure(port: u16, echo: &mut std::process::Child, sizes: &[usize], rep
                 times.push(t.elapsed().saturating_sub(compute).as_secs_f64() * 1e3);
             }
         }
-        times.sort_by(f64::total_cmp);
-        let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-        println!("grpc floor: {size} bytes p50 {:.3} ms (p10 {:.3}, p90 {:.3})", at(0.5), at(0.1), at(0.9));
+        let at = |p: f64| cleave_common::stats::percentile(&times, p);
+        println!("grpc floor: {size} bytes p50 {:.3} ms (p10 {:.3}, p90 {:.3})", at(0.5)?, at(0.1)?, at(0.9)?);
     }
     Ok(())
 }
@@ -193,13 +196,16 @@ struct Echo {
     worker: Option<std::sync::mpsc::Sender<Job>>,
     /// The largest gRPC message it takes or makes.
     max_message_bytes: u64,
-    /// The largest request and answer, each in one or more messages.
+    /// The largest request, in one or more messages.
     max_payload_bytes: u64,
+    /// The largest answer: one frame's data under the message limit (and the payload limit).
+    max_answer_bytes: u64,
 }
 
 impl Echo {
     fn new(via_thread: bool, max_message_bytes: u64, max_payload_bytes: u64) -> Self {
-        Self { worker: via_thread.then(spawn_worker), max_message_bytes, max_payload_bytes }
+        let max_answer_bytes = max_payload_bytes.min(cleave_common::wire::chunk_bytes_for(max_message_bytes) as u64);
+        Self { worker: via_thread.then(spawn_worker), max_message_bytes, max_payload_bytes, max_answer_bytes }
     }
 }
 
@@ -231,9 +237,10 @@ struct Landing {
 }
 
 impl Landing {
-    /// Lands `frame` (a new request's first frame opens one; its ask within `max_bytes` and
-    /// [`MAX_COMPUTE`]); the request once its last frame is in, with every byte its ask said.
-    fn land(current: &mut Option<Landing>, frame: InferFrame, max_bytes: u64) -> Result<Option<Landing>, Status> {
+    /// Lands `frame` (a new request's first frame opens one; its ask within `max_bytes`, its
+    /// answer within `max_answer_bytes`, and [`MAX_COMPUTE`]); the request once its last frame
+    /// is in, with every byte its ask said.
+    fn land(current: &mut Option<Landing>, frame: InferFrame, max_bytes: u64, max_answer_bytes: u64) -> Result<Option<Landing>, Status> {
         let refuse = |why: String| Err(Status::invalid_argument(why));
         match current {
             Some(landing) if landing.id != frame.request_id => {
@@ -244,6 +251,9 @@ impl Landing {
                 let Some(ask) = EchoAsk::read(&frame.header) else { return refuse("a request's first frame carries the echo's 24-byte ask".into()) };
                 if ask.request_bytes.max(ask.answer_bytes) > max_bytes || ask.compute > MAX_COMPUTE {
                     return refuse(format!("{ask:?} is over the echo's {max_bytes} bytes or {MAX_COMPUTE:?}"));
+                }
+                if ask.answer_bytes > max_answer_bytes {
+                    return refuse(format!("{ask:?} is over the echo's {max_answer_bytes} answer bytes, one message"));
                 }
                 *current = Some(Landing { id: frame.request_id, ask, landed: Vec::with_capacity(ask.request_bytes as usize) });
             }
@@ -277,12 +287,12 @@ impl SplitInference for Echo {
 
     async fn infer(&self, request: Request<Streaming<InferFrame>>) -> Result<Response<Results>, Status> {
         let mut frames = request.into_inner();
-        let (worker, max_bytes) = (self.worker.clone(), self.max_payload_bytes);
+        let (worker, max_bytes, max_answer_bytes) = (self.worker.clone(), self.max_payload_bytes, self.max_answer_bytes);
         let (answers, out) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
             let mut current = None;
             while let Some(Ok(frame)) = frames.next().await {
-                let request = match Landing::land(&mut current, frame, max_bytes) {
+                let request = match Landing::land(&mut current, frame, max_bytes, max_answer_bytes) {
                     Ok(Some(request)) => request,
                     Ok(None) => continue,
                     Err(status) => {
@@ -354,9 +364,9 @@ mod tests {
     #[test]
     fn a_request_lands_whole_in_one_buffer_once_its_last_frame_is_in() {
         let mut current = None;
-        let first = Landing::land(&mut current, frame(1, Some(&ask(10)), 6, false), 1 << 20).unwrap();
+        let first = Landing::land(&mut current, frame(1, Some(&ask(10)), 6, false), 1 << 20, 1 << 20).unwrap();
         assert!(first.is_none());
-        let landed = Landing::land(&mut current, frame(1, None, 4, true), 1 << 20).unwrap().expect("complete");
+        let landed = Landing::land(&mut current, frame(1, None, 4, true), 1 << 20, 1 << 20).unwrap().expect("complete");
         assert_eq!((landed.id, landed.ask, landed.landed), (1, ask(10), vec![7u8; 10]));
         assert!(current.is_none());
     }
@@ -366,7 +376,7 @@ mod tests {
         let refused = |frames: Vec<InferFrame>, max_bytes: u64| -> String {
             let mut current = None;
             for f in frames {
-                if let Err(status) = Landing::land(&mut current, f, max_bytes) {
+                if let Err(status) = Landing::land(&mut current, f, max_bytes, 8 << 10) {
                     return status.message().to_string();
                 }
             }
@@ -380,6 +390,7 @@ mod tests {
             (vec![frame(1, Some(&ask(10)), 11, true)], 1 << 20, "request 1 is longer than its ask's 10 bytes"),
             (vec![frame(1, Some(&ask(10)), 9, true)], 1 << 20, "request 1 ended at 9 bytes, short of its ask's 10"),
             (vec![frame(1, Some(&ask(10)), 5, false), frame(2, Some(&ask(10)), 10, true)], 1 << 20, "request 2 began before request 1 ended"),
+            (vec![frame(1, Some(&EchoAsk { answer_bytes: 16 << 10, ..ask(10) }), 10, true)], 1 << 20, "over the echo's 8192 answer bytes"),
         ];
         for (frames, max_bytes, why) in cases {
             let message = refused(frames, max_bytes);
